@@ -1,0 +1,26 @@
+"""The project's own exceptions.
+
+Every error a user can cause (bad config, bad data, bad checkpoint) is raised as a subclass of
+`MegazppError`, so callers and hostile-input tests can tell "the project refused this input
+with a message" apart from a crash.
+"""
+
+
+class MegazppError(Exception):
+    """Base class of every error megazpp raises on purpose."""
+
+
+class ConfigError(MegazppError, ValueError):
+    """A configuration key, flag or value is unknown, invalid or inconsistent."""
+
+
+class DataError(MegazppError, ValueError):
+    """An input data file (JSONL, .bin/.idx, tokenizer model, blend spec) is unusable."""
+
+
+class CheckpointError(MegazppError, RuntimeError):
+    """A checkpoint is missing, incomplete or inconsistent."""
+
+
+class TopologyError(MegazppError, ValueError):
+    """A parallel layout does not fit the world size or the model."""
