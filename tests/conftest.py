@@ -1,0 +1,43 @@
+"""Session-wide data fixtures shared by every area's tests.
+
+Each is built once per test session under a temporary directory through the same code paths
+as the command-line tools, so tests of other areas run on real (tiny) tokenized data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megazpp.data.preprocess import preprocess
+from megazpp.data.sample_corpus import build_sample_corpus
+from megazpp.data.tokenizer_training import train_tokenizer
+
+TINY_CORPUS_BYTES = 200_000
+TINY_VOCAB_SIZE = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_dir(tmp_path_factory) -> Path:
+    """A ~200 KB RedPajama v1 corpus: `stdlib_code.jsonl` and `stdlib_docs.jsonl`."""
+    out = tmp_path_factory.mktemp("tiny_corpus")
+    build_sample_corpus(out, total_bytes=TINY_CORPUS_BYTES)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_model(tiny_corpus_dir, tmp_path_factory) -> Path:
+    """Path to a SentencePiece BPE `.model` (vocab 512, unk=0 bos=1 eos=2 pad=3) trained on the tiny corpus."""
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    model, _ = train_tokenizer(sorted(tiny_corpus_dir.glob("*.jsonl")), TINY_VOCAB_SIZE, out / "tok512")
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_indexed_prefix(tiny_corpus_dir, tiny_tokenizer_model, tmp_path_factory) -> str:
+    """Prefix of the tiny corpus preprocessed with `--append-eod`: `<prefix>.bin/.idx` exist."""
+    out = tmp_path_factory.mktemp("tiny_indexed")
+    summary = preprocess(tiny_corpus_dir, tiny_tokenizer_model, out / "tiny", workers=1,
+                         append_eod=True, progress=False)
+    return summary.outputs["text"]

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Trains a Llama-style SentencePiece BPE tokenizer (byte fallback; unk=0, bos=1, eos=2, pad=3)
+on JSONL corpus files (their `text` / `raw_content`) or plain-text files. Writes PREFIX.model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from megazpp.data.jsonl import resolve_inputs
+from megazpp.data.tokenizer import Tokenizer
+from megazpp.data.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip())
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="JSONL / plain-text files, directories of JSONL files, or globs")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (default 8192)")
+    parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--json-key", default="text", help="record key holding the document (default text)")
+    parser.add_argument("--input-sentence-size", type=int, default=DEFAULT_INPUT_SENTENCE_SIZE,
+                        help="lines sampled for training; bounds training time "
+                             f"(default {DEFAULT_INPUT_SENTENCE_SIZE})")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    files = [f for pattern in args.input for f in resolve_inputs(pattern)] if args.input else []
+    start = time.perf_counter()
+    model, skipped = train_tokenizer(files, args.vocab_size, args.output, key=args.json_key,
+                                     input_sentence_size=args.input_sentence_size, seed=args.seed)
+    vocab = Tokenizer(model).vocab_size
+    skipped_text = ", ".join(f"{r}={n}" for r, n in sorted(skipped.items())) or "none"
+    print(f"tokenizer {model}: vocab {vocab} trained on {len(files)} files in "
+          f"{time.perf_counter() - start:.1f} s; skipped records: {skipped_text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
