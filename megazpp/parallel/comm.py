@@ -1,0 +1,336 @@
+"""The only module that calls torch.distributed collectives and point-to-point ops.
+
+Why one choke point: every byte that moves between ranks is counted here (see `counter`),
+per operation, per purpose tag and per link class (intra-node / inter-node), so
+communication volume is a measured, tested number rather than a belief.
+
+Byte convention (docs/arch/parallel.md): a rank counts the logical payload it RECEIVES from
+each other member of the collective, filed by that member's node:
+- all_gather_into_tensor: the input size from every other member (output / k each);
+- reduce_scatter_tensor: the output size from every other member (input / k each);
+- all_reduce: reduce-scatter + all-gather, i.e. 2 * N / k from every other member;
+- all_to_all_single: the slice of the output that each other member sends;
+- broadcast / recv: the whole tensor from the source; send and barrier count nothing.
+The count is of the operation, not of the transport's algorithm, so it is the same on gloo
+and NCCL. Where gloo lacks a native operation it is emulated (see `_EMULATED`), counted by the
+same convention; the emulation's extra wire cost is documented in docs/arch/parallel.md.
+
+Without an initialised process group every operation is the local identity of a world of
+one, so single-process code runs the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megazpp.errors import TopologyError
+from megazpp.parallel.counter import counter
+
+ReduceOp = dist.ReduceOp
+SUM = dist.ReduceOp.SUM
+P2POp = dist.P2POp
+
+# Operations this backend run refuses natively; filled on the first refusal, or by tests that
+# force the emulated path so it stays exercised on a torch whose gloo has every operation.
+_EMULATED: set[str] = set()
+_ranks_per_node: int | None = None
+_group_ranks: dict[Any, list[int]] = {}
+
+
+class _Done:
+    """Waitable for work that already finished (local world, emulations done in-line)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Then:
+    """Waitable that runs a finishing step after the underlying work completes."""
+
+    def __init__(self, work: Any, finish: Any) -> None:
+        self._work, self._finish, self._done = work, finish, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        if not self._done:
+            self._work.wait()
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def set_ranks_per_node(n: int) -> None:
+    """Declare how many consecutive global ranks share a node (called by Topology)."""
+    if n < 1:
+        raise TopologyError(f"ranks_per_node must be >= 1, got {n}")
+    global _ranks_per_node
+    _ranks_per_node = n
+
+
+def ranks_per_node() -> int:
+    if _ranks_per_node is not None:
+        return _ranks_per_node
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env:
+        return int(env)
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def node_of(global_rank: int) -> int:
+    return global_rank // ranks_per_node()
+
+
+def group_ranks(group: Any = None) -> list[int]:
+    """Global ranks of `group` in group-rank order (cached: groups live as long as the run)."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    if group not in _group_ranks:
+        _group_ranks[group] = dist.get_process_group_ranks(group)
+    return _group_ranks[group]
+
+
+def group_size(group: Any = None) -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any = None) -> int:
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record_from_peers(op: str, tag: str | None, group: Any, per_peer: Sequence[int] | int) -> None:
+    """Record `per_peer` bytes received from each member (an int means the same from each)."""
+    ranks = group_ranks(group)
+    me = dist.get_rank()
+    if isinstance(per_peer, int):
+        per_peer = [per_peer] * len(ranks)
+    my_node = node_of(me)
+    intra = inter = 0
+    for peer, nbytes in zip(ranks, per_peer):
+        if peer == me:
+            continue
+        if node_of(peer) == my_node:
+            intra += nbytes
+        else:
+            inter += nbytes
+    counter.record(op, tag or op, intra, inter)
+
+
+def _record_all_reduce(tag: str | None, group: Any, nbytes: int) -> None:
+    """2N/k from each other member, summed per link class before the division so it is exact."""
+    ranks = group_ranks(group)
+    k, me = len(ranks), dist.get_rank()
+    intra_peers = sum(1 for p in ranks if p != me and node_of(p) == node_of(me))
+    inter_peers = k - 1 - intra_peers
+    counter.record("all_reduce", tag or "all_reduce", 2 * nbytes * intra_peers // k,
+                   2 * nbytes * inter_peers // k)
+
+
+def _native(name: str, call: Any) -> Any:
+    """Run a native collective; remember a backend refusal so the caller can emulate.
+
+    A backend refuses an unsupported operation before any byte moves, on every rank alike,
+    so falling back after the refusal cannot leave ranks mismatched.
+    """
+    try:
+        return call()
+    except (RuntimeError, NotImplementedError) as err:
+        text = str(err).lower()
+        if "support" not in text and "implement" not in text:
+            raise
+        _EMULATED.add(name)
+        return None
+
+
+def all_reduce(t: torch.Tensor, op: Any = SUM, group: Any = None, async_op: bool = False,
+               tag: str | None = None) -> Any:
+    if not dist.is_initialized():
+        return _Done() if async_op else None
+    _record_all_reduce(tag, group, _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=async_op)
+
+
+def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """all_gather into a list of views of `out`: same wire bytes as the native operation."""
+    parts = list(out.view(-1).chunk(group_size(group)))
+    work = dist.all_gather(parts, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
+    return work if async_op else None
+
+
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
+                           async_op: bool = False, tag: str | None = None) -> Any:
+    """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
+    if not dist.is_initialized():
+        out.copy_(inp.reshape(out.shape))
+        return _Done() if async_op else None
+    if out.numel() != inp.numel() * group_size(group):
+        raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
+                         f"{group_size(group)} x {inp.numel()}")
+    _record_from_peers("all_gather", tag, group, _nbytes(inp))
+    if "all_gather" not in _EMULATED:
+        work = _native("all_gather", lambda: _all_gather_native(out, inp, group, async_op))
+        if "all_gather" not in _EMULATED:
+            return work
+    return _all_gather_emulated(out, inp, group, async_op)
+
+
+def _reduce_scatter_native(out: torch.Tensor, inp: torch.Tensor, op: Any, group: Any,
+                           async_op: bool) -> Any:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, inp, op=op, group=group, async_op=async_op)
+
+
+def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, group: Any,
+                             async_op: bool) -> Any:
+    """All-reduce a copy of the input, keep this rank's chunk: twice the native wire bytes."""
+    full = inp.detach().clone()
+    mine = group_rank(group)
+
+    def finish() -> None:
+        out.copy_(full.view(-1).chunk(group_size(group))[mine].view(out.shape))
+
+    work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
+    if async_op:
+        return _Then(work, finish)
+    finish()
+    return None
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: Any = None,
+                          async_op: bool = False, tag: str | None = None) -> Any:
+    """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
+    if not dist.is_initialized():
+        out.copy_(inp.reshape(out.shape))
+        return _Done() if async_op else None
+    if inp.numel() != out.numel() * group_size(group):
+        raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
+                         f"{group_size(group)} x {out.numel()}")
+    _record_from_peers("reduce_scatter", tag, group, _nbytes(out))
+    if "reduce_scatter" not in _EMULATED:
+        work = _native("reduce_scatter", lambda: _reduce_scatter_native(out, inp, op, group, async_op))
+        if "reduce_scatter" not in _EMULATED:
+            return work
+    return _reduce_scatter_emulated(out, inp, op, group, async_op)
+
+
+def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                         in_splits: list[int], group: Any, async_op: bool) -> Any:
+    """One batched isend/irecv per peer: the same wire bytes as the native operation."""
+    ranks, mine = group_ranks(group), group_rank(group)
+    outs = out.split(out_splits)
+    ins = inp.split(in_splits)
+    outs[mine].copy_(ins[mine])
+    ops = []
+    for j, peer in enumerate(ranks):
+        if j != mine:
+            ops.append(dist.P2POp(dist.isend, ins[j].contiguous(), peer, group))
+            ops.append(dist.P2POp(dist.irecv, outs[j], peer, group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if async_op:
+        return _Then(_Done(), lambda: [w.wait() for w in works])
+    for w in works:
+        w.wait()
+    return None
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: Any = None,
+                      async_op: bool = False, tag: str | None = None) -> Any:
+    """Member j receives slice j (along dim 0) of every member's `inp`, in member order."""
+    if not dist.is_initialized():
+        out.copy_(inp.reshape(out.shape))
+        return _Done() if async_op else None
+    k = group_size(group)
+    row = _nbytes(out) // max(out.shape[0], 1) if out.dim() else out.element_size()
+    if output_split_sizes is None:
+        if out.shape[0] % k:
+            raise ValueError(f"all_to_all_single: dim 0 of size {out.shape[0]} does not divide by {k}")
+        per_peer: list[int] | int = _nbytes(out) // k
+    else:
+        per_peer = [s * row for s in output_split_sizes]
+    _record_from_peers("all_to_all", tag, group, per_peer)
+    if "all_to_all" not in _EMULATED:
+        work = _native("all_to_all", lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op))
+        if "all_to_all" not in _EMULATED:
+            return work
+    out_splits = output_split_sizes or [out.shape[0] // k] * k
+    in_splits = input_split_sizes or [inp.shape[0] // k] * k
+    return _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+              tag: str | None = None) -> Any:
+    """`src` is a global rank, as in torch.distributed."""
+    if not dist.is_initialized():
+        return _Done() if async_op else None
+    if dist.get_rank() != src:
+        _record_from_peers("broadcast", tag, group, [_nbytes(t) if p == src else 0
+                                                     for p in group_ranks(group)])
+    else:
+        counter.record("broadcast", tag or "broadcast", 0, 0)
+    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def _record_recv(tag: str | None, src: int, nbytes: int) -> None:
+    if node_of(src) == node_of(dist.get_rank()):
+        counter.record("p2p", tag or "p2p", nbytes, 0)
+    else:
+        counter.record("p2p", tag or "p2p", 0, nbytes)
+
+
+def send(t: torch.Tensor, dst: int, group: Any = None, tag: str | None = None) -> None:
+    """Blocking send to global rank `dst`; the receiver does the counting."""
+    dist.send(t, dst, group=group)
+
+
+def recv(t: torch.Tensor, src: int, group: Any = None, tag: str | None = None) -> None:
+    """Blocking receive from global rank `src`."""
+    _record_recv(tag, src, _nbytes(t))
+    dist.recv(t, src, group=group)
+
+
+def send_op(t: torch.Tensor, dst: int, group: Any = None) -> P2POp:
+    return dist.P2POp(dist.isend, t, dst, group)
+
+
+def recv_op(t: torch.Tensor, src: int, group: Any = None) -> P2POp:
+    return dist.P2POp(dist.irecv, t, src, group)
+
+
+def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
+    """Start all `ops` (from `send_op` / `recv_op`); returns their waitables."""
+    if not ops:
+        return []
+    for op in ops:
+        if op.op is dist.irecv:
+            _record_recv(tag, op.peer, _nbytes(op.tensor))
+    return dist.batch_isend_irecv(ops)
+
+
+def barrier(group: Any = None, tag: str | None = None) -> None:
+    if not dist.is_initialized():
+        return
+    counter.record("barrier", tag or "barrier", 0, 0)
+    dist.barrier(group=group)

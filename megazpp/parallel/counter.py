@@ -1,0 +1,94 @@
+"""Per-step and per-run byte accounting for every collective, split by link class.
+
+Why a counter at all: the claims of ZeRO++ and PaRO are claims about bytes crossing the slow
+inter-node link. Counting them where every collective passes (`comm`) turns those claims into
+numbers that tests assert and TensorBoard plots.
+
+Convention (docs/arch/parallel.md): each rank counts the logical payload it RECEIVES from
+each peer of the collective, and files it under "intra" or "inter" by the peer's node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+LINKS = ("intra", "inter")
+
+
+class _Totals:
+    """Bytes and call counts keyed by op and by tag, plus link-class sums."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, dict[str, int]] = defaultdict(lambda: {"intra": 0, "inter": 0, "calls": 0})
+        self.tags: dict[str, dict[str, int]] = defaultdict(lambda: {"intra": 0, "inter": 0, "calls": 0})
+
+    def add(self, op: str, tag: str, intra: int, inter: int) -> None:
+        for row in (self.ops[op], self.tags[tag]):
+            row["intra"] += intra
+            row["inter"] += inter
+            row["calls"] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "intra": sum(r["intra"] for r in self.ops.values()),
+            "inter": sum(r["inter"] for r in self.ops.values()),
+            "ops": {k: dict(v) for k, v in sorted(self.ops.items())},
+            "tags": {k: dict(v) for k, v in sorted(self.tags.items())},
+        }
+
+
+class CommCounter:
+    """Accumulates received bytes for the current step and for the whole run.
+
+    `step_totals()` / `run_totals()` return
+    `{"intra": int, "inter": int, "ops": {op: {"intra", "inter", "calls"}}, "tags": {...}}`.
+    """
+
+    def __init__(self) -> None:
+        self._step = _Totals()
+        self._run = _Totals()
+        self.steps = 0
+
+    def record(self, op: str, tag: str, intra: int, inter: int) -> None:
+        self._step.add(op, tag, intra, inter)
+        self._run.add(op, tag, intra, inter)
+
+    def step_totals(self) -> dict[str, Any]:
+        return self._step.as_dict()
+
+    def run_totals(self) -> dict[str, Any]:
+        return self._run.as_dict()
+
+    def reset_step(self) -> None:
+        """Start a new step; the finished step stays included in the run totals."""
+        self._step = _Totals()
+        self.steps += 1
+
+    def reset_all(self) -> None:
+        self._step = _Totals()
+        self._run = _Totals()
+        self.steps = 0
+
+    def scalars(self) -> dict[str, int]:
+        """This step's totals flattened to TensorBoard scalar names (`comm/inter_bytes`, ...)."""
+        totals = self.step_totals()
+        out = {"comm/intra_bytes": totals["intra"], "comm/inter_bytes": totals["inter"]}
+        for op, row in totals["ops"].items():
+            out[f"comm/{op}/intra_bytes"] = row["intra"]
+            out[f"comm/{op}/inter_bytes"] = row["inter"]
+        return out
+
+    def write_report(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Write the run totals as JSON atomically (temp name, then rename)."""
+        report = {"convention": "bytes received by this rank, per peer link class",
+                  "steps": self.steps, "run": self.run_totals(), **(extra or {})}
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+
+
+counter = CommCounter()
