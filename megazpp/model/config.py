@@ -1,0 +1,138 @@
+"""Model hyper-parameters for GPT-2 and Llama, checked once before anything is built.
+
+One dataclass covers both architectures because they differ only in a few switches (norm,
+activation, positions, biases, tying); `arch` picks sensible defaults for the switches a user
+leaves as None, so a YAML file names only what it changes. Every inconsistency is reported by
+`validate()` as a ConfigError naming the key and the value, before any weight is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megazpp.errors import ConfigError
+
+ARCHITECTURES = ("llama", "gpt2")
+
+
+def _llama_ffn_size(hidden_size: int) -> int:
+    """SwiGLU width as in Llama: 2/3 of 4h (same parameter count as a 4h GELU MLP), rounded
+    up to a multiple of 64 so matmuls stay aligned."""
+    return (int(8 * hidden_size / 3) + 63) // 64 * 64
+
+
+@dataclass
+class ModelConfig:
+    """Shape and behaviour of a GPT-2 or Llama model.
+
+    `None` fields are filled from `arch` in `__post_init__`; `validate()` is what callers run
+    before building a model (GPTModel runs it too).
+    """
+
+    arch: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: one group per head (plain multi-head attention)
+    ffn_hidden_size: int | None = None  # None: 4h for gpt2, ~8h/3 (multiple of 64) for llama
+    vocab_size: int = 512
+    seq_length: int = 128  # the longest sequence (also the size of gpt2's position table)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None  # None: True for gpt2, False for llama
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    num_experts: int = 0  # 0: dense MLP; >0: mixture of experts in every layer
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size // moe_top_k
+    moe_aux_loss_coeff: float = 0.01
+    activation_checkpointing: bool = False
+    init_std: float = 0.02
+    init_seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"model.arch = {self.arch!r}: expected one of {list(ARCHITECTURES)}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = (
+                4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size)
+            )
+        if self.tie_embeddings is None:
+            self.tie_embeddings = self.arch == "gpt2"
+        if self.moe_ffn_hidden_size is None and isinstance(self.ffn_hidden_size, int):
+            self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // max(1, self.moe_top_k))
+
+    @property
+    def is_llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def use_bias(self) -> bool:
+        """GPT-2 has biases on every linear layer and norm; Llama has none."""
+        return self.arch == "gpt2"
+
+    def validate(self) -> "ModelConfig":
+        """Raise ConfigError on the first inconsistent value; return self for chaining."""
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                    "ffn_hidden_size", "vocab_size", "seq_length"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{key} = {value!r}: expected a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size = {self.hidden_size} is not divisible by "
+                f"model.num_attention_heads = {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"model.num_attention_heads = {self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups = {self.num_query_groups}")
+        if self.is_llama and self.head_dim % 2:
+            raise ConfigError(
+                f"model.hidden_size / model.num_attention_heads = {self.head_dim}: rotary "
+                "embeddings need an even head dimension")
+        for key in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"model.{key} = {value!r}: expected a probability in [0, 1)")
+        for key in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"model.{key} = {getattr(self, key)!r}: expected a value > 0")
+        if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool):
+            raise ConfigError(f"model.init_seed = {self.init_seed!r}: expected an integer")
+        self._validate_moe()
+        return self
+
+    def _validate_moe(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ConfigError(
+                f"model.num_experts = {self.num_experts!r}: expected 0 (dense) or a positive "
+                "integer")
+        if self.num_experts == 0:
+            return
+        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.num_experts:
+            raise ConfigError(
+                f"model.moe_top_k = {self.moe_top_k!r}: expected an integer in "
+                f"[1, model.num_experts = {self.num_experts}]")
+        if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size <= 0:
+            raise ConfigError(
+                f"model.moe_ffn_hidden_size = {self.moe_ffn_hidden_size!r}: expected a positive "
+                "integer")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(
+                f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: expected a value >= 0")
+        if not self.is_llama:
+            raise ConfigError(
+                "model.num_experts > 0 with model.arch = 'gpt2': the MoE experts are SwiGLU "
+                "(Qwen2-MoE-like) and are only implemented for arch 'llama'")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Keys a YAML `model:` section may use (for closest-name suggestions upstream)."""
+        return [f.name for f in dataclasses.fields(cls)]
