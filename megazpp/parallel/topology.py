@@ -1,0 +1,251 @@
+"""One object that describes how the world is cut into tensor, data and pipeline parallel
+groups, which ranks share a node, and that owns the process groups.
+
+Layout: global rank = tp_rank + tp * (dp_rank + dp * pp_rank). TP varies fastest so a TP group
+(the chattiest one: several collectives per layer) stays inside a node; then DP, then PP.
+Nodes are blocks of `ranks_per_node` consecutive ranks, taken from the launcher
+(`LOCAL_WORLD_SIZE`) or overridden to carve one machine into virtual nodes for tests.
+
+Group creation is collective: every rank creates every group in the same order (torch
+requires it), including groups it is not a member of.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from megazpp.errors import TopologyError
+from megazpp.parallel import comm
+
+
+def _rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def check_shape(world_size: int, tp: int, pp: int, ranks_per_node: int) -> int:
+    """Validate the parallel shape before any group exists; return dp."""
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("ranks_per_node", ranks_per_node)):
+        if not isinstance(value, int) or value < 1:
+            raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (tp * pp):
+        raise TopologyError(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} "
+                            f"x pipeline_model_parallel_size {pp} = {tp * pp}")
+    if world_size % ranks_per_node:
+        raise TopologyError(f"world size {world_size} is not divisible by ranks_per_node {ranks_per_node}")
+    if ranks_per_node % tp:
+        raise TopologyError(f"tensor_model_parallel_size {tp} must divide ranks_per_node {ranks_per_node}: "
+                            f"a tensor-parallel group has to fit inside one node")
+    dp = world_size // (tp * pp)
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            members = [_rank_of(tp_rank, d, pp_rank, tp, dp) for d in range(dp)]
+            per_node = Counter(r // ranks_per_node for r in members)
+            if len(set(per_node.values())) > 1:
+                raise TopologyError(
+                    f"data-parallel group {members} spreads unevenly over nodes of {ranks_per_node} ranks "
+                    f"({dict(per_node)} members per node); choose tp/pp/ranks_per_node so that every node "
+                    f"holds the same number of members of each data-parallel group")
+    return dp
+
+
+@dataclass
+class Topology:
+    """The parallel layout of this run, seen from this rank. Build with `from_env`."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    ranks_per_node: int
+    tp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
+    pp_ranks: list[int] = field(default_factory=list)
+    dp_intra_ranks: list[int] = field(default_factory=list)
+    dp_inter_ranks: list[int] = field(default_factory=list)
+    embedding_ranks: list[int] = field(default_factory=list)
+    model_parallel_ranks: list[int] = field(default_factory=list)
+    tp_group: Any = None
+    dp_group: Any = None
+    pp_group: Any = None
+    dp_intra_group: Any = None
+    dp_inter_group: Any = None
+    embedding_group: Any = None
+    model_parallel_group: Any = None
+    _subgroups: dict[int, tuple[list[int], Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    def node_of(self, global_rank: int) -> int:
+        return global_rank // self.ranks_per_node
+
+    @classmethod
+    def from_env(cls, tp: int = 1, pp: int = 1, ranks_per_node: int | None = None) -> "Topology":
+        """Read the launcher's world (after `dist.init_process_group`) and create every group.
+
+        Without a process group the world is one rank and every group is None.
+        """
+        if not dist.is_initialized():
+            check_shape(1, tp, pp, 1)
+            comm.set_ranks_per_node(1)
+            return cls(rank=0, world_size=1, tp=1, pp=1, dp=1, ranks_per_node=1, tp_ranks=[0],
+                       dp_ranks=[0], pp_ranks=[0], dp_intra_ranks=[0], dp_inter_ranks=[0],
+                       embedding_ranks=[0], model_parallel_ranks=[0])
+        world, rank = dist.get_world_size(), dist.get_rank()
+        from_launcher = ranks_per_node is None
+        if from_launcher:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        dp = check_shape(world, tp, pp, ranks_per_node)
+        group_rank = os.environ.get("GROUP_RANK")
+        if from_launcher and group_rank is not None and rank // ranks_per_node != int(group_rank):
+            raise TopologyError(f"rank {rank} runs on node GROUP_RANK={group_rank}, but with "
+                                f"LOCAL_WORLD_SIZE={ranks_per_node} consecutive ranks per node it would be on "
+                                f"node {rank // ranks_per_node}; launch the same number of ranks on every node")
+        comm.set_ranks_per_node(ranks_per_node)
+        topo = cls(rank=rank, world_size=world, tp=tp, pp=pp, dp=dp, ranks_per_node=ranks_per_node)
+        topo._create_groups()
+        return topo
+
+    def _new_group(self, ranks: list[int], attr: str) -> None:
+        """Create one group collectively; keep it if this rank is a member."""
+        group = dist.new_group(ranks)
+        if self.rank in ranks:
+            setattr(self, attr, group)
+            setattr(self, attr.replace("_group", "_ranks"), list(ranks))
+
+    def _create_groups(self) -> None:
+        tp, dp, pp = self.tp, self.dp, self.pp
+        for p in range(pp):
+            for d in range(dp):
+                self._new_group([_rank_of(t, d, p, tp, dp) for t in range(tp)], "tp_group")
+        dp_lists = [[_rank_of(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        for members in dp_lists:
+            self._new_group(members, "dp_group")
+        for d in range(dp):
+            for t in range(tp):
+                self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp)], "pp_group")
+        for members in dp_lists:
+            by_node: dict[int, list[int]] = {}
+            for r in members:
+                by_node.setdefault(self.node_of(r), []).append(r)
+            for on_node in by_node.values():
+                self._new_group(on_node, "dp_intra_group")
+            columns = zip(*by_node.values())
+            for column in columns:
+                self._new_group(list(column), "dp_inter_group")
+        for d in range(dp):
+            for t in range(tp):
+                ends = sorted({_rank_of(t, d, 0, tp, dp), _rank_of(t, d, pp - 1, tp, dp)})
+                self._new_group(ends, "embedding_group")
+        for d in range(dp):
+            self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
+                            "model_parallel_group")
+
+    def dp_subgroup(self, size: int) -> tuple[list[int], Any]:
+        """(ranks, group) of this rank's block of `size` consecutive DP ranks (e.g. PaRO's
+        I-level group). Collective on first use per size: every rank must call it, in the
+        same order of sizes."""
+        if size < 1 or self.dp % size:
+            raise TopologyError(f"data-parallel sub-group size {size} must be a positive divisor of "
+                                f"the data-parallel size {self.dp}")
+        if size not in self._subgroups:
+            if not dist.is_initialized():
+                self._subgroups[size] = ([self.rank], None)
+            else:
+                tp, dp = self.tp, self.dp
+                for p in range(self.pp):
+                    for t in range(tp):
+                        for start in range(0, dp, size):
+                            members = [_rank_of(t, d, p, tp, dp) for d in range(start, start + size)]
+                            group = dist.new_group(members)
+                            if self.rank in members:
+                                self._subgroups[size] = (members, group)
+        return self._subgroups[size]
+
+    def dp_cross_subgroup(self, size: int) -> tuple[list[int], Any]:
+        """(ranks, group) of the DP ranks holding my position inside their `dp_subgroup(size)`
+        block: the second stage of a two-stage (hierarchical) collective over PaRO groups.
+        Collective on first use per size, like `dp_subgroup`."""
+        if size < 1 or self.dp % size:
+            raise TopologyError(f"data-parallel sub-group size {size} must be a positive divisor of "
+                                f"the data-parallel size {self.dp}")
+        key = -size
+        if key not in self._subgroups:
+            if not dist.is_initialized():
+                self._subgroups[key] = ([self.rank], None)
+            else:
+                tp, dp = self.tp, self.dp
+                for p in range(self.pp):
+                    for t in range(tp):
+                        for local in range(size):
+                            members = [_rank_of(t, d, p, tp, dp) for d in range(local, dp, size)]
+                            group = dist.new_group(members)
+                            if self.rank in members:
+                                self._subgroups[key] = (members, group)
+        return self._subgroups[key]
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of the transformer layers this pipeline stage builds."""
+        if num_layers % self.pp:
+            raise TopologyError(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {self.pp}")
+        per_stage = num_layers // self.pp
+        return self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage
+
+    def validate_model(self, cfg: Any, *, sequence_parallel: bool = False) -> None:
+        """Reject a model that cannot be split this way (reads ModelConfig-like attributes)."""
+        tp, pp = self.tp, self.pp
+
+        def need(name: str, divisor: int, what: str) -> None:
+            value = getattr(cfg, name, None)
+            if value is not None and value % divisor:
+                raise TopologyError(f"model {name} = {value} is not divisible by {what} = {divisor}")
+
+        need("num_attention_heads", tp, "tensor_model_parallel_size")
+        need("num_query_groups", tp, "tensor_model_parallel_size")
+        need("vocab_size", tp, "tensor_model_parallel_size (pad the vocabulary)")
+        need("ffn_hidden_size", tp, "tensor_model_parallel_size")
+        need("num_layers", pp, "pipeline_model_parallel_size")
+        if getattr(cfg, "num_experts", 0):
+            need("moe_ffn_hidden_size", tp, "tensor_model_parallel_size")
+        if sequence_parallel:
+            need("seq_length", tp, "tensor_model_parallel_size (sequence parallelism)")

@@ -1,0 +1,177 @@
+"""Counted collectives: results, byte formulas per link class, emulated gloo paths, topology
+groups and rejected shapes. One 4-rank spawn as 2 virtual nodes x 2 ranks."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazpp.errors import TopologyError
+from megazpp.parallel import comm
+from megazpp.parallel.counter import CommCounter
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.topology import Topology, check_shape
+
+ELEMS = 24  # fp32 elements of the "known size" tensors: N = 96 bytes
+N = ELEMS * 4
+
+
+def _collectives(tag: str) -> dict:
+    """Run each collective once on the world group; return results and counted bytes."""
+    rank = dist.get_rank()
+    out = {}
+    comm.counter.reset_step()
+
+    inp = torch.full((ELEMS // 4,), float(rank))
+    gathered = torch.empty(ELEMS)
+    comm.all_gather_into_tensor(gathered, inp, tag=tag)
+    out["all_gather"] = gathered.tolist()
+
+    full = torch.arange(ELEMS, dtype=torch.float) * (rank + 1)
+    shard = torch.empty(ELEMS // 4)
+    comm.reduce_scatter_tensor(shard, full, tag=tag, async_op=True).wait()
+    out["reduce_scatter"] = shard.tolist()
+
+    summed = torch.arange(ELEMS, dtype=torch.float) + rank
+    comm.all_reduce(summed, tag=tag, async_op=True).wait()
+    out["all_reduce"] = summed.tolist()
+
+    sent = torch.arange(ELEMS, dtype=torch.float) + 100 * rank
+    got = torch.empty(ELEMS)
+    comm.all_to_all_single(got, sent, tag=tag)
+    out["all_to_all"] = got.tolist()
+
+    b = torch.full((ELEMS,), float(rank))
+    comm.broadcast(b, src=0, tag=tag)
+    out["broadcast"] = b.tolist()
+
+    msg = torch.full((ELEMS,), 7.0) if rank == 0 else torch.empty(ELEMS)
+    if rank == 0:
+        comm.batch_isend_irecv([comm.send_op(msg, 3)], tag=tag)[0].wait()
+    elif rank == 3:
+        comm.batch_isend_irecv([comm.recv_op(msg, 0)], tag=tag)[0].wait()
+        out["p2p"] = msg.tolist()
+    out["counts"] = comm.counter.step_totals()
+    return out
+
+
+def _rank_main(report_dir: str) -> dict:
+    rank = dist.get_rank()
+    topo = Topology.from_env(ranks_per_node=2)
+    res = {"native": _collectives("native")}
+    comm._EMULATED.update({"all_gather", "reduce_scatter", "all_to_all"})
+    res["emulated"] = _collectives("emulated")
+    comm._EMULATED.clear()
+    res["topo"] = dict(dp=topo.dp, node=topo.node, num_nodes=topo.num_nodes, dp_ranks=topo.dp_ranks,
+                       intra=topo.dp_intra_ranks, inter=topo.dp_inter_ranks, sub2=topo.dp_subgroup(2)[0],
+                       sub4=topo.dp_subgroup(4)[0])
+    t22 = Topology.from_env(tp=2, pp=2, ranks_per_node=2)
+    res["tp2pp2"] = dict(tp=t22.tp_ranks, pp=t22.pp_ranks, dp=t22.dp_ranks, emb=t22.embedding_ranks,
+                         tp_rank=t22.tp_rank, pp_rank=t22.pp_rank, layers=t22.layer_range(4),
+                         mp=t22.model_parallel_ranks)
+    t2 = Topology.from_env(tp=2, ranks_per_node=2)
+    res["dp2tp2"] = dict(tp=t2.tp_ranks, dp=t2.dp_ranks, intra=t2.dp_intra_ranks, inter=t2.dp_inter_ranks)
+    errors = {}
+    for name, kwargs in {"tp3": dict(tp=3), "tp_across_nodes": dict(tp=4, ranks_per_node=2),
+                         "rpn3": dict(ranks_per_node=3), "pp8": dict(pp=8)}.items():
+        try:
+            Topology.from_env(**kwargs)
+        except TopologyError as err:
+            errors[name] = str(err)
+    res["errors"] = errors
+    sizes = SimpleNamespace(num_attention_heads=6, num_query_groups=2, vocab_size=512, ffn_hidden_size=64,
+                            num_layers=3, seq_length=16, num_experts=0)
+    try:
+        t22.validate_model(sizes)
+    except TopologyError as err:
+        res["model_error"] = str(err)
+    if rank == 0:
+        comm.counter.write_report(f"{report_dir}/comm.json")
+    return res
+
+
+def _expected_counts(rank: int) -> dict:
+    """Formulas: rank r has 1 peer on its node and 2 on the other node (ranks_per_node=2)."""
+    intra_peers, inter_peers = 1, 2
+    per_peer = N // 4
+    exp = {
+        "all_gather": (intra_peers * per_peer, inter_peers * per_peer),
+        "reduce_scatter": (intra_peers * per_peer, inter_peers * per_peer),
+        "all_reduce": (intra_peers * 2 * per_peer, inter_peers * 2 * per_peer),
+        "all_to_all": (intra_peers * per_peer, inter_peers * per_peer),
+        "broadcast": {0: (0, 0), 1: (N, 0), 2: (0, N), 3: (0, N)}[rank],
+    }
+    if rank == 3:
+        exp["p2p"] = (0, N)
+    return exp
+
+
+def test_collectives_count_bytes_by_formula(tmp_path):
+    results = run_ranks(_rank_main, 4, str(tmp_path), timeout_s=120)
+    for rank, res in enumerate(results):
+        for path in ("native", "emulated"):
+            got = res[path]
+            assert got["all_gather"] == [float(r) for r in range(4) for _ in range(ELEMS // 4)]
+            full_sum = [float(i * 10) for i in range(ELEMS)]  # sum over ranks of i*(r+1)
+            assert got["reduce_scatter"] == full_sum[rank * 6:(rank + 1) * 6]
+            assert got["all_reduce"] == [float(4 * i + 6) for i in range(ELEMS)]
+            assert got["all_to_all"] == [float(100 * src + rank * 6 + j) for src in range(4) for j in range(6)]
+            assert got["broadcast"] == [0.0] * ELEMS
+            if rank == 3:
+                assert got["p2p"] == [7.0] * ELEMS
+            ops = got["counts"]["ops"]
+            expected = _expected_counts(rank)
+            assert {op: (row["intra"], row["inter"]) for op, row in ops.items() if op in expected} == expected
+            assert got["counts"]["intra"] == sum(v[0] for v in expected.values())
+            assert got["counts"]["inter"] == sum(v[1] for v in expected.values())
+            assert got["counts"]["tags"][path]["calls"] == len(ops)
+    topo = [r["topo"] for r in results]
+    assert [t["node"] for t in topo] == [0, 0, 1, 1]
+    assert topo[0]["intra"] == [0, 1] and topo[3]["intra"] == [2, 3]
+    assert topo[0]["inter"] == [0, 2] and topo[3]["inter"] == [1, 3]
+    assert topo[1]["sub2"] == [0, 1] and topo[2]["sub2"] == [2, 3] and topo[2]["sub4"] == [0, 1, 2, 3]
+    t22 = [r["tp2pp2"] for r in results]
+    assert [t["tp"] for t in t22] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [t["pp"] for t in t22] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [t["emb"] for t in t22] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [t["layers"] for t in t22] == [(0, 2), (0, 2), (2, 4), (2, 4)]
+    assert t22[0]["dp"] == [0] and t22[0]["mp"] == [0, 1, 2, 3]
+    d2 = [r["dp2tp2"] for r in results]
+    assert [t["dp"] for t in d2] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert d2[0]["intra"] == [0] and d2[0]["inter"] == [0, 2]
+    errors = results[0]["errors"]
+    assert "not divisible by tensor_model_parallel_size 3" in errors["tp3"]
+    assert "must divide ranks_per_node 2" in errors["tp_across_nodes"]
+    assert "not divisible by ranks_per_node 3" in errors["rpn3"]
+    assert "pipeline_model_parallel_size 8" in errors["pp8"]
+    assert results[0]["model_error"] == "model num_layers = 3 is not divisible by pipeline_model_parallel_size = 2"
+    report = json.loads((tmp_path / "comm.json").read_text())
+    assert report["run"]["inter"] == results[0]["native"]["counts"]["inter"] + results[0]["emulated"]["counts"]["inter"]
+
+
+def test_shape_checks_without_ranks():
+    assert check_shape(8, 2, 2, 4) == 2
+    with pytest.raises(TopologyError, match="spreads unevenly"):
+        check_shape(6, 1, 2, 2)
+    with pytest.raises(TopologyError, match="positive integer"):
+        check_shape(4, 0, 1, 4)
+    solo = Topology.from_env()
+    assert (solo.world_size, solo.tp_group, solo.dp_subgroup(1)[0]) == (1, None, [0])
+    with pytest.raises(TopologyError, match="world size 1 is not divisible"):
+        Topology.from_env(tp=2)
+
+
+def test_counter_scalars_and_steps():
+    c = CommCounter()
+    c.record("all_gather", "zero/param_gather", 10, 30)
+    c.record("all_reduce", "dp/grads", 5, 0)
+    assert c.scalars() == {"comm/intra_bytes": 15, "comm/inter_bytes": 30,
+                           "comm/all_gather/intra_bytes": 10, "comm/all_gather/inter_bytes": 30,
+                           "comm/all_reduce/intra_bytes": 5, "comm/all_reduce/inter_bytes": 0}
+    c.reset_step()
+    c.record("all_gather", "zero/param_gather", 1, 2)
+    assert c.step_totals()["inter"] == 2 and c.run_totals()["inter"] == 32 and c.steps == 1
