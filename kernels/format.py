@@ -1,0 +1,162 @@
+"""The block-quantized format shared by the Triton kernels, the torch reference and their callers.
+
+A flat tensor of `numel` values is cut into blocks of `block_size` consecutive elements; the last
+block is padded with zeros up to a full block, so every code buffer covers whole blocks and a
+bucket can be split into block-aligned chunks for an all-to-all without a per-size fallback.
+Each block has one fp32 scale. Codes are symmetric integers in [-qmax, qmax]:
+
+* int8: one `torch.int8` code per element, qmax = 127.
+* int4: two codes per `torch.uint8` byte, qmax = 7 (-8 is never produced, so the grid stays
+  symmetric). Element 2i of a block sits in the low nibble (bits 0-3) and element 2i+1 in the
+  high nibble (bits 4-7), each as a 4-bit two's complement number.
+
+Everything here is plain Python so both implementations and the ZeRO engine agree on sizes and
+on what counts as bad input without importing Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazpp.errors import ConfigError
+
+QMAX = {8: 127, 4: 7}
+CODE_DTYPE = {8: torch.int8, 4: torch.uint8}
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# A block whose absolute maximum is below this is stored as scale 0 and all-zero codes. The
+# encoder multiplies by qmax / absmax; this floor keeps that reciprocal finite (127 * 2**120 is
+# below the fp32 maximum) so no block ever produces inf or NaN codes.
+TINY_ABSMAX = 2.0**-120
+
+# One tile must fit in a Triton program's registers; larger blocks would spill badly on a GPU.
+MAX_BLOCK_SIZE = 16384
+
+DEFAULT_BLOCK_SIZE = {4: 256, 8: 2048}
+
+
+def check_bits(bits: int) -> int:
+    """Raise ConfigError unless `bits` is a supported code width (4 or 8)."""
+    if bits not in QMAX or isinstance(bits, bool):
+        raise ConfigError(f"quantization bits={bits!r} is not supported; expected 4 or 8")
+    return bits
+
+
+def check_block_size(block_size: int) -> int:
+    """Raise ConfigError unless `block_size` is an even int in [2, MAX_BLOCK_SIZE].
+
+    Even, so that an int4 block never shares a byte with the next block.
+    """
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or block_size < 2
+        or block_size % 2
+        or block_size > MAX_BLOCK_SIZE
+    ):
+        raise ConfigError(
+            f"quantization block_size={block_size!r} is invalid; expected an even integer "
+            f"between 2 and {MAX_BLOCK_SIZE}"
+        )
+    return block_size
+
+
+def check_float_input(name: str, x: torch.Tensor) -> None:
+    """Raise ConfigError unless `x` is a float tensor the kernels can read."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise ConfigError(
+            f"{name} has dtype {x.dtype}; the quantization kernels accept "
+            f"{', '.join(str(d) for d in FLOAT_DTYPES)}"
+        )
+
+
+def check_err_beta(err_beta: float) -> float:
+    """Raise ConfigError unless the LoCo blend weight lies in [0, 1]."""
+    if not 0.0 <= float(err_beta) <= 1.0:
+        raise ConfigError(f"LoCo err_beta={err_beta!r} must lie in [0, 1]")
+    return float(err_beta)
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks needed to hold `numel` values, the last one padded."""
+    return (numel + block_size - 1) // block_size
+
+
+def padded_numel(numel: int, block_size: int) -> int:
+    """Elements covered by the codes of a `numel`-value tensor (whole blocks)."""
+    return num_blocks(numel, block_size) * block_size
+
+
+def code_bytes_per_block(bits: int, block_size: int) -> int:
+    """Length of one block's codes in the code tensor (int4 packs two values per byte)."""
+    return block_size * check_bits(bits) // 8
+
+
+def check_codes(name: str, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> int:
+    """Validate a (codes, scales) pair of one quantized tensor; return its block count.
+
+    `codes` and `scales` may carry a leading dimension (k tensors stacked for a reduction);
+    the trailing dimension is what one quantized tensor holds.
+    """
+    check_bits(bits)
+    check_block_size(block_size)
+    if codes.dtype != CODE_DTYPE[bits]:
+        raise ConfigError(
+            f"{name} codes have dtype {codes.dtype}; int{bits} codes are stored as {CODE_DTYPE[bits]}"
+        )
+    if scales.dtype != torch.float32:
+        raise ConfigError(f"{name} scales have dtype {scales.dtype}; expected torch.float32")
+    if codes.dim() != scales.dim() or codes.shape[:-1] != scales.shape[:-1]:
+        raise ConfigError(
+            f"{name} codes shape {tuple(codes.shape)} and scales shape {tuple(scales.shape)} "
+            "disagree in their leading dimensions"
+        )
+    blocks = scales.shape[-1]
+    expected = blocks * code_bytes_per_block(bits, block_size)
+    if codes.shape[-1] != expected:
+        raise ConfigError(
+            f"{name} codes hold {codes.shape[-1]} bytes per tensor but {blocks} blocks of "
+            f"{block_size} int{bits} values need {expected}"
+        )
+    if codes.device != scales.device:
+        raise ConfigError(f"{name} codes are on {codes.device} but scales on {scales.device}")
+    return blocks
+
+
+def check_numel(numel: int | None, blocks: int, block_size: int) -> int:
+    """Resolve the logical length of a dequantized tensor (default: all blocks)."""
+    full = blocks * block_size
+    if numel is None:
+        return full
+    if not full - block_size < numel <= full and not (numel == 0 and blocks == 0):
+        raise ConfigError(
+            f"numel={numel} does not fit {blocks} blocks of {block_size}: expected a value in "
+            f"({full - block_size}, {full}]"
+        )
+    return numel
+
+
+def check_stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> int:
+    """Validate k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
+    blocks = check_codes("dequant_reduce", codes, scales, bits, block_size)
+    if codes.dim() != 2 or codes.shape[0] < 1:
+        raise ConfigError(
+            f"dequant_reduce expects codes stacked as [k >= 1, bytes], got shape {tuple(codes.shape)}"
+        )
+    return blocks
+
+
+def check_error_buffer(err_codes: torch.Tensor, err_scales: torch.Tensor, blocks: int, block_size: int) -> None:
+    """Raise ConfigError unless the LoCo buffer is flat int8 codes + scales for `blocks` blocks."""
+    have = check_codes("LoCo error buffer", err_codes, err_scales, 8, block_size)
+    if err_codes.dim() != 1 or have != blocks:
+        raise ConfigError(
+            f"LoCo error buffer holds {have} blocks (codes shape {tuple(err_codes.shape)}) but the "
+            f"quantized tensor has {blocks} blocks of {block_size}"
+        )
+
+
+def check_out_dtype(dtype: torch.dtype) -> None:
+    """Raise ConfigError unless dequantized values can be written as `dtype`."""
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"dequantize output dtype {dtype} is not supported; expected fp32, bf16 or fp16")

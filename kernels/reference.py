@@ -1,0 +1,184 @@
+"""Pure-torch twins of the Triton kernels: the CPU implementation and the tests' oracle.
+
+Each function performs exactly the fp32 operations of its Triton kernel, one rounding per
+operation and in the same order, so the integer codes and scales agree bit for bit:
+
+    absmax = max |x| over the block            (exact)
+    scale  = absmax / qmax                     (IEEE division)
+    inv    = qmax / absmax                     (IEEE division; scale = inv = 0 when absmax < TINY)
+    code   = clamp(round_half_even(x * inv), -qmax, qmax)
+    x_hat  = code * scale
+
+Sums over k received chunks run in chunk order starting from 0, one rounding per addition, so
+this file never calls torch.sum (whose order is unspecified). Divisions are written as tensor by
+tensor, because `number / tensor` in torch multiplies by a reciprocal instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.format import (
+    QMAX,
+    TINY_ABSMAX,
+    check_block_size,
+    check_bits,
+    check_codes,
+    check_err_beta,
+    check_error_buffer,
+    check_float_input,
+    check_numel,
+    check_out_dtype,
+    check_stacked,
+    num_blocks,
+)
+
+
+def _tile(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """View a tensor as fp32 [blocks, block_size], zero-padding the tail block."""
+    flat = x.reshape(-1).to(torch.float32)
+    pad = num_blocks(flat.numel(), block_size) * block_size - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block_size)
+
+
+def quantize_tile(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (as fp32 integers) and per-row scales of an fp32 [blocks, block_size] tile."""
+    qmax = torch.tensor(float(QMAX[bits]), dtype=torch.float32, device=tile.device)
+    absmax = tile.abs().amax(dim=1) if tile.shape[1] else tile.new_zeros(tile.shape[0])
+    live = absmax >= TINY_ABSMAX
+    safe = torch.where(live, absmax, torch.ones_like(absmax))
+    scale = torch.where(live, safe / qmax, torch.zeros_like(absmax))
+    inv = torch.where(live, qmax / safe, torch.zeros_like(absmax))
+    codes = torch.round(tile * inv[:, None]).clamp_(-qmax, qmax)
+    return codes, scale
+
+
+def encode(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Store fp32 integer codes [blocks, block_size] in the flat int8 / packed-int4 layout."""
+    ints = codes.to(torch.int32)
+    if bits == 8:
+        return ints.to(torch.int8).reshape(-1)
+    nibbles = ints & 0xF
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
+
+
+def decode(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """fp32 integer codes [..., blocks, block_size] of a flat (or k-stacked) code tensor."""
+    lead = codes.shape[:-1]
+    if bits == 8:
+        return codes.to(torch.float32).reshape(*lead, -1, block_size)
+    packed = codes.to(torch.int32)
+    low = ((packed & 0xF) ^ 8) - 8
+    high = ((packed >> 4) ^ 8) - 8
+    return torch.stack([low, high], dim=-1).to(torch.float32).reshape(*lead, -1, block_size)
+
+
+def _dequant_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    return decode(codes, bits, block_size) * scales[..., None]
+
+
+def _loco_tile(
+    values: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error-compensate, quantize, and fold the new error into the int8 buffer (LoCo)."""
+    beta = torch.tensor(err_beta, dtype=torch.float32, device=values.device)
+    keep = torch.tensor(1.0 - err_beta, dtype=torch.float32, device=values.device)
+    old_err = _dequant_tile(err_codes, err_scales, 8, values.shape[1])
+    compensated = values + old_err
+    codes, scales = quantize_tile(compensated, bits)
+    new_err = compensated - codes * scales[:, None]
+    blended = beta * old_err + keep * new_err
+    err_q, err_s = quantize_tile(blended, 8)
+    return codes, scales, err_q, err_s
+
+
+def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a float tensor; returns (codes, fp32 scales), codes padded to whole blocks."""
+    check_float_input("quantize input", x)
+    check_bits(bits)
+    check_block_size(block_size)
+    codes, scales = quantize_tile(_tile(x, block_size), bits)
+    return encode(codes, bits), scales
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode codes to a flat tensor of `numel` values (default: every block) of `dtype`."""
+    blocks = check_codes("dequantize", codes, scales, bits, block_size)
+    numel = check_numel(numel, blocks, block_size)
+    check_out_dtype(dtype)
+    return _dequant_tile(codes, scales, bits, block_size).reshape(-1)[:numel].to(dtype)
+
+
+def loco_quantize(
+    grad: torch.Tensor,
+    err_codes: torch.Tensor,
+    err_scales: torch.Tensor,
+    err_beta: float,
+    block_size: int,
+    bits: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoCo-quantize `grad`; returns (codes, scales, err_codes, err_scales), the error in place."""
+    check_float_input("loco_quantize grad", grad)
+    check_bits(bits)
+    err_beta = check_err_beta(err_beta)
+    check_error_buffer(err_codes, err_scales, num_blocks(grad.numel(), block_size), block_size)
+    codes, scales, err_q, err_s = _loco_tile(_tile(grad, block_size), err_codes, err_scales, err_beta, bits)
+    err_codes.copy_(encode(err_q, 8))
+    err_scales.copy_(err_s)
+    return encode(codes, bits), scales, err_codes, err_scales
+
+
+def _reduce_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    blocks = check_stacked(codes, scales, bits, block_size)
+    total = torch.zeros(blocks, block_size, dtype=torch.float32, device=codes.device)
+    for part in range(codes.shape[0]):
+        total = total + _dequant_tile(codes[part], scales[part], bits, block_size)
+    return total
+
+
+def dequant_reduce(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+) -> torch.Tensor:
+    """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
+    total = _reduce_tile(codes, scales, bits, block_size)
+    return total.reshape(-1)[: check_numel(numel, total.shape[0], block_size)]
+
+
+def dequant_reduce_quantize(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""
+    check_bits(out_bits)
+    q, s = quantize_tile(_reduce_tile(codes, scales, bits, block_size), out_bits)
+    return encode(q, out_bits), s
+
+
+def dequant_reduce_loco_quantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    err_codes: torch.Tensor,
+    err_scales: torch.Tensor,
+    err_beta: float,
+    out_bits: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
+    check_bits(out_bits)
+    err_beta = check_err_beta(err_beta)
+    total = _reduce_tile(codes, scales, bits, block_size)
+    check_error_buffer(err_codes, err_scales, total.shape[0], block_size)
+    q, s, err_q, err_s = _loco_tile(total, err_codes, err_scales, err_beta, out_bits)
+    err_codes.copy_(encode(err_q, 8))
+    err_scales.copy_(err_s)
+    return encode(q, out_bits), s, err_codes, err_scales
+

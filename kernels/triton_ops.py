@@ -1,0 +1,259 @@
+"""Triton quantization kernels and their host launchers.
+
+The launchers have the signatures of their twins in kernels/reference.py and produce the same
+bits. They run on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before this
+module was imported (that is how the tests check them without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.format import (
+    CODE_DTYPE,
+    QMAX,
+    check_bits,
+    check_block_size,
+    check_codes,
+    check_err_beta,
+    check_error_buffer,
+    check_float_input,
+    check_numel,
+    check_out_dtype,
+    check_stacked,
+    code_bytes_per_block,
+    num_blocks,
+)
+from kernels.triton_tiles import cast_rne, load_dequant, loco_tile, quantize_tile, store_codes, tile_rows
+from megazpp.errors import ConfigError
+
+# Elements per program: big enough to amortize the per-program overhead on a GPU and give
+# each thread several 16-byte accesses, small enough to stay in registers.
+TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, numel, blocks,
+    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+):
+    rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
+    x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
+    codes, scale = quantize_tile(x, QMAX)
+    store_codes(codes_ptr, scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, BITS)
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, out_ptr, numel, blocks,
+    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+):
+    rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
+    x = load_dequant(codes_ptr, scales_ptr, rows, blocks, BLOCK, BLOCK_P2, ROWS, BITS)
+    tl.store(out_ptr + offs, cast_rne(x, out_ptr.dtype.element_ty), mask=live & (offs < numel))
+
+
+@triton.jit
+def _loco_quantize_kernel(
+    x_ptr, err_codes_ptr, err_scales_ptr, codes_ptr, scales_ptr, numel, blocks, beta, keep,
+    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+):
+    rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
+    x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
+    codes, scale = loco_tile(x, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, QMAX)
+    store_codes(codes_ptr, scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, BITS)
+
+
+@triton.jit
+def _dequant_reduce_kernel(
+    in_codes_ptr, in_scales_ptr, parts, codes_stride, scales_stride,
+    out_ptr, out_codes_ptr, out_scales_ptr, err_codes_ptr, err_scales_ptr, numel, blocks, beta, keep,
+    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    OUT_BITS: tl.constexpr, OUT_QMAX: tl.constexpr, LOCO: tl.constexpr,
+):
+    """Sum k dequantized parts in order; write fp32 (OUT_BITS == 0) or re-quantize the sum."""
+    rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
+    total = tl.zeros((ROWS, BLOCK_P2), dtype=tl.float32)
+    for part in range(parts):
+        total = total + load_dequant(
+            in_codes_ptr + part * codes_stride, in_scales_ptr + part * scales_stride,
+            rows, blocks, BLOCK, BLOCK_P2, ROWS, BITS,
+        )
+    if OUT_BITS == 0:
+        tl.store(out_ptr + offs, total, mask=live & (offs < numel))
+    else:
+        if LOCO:
+            codes, scale = loco_tile(
+                total, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, OUT_QMAX
+            )
+        else:
+            codes, scale = quantize_tile(total, OUT_QMAX)
+        store_codes(out_codes_ptr, out_scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, OUT_BITS)
+
+
+def _tiling(block_size: int, blocks: int) -> dict:
+    """Launch geometry: (grid, constexprs and launch options) for a tensor of `blocks` blocks."""
+    block_p2 = triton.next_power_of_2(block_size)
+    rows = max(1, TILE_ELEMENTS // block_p2)
+    grid = (triton.cdiv(blocks, rows),)
+    options = dict(
+        BLOCK=block_size, BLOCK_P2=block_p2, ROWS=rows,
+        num_warps=4 if rows * block_p2 <= TILE_ELEMENTS else 8,
+        enable_fp_fusion=False,
+    )
+    return grid, options
+
+
+def _new_codes(blocks: int, bits: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(blocks * code_bytes_per_block(bits, block_size), dtype=CODE_DTYPE[bits], device=device)
+    return codes, torch.empty(blocks, dtype=torch.float32, device=device)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).contiguous()
+
+
+def _check_inplace(err_codes: torch.Tensor, err_scales: torch.Tensor) -> None:
+    if not (err_codes.is_contiguous() and err_scales.is_contiguous()):
+        raise ConfigError("LoCo error buffer codes and scales must be contiguous (they are updated in place)")
+
+
+def _loco_weights(err_beta: float) -> tuple[float, float]:
+    """The two blend weights, rounded to fp32 exactly as kernels/reference.py rounds them."""
+    err_beta = check_err_beta(err_beta)
+    as_fp32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
+    return as_fp32(err_beta), as_fp32(1.0 - err_beta)
+
+
+def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a float tensor; returns (codes, fp32 scales), codes padded to whole blocks."""
+    check_float_input("quantize input", x)
+    check_bits(bits)
+    check_block_size(block_size)
+    flat = _flat(x)
+    blocks = num_blocks(flat.numel(), block_size)
+    codes, scales = _new_codes(blocks, bits, block_size, x.device)
+    if blocks:
+        grid, opts = _tiling(block_size, blocks)
+        _quantize_kernel[grid](flat, codes, scales, flat.numel(), blocks, BITS=bits, QMAX=QMAX[bits], **opts)
+    return codes, scales
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    numel: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode codes to a flat tensor of `numel` values (default: every block) of `dtype`."""
+    blocks = check_codes("dequantize", codes, scales, bits, block_size)
+    numel = check_numel(numel, blocks, block_size)
+    check_out_dtype(dtype)
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if blocks:
+        grid, opts = _tiling(block_size, blocks)
+        _dequantize_kernel[grid](codes.contiguous(), scales.contiguous(), out, numel, blocks, BITS=bits, **opts)
+    return out
+
+
+def loco_quantize(
+    grad: torch.Tensor,
+    err_codes: torch.Tensor,
+    err_scales: torch.Tensor,
+    err_beta: float,
+    block_size: int,
+    bits: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoCo-quantize `grad`; returns (codes, scales, err_codes, err_scales), the error in place."""
+    check_float_input("loco_quantize grad", grad)
+    check_bits(bits)
+    beta, keep = _loco_weights(err_beta)
+    flat = _flat(grad)
+    blocks = num_blocks(flat.numel(), block_size)
+    check_error_buffer(err_codes, err_scales, blocks, block_size)
+    _check_inplace(err_codes, err_scales)
+    codes, scales = _new_codes(blocks, bits, block_size, grad.device)
+    if blocks:
+        grid, opts = _tiling(block_size, blocks)
+        _loco_quantize_kernel[grid](
+            flat, err_codes, err_scales, codes, scales, flat.numel(), blocks, beta, keep,
+            BITS=bits, QMAX=QMAX[bits], **opts,
+        )
+    return codes, scales, err_codes, err_scales
+
+
+def _launch_reduce(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_bits: int = 0,
+    out_codes: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    err: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
+) -> None:
+    blocks = scales.shape[1]
+    if not blocks:
+        return
+    codes, scales = codes.contiguous(), scales.contiguous()
+    err_codes, err_scales, beta, keep = err if err is not None else (scales, scales, 0.0, 0.0)
+    # Pointers a constexpr branch never touches still need a tensor; pass the input scales.
+    out = scales if out is None else out
+    out_codes = scales if out_codes is None else out_codes
+    out_scales = scales if out_scales is None else out_scales
+    grid, opts = _tiling(block_size, blocks)
+    _dequant_reduce_kernel[grid](
+        codes, scales, codes.shape[0], codes.shape[1], scales.shape[1],
+        out, out_codes, out_scales, err_codes, err_scales, out.numel(), blocks, beta, keep,
+        BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
+    )
+
+
+def dequant_reduce(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+) -> torch.Tensor:
+    """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
+    blocks = check_stacked(codes, scales, bits, block_size)
+    out = torch.empty(check_numel(numel, blocks, block_size), dtype=torch.float32, device=codes.device)
+    _launch_reduce(codes, scales, bits, block_size, out=out)
+    return out
+
+
+def dequant_reduce_quantize(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""
+    blocks = check_stacked(codes, scales, bits, block_size)
+    out_codes, out_scales = _new_codes(blocks, check_bits(out_bits), block_size, codes.device)
+    _launch_reduce(codes, scales, bits, block_size, out_bits=out_bits, out_codes=out_codes, out_scales=out_scales)
+    return out_codes, out_scales
+
+
+def dequant_reduce_loco_quantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    err_codes: torch.Tensor,
+    err_scales: torch.Tensor,
+    err_beta: float,
+    out_bits: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
+    blocks = check_stacked(codes, scales, bits, block_size)
+    check_bits(out_bits)
+    beta, keep = _loco_weights(err_beta)
+    check_error_buffer(err_codes, err_scales, blocks, block_size)
+    _check_inplace(err_codes, err_scales)
+    out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
+    _launch_reduce(
+        codes, scales, bits, block_size, out_bits=out_bits, out_codes=out_codes, out_scales=out_scales,
+        err=(err_codes, err_scales, beta, keep),
+    )
+    return out_codes, out_scales, err_codes, err_scales
