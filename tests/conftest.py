@@ -41,3 +41,23 @@ def tiny_indexed_prefix(tiny_corpus_dir, tiny_tokenizer_model, tmp_path_factory)
     summary = preprocess(tiny_corpus_dir, tiny_tokenizer_model, out / "tiny", workers=1,
                          append_eod=True, progress=False)
     return summary.outputs["text"]
+
+
+@pytest.fixture
+def write_token_dataset(tmp_path):
+    """Factory: writes documents (lists of token ids) as an int32 indexed dataset, returns its prefix.
+
+    Tests of the dataset layers use unique token values so every token's origin is checkable.
+    """
+    import numpy as np
+
+    from megazpp.data.indexed_dataset import IndexedDatasetBuilder
+
+    def write(documents, name: str = "synthetic", dtype=np.int32) -> str:
+        prefix = str(tmp_path / name)
+        with IndexedDatasetBuilder(prefix, dtype) as builder:
+            for doc in documents:
+                builder.add_document(np.asarray(doc, dtype=np.int64))
+        return prefix
+
+    return write

@@ -1,0 +1,92 @@
+"""From Megatron-style `--data-path` / `--split` arguments to train, valid and test datasets.
+
+Each prefix's documents are cut into contiguous train/valid/test ranges by the split ratios;
+a split then blends the matching range of every prefix by the prefix weights. Component
+datasets are built with exactly the number of samples the blend draws from them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from megazpp.data.blended_dataset import BlendedDataset, blend_indices
+from megazpp.data.gpt_dataset import GPTDataset
+from megazpp.data.indexed_dataset import IndexedDataset
+from megazpp.errors import ConfigError, DataError
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
+    """`["A"]`, `["A", "B"]` (equal weights) or `["0.7", "A", "0.3", "B"]` -> [(weight, prefix)]."""
+    items = [str(x) for x in data_path]
+    if not items:
+        raise DataError("data path is empty: give at least one dataset prefix")
+
+    def number(s: str) -> float | None:
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if all(number(s) is None for s in items):
+        return [(1.0 / len(items), p) for p in items]
+    if len(items) % 2 or any(number(w) is None for w in items[::2]) or any(number(p) is not None for p in items[1::2]):
+        raise DataError(f"data path {items} does not match the 'weight prefix weight prefix ...' form: "
+                        f"every prefix needs exactly one weight before it")
+    weights = [number(w) for w in items[::2]]
+    if any(not math.isfinite(w) or w <= 0 for w in weights):
+        raise DataError(f"data path weights must be positive, got {weights} for prefixes {items[1::2]}")
+    return list(zip(weights, items[1::2]))
+
+
+def parse_split(split: str) -> list[float]:
+    """`"969,30,1"` (or `/`-separated; missing parts are 0) -> three fractions summing to 1."""
+    parts = str(split).replace("/", ",").split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"split {split!r} must be up to three numbers like '969,30,1'") from None
+    if len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous [first, last) document ranges; rounding the cumulative bounds keeps them exact."""
+    bounds = np.rint(np.cumsum([0.0, *fractions]) * num_documents).astype(np.int64)
+    bounds[-1] = num_documents
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+
+
+def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
+                       seed: int, cache_dir: str | os.PathLike | None = None):
+    """(train, valid, test); a split with no documents or no requested samples is None."""
+    if len(num_samples) != 3 or any(int(n) < 0 for n in num_samples):
+        raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
+    blend = parse_data_path(data_path)
+    fractions = parse_split(split)
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    ranges = [split_ranges(ds.num_documents, fractions) for ds in indexed]
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        members = [i for i, r in enumerate(ranges) if r[s][1] > r[s][0]]
+        if int(num_samples[s]) == 0 or not members:
+            out.append(None)
+            continue
+        if len(blend) == 1:
+            out.append(GPTDataset(indexed[0], ranges[0][s], int(num_samples[s]), seq_length, seed, name, cache_dir))
+            continue
+        dataset_index, sample_index = blend_indices([blend[i][0] for i in members], int(num_samples[s]))
+        parts = []
+        for j, i in enumerate(members):
+            need = int(np.count_nonzero(dataset_index == j))
+            parts.append(GPTDataset(indexed[i], ranges[i][s], need, seq_length, seed + i, name, cache_dir)
+                         if need else None)
+        out.append(BlendedDataset(parts, dataset_index, sample_index))
+    return tuple(out)

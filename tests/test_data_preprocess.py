@@ -1,0 +1,141 @@
+"""JSONL -> .bin/.idx: every token back in order, bad records counted, failures leave no debris."""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megazpp.data.indexed_dataset import IndexedDataset
+from megazpp.data.preprocess import preprocess
+from megazpp.data.tokenizer import Tokenizer
+from megazpp.errors import DataError
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def corpus_texts(corpus_dir):
+    return [json.loads(line)["text"] for path in sorted(Path(corpus_dir).glob("*.jsonl"))
+            for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_round_trip_every_token_in_order(tiny_corpus_dir, tiny_tokenizer_model, tmp_path):
+    tok = Tokenizer(tiny_tokenizer_model)
+    texts = corpus_texts(tiny_corpus_dir)
+    # small chunks: many work units, so the 2-worker run really interleaves
+    two = preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "w2", workers=2, append_eod=True,
+                     chunk_bytes=8192, progress=False)
+    ds = IndexedDataset(two.outputs["text"])
+    assert len(ds) == ds.num_documents == len(texts) == two.documents["text"]
+    assert ds.document_indices.tolist() == list(range(len(texts) + 1))
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == tok.encode(text) + [tok.eod_id]
+        assert tok.decode(ds[i][:-1]) == text
+    assert two.tokens["text"] == int(ds.sequence_lengths.sum()) and not two.skipped
+    one = preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "w1", workers=1, append_eod=True,
+                     progress=False)
+    for suffix in (".bin", ".idx"):
+        assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
+
+
+BAD_LINES = [
+    (b'{"text": "first good document", "meta": {"source": "x"}}\n', None),
+    (b'{"raw_content": "a RedPajama v2 document", "quality_signals": {}}\n', None),
+    (b'{"text": "broken json\n', "malformed_json"),
+    (b'{"meta": {"source": "no text here"}}\n', "missing_key"),
+    (b'{"text": "caf\xe9 in latin-1"}\n', "non_utf8"),
+    (b'{"text": "\\ud800 lone surrogate"}\n', "non_utf8"),
+    (b'{"text": "   \\n\\t "}\n', "empty_document"),
+    (b'{"text": 42}\n', "not_a_string"),
+    (b'["text", "a list"]\n', "not_an_object"),
+    (b'\n', "blank_line"),
+    (b'{"text": "last good document"}', None),  # no trailing newline
+]
+
+
+def test_bad_records_are_skipped_and_counted(tiny_tokenizer_model, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b"".join(line for line, _ in BAD_LINES))
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wb") as f:
+        f.write(b'{"text": "gzipped document"}\n{"text": ""}\n')
+    summary = preprocess(str(tmp_path / "in" / "*.jsonl*"), tiny_tokenizer_model, tmp_path / "out",
+                         progress=False)
+    expected = {}
+    for _, reason in BAD_LINES:
+        if reason:
+            expected[reason] = expected.get(reason, 0) + 1
+    expected["empty_document"] += 1
+    assert dict(summary.skipped) == expected
+    tok = Tokenizer(tiny_tokenizer_model)
+    ds = IndexedDataset(summary.outputs["text"])
+    good = ["first good document", "a RedPajama v2 document", "last good document", "gzipped document"]
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) for t in good]
+    assert summary.documents["text"] == 4
+    assert "skipped: blank_line=1, empty_document=2, malformed_json=1" in summary.line()
+
+
+def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny_corpus_dir, tmp_path):
+    with pytest.raises(DataError, match=r"nothing\*\.jsonl.*matches no JSONL file"):
+        preprocess(str(tmp_path / "nothing*.jsonl"), tiny_tokenizer_model, tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match=r"tokenizer model .*missing\.model does not exist"):
+        preprocess(tiny_corpus_dir, tmp_path / "missing.model", tmp_path / "out", progress=False)
+    (tmp_path / "garbage.model").write_bytes(b"not a protobuf")
+    with pytest.raises(DataError, match=r"garbage\.model is not a valid SentencePiece model"):
+        preprocess(tiny_corpus_dir, tmp_path / "garbage.model", tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.model"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_interrupted_run_keeps_the_previous_output_intact(tiny_tokenizer_model, tmp_path, workers):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "an earlier dataset"}\n')
+    done = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", progress=False)
+    before = {s: Path(done.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")}
+    # a second run over a good file and a truncated gzip dies part-way through
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "new data"}\n' * 2000)
+    whole = gzip.compress(b'{"text": "gzipped"}\n' * 5000)
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=r"b\.jsonl\.gz: cannot read"):
+        preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=workers,
+                   chunk_bytes=1024, progress=False)
+    after = {s: Path(done.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx"]
+
+
+def test_cli_prints_the_summary(tiny_corpus_dir, tiny_tokenizer_model, tmp_path, capsys):
+    tool = load_tool("preprocess_data")
+    assert tool.main(["--input", str(tiny_corpus_dir / "*.jsonl"), "--tokenizer-model", str(tiny_tokenizer_model),
+                      "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--json-keys", "text",
+                      "--append-eod", "--no-progress"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    ds = IndexedDataset(tmp_path / "cli_text_document")
+    assert out[-1].startswith(f"preprocessed 2 files: {len(ds)} documents, {int(ds.sequence_lengths.sum())} tokens")
+    assert out[-1].endswith("skipped: none") and "tokens/s" in out[-1]
+
+
+@pytest.mark.parametrize("name", ["make_sample_corpus", "train_tokenizer", "preprocess_data", "bench_preprocess"])
+def test_every_tool_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_tool(name).main(["--help"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_multiple_json_keys_make_one_dataset_each(tiny_tokenizer_model, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "body one", "title": "t1"}\n{"text": "body two"}\n')
+    summary = preprocess(tmp_path / "a.jsonl", tiny_tokenizer_model, tmp_path / "multi", json_keys=("text", "title"),
+                         progress=False)
+    tok = Tokenizer(tiny_tokenizer_model)
+    assert IndexedDataset(summary.outputs["title"])[0].tolist() == tok.encode("t1")
+    assert len(IndexedDataset(summary.outputs["text"])) == 2
+    assert dict(summary.skipped) == {"title:missing_key": 1}
+    assert IndexedDataset(summary.outputs["text"]).dtype == np.uint16
