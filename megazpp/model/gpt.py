@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
-from megazpp.model.layer import TransformerLayer, make_norm
+from megazpp.model.layer import TransformerLayer
+from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
 from megazpp.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -146,7 +147,8 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(cfg, f"layers.{i}", init, tp_group=tp_group,
                                      sequence_parallel=sequence_parallel, rotary=rotary)
             for i in range(start, end)})
-        self.final_norm = make_norm(cfg) if post_process else None
+        self.final_norm = (Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+                           if post_process else None)
         self.output_layer = None
         if post_process:
             head_name = EMBEDDING_WEIGHT if cfg.tie_embeddings else "output_layer.weight"

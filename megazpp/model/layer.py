@@ -18,16 +18,10 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.mlp import GeluMLP, SwiGLUMLP
 from megazpp.model.moe import MoEMLP
+from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
 from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import get_rng_tracker
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm with bias for GPT-2, RMSNorm for Llama (torch's own, fused where it can be)."""
-    if cfg.is_llama:
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 
 class TransformerLayer(nn.Module):
@@ -40,10 +34,11 @@ class TransformerLayer(nn.Module):
         # replicated and the shared default stream keeps the replicas identical.
         self.sharded_tokens = (sequence_parallel and tp_group is not None
                                and comm.group_size(tp_group) > 1)
-        self.input_norm = make_norm(cfg)
+        self.input_norm = Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.attention = SelfAttention(cfg, f"{name}.attention", init, tp_group=tp_group,
                                        sequence_parallel=sequence_parallel, rotary=rotary)
-        self.post_attention_norm = make_norm(cfg)
+        self.post_attention_norm = Norm(cfg, tp_group=tp_group,
+                                        sequence_parallel=sequence_parallel)
         if cfg.num_experts > 0:
             self.mlp: nn.Module = MoEMLP(cfg, f"{name}.mlp", init, tp_group=tp_group)
         else:
