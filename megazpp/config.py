@@ -1,0 +1,580 @@
+"""The run's whole configuration as typed dataclasses, read from YAML, DeepSpeed JSON and flags.
+
+Why this shape: one typed object that every part reads (instead of a bag of argparse
+attributes) lets a wrong key, a wrong type or an inconsistent combination be refused here,
+with the file and the closest valid name, before a process group or a tensor exists.
+
+Precedence, lowest to highest: dataclass defaults < YAML (`--config`) < DeepSpeed JSON
+(`--deepspeed_config`) < Megatron-style command-line flags. Every field of every section is
+also a flag: `training.micro_batch_size` is `--micro-batch-size` (see `FLAG_NAMES` for the few
+renamed ones), booleans take `--flag` / `--no-flag`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+from megazpp.errors import ConfigError, MegazppError
+from megazpp.model.config import ModelConfig
+
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from. `data_path` is Megatron's list: ["P"] or ["0.7", "A", "0.3", "B"]."""
+
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    tokenizer_model: str | None = None
+    # The embedding is padded to a multiple of this (times TP) so matmuls stay aligned, as in
+    # Megatron; the model's vocab_size is derived from the tokenizer unless set explicitly.
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW hyper-parameters; `clip_grad` 0 disables clipping."""
+
+    lr: float = 3.0e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainingConfig:
+    """Batching, length of the run, learning-rate shape, evaluation cadence and seeding.
+
+    `global_batch_size` None means one micro-batch per data-parallel rank per step, or
+    micro x `gradient_accumulation_steps` x dp when the latter is given (DeepSpeed style).
+    `seed` drives data order and dropout; parameter init uses `model.init_seed`.
+    """
+
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    train_iters: int = 100
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: decay over the whole run (train_iters)
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    eval_interval: int = 100
+    eval_iters: int = 10
+    seed: int = 1234
+
+
+@dataclass
+class PrecisionConfig:
+    """Model dtype and, for fp16, the loss scaler (DeepSpeed's `fp16` block maps here).
+
+    `loss_scale` 0 means dynamic: start at `initial_loss_scale`, halve on overflow (after
+    `hysteresis` consecutive overflows), double after `loss_scale_window` good steps.
+    `grad_accum_dtype` is the dtype micro-batch gradients are summed in under bf16/fp16.
+    """
+
+    bf16: bool = False
+    fp16: bool = False
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = 0.0
+    initial_loss_scale: float = 65536.0
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron's checkpoint flags: `exit_interval` N stops after step N (saving if `save`)."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: str | None = None
+    log_interval: int = 10
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout; dp = world_size / (tp x pp) is derived, never set."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    ranks_per_node: int | None = None  # None: from the launcher (LOCAL_WORLD_SIZE)
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass
+class ZeroConfig:
+    """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
+
+    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one; the
+    defaults are DeepSpeed's, and a value other than the default for a feature listed in
+    `NOT_IMPLEMENTED_YET` is refused.
+    """
+
+    stage: int = 0
+    paro_strategy: str | None = None
+    paro_group_size: int | None = None
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+    reduce_scatter: bool = True
+    zero_quantized_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+    loco: bool = False
+    loco_err_beta: float = 0.8
+    loco_reset_t: int = 1024
+    module_granularity_threshold: int = 0
+
+
+@dataclass
+class Config:
+    """Everything one run needs; `validate(world_size)` checks it as a whole."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def num_micro_batches(self, world_size: int) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.data_parallel_size(world_size))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Refuse the first inconsistent value; resolve the derived batch sizes; return self."""
+        _validate_types(self)
+        self.model.validate()
+        _validate_parallel(self, world_size)
+        _resolve_batch(self, world_size)
+        _validate_schedule(self)
+        _validate_precision(self.precision)
+        _validate_zero(self.zero)
+        _refuse_not_implemented(self)
+        return self
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+# Features that are configured here but not executed yet. A field listed here with a value
+# other than its default is refused with "not implemented yet"; remove the entry in the same
+# commit that makes the feature work.
+NOT_IMPLEMENTED_YET: dict[str, str] = {
+    "parallel.sequence_parallel": "sequence parallelism",
+    "zero.stage": "ZeRO stages 1-3 (the ZeRO engine)",
+    "zero.paro_strategy": "PaRO strategies (the ZeRO engine)",
+    "zero.paro_group_size": "PaRO group sizes (the ZeRO engine)",
+    "zero.reduce_bucket_size": "ZeRO gradient bucketing",
+    "zero.allgather_bucket_size": "ZeRO parameter all-gather bucketing",
+    "zero.contiguous_gradients": "ZeRO contiguous gradient buffers",
+    "zero.overlap_comm": "ZeRO communication overlap",
+    "zero.reduce_scatter": "ZeRO reduce-scatter gradient reduction",
+    "zero.zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
+    "zero.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
+    "zero.zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
+    "zero.loco": "LoCo error feedback",
+    "zero.loco_err_beta": "LoCo error feedback",
+    "zero.loco_reset_t": "LoCo error feedback",
+    "zero.module_granularity_threshold": "ZeRO-3 parameter units (module_granularity_threshold)",
+}
+
+# Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
+FLAG_NAMES: dict[str, str] = {
+    "zero.stage": "--zero-stage",
+}
+
+
+def flag_table() -> dict[str, tuple[str, str]]:
+    """Map every flag to its (section, field); field names are unique across sections."""
+    table: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = FLAG_NAMES.get(f"{section}.{f.name}", "--" + f.name.replace("_", "-"))
+            if flag in table:
+                raise AssertionError(f"flag {flag} is defined by two config sections")
+            table[flag] = (section, f.name)
+    return table
+
+
+def load_config(argv: Sequence[str] | None = None) -> Config:
+    """Build the Config from `--config FILE`, `--deepspeed_config FILE` and flags in `argv`.
+
+    Validation against the world size happens separately (`Config.validate`), since the
+    launcher decides the world; everything that does not depend on it is checked here.
+    """
+    args = list(argv or [])
+    yaml_path, ds_path, flag_args = _split_file_flags(args)
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    origins: dict[str, str] = {}
+    if yaml_path is not None:
+        _merge(values, origins, _read_yaml(yaml_path), source=f"config file {yaml_path}")
+    if ds_path is not None:
+        from megazpp.training.deepspeed_config import read_deepspeed_config
+
+        _merge(values, origins, read_deepspeed_config(ds_path),
+               source=f"DeepSpeed config {ds_path}")
+    _merge(values, origins, _parse_flags(flag_args), source="command line")
+    cfg = _build(values)
+    _refuse_not_implemented(cfg, origins)
+    _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
+    return cfg
+
+
+def _split_file_flags(args: list[str]) -> tuple[str | None, str | None, list[str]]:
+    parser = _RaisingParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config")
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config")
+    known, rest = parser.parse_known_args(args)
+    return known.config, known.deepspeed_config, rest
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse exits the process on a bad flag; the project raises ConfigError instead."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"command line: {message}")
+
+
+def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections "
+                          f"{sorted(SECTIONS)}, got {type(raw).__name__}")
+    sections: dict[str, dict[str, Any]] = {}
+    for name, body in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"config file {path}: unknown section {name!r}"
+                              f"{_suggest(str(name), SECTIONS)}")
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"config file {path}: section {name!r} must be a mapping, "
+                              f"got {type(body).__name__}")
+        sections[name] = body
+    return sections
+
+
+def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
+           update: dict[str, dict[str, Any]], source: str) -> None:
+    """Type-check each key of `update` against its section and write it into `values`,
+    remembering in `origins` which source set it (for error messages)."""
+    for section, body in update.items():
+        cls = SECTIONS[section]
+        hints = typing.get_type_hints(cls)
+        for key, value in body.items():
+            if key not in hints:
+                raise ConfigError(f"{source}: unknown key {section}.{key}"
+                                  f"{_suggest_key(section, str(key))}")
+            values[section][key] = _coerce(value, hints[key], f"{source}: {section}.{key}")
+            origins[f"{section}.{key}"] = source
+
+
+def _suggest(name: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _suggest_key(section: str, key: str) -> str:
+    for other, cls in SECTIONS.items():
+        if other != section and key in {f.name for f in dataclasses.fields(cls)}:
+            return f" (it belongs in section {other!r})"
+    return _suggest(key, [f.name for f in dataclasses.fields(SECTIONS[section])])
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against a field's type hint; accept the string spellings YAML and flags
+    produce (YAML reads `3e-4` as a string, flags are all strings)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in options:
+                return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where} = {value!r}: invalid")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r}: expected one of {list(choices)}"
+                              f"{_suggest(str(value), choices)}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(v, item, where) for v in items]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where} = {value!r}: expected true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r}: expected an integer")
+        if isinstance(value, int):
+            return value
+        number = _parse_number(value, where, "an integer")
+        if not float(number).is_integer():
+            raise ConfigError(f"{where} = {value!r}: expected an integer")
+        return int(number)
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r}: expected a number")
+        number = float(_parse_number(value, where, "a number"))
+        if not math.isfinite(number):
+            raise ConfigError(f"{where} = {value!r}: expected a finite number")
+        return number
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} = {value!r}: expected a string")
+    raise ConfigError(f"{where}: unsupported config type {hint!r}")
+
+
+def _parse_number(value: Any, where: str, expected: str) -> float:
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{where} = {value!r}: expected {expected}")
+
+
+def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
+    table = flag_table()
+    parser = _RaisingParser(add_help=False, allow_abbrev=False)
+    for flag, (section, name) in table.items():
+        hint = typing.get_type_hints(SECTIONS[section])[name]
+        dest = f"{section}.{name}"
+        if hint is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS)
+        elif typing.get_origin(hint) is list:
+            parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS)
+    known, unknown = parser.parse_known_args(args)
+    if unknown:
+        bad = unknown[0]
+        if bad.startswith("-"):
+            name = bad.split("=", 1)[0]
+            flags = list(table) + [f"--no-{f[2:]}" for f, (s, n) in table.items()
+                                   if typing.get_type_hints(SECTIONS[s])[n] is bool]
+            raise ConfigError(f"command line: unknown flag {name}{_suggest(name, flags)}")
+        raise ConfigError(f"command line: unexpected argument {bad!r}")
+    update: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(known).items():
+        section, name = dest.split(".", 1)
+        update.setdefault(section, {})[name] = value
+    return update
+
+
+def _build(values: dict[str, dict[str, Any]]) -> Config:
+    sections = {}
+    for name, cls in SECTIONS.items():
+        try:
+            sections[name] = cls(**values[name])
+        except MegazppError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"section {name!r}: {exc}") from exc
+    return Config(**sections)
+
+
+def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
+    """Size the embedding from the tokenizer (padded), or check an explicit size covers it."""
+    if cfg.data.tokenizer_model is None:
+        return
+    from megazpp.data.tokenizer import Tokenizer
+
+    tokenizer_vocab = Tokenizer(cfg.data.tokenizer_model).vocab_size
+    if explicit:
+        if cfg.model.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
+                f"data.tokenizer_model {cfg.data.tokenizer_model} ({tokenizer_vocab} tokens)")
+        return
+    multiple = cfg.data.make_vocab_size_divisible_by * cfg.tp
+    cfg.model.vocab_size = -(-tokenizer_vocab // multiple) * multiple
+
+
+def _validate_types(cfg: Config) -> None:
+    """Values set in code (tests, tools) get the same type checks as YAML and flags."""
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            _coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}")
+
+
+def _require_positive(where: str, value: int | float | None) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"{where} = {value!r}: expected a value > 0")
+
+
+def _validate_parallel(cfg: Config, world_size: int) -> None:
+    p = cfg.parallel
+    _require_positive("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
+    _require_positive("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+    _require_positive("parallel.ranks_per_node", p.ranks_per_node)
+    _require_positive("parallel.distributed_timeout_minutes", p.distributed_timeout_minutes)
+    if world_size % (cfg.tp * cfg.pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {cfg.tp} "
+            f"x pipeline_model_parallel_size {cfg.pp}")
+
+
+def _resolve_batch(cfg: Config, world_size: int) -> None:
+    t = cfg.training
+    dp = cfg.data_parallel_size(world_size)
+    _require_positive("training.micro_batch_size", t.micro_batch_size)
+    _require_positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    per_step = t.micro_batch_size * dp
+    if t.gradient_accumulation_steps is not None:
+        implied = per_step * t.gradient_accumulation_steps
+        if t.global_batch_size is not None and t.global_batch_size != implied:
+            raise ConfigError(
+                f"training.global_batch_size = {t.global_batch_size} disagrees with "
+                f"micro_batch_size {t.micro_batch_size} x gradient_accumulation_steps "
+                f"{t.gradient_accumulation_steps} x data-parallel size {dp} = {implied}")
+        t.global_batch_size = implied
+    if t.global_batch_size is None:
+        t.global_batch_size = per_step
+    _require_positive("training.global_batch_size", t.global_batch_size)
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"micro_batch_size {t.micro_batch_size} x data-parallel size {dp} = {per_step}")
+
+
+def _validate_schedule(cfg: Config) -> None:
+    t, o = cfg.training, cfg.optimizer
+    for key in ("train_iters", "eval_interval", "lr_decay_iters"):
+        _require_positive(f"training.{key}", getattr(t, key))
+    _require_positive("logging.log_interval", cfg.logging.log_interval)
+    _require_positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
+    _require_positive("checkpoint.exit_interval", cfg.checkpoint.exit_interval)
+    if t.eval_iters < 0 or t.lr_warmup_iters < 0:
+        raise ConfigError("training.eval_iters and training.lr_warmup_iters must be >= 0, got "
+                          f"{t.eval_iters} and {t.lr_warmup_iters}")
+    decay_iters = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_iters > decay_iters:
+        raise ConfigError(f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
+                          f"length (lr_decay_iters or train_iters) = {decay_iters}")
+    _require_positive("optimizer.lr", o.lr)
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr = {o.min_lr} must lie in [0, optimizer.lr = {o.lr}]")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optimizer.{key} = {getattr(o, key)}: expected a value in [0, 1)")
+    _require_positive("optimizer.adam_eps", o.adam_eps)
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError("optimizer.weight_decay and optimizer.clip_grad must be >= 0, got "
+                          f"{o.weight_decay} and {o.clip_grad}")
+    parts = cfg.data.split.replace("/", ",").split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"data.split = {cfg.data.split!r}: expected up to three non-negative "
+                          "weights such as '969,30,1'")
+
+
+def _validate_precision(p: PrecisionConfig) -> None:
+    if p.bf16 and p.fp16:
+        raise ConfigError("precision.bf16 and precision.fp16 are both set: choose one")
+    model_dtype = "bf16" if p.bf16 else "fp16" if p.fp16 else "fp32"
+    if p.grad_accum_dtype not in ("fp32", model_dtype):
+        raise ConfigError(
+            f"precision.grad_accum_dtype = {p.grad_accum_dtype!r} with a {model_dtype} model: "
+            f"expected 'fp32' or the model dtype {model_dtype!r}")
+    if p.loss_scale < 0:
+        raise ConfigError(f"precision.loss_scale = {p.loss_scale}: expected 0 (dynamic) or > 0")
+    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        _require_positive(f"precision.{key}", getattr(p, key))
+
+
+def _validate_zero(z: ZeroConfig) -> None:
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage = {z.stage}: expected 0, 1, 2 or 3")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "zero_hpz_partition_size",
+                "loco_reset_t", "paro_group_size"):
+        _require_positive(f"zero.{key}", getattr(z, key))
+    if z.module_granularity_threshold < 0:
+        raise ConfigError(f"zero.module_granularity_threshold = "
+                          f"{z.module_granularity_threshold}: expected a value >= 0")
+
+
+def _refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:
+    for dotted, feature in NOT_IMPLEMENTED_YET.items():
+        section, name = dotted.split(".")
+        obj = getattr(cfg, section)
+        default = next(f for f in dataclasses.fields(obj) if f.name == name).default
+        if getattr(obj, name) != default:
+            source = (origins or {}).get(dotted)
+            prefix = f"{source}: " if source else ""
+            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not "
+                              "implemented yet")

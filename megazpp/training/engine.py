@@ -1,0 +1,194 @@
+"""The optimizer-engine protocol the trainer talks to, and its single-rank implementation.
+
+Why a protocol: the trainer's loop must not care whether gradients are reduced over data
+parallel ranks, sharded (ZeRO/PaRO), quantized on the wire or kept whole. It only scales the
+loss, asks for a step and checkpoints the engine's state; each engine owns everything else
+(masters, moments, accumulators, the loss scaler) and saves it in its own state dict.
+
+`LocalEngine` is one data-parallel rank holding whole gradients:
+- fp32: AdamW directly on the model's parameters.
+- bf16 / fp16: the model runs in half precision; the optimizer updates fp32 master copies and
+  writes them back, rounded, into the model after each step. Micro-batch gradients are summed
+  into fp32 buffers as each parameter's gradient completes (a post-accumulate hook), so long
+  gradient accumulation does not lose the small contributions half precision would round
+  away (`grad_accum_dtype` "fp32"); with the model dtype they are summed by autograd instead.
+- fp16 adds a loss scaler (`loss_scaler.LossScaler`): overflowing steps are skipped.
+A step whose gradient norm is not finite is never applied, in any precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.errors import CheckpointError
+from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
+from megazpp.training.loss_scaler import LossScaler
+from megazpp.training.optimizer import build_adamw, named_trainable, param_groups, set_lr
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did: the global gradient norm before clipping (after
+    unscaling), whether the update was skipped, and the loss scale for the next step."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+class Engine(Protocol):
+    """What the trainer and the schedules call; see module docstring."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class LocalEngine:
+    """The engine for one data-parallel rank (DP = 1), under any TP x PP layout.
+
+    `norm_groups`: process groups whose ranks' gradients together form the model (TP, PP), so
+    the clipping norm is global. `counts_in_norm(name, param)` says whether this rank counts a
+    parameter's gradient in that norm (a TP-replicated tensor only on one TP rank).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
+                 *, norm_groups: Sequence[Any] = (),
+                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
+        named = named_trainable(model)
+        self.params = [p for _, p in named]
+        self.dtype = model_dtype(precision)
+        self.clip_grad = optimizer.clip_grad
+        self.norm_groups = tuple(norm_groups)
+        self._counted = [counts_in_norm is None or counts_in_norm(n, p) for n, p in named]
+        self._mixed = self.dtype != torch.float32
+        if self._mixed:
+            self.masters = [p.detach().clone().float() for p in self.params]
+            model.to(self.dtype)
+        else:
+            self.masters = self.params
+        names = [n for n, _ in named]
+        self.optimizer = build_adamw(param_groups(zip(names, self.masters), optimizer.weight_decay),
+                                     optimizer)
+        self._fp32_accum = self._mixed and precision.grad_accum_dtype == "fp32"
+        self._main_grads: list[torch.Tensor] = []
+        self._touched: list[bool] = []
+        if self._fp32_accum:
+            self._main_grads = [torch.zeros_like(m) for m in self.masters]
+            self._touched = [False] * len(self.params)
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
+        self.scaler: LossScaler | None = None
+        if precision.fp16:
+            dynamic = precision.loss_scale == 0
+            self.scaler = LossScaler(
+                precision.initial_loss_scale if dynamic else precision.loss_scale,
+                dynamic=dynamic, min_scale=precision.min_loss_scale,
+                growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+
+    def _accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._main_grads[index].add_(param.grad)
+            self._touched[index] = True
+            param.grad = None
+
+        return hook
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def _master_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """Attach this step's fp32 gradient to each master that received one."""
+        out = []
+        for i, (param, master) in enumerate(zip(self.params, self.masters)):
+            if self._fp32_accum:
+                grad = self._main_grads[i] if self._touched[i] else None
+            elif param.grad is not None:
+                grad = param.grad if not self._mixed else param.grad.float()
+            else:
+                grad = None
+            if grad is not None:
+                master.grad = grad
+                out.append((i, grad))
+        return out
+
+    def step(self) -> StepResult:
+        indexed = self._master_grads()
+        grads = [g for _, g in indexed]
+        if self.scaler is not None and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        device = self.masters[0].device if self.masters else "cpu"
+        norm = float(global_grad_norm([g for i, g in indexed if self._counted[i]],
+                                      self.norm_groups, device))
+        finite = math.isfinite(norm)
+        if finite:
+            clip_by_norm_(grads, norm, self.clip_grad)
+            self.optimizer.step()
+            if self._mixed:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.params, self.masters)
+        self.zero_grad()
+        if self.scaler is not None:
+            self.scaler.update(overflow=not finite)
+        return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self._mixed:
+            for m in self.masters:
+                m.grad = None
+        for g in self._main_grads:
+            g.zero_()
+        self._touched = [False] * len(self._touched)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for m in self.masters] if self._mixed else None,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        masters = state.get("masters")
+        if self._mixed != (masters is not None) or (self.scaler is None) != (state.get("loss_scaler") is None):
+            raise CheckpointError("engine state was saved with a different precision setting "
+                                  f"(this run: {self.dtype}, fp16 scaler: {self.scaler is not None})")
+        if masters is not None:
+            if len(masters) != len(self.masters) or any(
+                    a.shape != b.shape for a, b in zip(masters, self.masters)):
+                raise CheckpointError("engine state: fp32 master weights do not match the "
+                                      "model's parameters (different model shape?)")
+            with torch.no_grad():
+                torch._foreach_copy_(self.masters, masters)
+                torch._foreach_copy_(self.params, self.masters)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,52 @@
+"""AdamW construction shared by every engine (local, ZeRO): parameter groups and the kernel.
+
+Weight decay is applied to matrices only: biases and norm gains (1-D tensors, or names ending
+in "bias") are excluded, as in GPT-2/Megatron practice, because decaying a gain towards zero
+changes the function rather than regularising it. apex's FusedAdam is used when importable
+and the parameters are on CUDA (NGC images), else torch's fused (CUDA) or foreach (CPU) AdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from megazpp.config import OptimizerConfig
+
+
+def is_decayed(name: str, param: torch.Tensor) -> bool:
+    return param.dim() >= 2 and not name.endswith("bias")
+
+
+def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Split parameters into a decayed and a non-decayed group (empty groups are dropped)."""
+    decay, no_decay = [], []
+    for name, param in named:
+        (decay if is_decayed(name, param) else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    params = [p for g in groups for p in g["params"]]
+    on_cuda = bool(params) and params[0].is_cuda
+    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if on_cuda:
+        try:
+            from apex.optimizers import FusedAdam
+        except ImportError:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

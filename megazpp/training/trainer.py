@@ -1,0 +1,169 @@
+"""The training loop: one optimizer step per iteration, evaluation, checkpoints, logging.
+
+One iteration, top to bottom:
+  1. take `num_micro_batches` micro-batches of this data-parallel rank from the sampler;
+  2. set the learning rate for the next update and run `forward_backward` (gradients
+     accumulate over the micro-batches inside the engine);
+  3. `engine.step()`: reduce, unscale, clip, update (or skip an overflowing step);
+  4. advance the lr schedule only if the update was applied, count the consumed samples;
+  5. log, evaluate, save and exit at their intervals.
+Everything that decides what happens next (model, engine, schedule, sampler position, RNGs)
+is in the checkpoint, so a resumed run continues exactly as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from megazpp.config import Config
+from megazpp.data.sampler import PretrainingSampler
+from megazpp.training.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
+                                         save_checkpoint)
+from megazpp.training.engine import Engine
+from megazpp.training.logger import TrainingLogger
+from megazpp.training.lr_schedule import LRSchedule
+from megazpp.training.schedule import MicroBatch, forward_backward
+
+ForwardBackward = Callable[..., list[torch.Tensor]]
+
+
+@dataclass
+class TrainHistory:
+    """Per-iteration losses of this run (what tests and tools compare)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    skipped: dict[int, bool] = field(default_factory=dict)
+    resumed_from: int | None = None
+
+
+def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device) -> MicroBatch:
+    """Samples of seq_length + 1 tokens -> (inputs, next-token labels)."""
+    rows = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Any,
+                 train_ds: Any, valid_ds: Any, logger: TrainingLogger, device: torch.device,
+                 *, forward_backward_fn: ForwardBackward = forward_backward) -> None:
+        self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
+        self.train_ds, self.valid_ds = train_ds, valid_ds
+        self.logger, self.device = logger, device
+        self.forward_backward = forward_backward_fn
+        t = cfg.training
+        self.num_micro_batches = cfg.num_micro_batches(topology.world_size)
+        self.lr_schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters,
+                                      t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "model": self.model.state_dict(),
+            "engine": self.engine.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "rng": capture_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.engine.load_state_dict(state["engine"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        restore_rng_state(state["rng"])
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+
+    def resume(self, load_dir: str) -> int | None:
+        """Load `load_dir`'s latest checkpoint if there is one; return its iteration."""
+        state = load_checkpoint(load_dir, self.topology)
+        if state is None:
+            return None
+        self.load_state_dict(state)
+        return self.iteration
+
+    def save(self) -> None:
+        save_checkpoint(self.cfg.checkpoint.save, self.iteration, self.state_dict(),
+                        self.topology)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:
+        t = self.cfg.training
+        return PretrainingSampler(len(dataset), consumed, t.micro_batch_size,
+                                  self.topology.dp_rank, self.topology.dp, t.seed)
+
+    def _dp_mean(self, losses: list[torch.Tensor]) -> float:
+        """Mean micro-batch loss over all data-parallel ranks (NaN where no loss is computed,
+        i.e. on pipeline stages other than the last)."""
+        if not losses:
+            return math.nan
+        mean = torch.stack(losses).mean()
+        if self.topology.dp > 1:
+            from megazpp.parallel import comm
+
+            comm.all_reduce(mean, group=self.topology.dp_group, tag="train/loss_logging")
+            mean = mean / self.topology.dp
+        return float(mean)
+
+    def train(self) -> TrainHistory:
+        cfg, t, ck = self.cfg, self.cfg.training, self.cfg.checkpoint
+        history = TrainHistory(resumed_from=self.iteration or None)
+        samples = iter(self._sampler(self.train_ds, self.consumed_samples))
+        self.model.train()
+        while self.iteration < t.train_iters:
+            micro = [make_micro_batch(self.train_ds, next(samples), self.device)
+                     for _ in range(self.num_micro_batches)]
+            lr = self.lr_schedule.lr
+            self.engine.set_lr(lr)
+            losses = self.forward_backward(self.model, micro, self.engine)
+            result = self.engine.step()
+            if not result.skipped:
+                self.lr_schedule.step()
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            loss = self._dp_mean(losses)
+            history.losses[self.iteration] = loss
+            history.skipped[self.iteration] = result.skipped
+            self.logger.record_step(self.iteration, loss, lr, result)
+
+            self.logger.pause_clock()
+            if self.valid_ds is not None and t.eval_iters > 0 and (
+                    self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+                history.val_losses[self.iteration] = self.evaluate()
+                self.logger.record_eval(self.iteration, history.val_losses[self.iteration])
+            exiting = ck.exit_interval is not None and self.iteration % ck.exit_interval == 0
+            if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
+                            or exiting or self.iteration == t.train_iters):
+                self.save()
+            self.logger.resume_clock()
+            if exiting:
+                break
+        return history
+
+    def evaluate(self) -> float:
+        """Mean loss over the first `eval_iters` batches of the validation split: the same
+        samples at every evaluation, so the curve measures the model, not the batch."""
+        self.model.eval()
+        losses: list[torch.Tensor] = []
+        samples = iter(self._sampler(self.valid_ds, 0))
+        micro_steps = self.cfg.training.eval_iters * self.num_micro_batches
+        rng = capture_rng_state()  # evaluation must not shift the training dropout stream
+        for _ in range(micro_steps):
+            indices = next(samples, None)
+            if indices is None:
+                break
+            batch = make_micro_batch(self.valid_ds, indices, self.device)
+            losses += self.forward_backward(self.model, [batch], self.engine, forward_only=True)
+        restore_rng_state(rng)
+        self.model.train()
+        return self._dp_mean(losses)

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Pretrain a GPT-2 or Llama model: `pretrain_gpt.py --config FILE [Megatron-style flags]`.
+
+Launched directly (one process) or by torchrun (`run.sh`), which sets RANK / WORLD_SIZE /
+LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK. The whole configuration is checked against the
+world size before the process group starts, so a bad flag never leaves ranks waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from datetime import timedelta
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megazpp.config import Config, load_config
+from megazpp.data.builder import build_gpt_datasets
+from megazpp.errors import ConfigError, MegazppError
+from megazpp.model.flops import training_flops_per_token
+from megazpp.model.gpt import GPTModel
+from megazpp.parallel.tensor_parallel import model_parallel_seed
+from megazpp.parallel.topology import Topology
+from megazpp.training.engine import LocalEngine
+from megazpp.training.logger import TrainingLogger
+from megazpp.training.trainer import Trainer, TrainHistory
+
+
+def refuse_unwired_layouts(cfg: Config, world_size: int) -> None:
+    """Layouts whose engine exists but is not connected to this entry point yet."""
+    dp = cfg.data_parallel_size(world_size)
+    if dp > 1:
+        raise ConfigError(
+            f"data-parallel size {dp} (world size {world_size} / tensor {cfg.tp} / pipeline "
+            f"{cfg.pp}): data-parallel training (the ZeRO engine) is not implemented yet in "
+            "pretrain_gpt.py; launch one rank per model replica")
+    if cfg.tp > 1:
+        raise ConfigError(f"parallel.tensor_model_parallel_size = {cfg.tp}: tensor parallelism "
+                          "is not implemented yet in pretrain_gpt.py")
+    if cfg.pp > 1:
+        raise ConfigError(f"parallel.pipeline_model_parallel_size = {cfg.pp}: pipeline "
+                          "parallelism is not implemented yet in pretrain_gpt.py")
+
+
+def check_inputs(cfg: Config) -> None:
+    if not cfg.data.data_path:
+        raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
+                          "'..._text_document' prefix) or set it in the config file")
+    if not cfg.data.tokenizer_model:
+        raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config, world_size: int, device: torch.device) -> None:
+    if world_size <= 1 or dist.is_initialized():
+        return
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+
+
+def seed_everything(seed: int, topology: Topology) -> None:
+    """Data order comes from the sampler's own seed; these drive dropout and any host-side
+    randomness, identical across data-parallel replicas, per stage/TP rank as the TP RNG
+    streams require."""
+    random.seed(seed)
+    np.random.seed(seed)
+    model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
+
+
+def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
+    model = GPTModel(cfg.model, tp_group=topology.tp_group,
+                     sequence_parallel=cfg.parallel.sequence_parallel,
+                     pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
+                     layer_range=topology.layer_range(cfg.model.num_layers))
+    return model.to(device)
+
+
+def main(argv: Sequence[str] | None = None) -> TrainHistory:
+    cfg = load_config(list(sys.argv[1:] if argv is None else argv))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world_size)
+    refuse_unwired_layouts(cfg, world_size)
+    check_inputs(cfg)
+    device = pick_device()
+    init_distributed(cfg, world_size, device)
+    try:
+        return _train(cfg, device)
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, device: torch.device) -> TrainHistory:
+    topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
+    topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
+    seed_everything(cfg.training.seed, topology)
+    t = cfg.training
+    eval_samples = t.eval_iters * t.global_batch_size
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
+        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
+    model = build_model(cfg, topology, device)
+    engine = LocalEngine(model, cfg.optimizer, cfg.precision)
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    logger = TrainingLogger(
+        enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
+        tensorboard_dir=cfg.logging.tensorboard_dir, log_interval=cfg.logging.log_interval,
+        train_iters=t.train_iters, tokens_per_step=tokens_per_step,
+        flops_per_step=float(training_flops_per_token(cfg.model)) * tokens_per_step,
+        world_size=topology.world_size, device=device)
+    logger.write_text("config", "```yaml\n" + cfg.to_yaml() + "```")
+    trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device)
+    if cfg.checkpoint.load:
+        start = trainer.resume(cfg.checkpoint.load)
+        logger.info(f"resumed from {cfg.checkpoint.load} at iteration {start}" if start is not None
+                     else f"no checkpoint in {cfg.checkpoint.load}: starting from scratch")
+    try:
+        return trainer.train()
+    finally:
+        logger.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MegazppError as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
