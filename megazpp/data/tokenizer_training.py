@@ -81,6 +81,9 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
         )
         for suffix in (".model", ".vocab"):
             os.replace(f"{tmp_prefix}{suffix}", f"{prefix}{suffix}")
+    except RuntimeError as e:  # SentencePiece reports bad settings for this corpus this way
+        raise DataError(f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} "
+                        f"failed: {e}") from e
     finally:
         for suffix in (".model", ".vocab"):
             Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
