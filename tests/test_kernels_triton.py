@@ -1,0 +1,150 @@
+"""Every Triton kernel, run by Triton's interpreter on CPU tensors, against the torch reference.
+
+Codes and scales must be bit-identical (torch.equal), over block sizes that are and are not
+powers of two, sizes that do and do not divide the block size, every input dtype, and inputs
+built to hit rounding ties, all-zero and below-TINY blocks, and extreme magnitudes.
+
+TRITON_INTERPRET is read when a kernel is decorated, so it is set before kernels.triton_ops is
+imported (a stale, compiled copy of the module is dropped first), and the test checks that the
+kernels really are interpreted rather than trusting the environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.format import TINY_ABSMAX
+
+
+def _import_interpreted_triton_ops():
+    # Left set for the rest of the process: Triton consults it again on the first launch.
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in ("kernels.triton_ops", "kernels.triton_tiles"):
+        sys.modules.pop(name, None)
+    return importlib.import_module("kernels.triton_ops")
+
+
+triton_ops = _import_interpreted_triton_ops()
+
+# (numel, block_size): divides / does not divide; power of two / not; several tiles per launch;
+# a block larger than one 4096-element tile (one row per program, 8 warps).
+SHAPES = [(1024, 256), (1000, 256), (3 * 2048, 2048), (2048 + 17, 2048), (390, 6), (1234, 100), (8192 + 3, 8192)]
+
+
+def _inputs(numel: int, block_size: int, seed: int) -> torch.Tensor:
+    """Random values across six decades, with an all-zero block, a tiny block and exact ties."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
+    if numel >= 4 * block_size:
+        x[:block_size] = 0.0
+        x[block_size : 2 * block_size] = TINY_ABSMAX / 3
+        # absmax 7 (int4 scale 1, int8 scale 7/127) and half-integer values: ties for int4.
+        ties = torch.arange(block_size, dtype=torch.float32) % 15 - 7.0
+        ties[1::2] += 0.5
+        ties[0] = 7.0
+        x[2 * block_size : 3 * block_size] = ties.clamp(-7, 7)
+    return x
+
+
+def _same(got, want):
+    if isinstance(got, torch.Tensor):
+        got, want = (got,), (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w), f"{int((g != w).sum())} of {g.numel()} values differ"
+
+
+def test_kernels_are_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton_ops._quantize_kernel, InterpretedFunction)
+    assert isinstance(triton_ops._dequant_reduce_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("numel,block_size", SHAPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_and_dequantize_bit_identical(numel, block_size, bits):
+    x = _inputs(numel, block_size, seed=numel + bits)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype) if dtype != torch.float16 else x.clamp(-6e4, 6e4).to(dtype)
+        want = reference.quantize(xd, bits, block_size)
+        _same(triton_ops.quantize(xd, bits, block_size), want)
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            _same(
+                triton_ops.dequantize(*want, bits, block_size, numel, dtype=out_dtype),
+                reference.dequantize(*want, bits, block_size, numel, dtype=out_dtype),
+            )
+
+
+@pytest.mark.parametrize("numel,block_size", SHAPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("err_beta", [0.8, 0.0, 1.0])
+def test_loco_quantize_bit_identical(numel, block_size, bits, err_beta):
+    grad = _inputs(numel, block_size, seed=7 * numel)
+    gen = torch.Generator().manual_seed(numel)
+    err = reference.quantize(torch.randn(numel, generator=gen), 8, block_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        mine = (err[0].clone(), err[1].clone())
+        theirs = (err[0].clone(), err[1].clone())
+        got = triton_ops.loco_quantize(grad.to(dtype), *mine, err_beta, block_size, bits)
+        want = reference.loco_quantize(grad.to(dtype), *theirs, err_beta, block_size, bits)
+        _same(got, want)
+        assert got[2] is mine[0] and got[3] is mine[1]  # the buffer is updated in place
+
+
+@pytest.mark.parametrize("numel,block_size", [s for s in SHAPES if s[0] % s[1] == 0] + [(390, 6)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_dequant_reduce_variants_bit_identical(numel, block_size, bits, parts):
+    padded = -(-numel // block_size) * block_size
+    quantized = [reference.quantize(_inputs(padded, block_size, seed=p), bits, block_size) for p in range(parts)]
+    codes = torch.stack([c for c, _ in quantized])
+    scales = torch.stack([s for _, s in quantized])
+    _same(
+        triton_ops.dequant_reduce(codes, scales, bits, block_size, numel),
+        reference.dequant_reduce(codes, scales, bits, block_size, numel),
+    )
+    for out_bits in (4, 8):
+        _same(
+            triton_ops.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
+            reference.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
+        )
+    err = reference.quantize(_inputs(padded, block_size, seed=99) * 1e-2, 8, block_size)
+    mine, theirs = (err[0].clone(), err[1].clone()), (err[0].clone(), err[1].clone())
+    _same(
+        triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, *mine, 0.8),
+        reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, *theirs, 0.8),
+    )
+
+
+def test_loco_steps_stay_identical_over_a_run():
+    """Errors compound through the buffer; ten chained steps must still agree bit for bit."""
+    block, numel = 64, 64 * 5 + 9
+    gen = torch.Generator().manual_seed(1)
+    mine = (torch.zeros(5 * 64 + 64, dtype=torch.int8), torch.zeros(6))
+    theirs = (mine[0].clone(), mine[1].clone())
+    for _ in range(10):
+        grad = torch.randn(numel, generator=gen)
+        _same(triton_ops.loco_quantize(grad, *mine, 0.8, block), reference.loco_quantize(grad, *theirs, 0.8, block))
+
+
+def test_triton_launchers_validate_like_the_reference():
+    from megazpp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bits=2"):
+        triton_ops.quantize(torch.randn(8), 2, 8)
+    with pytest.raises(ConfigError, match="dtype torch.float64"):
+        triton_ops.quantize(torch.randn(8, dtype=torch.float64), 8, 8)
+    codes, scales = reference.quantize(torch.randn(16), 4, 8)
+    with pytest.raises(ConfigError, match="stacked"):
+        triton_ops.dequant_reduce_quantize(codes, scales, 4, 8)
+    strided = torch.zeros(32, dtype=torch.int8)[::2]
+    with pytest.raises(ConfigError, match="contiguous"):
+        triton_ops.loco_quantize(torch.randn(16), strided, torch.zeros(2), 0.8, 8)
