@@ -1,0 +1,90 @@
+"""Run a strategy's collective sequence (from `formulas`) on a bucket's tensors.
+
+Why an interpreter: the sequence the engine runs is the same list of `Collective`s that the
+byte formulas price, so what is predicted is what is executed. A multi-stage sequence
+(hierarchical) runs its first stage asynchronously and the rest when waited on, so a
+bucket's reduction overlaps the remaining backward pass without a thread of our own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from megazpp.parallel import comm
+from megazpp.zero.formulas import Collective
+from megazpp.zero.layout import from_dp_order, to_dp_order
+
+
+@dataclass
+class ZeroGroups:
+    """The process groups of a strategy: all DP ranks, my PaRO group, my column across groups."""
+
+    dp: Any
+    intra: Any
+    cross: Any
+    d: int
+    k: int
+
+    @property
+    def m(self) -> int:
+        return self.d // self.k
+
+    def get(self, name: str) -> Any:
+        return getattr(self, name)
+
+
+def _size_of(groups: ZeroGroups, name: str) -> int:
+    return {"dp": groups.d, "intra": groups.k, "cross": groups.m}[name]
+
+
+def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
+    """Launch one collective on `t`; returns (work, result tensor, finisher run after wait)."""
+    size = _size_of(groups, c.group)
+    group = groups.get(c.group)
+    permute = c.group == "dp" and groups.k not in (1, groups.d)
+    if c.op == "all_reduce":
+        return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
+    if c.op == "all_gather":
+        out = torch.empty(t.numel() * size, dtype=t.dtype)
+        if not permute:
+            return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
+        staged = torch.empty_like(out)
+        work = comm.all_gather_into_tensor(staged, t, group=group, async_op=True, tag=tag)
+        return work, out, lambda: from_dp_order(staged, out, groups.k, groups.m)
+    out = torch.empty(t.numel() // size, dtype=t.dtype)
+    src = to_dp_order(t, groups.k, groups.m).contiguous() if permute else t
+    return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
+
+
+class PendingSequence:
+    """A sequence in flight: stage 1 launched; `wait()` finishes every stage, returns the result."""
+
+    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> None:
+        self._rest = list(seq)
+        self._groups, self._tag = groups, tag
+        self._result = t
+        self._work: Any = None
+        self._finish: Callable[[], None] = lambda: None
+        self.launched_calls = 0
+        self._launch_next()
+
+    def _launch_next(self) -> None:
+        if self._rest:
+            c = self._rest.pop(0)
+            self._work, self._result, self._finish = _start(c, self._result, self._groups, self._tag)
+            self.launched_calls += 1
+
+    def wait(self) -> torch.Tensor:
+        while self._work is not None:
+            self._work.wait()
+            self._finish()
+            self._work = None
+            self._launch_next()
+        return self._result
+
+
+def run_sequence(seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> torch.Tensor:
+    return PendingSequence(seq, t, groups, tag).wait()

@@ -1,0 +1,377 @@
+"""ZeroEngine: one data-parallel optimizer engine that runs any PaRO strategy from its triple.
+
+One step, top to bottom:
+1. backward: each parameter's gradient is moved, as soon as autograd produced it, into its
+   bucket (added into the accumulator when g = N, copied into a staging buffer otherwise);
+   when a bucket is complete its reduction to level g starts asynchronously;
+2. `step()`: finish the reductions, take every bucket from level g to the full sum at level
+   os (`formulas.boundary_sequence`), compute the global gradient norm over the os shards,
+   unscale (fp16) and clip, run AdamW on the fp32 master pieces, and refresh parameters at
+   level p from the updated os shard (`formulas.param_sync_sequence`).
+With p sharded, `param_fetch.ParamFetcher` gathers and releases parameter units around each
+module's forward and backward. Every collective comes from `formulas`, so the bytes the
+comm counter records are the bytes `formulas.step_bytes` predicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.errors import CheckpointError, ConfigError
+from megazpp.parallel.tensor_parallel import param_is_tp_sharded
+from megazpp.training.engine import StepResult, model_dtype
+from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
+from megazpp.training.loss_scaler import LossScaler
+from megazpp.training.optimizer import build_adamw, set_lr
+from megazpp.zero import formulas
+from megazpp.zero.bucket import Bucket, MasterPiece
+from megazpp.zero.collectives import PendingSequence, ZeroGroups, run_sequence
+from megazpp.zero.layout import BucketLayout
+from megazpp.zero.param_fetch import ParamFetcher
+from megazpp.zero.strategy import Level, Strategy, parse_strategy
+from megazpp.zero.units import gradient_buckets, parameter_units
+
+log = logging.getLogger(__name__)
+
+ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ZeroOptions:
+    """How the engine partitions and moves state (the zero_optimization block, resolved)."""
+
+    strategy: str | int = "NNN"
+    paro_group_size: int | None = None  # None: the DP ranks on one node
+    bucket_numel: int = 50_000_000  # gradient bucket size when parameters are replicated
+    module_granularity_threshold: int = 0
+    hierarchical: str | bool = "auto"
+    micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
+
+
+class ZeroEngine:
+    """The optimizer-engine protocol (scale_loss, step, zero_grad, state_dict) over DP ranks."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
+                 options: ZeroOptions, topology: Any) -> None:
+        """`model` is built in fp32 (as for LocalEngine); masters are taken from it before the
+        parameters are cast to the precision's model dtype."""
+        self.model = model
+        self.topology = topology
+        self.strategy: Strategy = parse_strategy(options.strategy)
+        self.options = options
+        self.clip_grad = optimizer.clip_grad
+        if precision.grad_accum_dtype not in ACCUM_DTYPES:
+            raise ConfigError(f"precision.grad_accum_dtype = {precision.grad_accum_dtype!r}: expected "
+                              f"one of {sorted(ACCUM_DTYPES)}")
+        self.accum_dtype = ACCUM_DTYPES[precision.grad_accum_dtype]
+        self.param_dtype = model_dtype(precision)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the model has no trainable parameters for the ZeRO engine")
+        self.scaler: LossScaler | None = None
+        if precision.fp16:
+            dynamic = precision.loss_scale == 0
+            self.scaler = LossScaler(
+                precision.initial_loss_scale if dynamic else precision.loss_scale,
+                dynamic=dynamic, min_scale=precision.min_loss_scale,
+                growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+        self.groups, self.shapes = self._build_groups(options.paro_group_size)
+        self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
+        log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s",
+                 self.strategy, self.groups.d, self.groups.k, self.hier)
+        self.step_count = 0
+        self._micro_batches = 0
+        self._callback_queued = False
+        self.buckets = self._build_buckets()
+        model.to(self.param_dtype)
+        groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
+                   "weight_decay": optimizer.weight_decay},
+                  {"params": [m.param for b in self.buckets for m in b.masters if not m.decays],
+                   "weight_decay": 0.0}]
+        self.optimizer = build_adamw([g for g in groups if g["params"]], optimizer)
+        self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.fetcher: ParamFetcher | None = None
+        if self.strategy.p != Level.N:
+            seq = formulas.param_fetch_sequence(self.strategy, self.groups.k, self.hier)
+            self.fetcher = ParamFetcher(self.buckets, seq, self.groups, self._unit_modules(),
+                                        self._queue_backward_callback)
+            model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
+
+    # -- construction ------------------------------------------------------------------------
+    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, formulas.DPShapes]:
+        topo = self.topology
+        d = topo.dp
+        if k is None:
+            k = max(1, sum(1 for r in topo.dp_ranks if topo.node_of(r) == topo.node))
+        if k < 1 or d % k:
+            raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the "
+                              f"data-parallel size {d}")
+        intra_ranks, intra = topo.dp_subgroup(k)
+        cross_ranks, cross = topo.dp_cross_subgroup(k)
+        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node)
+        return ZeroGroups(topo.dp_group, intra, cross, d, k), shapes
+
+    def _build_buckets(self) -> list[Bucket]:
+        o = self.options
+        if self.strategy.p == Level.N:
+            specs = gradient_buckets(self.model, o.bucket_numel)
+        else:
+            specs = parameter_units(self.model, o.module_granularity_threshold)
+        dp_index = self.topology.dp_rank
+        s, tp_rank = self.strategy, getattr(self.topology, "tp_rank", 0)
+        buckets = []
+        for spec in specs:
+            layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index)
+            flat = layout.flatten(torch.float32)
+            lo, hi = layout.shard_range(s.p)
+            store = flat[lo:hi].to(self.param_dtype, copy=True)
+            if s.p == Level.N:
+                layout.view_params_into(store)
+            os_lo, _ = layout.shard_range(s.os)
+            masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
+                       for a, b, decays in layout.decay_split(s.os)]
+            keep = [param_is_tp_sharded(p) or tp_rank == 0 for p in layout.params]
+            buckets.append(Bucket(spec.name, layout, spec.module, store,
+                                  torch.zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
+                                  masters, layout.ranges_in_shard(s.os, keep)))
+        return buckets
+
+    def _unit_modules(self) -> dict[int, list[nn.Module]]:
+        """The unit's own module plus any module elsewhere that registers one of its parameters
+        (a tied output layer), so every user of a parameter gathers it first."""
+        owner = {id(p): b for b in self.buckets for p in b.layout.params}
+        modules: dict[int, list[nn.Module]] = {id(b): [b.module] for b in self.buckets}
+        subtree = {id(b): {id(m) for m in b.module.modules()} for b in self.buckets}
+        for module in self.model.modules():
+            for p in module.parameters(recurse=False):
+                b = owner.get(id(p))
+                if b is not None and id(module) not in subtree[id(b)] and module not in modules[id(b)]:
+                    modules[id(b)].append(module)
+        return modules
+
+    # -- backward ----------------------------------------------------------------------------
+    def _queue_backward_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        self._queue_backward_callback()
+        b, i = self._bucket_of[id(p)]
+        off, n = b.layout.offsets[i], b.layout.shapes[i].numel()
+        grad = p.grad.reshape(-1)
+        if self.strategy.g == Level.N:
+            b.grad_acc[off:off + n].add_(grad)
+        else:
+            if b.staging is None:
+                b.staging = torch.zeros(b.layout.padded, dtype=self.param_dtype)
+            b.staging[off:off + n].copy_(grad)
+        p.grad = None
+        b.arrived.add(i)
+        if len(b.arrived) == b.num_params:
+            self._bucket_done(b)
+
+    def _bucket_done(self, b: Bucket) -> None:
+        """All of this micro-batch's gradients of `b` are in: start its reduction, free params."""
+        b.launched = True
+        s = self.strategy
+        if s.g != Level.N:
+            self._wait_micro(b)
+            if b.staging is None:  # no parameter of the bucket was used in this backward
+                b.staging = torch.zeros(b.layout.padded, dtype=self.param_dtype)
+            b.staging.mul_(1.0 / self.groups.d)
+            seq = formulas.micro_batch_reduce_sequence(s, self.groups.k, self.hier)
+            b.micro_pending = PendingSequence(seq, b.staging, self.groups, "zero/grad_reduce")
+            b.staging = None
+        elif self._is_last_micro_batch():
+            self._start_boundary(b)
+        if self.fetcher is not None:
+            self.fetcher.release(b)
+
+    def _wait_micro(self, b: Bucket) -> None:
+        if b.micro_pending is not None:
+            b.grad_acc.add_(b.micro_pending.wait())
+            b.micro_pending = None
+
+    def _is_last_micro_batch(self) -> bool:
+        n = self.options.micro_batches_per_step
+        return n is not None and self._micro_batches + 1 == n
+
+    def _backward_finished(self) -> None:
+        """End of one backward pass: launch what unused parameters left pending, in bucket
+        order (the same on every rank, so collectives stay matched)."""
+        for b in self.buckets:
+            if not b.launched:
+                self._bucket_done(b)
+            b.launched = False
+            b.arrived.clear()
+        self._micro_batches += 1
+        self._callback_queued = False
+
+    def _start_boundary(self, b: Bucket) -> None:
+        s = self.strategy
+        if s.g == Level.N:
+            b.grad_acc.mul_(1.0 / self.groups.d)
+        seq = formulas.boundary_sequence(s, self.groups.k, self.hier)
+        b.boundary_pending = PendingSequence(seq, b.grad_acc, self.groups, "zero/grad_boundary")
+
+    # -- the engine protocol -----------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def _os_gradients(self) -> list[torch.Tensor]:
+        """Finish every bucket's reductions; the fully reduced fp32 gradient of my os shard."""
+        grads = []
+        for b in self.buckets:
+            self._wait_micro(b)
+            if b.boundary_pending is None:
+                self._start_boundary(b)
+            grads.append(b.boundary_pending.wait().float())
+            b.boundary_pending = None
+        return grads
+
+    def _norm_groups(self) -> list[Any]:
+        """Groups whose ranks' os shards together hold each gradient element exactly once."""
+        groups = [self.groups.get(n) for n in formulas.norm_groups(self.strategy)
+                  if getattr(self.shapes, n).size > 1]
+        for attr, size in (("tp_group", "tp"), ("pp_group", "pp")):
+            if getattr(self.topology, size, 1) > 1:
+                groups.append(getattr(self.topology, attr))
+        return groups
+
+    def step(self) -> StepResult:
+        grads = self._os_gradients()
+        if self.scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
+        norm = float(global_grad_norm(counted, self._norm_groups()))
+        finite = math.isfinite(norm)
+        if finite:
+            pieces = [(m, g[m.start:m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
+            for m, g in pieces:
+                m.param.grad = g
+            clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
+            self.optimizer.step()
+            for b in self.buckets:
+                self._refresh_params(b)
+            self.step_count += 1
+        self.zero_grad()
+        if self.scaler is not None:
+            self.scaler.update(overflow=not finite)
+        return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
+
+    def _refresh_params(self, b: Bucket) -> None:
+        s = self.strategy
+        new_os = torch.cat([piece.param for piece in b.masters]).to(self.param_dtype)
+        seq = formulas.param_sync_sequence(s, self.groups.k, self.hier)
+        b.param_store.copy_(run_sequence(seq, new_os, self.groups, "zero/param_sync"))
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.micro_pending is not None or b.boundary_pending is not None:
+                self._wait_micro(b)
+                if b.boundary_pending is not None:
+                    b.boundary_pending.wait()
+                    b.boundary_pending = None
+            b.grad_acc.zero_()
+            for m in b.masters:
+                m.param.grad = None
+        self._micro_batches = 0
+        if self.fetcher is not None:
+            self.fetcher.reset_stats()
+
+    # -- introspection -----------------------------------------------------------------------
+    def padded_numels(self) -> list[int]:
+        return [b.layout.padded for b in self.buckets]
+
+    def held_bytes(self) -> formulas.StateBytes:
+        """Model-state bytes this rank holds, counted from the engine's own tensors."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+        params = sum(nbytes(b.param_store) for b in self.buckets)
+        grads = sum(nbytes(b.grad_acc) for b in self.buckets)
+        optim = 0
+        for b in self.buckets:
+            for m in b.masters:
+                moments = self.optimizer.state.get(m.param, {})
+                optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
+                                               if k in moments)
+        return formulas.StateBytes(params, grads, optim)
+
+    def expected_bytes(self) -> formulas.StateBytes:
+        return formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
+                                    torch.empty(0, dtype=self.param_dtype).element_size(),
+                                    torch.empty(0, dtype=self.accum_dtype).element_size())
+
+    def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
+        extra = []
+        for attr, size in (("tp_ranks", "tp"), ("pp_ranks", "pp")):
+            if getattr(self.topology, size, 1) > 1:
+                extra.append(formulas.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
+                                                    self.topology.ranks_per_node))
+        elem = torch.empty(0, dtype=self.param_dtype).element_size()
+        acc = torch.empty(0, dtype=self.accum_dtype).element_size()
+        return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                   micro_batches=micro_batches, param_bytes=elem, accum_bytes=acc,
+                                   extra_norm_groups=extra)
+
+    def stats(self) -> dict[str, int]:
+        """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
+        if self.fetcher is None:
+            return {"fetch_hooks": 0, "param_all_gathers": 0}
+        return {"fetch_hooks": self.fetcher.fetch_hook_calls,
+                "param_all_gathers": self.fetcher.all_gather_calls}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        buckets = []
+        for b in self.buckets:
+            buckets.append({"name": b.name, "padded": b.layout.padded,
+                            "param_store": b.param_store.clone(), "grad_acc": b.grad_acc.clone(),
+                            "masters": [m.param.detach().clone() for m in b.masters]})
+        return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
+                "dp_rank": self.topology.dp_rank, "step_count": self.step_count, "buckets": buckets,
+                "optimizer": self.optimizer.state_dict(),
+                "loss_scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.fetcher is not None:
+            self.fetcher.release_all()
+        mine = (self.strategy.name, self.groups.d, self.groups.k, self.topology.dp_rank)
+        theirs = (state.get("strategy"), state.get("dp"), state.get("k"), state.get("dp_rank"))
+        if mine != theirs:
+            raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
+                                  f"= {theirs}, this run is {mine}")
+        if len(state["buckets"]) != len(self.buckets):
+            raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
+                                  f"here has {len(self.buckets)}")
+        for b, saved in zip(self.buckets, state["buckets"]):
+            if saved["name"] != b.name or saved["padded"] != b.layout.padded:
+                raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "
+                                      f"elements) does not match {b.name} ({b.layout.padded})")
+            b.param_store.copy_(saved["param_store"])
+            b.grad_acc.copy_(saved["grad_acc"])
+            with torch.no_grad():
+                for m, saved_master in zip(b.masters, saved["masters"]):
+                    m.param.copy_(saved_master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = state["step_count"]
+        if (self.scaler is None) != (state.get("loss_scaler") is None):
+            raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])

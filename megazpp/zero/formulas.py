@@ -1,0 +1,259 @@
+"""Closed-form model-state bytes and communication bytes of every PaRO strategy.
+
+Why one module: the engine, its tests, the benchmark and the future auto-planner must agree
+on what a strategy costs. The engine also uses `collectives` here to decide which collective
+sequence to run, so the sequence documented in docs/arch/zero.md, the one executed and the one
+predicted are the same table.
+
+Notation (per bucket): P = padded element count (a multiple of the DP size D), k = PaRO group
+size, m = D / k. Level N holds P elements, I holds P / k, G holds P / D. A micro-batch step has
+A micro-batches. Byte counts follow the convention of megazpp.parallel.comm: a rank counts what
+it receives from each other member of a collective, classed intra/inter by the member's node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from megazpp.zero.strategy import Level, Strategy
+
+ADAM_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + fp32 exp_avg + fp32 exp_avg_sq
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """Members of a communication group as seen from one rank: how many peers share its node."""
+
+    size: int
+    intra_peers: int
+    inter_peers: int
+
+    @staticmethod
+    def of(ranks: Sequence[int], me: int, ranks_per_node: int) -> "GroupShape":
+        node = me // ranks_per_node
+        intra = sum(1 for r in ranks if r != me and r // ranks_per_node == node)
+        return GroupShape(len(ranks), intra, len(ranks) - 1 - intra)
+
+
+@dataclass(frozen=True)
+class DPShapes:
+    """The three data-parallel groups a strategy uses: all DP ranks, my PaRO group, my column.
+
+    `cross` is the set of DP ranks that hold the same position inside their PaRO group; it is
+    the group of the second (inter-group) stage of every hierarchical collective.
+    """
+
+    dp: GroupShape
+    intra: GroupShape
+    cross: GroupShape
+
+    @property
+    def k(self) -> int:
+        return self.intra.size
+
+    @property
+    def d(self) -> int:
+        return self.dp.size
+
+
+def paro_group_ranks(dp_ranks: Sequence[int], k: int, dp_index: int) -> tuple[list[int], list[int]]:
+    """(my PaRO group, my cross group) as global ranks, for DP member `dp_index` of `dp_ranks`."""
+    gi, local = divmod(dp_index, k)
+    intra = list(dp_ranks[gi * k:(gi + 1) * k])
+    cross = [dp_ranks[j * k + local] for j in range(len(dp_ranks) // k)]
+    return intra, cross
+
+
+def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int) -> DPShapes:
+    intra, cross = paro_group_ranks(dp_ranks, k, list(dp_ranks).index(me))
+    return DPShapes(GroupShape.of(dp_ranks, me, ranks_per_node), GroupShape.of(intra, me, ranks_per_node),
+                    GroupShape.of(cross, me, ranks_per_node))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a strategy's sequence.
+
+    `numel_div` gives the tensor size as P / numel_div: the OUTPUT of an all-gather, the INPUT
+    of a reduce-scatter or all-reduce (the sizes the comm counter reads).
+    """
+
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    group: str  # "dp" | "intra" | "cross"
+    numel_div: int
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Whether each G-level collective runs in two stages (PaRO group, then cross group)."""
+
+    gather: bool = False
+    reduce: bool = False
+    all_reduce: bool = False
+
+
+def level_div(level: Level, d: int, k: int) -> int:
+    return {Level.N: 1, Level.I: k, Level.G: d}[level]
+
+
+def gather_sequence(src: Level, dst: Level, k: int, hier: Hierarchy) -> list[Collective]:
+    """Collectives that rebuild level `dst` (coarser) from shards at level `src`."""
+    if src <= dst:
+        return []
+    if src == Level.I:  # I -> N
+        return [Collective("all_gather", "intra", 1)]
+    if dst == Level.I:  # G -> I
+        return [Collective("all_gather", "cross", k)]
+    if hier.gather:  # G -> N in two stages: columns first, then inside the group
+        return [Collective("all_gather", "cross", k), Collective("all_gather", "intra", 1)]
+    return [Collective("all_gather", "dp", 1)]
+
+
+def reduce_sequence(src: Level, dst: Level, k: int, hier: Hierarchy) -> list[Collective]:
+    """Collectives that sum gradients held at level `src` into shards at level `dst` (finer).
+
+    Reducing to I gives the sum over the PaRO group only; `boundary_sequence` adds the
+    cross-group sum when the optimizer state sits at I.
+    """
+    if dst <= src:
+        return []
+    if dst == Level.I:  # N -> I
+        return [Collective("reduce_scatter", "intra", 1)]
+    if src == Level.I:  # I -> G
+        return [Collective("reduce_scatter", "cross", k)]
+    if hier.reduce:  # N -> G: inside the group first (fast link), then the 1/k chunk across
+        return [Collective("reduce_scatter", "intra", 1), Collective("reduce_scatter", "cross", k)]
+    return [Collective("reduce_scatter", "dp", 1)]
+
+
+def boundary_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
+    """Once per step: take the accumulated gradient from level g to the full sum at level os."""
+    if s.os == Level.N:  # NNN: plain data parallelism
+        if hier.all_reduce:
+            return [Collective("reduce_scatter", "intra", 1), Collective("all_reduce", "cross", k),
+                    Collective("all_gather", "intra", 1)]
+        return [Collective("all_reduce", "dp", 1)]
+    seq = reduce_sequence(s.g, s.os, k, hier)
+    if s.os == Level.I:  # the group sum of the I-chunk still lacks the other groups
+        seq.append(Collective("all_reduce", "cross", k))
+    return seq
+
+
+def micro_batch_reduce_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
+    """After each micro-batch's backward: bring the fresh gradient down to level g."""
+    return reduce_sequence(Level.N, s.g, k, hier)
+
+
+def param_fetch_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
+    """Before a unit's forward and again before its backward: rebuild full parameters."""
+    return gather_sequence(s.p, Level.N, k, hier)
+
+
+def param_sync_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
+    """After the optimizer updated the os shard: refresh the parameter shard at level p."""
+    return gather_sequence(s.os, s.p, k, hier)
+
+
+def collective_bytes(c: Collective, padded_numel: int, elem_bytes: int, shapes: DPShapes) -> tuple[int, int]:
+    """(intra, inter) bytes this rank receives for collective `c`, by comm's convention."""
+    g: GroupShape = getattr(shapes, c.group)
+    nbytes = padded_numel // c.numel_div * elem_bytes
+    if g.size == 1:
+        return 0, 0
+    if c.op == "all_reduce":
+        return 2 * nbytes * g.intra_peers // g.size, 2 * nbytes * g.inter_peers // g.size
+    per_peer = nbytes // g.size
+    return per_peer * g.intra_peers, per_peer * g.inter_peers
+
+
+def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem_bytes: int,
+                   shapes: DPShapes) -> tuple[int, int]:
+    intra = inter = 0
+    for c in seq:
+        a, b = collective_bytes(c, padded_numel, elem_bytes, shapes)
+        intra, inter = intra + a, inter + b
+    return intra, inter
+
+
+def choose_hierarchy(shapes: DPShapes, mode: str | bool = "auto") -> Hierarchy:
+    """Two-stage G-level collectives where they move fewer inter-node bytes (or as forced).
+
+    Decided on a unit payload so the answer does not depend on bucket sizes; a degenerate
+    split (k = 1 or k = D) is never hierarchical since one of its stages would be a no-op.
+    """
+    if shapes.k in (1, shapes.d) or mode is False or mode == "off":
+        return Hierarchy()
+    if mode is True or mode == "on":
+        return Hierarchy(True, True, True)
+    unit = shapes.d * shapes.k * 8
+    flat, hier = Hierarchy(), Hierarchy(True, True, True)
+    pick = {}
+    for name, seq_of in (("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.k, h)),
+                         ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.k, h)),
+                         ("all_reduce", lambda h: boundary_sequence(Strategy(Level.N, Level.N, Level.N),
+                                                                    shapes.k, h))):
+        pick[name] = sequence_bytes(seq_of(hier), unit, 1, shapes)[1] < sequence_bytes(seq_of(flat), unit, 1, shapes)[1]
+    return Hierarchy(**pick)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes one rank holds between steps."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int,
+                accum_bytes: int) -> StateBytes:
+    """Parameters at p (model dtype), gradient accumulators at g, fp32 master + Adam at os."""
+    params = grads = optim = 0
+    for n in padded_numels:
+        params += n // level_div(s.p, d, k) * param_bytes
+        grads += n // level_div(s.g, d, k) * accum_bytes
+        optim += n // level_div(s.os, d, k) * ADAM_STATE_BYTES_PER_ELEMENT
+    return StateBytes(params, grads, optim)
+
+
+def norm_groups(s: Strategy) -> list[str]:
+    """DP groups the squared-gradient-norm scalar is summed over (the os shard's owners)."""
+    return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.os]
+
+
+def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
+               micro_batches: int, param_bytes: int, accum_bytes: int,
+               extra_norm_groups: Sequence[GroupShape] = ()) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`.
+
+    Per bucket: 2 parameter fetches per micro-batch (forward, backward) when p is sharded,
+    one gradient reduction to g per micro-batch, the boundary reduction to os in the
+    accumulation dtype, the parameter refresh to p; plus one fp32 all-reduce of the squared
+    norm over the os owners and over `extra_norm_groups` (tensor / pipeline groups).
+    """
+    k = shapes.k
+    intra = inter = 0
+    for n in padded_numels:
+        parts = [(param_fetch_sequence(s, k, hier), param_bytes, 2 * micro_batches),
+                 (micro_batch_reduce_sequence(s, k, hier), param_bytes, micro_batches),
+                 (boundary_sequence(s, k, hier), accum_bytes, 1),
+                 (param_sync_sequence(s, k, hier), param_bytes, 1)]
+        for seq, elem, times in parts:
+            a, b = sequence_bytes(seq, n, elem, shapes)
+            intra, inter = intra + times * a, inter + times * b
+    norm_shapes = [getattr(shapes, g) for g in norm_groups(s)] + list(extra_norm_groups)
+    for g in norm_shapes:
+        if g.size > 1:
+            intra += 2 * 4 * g.intra_peers // g.size
+            inter += 2 * 4 * g.inter_peers // g.size
+    return intra, inter
+
+
+def padded_numel(numel: int, d: int) -> int:
+    """Round a bucket up to a multiple of the DP size so every level divides it evenly."""
+    return -(-numel // d) * d

@@ -1,0 +1,112 @@
+"""Where every parameter element lives in a bucket's flat buffer, and which slice each rank owns.
+
+Why a nested layout: the flat buffer of P elements (padded to a multiple of the DP size D) is
+cut into k I-chunks (PaRO group size k), and each I-chunk into m = D / k G-pieces. The DP rank
+at position `local` of PaRO group `group` owns I-chunk `local` and, inside it, G-piece
+`group`. So a rank's G shard lies inside its I shard, and the two-stage collectives (reduce-
+scatter inside the group, then across the column of equal positions) land exactly on the G
+shard with no reshuffle; only a single-stage collective over all DP ranks needs the
+permutation in `to_dp_order` / `from_dp_order`.
+
+Decay parameters come first, so the optimizer shard of a bucket splits into at most two
+contiguous pieces (weight decay on, off) that AdamW can take as plain tensors. Padding is
+zero, gets zero gradients, and counts as no-decay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazpp.training.optimizer import is_decayed
+from megazpp.zero.formulas import level_div, padded_numel
+from megazpp.zero.strategy import Level
+
+
+@dataclass
+class BucketLayout:
+    names: list[str]
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]  # kept here: a released parameter's own shape is (0,)
+    offsets: list[int]
+    decay_numel: int
+    numel: int
+    padded: int
+    d: int
+    k: int
+    dp_index: int
+
+    @staticmethod
+    def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int) -> "BucketLayout":
+        ordered = ([np for np in named_params if is_decayed(*np)] +
+                   [np for np in named_params if not is_decayed(*np)])
+        offsets, pos, decay = [], 0, 0
+        for name, p in ordered:
+            offsets.append(pos)
+            pos += p.numel()
+            if is_decayed(name, p):
+                decay = pos
+        return BucketLayout([n for n, _ in ordered], [p for _, p in ordered],
+                            [p.shape for _, p in ordered], offsets, decay, pos,
+                            padded_numel(pos, d), d, k, dp_index)
+
+    @property
+    def m(self) -> int:
+        return self.d // self.k
+
+    def shard_range(self, level: Level) -> tuple[int, int]:
+        """[start, end) of this rank's shard at `level` in the flat buffer."""
+        size = self.padded // level_div(level, self.d, self.k)
+        group, local = divmod(self.dp_index, self.k)
+        if level == Level.N:
+            return 0, self.padded
+        if level == Level.I:
+            return local * size, (local + 1) * size
+        index = local * self.m + group
+        return index * size, (index + 1) * size
+
+    def shard_size(self, level: Level) -> int:
+        return self.padded // level_div(level, self.d, self.k)
+
+    def decay_split(self, level: Level) -> list[tuple[int, int, bool]]:
+        """Pieces (start, end, decays) of the `level` shard, relative to the shard's start."""
+        lo, hi = self.shard_range(level)
+        pieces = []
+        if lo < self.decay_numel:
+            pieces.append((0, min(hi, self.decay_numel) - lo, True))
+        if hi > self.decay_numel:
+            pieces.append((max(lo, self.decay_numel) - lo, hi - lo, False))
+        return pieces
+
+    def ranges_in_shard(self, level: Level, keep: list[bool]) -> list[tuple[int, int]]:
+        """Parts of the `level` shard covered by the parameters flagged in `keep`, shard-relative."""
+        lo, hi = self.shard_range(level)
+        out = []
+        for off, shape, k in zip(self.offsets, self.shapes, keep):
+            a, b = max(off, lo), min(off + shape.numel(), hi)
+            if k and a < b:
+                out.append((a - lo, b - lo))
+        return out
+
+    def flatten(self, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=dtype)
+        for off, p in zip(self.offsets, self.params):
+            flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    def view_params_into(self, flat: torch.Tensor) -> None:
+        """Make every parameter's data a view of `flat` (the gathered or replicated buffer)."""
+        for off, p, shape in zip(self.offsets, self.params, self.shapes):
+            p.data = flat[off:off + shape.numel()].view(shape)
+
+
+def to_dp_order(flat: torch.Tensor, k: int, m: int) -> torch.Tensor:
+    """Reorder G-pieces from layout order (chunk-major) to DP-rank order (group-major)."""
+    return flat.view(k, m, -1).transpose(0, 1).reshape(-1)
+
+
+def from_dp_order(gathered: torch.Tensor, out: torch.Tensor, k: int, m: int) -> None:
+    """Inverse of `to_dp_order`, written into `out`."""
+    out.view(k, m, -1).copy_(gathered.view(m, k, -1).transpose(0, 1))
