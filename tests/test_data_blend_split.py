@@ -28,13 +28,18 @@ def test_blend_of_0_7_and_0_3_draws_those_proportions(write_token_dataset):
     assert len(train.datasets[0]) + len(train.datasets[1]) == 10_000
 
 
-def test_blend_index_is_within_one_sample_of_the_weights_at_every_prefix():
-    dataset_index, sample_index = blend_indices([2.0, 1.0, 1.0], 4000)
-    counts = np.stack([np.cumsum(dataset_index == d) for d in range(3)], axis=1)
-    target = np.outer(np.arange(1, 4001), [0.5, 0.25, 0.25])
-    assert np.abs(counts - target).max() <= 1
-    for d in range(3):  # each component is read in order 0, 1, 2, ...
-        assert sample_index[dataset_index == d].tolist() == list(range(int(counts[-1, d])))
+def test_blend_index_tracks_the_weights_at_every_prefix():
+    rng = np.random.default_rng(0)
+    for weights in [[2.0, 1.0, 1.0], [0.7, 0.3]] + [rng.random(int(k)) + 0.01 for k in rng.integers(2, 9, 40)]:
+        w = np.asarray(weights) / np.sum(weights)
+        dataset_index, sample_index = blend_indices(weights, 4000)
+        counts = np.stack([np.cumsum(dataset_index == d) for d in range(len(w))], axis=1)
+        assert np.abs(counts - np.outer(np.arange(1, 4001), w)).max() <= 2
+        for d in range(len(w)):  # each component is read in order 0, 1, 2, ...
+            assert sample_index[dataset_index == d].tolist() == list(range(int(counts[-1, d])))
+    dataset_index, _ = blend_indices([0.7, 0.3], 10)
+    # virtual times: A at 0.71 2.14 3.57 5.0 6.43 7.86 9.29, B at 1.67 5.0 8.33
+    assert dataset_index.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 1, 0]
 
 
 @pytest.mark.parametrize("data_path, message", [

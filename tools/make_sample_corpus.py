@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"approximate corpus size in bytes (default {DEFAULT_TOTAL_BYTES})")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    summary = build_sample_corpus(args.out, total_bytes=args.total_bytes)
+    summary = build_sample_corpus(args.out, total_bytes=args.total_bytes, progress=True)
     for source, path in summary.files.items():
         print(f"{path}: {summary.documents[source]} documents, {summary.bytes[source]} bytes")
     print(f"sample corpus: {len(summary.files)} sources, {sum(summary.documents.values())} documents, "

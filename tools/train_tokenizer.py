@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     files = [f for pattern in args.input for f in resolve_inputs(pattern)] if args.input else []
     start = time.perf_counter()
     model, skipped = train_tokenizer(files, args.vocab_size, args.output, key=args.json_key,
-                                     input_sentence_size=args.input_sentence_size, seed=args.seed)
+                                     input_sentence_size=args.input_sentence_size, seed=args.seed,
+                                     progress=True)
     vocab = Tokenizer(model).vocab_size
     skipped_text = ", ".join(f"{r}={n}" for r, n in sorted(skipped.items())) or "none"
     print(f"tokenizer {model}: vocab {vocab} trained on {len(files)} files in "

@@ -1,9 +1,12 @@
 """Several datasets mixed by weight (Megatron's `--data-path 0.7 A 0.3 B`).
 
-Sample i goes to the dataset that is furthest behind its target share after i + 1 draws
-(largest `weight * (i + 1) - drawn_so_far`). The mix is deterministic, needs no random
-numbers, and every prefix of the sequence is within one sample of the exact proportions,
-so even a short run sees the requested blend.
+The mix is a deterministic interleaving, no random numbers: dataset d's j-th sample is given
+the virtual time (j + 1/2) / w_d and samples are served in time order (ties go to the lower
+dataset number). That is the order in which a divisor (Sainte-Lague) apportionment hands out
+seats, so every prefix of the sequence stays within about one sample of the exact
+proportions (tests check at most two over random blends of up to 8 datasets) and even a
+short run sees the requested blend. Unlike Megatron's sample-by-sample greedy loop it is one
+sort, fast enough for hundreds of millions of samples on every rank.
 """
 
 from __future__ import annotations
@@ -21,15 +24,13 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
     if w.ndim != 1 or len(w) == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise DataError(f"blend weights must be positive finite numbers, got {list(weights)}")
     w = w / w.sum()
-    dataset_index = np.empty(size, dtype=np.int16 if len(w) < 2**15 else np.int32)
-    sample_index = np.empty(size, dtype=np.int64)
-    drawn = np.zeros(len(w), dtype=np.int64)
-    for i in range(size):
-        d = int(np.argmax(w * (i + 1) - drawn))
-        dataset_index[i] = d
-        sample_index[i] = drawn[d]
-        drawn[d] += 1
-    return dataset_index, sample_index
+    # No dataset can be owed more than ceil(size * w) + 1 samples within the first `size`.
+    counts = np.ceil(size * w).astype(np.int64) + 1
+    times = np.concatenate([(np.arange(n) + 0.5) / wd for n, wd in zip(counts, w)])
+    owners = np.repeat(np.arange(len(w)), counts)
+    within = np.concatenate([np.arange(n) for n in counts])
+    order = np.argsort(times, kind="stable")[:size]
+    return owners[order].astype(np.int32), within[order]
 
 
 class BlendedDataset:

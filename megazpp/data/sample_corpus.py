@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tqdm import tqdm
+
 from megazpp.errors import DataError
 
 CODE_SOURCE = "stdlib_code"
@@ -89,7 +91,7 @@ def _record(text: str, source: str, path: str) -> str:
 
 
 def build_sample_corpus(out_dir: str | os.PathLike, total_bytes: int = DEFAULT_TOTAL_BYTES,
-                        root: Path | None = None) -> CorpusSummary:
+                        root: Path | None = None, progress: bool = False) -> CorpusSummary:
     """Writes `<out_dir>/stdlib_code.jsonl` and `<out_dir>/stdlib_docs.jsonl`, about `total_bytes`.
 
     Docstrings are the scarcer source, so they get up to half of the budget and code fills the
@@ -99,7 +101,7 @@ def build_sample_corpus(out_dir: str | os.PathLike, total_bytes: int = DEFAULT_T
     root = root or stdlib_dir()
     if not root.is_dir():
         raise DataError(f"standard library directory {root} does not exist; cannot build the sample corpus")
-    modules = list(iter_stdlib_modules(root))
+    modules = list(tqdm(iter_stdlib_modules(root), desc="reading stdlib", unit=" file", disable=not progress))
     docs_lines = _lines(DOCS_SOURCE, ((rel, docstrings_of(src, _module_name(rel))) for rel, src in modules),
                         total_bytes // 2)
     docs_size = sum(map(len, docs_lines))

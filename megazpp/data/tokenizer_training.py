@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import sentencepiece as spm
+from tqdm import tqdm
 
 from megazpp.data.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import DataError
@@ -44,7 +45,7 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
 
 def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
                     key: str = "text", input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
-                    seed: int = 1234) -> tuple[Path, Counter]:
+                    seed: int = 1234, progress: bool = False) -> tuple[Path, Counter]:
     """Trains and writes `<output_prefix>.model` / `.vocab`; returns the model path and skip counts."""
     paths = [Path(f) for f in files]
     for p in paths:
@@ -59,7 +60,8 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
     spm.set_random_generator_seed(seed)  # the line sample, hence the model, follows the seed
     try:
         spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter_training_lines(paths, key, skipped),
+            sentence_iterator=iter(tqdm(iter_training_lines(paths, key, skipped), desc="reading lines",
+                                        unit=" line", disable=not progress)),
             model_prefix=str(tmp_prefix),
             model_type="bpe",
             vocab_size=vocab_size,
