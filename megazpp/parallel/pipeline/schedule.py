@@ -1,0 +1,112 @@
+"""The 1F1B pipeline schedule: forward and backward over the micro-batches of one step.
+
+Stage p of P first runs P - p - 1 warm-up forwards (filling the pipe), then alternates one
+forward and one backward (steady state: at most P - p activations held, not all M), then
+drains the remaining backwards. Embedding runs on the first stage, head and loss on the last.
+Same calling convention as `megazpp.training.schedule.forward_backward`: each micro-batch's
+mean loss is divided by the number of micro-batches before backward, and every rank returns
+the list of per-micro-batch losses (broadcast from the last stage, so logging on any rank
+reports the true loss). Tied embedding gradients are synchronised before returning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from megazpp.parallel import comm
+from megazpp.parallel.pipeline.p2p import exchange
+from megazpp.parallel.pipeline.tied import sync_tied_embedding_grads
+from megazpp.parallel.topology import Topology
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+class _Stage:
+    """One stage's forward/backward steps over micro-batches, with its boundary shapes."""
+
+    def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Any,
+                 topo: Topology, sequence_parallel: bool, forward_only: bool) -> None:
+        self.model, self.micro_batches, self.engine, self.topo = model, micro_batches, engine, topo
+        self.forward_only = forward_only
+        tokens = micro_batches[0][0]
+        seq = tokens.shape[1] // topo.tp if sequence_parallel else tokens.shape[1]
+        param = next(model.parameters())
+        self.shape = (tokens.shape[0], seq, model.cfg.hidden_size)
+        self.dtype, self.device = param.dtype, param.device
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, index: int, received: torch.Tensor | None) -> torch.Tensor:
+        tokens, labels = self.micro_batches[index]
+        if self.topo.is_last_stage:
+            inputs = tokens if self.topo.is_first_stage else received
+            loss = self.model(inputs, labels).float().mean()
+            self.losses.append(loss.detach())
+            return loss / len(self.micro_batches)
+        return self.model(tokens if self.topo.is_first_stage else received)
+
+    def backward(self, received: torch.Tensor | None, output: torch.Tensor,
+                 grad: torch.Tensor | None) -> torch.Tensor | None:
+        if self.topo.is_last_stage:
+            self.engine.scale_loss(output).backward()
+        else:
+            torch.autograd.backward(output, grad_tensors=grad)
+        return None if received is None else received.grad
+
+    def send_recv(self, **kwargs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return exchange(self.topo, shape=self.shape, dtype=self.dtype, device=self.device, **kwargs)
+
+
+def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Any, *,
+                          topology: Topology, sequence_parallel: bool = False,
+                          forward_only: bool = False) -> list[torch.Tensor]:
+    """Run one step's micro-batches through this pipeline stage; see module docstring."""
+    topo = topology
+    stage = _Stage(model, micro_batches, engine, topo, sequence_parallel, forward_only)
+    count = len(micro_batches)
+    first, last = topo.is_first_stage, topo.is_last_stage
+    warmup = count if forward_only else min(topo.pp - topo.pp_rank - 1, count)
+    held: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+
+    with grad_mode:
+        for i in range(warmup):
+            received, _ = stage.send_recv(recv_prev=not first)
+            output = stage.forward(i, received)
+            stage.send_recv(send_next=None if last else output.detach())
+            if not forward_only:
+                held.append((received, output))
+
+        steady = count - warmup
+        received = stage.send_recv(recv_prev=not first)[0] if steady else None
+        for i in range(steady):
+            output = stage.forward(warmup + i, received)
+            _, grad = stage.send_recv(send_next=None if last else output.detach(), recv_next=not last)
+            held.append((received, output))
+            done_input, done_output = held.pop(0)
+            input_grad = stage.backward(done_input, done_output, grad)
+            more = i < steady - 1
+            received, _ = stage.send_recv(send_prev=None if first else input_grad,
+                                          recv_prev=more and not first)
+
+        for _ in range(len(held)):
+            done_input, done_output = held.pop(0)
+            _, grad = stage.send_recv(recv_next=not last)
+            input_grad = stage.backward(done_input, done_output, grad)
+            stage.send_recv(send_prev=None if first else input_grad)
+
+    if not forward_only:
+        sync_tied_embedding_grads(model, topo, engine)
+    return _losses_on_every_stage(stage.losses, count, topo)
+
+
+def _losses_on_every_stage(losses: list[torch.Tensor], count: int, topo: Topology) -> list[torch.Tensor]:
+    """The last stage computed the losses; every stage returns them (one broadcast)."""
+    if topo.pp == 1:
+        return losses
+    buf = torch.stack(losses) if topo.is_last_stage else torch.empty(count, dtype=torch.float32)
+    comm.broadcast(buf, src=topo.pp_ranks[-1], group=topo.pp_group, tag="pp/losses")
+    return list(buf.unbind())

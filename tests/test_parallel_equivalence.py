@@ -1,0 +1,143 @@
+"""TP, PP, TP x PP and DP x TP training equals the single-process model (fp32, 5 steps),
+for GPT-2 (tied embeddings) and Llama (GQA, untied): losses, gradients, gradient norms
+(clipping is active, so a wrong norm would change the updates) and final weights.
+
+DP gradient reduction here is a plain all-reduce through `comm` (the ZeRO engine's NNN
+strategy is tested against it in the ZeRO tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
+from megazpp.parallel import comm
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
+from megazpp.parallel.tensor_parallel import tp_partition_dim
+from megazpp.parallel.topology import Topology
+from megazpp.training.engine import LocalEngine
+from megazpp.training.schedule import forward_backward
+
+STEPS, MICRO, MICRO_BATCH, SEQ = 5, 3, 2, 8
+GRAD_STEPS = (0, STEPS - 1)
+TOL = 1e-5
+
+
+def _cfg(arch: str) -> ModelConfig:
+    extra = {"num_query_groups": 2} if arch == "llama" else {}
+    return ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                       seq_length=SEQ, init_seed=7, **extra)
+
+
+def _global_micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(count):
+        x = torch.randint(0, 64, (MICRO_BATCH, SEQ + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def _optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-3, clip_grad=0.5, weight_decay=0.01)
+
+
+def _train(arch: str, tp: int, pp: int) -> dict:
+    """Train one layout on this rank; return what the parent compares, keyed by param name."""
+    topo = Topology.from_env(tp=tp, pp=pp)
+    cfg = _cfg(arch)
+    topo.validate_model(cfg)
+    model = GPTModel(cfg, tp_group=topo.tp_group, pre_process=topo.is_first_stage,
+                     post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
+    mp = [topo.model_parallel_group] if tp * pp > 1 else []
+    engine = LocalEngine(model, _optimizer(), PrecisionConfig(), norm_groups=mp,
+                         counts_in_norm=counts_in_norm(model, topo))
+    named = dict(model.named_parameters())
+    result = {"losses": [], "norms": [], "grads": {}, "dims": {n: tp_partition_dim(p) for n, p in named.items()},
+              "tp_rank": topo.tp_rank}
+    for step in range(STEPS):
+        mine = _global_micro_batches(step, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
+        losses = forward_backward_1f1b(model, mine, engine, topology=topo)
+        if topo.dp > 1:
+            for p in named.values():
+                comm.all_reduce(p.grad, group=topo.dp_group, tag="test/dp_grads")
+                p.grad.div_(topo.dp)
+            both = torch.stack(losses)
+            comm.all_reduce(both, group=topo.dp_group, tag="test/dp_loss")
+            losses = list((both / topo.dp).unbind())
+        if step in GRAD_STEPS:
+            result["grads"][step] = {n: p.grad.clone() for n, p in named.items()}
+        result["losses"].append(torch.stack(losses).mean().item())
+        result["norms"].append(engine.step().grad_norm)
+    result["params"] = {n: p.detach().clone() for n, p in named.items()}
+    return result
+
+
+def _reference(arch: str, dp: int) -> dict:
+    cfg = _cfg(arch)
+    model = GPTModel(cfg)
+    engine = LocalEngine(model, _optimizer(), PrecisionConfig())
+    named = dict(model.named_parameters())
+    result = {"losses": [], "norms": [], "grads": {}}
+    for step in range(STEPS):
+        losses = forward_backward(model, _global_micro_batches(step, MICRO * dp), engine)
+        if step in GRAD_STEPS:
+            result["grads"][step] = {n: p.grad.clone() for n, p in named.items()}
+        result["losses"].append(torch.stack(losses).mean().item())
+        result["norms"].append(engine.step().grad_norm)
+    result["params"] = {n: p.detach().clone() for n, p in named.items()}
+    return result
+
+
+def _layouts(layouts: list[tuple[int, int]]) -> dict:
+    return {(arch, tp, pp): _train(arch, tp, pp) for arch in ("gpt2", "llama") for tp, pp in layouts}
+
+
+def _ref_name(name: str, cfg: ModelConfig) -> str:
+    """The tied output weight of a last stage is the embedding in the single-process model."""
+    return EMBEDDING_WEIGHT if name == "output_layer.weight" and cfg.tie_embeddings else name
+
+
+def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str) -> None:
+    assert all(len(r["losses"]) == STEPS for r in results)
+    for rank, res in enumerate(results):
+        where = f"{label} rank {rank}"
+        for a, b in zip(res["losses"], reference["losses"]):
+            assert abs(a - b) < TOL, (where, "loss", res["losses"], reference["losses"])
+        for a, b in zip(res["norms"], reference["norms"]):
+            assert abs(a - b) < TOL, (where, "grad norm", res["norms"], reference["norms"])
+
+        def check(mine: dict, ref: dict, what: str) -> None:
+            for name, value in mine.items():
+                full = ref[_ref_name(name, cfg)]
+                dim = res["dims"][name]
+                if dim is not None:
+                    full = full.chunk(full.shape[dim] // value.shape[dim], dim)[res["tp_rank"]]
+                err = (value - full).abs().max().item()
+                assert err < TOL, (where, what, name, err)
+
+        for step in GRAD_STEPS:
+            check(res["grads"][step], reference["grads"][step], f"grad step {step}")
+        check(res["params"], reference["params"], "final weight")
+
+
+def test_four_rank_layouts_match_single_process():
+    """DP2 x TP2, DP2 x PP2 and TP2 x PP2 on 4 ranks."""
+    per_rank = run_ranks(_layouts, 4, [(2, 1), (1, 2), (2, 2)], timeout_s=300)
+    for arch in ("gpt2", "llama"):
+        for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+            dp = 4 // (tp * pp)
+            _compare([r[(arch, tp, pp)] for r in per_rank], _reference(arch, dp), _cfg(arch),
+                     f"{arch} tp{tp} pp{pp} dp{dp}")
+
+
+def test_two_rank_tp_and_pp_match_single_process():
+    """Pure TP=2 and pure PP=2."""
+    per_rank = run_ranks(_layouts, 2, [(2, 1), (1, 2)], timeout_s=300)
+    for arch in ("gpt2", "llama"):
+        for tp, pp in [(2, 1), (1, 2)]:
+            _compare([r[(arch, tp, pp)] for r in per_rank], _reference(arch, 1), _cfg(arch),
+                     f"{arch} tp{tp} pp{pp}")
