@@ -123,8 +123,8 @@ def _check_inplace(err_codes: torch.Tensor, err_scales: torch.Tensor) -> None:
 def _loco_weights(err_beta: float) -> tuple[float, float]:
     """The two blend weights, rounded to fp32 exactly as kernels/reference.py rounds them."""
     err_beta = check_err_beta(err_beta)
-    as_fp32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
-    return as_fp32(err_beta), as_fp32(1.0 - err_beta)
+    weights = torch.tensor([err_beta, 1.0 - err_beta], dtype=torch.float32)
+    return weights[0].item(), weights[1].item()
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +192,7 @@ def _launch_reduce(
     bits: int,
     block_size: int,
     *,
+    numel: int = 0,
     out: torch.Tensor | None = None,
     out_bits: int = 0,
     out_codes: torch.Tensor | None = None,
@@ -210,7 +211,7 @@ def _launch_reduce(
     grid, opts = _tiling(block_size, blocks)
     _dequant_reduce_kernel[grid](
         codes, scales, codes.shape[0], codes.shape[1], scales.shape[1],
-        out, out_codes, out_scales, err_codes, err_scales, out.numel(), blocks, beta, keep,
+        out, out_codes, out_scales, err_codes, err_scales, numel, blocks, beta, keep,
         BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
     )
 
@@ -220,8 +221,9 @@ def dequant_reduce(
 ) -> torch.Tensor:
     """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
     blocks = check_stacked(codes, scales, bits, block_size)
-    out = torch.empty(check_numel(numel, blocks, block_size), dtype=torch.float32, device=codes.device)
-    _launch_reduce(codes, scales, bits, block_size, out=out)
+    numel = check_numel(numel, blocks, block_size)
+    out = torch.empty(numel, dtype=torch.float32, device=codes.device)
+    _launch_reduce(codes, scales, bits, block_size, numel=numel, out=out)
     return out
 
 
