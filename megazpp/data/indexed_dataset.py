@@ -149,7 +149,8 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens: np.ndarray) -> None:
         """One document stored as one sequence (GPT preprocessing)."""
-        self.add_documents(np.asarray(tokens).ravel(), np.array([np.asarray(tokens).size]))
+        tokens = np.asarray(tokens).ravel()
+        self.add_documents(tokens, np.array([tokens.size]))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Many one-sequence documents at once: `tokens` concatenated, `lengths` per document.
@@ -173,13 +174,17 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
         docs = np.asarray(self._doc_ends, dtype=np.int64)
-        with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(docs.astype("<i8").tobytes())
-        os.replace(self._tmp_bin, data_file(self.prefix))
-        os.replace(self._tmp_idx, index_file(self.prefix))
+        try:
+            with open(self._tmp_idx, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
+                f.write(lengths.astype("<i4").tobytes())
+                f.write(pointers.astype("<i8").tobytes())
+                f.write(docs.astype("<i8").tobytes())
+            os.replace(self._tmp_bin, data_file(self.prefix))
+            os.replace(self._tmp_idx, index_file(self.prefix))
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         """Drops the temporary files; the final names are left untouched."""
