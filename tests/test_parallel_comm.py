@@ -68,7 +68,8 @@ def _rank_main(report_dir: str) -> dict:
     comm._EMULATED.clear()
     res["topo"] = dict(dp=topo.dp, node=topo.node, num_nodes=topo.num_nodes, dp_ranks=topo.dp_ranks,
                        intra=topo.dp_intra_ranks, inter=topo.dp_inter_ranks, sub2=topo.dp_subgroup(2)[0],
-                       sub4=topo.dp_subgroup(4)[0])
+                       sub4=topo.dp_subgroup(4)[0], cross2=topo.dp_cross_subgroup(2)[0],
+                       cross1=topo.dp_cross_subgroup(1)[0])
     t22 = Topology.from_env(tp=2, pp=2, ranks_per_node=2)
     res["tp2pp2"] = dict(tp=t22.tp_ranks, pp=t22.pp_ranks, dp=t22.dp_ranks, emb=t22.embedding_ranks,
                          tp_rank=t22.tp_rank, pp_rank=t22.pp_rank, layers=t22.layer_range(4),
@@ -134,6 +135,7 @@ def test_collectives_count_bytes_by_formula(tmp_path):
     assert topo[0]["intra"] == [0, 1] and topo[3]["intra"] == [2, 3]
     assert topo[0]["inter"] == [0, 2] and topo[3]["inter"] == [1, 3]
     assert topo[1]["sub2"] == [0, 1] and topo[2]["sub2"] == [2, 3] and topo[2]["sub4"] == [0, 1, 2, 3]
+    assert topo[1]["cross2"] == [1, 3] and topo[2]["cross2"] == [0, 2] and topo[3]["cross1"] == [0, 1, 2, 3]
     t22 = [r["tp2pp2"] for r in results]
     assert [t["tp"] for t in t22] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [t["pp"] for t in t22] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -78,7 +78,7 @@ class Topology:
     dp_inter_group: Any = None
     embedding_group: Any = None
     model_parallel_group: Any = None
-    _subgroups: dict[int, tuple[list[int], Any]] = field(default_factory=dict, repr=False)
+    _subgroups: dict[tuple[str, int], tuple[list[int], Any]] = field(default_factory=dict, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -185,43 +185,32 @@ class Topology:
         """(ranks, group) of this rank's block of `size` consecutive DP ranks (e.g. PaRO's
         I-level group). Collective on first use per size: every rank must call it, in the
         same order of sizes."""
-        if size < 1 or self.dp % size:
-            raise TopologyError(f"data-parallel sub-group size {size} must be a positive divisor of "
-                                f"the data-parallel size {self.dp}")
-        if size not in self._subgroups:
-            if not dist.is_initialized():
-                self._subgroups[size] = ([self.rank], None)
-            else:
-                tp, dp = self.tp, self.dp
-                for p in range(self.pp):
-                    for t in range(tp):
-                        for start in range(0, dp, size):
-                            members = [_rank_of(t, d, p, tp, dp) for d in range(start, start + size)]
-                            group = dist.new_group(members)
-                            if self.rank in members:
-                                self._subgroups[size] = (members, group)
-        return self._subgroups[size]
+        return self._dp_partition("block", size)
 
     def dp_cross_subgroup(self, size: int) -> tuple[list[int], Any]:
-        """(ranks, group) of the DP ranks holding my position inside their `dp_subgroup(size)`
-        block: the second stage of a two-stage (hierarchical) collective over PaRO groups.
-        Collective on first use per size, like `dp_subgroup`."""
-        if size < 1 or self.dp % size:
-            raise TopologyError(f"data-parallel sub-group size {size} must be a positive divisor of "
+        """(ranks, group) of the DP ranks holding my position inside their own block of `size`
+        (one per block): the group that completes a block-level collective to the whole DP
+        group. Collective on first use per size, like `dp_subgroup`."""
+        return self._dp_partition("cross", size)
+
+    def _dp_partition(self, kind: str, size: int) -> tuple[list[int], Any]:
+        if not isinstance(size, int) or size < 1 or self.dp % size:
+            raise TopologyError(f"data-parallel sub-group size {size!r} must be a positive divisor of "
                                 f"the data-parallel size {self.dp}")
-        key = -size
+        key = (kind, size)
         if key not in self._subgroups:
             if not dist.is_initialized():
                 self._subgroups[key] = ([self.rank], None)
-            else:
-                tp, dp = self.tp, self.dp
-                for p in range(self.pp):
-                    for t in range(tp):
-                        for local in range(size):
-                            members = [_rank_of(t, d, p, tp, dp) for d in range(local, dp, size)]
-                            group = dist.new_group(members)
-                            if self.rank in members:
-                                self._subgroups[key] = (members, group)
+                return self._subgroups[key]
+            blocks = [list(range(start, start + size)) for start in range(0, self.dp, size)]
+            index_lists = blocks if kind == "block" else [list(c) for c in zip(*blocks)]
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    for indices in index_lists:
+                        members = [_rank_of(t, d, p, self.tp, self.dp) for d in indices]
+                        group = dist.new_group(members)
+                        if self.rank in members:
+                            self._subgroups[key] = (members, group)
         return self._subgroups[key]
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
