@@ -28,16 +28,16 @@ from megazpp.errors import DataError
 CODE_SOURCE = "stdlib_code"
 DOCS_SOURCE = "stdlib_docs"
 
-# Test suites are huge and repetitive, vendored packages are not the stdlib's own text.
 # Comfortably above the 5 MB the product promises, small enough to preprocess in seconds.
 DEFAULT_TOTAL_BYTES = 6_000_000
 
+# Test suites are huge and repetitive, vendored packages are not the stdlib's own text.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"})
 
 
 @dataclass(frozen=True)
 class CorpusSummary:
-    """What one build wrote, per source: (documents, bytes)."""
+    """What one build wrote, per source: its file, document count and size in bytes."""
 
     files: dict[str, Path]
     documents: dict[str, int]
