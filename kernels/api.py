@@ -53,7 +53,9 @@ dequant_reduce_quantize = _dispatched(reference.dequant_reduce_quantize)
 dequant_reduce_loco_quantize = _dispatched(reference.dequant_reduce_loco_quantize)
 
 
-def new_error_buffer(numel: int, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def new_error_buffer(
+    numel: int, block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A zero LoCo error buffer (int8 codes, fp32 scales) for a `numel`-value tensor.
 
     All-zero codes with zero scales decode to exactly 0, which is also what a reset

@@ -29,7 +29,9 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, block_size).abs().amax(dim=1)
 
 
-def quantization_error_bound(scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None) -> torch.Tensor:
+def quantization_error_bound(
+    scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+) -> torch.Tensor:
     """Per-element bound on |x - dequantize(quantize(x))| from the stored scales, flat [numel]."""
     qmax = QMAX[check_bits(bits)]
     check_block_size(block_size)

@@ -46,7 +46,7 @@ def _tile(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def quantize_tile(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (as fp32 integers) and per-row scales of an fp32 [blocks, block_size] tile."""
     qmax = torch.tensor(float(QMAX[bits]), dtype=torch.float32, device=tile.device)
-    absmax = tile.abs().amax(dim=1) if tile.shape[1] else tile.new_zeros(tile.shape[0])
+    absmax = tile.abs().amax(dim=1)
     live = absmax >= TINY_ABSMAX
     safe = torch.where(live, absmax, torch.ones_like(absmax))
     scale = torch.where(live, safe / qmax, torch.zeros_like(absmax))

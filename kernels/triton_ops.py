@@ -62,7 +62,9 @@ def _loco_quantize_kernel(
 ):
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
-    codes, scale = loco_tile(x, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, QMAX)
+    codes, scale = loco_tile(
+        x, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, QMAX
+    )
     store_codes(codes_ptr, scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, BITS)
 
 

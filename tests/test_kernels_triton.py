@@ -17,6 +17,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels import reference
 from kernels.format import TINY_ABSMAX
@@ -124,6 +126,32 @@ def test_dequant_reduce_variants_bit_identical(numel, block_size, bits, parts):
     )
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(1, 3000),
+    half_block=st.integers(1, 300),
+    bits=st.sampled_from([4, 8]),
+    log_scale=st.integers(-30, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_any_size_and_block_bit_identical(numel, half_block, bits, log_scale, seed):
+    block_size = 2 * half_block
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * 10.0**log_scale
+    want = reference.quantize(x, bits, block_size)
+    _same(triton_ops.quantize(x, bits, block_size), want)
+    _same(
+        triton_ops.dequantize(*want, bits, block_size, numel),
+        reference.dequantize(*want, bits, block_size, numel),
+    )
+    err = reference.quantize(x * 0.1, 8, block_size)
+    mine, theirs = (err[0].clone(), err[1].clone()), (err[0].clone(), err[1].clone())
+    _same(
+        triton_ops.loco_quantize(x, *mine, 0.8, block_size, bits),
+        reference.loco_quantize(x, *theirs, 0.8, block_size, bits),
+    )
+
+
 def test_loco_steps_stay_identical_over_a_run():
     """Errors compound through the buffer; ten chained steps must still agree bit for bit."""
     block, numel = 64, 64 * 5 + 9
@@ -132,7 +160,8 @@ def test_loco_steps_stay_identical_over_a_run():
     theirs = (mine[0].clone(), mine[1].clone())
     for _ in range(10):
         grad = torch.randn(numel, generator=gen)
-        _same(triton_ops.loco_quantize(grad, *mine, 0.8, block), reference.loco_quantize(grad, *theirs, 0.8, block))
+        got = triton_ops.loco_quantize(grad, *mine, 0.8, block)
+        _same(got, reference.loco_quantize(grad, *theirs, 0.8, block))
 
 
 def test_triton_launchers_validate_like_the_reference():

@@ -53,7 +53,11 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
     k = f"{parts} x {part_numel}"
     return [
         Case("quantize int8 (qwZ, bf16 in)", (weight,), lambda: kernels.quantize(weight, 8, int8_block)),
-        Case("dequantize int8 -> bf16 (qwZ)", w8, lambda: kernels.dequantize(*w8, 8, int8_block, numel, torch.bfloat16)),
+        Case(
+            "dequantize int8 -> bf16 (qwZ)",
+            w8,
+            lambda: kernels.dequantize(*w8, 8, int8_block, numel, torch.bfloat16),
+        ),
         Case("quantize int4 (qgZ, fp32 in)", (grad,), lambda: kernels.quantize(grad, 4, int4_block)),
         Case("dequantize int4 -> fp32", g4, lambda: kernels.dequantize(*g4, 4, int4_block, numel)),
         Case(
@@ -61,7 +65,11 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
             (grad, *err),
             lambda: kernels.loco_quantize(grad, *err, 0.8, int4_block),
         ),
-        Case(f"dequant-reduce int4 {k} -> fp32", (codes, scales), lambda: kernels.dequant_reduce(codes, scales, 4, int4_block)),
+        Case(
+            f"dequant-reduce int4 {k} -> fp32",
+            (codes, scales),
+            lambda: kernels.dequant_reduce(codes, scales, 4, int4_block),
+        ),
         Case(
             f"dequant-reduce int4 {k} -> int4",
             (codes, scales),
