@@ -41,14 +41,15 @@ def _linear(sd, name, x, bias):
 
 
 def _rope(u, theta):
-    """u [s, d]: pair i with i + d/2 as one complex number and rotate it by pos * theta^(-2i/d)."""
+    """u [s, d]: dims (2i, 2i+1) are one complex number, rotated by pos * theta^(-2i/d)."""
     s, d = u.shape
-    half = d // 2
-    z = torch.complex(u[:, :half], u[:, half:])
-    freq = torch.tensor([theta ** (-2.0 * i / d) for i in range(half)], dtype=torch.float64)
+    z = torch.complex(u[:, 0::2], u[:, 1::2])
+    freq = torch.tensor([theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
     angle = torch.arange(s, dtype=torch.float64)[:, None] * freq[None, :]
     z = z * torch.polar(torch.ones_like(angle), angle)
-    return torch.cat([z.real, z.imag], dim=-1)
+    out = torch.empty_like(u)
+    out[:, 0::2], out[:, 1::2] = z.real, z.imag
+    return out
 
 
 def _attention(cfg, sd, name, x):

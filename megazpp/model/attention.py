@@ -47,11 +47,14 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [b, s, local (heads + 2 groups) * head_dim]; s is the full sequence
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
-        k, v = qkv[:, :, :, self.heads_per_group], qkv[:, :, :, self.heads_per_group + 1]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
+        # split (not indexing) so backward is one concatenation, not a zero-filled copy per piece
+        qk, v = qkv.split([self.heads_per_group + 1, 1], dim=3)
         if self.rotary is not None:
-            q, k = self.rotary.apply(q), self.rotary.apply(k)
+            qk = self.rotary.apply(qk)  # q and k of every group rotated in one pass
+        q, k = qk.split([self.heads_per_group, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # [b, heads, s, d]
+        k = k.reshape(b, s, self.local_groups, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, s, self.local_groups, self.head_dim).transpose(1, 2)
         if self.local_groups != self.local_heads:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
