@@ -1,0 +1,89 @@
+"""From run directories to the three comparison files (loss.png, throughput.png,
+summary.md): the library behind `tools/compare_runs.py`, callable from other tools (the
+LoCo experiment, the network benchmark) without a subprocess."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megazpp.analysis.comparison import Comparison, compare_runs
+from megazpp.analysis.event_reader import read_run
+from megazpp.analysis.report import format_loss, render_markdown
+from megazpp.analysis.smoothing import check_weight
+from megazpp.errors import ConfigError
+
+LOSS_PNG, THROUGHPUT_PNG, SUMMARY_MD = "loss.png", "throughput.png", "summary.md"
+
+
+@dataclass(frozen=True)
+class ComparisonFiles:
+    comparison: Comparison
+    loss_png: Path
+    throughput_png: Path
+    summary_md: Path
+
+
+def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
+                        smoothing: float = 0.9,
+                        labels: Sequence[str] | None = None) -> ComparisonFiles:
+    """Read every run, compare them (the first is the reference), write the three files.
+
+    Every run is read before anything is written, so a bad run directory costs no output.
+    """
+    if not run_dirs:
+        raise ConfigError("no run directories given (expected at least one RUN_DIR)")
+    check_weight(smoothing)
+    names = _labels(run_dirs, labels)
+    comparison = compare_runs([read_run(d, name) for d, name in zip(run_dirs, names)])
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        from megazpp.analysis.plots import plot_loss, plot_throughput
+    except ImportError as exc:
+        raise ImportError("compare_runs draws its PNGs with matplotlib: "
+                          "pip install 'megazpp[plot]'") from exc
+    files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD)
+    plot_loss(comparison, files.loss_png, smoothing)
+    plot_throughput(comparison, files.throughput_png)
+    _write_text(files.summary_md, render_markdown(comparison))
+    return files
+
+
+def closing_line(files: ComparisonFiles) -> str:
+    """One line for the console: how many runs, on which steps, who ended lowest."""
+    comparison = files.comparison
+    steps = (f"steps {comparison.step_range[0]}..{comparison.step_range[1]}"
+             if comparison.step_range else "their whole lengths")
+    ranked = [row for row in comparison.summaries if row.final_loss is not None]
+    best = min(ranked, key=lambda row: row.final_loss, default=None)
+    lowest = (f"lowest final train loss {best.label} {format_loss(best.final_loss)}"
+              if best else "no run has a training loss")
+    notes = f"{len(comparison.notes)} note(s)" if comparison.notes else "no notes"
+    return (f"compared {len(comparison.runs)} run(s) on {steps}: {lowest}; {notes}; "
+            f"wrote {files.loss_png}, {files.throughput_png}, {files.summary_md}")
+
+
+def _labels(run_dirs: Sequence[str | Path], labels: Sequence[str] | None) -> list[str]:
+    if labels is not None:
+        if len(labels) != len(run_dirs):
+            raise ConfigError(f"--labels has {len(labels)} name(s) for {len(run_dirs)} run "
+                              f"directories (expected one label per RUN_DIR)")
+        if len(set(labels)) != len(labels) or not all(labels):
+            raise ConfigError(f"--labels {','.join(labels)} must be distinct and non-empty")
+        return list(labels)
+    names = [Path(d).resolve().name for d in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

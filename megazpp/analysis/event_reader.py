@@ -1,0 +1,118 @@
+"""Reads one run's TensorBoard event files into step-aligned arrays and its logged config.
+
+Why TensorBoard's own reader (EventAccumulator): the event format (CRC-framed protobuf
+records, float32 scalars) is TensorBoard's, and its reader already drops the points that a
+resumed run rewrote ("orphaned" steps after a restart), so a run reads the way TensorBoard
+shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+from megazpp.errors import DataError
+
+EVENT_FILE_GLOB = "events.out.tfevents.*"
+# The trainer logs its resolved config with `add_text("config", ...)`; the text plugin
+# stores it under this tensor tag.
+CONFIG_TEXT_TAG = "config/text_summary"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One scalar tag: strictly increasing steps and their values."""
+
+    steps: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def within(self, first: int, last: int) -> "Series":
+        keep = (self.steps >= first) & (self.steps <= last)
+        return Series(self.steps[keep], self.values[keep])
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as read back: its label, where its events were, its scalars and config."""
+
+    label: str
+    directory: Path
+    scalars: dict[str, Series]
+    config: dict[str, Any] | None
+
+
+def read_run(run_dir: str | Path, label: str) -> Run:
+    """Read every scalar tag and the logged config of the run under `run_dir`."""
+    directory = find_event_directory(Path(run_dir))
+    accumulator = _load(directory)
+    tags = accumulator.Tags()
+    scalars = {tag: _series(accumulator.Scalars(tag)) for tag in tags["scalars"]}
+    config = _config(accumulator) if CONFIG_TEXT_TAG in tags["tensors"] else None
+    return Run(label, directory, scalars, config)
+
+
+def find_event_directory(run_dir: Path) -> Path:
+    """The directory holding the run's event files: `run_dir` itself, or the one directory
+    below it that holds events with scalars (a run dir whose TensorBoard output sits in a
+    subdirectory, e.g. `RUN/tensorboard/`)."""
+    if not run_dir.is_dir():
+        raise DataError(f"run directory {run_dir} does not exist or is not a directory "
+                        f"(expected a directory holding TensorBoard event files {EVENT_FILE_GLOB})")
+    if any(p.is_file() for p in run_dir.glob(EVENT_FILE_GLOB)):
+        return run_dir
+    candidates = sorted({p.parent for p in run_dir.rglob(EVENT_FILE_GLOB) if p.is_file()})
+    if not candidates:
+        raise DataError(f"run directory {run_dir} holds no TensorBoard event files "
+                        f"({EVENT_FILE_GLOB}); was logging.tensorboard_dir set for that run?")
+    with_scalars = [d for d in candidates if _load(d).Tags()["scalars"]]
+    if len(with_scalars) != 1:
+        found = ", ".join(str(d) for d in (with_scalars or candidates))
+        raise DataError(f"run directory {run_dir} does not hold exactly one directory of "
+                        f"event files with scalars (found: {found}); pass that directory itself")
+    return with_scalars[0]
+
+
+def _load(directory: Path) -> event_accumulator.EventAccumulator:
+    # Size guidance 0 keeps every point: the default reservoir samples scalars down to
+    # 10,000, which would make "final" and "best" depend on chance for long runs.
+    accumulator = event_accumulator.EventAccumulator(
+        str(directory), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0})
+    try:
+        accumulator.Reload()
+    except Exception as exc:  # the reader raises assorted protobuf / IO errors
+        raise DataError(f"cannot read the TensorBoard event files in {directory}: {exc}") from exc
+    return accumulator
+
+
+def _series(events: list[Any]) -> Series:
+    """Sort by step; when a step was written twice (a restart the reader did not purge),
+    keep the later write, which is what the resumed run actually trained."""
+    steps = np.array([e.step for e in events], dtype=np.int64)
+    values = np.array([e.value for e in events], dtype=np.float64)
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    last_of_each = np.append(steps[1:] != steps[:-1], True)
+    return Series(steps[last_of_each], values[last_of_each])
+
+
+def _config(accumulator: event_accumulator.EventAccumulator) -> dict[str, Any] | None:
+    """The last logged config text, parsed back from its ```yaml fence; None when the text
+    is not a YAML mapping (an old or foreign run), since losses can be compared without it."""
+    latest = accumulator.Tensors(CONFIG_TEXT_TAG)[-1]
+    raw = tensor_util.make_ndarray(latest.tensor_proto).reshape(-1)[0]
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    body = "\n".join(line for line in text.strip().splitlines() if not line.startswith("```"))
+    try:
+        parsed = yaml.safe_load(body)
+    except yaml.YAMLError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

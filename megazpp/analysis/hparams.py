@@ -1,0 +1,50 @@
+"""The resolved config as TensorBoard hparams, so `tensorboard --logdir runs/` lines runs up
+by their settings in the HPARAMS tab.
+
+Why only the session-start record and no "experiment" record: with several runs under one
+logdir, TensorBoard takes the first experiment record it finds and ignores the others, so a
+per-run experiment would hide the keys of every other run. Without one, TensorBoard builds
+the experiment from all runs' session records and offers every scalar tag as a metric.
+Why in the run's own directory (unlike SummaryWriter.add_hparams, which opens a new
+timestamped subdirectory): the hparams then belong to the run whose scalars sit beside them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from tensorboard.plugins.hparams import summary_v2
+
+HParamValue = bool | int | float | str
+
+
+def hparams_from_config(cfg: Mapping[str, Any]) -> dict[str, HParamValue]:
+    """Flatten a nested config to dotted keys with scalar values ("model.hidden_size": 64).
+
+    None is left out (TensorBoard has no null hparam, and a blank cell reads as "unset");
+    lists and other values become JSON / str text, since hparams hold only scalars.
+    """
+    flat: dict[str, HParamValue] = {}
+    _flatten(cfg, "", flat)
+    return flat
+
+
+def _flatten(node: Mapping[str, Any], prefix: str, out: dict[str, HParamValue]) -> None:
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _flatten(value, f"{name}.", out)
+        elif value is None:
+            continue
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif isinstance(value, (list, tuple)):
+            out[name] = json.dumps(list(value), default=str)
+        else:
+            out[name] = str(value)
+
+
+def write_hparams(writer: Any, cfg: Mapping[str, Any]) -> None:
+    """Record `cfg` as this run's hparams through an open torch SummaryWriter."""
+    writer.file_writer.add_summary(summary_v2.hparams_pb(hparams_from_config(cfg)), 0)
