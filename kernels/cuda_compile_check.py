@@ -1,0 +1,104 @@
+"""Compile every Triton kernel variant to PTX for a CUDA target, without a GPU.
+
+The interpreter tests prove the kernels' arithmetic; they cannot see code that only a real
+compilation exercises (layouts of reshape/split/join, dtype-dependent branches, bitcasts). This
+check compiles each launch variant ahead of time with Triton's bundled ptxas and inspects the
+PTX for two properties the design relies on: no fused multiply-add (the bit-identity with the
+reference assumes one rounding per operation) and 16-byte global loads (the kernels are
+memory-bound; scalar loads would cap them far below copy bandwidth).
+
+    python -m kernels.cuda_compile_check            # exits 1 and names the variant on failure
+
+TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernels import triton_ops
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100
+
+_REDUCE_ARGS = {
+    "in_codes_ptr": "*u8", "in_scales_ptr": "*fp32", "parts": "i32", "codes_stride": "i32",
+    "scales_stride": "i32", "out_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
+    "err_codes_ptr": "*i8", "err_scales_ptr": "*fp32", "numel": "i32", "blocks": "i32",
+    "beta": "fp32", "keep": "fp32",
+}
+
+
+_LAUNCH_OPTIONS = ("num_warps", "enable_fp_fusion")
+
+
+def _tile(block_size: int) -> dict:
+    """The launchers' own geometry and options for this block size (constexprs and options)."""
+    return triton_ops._tiling(block_size, 1)[1]
+
+
+def variants() -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, runtime argument types, constexprs) for every launch the ops make."""
+    quant = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "numel": "i32", "blocks": "i32"}
+    out = []
+    for src in ("fp32", "bf16", "fp16"):
+        for bits, code in ((4, "u8"), (8, "i8")):
+            block = 256 if bits == 4 else 2048
+            args = {"x_ptr": f"*{src}", **quant, "codes_ptr": f"*{code}"}
+            consts = {**_tile(block), "BITS": bits, "QMAX": triton_ops.QMAX[bits]}
+            out.append((f"quantize {src} int{bits}", triton_ops._quantize_kernel, args, consts))
+            loco = {"x_ptr": f"*{src}", "err_codes_ptr": "*i8", "err_scales_ptr": "*fp32", **quant,
+                    "codes_ptr": f"*{code}", "beta": "fp32", "keep": "fp32"}
+            out.append((f"loco_quantize {src} int{bits}", triton_ops._loco_quantize_kernel, loco, consts))
+    for dst in ("fp32", "bf16", "fp16"):
+        for bits, code in ((4, "u8"), (8, "i8")):
+            args = {"codes_ptr": f"*{code}", "scales_ptr": "*fp32", "out_ptr": f"*{dst}", "numel": "i32",
+                    "blocks": "i32"}
+            out.append((f"dequantize int{bits} -> {dst}", triton_ops._dequantize_kernel, args,
+                        {**_tile(256), "BITS": bits}))
+    for out_bits, loco in ((0, False), (4, False), (8, False), (4, True)):
+        consts = {**_tile(256), "BITS": 4, "OUT_BITS": out_bits, "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0),
+                  "LOCO": loco}
+        label = f"dequant_reduce int4 -> {'fp32' if not out_bits else f'int{out_bits}'}{' + LoCo' if loco else ''}"
+        out.append((label, triton_ops._dequant_reduce_kernel, _REDUCE_ARGS, consts))
+    # A block wider than one tile: one row per program, eight warps.
+    out.append(("quantize fp32 int4, block 8192", triton_ops._quantize_kernel,
+                {"x_ptr": "*fp32", **quant}, {**_tile(8192), "BITS": 4, "QMAX": 7}))
+    return out
+
+
+def compile_ptx(kernel, args: dict, consts: dict) -> str:
+    """PTX of one variant, with pointers and ints specialized as 16-divisible like a real launch."""
+    options = {name: consts[name] for name in _LAUNCH_OPTIONS}
+    consts = {name: value for name, value in consts.items() if name not in _LAUNCH_OPTIONS}
+    signature = {**args, **{name: "constexpr" for name in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(args.values()) if t.startswith("*") or t == "i32"}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+
+
+def problems(ptx: str) -> list[str]:
+    """What is wrong with one variant's PTX (empty when nothing is)."""
+    found = []
+    if re.search(r"\bfma\.", ptx):
+        found.append("contains fma (fp fusion must stay off for bit-identity)")
+    if not re.search(r"\bld\.global(\.\w+)*\.v[24]\.", ptx):
+        found.append("has no vectorized global load")
+    return found
+
+
+def main() -> int:
+    failed = 0
+    for label, kernel, args, consts in variants():
+        issues = problems(compile_ptx(kernel, args, consts))
+        print(f"{'FAIL' if issues else 'ok  '} {label}" + (": " + "; ".join(issues) if issues else ""))
+        failed += bool(issues)
+    print(f"{len(variants()) - failed} of {len(variants())} variants compiled cleanly for {TARGET}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
