@@ -2,8 +2,10 @@
 for GPT-2 (tied embeddings) and Llama (GQA, untied): losses, gradients, gradient norms
 (clipping is active, so a wrong norm would change the updates) and final weights.
 
-DP gradient reduction here is a plain all-reduce through `comm` (the ZeRO engine's NNN
-strategy is tested against it in the ZeRO tests).
+DP gradient reduction: the layouts whose gradients are compared reduce them with a plain
+all-reduce through `comm` before `LocalEngine.step()` (the gradients stay visible in
+`param.grad`); DP2 x TP2 is also trained with the ZeRO engine's NNN strategy (plain DDP),
+whose gradients live in its buckets, so there losses, norms and final weights are compared.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology
 from megazpp.training.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
+from megazpp.zero.engine import ZeroEngine, ZeroOptions
 
 STEPS, MICRO, MICRO_BATCH, SEQ = 5, 3, 2, 8
 GRAD_STEPS = (0, STEPS - 1)
@@ -42,33 +45,41 @@ def _global_micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, tor
 
 
 def _optimizer() -> OptimizerConfig:
-    return OptimizerConfig(lr=1e-3, clip_grad=0.5, weight_decay=0.01)
+    """adam_eps is large on purpose: Adam divides by sqrt(v) + eps, so for an element whose
+    gradient is ~0 a summation-order difference of 1e-7 (TP/DP sums run in another order)
+    could flip the update's sign; eps = 1e-3 bounds that amplification to about lr / eps = 1."""
+    return OptimizerConfig(lr=1e-3, clip_grad=0.5, weight_decay=0.01, adam_eps=1e-3)
 
 
-def _train(arch: str, tp: int, pp: int) -> dict:
-    """Train one layout on this rank; return what the parent compares, keyed by param name."""
+def _train(arch: str, tp: int, pp: int, zero: bool = False) -> dict:
+    """Train one layout on this rank; return what the parent compares, keyed by param name.
+    `zero`: reduce over DP with the ZeRO engine's NNN strategy instead of in the test."""
     topo = Topology.from_env(tp=tp, pp=pp)
     cfg = _cfg(arch)
     topo.validate_model(cfg)
     model = GPTModel(cfg, tp_group=topo.tp_group, pre_process=topo.is_first_stage,
                      post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
     mp = [topo.model_parallel_group] if tp * pp > 1 else []
-    engine = LocalEngine(model, _optimizer(), PrecisionConfig(), norm_groups=mp,
-                         counts_in_norm=counts_in_norm(model, topo))
+    if zero:
+        engine = ZeroEngine(model, _optimizer(), PrecisionConfig(), ZeroOptions(strategy="NNN"), topo)
+    else:
+        engine = LocalEngine(model, _optimizer(), PrecisionConfig(), norm_groups=mp,
+                             counts_in_norm=counts_in_norm(model, topo))
     named = dict(model.named_parameters())
     result = {"losses": [], "norms": [], "grads": {}, "dims": {n: tp_partition_dim(p) for n, p in named.items()},
               "tp_rank": topo.tp_rank}
     for step in range(STEPS):
         mine = _global_micro_batches(step, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
         losses = forward_backward_1f1b(model, mine, engine, topology=topo)
-        if topo.dp > 1:
+        if topo.dp > 1 and not zero:
             for p in named.values():
                 comm.all_reduce(p.grad, group=topo.dp_group, tag="test/dp_grads")
                 p.grad.div_(topo.dp)
+        if topo.dp > 1:
             both = torch.stack(losses)
             comm.all_reduce(both, group=topo.dp_group, tag="test/dp_loss")
             losses = list((both / topo.dp).unbind())
-        if step in GRAD_STEPS:
+        if step in GRAD_STEPS and not zero:
             result["grads"][step] = {n: p.grad.clone() for n, p in named.items()}
         result["losses"].append(torch.stack(losses).mean().item())
         result["norms"].append(engine.step().grad_norm)
@@ -92,8 +103,9 @@ def _reference(arch: str, dp: int) -> dict:
     return result
 
 
-def _layouts(layouts: list[tuple[int, int]]) -> dict:
-    return {(arch, tp, pp): _train(arch, tp, pp) for arch in ("gpt2", "llama") for tp, pp in layouts}
+def _layouts(layouts: list[tuple[int, int, bool]]) -> dict:
+    return {(arch, tp, pp, zero): _train(arch, tp, pp, zero)
+            for arch in ("gpt2", "llama") for tp, pp, zero in layouts}
 
 
 def _ref_name(name: str, cfg: ModelConfig) -> str:
@@ -119,25 +131,32 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
                 err = (value - full).abs().max().item()
                 assert err < TOL, (where, what, name, err)
 
-        for step in GRAD_STEPS:
+        for step in res["grads"]:
             check(res["grads"][step], reference["grads"][step], f"grad step {step}")
         check(res["params"], reference["params"], "final weight")
 
 
-def test_four_rank_layouts_match_single_process():
-    """DP2 x TP2, DP2 x PP2 and TP2 x PP2 on 4 ranks."""
-    per_rank = run_ranks(_layouts, 4, [(2, 1), (1, 2), (2, 2)], timeout_s=300)
+FOUR_RANK = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False)]
+TWO_RANK = [(2, 1, False), (1, 2, False)]
+
+
+def _check_all(per_rank: list[dict], layouts: list[tuple[int, int, bool]]) -> None:
+    world = len(per_rank)
     for arch in ("gpt2", "llama"):
-        for tp, pp in [(2, 1), (1, 2), (2, 2)]:
-            dp = 4 // (tp * pp)
-            _compare([r[(arch, tp, pp)] for r in per_rank], _reference(arch, dp), _cfg(arch),
-                     f"{arch} tp{tp} pp{pp} dp{dp}")
+        references = {}
+        for tp, pp, zero in layouts:
+            dp = world // (tp * pp)
+            if dp not in references:
+                references[dp] = _reference(arch, dp)
+            _compare([r[(arch, tp, pp, zero)] for r in per_rank], references[dp], _cfg(arch),
+                     f"{arch} tp{tp} pp{pp} dp{dp}{' zero NNN' if zero else ''}")
+
+
+def test_four_rank_layouts_match_single_process():
+    """DP2 x TP2 (in-test all-reduce, and ZeRO NNN), DP2 x PP2 and TP2 x PP2 on 4 ranks."""
+    _check_all(run_ranks(_layouts, 4, FOUR_RANK, timeout_s=300), FOUR_RANK)
 
 
 def test_two_rank_tp_and_pp_match_single_process():
     """Pure TP=2 and pure PP=2."""
-    per_rank = run_ranks(_layouts, 2, [(2, 1), (1, 2)], timeout_s=300)
-    for arch in ("gpt2", "llama"):
-        for tp, pp in [(2, 1), (1, 2)]:
-            _compare([r[(arch, tp, pp)] for r in per_rank], _reference(arch, 1), _cfg(arch),
-                     f"{arch} tp{tp} pp{pp}")
+    _check_all(run_ranks(_layouts, 2, TWO_RANK, timeout_s=300), TWO_RANK)
