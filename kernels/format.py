@@ -37,7 +37,7 @@ DEFAULT_BLOCK_SIZE = {4: 256, 8: 2048}
 
 def check_bits(bits: int) -> int:
     """Raise ConfigError unless `bits` is a supported code width (4 or 8)."""
-    if bits not in QMAX or isinstance(bits, bool):
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in QMAX:
         raise ConfigError(f"quantization bits={bits!r} is not supported; expected 4 or 8")
     return bits
 
@@ -146,9 +146,13 @@ def check_stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_si
     return blocks
 
 
-def check_error_buffer(err_codes: torch.Tensor, err_scales: torch.Tensor, blocks: int, block_size: int) -> None:
+def check_error_buffer(
+    err_codes: torch.Tensor, err_scales: torch.Tensor, blocks: int, block_size: int, device: torch.device
+) -> None:
     """Raise ConfigError unless the LoCo buffer is flat int8 codes + scales for `blocks` blocks."""
     have = check_codes("LoCo error buffer", err_codes, err_scales, 8, block_size)
+    if err_codes.device != device:
+        raise ConfigError(f"LoCo error buffer is on {err_codes.device} but the values it corrects are on {device}")
     if err_codes.dim() != 1 or have != blocks:
         raise ConfigError(
             f"LoCo error buffer holds {have} blocks (codes shape {tuple(err_codes.shape)}) but the "

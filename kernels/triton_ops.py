@@ -176,7 +176,7 @@ def loco_quantize(
     beta, keep = _loco_weights(err_beta)
     flat = _flat(grad)
     blocks = num_blocks(flat.numel(), block_size)
-    check_error_buffer(err_codes, err_scales, blocks, block_size)
+    check_error_buffer(err_codes, err_scales, blocks, block_size, grad.device)
     _check_inplace(err_codes, err_scales)
     codes, scales = _new_codes(blocks, bits, block_size, grad.device)
     if blocks:
@@ -253,7 +253,7 @@ def dequant_reduce_loco_quantize(
     blocks = check_stacked(codes, scales, bits, block_size)
     check_bits(out_bits)
     beta, keep = _loco_weights(err_beta)
-    check_error_buffer(err_codes, err_scales, blocks, block_size)
+    check_error_buffer(err_codes, err_scales, blocks, block_size, codes.device)
     _check_inplace(err_codes, err_scales)
     out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
     _launch_reduce(

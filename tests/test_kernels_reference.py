@@ -197,6 +197,8 @@ def test_bad_input_raises_config_error():
     x = torch.randn(16)
     with pytest.raises(ConfigError, match="bits=3"):
         kernels.quantize(x, 3, 8)
+    with pytest.raises(ConfigError, match="bits=4.0"):
+        kernels.quantize(x, 4.0, 8)
     with pytest.raises(ConfigError, match="block_size=7"):
         kernels.quantize(x, 4, 7)
     with pytest.raises(ConfigError, match="dtype torch.int32"):
@@ -211,6 +213,8 @@ def test_bad_input_raises_config_error():
     err = kernels.new_error_buffer(8, 8)
     with pytest.raises(ConfigError, match="holds 1 blocks"):
         kernels.loco_quantize(x, *err, 0.8, 8)
+    with pytest.raises(ConfigError, match="on meta but the values"):
+        kernels.loco_quantize(x, *kernels.new_error_buffer(16, 8, device="meta"), 0.8, 8)
     with pytest.raises(ConfigError, match="err_beta"):
         kernels.loco_quantize(x, *kernels.new_error_buffer(16, 8), 1.5, 8)
     with pytest.raises(ConfigError, match="stacked"):
