@@ -1,5 +1,8 @@
 """Per-interval training metrics: one console line and the same numbers in TensorBoard.
 
+Lines are emitted every `log_interval` steps, plus after the first step (the starting loss a
+run is judged against) and the last.
+
 Why averaged over the log interval rather than per step: the console line and the
 TensorBoard point then show exactly the same values, and tokens/s over an interval is not
 dominated by one slow step. Tags (fixed, compared across runs and frameworks):
@@ -88,7 +91,7 @@ class TrainingLogger:
             self._skipped += 1
         else:
             self._norms.append(result.grad_norm)
-        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+        if iteration % self.log_interval == 0 or iteration in (1, self.train_iters):
             self._emit(iteration, lr, result.loss_scale)
 
     def _emit(self, iteration: int, lr: float, loss_scale: float) -> None:

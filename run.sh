@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The main job: `bash run.sh [extra pretrain_gpt.py flags]`, the same command on every node.
+#
+# 1. installs what is missing (torch 2.13.0, the CPU wheel when there is no GPU; the project);
+# 2. builds the sample corpus, the tokenizer and the indexed dataset under data/ if absent
+#    (each into a temporary name, renamed when complete, so an interrupted build is redone);
+# 3. launches pretrain_gpt.py with torchrun on every GPU of this node, or one CPU rank.
+#
+# Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
+# --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts.
+# CONFIG picks the YAML (default configs/llama_tiny.yaml). Data and logs stay in this checkout
+# (data/, runs/, checkpoints/), which must be on storage every node sees for checkpoints.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+CONFIG=${CONFIG:-configs/llama_tiny.yaml}
+DATA_DIR=${DATA_DIR:-data}
+VOCAB_SIZE=${VOCAB_SIZE:-2048}
+
+has_cuda() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
+}
+
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+  if has_cuda; then
+    "$PYTHON" -m pip install --quiet torch==2.13.0
+  else
+    "$PYTHON" -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy" >/dev/null 2>&1; then
+  "$PYTHON" -m pip install --quiet -e .
+fi
+
+mkdir -p "$DATA_DIR"
+if [ ! -d "$DATA_DIR/corpus" ]; then
+  rm -rf "$DATA_DIR/corpus.tmp"
+  "$PYTHON" tools/make_sample_corpus.py --out "$DATA_DIR/corpus.tmp"
+  mv "$DATA_DIR/corpus.tmp" "$DATA_DIR/corpus"
+fi
+if [ ! -f "$DATA_DIR/tokenizer.model" ]; then
+  "$PYTHON" tools/train_tokenizer.py --input "$DATA_DIR/corpus" --vocab-size "$VOCAB_SIZE" \
+    --output "$DATA_DIR/tokenizer.tmp"
+  mv "$DATA_DIR/tokenizer.tmp.vocab" "$DATA_DIR/tokenizer.vocab"
+  mv "$DATA_DIR/tokenizer.tmp.model" "$DATA_DIR/tokenizer.model"
+fi
+if [ ! -f "$DATA_DIR/corpus_text_document.idx" ]; then
+  "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/corpus" \
+    --tokenizer-model "$DATA_DIR/tokenizer.model" --output-prefix "$DATA_DIR/corpus.tmp" \
+    --workers 2 --append-eod --no-progress
+  mv "$DATA_DIR/corpus.tmp_text_document.bin" "$DATA_DIR/corpus_text_document.bin"
+  mv "$DATA_DIR/corpus.tmp_text_document.idx" "$DATA_DIR/corpus_text_document.idx"
+fi
+
+if has_cuda && "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  DEFAULT_NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+else
+  DEFAULT_NPROC=1
+  # One intra-op thread per CPU rank: on a shared or small machine, oversubscribed OpenMP
+  # threads cost far more than the second core gives.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$DEFAULT_NPROC}
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+  --max-restarts "${MAX_RESTARTS:-0}" \
+  pretrain_gpt.py --config "$CONFIG" \
+  --data-path "$DATA_DIR/corpus_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
+  "$@"
