@@ -92,6 +92,7 @@ def _rank_main(report_dir: str) -> dict:
         res["model_error"] = str(err)
     if rank == 0:
         comm.counter.write_report(f"{report_dir}/comm.json")
+    res["world"] = comm.counter.write_world_report(f"{report_dir}/world.json")
     return res
 
 
@@ -151,6 +152,10 @@ def test_collectives_count_bytes_by_formula(tmp_path):
     assert "not divisible by ranks_per_node 3" in errors["rpn3"]
     assert "pipeline_model_parallel_size 8" in errors["pp8"]
     assert results[0]["model_error"] == "model num_layers = 3 is not divisible by pipeline_model_parallel_size = 2"
+    world = json.loads((tmp_path / "world.json").read_text())
+    assert world == results[1]["world"]
+    assert world["world"]["inter"] == sum(r["native"]["counts"]["inter"] + r["emulated"]["counts"]["inter"]
+                                          for r in results)
     report = json.loads((tmp_path / "comm.json").read_text())
     assert report["run"]["inter"] == results[0]["native"]["counts"]["inter"] + results[0]["emulated"]["counts"]["inter"]
 
@@ -174,6 +179,6 @@ def test_counter_scalars_and_steps():
     assert c.scalars() == {"comm/intra_bytes": 15, "comm/inter_bytes": 30,
                            "comm/all_gather/intra_bytes": 10, "comm/all_gather/inter_bytes": 30,
                            "comm/all_reduce/intra_bytes": 5, "comm/all_reduce/inter_bytes": 0}
-    c.reset_step()
+    assert c.end_step()["comm/inter_bytes"] == 30 and c.step_totals()["inter"] == 0
     c.record("all_gather", "zero/param_gather", 1, 2)
     assert c.step_totals()["inter"] == 2 and c.run_totals()["inter"] == 32 and c.steps == 1

@@ -22,6 +22,7 @@ one, so single-process code runs the same code path.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Sequence
 
 import torch
@@ -327,6 +328,16 @@ def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
         if op.op is dist.irecv:
             _record_recv(tag, op.peer, _nbytes(op.tensor))
     return dist.batch_isend_irecv(ops)
+
+
+def all_gather_object(obj: Any, group: Any = None, tag: str | None = None) -> list[Any]:
+    """Every member's picklable `obj`, in group-rank order (counted as its pickled size)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    _record_from_peers("all_gather_object", tag, group, [len(pickle.dumps(o)) for o in out])
+    return out
 
 
 def barrier(group: Any = None, tag: str | None = None) -> None:

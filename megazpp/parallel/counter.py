@@ -81,14 +81,45 @@ class CommCounter:
             out[f"comm/{op}/inter_bytes"] = row["inter"]
         return out
 
+    def end_step(self) -> dict[str, int]:
+        """Close the current step: return its TensorBoard scalars, then start the next step."""
+        scalars = self.scalars()
+        self.reset_step()
+        return scalars
+
     def write_report(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the run totals as JSON atomically (temp name, then rename)."""
-        report = {"convention": "bytes received by this rank, per peer link class",
-                  "steps": self.steps, "run": self.run_totals(), **(extra or {})}
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
+        """Write this rank's run totals as JSON atomically (temp name, then rename)."""
+        _write_json(path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(),
+                           **(extra or {})})
+
+    def write_world_report(self, path: str, group: Any = None) -> dict[str, Any]:
+        """Collective: gather every rank's run totals; rank 0 writes them with world sums.
+
+        The totals are snapshotted before the gather, so the report does not count itself.
+        Returns the report on every rank.
+        """
+        from megazpp.parallel import comm
+
+        mine = self.run_totals()
+        per_rank = comm.all_gather_object(mine, group=group, tag="report/gather")
+        report = {"convention": CONVENTION, "steps": self.steps,
+                  "world": {"intra": sum(r["intra"] for r in per_rank),
+                            "inter": sum(r["inter"] for r in per_rank)},
+                  "per_rank": per_rank}
+        if comm.group_rank(group) == 0:
+            _write_json(path, report)
+        return report
+
+
+CONVENTION = ("bytes each rank RECEIVES from each peer of a collective (logical payload), "
+              "classed intra/inter by the peer's node; world sums count every transfer once")
+
+
+def _write_json(path: str, report: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
 
 
 counter = CommCounter()
