@@ -8,6 +8,7 @@ with a training loss share, and the notes say so whenever the runs differ in len
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -53,8 +54,8 @@ def compare_runs(runs: Sequence[Run]) -> Comparison:
     that every gap is measured against (gap = final loss - reference's final loss)."""
     if not runs:
         raise DataError("no runs to compare (give at least one run directory)")
-    notes = [f"run {run.label} has no {tag}"
-             for run in runs for tag in COMPARED_TAGS if not _has(run, tag)]
+    notes = [_lacking_note([run.label for run in runs if not _has(run, tag)], tag)
+             for tag in COMPARED_TAGS if not all(_has(run, tag) for run in runs)]
     step_range = _common_steps(runs, notes)
     first, last = step_range if step_range else (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
     clipped = [{tag: s.within(first, last) for tag, s in run.scalars.items()} for run in runs]
@@ -75,9 +76,15 @@ def _has(run: Run, tag: str) -> bool:
     return tag in run.scalars and len(run.scalars[tag]) > 0
 
 
+def _lacking_note(labels: list[str], tag: str) -> str:
+    if len(labels) == 1:
+        return f"run {labels[0]} has no {tag}"
+    return f"runs {', '.join(labels)} have no {tag}"
+
+
 def _common_steps(runs: Sequence[Run], notes: list[str]) -> tuple[int, int] | None:
-    spans = {run.label: (int(s.steps[0]), int(s.steps[-1]))
-             for run in runs if _has(run, TRAIN_LOSS) for s in [run.scalars[TRAIN_LOSS]]}
+    trains = {run.label: run.scalars[TRAIN_LOSS] for run in runs if _has(run, TRAIN_LOSS)}
+    spans = {label: (int(s.steps[0]), int(s.steps[-1])) for label, s in trains.items()}
     if not spans:
         notes.append(f"no run has {TRAIN_LOSS}: every column uses each run's whole length")
         return None
@@ -104,14 +111,20 @@ def _summarise(label: str, scalars: dict[str, Series]) -> RunSummary:
         label=label,
         final_step=int(scalars[TRAIN_LOSS].steps[-1]) if train is not None else None,
         final_loss=float(train[-1]) if train is not None else None,
-        best_loss=float(np.nanmin(train)) if train is not None else None,
+        best_loss=_lowest(train) if train is not None else None,
         final_val_loss=float(val[-1]) if val is not None else None,
-        best_val_loss=float(np.nanmin(val)) if val is not None else None,
+        best_val_loss=_lowest(val) if val is not None else None,
         gap=None,
         tokens_per_sec=float(np.mean(tokens)) if tokens is not None else None,
         inter_bytes_per_step=float(np.mean(inter)) if inter is not None else None,
         peak_memory_bytes=float(np.max(memory)) if memory is not None else None,
     )
+
+
+def _lowest(values: np.ndarray) -> float:
+    """The best loss ignores NaN/inf points (a diverged step); NaN when every point is."""
+    finite = values[np.isfinite(values)]
+    return float(finite.min()) if len(finite) else math.nan
 
 
 def _with_gaps(rows: list[RunSummary], notes: list[str]) -> list[RunSummary]:
