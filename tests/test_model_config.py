@@ -46,6 +46,8 @@ def test_bad_layer_range_and_unimplemented_combinations_are_rejected():
         GPTModel(moe, sequence_parallel=True)
     with pytest.raises(ConfigError, match="moe_aux_loss_coeff: 0"):
         GPTModel(moe, post_process=False, layer_range=(0, 1))
+    with pytest.raises(ConfigError, match="longer than model.seq_length = 128"):
+        GPTModel(cfg)(torch.zeros(1, 129, dtype=torch.long))
     # without the aux loss a MoE pipeline stage is fine
     GPTModel(ModelConfig(num_experts=2, moe_top_k=1, moe_aux_loss_coeff=0.0),
              post_process=False, layer_range=(0, 1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazpp.errors import TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import run_ranks
@@ -56,6 +57,14 @@ def _compare_on_rank() -> dict[str, float]:
         assert local_logits.shape[-1] == cfg.vocab_size // size
         diffs.append((local_logits - full_logits.chunk(size, -1)[rank]).abs().max().item())
         worst[name] = max(diffs)
+    for bad, key in ((dict(num_query_groups=1), "num_query_groups = 1"),
+                     (dict(vocab_size=63), "vocab_size = 63")):
+        try:
+            GPTModel(ModelConfig(**{**CASES[0][1], **bad}), tp_group=group)
+        except TopologyError as e:
+            assert key in str(e), e
+        else:
+            raise AssertionError(f"{bad} was accepted at TP={size}")
     return worst
 
 

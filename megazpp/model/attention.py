@@ -9,6 +9,8 @@ The output projection is row-parallel and sums the ranks' partial results.
 
 from __future__ import annotations
 
+from typing import Any
+
 import contextlib
 
 import torch
@@ -23,7 +25,7 @@ from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group,
+    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: Any,
                  sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         tp = 1 if tp_group is None else comm.group_size(tp_group)

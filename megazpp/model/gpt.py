@@ -27,6 +27,8 @@ coefficient is 0.
 
 from __future__ import annotations
 
+from typing import Any
+
 import contextlib
 
 import torch
@@ -34,12 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.layer import TransformerLayer
 from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
+from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -79,6 +82,24 @@ def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, ..
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 
+def check_tensor_parallel_split(cfg: ModelConfig, tp: int) -> None:
+    """Raise TopologyError unless every dimension the model shards divides by `tp`.
+
+    Checked here as well as in the topology because a wrong query-group split would not fail
+    on its own: the fused qkv size can divide while a group straddles two ranks.
+    """
+    sharded = {"num_attention_heads": cfg.num_attention_heads,
+               "num_query_groups": cfg.num_query_groups, "vocab_size": cfg.vocab_size}
+    if cfg.num_experts:
+        sharded["moe_ffn_hidden_size"] = cfg.moe_ffn_hidden_size
+    else:
+        sharded["ffn_hidden_size"] = cfg.ffn_hidden_size
+    for key, value in sharded.items():
+        if value % tp:
+            raise TopologyError(
+                f"model.{key} = {value} is not divisible by the tensor-parallel size {tp}")
+
+
 class Embedding(nn.Module):
     """Token embedding (vocab-parallel), plus learned positions for GPT-2.
 
@@ -86,7 +107,7 @@ class Embedding(nn.Module):
     for the whole sequence and keeps its chunk, exactly the single-process mask.
     """
 
-    def __init__(self, cfg: ModelConfig, init: Initializer, *, tp_group,
+    def __init__(self, cfg: ModelConfig, init: Initializer, *, tp_group: Any,
                  sequence_parallel: bool) -> None:
         super().__init__()
         self.tp_group = tp_group
@@ -112,7 +133,7 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, *, tp_group: Any = None, sequence_parallel: bool = False,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None) -> None:
         super().__init__()
@@ -131,6 +152,7 @@ class GPTModel(nn.Module):
                 "model.num_experts > 0 with pipeline parallelism: the MoE load-balancing loss of "
                 "a stage without the loss head cannot reach the loss (not implemented); set "
                 "model.moe_aux_loss_coeff: 0 or use one pipeline stage")
+        check_tensor_parallel_split(cfg, 1 if tp_group is None else comm.group_size(tp_group))
         self.cfg = cfg
         self.tp_group = tp_group
         self.pre_process = pre_process
@@ -175,6 +197,10 @@ class GPTModel(nn.Module):
         """Token ids [b, s] (first stage) or hidden states (later stages) in; per-token fp32
         loss [b, s] out on the last stage when labels are given, this TP rank's vocab shard of
         the logits [b, s, vocab / tp] without labels, hidden states on other stages."""
+        if self.pre_process and inputs.shape[1] > self.cfg.seq_length:
+            raise ConfigError(
+                f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
+                f"model.seq_length = {self.cfg.seq_length}")
         hidden = self.embedding(inputs) if self.pre_process else inputs
         aux_terms = []
         for layer in self.layers.values():

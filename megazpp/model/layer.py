@@ -7,6 +7,8 @@ layers whether or not a layer runs under activation checkpointing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import contextlib
 
 import torch
@@ -25,7 +27,7 @@ from megazpp.parallel.tensor_parallel import get_rng_tracker
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group,
+    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: Any,
                  sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
