@@ -148,29 +148,33 @@ def test_dequant_reduce_equals_sum_of_dequantized_parts(bits):
 
 
 def _qgz_two_stage(grads: torch.Tensor, nodes: int, block: int) -> torch.Tensor:
-    """Hierarchical qgZ on stacked grads [ranks, numel]: the sum every rank's shard receives."""
+    """qgZ as docs/arch/kernels.md describes it, on stacked grads [ranks, numel].
+
+    Returns the concatenation of every dp rank's fp32 shard in rank order, so a wrong chunk
+    order shows up as a large error, not just a loose bound.
+    """
     ranks, numel = grads.shape
     local = ranks // nodes
-    sent = [kernels.quantize(g, 4, block) for g in grads]
-    chunk_blocks = numel // block // local
-    chunk_bytes = chunk_blocks * block // 2
-    stage2 = []  # per node, per local index: re-quantized partial sum of that chunk
+    shard = numel // ranks
+    shard_blocks, shard_bytes = shard // block, shard // 2
+    # Local-index-major shard order: chunk j' holds shards n' * local + j' for n' = 0..nodes-1.
+    order = [n * local + j for j in range(local) for n in range(nodes)]
+    sent = [kernels.quantize(torch.cat([g[d * shard:(d + 1) * shard] for d in order]), 4, block) for g in grads]
+    chunk_blocks, chunk_bytes = nodes * shard_blocks, nodes * shard_bytes
+    stage2 = {}  # (node, j) -> re-quantized partial sum held by that rank
     for node in range(nodes):
         members = range(node * local, (node + 1) * local)
-        row = []
         for j in range(local):
             codes = torch.stack([sent[r][0][j * chunk_bytes:(j + 1) * chunk_bytes] for r in members])
             scales = torch.stack([sent[r][1][j * chunk_blocks:(j + 1) * chunk_blocks] for r in members])
-            row.append(kernels.dequant_reduce_quantize(codes, scales, 4, block, 4))
-        stage2.append(row)
-    sub_blocks, sub_bytes = chunk_blocks // nodes, chunk_bytes // nodes
-    out = []
-    for j in range(local):
-        for n in range(nodes):
-            codes = torch.stack([stage2[m][j][0][n * sub_bytes:(n + 1) * sub_bytes] for m in range(nodes)])
-            scales = torch.stack([stage2[m][j][1][n * sub_blocks:(n + 1) * sub_blocks] for m in range(nodes)])
-            out.append(kernels.dequant_reduce(codes, scales, 4, block))
-    return torch.cat(out)
+            stage2[node, j] = kernels.dequant_reduce_quantize(codes, scales, 4, block, 4)
+    shards = []
+    for d in range(ranks):
+        node, j = divmod(d, local)
+        codes = torch.stack([stage2[m, j][0][node * shard_bytes:(node + 1) * shard_bytes] for m in range(nodes)])
+        scales = torch.stack([stage2[m, j][1][node * shard_blocks:(node + 1) * shard_blocks] for m in range(nodes)])
+        shards.append(kernels.dequant_reduce(codes, scales, 4, block))
+    return torch.cat(shards)
 
 
 def test_qgz_two_int4_stages_within_stated_bound():
