@@ -184,3 +184,18 @@ def test_resumed_run_reads_the_later_write(tmp_path):
     series = read_run(tmp_path / "run", "run").scalars["train/loss"]
     assert series.steps.tolist() == [1, 2, 3, 4, 5]
     assert series.values.tolist() == [4.0, 3.0, 2.5, 2.25, 2.0]
+
+
+def test_notes_for_tags_missing_everywhere_or_outside_the_range(tmp_path):
+    nan = float("nan")
+    write_run(tmp_path / "x", {"train/loss": {1: 3.0, 2: nan, 3: 2.5, 4: 2.75}, "val/loss": {4: 2.5}})
+    write_run(tmp_path / "y", {"train/loss": {1: 3.0, 2: 2.0, 3: 1.5}})
+    result = compare_directories([tmp_path / "x", tmp_path / "y"], tmp_path / "out")
+    notes = result.comparison.notes
+    assert "runs x, y have no perf/tokens_per_sec" in notes
+    assert "run y has no val/loss" in notes
+    assert "run x has no val/loss point in steps 1..3" in notes
+    x, y = result.comparison.summaries
+    assert (x.final_loss, x.best_loss, x.final_val_loss) == (2.5, 2.5, None)  # NaN step skipped
+    assert y.gap == -1.0
+    assert "| x | 3 | 2.5000 | 2.5000 | n/a | n/a | reference | n/a | n/a | n/a |" in result.summary_md.read_text()
