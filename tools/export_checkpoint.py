@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Writes one safetensors file of full weights from any megazpp checkpoint.
+
+  export_checkpoint.py --load CKPT --output FILE.safetensors [--dtype D] [--masters]
+                       [--config FILE [flags...]]
+
+The tensor- and pipeline-parallel pieces are glued back into the single-process model's
+tensors, keyed by megazpp's parameter names; the model config is stored in the file's
+metadata (key "megazpp_model_config", JSON). A checkpoint written by training does not record
+its model config: give the run's --config (and any model flags) after the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megazpp.config import load_config
+from megazpp.errors import MegazppError
+from megazpp.interop.consolidate import DTYPES, parse_dtype
+from megazpp.interop.convert import export_safetensors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="save directory (its latest) or iter_N dir")
+    parser.add_argument("--output", required=True, help="the .safetensors file to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
+    parser.add_argument("--masters", action="store_true",
+                        help="export the fp32 master weights of a bf16/fp16 run")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(rest).model if rest else None
+    out = export_safetensors(args.load, args.output, cfg=cfg, dtype=parse_dtype(args.dtype),
+                             masters=args.masters)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MegazppError as exc:
+        print(f"export_checkpoint.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
