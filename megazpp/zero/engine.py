@@ -102,7 +102,7 @@ class ZeroEngine:
         if self.strategy.p != Level.N:
             seq = formulas.param_fetch_sequence(self.strategy, self.groups.k, self.hier)
             self.fetcher = ParamFetcher(self.buckets, seq, self.groups, self._unit_modules(),
-                                        self._queue_backward_callback)
+                                        self._unit_parents(), self._queue_backward_callback)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
@@ -156,6 +156,16 @@ class ZeroEngine:
                 if b is not None and id(module) not in subtree[id(b)] and module not in modules[id(b)]:
                     modules[id(b)].append(module)
         return modules
+
+    def _unit_parents(self) -> list[tuple[nn.Module, list[Bucket]]]:
+        """Modules whose direct children are unit roots, with those children's units."""
+        unit_of = {id(b.module): b for b in self.buckets}
+        out = []
+        for module in self.model.modules():
+            children = [unit_of[id(c)] for c in module.children() if id(c) in unit_of]
+            if children:
+                out.append((module, children))
+        return out
 
     # -- backward ----------------------------------------------------------------------------
     def _queue_backward_callback(self) -> None:
@@ -213,6 +223,8 @@ class ZeroEngine:
                 self._bucket_done(b)
             b.launched = False
             b.arrived.clear()
+        if self.fetcher is not None:
+            self.fetcher.release_all()
         self._micro_batches += 1
         self._callback_queued = False
 
@@ -255,6 +267,8 @@ class ZeroEngine:
         return groups
 
     def step(self) -> StepResult:
+        if self.fetcher is not None:
+            self.fetcher.release_all()
         grads = self._os_gradients()
         if self.scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)

@@ -1,0 +1,50 @@
+"""Build a ZeroEngine from the run's typed Config (the `zero` section, DeepSpeed keys).
+
+Why a separate function: the trainer should not know how DeepSpeed's `zero_optimization`
+keys map onto the engine's options, and a key whose non-default value the engine would not
+honour must be refused here, naming the key, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from megazpp.config import Config, ZeroConfig
+from megazpp.errors import ConfigError
+from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.strategy import parse_strategy
+
+
+def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> ZeroOptions:
+    """`paro_strategy` wins over `stage` (both given and disagreeing is an error)."""
+    strategy = parse_strategy(z.paro_strategy if z.paro_strategy is not None else z.stage,
+                              key="zero.paro_strategy" if z.paro_strategy is not None else "zero.stage")
+    if z.paro_strategy is not None and z.stage != 0 and parse_strategy(z.stage) != strategy:
+        raise ConfigError(f"zero.paro_strategy = {z.paro_strategy!r} and zero.stage = {z.stage} disagree "
+                          f"(stage {z.stage} is {parse_strategy(z.stage)}); set one of them")
+    if not z.reduce_scatter:
+        raise ConfigError("zero.reduce_scatter = false: the engine always reduces gradients by "
+                          "reduce-scatter to their shard level (set it to true)")
+    defaults = ZeroConfig()
+    if z.allgather_bucket_size != defaults.allgather_bucket_size and z.allgather_bucket_size != z.reduce_bucket_size:
+        raise ConfigError(f"zero.allgather_bucket_size = {z.allgather_bucket_size}: parameters are "
+                          f"refreshed per gradient bucket; size buckets with zero.reduce_bucket_size")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "loco"):
+        if getattr(z, key):
+            raise ConfigError(f"zero.{key} = true: not available in this engine yet (ZeRO++ / LoCo)")
+    if z.zero_hpz_partition_size != 1:
+        raise ConfigError(f"zero.zero_hpz_partition_size = {z.zero_hpz_partition_size}: not "
+                          f"available in this engine yet (ZeRO++ hpZ)")
+    return ZeroOptions(strategy=strategy.name, paro_group_size=z.paro_group_size,
+                       bucket_numel=z.reduce_bucket_size,
+                       module_granularity_threshold=z.module_granularity_threshold,
+                       micro_batches_per_step=micro_batches_per_step)
+
+
+def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
+                      micro_batches_per_step: int | None = None) -> ZeroEngine:
+    """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`."""
+    return ZeroEngine(model, cfg.optimizer, cfg.precision, zero_options(cfg.zero, micro_batches_per_step),
+                      topology)

@@ -1,0 +1,132 @@
+"""Strategy parsing, the nested shard layout, the byte formulas worked by hand, and parameter
+units under module_granularity_threshold (no ranks needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megazpp.errors import ConfigError
+from megazpp.zero import formulas
+from megazpp.zero.layout import BucketLayout, from_dp_order, to_dp_order
+from megazpp.zero.strategy import VALID_NAMES, Level, parse_strategy
+from megazpp.zero.units import is_fine_grained, parameter_units
+
+
+def test_fourteen_strategies_aliases_and_rejection():
+    assert len(VALID_NAMES) == 14 and len(set(VALID_NAMES)) == 14
+    for name in VALID_NAMES:
+        s = parse_strategy(name.lower())
+        assert s.os >= s.p and s.os >= s.g and s.name == name
+    assert [parse_strategy(i).name for i in range(4)] == ["NNN", "NNG", "NGG", "GGG"]
+    assert parse_strategy("MiCS").name == "III" and parse_strategy("ing").name == "ING"
+    with pytest.raises(ConfigError) as err:
+        parse_strategy("GNN")
+    assert all(n in str(err.value) for n in VALID_NAMES)
+    for bad in ("NNX", "NN", 7, "zero4"):
+        with pytest.raises(ConfigError):
+            parse_strategy(bad)
+
+
+def test_g_shard_nests_inside_i_shard_and_both_partition_the_buffer():
+    d, k = 8, 4
+    params = [("w", nn.Parameter(torch.zeros(7, 3))), ("b", nn.Parameter(torch.zeros(5)))]
+    layouts = [BucketLayout.build(params, d, k, r) for r in range(d)]
+    assert layouts[0].padded == 32 and layouts[0].decay_numel == 21
+    g_cover, i_cover = [], []
+    for r, lay in enumerate(layouts):
+        (ilo, ihi), (glo, ghi) = lay.shard_range(Level.I), lay.shard_range(Level.G)
+        assert ilo <= glo < ghi <= ihi
+        g_cover += range(glo, ghi)
+        if r < k:  # the first PaRO group covers the buffer once
+            i_cover += range(ilo, ihi)
+    assert sorted(g_cover) == list(range(32)) and sorted(i_cover) == list(range(32))
+    # DP rank 6 = position 2 of PaRO group 1 owns G-piece 2 * 2 + 1 = 5 (elements 20..24),
+    # whose decay split straddles the boundary at 21
+    assert layouts[6].shard_range(Level.G) == (20, 24)
+    assert layouts[6].decay_split(Level.G) == [(0, 1, True), (1, 4, False)]
+    flat = torch.arange(32.0)
+    out = torch.empty(32)
+    from_dp_order(to_dp_order(flat, k, d // k), out, k, d // k)
+    assert torch.equal(out, flat)
+    # DP rank r receives, from a single-stage reduce-scatter of the reordered buffer, its G piece
+    reordered = to_dp_order(flat, k, d // k).view(d, -1)
+    for r, lay in enumerate(layouts):
+        lo, hi = lay.shard_range(Level.G)
+        assert torch.equal(reordered[r], flat[lo:hi])
+
+
+def _two_nodes_of_two() -> formulas.DPShapes:
+    return formulas.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2)
+
+
+def test_step_bytes_worked_by_hand_for_ggg_and_nig():
+    shapes = _two_nodes_of_two()
+    hier = formulas.choose_hierarchy(shapes)
+    assert hier == formulas.Hierarchy(True, True, True)
+    ggg = parse_strategy("GGG")
+    # P = 8 fp32 elements (32 bytes), one micro-batch.
+    # fetch x2: cross all-gather of 16 B (8 B from the other node) + intra all-gather of 32 B
+    #           (16 B from the node peer) -> (16, 8) each;
+    # reduce: intra reduce-scatter of 32 B (16 B) + cross reduce-scatter of 16 B (8 B);
+    # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
+    assert formulas.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
+                               accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
+    nig = parse_strategy("NIG")
+    # per micro-batch: intra reduce-scatter of 32 B -> 16 intra; boundary: cross reduce-scatter
+    # of the 16 B I-chunk -> 8 inter; refresh p=N from G: cross + intra all-gather (8 inter, 16
+    # intra); norm over all DP ranks. Three micro-batches.
+    assert formulas.step_bytes(nig, [8], shapes, hier, micro_batches=3, param_bytes=4,
+                               accum_bytes=4) == (3 * 16 + 16 + 2, 8 + 8 + 4)
+    flat = formulas.Hierarchy()
+    # single-stage all-gather over 4 ranks: 8 B from each peer, 2 peers on the other node
+    assert formulas.sequence_bytes(formulas.gather_sequence(Level.G, Level.N, 2, flat), 8, 4,
+                                   shapes) == (8, 16)
+
+
+def test_state_bytes_per_level():
+    nig = parse_strategy("NIG")
+    got = formulas.state_bytes(nig, [8, 16], d=4, k=2, param_bytes=2, accum_bytes=4)
+    assert got == formulas.StateBytes(params=2 * 24, grads=4 * 12, optimizer=12 * 6)
+    assert formulas.padded_numel(13, 4) == 16 and formulas.padded_numel(16, 4) == 16
+
+
+def test_degenerate_groups_are_never_hierarchical():
+    one_node = formulas.dp_shapes([0, 1, 2, 3], 4, me=1, ranks_per_node=4)
+    assert formulas.choose_hierarchy(one_node) == formulas.Hierarchy()
+    singles = formulas.dp_shapes([0, 1, 2, 3], 1, me=1, ranks_per_node=2)
+    assert formulas.choose_hierarchy(singles) == formulas.Hierarchy()
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False), nn.Linear(2, 4, bias=False)
+
+
+class _MoE(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, n, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(n))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(64, 64)
+        self.moe = _MoE(8)
+
+
+def test_module_granularity_threshold_groups_fine_grained_subtrees():
+    block = _Block()
+    # threshold 0: one unit per module owning parameters (attn, router, 24 expert linears)
+    assert len(parameter_units(block, 0)) == 26
+    moe = block.moe  # 32 + 8 * 24 = 224 elements over 1 + 1 + 1 + 8 * 4 = 35 modules -> 6.4
+    assert not is_fine_grained(moe, 6) and is_fine_grained(moe, 7)
+    units = parameter_units(block, 7)
+    assert [u.name for u in units] == ["attn", "moe"]
+    assert sum(p.numel() for _, p in units[1].params) == 224
+    # the whole block falls under a large threshold: a single unit with every parameter
+    assert [u.name for u in parameter_units(block, 10**6)] == ["<root>"]
