@@ -52,30 +52,30 @@ class Run:
 
 def read_run(run_dir: str | Path, label: str) -> Run:
     """Read every scalar tag and the logged config of the run under `run_dir`."""
-    directory = find_event_directory(Path(run_dir))
-    accumulator = _load(directory)
+    directory, accumulator = _locate(Path(run_dir))
     tags = accumulator.Tags()
     scalars = {tag: _series(accumulator.Scalars(tag)) for tag in tags["scalars"]}
     config = _config(accumulator) if CONFIG_TEXT_TAG in tags["tensors"] else None
     return Run(label, directory, scalars, config)
 
 
-def find_event_directory(run_dir: Path) -> Path:
-    """The directory holding the run's event files: `run_dir` itself, or the one directory
-    below it that holds events with scalars (a run dir whose TensorBoard output sits in a
+def _locate(run_dir: Path) -> tuple[Path, event_accumulator.EventAccumulator]:
+    """The run's event directory, loaded: `run_dir` itself, or the one directory below it
+    that holds events with scalars (a run dir whose TensorBoard output sits in a
     subdirectory, e.g. `RUN/tensorboard/`)."""
     if not run_dir.is_dir():
         raise DataError(f"run directory {run_dir} does not exist or is not a directory "
                         f"(expected a directory holding TensorBoard event files {EVENT_FILE_GLOB})")
     if any(p.is_file() for p in run_dir.glob(EVENT_FILE_GLOB)):
-        return run_dir
+        return run_dir, _load(run_dir)
     candidates = sorted({p.parent for p in run_dir.rglob(EVENT_FILE_GLOB) if p.is_file()})
     if not candidates:
         raise DataError(f"run directory {run_dir} holds no TensorBoard event files "
                         f"({EVENT_FILE_GLOB}); was logging.tensorboard_dir set for that run?")
-    with_scalars = [d for d in candidates if _load(d).Tags()["scalars"]]
+    loaded = [(d, _load(d)) for d in candidates]
+    with_scalars = [(d, acc) for d, acc in loaded if acc.Tags()["scalars"]]
     if len(with_scalars) != 1:
-        found = ", ".join(str(d) for d in (with_scalars or candidates))
+        found = ", ".join(str(d) for d, _ in (with_scalars or loaded))
         raise DataError(f"run directory {run_dir} does not hold exactly one directory of "
                         f"event files with scalars (found: {found}); pass that directory itself")
     return with_scalars[0]
