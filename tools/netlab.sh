@@ -5,7 +5,8 @@
 #
 #   tools/netlab.sh up N RATE DELAY   make nodes 0..N-1 (RATE as tc: 1gbit, 200mbit;
 #                                     DELAY as tc: 0.2ms, or 0 for none; needs sch_netem)
-#   tools/netlab.sh run NODE CMD...   run CMD inside node NODE (env NETLAB_NODE, NETLAB_ADDR,
+#   tools/netlab.sh run NODE CMD...   run CMD inside node NODE, under its own hostname
+#                                     ${PREFIX}-node<i> (env NETLAB_NODE, NETLAB_ADDR,
 #                                     NETLAB_MASTER_ADDR = node 0's address)
 #   tools/netlab.sh addr NODE         print NODE's address
 #   tools/netlab.sh bytes NODE        print "RX_BYTES TX_BYTES" of NODE's inter-node link
@@ -13,7 +14,11 @@
 #
 # Everything lives in namespaces named ${NETLAB_PREFIX:-mzpp}_hub and ${NETLAB_PREFIX}_node<i>;
 # the only addresses are ${NETLAB_SUBNET:-10.77.0}.<i+1>/24 inside them. The host's own
-# namespace, interfaces and routes are never touched. Needs root, `ip` and `tc`.
+# namespace, interfaces and routes are never touched. Each node also gets a hostname (a UTS
+# namespace per `run`) and a hosts file (/etc/netns/<ns>/hosts, which `ip netns exec` mounts
+# over /etc/hosts) naming every node, so launchers that find "their" address by resolving the
+# hostname (torchrun's rendezvous host, gloo) behave as on separate machines.
+# Needs root, `ip`, `tc` and `unshare`.
 set -euo pipefail
 
 PREFIX="${NETLAB_PREFIX:-mzpp}"
@@ -24,11 +29,13 @@ MTU="${NETLAB_MTU:-1500}"
 die() { echo "netlab: $*" >&2; exit 1; }
 node_ns() { echo "${PREFIX}_node$1"; }
 node_addr() { echo "${SUBNET}.$(( $1 + 1 ))"; }
+node_host() { echo "${PREFIX}-node$1"; }
 
 require_tools() {
   [ "$(id -u)" -eq 0 ] || die "must run as root (network namespaces and tc need CAP_NET_ADMIN)"
   command -v ip >/dev/null || die "'ip' (iproute2) not found"
   command -v tc >/dev/null || die "'tc' (iproute2) not found"
+  command -v unshare >/dev/null || die "'unshare' (util-linux) not found"
 }
 
 check_node() {
@@ -42,6 +49,7 @@ cmd_down() {
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^${PREFIX}_(hub|node[0-9]+)$" || true); do
     ip netns del "$ns"
   done
+  rm -rf /etc/netns/"${PREFIX}"_node*
 }
 
 shape() {  # shape NS DEV RATE DELAY: tbf (rate) under an optional netem (delay)
@@ -79,6 +87,13 @@ cmd_up() {
     ip -n "$ns" link set eth0 up
     shape "$ns" eth0 "$rate" "$delay"
   done
+  for i in $(seq 0 $(( n - 1 ))); do
+    mkdir -p "/etc/netns/$(node_ns "$i")"
+    {
+      echo "127.0.0.1 localhost"
+      for j in $(seq 0 $(( n - 1 ))); do echo "$(node_addr "$j") $(node_host "$j")"; done
+    } > "/etc/netns/$(node_ns "$i")/hosts"
+  done
   trap - ERR
   echo "netlab: ${n} nodes up (${SUBNET}.1 .. ${SUBNET}.${n}), links ${rate}, delay ${delay}"
 }
@@ -88,7 +103,8 @@ cmd_run() {
   local node=$1; shift
   require_tools
   check_node "$node"
-  exec ip netns exec "$(node_ns "$node")" env NETLAB_NODE="$node" NETLAB_ADDR="$(node_addr "$node")" \
+  exec ip netns exec "$(node_ns "$node")" unshare --uts sh -c 'hostname "$0" && exec "$@"' \
+    "$(node_host "$node")" env NETLAB_NODE="$node" NETLAB_ADDR="$(node_addr "$node")" \
     NETLAB_MASTER_ADDR="$(node_addr 0)" "$@"
 }
 

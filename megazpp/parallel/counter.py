@@ -89,7 +89,7 @@ class CommCounter:
 
     def write_report(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write this rank's run totals as JSON atomically (temp name, then rename)."""
-        _write_json(path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(),
+        write_json_atomic(path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(),
                            **(extra or {})})
 
     def write_world_report(self, path: str, group: Any = None) -> dict[str, Any]:
@@ -107,7 +107,7 @@ class CommCounter:
                             "inter": sum(r["inter"] for r in per_rank)},
                   "per_rank": per_rank}
         if comm.group_rank(group) == 0:
-            _write_json(path, report)
+            write_json_atomic(path, report)
         return report
 
 
@@ -115,7 +115,7 @@ CONVENTION = ("bytes each rank RECEIVES from each peer of a collective (logical 
               "classed intra/inter by the peer's node; world sums count every transfer once")
 
 
-def _write_json(path: str, report: dict[str, Any]) -> None:
+def write_json_atomic(path: str, report: dict[str, Any]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
