@@ -243,3 +243,15 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
             losses[name].append(loss.item())
     assert max(abs(a - b) for a, b in zip(losses["local"], losses["GGG"])) < 1e-6, losses
     assert losses["GGG"][-1] < losses["GGG"][0] - 0.1
+
+
+def test_gathered_parameters_expose_whole_weights_then_release():
+    topo = Topology.from_env()
+    reference = GPTModel(ModelConfig(**LLAMA))
+    model = GPTModel(ModelConfig(**LLAMA))
+    engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy="GGG"), topo)
+    assert all(p.numel() == 0 for p in model.parameters())
+    with engine.gathered_parameters():
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            assert torch.equal(p, q), name
+    assert all(p.numel() == 0 for p in model.parameters())

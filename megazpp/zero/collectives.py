@@ -48,13 +48,13 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tupl
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
     if c.op == "all_gather":
-        out = torch.empty(t.numel() * size, dtype=t.dtype)
+        out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
         if not permute:
             return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
         staged = torch.empty_like(out)
         work = comm.all_gather_into_tensor(staged, t, group=group, async_op=True, tag=tag)
         return work, out, lambda: from_dp_order(staged, out, groups.k, groups.m)
-    out = torch.empty(t.numel() // size, dtype=t.dtype)
+    out = torch.empty(t.numel() // size, dtype=t.dtype, device=t.device)
     src = to_dp_order(t, groups.k, groups.m).contiguous() if permute else t
     return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
 

@@ -15,10 +15,11 @@ comm counter records are the bytes `formulas.step_bytes` predicts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -140,7 +141,7 @@ class ZeroEngine:
                        for a, b, decays in layout.decay_split(s.os)]
             keep = [param_is_tp_sharded(p) or tp_rank == 0 for p in layout.params]
             buckets.append(Bucket(spec.name, layout, spec.module, store,
-                                  torch.zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
+                                  flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
                                   masters, layout.ranges_in_shard(s.os, keep)))
         return buckets
 
@@ -182,7 +183,7 @@ class ZeroEngine:
             b.grad_acc[off:off + n].add_(grad)
         else:
             if b.staging is None:
-                b.staging = torch.zeros(b.layout.padded, dtype=self.param_dtype)
+                b.staging = b.param_store.new_zeros(b.layout.padded)
             b.staging[off:off + n].copy_(grad)
         p.grad = None
         b.arrived.add(i)
@@ -196,7 +197,7 @@ class ZeroEngine:
         if s.g != Level.N:
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
-                b.staging = torch.zeros(b.layout.padded, dtype=self.param_dtype)
+                b.staging = b.param_store.new_zeros(b.layout.padded)
             b.staging.mul_(1.0 / self.groups.d)
             seq = formulas.micro_batch_reduce_sequence(s, self.groups.k, self.hier)
             b.micro_pending = PendingSequence(seq, b.staging, self.groups, "zero/grad_reduce")
@@ -309,6 +310,20 @@ class ZeroEngine:
         if self.fetcher is not None:
             self.fetcher.reset_stats()
 
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Every parameter whole inside the block, e.g. to export weights. Collective: every DP
+        rank must enter it. With p = N the parameters are always whole."""
+        if self.fetcher is None:
+            yield
+            return
+        for b in self.buckets:
+            self.fetcher.fetch(b)
+        try:
+            yield
+        finally:
+            self.fetcher.release_all()
+
     # -- introspection -----------------------------------------------------------------------
     def padded_numels(self) -> list[int]:
         return [b.layout.padded for b in self.buckets]
@@ -329,8 +344,7 @@ class ZeroEngine:
 
     def expected_bytes(self) -> formulas.StateBytes:
         return formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
-                                    torch.empty(0, dtype=self.param_dtype).element_size(),
-                                    torch.empty(0, dtype=self.accum_dtype).element_size())
+                                    self.param_dtype.itemsize, self.accum_dtype.itemsize)
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
         extra = []
@@ -338,10 +352,9 @@ class ZeroEngine:
             if getattr(self.topology, size, 1) > 1:
                 extra.append(formulas.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
                                                     self.topology.ranks_per_node))
-        elem = torch.empty(0, dtype=self.param_dtype).element_size()
-        acc = torch.empty(0, dtype=self.accum_dtype).element_size()
         return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                   micro_batches=micro_batches, param_bytes=elem, accum_bytes=acc,
+                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
+                                   accum_bytes=self.accum_dtype.itemsize,
                                    extra_norm_groups=extra)
 
     def stats(self) -> dict[str, int]:

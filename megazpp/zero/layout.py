@@ -91,7 +91,7 @@ class BucketLayout:
         return out
 
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=dtype)
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
         for off, p in zip(self.offsets, self.params):
             flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
         return flat

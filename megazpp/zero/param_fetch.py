@@ -76,7 +76,7 @@ class ParamFetcher:
             b.fetch_pending = None
         b.full_params = None
         for p in b.layout.params:
-            p.data = torch.empty(0, dtype=b.param_store.dtype)
+            p.data = b.param_store.new_empty(0)
 
     def release_all(self) -> None:
         """Release every unit, dropping unused prefetches: a gather still in flight when the
