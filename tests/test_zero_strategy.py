@@ -130,3 +130,19 @@ def test_module_granularity_threshold_groups_fine_grained_subtrees():
     assert sum(p.numel() for _, p in units[1].params) == 224
     # the whole block falls under a large threshold: a single unit with every parameter
     assert [u.name for u in parameter_units(block, 10**6)] == ["<root>"]
+
+
+def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
+    from megazpp.config import ZeroConfig
+    from megazpp.zero.factory import zero_options
+
+    opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234), 4)
+    assert (opts.strategy, opts.module_granularity_threshold, opts.bucket_numel,
+            opts.micro_batches_per_step) == ("GGG", 5000, 1234, 4)
+    assert zero_options(ZeroConfig(paro_strategy="nig", paro_group_size=2)).strategy == "NIG"
+    assert zero_options(ZeroConfig(paro_strategy="ggg", stage=3)).strategy == "GGG"
+    for bad in (ZeroConfig(paro_strategy="NIG", stage=3), ZeroConfig(paro_strategy="GNN"),
+                ZeroConfig(stage=3, reduce_scatter=False), ZeroConfig(stage=3, allgather_bucket_size=7),
+                ZeroConfig(stage=3, zero_quantized_weights=True), ZeroConfig(stage=3, zero_hpz_partition_size=2)):
+        with pytest.raises(ConfigError):
+            zero_options(bad)

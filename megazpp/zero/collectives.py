@@ -68,14 +68,12 @@ class PendingSequence:
         self._result = t
         self._work: Any = None
         self._finish: Callable[[], None] = lambda: None
-        self.launched_calls = 0
         self._launch_next()
 
     def _launch_next(self) -> None:
         if self._rest:
             c = self._rest.pop(0)
             self._work, self._result, self._finish = _start(c, self._result, self._groups, self._tag)
-            self.launched_calls += 1
 
     def wait(self) -> torch.Tensor:
         while self._work is not None:

@@ -27,7 +27,7 @@ from torch import nn
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-from megazpp.training.engine import StepResult, model_dtype
+from megazpp.training.engine import DTYPES, StepResult, model_dtype
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.training.loss_scaler import LossScaler
 from megazpp.training.optimizer import build_adamw, set_lr
@@ -40,9 +40,6 @@ from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import gradient_buckets, parameter_units
 
 log = logging.getLogger(__name__)
-
-ACCUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass
 class ZeroOptions:
@@ -68,10 +65,10 @@ class ZeroEngine:
         self.strategy: Strategy = parse_strategy(options.strategy)
         self.options = options
         self.clip_grad = optimizer.clip_grad
-        if precision.grad_accum_dtype not in ACCUM_DTYPES:
+        if precision.grad_accum_dtype not in DTYPES:
             raise ConfigError(f"precision.grad_accum_dtype = {precision.grad_accum_dtype!r}: expected "
-                              f"one of {sorted(ACCUM_DTYPES)}")
-        self.accum_dtype = ACCUM_DTYPES[precision.grad_accum_dtype]
+                              f"one of {sorted(DTYPES)}")
+        self.accum_dtype = DTYPES[precision.grad_accum_dtype]
         self.param_dtype = model_dtype(precision)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
