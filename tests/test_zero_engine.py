@@ -255,3 +255,28 @@ def test_gathered_parameters_expose_whole_weights_then_release():
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             assert torch.equal(p, q), name
     assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_half_precision_follows_local_engine_including_overflow_skips():
+    """fp16 with a loss scale that overflows at first (skipped steps, scale backing off) and
+    bf16 with fp32 accumulation: ZeRO-3 on one rank takes LocalEngine's exact path."""
+    topo = Topology.from_env()
+    cfg = ModelConfig(**LLAMA)
+    inputs, labels = _batch(cfg, 0, 0)
+    skips = {}
+    for precision in (PrecisionConfig(fp16=True, initial_loss_scale=2.0**22), PrecisionConfig(bf16=True)):
+        runs = {}
+        for name in ("local", "GGG"):
+            model = GPTModel(cfg)
+            engine = (LocalEngine(model, OPT, precision) if name == "local"
+                      else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=name), topo))
+            runs[name] = []
+            for _ in range(5):
+                loss = model(inputs, labels).float().mean()
+                engine.scale_loss(loss).backward()
+                result = engine.step()
+                runs[name].append((loss.item(), result.skipped, result.loss_scale))
+        assert runs["local"] == runs["GGG"], runs
+        skips[precision.fp16] = [skipped for _, skipped, _ in runs["GGG"]]
+    assert skips[True][0] and not skips[True][-1], skips  # overflow, back off, then train
+    assert not any(skips[False]), skips
