@@ -10,6 +10,7 @@ each peer of the collective, and files it under "intra" or "inter" by the peer's
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from collections import defaultdict
@@ -123,3 +124,22 @@ def write_json_atomic(path: str, report: dict[str, Any]) -> None:
 
 
 counter = CommCounter()
+
+REPORT_DIR_ENV = "MEGAZPP_COMM_REPORT_DIR"
+
+
+def _write_rank_report_at_exit() -> None:
+    """Any process started with MEGAZPP_COMM_REPORT_DIR set leaves `comm_rank<RANK>.json`
+    there when it exits (processes without RANK, i.e. launchers, write nothing), whatever
+    launched it: measurements (netlab, wire checks against
+    kernel counters) need the counts of a whole run without the run's code taking part."""
+    directory = os.environ.get(REPORT_DIR_ENV)
+    rank = os.environ.get("RANK")
+    if not directory or rank is None:  # not a launched rank (e.g. the process that spawned them)
+        return
+    os.makedirs(directory, exist_ok=True)
+    counter.write_report(os.path.join(directory, f"comm_rank{rank}.json"),
+                         extra={"rank": int(rank), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))})
+
+
+atexit.register(_write_rank_report_at_exit)
