@@ -10,11 +10,12 @@ their own per-bucket tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from megazpp.zero.collectives import PendingSequence
+from megazpp.errors import CheckpointError
 from megazpp.zero.layout import BucketLayout
 
 
@@ -41,15 +42,38 @@ class Bucket:
     grad_acc: torch.Tensor  # gradient accumulator at level g (accumulation dtype)
     masters: list[MasterPiece]
     norm_ranges: list[tuple[int, int]]  # parts of the os shard that count in the global norm
+    # state a communication path keeps per bucket (e.g. error feedback); checkpointed
+    extra_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
-    micro_pending: PendingSequence | None = None
-    boundary_pending: PendingSequence | None = None
+    micro_pending: Any = None
+    boundary_pending: Any = None
     full_params: torch.Tensor | None = None
-    fetch_pending: PendingSequence | None = None
+    fetch_pending: Any = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False
 
     @property
     def num_params(self) -> int:
         return len(self.layout.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "padded": self.layout.padded,
+                "param_store": self.param_store.clone(), "grad_acc": self.grad_acc.clone(),
+                "masters": [m.param.detach().clone() for m in self.masters],
+                "extra_state": {k: v.clone() for k, v in self.extra_state.items()}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if saved["name"] != self.name or saved["padded"] != self.layout.padded:
+            raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "
+                                  f"elements) does not match {self.name} ({self.layout.padded})")
+        if set(saved["extra_state"]) != set(self.extra_state):
+            raise CheckpointError(f"ZeRO checkpoint bucket {self.name} holds path state "
+                                  f"{sorted(saved['extra_state'])}, this run keeps {sorted(self.extra_state)}")
+        with torch.no_grad():
+            self.param_store.copy_(saved["param_store"])
+            self.grad_acc.copy_(saved["grad_acc"])
+            for m, master in zip(self.masters, saved["masters"]):
+                m.param.copy_(master)
+            for k, v in saved["extra_state"].items():
+                self.extra_state[k].copy_(v)

@@ -82,7 +82,3 @@ class PendingSequence:
             self._work = None
             self._launch_next()
         return self._result
-
-
-def run_sequence(seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> torch.Tensor:
-    return PendingSequence(seq, t, groups, tag).wait()

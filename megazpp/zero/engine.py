@@ -33,9 +33,10 @@ from megazpp.training.loss_scaler import LossScaler
 from megazpp.training.optimizer import build_adamw, set_lr
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
-from megazpp.zero.collectives import PendingSequence, ZeroGroups, run_sequence
+from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
+from megazpp.zero.paths import CommPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import gradient_buckets, parameter_units
 
@@ -82,6 +83,7 @@ class ZeroEngine:
                 growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
+        self.paths = CommPaths(self.strategy, self.groups, self.hier)
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s",
                  self.strategy, self.groups.d, self.groups.k, self.hier)
         self.step_count = 0
@@ -98,8 +100,7 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
-            seq = formulas.param_fetch_sequence(self.strategy, self.groups.k, self.hier)
-            self.fetcher = ParamFetcher(self.buckets, seq, self.groups, self._unit_modules(),
+            self.fetcher = ParamFetcher(self.buckets, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
@@ -196,8 +197,7 @@ class ZeroEngine:
             if b.staging is None:  # no parameter of the bucket was used in this backward
                 b.staging = b.param_store.new_zeros(b.layout.padded)
             b.staging.mul_(1.0 / self.groups.d)
-            seq = formulas.micro_batch_reduce_sequence(s, self.groups.k, self.hier)
-            b.micro_pending = PendingSequence(seq, b.staging, self.groups, "zero/grad_reduce")
+            b.micro_pending = self.paths.start_grad_reduce(b, b.staging)
             b.staging = None
         elif self._is_last_micro_batch():
             self._start_boundary(b)
@@ -227,11 +227,9 @@ class ZeroEngine:
         self._callback_queued = False
 
     def _start_boundary(self, b: Bucket) -> None:
-        s = self.strategy
-        if s.g == Level.N:
+        if self.strategy.g == Level.N:
             b.grad_acc.mul_(1.0 / self.groups.d)
-        seq = formulas.boundary_sequence(s, self.groups.k, self.hier)
-        b.boundary_pending = PendingSequence(seq, b.grad_acc, self.groups, "zero/grad_boundary")
+        b.boundary_pending = self.paths.start_boundary(b)
 
     # -- the engine protocol -----------------------------------------------------------------
     @property
@@ -288,10 +286,8 @@ class ZeroEngine:
         return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
 
     def _refresh_params(self, b: Bucket) -> None:
-        s = self.strategy
         new_os = torch.cat([piece.param for piece in b.masters]).to(self.param_dtype)
-        seq = formulas.param_sync_sequence(s, self.groups.k, self.hier)
-        b.param_store.copy_(run_sequence(seq, new_os, self.groups, "zero/param_sync"))
+        b.param_store.copy_(self.paths.start_param_sync(b, new_os).wait())
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -363,13 +359,9 @@ class ZeroEngine:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        buckets = []
-        for b in self.buckets:
-            buckets.append({"name": b.name, "padded": b.layout.padded,
-                            "param_store": b.param_store.clone(), "grad_acc": b.grad_acc.clone(),
-                            "masters": [m.param.detach().clone() for m in b.masters]})
         return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
-                "dp_rank": self.topology.dp_rank, "step_count": self.step_count, "buckets": buckets,
+                "dp_rank": self.topology.dp_rank, "step_count": self.step_count,
+                "buckets": [b.state_dict() for b in self.buckets],
                 "optimizer": self.optimizer.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None}
 
@@ -385,14 +377,7 @@ class ZeroEngine:
             raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
                                   f"here has {len(self.buckets)}")
         for b, saved in zip(self.buckets, state["buckets"]):
-            if saved["name"] != b.name or saved["padded"] != b.layout.padded:
-                raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "
-                                      f"elements) does not match {b.name} ({b.layout.padded})")
-            b.param_store.copy_(saved["param_store"])
-            b.grad_acc.copy_(saved["grad_acc"])
-            with torch.no_grad():
-                for m, saved_master in zip(b.masters, saved["masters"]):
-                    m.param.copy_(saved_master)
+            b.load_state_dict(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step_count"]
         if (self.scaler is None) != (state.get("loss_scaler") is None):

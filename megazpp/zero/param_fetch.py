@@ -24,17 +24,15 @@ import torch
 from torch import nn
 
 from megazpp.zero.bucket import Bucket
-from megazpp.zero.collectives import PendingSequence, ZeroGroups
-from megazpp.zero.formulas import Collective
+from megazpp.zero.paths import CommPaths
 
 
 class ParamFetcher:
-    def __init__(self, buckets: list[Bucket], seq: list[Collective], groups: ZeroGroups,
+    def __init__(self, buckets: list[Bucket], paths: CommPaths,
                  modules_of: dict[int, list[nn.Module]], parents: list[tuple[nn.Module, list[Bucket]]],
                  on_backward_start: Callable[[], None]) -> None:
         self._buckets = buckets
-        self._seq = seq
-        self._groups = groups
+        self.paths = paths
         self._on_backward_start = on_backward_start
         self.order: list[Bucket] = []
         self._order_done = False
@@ -55,16 +53,16 @@ class ParamFetcher:
             self._parent_hooks.append((children, handles))
 
     # -- gathering -------------------------------------------------------------------------
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: Bucket, phase: str) -> None:
         if b.full_params is None and b.fetch_pending is None:
-            b.fetch_pending = PendingSequence(self._seq, b.param_store, self._groups, "zero/param_gather")
-            self.all_gather_calls += len(self._seq)
+            b.fetch_pending = self.paths.start_param_gather(b, phase)
+            self.all_gather_calls += self.paths.gather_calls(phase)
 
-    def fetch(self, b: Bucket) -> None:
+    def fetch(self, b: Bucket, phase: str = "forward") -> None:
         """Make `b`'s parameters whole (waiting for a prefetch if one is in flight)."""
         if b.full_params is not None:
             return
-        self._launch(b)
+        self._launch(b, phase)
         full = b.fetch_pending.wait()
         b.fetch_pending = None
         b.full_params = full
@@ -90,7 +88,7 @@ class ParamFetcher:
             return
         i = self._index.get(id(b))
         if i is not None and 0 <= i + step < len(self.order):
-            self._launch(self.order[i + step])
+            self._launch(self.order[i + step], "forward" if step > 0 else "backward")
 
     # -- hooks -----------------------------------------------------------------------------
     def _pre_forward(self, b: Bucket) -> Callable:
@@ -119,7 +117,7 @@ class ParamFetcher:
             self._on_backward_start()
             self.backward_active = True
             self.fetch_hook_calls += 1
-            self.fetch(b)
+            self.fetch(b, "backward")
             self._prefetch(b, -1)
         return hook
 
@@ -146,7 +144,7 @@ class ParamFetcher:
                 self.backward_active = True
                 self.fetch_hook_calls += 1
             for b in todo:
-                self.fetch(b)
+                self.fetch(b, "backward")
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             todo = self._uncalled(children)

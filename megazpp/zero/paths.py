@@ -1,0 +1,57 @@
+"""The engine's communication paths, as replaceable objects.
+
+Why objects: ZeRO++ (quantized weights, hierarchical secondary partitions, quantized
+gradients) and LoCo change HOW a bucket's parameters are gathered and its gradients reduced,
+not WHEN. The engine and the fetcher only call these four methods; the exact paths here run
+the `formulas` sequences unchanged, and a compressed path replaces one of them (it may keep
+per-bucket state, such as error-feedback buffers, in `Bucket.extra_state`).
+
+Every `start_*` returns a waitable whose `wait()` gives the resulting tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megazpp.zero import formulas
+from megazpp.zero.bucket import Bucket
+from megazpp.zero.collectives import PendingSequence, ZeroGroups
+from megazpp.zero.strategy import Strategy
+
+
+class Waitable(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class CommPaths:
+    """Exact (uncompressed) paths of a strategy; `hier` picks the two-stage G collectives."""
+
+    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy) -> None:
+        self.strategy, self.groups, self.hier = strategy, groups, hier
+        k = groups.k
+        self._fetch = formulas.param_fetch_sequence(strategy, k, hier)
+        self._micro = formulas.micro_batch_reduce_sequence(strategy, k, hier)
+        self._boundary = formulas.boundary_sequence(strategy, k, hier)
+        self._sync = formulas.param_sync_sequence(strategy, k, hier)
+
+    def gather_calls(self, phase: str) -> int:
+        """Collectives one parameter fetch issues (for the engine's statistics)."""
+        return len(self._fetch)
+
+    def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
+        """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward"."""
+        return PendingSequence(self._fetch, b.param_store, self.groups, "zero/param_gather")
+
+    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
+        """One micro-batch's full gradient of `b` (already divided by D) down to level g."""
+        return PendingSequence(self._micro, grad, self.groups, "zero/grad_reduce")
+
+    def start_boundary(self, b: Bucket) -> Waitable:
+        """The accumulated g-level gradient of `b` to its full sum at level os."""
+        return PendingSequence(self._boundary, b.grad_acc, self.groups, "zero/grad_boundary")
+
+    def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
+        """Updated os-level parameters of `b` up to its p-level shard."""
+        return PendingSequence(self._sync, new_os, self.groups, "zero/param_sync")
