@@ -23,7 +23,7 @@ from megazpp.interop.hf_llama import model_config_from_hf  # noqa: E402
 from megazpp.interop.safetensors_io import write_hf_weights  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
 from megazpp.parallel.local_launch import run_ranks  # noqa: E402
-from megazpp.parallel.topology import Topology  # noqa: E402
+from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)
@@ -61,16 +61,6 @@ def _hf_logits(model: LlamaForCausalLM) -> torch.Tensor:
         return model(_ids()).logits
 
 
-def _megazpp_logits_on_rank(ckpt: str, tp: int) -> torch.Tensor:
-    """This rank's vocab shard of the logits of the model loaded from `ckpt`."""
-    topo = Topology.from_env(tp=tp)
-    reader = CheckpointReader(ckpt)
-    model = GPTModel(reader.model_config(), tp_group=topo.tp_group).eval()
-    model.load_state_dict(reader.rank_state(topo.tp_rank, 0)["model"])
-    with torch.no_grad():
-        return model(_ids())
-
-
 def test_import_gives_hf_logits_at_tp1_and_tp2(tmp_path):
     hf = _tiny_hf(tmp_path / "hf")
     expected = _hf_logits(hf)
@@ -78,8 +68,12 @@ def test_import_gives_hf_logits_at_tp1_and_tp2(tmp_path):
     for tp in (1, 2):
         assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"),
                              "--save", str(tmp_path / f"tp{tp}"), "--tp", str(tp)]) == 0
-    torch.testing.assert_close(_megazpp_logits_on_rank(str(tmp_path / "tp1"), 1), expected, **TOL)
-    shards = run_ranks(_megazpp_logits_on_rank, 2, str(tmp_path / "tp2"), 2, timeout_s=180)
+    reader = CheckpointReader(tmp_path / "tp1")
+    model = GPTModel(reader.model_config()).eval()
+    model.load_state_dict(reader.rank_state(0, 0)["model"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()), expected, **TOL)
+    shards = run_ranks(checkpoint_logits_on_rank, 2, str(tmp_path / "tp2"), _ids(), timeout_s=180)
     torch.testing.assert_close(torch.cat(shards, dim=-1), expected, **TOL)
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megazpp.errors import CheckpointError, ConfigError, TopologyError
 from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
@@ -33,10 +34,21 @@ def _full_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in GPTModel(cfg).named_parameters()}
 
 
+def checkpoint_logits_on_rank(ckpt_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's vocab shard of the logits of a TP model loaded from a checkpoint saved at
+    TP = world size (also used by the transformers tests: this module does not import it,
+    so spawned ranks start quickly)."""
+    topo = Topology.from_env(tp=dist.get_world_size())
+    reader = CheckpointReader(ckpt_dir)
+    model = GPTModel(reader.model_config(), tp_group=topo.tp_group).eval()
+    model.load_state_dict(reader.rank_state(topo.tp_rank, 0)["model"])
+    with torch.no_grad():
+        return model(ids)
+
+
 def _layout_on_rank(configs: list[dict], ckpt_dir: str, ids: torch.Tensor) -> dict:
     """Per config: does the real TP=2 model (same seed) equal the cut of the single-process
-    weights, with the registry's split dims? Then: logits of the TP=2 model loaded from a
-    tp=2 checkpoint written by write_weights_checkpoint (this rank's vocab shard)."""
+    weights, with the registry's split dims? Then: the logits of a tp=2 checkpoint."""
     topo = Topology.from_env(tp=2)
     mismatches = []
     for kwargs in configs:
@@ -53,11 +65,7 @@ def _layout_on_rank(configs: list[dict], ckpt_dir: str, ids: torch.Tensor) -> di
         for name, p in model.named_parameters():
             if tp_partition_dim(p) != stage.split_dims[name]:
                 mismatches.append((cfg.arch, name, tp_partition_dim(p), stage.split_dims[name]))
-    reader = CheckpointReader(ckpt_dir)
-    model = GPTModel(reader.model_config(), tp_group=topo.tp_group).eval()
-    model.load_state_dict(reader.rank_state(topo.tp_rank, 0)["model"])
-    with torch.no_grad():
-        return {"mismatches": mismatches, "logits": model(ids)}
+    return {"mismatches": mismatches, "logits": checkpoint_logits_on_rank(ckpt_dir, ids)}
 
 
 def test_layout_matches_tensor_parallel_layers_and_tp2_checkpoint_runs(tmp_path):

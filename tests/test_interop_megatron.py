@@ -69,4 +69,5 @@ def test_ours_read_identically_by_megatron_and_bytes_match(tmp_path, dtype):
             assert np.array_equal(theirs.get(i, offset=1, length=2), doc[1:3])
     _write_megatron(str(tmp_path / "mcore"), docs, dtype)
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"mcore{suffix}").read_bytes()
+        ours, theirs = tmp_path / f"ours{suffix}", tmp_path / f"mcore{suffix}"
+        assert ours.read_bytes() == theirs.read_bytes()

@@ -32,12 +32,11 @@ from typing import Any, Mapping
 import torch
 
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.model.config import ModelConfig
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
+from megazpp.model.config import ModelConfig
 from megazpp.training.checkpoint import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE,
                                          _write_atomically, checkpoint_name, latest_checkpoint,
                                          layout_of, rank_file_name)
-from megazpp.parallel.topology import Topology
 
 MODEL_CONFIG_KEY = "model_config"
 WEIGHTS_ONLY_KEY = "weights_only"
@@ -53,12 +52,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path}: neither a checkpoint directory (no {METADATA_FILE}) nor "
                               f"a save directory (no {LATEST_FILE})")
     return found
-
-
-def _rank_topology(meta: Mapping[str, Any], tp_rank: int, pp_rank: int, dp_rank: int) -> Topology:
-    tp, pp, dp = meta["tp"], meta["pp"], meta["dp"]
-    return Topology(rank=tp_rank + tp * (dp_rank + dp * pp_rank), world_size=tp * pp * dp,
-                    tp=tp, pp=pp, dp=dp, ranks_per_node=tp * pp * dp)
 
 
 def _engine_kind(engine: Any, file: Path) -> str:
@@ -115,7 +108,8 @@ class CheckpointReader:
         return cfg
 
     def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Path:
-        return self.path / rank_file_name(_rank_topology(self.meta, tp_rank, pp_rank, dp_rank))
+        topo = layout_topology(self.tp, self.pp, tp_rank, pp_rank, dp=self.dp, dp_rank=dp_rank)
+        return self.path / rank_file_name(topo)
 
     def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
@@ -124,7 +118,8 @@ class CheckpointReader:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any unpickling failure means an unusable file
-            raise CheckpointError(f"{file}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+            raise CheckpointError(f"{file}: cannot be loaded "
+                                  f"({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise CheckpointError(f"{file}: holds no 'model' state dict")
         return state

@@ -175,7 +175,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
     return torch.cat([q, k, v], dim=1).reshape(-1, cfg.hidden_size)
 
 
-def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor,
+              cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv`."""
     groups, d = cfg.num_query_groups, cfg.head_dim
     per_group = cfg.num_attention_heads // groups

@@ -63,12 +63,14 @@ class StageLayout:
         return torch.Size(shape)
 
 
-def layout_topology(tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0) -> Topology:
-    """A Topology of one data-parallel replica, for naming files and splitting layers,
-    without any process group (the converters run in one process)."""
-    world = tp * pp
-    return Topology(rank=tp_rank + tp * pp_rank, world_size=world, tp=tp, pp=pp, dp=1,
-                    ranks_per_node=world)
+def layout_topology(tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0, *, dp: int = 1,
+                    dp_rank: int = 0) -> Topology:
+    """The Topology rank (tp_rank, dp_rank, pp_rank) of a tp x dp x pp world would have, for
+    naming its checkpoint file and finding its layers, without any process group (the
+    converters run in one process)."""
+    world = tp * pp * dp
+    return Topology(rank=tp_rank + tp * (dp_rank + dp * pp_rank), world_size=world, tp=tp,
+                    pp=pp, dp=dp, ranks_per_node=world)
 
 
 def stage_layouts(cfg: ModelConfig, tp: int, pp: int) -> list[StageLayout]:

@@ -145,7 +145,7 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> None:
     """One safetensors file (tensors made contiguous and unshared, as the format needs)."""
-    plain = {name: t.detach().contiguous().clone() if _shares_storage(t) else t.detach().contiguous()
+    plain = {name: t.detach().clone() if _shares_storage(t) else t.detach().contiguous()
              for name, t in tensors.items()}
     _replace_atomically(Path(path), lambda tmp: save_file(plain, str(tmp), metadata=metadata))
 
