@@ -1,7 +1,7 @@
 """The ZeRO engine end to end on 4 gloo ranks carved into 2 virtual nodes x 2.
 
 One spawn trains a small Llama under all 14 PaRO strategies (plus three forced single-stage
-variants) and checks, per strategy: losses against NNN and against a LocalEngine reference
+variants and two with a PaRO group spanning both nodes) and checks, per strategy: losses against NNN and against a LocalEngine reference
 fed the whole global batch; model-state bytes held per rank against `formulas.state_bytes`;
 counted intra/inter bytes of every step against `formulas.step_bytes`; and a save at step 2
 resumed in a fresh model + engine, bitwise equal to the uninterrupted run. A second spawn
@@ -31,6 +31,7 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, 
 MOE = dict(LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
+WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,12 +101,13 @@ def _model_params(engine: ZeroEngine) -> list[torch.Tensor]:
 def _strategies_rank(ckpt_root: str) -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     cfg = ModelConfig(**LLAMA)
-    runs = [(name, "auto") for name in VALID_NAMES] + [(name, False) for name in FLAT]
+    runs = ([(name, name, {}) for name in VALID_NAMES] +
+            [(f"{name}/flat", name, {"hierarchical": False}) for name in FLAT] +
+            [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE])
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
-    for name, hier in runs:
-        label = name if hier == "auto" else f"{name}/flat"
+    for label, name, options in runs:
         model = _model(LLAMA, topo)
-        engine = _engine(model, topo, name, hierarchical=hier)
+        engine = _engine(model, topo, name, **options)
         steps = _train_steps(model, engine, topo, cfg, range(SAVE_AT))
         ckpt = f"{ckpt_root}/{label.replace('/', '_')}"
         save_checkpoint(ckpt, SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
@@ -113,7 +115,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
         final = _model_params(engine)
         held, expected = engine.held_bytes(), engine.expected_bytes()
         resumed_model = _model(LLAMA, topo)
-        resumed = _engine(resumed_model, topo, name, hierarchical=hier)
+        resumed = _engine(resumed_model, topo, name, **options)
         resumed.load_state_dict(load_checkpoint(ckpt, topo)["engine"])
         resumed_steps = _train_steps(resumed_model, resumed, topo, cfg, range(SAVE_AT, STEPS))
         report["runs"][label] = {
@@ -127,7 +129,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
 
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
-    labels = list(VALID_NAMES) + [f"{n}/flat" for n in FLAT]
+    labels = list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE]
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)
@@ -147,6 +149,8 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
     for name in FLAT:
         assert first[name]["hier"] != formulas.Hierarchy()
         assert first[name]["steps"][0]["counted"][1] < first[f"{name}/flat"]["steps"][0]["counted"][1]
+    # a PaRO group of the whole DP world makes I the same sharding as G
+    assert first["III/k4"]["held"] == first["GGG"]["held"]
     # memory ordering the strategies promise: ZeRO-3 holds the least, DDP the most
     totals = {n: first[n]["held"].total for n in VALID_NAMES}
     assert min(totals, key=totals.get) == "GGG" and max(totals, key=totals.get) == "NNN"
