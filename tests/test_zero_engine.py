@@ -1,10 +1,11 @@
 """The ZeRO engine end to end on 4 gloo ranks carved into 2 virtual nodes x 2.
 
 One spawn trains a small Llama under all 14 PaRO strategies (plus three forced single-stage
-variants and two with a PaRO group spanning both nodes) and checks, per strategy: losses against NNN and against a LocalEngine reference
-fed the whole global batch; model-state bytes held per rank against `formulas.state_bytes`;
-counted intra/inter bytes of every step against `formulas.step_bytes`; and a save at step 2
-resumed in a fresh model + engine, bitwise equal to the uninterrupted run. A second spawn
+variants and two with a PaRO group spanning both nodes) and checks, per strategy: losses
+against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
+held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
+`formulas.step_bytes`; and a save at step 2 resumed in a fresh model + engine, bitwise equal
+to the uninterrupted run. A second spawn
 covers TP = 2 x DP = 2 and the MoE parameter-unit threshold.
 """
 
