@@ -34,9 +34,9 @@ _IGNORED_FIELDS = frozenset({
     "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype",
     "bos_token_id", "eos_token_id", "pad_token_id", "tokenizer_class", "use_cache",
     "initializer_range", "pretraining_tp", "output_attentions", "output_hidden_states",
-    "return_dict", "max_position_embeddings"})
+    "return_dict"})
 _MAPPED_FIELDS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "model_type", "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act", "attention_bias",
     "mlp_bias", "attention_dropout"})
