@@ -8,6 +8,7 @@ world size before the process group starts, so a bad flag never leaves ranks wai
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -23,27 +24,14 @@ from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
-from megazpp.training.engine import LocalEngine
+from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.logger import TrainingLogger
-from megazpp.training.trainer import Trainer, TrainHistory
-
-
-def refuse_unwired_layouts(cfg: Config, world_size: int) -> None:
-    """Layouts whose engine exists but is not connected to this entry point yet."""
-    dp = cfg.data_parallel_size(world_size)
-    if dp > 1:
-        raise ConfigError(
-            f"data-parallel size {dp} (world size {world_size} / tensor {cfg.tp} / pipeline "
-            f"{cfg.pp}): data-parallel training (the ZeRO engine) is not implemented yet in "
-            "pretrain_gpt.py; launch one rank per model replica")
-    if cfg.tp > 1:
-        raise ConfigError(f"parallel.tensor_model_parallel_size = {cfg.tp}: tensor parallelism "
-                          "is not implemented yet in pretrain_gpt.py")
-    if cfg.pp > 1:
-        raise ConfigError(f"parallel.pipeline_model_parallel_size = {cfg.pp}: pipeline "
-                          "parallelism is not implemented yet in pretrain_gpt.py")
+from megazpp.training.schedule import forward_backward
+from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
+from megazpp.zero.factory import build_zero_engine
 
 
 def check_inputs(cfg: Config) -> None:
@@ -62,12 +50,15 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cfg: Config, world_size: int, device: torch.device) -> None:
+def init_distributed(cfg: Config, world_size: int, device: torch.device) -> bool:
+    """Start the process group torchrun describes; False when there is nothing to start (one
+    rank, or a caller such as a test launcher already started it and will end it)."""
     if world_size <= 1 or dist.is_initialized():
-        return
+        return False
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    return True
 
 
 def seed_everything(seed: int, topology: Topology) -> None:
@@ -77,6 +68,24 @@ def seed_everything(seed: int, topology: Topology) -> None:
     random.seed(seed)
     np.random.seed(seed)
     model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
+
+
+def build_engine(cfg: Config, model: GPTModel, topology: Topology) -> Engine:
+    """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
+    when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP)."""
+    if topology.dp > 1 or cfg.zero.stage != 0 or cfg.zero.paro_strategy is not None:
+        return build_zero_engine(model, cfg, topology,
+                                 micro_batches_per_step=cfg.num_micro_batches(topology.world_size))
+    model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
+    return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
+                       counts_in_norm=counts_in_norm(model, topology))
+
+
+def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
+    if cfg.pp == 1:
+        return forward_backward
+    return functools.partial(forward_backward_1f1b, topology=topology,
+                             sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
@@ -91,14 +100,13 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory:
     cfg = load_config(list(sys.argv[1:] if argv is None else argv))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world_size)
-    refuse_unwired_layouts(cfg, world_size)
     check_inputs(cfg)
     device = pick_device()
-    init_distributed(cfg, world_size, device)
+    started = init_distributed(cfg, world_size, device)
     try:
         return _train(cfg, device)
     finally:
-        if world_size > 1 and dist.is_initialized():
+        if started:
             dist.destroy_process_group()
 
 
@@ -112,7 +120,7 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
         (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
     model = build_model(cfg, topology, device)
-    engine = LocalEngine(model, cfg.optimizer, cfg.precision)
+    engine = build_engine(cfg, model, topology)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
@@ -121,7 +129,8 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
         flops_per_step=float(training_flops_per_token(cfg.model)) * tokens_per_step,
         world_size=topology.world_size, device=device)
     logger.write_text("config", "```yaml\n" + cfg.to_yaml() + "```")
-    trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device)
+    trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
+                      forward_backward_fn=pick_schedule(cfg, topology))
     if cfg.checkpoint.load:
         start = trainer.resume(cfg.checkpoint.load)
         logger.info(f"resumed from {cfg.checkpoint.load} at iteration {start}" if start is not None

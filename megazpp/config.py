@@ -128,8 +128,10 @@ class ZeroConfig:
     """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
 
     Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one; the
-    defaults are DeepSpeed's, and a value other than the default for a feature listed in
-    `NOT_IMPLEMENTED_YET` is refused.
+    defaults are DeepSpeed's except `overlap_comm` (megazpp always overlaps), and a value
+    other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
+    `megazpp.zero.factory` turns this section into the engine's options. With stage 0 and no
+    `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP).
     """
 
     stage: int = 0
@@ -138,7 +140,7 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     contiguous_gradients: bool = True
-    overlap_comm: bool = False
+    overlap_comm: bool = True  # DeepSpeed's default is false; megazpp always overlaps
     reduce_scatter: bool = True
     zero_quantized_weights: bool = False
     zero_hpz_partition_size: int = 1
@@ -204,22 +206,14 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 # other than its default is refused with "not implemented yet"; remove the entry in the same
 # commit that makes the feature work.
 NOT_IMPLEMENTED_YET: dict[str, str] = {
-    "parallel.sequence_parallel": "sequence parallelism",
-    "zero.stage": "ZeRO stages 1-3 (the ZeRO engine)",
-    "zero.paro_strategy": "PaRO strategies (the ZeRO engine)",
-    "zero.paro_group_size": "PaRO group sizes (the ZeRO engine)",
-    "zero.reduce_bucket_size": "ZeRO gradient bucketing",
-    "zero.allgather_bucket_size": "ZeRO parameter all-gather bucketing",
-    "zero.contiguous_gradients": "ZeRO contiguous gradient buffers",
-    "zero.overlap_comm": "ZeRO communication overlap",
-    "zero.reduce_scatter": "ZeRO reduce-scatter gradient reduction",
+    "zero.overlap_comm": "ZeRO without communication overlap (reduction always overlaps backward)",
+    "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
     "zero.zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
     "zero.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
     "zero.zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
     "zero.loco": "LoCo error feedback",
     "zero.loco_err_beta": "LoCo error feedback",
     "zero.loco_reset_t": "LoCo error feedback",
-    "zero.module_granularity_threshold": "ZeRO-3 parameter units (module_granularity_threshold)",
 }
 
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
@@ -480,6 +474,10 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
     _require_positive("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
     _require_positive("parallel.ranks_per_node", p.ranks_per_node)
     _require_positive("parallel.distributed_timeout_minutes", p.distributed_timeout_minutes)
+    if p.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs "
+                          "parallel.tensor_model_parallel_size > 1 (it splits the sequence "
+                          "over the tensor-parallel ranks)")
     if world_size % (cfg.tp * cfg.pp):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size {cfg.tp} "

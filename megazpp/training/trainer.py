@@ -6,7 +6,8 @@ One iteration, top to bottom:
      accumulate over the micro-batches inside the engine);
   3. `engine.step()`: reduce, unscale, clip, update (or skip an overflowing step);
   4. advance the lr schedule only if the update was applied, count the consumed samples;
-  5. log, evaluate, save and exit at their intervals.
+  5. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
+     save and exit at their intervals.
 Everything that decides what happens next (model, engine, schedule, sampler position, RNGs)
 is in the checkpoint, so a resumed run continues exactly as if it had never stopped.
 """
@@ -23,6 +24,7 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
+from megazpp.parallel.counter import counter
 from megazpp.training.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
                                          save_checkpoint)
 from megazpp.training.engine import Engine
@@ -120,6 +122,7 @@ class Trainer:
         history = TrainHistory(resumed_from=self.iteration or None)
         samples = iter(self._sampler(self.train_ds, self.consumed_samples))
         self.model.train()
+        counter.end_step()  # setup traffic (engine init, resume) is not a training step's
         while self.iteration < t.train_iters:
             micro = [make_micro_batch(self.train_ds, next(samples), self.device)
                      for _ in range(self.num_micro_batches)]
@@ -135,16 +138,21 @@ class Trainer:
             history.losses[self.iteration] = loss
             history.skipped[self.iteration] = result.skipped
             self.logger.record_step(self.iteration, loss, lr, result)
+            self.logger.write_scalars(counter.end_step(), self.iteration)
 
             self.logger.pause_clock()
-            if self.valid_ds is not None and t.eval_iters > 0 and (
-                    self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+            evaluating = self.valid_ds is not None and t.eval_iters > 0 and (
+                self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters)
+            if evaluating:
                 history.val_losses[self.iteration] = self.evaluate()
                 self.logger.record_eval(self.iteration, history.val_losses[self.iteration])
             exiting = ck.exit_interval is not None and self.iteration % ck.exit_interval == 0
-            if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
-                            or exiting or self.iteration == t.train_iters):
+            saving = bool(ck.save) and ((ck.save_interval and self.iteration % ck.save_interval == 0)
+                                        or exiting or self.iteration == t.train_iters)
+            if saving:
                 self.save()
+            if evaluating or saving:
+                counter.end_step()  # keep evaluation / checkpoint traffic out of step totals
             self.logger.resume_clock()
             if exiting:
                 break
