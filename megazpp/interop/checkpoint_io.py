@@ -9,10 +9,11 @@ Where the weights of a (tp_rank, pp_rank) part live depends on the engine that w
 - LocalEngine (dp = 1): "model" holds the part's weights in the model dtype; with bf16/fp16
   its fp32 masters are engine["masters"], a list in `named_parameters` order.
 - ZeRO engines (engine state carries "strategy" = "pgo", e.g. "NNG"): with parameters
-  replicated (p = N), every DP rank's "model" holds the whole part and DP rank 0 is read.
-  Sharded parameters (p = I or G) and sharded masters must be reassembled from the flat
-  bucket shards of every DP rank; `_engine_kind` refuses them by name until the bucket layout
-  is saved with the state (see docs/arch/interop.md, "ZeRO checkpoints").
+  replicated (p = N), or saved while gathered (`ZeroEngine.gathered_parameters()`), DP rank
+  0's "model" holds the whole part and is read. Released parameters (p = I or G, saved as
+  empty tensors) and the sharded masters must be reassembled from the flat bucket shards of
+  every DP rank; they are refused by name until the bucket layout is saved with the state
+  (see docs/arch/interop.md, "ZeRO checkpoints").
 
 Weights-only checkpoints (what an import writes) hold {"iteration": 0, "consumed_samples": 0,
 "model": ...} per rank and record the model config and `"weights_only": true` in
@@ -54,17 +55,24 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found
 
 
-def _engine_kind(engine: Any, file: Path) -> str:
-    """'local' or 'zero-replicated'; refuses layouts whose weights are sharded over DP."""
-    if not isinstance(engine, dict) or "strategy" not in engine:
-        return "local"
-    strategy = str(engine["strategy"])
-    if strategy[:1] != "N":
-        raise CheckpointError(
-            f"{file}: written by the ZeRO engine with strategy {strategy}, which shards the "
-            "parameters over data-parallel ranks; reassembling ZeRO parameter shards is not "
-            "implemented yet (export from a checkpoint saved with p = N, e.g. NNG or NGG)")
-    return "zero-replicated"
+def _zero_strategy(engine: Any) -> str | None:
+    """The PaRO strategy of a ZeRO engine's state, None for LocalEngine state."""
+    if isinstance(engine, dict) and "strategy" in engine:
+        return str(engine["strategy"])
+    return None
+
+
+def _check_whole(model: Mapping[str, torch.Tensor], stage: StageLayout, tp: int,
+                 strategy: str, file: Path) -> None:
+    """A ZeRO run whose parameters were released when it saved left empty tensors."""
+    for key in stage.keys:
+        tensor = model.get(key)
+        if tensor is not None and tensor.shape != stage.shard_shape(key, tp):
+            raise CheckpointError(
+                f"{file}: {key!r} was saved with shape {tuple(tensor.shape)} by the ZeRO engine "
+                f"with strategy {strategy}, which shards parameters over data-parallel ranks; "
+                "reassembling ZeRO parameter shards is not implemented yet (save with p = N, "
+                "or inside ZeroEngine.gathered_parameters())")
 
 
 class CheckpointReader:
@@ -131,14 +139,16 @@ class CheckpointReader:
         file = self.rank_file(tp_rank, pp_rank)
         state = self.rank_state(tp_rank, pp_rank)
         engine = state.get("engine")
-        kind = _engine_kind(engine, file)
+        strategy = _zero_strategy(engine)
         model = state["model"]
+        if strategy is not None:
+            _check_whole(model, stage, self.tp, strategy, file)
+            if masters:
+                raise CheckpointError(f"{file}: fp32 masters of a ZeRO checkpoint are sharded "
+                                      "over data-parallel ranks; exporting them is not "
+                                      "implemented yet (export the model weights instead)")
         if not masters or engine is None or engine.get("masters") is None:
             return model
-        if kind != "local":
-            raise CheckpointError(f"{file}: fp32 masters of a ZeRO checkpoint are sharded over "
-                                  "data-parallel ranks; exporting them is not implemented yet "
-                                  "(export the model weights instead)")
         saved = engine["masters"]
         if len(saved) != len(stage.parameter_names):
             raise CheckpointError(f"{file}: {len(saved)} fp32 masters for "
