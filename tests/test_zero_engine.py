@@ -5,8 +5,8 @@ variants and two with a PaRO group spanning both nodes) and checks, per strategy
 against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
 held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
 `formulas.step_bytes`; and a save at step 2 resumed in a fresh model + engine, bitwise equal
-to the uninterrupted run. A second spawn
-covers TP = 2 x DP = 2 and the MoE parameter-unit threshold.
+to the uninterrupted run. A second spawn covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's
+embedding tied across the two stages (1F1B), and the MoE parameter-unit threshold.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
+from megazpp.errors import ConfigError
 from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
 from megazpp.training.engine import LocalEngine
@@ -30,6 +32,7 @@ STEPS, MICRO, SAVE_AT = 5, 2, 2
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
              vocab_size=96, seq_length=8, ffn_hidden_size=40)
 MOE = dict(LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
+GPT2 = dict(LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, position table
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
 WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
@@ -159,8 +162,34 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
     assert first["GGG"]["steps"][1]["fetch_hooks"] > 0 and first["NNG"]["steps"][1]["fetch_hooks"] == 0
 
 
-def _tp_and_moe_rank() -> dict:
+def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
+    """GPT-2 (tied embedding split over the two stages) under 1F1B x ZeRO: per-step losses."""
+    cfg = ModelConfig(**GPT2)
+    model = GPTModel(cfg, pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
+                     layer_range=topo.layer_range(cfg.num_layers))
+    engine = ZeroEngine(model, OPT, PrecisionConfig(),
+                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO), topo,
+                        counts_in_norm=counts_in_norm(model, topo))
+    losses = []
+    for _ in range(3):
+        micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
+        step_losses = forward_backward_1f1b(model, micro, engine, topology=topo)
+        engine.step()
+        losses.append(sum(loss.item() for loss in step_losses) / MICRO)
+    return losses
+
+
+def _model_parallel_and_moe_rank() -> dict:
     report = {}
+    topo = Topology.from_env(pp=2, ranks_per_node=2)
+    report["pp/reference"] = _reference_losses(GPT2, topo)[:3]
+    for name in ("NNG", "GNG"):
+        report[f"pp/{name}"] = _pipeline_losses(topo, name)
+    try:
+        _pipeline_losses(topo, "NGG")
+        report["pp/NGG refused"] = False
+    except ConfigError:
+        report["pp/NGG refused"] = True
     topo = Topology.from_env(tp=2, ranks_per_node=2)
     cfg = ModelConfig(**LLAMA)
     for name in ("NNN", "GGG", "IIG"):
@@ -184,9 +213,13 @@ def _tp_and_moe_rank() -> dict:
     return report
 
 
-def test_tensor_parallel_and_moe_threshold():
-    results = run_ranks(_tp_and_moe_rank, 4, timeout_s=600)
+def test_tensor_and_pipeline_parallel_and_moe_threshold():
+    results = run_ranks(_model_parallel_and_moe_rank, 4, timeout_s=600)
     for rank, report in enumerate(results):
+        for name in ("NNG", "GNG"):
+            diff = max(abs(a - b) for a, b in zip(report[f"pp/{name}"], report["pp/reference"]))
+            assert diff < 1e-5, (name, rank, report[f"pp/{name}"], report["pp/reference"])
+        assert report["pp/NGG refused"], rank
         base = [s["loss"] for s in report["tp/NNN"]["steps"]]
         for name in ("GGG", "IIG"):
             run = report[f"tp/{name}"]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -58,11 +58,16 @@ class ZeroEngine:
     """The optimizer-engine protocol (scale_loss, step, zero_grad, state_dict) over DP ranks."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 options: ZeroOptions, topology: Any) -> None:
+                 options: ZeroOptions, topology: Any, *,
+                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         """`model` is built in fp32 (as for LocalEngine); masters are taken from it before the
-        parameters are cast to the precision's model dtype."""
+        parameters are cast to the precision's model dtype. `counts_in_norm(name, param)`
+        says whether this rank counts a parameter in the gradient norm (default: TP-sharded
+        parameters everywhere, TP-replicated ones on TP rank 0), as for LocalEngine."""
         self.model = model
         self.topology = topology
+        self._counts_in_norm = counts_in_norm or (
+            lambda name, p: param_is_tp_sharded(p) or getattr(topology, "tp_rank", 0) == 0)
         self.strategy: Strategy = parse_strategy(options.strategy)
         self.options = options
         self.clip_grad = optimizer.clip_grad
@@ -86,6 +91,7 @@ class ZeroEngine:
         self.paths = CommPaths(self.strategy, self.groups, self.hier)
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s",
                  self.strategy, self.groups.d, self.groups.k, self.hier)
+        self._tied = self._pipeline_tied_weight()
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
@@ -125,7 +131,7 @@ class ZeroEngine:
         else:
             specs = parameter_units(self.model, o.module_granularity_threshold)
         dp_index = self.topology.dp_rank
-        s, tp_rank = self.strategy, getattr(self.topology, "tp_rank", 0)
+        s = self.strategy
         buckets = []
         for spec in specs:
             layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index)
@@ -137,11 +143,40 @@ class ZeroEngine:
             os_lo, _ = layout.shard_range(s.os)
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
                        for a, b, decays in layout.decay_split(s.os)]
-            keep = [param_is_tp_sharded(p) or tp_rank == 0 for p in layout.params]
+            keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
             buckets.append(Bucket(spec.name, layout, spec.module, store,
                                   flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
                                   masters, layout.ranges_in_shard(s.os, keep)))
         return buckets
+
+    def _pipeline_tied_weight(self) -> nn.Parameter | None:
+        """GPT-2's tied embedding when its two copies live on different pipeline stages.
+
+        The pipeline sums the copies' gradients through `grad_for` between the last backward
+        and `step()`, which needs this rank's whole accumulated gradient of the weight: only a
+        strategy with g = N keeps it, and its bucket's boundary reduction must wait for step().
+        """
+        if getattr(self.topology, "pp", 1) == 1:
+            return None
+        tied_model = bool(getattr(getattr(self.model, "cfg", None), "tie_embeddings", False))
+        if tied_model and self.strategy.g != Level.N:  # refused on every stage alike
+            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.g.name}) "
+                              f"cannot be combined with tied embeddings split over pipeline stages; "
+                              f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
+        getter = getattr(self.model, "tied_embedding_weight", None)
+        return getter() if getter is not None else None
+
+    def grad_for(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
+        modify in place before `step()`); only for g = N, where it exists whole."""
+        if self.strategy.g != Level.N:
+            raise ConfigError(f"zero strategy {self.strategy}: gradients are sharded, there is no whole "
+                              f"accumulated gradient of a parameter to hand out")
+        b, i = self._bucket_of[id(param)]
+        if b.boundary_pending is not None:
+            raise RuntimeError(f"grad_for: bucket {b.name} is already being reduced")
+        off, shape = b.layout.offsets[i], b.layout.shapes[i]
+        return b.grad_acc[off:off + shape.numel()].view(shape)
 
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The unit's own module plus any module elsewhere that registers one of its parameters
@@ -199,10 +234,13 @@ class ZeroEngine:
             b.staging.mul_(1.0 / self.groups.d)
             b.micro_pending = self.paths.start_grad_reduce(b, b.staging)
             b.staging = None
-        elif self._is_last_micro_batch():
+        elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
         if self.fetcher is not None:
             self.fetcher.release(b)
+
+    def _holds(self, b: Bucket, param: nn.Parameter) -> bool:
+        return self._bucket_of[id(param)][0] is b
 
     def _wait_micro(self, b: Bucket) -> None:
         if b.micro_pending is not None:

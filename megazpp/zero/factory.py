@@ -7,7 +7,7 @@ honour must be refused here, naming the key, rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -44,7 +44,9 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
 
 
 def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
-                      micro_batches_per_step: int | None = None) -> ZeroEngine:
-    """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`."""
+                      micro_batches_per_step: int | None = None,
+                      counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> ZeroEngine:
+    """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`;
+    `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate)."""
     return ZeroEngine(model, cfg.optimizer, cfg.precision, zero_options(cfg.zero, micro_batches_per_step),
-                      topology)
+                      topology, counts_in_norm=counts_in_norm)
