@@ -51,13 +51,14 @@ def _optimizer() -> OptimizerConfig:
     return OptimizerConfig(lr=1e-3, clip_grad=0.5, weight_decay=0.01, adam_eps=1e-3)
 
 
-def _train(arch: str, tp: int, pp: int, zero: bool = False) -> dict:
+def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) -> dict:
     """Train one layout on this rank; return what the parent compares, keyed by param name.
-    `zero`: reduce over DP with the ZeRO engine's NNN strategy instead of in the test."""
+    `zero`: reduce over DP with the ZeRO engine's NNN strategy instead of in the test;
+    `sp`: sequence parallelism (pipeline boundaries then carry [b, s / tp, h])."""
     topo = Topology.from_env(tp=tp, pp=pp)
     cfg = _cfg(arch)
-    topo.validate_model(cfg)
-    model = GPTModel(cfg, tp_group=topo.tp_group, pre_process=topo.is_first_stage,
+    topo.validate_model(cfg, sequence_parallel=sp)
+    model = GPTModel(cfg, tp_group=topo.tp_group, sequence_parallel=sp, pre_process=topo.is_first_stage,
                      post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
     mp = [topo.model_parallel_group] if tp * pp > 1 else []
     if zero:
@@ -70,7 +71,7 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False) -> dict:
               "tp_rank": topo.tp_rank}
     for step in range(STEPS):
         mine = _global_micro_batches(step, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
-        losses = forward_backward_1f1b(model, mine, engine, topology=topo)
+        losses = forward_backward_1f1b(model, mine, engine, topology=topo, sequence_parallel=sp)
         if topo.dp > 1 and not zero:
             for p in named.values():
                 comm.all_reduce(p.grad, group=topo.dp_group, tag="test/dp_grads")
@@ -103,9 +104,11 @@ def _reference(arch: str, dp: int) -> dict:
     return result
 
 
-def _layouts(layouts: list[tuple[int, int, bool]]) -> dict:
-    return {(arch, tp, pp, zero): _train(arch, tp, pp, zero)
-            for arch in ("gpt2", "llama") for tp, pp, zero in layouts}
+Layout = tuple[int, int, bool, bool]  # tp, pp, ZeRO NNN engine, sequence parallel
+
+
+def _layouts(layouts: list[Layout]) -> dict:
+    return {(arch, *layout): _train(arch, *layout) for arch in ("gpt2", "llama") for layout in layouts}
 
 
 def _ref_name(name: str, cfg: ModelConfig) -> str:
@@ -136,24 +139,26 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
         check(res["params"], reference["params"], "final weight")
 
 
-FOUR_RANK = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False)]
-TWO_RANK = [(2, 1, False), (1, 2, False)]
+FOUR_RANK: list[Layout] = [(2, 1, False, False), (2, 1, True, False), (1, 2, False, False),
+                           (2, 2, False, False), (2, 2, False, True)]
+TWO_RANK: list[Layout] = [(2, 1, False, False), (1, 2, False, False)]
 
 
-def _check_all(per_rank: list[dict], layouts: list[tuple[int, int, bool]]) -> None:
+def _check_all(per_rank: list[dict], layouts: list[Layout]) -> None:
     world = len(per_rank)
     for arch in ("gpt2", "llama"):
         references = {}
-        for tp, pp, zero in layouts:
+        for tp, pp, zero, sp in layouts:
             dp = world // (tp * pp)
             if dp not in references:
                 references[dp] = _reference(arch, dp)
-            _compare([r[(arch, tp, pp, zero)] for r in per_rank], references[dp], _cfg(arch),
-                     f"{arch} tp{tp} pp{pp} dp{dp}{' zero NNN' if zero else ''}")
+            _compare([r[(arch, tp, pp, zero, sp)] for r in per_rank], references[dp], _cfg(arch),
+                     f"{arch} tp{tp} pp{pp} dp{dp}{' zero NNN' if zero else ''}{' sp' if sp else ''}")
 
 
 def test_four_rank_layouts_match_single_process():
-    """DP2 x TP2 (in-test all-reduce, and ZeRO NNN), DP2 x PP2 and TP2 x PP2 on 4 ranks."""
+    """DP2 x TP2 (in-test all-reduce, and ZeRO NNN), DP2 x PP2, TP2 x PP2 (also with
+    sequence parallelism) on 4 ranks."""
     _check_all(run_ranks(_layouts, 4, FOUR_RANK, timeout_s=300), FOUR_RANK)
 
 

@@ -8,7 +8,6 @@ from megazpp.parallel.tensor_parallel.mappings import (
     reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tp_region)
 from megazpp.parallel.tensor_parallel.registry import param_is_tp_sharded, tp_partition_dim
-from megazpp.parallel.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 from megazpp.parallel.tensor_parallel.rng import TP_REGION, RNGTracker, get_rng_tracker, model_parallel_seed
 
 __all__ = [
@@ -16,7 +15,7 @@ __all__ = [
     "VocabParallelEmbedding", "copy_to_tp_region", "gather_from_sequence_parallel_region",
     "gather_from_tp_region", "get_rng_tracker", "model_parallel_seed", "param_is_tp_sharded",
     "reduce_from_tp_region", "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "scatter_to_tp_region", "sync_sequence_parallel_grads",
+    "scatter_to_sequence_parallel_region", "scatter_to_tp_region",
     "tp_partition_dim",
     "vocab_parallel_cross_entropy",
 ]
