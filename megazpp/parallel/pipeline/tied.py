@@ -9,12 +9,13 @@ equal. The copy on the last stage is a duplicate for gradient-norm purposes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from megazpp.parallel import comm
+from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
 
 
@@ -53,12 +54,10 @@ def sync_tied_embedding_grads(model: nn.Module, topo: Topology, engine: Any) -> 
     comm.all_reduce(grad, group=topo.embedding_group, tag="pp/tied_embedding_grad")
 
 
-def counts_in_norm(model: nn.Module, topo: Topology):
+def counts_in_norm(model: nn.Module, topo: Topology) -> Callable[[str, nn.Parameter], bool]:
     """Predicate for the engine's gradient norm: count each distinct gradient element once
     across TP and PP (TP-replicated tensors on tp_rank 0 only, the tied copy on the first stage
     only). Pair with `topo.model_parallel_group` as the norm's reduction group."""
-    from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-
     duplicate = tied_duplicate(model, topo)
 
     def rule(name: str, param: nn.Parameter) -> bool:
