@@ -93,8 +93,9 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
         "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                  "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 2},
         "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
-                              "overlap_comm": False, "allgather_partitions": True},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
+                              "overlap_comm": True, "allgather_partitions": True,
+                              "stage3_module_granularity_threshold": 1000},
     })
     cfg = load_config(["--config", base_yaml, "--deepspeed_config", ds]).validate(world_size=1)
     o, p, t = cfg.optimizer, cfg.precision, cfg.training
@@ -103,6 +104,8 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
     assert (p.fp16, p.initial_loss_scale, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == \
         (True, 4096.0, 500, 2, 2.0)
     assert (t.micro_batch_size, t.global_batch_size, cfg.logging.log_interval) == (2, 8, 5)
+    assert (cfg.zero.stage, cfg.zero.reduce_bucket_size, cfg.zero.module_granularity_threshold) \
+        == (2, 200_000_000, 1000)
     # flags still win over the DeepSpeed file
     cfg = load_config(["--deepspeed_config", ds, "--lr", "2e-3"])
     assert cfg.optimizer.lr == 2e-3
@@ -130,17 +133,24 @@ def test_bad_deepspeed_keys_rejected(tmp_path):
         assert "ds.json" in str(info.value)
 
 
-def test_not_implemented_features_refused_from_flags():
-    assert "zero.stage" in NOT_IMPLEMENTED_YET
-    with pytest.raises(ConfigError, match=r"command line: zero\.stage = 3: .*not implemented yet"):
-        load_config(["--zero-stage", "3"])
-    with pytest.raises(ConfigError, match=r"sequence parallelism is not implemented yet"):
-        load_config(["--sequence-parallel"])
+def test_not_implemented_features_refused_from_flags(base_yaml):
+    assert "zero.zero_quantized_weights" in NOT_IMPLEMENTED_YET
+    with pytest.raises(ConfigError, match=r"command line: zero\.zero_quantized_weights = True: "
+                                          r"ZeRO\+\+ quantized weights \(qwZ\) is not implemented yet"):
+        load_config(["--zero-quantized-weights"])
+    with pytest.raises(ConfigError, match=r"zero\.overlap_comm = False: .*not implemented yet"):
+        load_config(["--no-overlap-comm"])
+    with pytest.raises(ConfigError, match=r"sequence_parallel = true needs "
+                                          r"parallel\.tensor_model_parallel_size > 1"):
+        load_config(["--config", base_yaml, "--sequence-parallel"]).validate(world_size=1)
 
 
-def test_pretrain_refuses_unwired_data_parallel(monkeypatch, base_yaml):
+def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
     import pretrain_gpt
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"data-parallel size 2 .*not implemented yet"):
-        pretrain_gpt.main(["--config", base_yaml, "--global-batch-size", "8"])
+    with pytest.raises(ConfigError, match=r"data\.data_path is empty"):
+        pretrain_gpt.main(["--config", base_yaml])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is started
+    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by "
+                                          r"tensor_model_parallel_size 4"):
+        pretrain_gpt.main(["--config", base_yaml, "--tensor-model-parallel-size", "4"])
