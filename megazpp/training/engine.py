@@ -77,6 +77,7 @@ class LocalEngine:
                  counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         named = named_trainable(model)
         self.params = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.dtype = model_dtype(precision)
         self.clip_grad = optimizer.clip_grad
         self.norm_groups = tuple(norm_groups)
@@ -113,6 +114,15 @@ class LocalEngine:
             param.grad = None
 
         return hook
+
+    def grad_for(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The accumulated gradient `step()` will apply to `param`, for code that must reduce
+        it in place first (the pipeline's tied-embedding sync): the fp32 accumulator under
+        fp32 accumulation, else `param.grad`."""
+        if not self._fp32_accum:
+            return param.grad
+        index = self._index[id(param)]
+        return self._main_grads[index] if self._touched[index] else None
 
     @property
     def loss_scale(self) -> float:
