@@ -75,7 +75,8 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology) -> Engine:
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP)."""
     if topology.dp > 1 or cfg.zero.stage != 0 or cfg.zero.paro_strategy is not None:
         return build_zero_engine(model, cfg, topology,
-                                 micro_batches_per_step=cfg.num_micro_batches(topology.world_size))
+                                 micro_batches_per_step=cfg.num_micro_batches(topology.world_size),
+                                 counts_in_norm=counts_in_norm(model, topology))
     model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
     return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
                        counts_in_norm=counts_in_norm(model, topology))
