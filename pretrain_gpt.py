@@ -129,7 +129,7 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
         train_iters=t.train_iters, tokens_per_step=tokens_per_step,
         flops_per_step=float(training_flops_per_token(cfg.model)) * tokens_per_step,
         world_size=topology.world_size, device=device)
-    logger.write_text("config", "```yaml\n" + cfg.to_yaml() + "```")
+    logger.write_config(cfg.to_dict(), cfg.to_yaml())
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology))
     if cfg.checkpoint.load:

@@ -47,7 +47,9 @@ def test_pretrain_writes_tensorboard_and_loss_falls(tmp_path, tiny_indexed_prefi
     assert all(e.value == 1.0 for e in events.Scalars("train/loss_scale"))
     assert all(e.value > 0 for tag in ("perf/tokens_per_sec", "perf/tflops", "mem/peak_bytes",
                                        "train/grad_norm", "train/lr") for e in events.Scalars(tag))
-    assert any("config" in tag for tag in events.Tags()["tensors"])  # the resolved config text
+    assert {"config/text_summary", "_hparams_/session_start_info"} <= set(events.Tags()["tensors"])
+    config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "hidden_size: 32" in config_text and "vocab_size: 512" in config_text
 
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter")]
     line10 = next(line for line in console if line.startswith("iter     10/30 | loss"))

@@ -75,9 +75,15 @@ class TrainingLogger:
         if self.enabled:
             self.print(line)
 
-    def write_text(self, tag: str, text: str) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, text, 0)
+    def write_config(self, config: dict, yaml_text: str) -> None:
+        """The resolved config as text (TEXT tab, diffed by tools/compare_runs) and as hparams
+        (HPARAMS tab, runs lined up by their settings)."""
+        if self.writer is None:
+            return
+        from megazpp.analysis.hparams import write_hparams
+
+        self.writer.add_text("config", "```yaml\n" + yaml_text + "```", 0)
+        write_hparams(self.writer, config)
 
     def write_scalars(self, values: dict[str, float], step: int) -> None:
         """For other parts (communication counters, ...) to add tags at the same cadence."""
