@@ -101,12 +101,14 @@ def test_collective_wire_bytes_per_operation(nodes, tmp_path):
     for name, row in sorted(ops.items()):
         print(f"{name:15s} counted {row['counted_inter_bytes']:>10d}  kernel {row['kernel_rx_bytes']:>10d}  "
               f"ratio {row['kernel_rx_bytes'] / row['counted_inter_bytes']:.3f}")
-    for name in ("all_to_all", "broadcast"):
-        ratio = ops[name]["kernel_rx_bytes"] / ops[name]["counted_inter_bytes"]
-        assert 0.98 <= ratio <= 1.05, (name, ratio)
-    for name in ("all_gather", "all_reduce", "reduce_scatter"):
-        ratio = ops[name]["kernel_rx_bytes"] / ops[name]["counted_inter_bytes"]
-        assert 0.5 <= ratio <= 2.1, (name, ratio)
+    # Direct exchanges move exactly the counted payload (+ TCP/IP framing). The ring-based
+    # ones differ by what gloo's algorithms imply on 2 nodes x 2 ranks (docs/arch/parallel.md):
+    # a ring crosses nodes on 2 of its 4 hops (0.75x); reduce_scatter runs as a full all-reduce.
+    expected = {"all_to_all": 1.0, "broadcast": 1.0, "all_gather": 0.75, "all_reduce": 0.75,
+                "reduce_scatter": 1.5}
+    for name, ratio in expected.items():
+        measured = ops[name]["kernel_rx_bytes"] / ops[name]["counted_inter_bytes"]
+        assert abs(measured - ratio) <= 0.05 * ratio, (name, measured, ratio)
 
 
 def _data_dir(tmp_path: Path, corpus: Path, tokenizer: Path, prefix: str) -> Path:

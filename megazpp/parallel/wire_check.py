@@ -53,6 +53,7 @@ def measure(elems: int, iface: str, repeats: int) -> dict[str, dict[str, int]]:
         comm.barrier(tag="wire/barrier")
         before = _rx_bytes(iface) if local_rank == 0 else 0
         counted_before = comm.counter.run_totals()["inter"]
+        comm.barrier(tag="wire/barrier")  # nobody sends before every node has read its counter
         for _ in range(repeats):
             run()
         comm.barrier(tag="wire/barrier")
