@@ -365,24 +365,36 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where} = {value!r}: expected an integer")
-        if isinstance(value, int):
-            return value
-        number = _parse_number(value, where, "an integer")
-        if not float(number).is_integer():
+        number = value if isinstance(value, int) else _parse_number(value, where, "an integer")
+        if isinstance(number, float) and not number.is_integer():
             raise ConfigError(f"{where} = {value!r}: expected an integer")
+        if not -_INT64_LIMIT < number < _INT64_LIMIT:
+            raise ConfigError(f"{where} = {_short(value)}: integer out of range")
         return int(number)
     if hint is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where} = {value!r}: expected a number")
-        number = float(_parse_number(value, where, "a number"))
+        number = _parse_number(value, where, "a number")
+        try:
+            number = float(number)
+        except OverflowError:
+            number = math.inf
         if not math.isfinite(number):
-            raise ConfigError(f"{where} = {value!r}: expected a finite number")
+            raise ConfigError(f"{where} = {_short(value)}: expected a finite number")
         return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where} = {value!r}: expected a string")
     raise ConfigError(f"{where}: unsupported config type {hint!r}")
+
+
+_INT64_LIMIT = 2 ** 63
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _parse_number(value: Any, where: str, expected: str) -> float:
