@@ -85,6 +85,14 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
         result["losses"].append(torch.stack(losses).mean().item())
         result["norms"].append(engine.step().grad_norm)
     result["params"] = {n: p.detach().clone() for n, p in named.items()}
+    held_out = _global_micro_batches(STEPS, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
+    eval_losses = torch.stack(forward_backward_1f1b(model, held_out, engine, topology=topo,
+                                                    sequence_parallel=sp, forward_only=True))
+    if topo.dp > 1:
+        comm.all_reduce(eval_losses, group=topo.dp_group, tag="test/dp_loss")
+        eval_losses /= topo.dp
+    result["eval_loss"] = eval_losses.mean().item()
+    result["grads_after_eval"] = sum(p.grad is not None for p in named.values())
     return result
 
 
@@ -101,6 +109,8 @@ def _reference(arch: str, dp: int) -> dict:
         result["losses"].append(torch.stack(losses).mean().item())
         result["norms"].append(engine.step().grad_norm)
     result["params"] = {n: p.detach().clone() for n, p in named.items()}
+    held_out = _global_micro_batches(STEPS, MICRO * dp)
+    result["eval_loss"] = torch.stack(forward_backward(model, held_out, engine, forward_only=True)).mean().item()
     return result
 
 
@@ -124,6 +134,8 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
             assert abs(a - b) < TOL, (where, "loss", res["losses"], reference["losses"])
         for a, b in zip(res["norms"], reference["norms"]):
             assert abs(a - b) < TOL, (where, "grad norm", res["norms"], reference["norms"])
+        assert abs(res["eval_loss"] - reference["eval_loss"]) < TOL, (where, "forward-only loss")
+        assert res["grads_after_eval"] == 0, (where, "forward_only left gradients")
 
         def check(mine: dict, ref: dict, what: str) -> None:
             for name, value in mine.items():
