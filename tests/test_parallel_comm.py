@@ -55,6 +55,11 @@ def _collectives(tag: str) -> dict:
     elif rank == 3:
         comm.batch_isend_irecv([comm.recv_op(msg, 0)], tag=tag)[0].wait()
         out["p2p"] = msg.tolist()
+    if rank == 1:
+        comm.send(torch.full((ELEMS,), 5.0), dst=2, tag=tag)
+    elif rank == 2:
+        comm.recv(msg, src=1, tag=tag)
+        out["p2p"] = msg.tolist()
     out["counts"] = comm.counter.step_totals()
     return out
 
@@ -107,7 +112,7 @@ def _expected_counts(rank: int) -> dict:
         "all_to_all": (intra_peers * per_peer, inter_peers * per_peer),
         "broadcast": {0: (0, 0), 1: (N, 0), 2: (0, N), 3: (0, N)}[rank],
     }
-    if rank == 3:
+    if rank in (2, 3):
         exp["p2p"] = (0, N)
     return exp
 
@@ -123,8 +128,8 @@ def test_collectives_count_bytes_by_formula(tmp_path):
             assert got["all_reduce"] == [float(4 * i + 6) for i in range(ELEMS)]
             assert got["all_to_all"] == [float(100 * src + rank * 6 + j) for src in range(4) for j in range(6)]
             assert got["broadcast"] == [0.0] * ELEMS
-            if rank == 3:
-                assert got["p2p"] == [7.0] * ELEMS
+            if rank in (2, 3):
+                assert got["p2p"] == [7.0 if rank == 3 else 5.0] * ELEMS
             ops = got["counts"]["ops"]
             expected = _expected_counts(rank)
             assert {op: (row["intra"], row["inter"]) for op, row in ops.items() if op in expected} == expected
