@@ -85,6 +85,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
+    if not tmp.is_dir():
+        raise CheckpointError(f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
+                              "--save must be a directory on storage every node shares")
     _write_atomically(tmp / rank_file_name(topology), lambda f: torch.save(state, f))
     _barrier()
     if topology.rank == 0:
