@@ -29,9 +29,10 @@ class _Stage:
     """One stage's forward/backward steps over micro-batches, with its boundary shapes."""
 
     def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Any,
-                 topo: Topology, sequence_parallel: bool, forward_only: bool) -> None:
+                 topo: Topology, sequence_parallel: bool) -> None:
+        if not micro_batches:
+            raise ValueError("forward_backward_1f1b: no micro-batches to run")
         self.model, self.micro_batches, self.engine, self.topo = model, micro_batches, engine, topo
-        self.forward_only = forward_only
         tokens = micro_batches[0][0]
         seq = tokens.shape[1] // topo.tp if sequence_parallel else tokens.shape[1]
         param = next(model.parameters())
@@ -65,7 +66,7 @@ def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch],
                           forward_only: bool = False) -> list[torch.Tensor]:
     """Run one step's micro-batches through this pipeline stage; see module docstring."""
     topo = topology
-    stage = _Stage(model, micro_batches, engine, topo, sequence_parallel, forward_only)
+    stage = _Stage(model, micro_batches, engine, topo, sequence_parallel)
     count = len(micro_batches)
     first, last = topo.is_first_stage, topo.is_last_stage
     warmup = count if forward_only else min(topo.pp - topo.pp_rank - 1, count)
@@ -100,13 +101,15 @@ def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch],
 
     if not forward_only:
         sync_tied_embedding_grads(model, topo, engine)
-    return _losses_on_every_stage(stage.losses, count, topo)
+    return _losses_on_every_stage(stage.losses, count, topo, stage.device)
 
 
-def _losses_on_every_stage(losses: list[torch.Tensor], count: int, topo: Topology) -> list[torch.Tensor]:
+def _losses_on_every_stage(losses: list[torch.Tensor], count: int, topo: Topology,
+                           device: torch.device) -> list[torch.Tensor]:
     """The last stage computed the losses; every stage returns them (one broadcast)."""
     if topo.pp == 1:
         return losses
-    buf = torch.stack(losses) if topo.is_last_stage else torch.empty(count, dtype=torch.float32)
+    buf = (torch.stack(losses) if topo.is_last_stage
+           else torch.empty(count, dtype=torch.float32, device=device))
     comm.broadcast(buf, src=topo.pp_ranks[-1], group=topo.pp_group, tag="pp/losses")
     return list(buf.unbind())
