@@ -24,7 +24,7 @@ from megazpp.training.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 
-STEPS, MICRO, MICRO_BATCH, SEQ = 5, 3, 2, 8
+STEPS, MICRO, MICRO_BATCH, SEQ = 5, 2, 2, 8
 GRAD_STEPS = (0, STEPS - 1)
 TOL = 1e-5
 
