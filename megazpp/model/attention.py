@@ -57,14 +57,13 @@ class SelfAttention(nn.Module):
         q = q.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # [b, heads, s, d]
         k = k.reshape(b, s, self.local_groups, self.head_dim).transpose(1, 2)
         v = v.reshape(b, s, self.local_groups, self.head_dim).transpose(1, 2)
-        if self.local_groups != self.local_heads:
-            k = k.repeat_interleave(self.heads_per_group, dim=1)
-            v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
         # Each TP rank holds other heads, so their dropout masks must differ: draw them from
         # the per-rank TP-region stream.
         rng = (get_rng_tracker().fork() if dropout > 0 and self.sharded
                else contextlib.nullcontext())
         with rng:
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            context = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout,
+                enable_gqa=self.local_groups != self.local_heads)
         return self.out(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
