@@ -208,12 +208,6 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 NOT_IMPLEMENTED_YET: dict[str, str] = {
     "zero.overlap_comm": "ZeRO without communication overlap (reduction always overlaps backward)",
     "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
-    "zero.zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
-    "zero.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
-    "zero.zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
-    "zero.loco": "LoCo error feedback",
-    "zero.loco_err_beta": "LoCo error feedback",
-    "zero.loco_reset_t": "LoCo error feedback",
 }
 
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).

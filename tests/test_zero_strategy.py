@@ -143,6 +143,7 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     assert zero_options(ZeroConfig(paro_strategy="ggg", stage=3)).strategy == "GGG"
     for bad in (ZeroConfig(paro_strategy="NIG", stage=3), ZeroConfig(paro_strategy="GNN"),
                 ZeroConfig(stage=3, reduce_scatter=False), ZeroConfig(stage=3, allgather_bucket_size=7),
-                ZeroConfig(stage=3, zero_quantized_weights=True), ZeroConfig(stage=3, zero_hpz_partition_size=2)):
+                ZeroConfig(stage=1, zero_quantized_weights=True), ZeroConfig(stage=2, zero_hpz_partition_size=2),
+                ZeroConfig(stage=1, zero_quantized_gradients=True), ZeroConfig(stage=3, loco=True)):
         with pytest.raises(ConfigError):
             zero_options(bad)

@@ -20,13 +20,16 @@ from megazpp.zero.layout import from_dp_order, to_dp_order
 
 @dataclass
 class ZeroGroups:
-    """The process groups of a strategy: all DP ranks, my PaRO group, my column across groups."""
+    """The process groups of a strategy: all DP ranks, my PaRO group, my column across groups
+    (and, with hpZ, my secondary-partition group inside the node)."""
 
     dp: Any
     intra: Any
     cross: Any
     d: int
     k: int
+    hpz: Any = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
+    h: int = 1
 
     @property
     def m(self) -> int:
@@ -36,13 +39,13 @@ class ZeroGroups:
         return getattr(self, name)
 
 
-def _size_of(groups: ZeroGroups, name: str) -> int:
-    return {"dp": groups.d, "intra": groups.k, "cross": groups.m}[name]
+def size_of(groups: ZeroGroups, name: str) -> int:
+    return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
 
 
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t`; returns (work, result tensor, finisher run after wait)."""
-    size = _size_of(groups, c.group)
+    size = size_of(groups, c.group)
     group = groups.get(c.group)
     permute = c.group == "dp" and groups.k not in (1, groups.d)
     if c.op == "all_reduce":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,6 +37,8 @@ from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.zeropp import resolve_zeropp
+from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import gradient_buckets, parameter_units
 
@@ -52,6 +54,7 @@ class ZeroOptions:
     module_granularity_threshold: int = 0
     hierarchical: str | bool = "auto"
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
+    zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
 
 
 class ZeroEngine:
@@ -86,11 +89,14 @@ class ZeroEngine:
                 precision.initial_loss_scale if dynamic else precision.loss_scale,
                 dynamic=dynamic, min_scale=precision.min_loss_scale,
                 growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+        self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
-        self.paths = CommPaths(self.strategy, self.groups, self.hier)
-        log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s",
-                 self.strategy, self.groups.d, self.groups.k, self.hier)
+        self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
+                                  topology.dp_rank % self.zeropp.hpz)
+                      if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
+        log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
+                 self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
         self._tied = self._pipeline_tied_weight()
         self.step_count = 0
         self._micro_batches = 0
@@ -121,8 +127,10 @@ class ZeroEngine:
                               f"data-parallel size {d}")
         intra_ranks, intra = topo.dp_subgroup(k)
         cross_ranks, cross = topo.dp_cross_subgroup(k)
-        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node)
-        return ZeroGroups(topo.dp_group, intra, cross, d, k), shapes
+        h = self.zeropp.hpz
+        hpz = topo.dp_subgroup(h)[1] if h > 1 else None
+        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
+        return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h), shapes
 
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
@@ -134,7 +142,8 @@ class ZeroEngine:
         s = self.strategy
         buckets = []
         for spec in specs:
-            layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index)
+            layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index,
+                                        self.zeropp.alignment())
             flat = layout.flatten(torch.float32)
             lo, hi = layout.shard_range(s.p)
             store = flat[lo:hi].to(self.param_dtype, copy=True)
@@ -144,9 +153,11 @@ class ZeroEngine:
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
                        for a, b, decays in layout.decay_split(s.os)]
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
-            buckets.append(Bucket(spec.name, layout, spec.module, store,
-                                  flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
-                                  masters, layout.ranges_in_shard(s.os, keep)))
+            bucket = Bucket(spec.name, layout, spec.module, store,
+                            flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
+                            masters, layout.ranges_in_shard(s.os, keep))
+            self.paths.init_bucket(bucket)
+            buckets.append(bucket)
         return buckets
 
     def _pipeline_tied_weight(self) -> nn.Parameter | None:
@@ -307,6 +318,9 @@ class ZeroEngine:
         if self.scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
+        if self.paths.take_overflow():  # a non-finite gradient that qgZ never quantized
+            counted.append(torch.full((1,), float("nan")))
+        scale_before = self.loss_scale
         norm = float(global_grad_norm(counted, self._norm_groups()))
         finite = math.isfinite(norm)
         if finite:
@@ -321,6 +335,7 @@ class ZeroEngine:
         self.zero_grad()
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
+        self.paths.after_step(not finite, self.step_count, self.loss_scale / scale_before)
         return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
 
     def _refresh_params(self, b: Bucket) -> None:
@@ -371,11 +386,14 @@ class ZeroEngine:
                 moments = self.optimizer.state.get(m.param, {})
                 optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
                                                if k in moments)
-        return formulas.StateBytes(params, grads, optim)
+        return formulas.StateBytes(params, grads, optim, self.paths.state_nbytes())
 
     def expected_bytes(self) -> formulas.StateBytes:
-        return formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
-                                    self.param_dtype.itemsize, self.accum_dtype.itemsize)
+        plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
+                                     self.param_dtype.itemsize, self.accum_dtype.itemsize)
+        extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
+                                            self.param_dtype.itemsize, self.strategy)
+        return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
         extra = []
@@ -386,7 +404,7 @@ class ZeroEngine:
         return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
-                                   extra_norm_groups=extra)
+                                   extra_norm_groups=extra, zeropp=self.zeropp)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
@@ -422,3 +440,4 @@ class ZeroEngine:
             raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
         if self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
+        self.paths.params_replaced()

@@ -14,7 +14,9 @@ from torch import nn
 from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import parse_strategy
+from megazpp.zero.zeropp import check_zeropp
 
 
 def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> ZeroOptions:
@@ -31,16 +33,14 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
     if z.allgather_bucket_size != defaults.allgather_bucket_size and z.allgather_bucket_size != z.reduce_bucket_size:
         raise ConfigError(f"zero.allgather_bucket_size = {z.allgather_bucket_size}: parameters are "
                           f"refreshed per gradient bucket; size buckets with zero.reduce_bucket_size")
-    for key in ("zero_quantized_weights", "zero_quantized_gradients", "loco"):
-        if getattr(z, key):
-            raise ConfigError(f"zero.{key} = true: not available in this engine yet (ZeRO++ / LoCo)")
-    if z.zero_hpz_partition_size != 1:
-        raise ConfigError(f"zero.zero_hpz_partition_size = {z.zero_hpz_partition_size}: not "
-                          f"available in this engine yet (ZeRO++ hpZ)")
+    zeropp = ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size,
+                    qgz=z.zero_quantized_gradients, loco=z.loco, err_beta=z.loco_err_beta,
+                    reset_t=z.loco_reset_t)
+    check_zeropp(zeropp, strategy)
     return ZeroOptions(strategy=strategy.name, paro_group_size=z.paro_group_size,
                        bucket_numel=z.reduce_bucket_size,
                        module_granularity_threshold=z.module_granularity_threshold,
-                       micro_batches_per_step=micro_batches_per_step)
+                       micro_batches_per_step=micro_batches_per_step, zeropp=zeropp)
 
 
 def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,

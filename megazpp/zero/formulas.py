@@ -13,6 +13,7 @@ it receives from each other member of a collective, classed intra/inter by the m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -47,6 +48,7 @@ class DPShapes:
     dp: GroupShape
     intra: GroupShape
     cross: GroupShape
+    hpz: GroupShape = GroupShape(1, 0, 0)  # ZeRO++ hpZ's secondary group (size 1: hpZ off)
 
     @property
     def k(self) -> int:
@@ -65,10 +67,12 @@ def paro_group_ranks(dp_ranks: Sequence[int], k: int, dp_index: int) -> tuple[li
     return intra, cross
 
 
-def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int) -> DPShapes:
-    intra, cross = paro_group_ranks(dp_ranks, k, list(dp_ranks).index(me))
+def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int, hpz: int = 1) -> DPShapes:
+    index = list(dp_ranks).index(me)
+    intra, cross = paro_group_ranks(dp_ranks, k, index)
+    secondary, _ = paro_group_ranks(dp_ranks, hpz, index)
     return DPShapes(GroupShape.of(dp_ranks, me, ranks_per_node), GroupShape.of(intra, me, ranks_per_node),
-                    GroupShape.of(cross, me, ranks_per_node))
+                    GroupShape.of(cross, me, ranks_per_node), GroupShape.of(secondary, me, ranks_per_node))
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,8 @@ class Collective:
     of a reduce-scatter or all-reduce (the sizes the comm counter reads).
     """
 
-    op: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    group: str  # "dp" | "intra" | "cross"
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
+    group: str  # "dp" | "intra" | "cross" | "hpz"
     numel_div: int
 
 
@@ -155,10 +159,29 @@ def param_sync_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective
     return gather_sequence(s.os, s.p, k, hier)
 
 
-def collective_bytes(c: Collective, padded_numel: int, elem_bytes: int, shapes: DPShapes) -> tuple[int, int]:
+@dataclass(frozen=True)
+class QuantFormat:
+    """A block-quantized wire format (ZeRO++): `bits`-bit codes plus one fp32 scale per `block`."""
+
+    bits: int
+    block: int
+
+    def nbytes(self, numel: int) -> int:
+        """Wire bytes of `numel` elements; exact because every chunk is block-aligned."""
+        return numel * self.bits // 8 + numel // self.block * 4
+
+
+ElemFormat = int | QuantFormat  # bytes per element of a plain dtype, or a quantized format
+
+
+def _nbytes(numel: int, fmt: ElemFormat) -> int:
+    return fmt.nbytes(numel) if isinstance(fmt, QuantFormat) else numel * fmt
+
+
+def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes) -> tuple[int, int]:
     """(intra, inter) bytes this rank receives for collective `c`, by comm's convention."""
     g: GroupShape = getattr(shapes, c.group)
-    nbytes = padded_numel // c.numel_div * elem_bytes
+    nbytes = _nbytes(padded_numel // c.numel_div, elem)
     if g.size == 1:
         return 0, 0
     if c.op == "all_reduce":
@@ -167,11 +190,11 @@ def collective_bytes(c: Collective, padded_numel: int, elem_bytes: int, shapes: 
     return per_peer * g.intra_peers, per_peer * g.inter_peers
 
 
-def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem_bytes: int,
+def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemFormat,
                    shapes: DPShapes) -> tuple[int, int]:
     intra = inter = 0
     for c in seq:
-        a, b = collective_bytes(c, padded_numel, elem_bytes, shapes)
+        a, b = collective_bytes(c, padded_numel, elem, shapes)
         intra, inter = intra + a, inter + b
     return intra, inter
 
@@ -204,10 +227,11 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
+    path_state: int = 0  # ZeRO++: hpZ secondary shard, LoCo error buffers
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.path_state
 
 
 def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int,
@@ -228,20 +252,26 @@ def norm_groups(s: Strategy) -> list[str]:
 
 def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int,
-               extra_norm_groups: Sequence[GroupShape] = ()) -> tuple[int, int]:
+               extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`.
 
     Per bucket: 2 parameter fetches per micro-batch (forward, backward) when p is sharded,
     one gradient reduction to g per micro-batch, the boundary reduction to os in the
     accumulation dtype, the parameter refresh to p; plus one fp32 all-reduce of the squared
-    norm over the os owners and over `extra_norm_groups` (tensor / pipeline groups).
+    norm over the os owners and over `extra_norm_groups` (tensor / pipeline groups). With
+    ZeRO++ (`zeropp`) the fetches and the micro-batch reduction take its sequences and formats.
     """
     k = shapes.k
+    pp = zeropp or ZeroPP()
     intra = inter = 0
+    fetch = param_fetch_sequence(s, k, hier)
+    forward = (fetch, pp.weights if pp.qwz else param_bytes, micro_batches)
+    backward = ((hpz_fetch_sequence(), param_bytes, micro_batches) if pp.hpz > 1
+                else (fetch, pp.weights if pp.qwz else param_bytes, micro_batches))
+    micro = ((qgz_sequence(s, shapes), pp.grads, micro_batches) if pp.qgz
+             else (micro_batch_reduce_sequence(s, k, hier), param_bytes, micro_batches))
     for n in padded_numels:
-        parts = [(param_fetch_sequence(s, k, hier), param_bytes, 2 * micro_batches),
-                 (micro_batch_reduce_sequence(s, k, hier), param_bytes, micro_batches),
-                 (boundary_sequence(s, k, hier), accum_bytes, 1),
+        parts = [forward, backward, micro, (boundary_sequence(s, k, hier), accum_bytes, 1),
                  (param_sync_sequence(s, k, hier), param_bytes, 1)]
         for seq, elem, times in parts:
             a, b = sequence_bytes(seq, n, elem, shapes)
@@ -254,6 +284,81 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     return intra, inter
 
 
-def padded_numel(numel: int, d: int) -> int:
-    """Round a bucket up to a multiple of the DP size so every level divides it evenly."""
-    return -(-numel // d) * d
+# -- ZeRO++ (qwZ, hpZ, qgZ) and LoCo -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ZeroPP:
+    """Which ZeRO++ paths are on, and their quantization blocks.
+
+    qwZ: parameter gathers from the primary shard move int8 codes + scales (`weights`).
+    hpZ: `hpz` > 1 keeps a secondary copy of the parameters split over `hpz` DP ranks of one
+    node, filled from the forward gather; backward gathers only from it (`hpz_fetch_sequence`).
+    qgZ: the per-micro-batch gradient reduction is one int4 all-to-all per stage
+    (`qgz_sequence`, `grads`); `loco` adds LoCo error feedback to both stages.
+    """
+
+    qwz: bool = False
+    hpz: int = 1
+    qgz: bool = False
+    loco: bool = False
+    qwz_block: int = 2048
+    qgz_block: int = 256
+    err_beta: float = 0.8  # LoCo: weight of the old error in the blended buffer
+    reset_t: int = 1024  # LoCo: buffers are zeroed after every reset_t optimizer steps
+
+    @property
+    def enabled(self) -> bool:
+        return self.qwz or self.hpz > 1 or self.qgz
+
+    @property
+    def weights(self) -> QuantFormat:
+        return QuantFormat(8, self.qwz_block)
+
+    @property
+    def grads(self) -> QuantFormat:
+        return QuantFormat(4, self.qgz_block)
+
+    def alignment(self) -> int:
+        """Elements every DP shard of a bucket must be a multiple of, so that each chunk of
+        every quantized all-gather / all-to-all is whole blocks (no unquantized fallback)."""
+        blocks = [b for on, b in ((self.qwz, self.qwz_block), (self.qgz, self.qgz_block)) if on]
+        return math.lcm(*blocks) if blocks else 1
+
+
+def hpz_fetch_sequence() -> list[Collective]:
+    """hpZ's backward fetch: all-gather of the secondary shard inside its (intra-node) group."""
+    return [Collective("all_gather", "hpz", 1)]
+
+
+def qgz_sequence(s: Strategy, shapes: DPShapes) -> list[Collective]:
+    """qgZ's reduction N -> g as int4 all-to-alls: inside the PaRO group (each member gets the
+    I-chunk it reduces), then, for g = G, across the cross group (each gets its G-piece of the
+    reduced I-chunk). A stage over a group of one moves nothing and is left out."""
+    seq = []
+    if shapes.k > 1:
+        seq.append(Collective("all_to_all", "intra", 1))
+    if s.g == Level.G and shapes.cross.size > 1:
+        seq.append(Collective("all_to_all", "cross", shapes.k))
+    return seq
+
+
+def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,
+                       param_bytes: int, strategy: Strategy) -> int:
+    """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype) and LoCo's
+    error buffers (int8 codes + fp32 scales per stage, live and the copy a skipped step
+    restores)."""
+    total = 0
+    for n in padded_numels:
+        if zeropp.hpz > 1:
+            total += n // zeropp.hpz * param_bytes
+        if zeropp.loco:
+            for c in qgz_sequence(strategy, shapes):
+                total += 2 * QuantFormat(8, zeropp.qgz_block).nbytes(n // c.numel_div)
+    return total
+
+
+def padded_numel(numel: int, d: int, align: int = 1) -> int:
+    """Round a bucket up to a multiple of the DP size (times ZeRO++'s block `align`) so every
+    level divides it evenly and every quantized chunk is whole blocks."""
+    unit = d * align
+    return -(-numel // unit) * unit

@@ -39,7 +39,9 @@ class BucketLayout:
     dp_index: int
 
     @staticmethod
-    def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int) -> "BucketLayout":
+    def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int,
+              align: int = 1) -> "BucketLayout":
+        """`align`: each DP shard is a multiple of it (ZeRO++'s quantization block)."""
         ordered = ([np for np in named_params if is_decayed(*np)] +
                    [np for np in named_params if not is_decayed(*np)])
         offsets, pos, decay = [], 0, 0
@@ -50,7 +52,7 @@ class BucketLayout:
                 decay = pos
         return BucketLayout([n for n, _ in ordered], [p for _, p in ordered],
                             [p.shape for _, p in ordered], offsets, decay, pos,
-                            padded_numel(pos, d), d, k, dp_index)
+                            padded_numel(pos, d, align), d, k, dp_index)
 
     @property
     def m(self) -> int:

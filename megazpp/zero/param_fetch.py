@@ -98,8 +98,10 @@ class ParamFetcher:
                 self._called.add(id(b))
                 if all(u is not b for u in self.order):
                     self.order.append(b)
-            self.fetch(b)
-            if not self.backward_active:  # a recompute inside backward wants no forward prefetch
+            # a recompute inside backward gathers as backward does (hpZ: from the secondary
+            # shard) and wants no forward prefetch
+            self.fetch(b, "backward" if self.backward_active else "forward")
+            if not self.backward_active:
                 self._prefetch(b, +1)
         return hook
 

@@ -6,7 +6,9 @@ not WHEN. The engine and the fetcher only call these four methods; the exact pat
 the `formulas` sequences unchanged, and a compressed path replaces one of them (it may keep
 per-bucket state, such as error-feedback buffers, in `Bucket.extra_state`).
 
-Every `start_*` returns a waitable whose `wait()` gives the resulting tensor.
+Every `start_*` returns a waitable whose `wait()` gives the resulting tensor. The remaining
+methods are the engine's notifications (bucket built, step finished, parameters replaced);
+the exact paths keep no state, so they have nothing to do there.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class CommPaths:
 
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
         """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward"."""
-        return PendingSequence(self._fetch, b.param_store, self.groups, "zero/param_gather")
+        return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}")
 
     def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
         """One micro-batch's full gradient of `b` (already divided by D) down to level g."""
@@ -55,3 +57,20 @@ class CommPaths:
     def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
         """Updated os-level parameters of `b` up to its p-level shard."""
         return PendingSequence(self._sync, new_os, self.groups, "zero/param_sync")
+
+    def init_bucket(self, b: Bucket) -> None:
+        """A bucket was built: create any per-bucket path state in `b.extra_state`."""
+
+    def take_overflow(self) -> bool:
+        """Whether this step's reductions saw a non-finite local gradient (then cleared)."""
+        return False
+
+    def after_step(self, skipped: bool, step_count: int, scale_ratio: float) -> None:
+        """The optimizer step finished (or was skipped); the loss scale changed by `scale_ratio`."""
+
+    def params_replaced(self) -> None:
+        """Parameter shards were overwritten outside a step (a checkpoint was loaded)."""
+
+    def state_nbytes(self) -> int:
+        """Bytes of all path state this rank holds (error buffers, secondary copies)."""
+        return 0
