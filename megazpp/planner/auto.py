@@ -1,0 +1,129 @@
+"""`paro_strategy: auto`: pick the strategy at start-up from the planner, the same on every rank.
+
+Why gather shapes and broadcast the decision: under pipeline parallelism each stage holds
+different parameters, and a choice made from one stage could overflow another; so every
+rank's shape is gathered, the plan covers all stages (the slowest sets the step time, the
+fullest the fit), and rank 0's choice is what every rank runs. Measured bandwidths differ
+from rank to rank, so rank 0's measurements are broadcast before planning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazpp.config import Config
+from megazpp.errors import ConfigError
+from megazpp.parallel import comm
+from megazpp.planner.cluster import GIB, Cluster
+from megazpp.planner.plan import Plan, plan
+from megazpp.planner.probe import broadcast_values, probe_link, probe_matmul_flops
+from megazpp.planner.report import table
+from megazpp.planner.settings import PlannerSettings
+from megazpp.planner.shape import StageShape, shape_of_model
+from megazpp.planner.workload import Workload, workload_of_config
+from megazpp.zero import formulas
+from megazpp.zero.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: Strategy
+    runner_up: str | None
+    plan: Plan
+    cluster: Cluster
+
+
+def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Cluster,
+                    zeropp: formulas.ZeroPP = formulas.ZeroPP()) -> Choice:
+    """The recommended strategy among those the run's ZeRO++ switches apply to (pure, local)."""
+    result = plan(shapes, workload, cluster, fixed_zeropp=zeropp)
+    if result.choice is None:
+        raise ConfigError(f"zero.paro_strategy = auto: {result.reason}")
+    runner = result.runner_up.option.strategy.name if result.runner_up else None
+    return Choice(result.choice.option.strategy, runner, result, cluster)
+
+
+def _zeropp_of(cfg: Config) -> formulas.ZeroPP:
+    z = cfg.zero
+    return formulas.ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size,
+                           qgz=z.zero_quantized_gradients, loco=z.loco)
+
+
+def _device_memory(settings: PlannerSettings) -> float:
+    if settings.accelerator_memory_gib is not None:
+        return settings.accelerator_memory_gib * GIB
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    raise ConfigError("zero.paro_strategy = auto: set planner.accelerator_memory_gib (no CUDA device "
+                      "to read it from)")
+
+
+def _link(given: float | None, key: str, needed: bool, group: Any, size: int, settings: PlannerSettings,
+          latency_us: float) -> tuple[float, float]:
+    """(bytes/s, latency) of one link: from the settings, else probed, else unused (infinite)."""
+    if not needed:
+        return math.inf, 0.0  # no collective of this run crosses it
+    if given is not None:
+        return given, latency_us * 1e-6
+    if settings.probe and size > 1:
+        found = probe_link(group, size)
+        return found.bandwidth, found.latency
+    raise ConfigError(f"zero.paro_strategy = auto: set planner.{key} or planner.probe = true")
+
+
+def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
+    """[memory, flops, intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank:
+    values from `settings`, the rest probed. Collective when probing: every rank must call it."""
+    if settings.achievable_tflops is not None:
+        flops = settings.achievable_tflops * 1e12
+    elif settings.probe:
+        cuda = torch.cuda.is_available()
+        flops = probe_matmul_flops(device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    else:
+        raise ConfigError("zero.paro_strategy = auto: set planner.achievable_tflops or planner.probe = true")
+    dp_intra = len(topology.dp_intra_ranks)
+    intra_group, intra_size = ((topology.dp_intra_group, dp_intra) if dp_intra > 1
+                               else (topology.tp_group, topology.tp))
+    intra = _link(settings.intra_node_gbs and settings.intra_node_gbs * 1e9, "intra_node_gbs",
+                  intra_size > 1, intra_group, intra_size, settings, settings.intra_node_latency_us)
+    inter_size = len(topology.dp_inter_ranks)
+    inter = _link(settings.inter_node_gbit and settings.inter_node_gbit * 1e9 / 8 / topology.ranks_per_node,
+                  "inter_node_gbit", topology.num_nodes > 1, topology.dp_inter_group, inter_size, settings,
+                  settings.inter_node_latency_us)
+    return [_device_memory(settings), flops, intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
+
+
+def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
+    """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
+    shape = shape_of_model(model, bucket_numel=cfg.zero.reduce_bucket_size,
+                           threshold=cfg.zero.module_granularity_threshold, stage=topology.pp_rank,
+                           layers=len(range(*topology.layer_range(cfg.model.num_layers))),
+                           first=topology.is_first_stage, last=topology.is_last_stage)
+    shapes = {s.stage: s for s in comm.all_gather_object(shape, tag="planner/shapes")}
+    memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measure_cluster(settings, topology))
+    cluster = Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
+                      flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
+                      inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
+                      usable_memory_fraction=settings.usable_memory_fraction,
+                      backend="nccl" if torch.cuda.is_available() else "gloo")
+    workload = workload_of_config(cfg)
+    choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg))
+    names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
+    name, runner = names[0]
+    if topology.rank == 0:
+        log.info("zero: paro_strategy auto -> %s (runner-up %s): %s\n%s", name, runner, choice.plan.reason,
+                 table(choice.plan))
+    if name != choice.strategy.name:
+        log.warning("zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s",
+                    choice.strategy.name, name)
+        choice = Choice(next(r.option.strategy for r in choice.plan.rows if r.option.strategy.name == name),
+                        runner, choice.plan, cluster)
+    return choice

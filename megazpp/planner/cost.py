@@ -1,0 +1,211 @@
+"""Memory and step time of one strategy (+ ZeRO++ switches) on one pipeline stage.
+
+Why the terms are split into phases: the overlap model needs to know WHEN bytes move
+(forward fetch, backward fetch, per-micro-batch reduction, step boundary, refresh), while the
+byte totals must stay exactly `formulas.step_bytes`. The phases are built from the same
+`formulas` sequence functions and element formats that `step_bytes` sums, and
+tests/test_planner_costs.py asserts that they add up to it for every strategy and combination.
+
+Overlap model, per micro-batch of forward time t_f and backward time t_b (compute only):
+
+* forward: parameter fetches (p sharded) are prefetched one unit ahead, so they hide behind
+  the forward compute; exposed = max(fetch - t_f, one unit's fetch) (the first unit waits);
+* backward: re-fetches and the per-micro-batch gradient reduction share the link and hide
+  behind backward compute; exposed = max(fetch + reduce - t_b, one bucket's share) (the last
+  bucket's reduction starts when backward ends);
+* last micro-batch: the step-boundary reduction also starts in its backward (the engine starts
+  a bucket's boundary reduction as soon as its last gradient is in), same rule;
+* after backward nothing hides: parameter refresh, norm all-reduce, the AdamW update (memory
+  bound: 28 bytes of fp32 state read/written + the model-dtype copy per os element).
+Tensor-parallel all-reduces (4 per layer and micro-batch, 6 with recomputation) and pipeline
+sends are on the critical path; 1F1B adds (P - 1) micro-batch slots of bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megazpp.model.flops import training_flops_per_token
+from megazpp.planner.activations import stage_activation_bytes
+from megazpp.planner.cluster import Cluster
+from megazpp.planner.shape import StageShape
+from megazpp.planner.timing import collective_time, group_all_reduce_time, link_time
+from megazpp.planner.workload import Workload
+from megazpp.zero import formulas
+from megazpp.zero.strategy import Level, Strategy
+
+ADAM_TRAFFIC_FP32 = 28  # read master, grad, exp_avg, exp_avg_sq; write master, exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The representative rank (global rank 0) and its groups; every rank is alike by symmetry."""
+
+    d: int
+    k: int
+    shapes: formulas.DPShapes
+    hier: formulas.Hierarchy
+    extra_norm_groups: tuple[formulas.GroupShape, ...]
+    tp_group: formulas.GroupShape
+    pp_neighbor_inter: bool
+
+
+def dp_ranks_on_node(workload: Workload, cluster: Cluster) -> int:
+    """DP ranks of global rank 0's DP group that share its node (the engine's default k)."""
+    d = workload.dp(cluster)
+    return sum(1 for j in range(d) if (workload.tp * j) // cluster.gpus_per_node == 0)
+
+
+def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
+    d = workload.dp(cluster)
+    k = workload.paro_group_size or dp_ranks_on_node(workload, cluster)
+    dp_ranks = [workload.tp * j for j in range(d)]
+    shapes = formulas.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz)
+    rpn = cluster.gpus_per_node
+    tp_group = formulas.GroupShape.of(list(range(workload.tp)), 0, rpn)
+    pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
+    extra = tuple(g for g, size in ((tp_group, workload.tp),
+                                    (formulas.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
+    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes), extra, tp_group,
+                  workload.pp > 1 and pp_ranks[1] // rpn != 0)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One communication phase of a step: bytes and seconds per occurrence, occurrences per step."""
+
+    intra: int = 0
+    inter: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    times: int = 1
+
+    def __add__(self, other: "Phase") -> "Phase":
+        return Phase(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
+                     self.calls + other.calls, self.times)
+
+
+PHASES = ("fetch_forward", "fetch_backward", "micro_reduce", "boundary", "refresh")
+
+
+def phase_sequences(s: Strategy, shapes: formulas.DPShapes, hier: formulas.Hierarchy, zpp: formulas.ZeroPP,
+                    param_bytes: int, accum_bytes: int, micro_batches: int):
+    """(sequence, element format, times per step) of each phase, as `formulas.step_bytes` sums them."""
+    k = shapes.k
+    fetch = formulas.param_fetch_sequence(s, k, hier)
+    weights = zpp.weights if zpp.qwz else param_bytes
+    backward = ((formulas.hpz_fetch_sequence(), param_bytes) if zpp.hpz > 1 else (fetch, weights))
+    micro = ((formulas.qgz_sequence(s, shapes), zpp.grads) if zpp.qgz
+             else (formulas.micro_batch_reduce_sequence(s, k, hier), param_bytes))
+    return {"fetch_forward": (fetch, weights, micro_batches),
+            "fetch_backward": (*backward, micro_batches),
+            "micro_reduce": (*micro, micro_batches),
+            "boundary": (formulas.boundary_sequence(s, k, hier), accum_bytes, 1),
+            "refresh": (formulas.param_sync_sequence(s, k, hier), param_bytes, 1)}
+
+
+def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
+           micro_batches: int, cluster: Cluster) -> dict[str, Phase]:
+    seqs = phase_sequences(s, lay.shapes, lay.hier, zpp, workload.param_bytes, workload.accum_bytes,
+                           micro_batches)
+    out = {}
+    for name, (seq, elem, times) in seqs.items():
+        total = Phase(times=times)
+        for n in padded:
+            for c in seq:
+                intra, inter, secs = collective_time(c, n, elem, lay.shapes, cluster)
+                total = total + Phase(intra, inter, secs, 1 if getattr(lay.shapes, c.group).size > 1 else 0)
+        out[name] = total
+    return out
+
+
+def norm_phase(s: Strategy, lay: Layout, cluster: Cluster) -> Phase:
+    """The fp32 squared-norm all-reduce over the os owners and the TP / PP groups."""
+    groups = [getattr(lay.shapes, g) for g in formulas.norm_groups(s)] + list(lay.extra_norm_groups)
+    total = Phase()
+    for g in groups:
+        if g.size > 1:
+            total = total + Phase(2 * 4 * g.intra_peers // g.size, 2 * 4 * g.inter_peers // g.size,
+                                  group_all_reduce_time(4, g, cluster), 1)
+    return total
+
+
+@dataclass
+class StagePrediction:
+    """Everything predicted for one rank of one pipeline stage."""
+
+    stage: int
+    state: formulas.StateBytes
+    frozen_bytes: int
+    activation_bytes: float
+    transient_bytes: int
+    step_bytes: tuple[int, int]  # (intra, inter) received per step, = formulas.step_bytes
+    compute_s: float
+    calls: int  # DP collective calls per step (each pays a latency)
+    exposed: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state.total + self.frozen_bytes + self.activation_bytes + self.transient_bytes
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(self.exposed.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+
+def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload,
+                  cluster: Cluster, lay: Layout) -> StagePrediction:
+    a = workload.micro_batches(cluster)
+    pb, ab = workload.param_bytes, workload.accum_bytes
+    padded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.groups(s)]
+    plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
+    state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
+                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s))
+    step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
+                               accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp)
+    cfg = workload.model
+    activations = stage_activation_bytes(
+        cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
+        stage=stage.stage, layers=stage.layers, sequence_parallel=workload.sequence_parallel,
+        flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
+    biggest = max(padded, default=0)
+    transient = (2 * biggest * pb if s.p != Level.N else 0) + (2 * biggest * pb if s.g != Level.N else 0)
+
+    tokens = workload.micro_batch * cfg.seq_length
+    forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
+    t_f = forward_flops / cluster.flops
+    t_b = forward_flops * (1 + workload.trainable_fraction) / cluster.flops
+    if workload.activation_checkpointing:
+        t_b += t_f
+    g_elems = sum(padded) // formulas.level_div(s.g, lay.d, lay.k)
+    t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
+    compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
+
+    ph = phases(s, padded, lay, zpp, workload, a, cluster)
+    n = max(1, len(padded))
+    fwd, bwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "fetch_backward", "micro_reduce", "boundary"))
+    exposed = {
+        "fetch_forward": a * max(fwd - t_f, fwd / n),
+        "backward_comm": (a - 1) * max(bwd + red - t_b, (bwd + red) / n) + max(bwd + red + bnd - t_b,
+                                                                               (bwd + red + bnd) / n),
+        "refresh": ph["refresh"].seconds,
+        "norm": norm_phase(s, lay, cluster).seconds,
+        "optimizer": sum(padded) // formulas.level_div(s.os, lay.d, lay.k) * (ADAM_TRAFFIC_FP32 + pb)
+        / cluster.memory_bw,
+    }
+    act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
+    if workload.tp > 1:
+        per_layer = (6 if workload.activation_checkpointing else 4) * group_all_reduce_time(
+            tokens * cfg.hidden_size * pb, lay.tp_group, cluster)
+        exposed["tensor_parallel"] = a * stage.layers * per_layer
+    if workload.pp > 1:
+        hop = link_time(0, act, cluster) if lay.pp_neighbor_inter else link_time(act, 0, cluster)
+        exposed["pipeline_p2p"] = 2 * a * hop
+    calls = sum(p.calls * p.times for p in ph.values())
+    return StagePrediction(stage.stage, state, stage.frozen * pb, activations, transient, step, compute,
+                           calls, exposed)
+

@@ -1,0 +1,26 @@
+"""The `planner` config section: the cluster facts `paro_strategy: auto` cannot see itself.
+
+Why a section of its own: the topology (nodes, ranks per node) is known at start-up, but the
+network's bandwidths and the accelerator's rate are not; a user states them here or asks for
+a short probe. Kept import-free so `megazpp.config` can compose it without a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PlannerSettings:
+    """Fields left None are probed when `probe` is true, and refused (ConfigError) otherwise;
+    accelerator memory defaults to the device's own size on CUDA."""
+
+    probe: bool = False  # measure link bandwidth / latency (timed all-reduces) and matmul rate
+    accelerator_memory_gib: float | None = None
+    achievable_tflops: float | None = None
+    intra_node_gbs: float | None = None  # GB/s per accelerator
+    inter_node_gbit: float | None = None  # Gbit/s per node
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 15.0
+    memory_bandwidth_gbs: float = 2000.0
+    usable_memory_fraction: float = 0.9

@@ -1,0 +1,126 @@
+"""What one rank of a pipeline stage trains: its parameter units, gradient buckets, layers.
+
+Why the engine's own grouping: padding (every bucket is rounded up to the DP size, times
+ZeRO++'s quantization block) and the number of collective calls (latency) depend on how
+parameters are grouped, so the planner asks `megazpp.zero.units` for the exact units and
+buckets the engine would build, instead of treating the model as one flat block. With a live
+model (`paro_strategy: auto`) this is exact; from a config the model is built on the meta
+device (no memory), and tensor parallelism is applied by dividing the sizes of the layers that
+shard (column / row parallel weights, vocabulary embedding), so bucket boundaries under TP > 1
+are approximate (padding differs by at most D elements per bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazpp.errors import ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.units import ParamGroupSpec, gradient_buckets, parameter_units
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One rank of pipeline stage `stage`: element counts before padding.
+
+    `units` are the parameter units (used when p is sharded), `buckets` the gradient buckets
+    (p = N), both of trainable elements only; `frozen` elements are not the engine's (it
+    leaves frozen parameters whole on every rank).
+    """
+
+    stage: int
+    units: tuple[int, ...]
+    buckets: tuple[int, ...]
+    frozen: int
+    layers: int
+    first: bool
+    last: bool
+
+    def groups(self, strategy: Strategy) -> tuple[int, ...]:
+        return self.buckets if strategy.p == Level.N else self.units
+
+    @property
+    def trainable(self) -> int:
+        return sum(self.units)
+
+
+def _shards_over_tp(module: nn.Module, name: str) -> bool:
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return True
+    return isinstance(module, RowParallelLinear) and name == "weight"
+
+
+def _rank_numel(model: nn.Module, tp: int) -> dict[int, int]:
+    """Elements one TP rank holds of each parameter (by id) of a model built with TP = 1."""
+    sizes = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            sizes[id(p)] = p.numel() // tp if tp > 1 and _shards_over_tp(module, name) else p.numel()
+    return sizes
+
+
+def _trainable(n: int, fraction: float) -> int:
+    return n if fraction >= 1 else max(1, math.ceil(n * fraction))
+
+
+def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float) -> tuple[list[int], int]:
+    trainable, frozen = [], 0
+    for spec in specs:
+        n = sum(sizes[id(p)] for _, p in spec.params)
+        trainable.append(_trainable(n, fraction))
+        frozen += n - trainable[-1]
+    return trainable, frozen
+
+
+def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage: int = 0,
+                   layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
+                   trainable_fraction: float = 1.0) -> StageShape:
+    """The exact grouping the engine builds for `model` (this rank's model).
+
+    `tp_divisor` > 1 only for a model built with TP = 1 standing in for a TP shard;
+    `trainable_fraction` < 1 models PEFT as that fraction of every unit being trainable
+    (the rest frozen), for models whose parameters are all trainable here.
+    """
+    if not 0 < trainable_fraction <= 1:
+        raise ConfigError(f"trainable_fraction = {trainable_fraction!r}: expected a fraction in (0, 1]")
+    sizes = _rank_numel(model, tp_divisor)
+    frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
+    units, frozen_u = _numels(parameter_units(model, threshold), sizes, trainable_fraction)
+    buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
+    return StageShape(stage, tuple(units), tuple(buckets), frozen_params + frozen_u, layers, first, last)
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    per = num_layers // pp
+    return stage * per, (stage + 1) * per
+
+
+def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel: int = 500_000_000,
+                     threshold: int = 0, trainable_fraction: float = 1.0) -> list[StageShape]:
+    """One StageShape per pipeline stage, from models built on the meta device (no memory)."""
+    cfg.validate()
+    if cfg.num_layers % pp:
+        raise ConfigError(f"model.num_layers = {cfg.num_layers} is not divisible by the pipeline "
+                          f"size {pp}")
+    for what, value in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
+                        ("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(f"model.{what} = {value} is not divisible by the tensor-parallel size {tp}")
+    shapes = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        with torch.device("meta"):
+            model = GPTModel(cfg, pre_process=first, post_process=last,
+                             layer_range=stage_layer_range(cfg.num_layers, pp, stage))
+        shapes.append(shape_of_model(model, bucket_numel=bucket_numel, threshold=threshold, stage=stage,
+                                     layers=cfg.num_layers // pp, first=first, last=last, tp_divisor=tp,
+                                     trainable_fraction=trainable_fraction))
+    return shapes
+

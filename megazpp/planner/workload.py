@@ -1,0 +1,68 @@
+"""The training job a plan is for: model, batch, model-parallel sizes, precision, options.
+
+Why separate from the cluster: `paro_strategy: auto` describes the same job on a measured
+cluster, and tools/plan.py the same job on clusters typed in by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazpp.config import Config
+from megazpp.errors import ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.planner.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    micro_batch: int
+    global_batch: int
+    tp: int = 1
+    pp: int = 1
+    param_bytes: int = 2  # model dtype (bf16 / fp16: 2, fp32: 4)
+    accum_bytes: int = 4  # gradient accumulation dtype
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    trainable_fraction: float = 1.0  # PEFT: the rest of the weights is frozen
+    paro_group_size: int | None = None  # None: the DP ranks of one node (the engine's default)
+    hpz_size: int | None = None  # None: the DP ranks of one node (ZeRO++'s recommendation)
+    bucket_numel: int = 500_000_000  # zero.reduce_bucket_size
+    module_granularity_threshold: int = 0
+
+    def dp(self, cluster: Cluster) -> int:
+        if cluster.world_size % (self.tp * self.pp):
+            raise ConfigError(f"{cluster.world_size} accelerators ({cluster.nodes} nodes x "
+                              f"{cluster.gpus_per_node}) are not divisible by TP {self.tp} x PP {self.pp}")
+        if cluster.gpus_per_node % self.tp:
+            raise ConfigError(f"tensor-parallel size {self.tp} must divide the {cluster.gpus_per_node} "
+                              f"accelerators of a node (a TP group may not span nodes)")
+        return cluster.world_size // (self.tp * self.pp)
+
+    def micro_batches(self, cluster: Cluster) -> int:
+        """Micro-batches per optimizer step (gradient accumulation steps) of each DP rank."""
+        per_step = self.micro_batch * self.dp(cluster)
+        if self.micro_batch < 1 or self.global_batch < per_step or self.global_batch % per_step:
+            raise ConfigError(f"global batch {self.global_batch} is not a positive multiple of micro batch "
+                              f"{self.micro_batch} x data-parallel size {self.dp(cluster)} = {per_step}")
+        return self.global_batch // per_step
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def workload_of_config(cfg: Config) -> Workload:
+    """The job a run's Config describes (global batch: as given, or one micro-batch per DP rank
+    once `Config.validate` resolved it; None is left for the caller to fill)."""
+    prec, par, z, t = cfg.precision, cfg.parallel, cfg.zero, cfg.training
+    dtype = "bf16" if prec.bf16 else "fp16" if prec.fp16 else "fp32"
+    return Workload(
+        model=cfg.model, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+        tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+        param_bytes=DTYPE_BYTES[dtype], accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
+        activation_checkpointing=cfg.model.activation_checkpointing, sequence_parallel=par.sequence_parallel,
+        paro_group_size=z.paro_group_size,
+        hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
+        bucket_numel=z.reduce_bucket_size, module_granularity_threshold=z.module_granularity_threshold)

@@ -1,0 +1,189 @@
+"""Planner cost model: byte phases = formulas.step_bytes, hand-computed memory / time / fit, sorting.
+
+Everything here is single-process arithmetic; the comparison with a real engine on 4 gloo
+ranks is tests/test_planner_engine.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from megazpp.errors import ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.planner.activations import layer_bytes, stage_activation_bytes
+from megazpp.planner.cluster import Cluster
+from megazpp.planner.cost import ADAM_TRAFFIC_FP32, layout, phases, predict_stage
+from megazpp.planner.plan import Option, options, plan, predict
+from megazpp.planner.shape import StageShape, shapes_of_config
+from megazpp.planner.workload import Workload
+from megazpp.zero import formulas
+from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
+
+TINY = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                   vocab_size=96, seq_length=8, ffn_hidden_size=40)
+
+
+def _cluster(nodes: int, gpus: int, **kw) -> Cluster:
+    base = dict(nodes=nodes, gpus_per_node=gpus, memory_bytes=1e12, flops=1e12, intra_bw=1e10, inter_bw=1e9,
+                intra_latency=1e-5, inter_latency=1e-4, memory_bw=1e11)
+    return Cluster(**{**base, **kw})
+
+
+@pytest.mark.parametrize("nodes,gpus,tp", [(2, 2, 1), (2, 4, 1), (4, 4, 2), (1, 4, 1), (4, 1, 1)])
+def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
+    """The planner's per-phase bytes (for overlap) are exactly what formulas.step_bytes sums."""
+    cluster = _cluster(nodes, gpus)
+    workload = Workload(model=TINY, micro_batch=1, global_batch=3 * nodes * gpus // tp, tp=tp)
+    numels = [1000, 4096, 77]
+    for opt in options(workload, cluster):
+        lay = layout(workload, cluster, opt.zeropp.hpz)
+        padded = [formulas.padded_numel(n, lay.d, opt.zeropp.alignment()) for n in numels]
+        ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster)
+        norm = formulas.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
+                                   accum_bytes=4, extra_norm_groups=lay.extra_norm_groups)
+        ours = (sum(p.intra * p.times for p in ph.values()) + norm[0],
+                sum(p.inter * p.times for p in ph.values()) + norm[1])
+        assert ours == formulas.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
+                                           param_bytes=2, accum_bytes=4, extra_norm_groups=lay.extra_norm_groups,
+                                           zeropp=opt.zeropp), (opt.name, nodes, gpus)
+
+
+def test_zeropp_options_only_where_they_act():
+    names = {o.name for o in options(Workload(model=TINY, micro_batch=1, global_batch=4), _cluster(2, 2))}
+    assert len({n.split("+")[0] for n in names}) == 14
+    assert "GGG+qwZ+hpZ2+qgZ" in names and "NGG+qgZ" in names and "IIG+qwZ" in names
+    assert not any(n.startswith("NN") and "+" in n for n in names)  # nothing to compress
+    assert not any("hpZ" in n and not n.startswith("G") for n in names)
+    one_rank = options(Workload(model=TINY, micro_batch=1, global_batch=1), _cluster(1, 1))
+    assert [o.name for o in one_rank] == [s.name for s in VALID_STRATEGIES]
+
+
+def test_activation_formula_by_hand():
+    s, b, h, a = 8, 2, 32, 4
+    assert layer_bytes(TINY, 2, 1, False, flash_attention=False) == s * b * h * (34 + 5 * a * s / h)
+    assert layer_bytes(TINY, 2, 2, False, flash_attention=True) == s * b * h * (10 + 24 / 2)
+    assert layer_bytes(TINY, 2, 2, True, flash_attention=True) == s * b * h * 34 / 2
+    # 1F1B: stage 0 of 2 keeps 2 micro-batches of its layer; checkpointing keeps inputs + one layer
+    full = s * b * h * 34
+    assert stage_activation_bytes(TINY, micro_batch=2, micro_batches=4, tp=1, pp=2, stage=0, layers=1,
+                                  sequence_parallel=False, flash_attention=True, checkpointing=False) == 2 * full
+    assert stage_activation_bytes(TINY, micro_batch=2, micro_batches=4, tp=1, pp=2, stage=1, layers=1,
+                                  sequence_parallel=False, flash_attention=True,
+                                  checkpointing=True) == 2 * s * b * h + full + 2 * 4 * s * b * 96
+
+
+def test_ddp_on_two_single_gpu_nodes_by_hand():
+    """NNN, D = 2 across nodes, one bucket: every term of the step written out."""
+    cluster = _cluster(2, 1)
+    workload = Workload(model=TINY, micro_batch=2, global_batch=8, param_bytes=2, accum_bytes=4)  # A = 2
+    shape = StageShape(0, units=(1000,), buckets=(1000,), frozen=0, layers=2, first=True, last=True)
+    nnn = parse_strategy("NNN")
+    p = predict_stage(nnn, formulas.ZeroPP(), shape, workload, cluster, layout(workload, cluster))
+    psi = 1000  # already a multiple of D = 2
+    assert p.state == formulas.StateBytes(2 * psi, 4 * psi, 12 * psi)
+    assert p.step_bytes == (0, 4 * psi)  # all-reduce of 4-byte grads over 2 ranks: 2 N / 2 from the peer
+    t_f = TINY.seq_length * 2 * (6 * (2 * (32 * 64 + 32 * 32 + 3 * 32 * 40) + 96 * 32)
+                                 + 12 * 2 * 8 * 4 * 8) / 3 / 1e12
+    t_acc = psi * (2 + 2 * 4) / 1e11
+    assert p.compute_s == pytest.approx(2 * (t_f + 2 * t_f) + 2 * t_acc, rel=1e-12)
+    boundary = 2 * 1e-4 + 4 * psi / 1e9  # 2 ring steps of inter latency + bytes over the node link
+    assert p.exposed["backward_comm"] == pytest.approx(boundary)  # one bucket: nothing hides it
+    assert p.exposed["fetch_forward"] == 0 and p.exposed["refresh"] == 0 and p.exposed["norm"] == 0
+    assert p.exposed["optimizer"] == pytest.approx(psi * (ADAM_TRAFFIC_FP32 + 2) / 1e11)
+    assert p.step_s == pytest.approx(p.compute_s + boundary + psi * 30 / 1e11)
+    assert p.memory_bytes == 18 * psi + stage_activation_bytes(
+        TINY, micro_batch=2, micro_batches=2, tp=1, pp=1, stage=0, layers=2, sequence_parallel=False,
+        flash_attention=True, checkpointing=False)
+
+
+def _shape(numel: int) -> list[StageShape]:
+    return [StageShape(0, (numel,), (numel,), 0, 2, True, True)]
+
+
+def test_fit_sorting_and_recommendation():
+    """A memory limit between GGG's and NNN's footprint: fitting rows first, fastest first, and
+    the choice is the fastest that fits; when nothing fits, the reason says so."""
+    workload = Workload(model=TINY, micro_batch=1, global_batch=4)
+    shapes = _shape(4_000_000)
+    base = _cluster(2, 2)
+    rows = {o.name: predict(o, shapes, workload, base) for o in options(workload, base, formulas.ZeroPP())}
+    limit = (rows["GGG"].memory_bytes + rows["NNN"].memory_bytes) / 2
+    cluster = dataclasses.replace(base, memory_bytes=limit, usable_memory_fraction=1.0)
+    result = plan(shapes, workload, cluster, fixed_zeropp=formulas.ZeroPP(), tie=0.0)
+    fits = [r.fits for r in result.rows]
+    assert fits == sorted(fits, reverse=True) and "NNN" not in [r.name for r in result.rows if r.fits]
+    fitting = [r for r in result.rows if r.fits]
+    assert [r.step_s for r in fitting] == sorted(r.step_s for r in fitting)
+    assert result.choice is fitting[0] and result.runner_up is fitting[1]
+    assert all(r.fits == (r.memory_bytes <= limit) for r in result.rows)
+    assert result.choice.name in result.reason and result.runner_up.name in result.reason
+    tiny = dataclasses.replace(cluster, memory_bytes=rows["GGG"].memory_bytes / 2)
+    none = plan(shapes, workload, tiny, fixed_zeropp=formulas.ZeroPP())
+    assert none.choice is None and "nothing fits" in none.reason
+
+
+def test_near_tie_prefers_the_smaller_footprint():
+    """With the network far faster than compute, every option is within the margin: the
+    choice is the one holding the least memory; with no margin it is the fastest."""
+    workload = Workload(model=TINY, micro_batch=1, global_batch=4)
+    fast = _cluster(2, 2, intra_bw=1e15, inter_bw=1e15, intra_latency=0, inter_latency=0, flops=1e6)
+    shapes = _shape(100_000)
+    tied = plan(shapes, workload, fast, fixed_zeropp=formulas.ZeroPP(), tie=0.02)
+    assert tied.choice.memory_bytes == min(r.memory_bytes for r in tied.rows)
+    strict = plan(shapes, workload, fast, fixed_zeropp=formulas.ZeroPP(), tie=0.0)
+    assert strict.choice is strict.rows[0]
+
+
+def test_slow_inter_node_link_prefers_intra_group_sharding():
+    """PaRO's point: on a 1 Gbit/s node link with fast NVLink, a strategy that keeps the
+    per-micro-batch traffic inside the node (I levels) beats ZeRO-3 (GGG), and with 16
+    micro-batches reducing gradients inside the node (NIG) beats reducing them globally (NGG)."""
+    workload = Workload(model=TINY, micro_batch=1, global_batch=512)
+    cluster = _cluster(4, 8, inter_bw=1.25e8, intra_bw=3e11, flops=1e14)
+    rows = {r.name: r for r in plan(_shape(50_000_000), workload, cluster, fixed_zeropp=formulas.ZeroPP()).rows}
+    assert rows["IIG"].step_s < rows["GGG"].step_s and rows["NIG"].step_s < rows["NGG"].step_s
+
+
+def test_config_shapes_match_parameter_count_and_tp_split():
+    from megazpp.model.flops import parameter_count
+
+    one = shapes_of_config(TINY, bucket_numel=4000)
+    assert sum(one[0].units) == sum(one[0].buckets) == parameter_count(TINY)
+    two = shapes_of_config(TINY, tp=2, bucket_numel=4000)
+    norms = 2 * 2 * 32 + 32  # two norms per layer + the final norm stay whole on every TP rank
+    assert sum(two[0].units) == (parameter_count(TINY) - norms) // 2 + norms
+    stages = shapes_of_config(TINY, pp=2, bucket_numel=4000)
+    assert [s.layers for s in stages] == [1, 1] and sum(sum(s.units) for s in stages) == parameter_count(TINY)
+    peft = shapes_of_config(TINY, trainable_fraction=0.01, bucket_numel=4000)
+    assert sum(peft[0].units) + peft[0].frozen == parameter_count(TINY) and peft[0].frozen > 0.9 * parameter_count(TINY)
+    with pytest.raises(ConfigError, match="not divisible by the tensor-parallel size 3"):
+        shapes_of_config(TINY, tp=3)
+
+
+def test_bad_cluster_and_batch_are_config_errors():
+    with pytest.raises(ConfigError, match="cluster.inter_bw"):
+        _cluster(2, 2, inter_bw=0)
+    with pytest.raises(ConfigError, match="global batch 6"):
+        Workload(model=TINY, micro_batch=1, global_batch=6).micro_batches(_cluster(2, 2))
+    with pytest.raises(ConfigError, match="tensor-parallel size 4 must divide"):
+        Workload(model=TINY, micro_batch=1, global_batch=4, tp=4).dp(_cluster(4, 2))
+
+
+def test_plan_cli_prints_sorted_table_and_recommendation():
+    out = subprocess.run([sys.executable, "tools/plan.py", "--nodes", "2", "--gpus-per-node", "2",
+                          "--inter-gbit", "1", "--memory-gib", "1", "--tflops", "0.05", "--intra-gbs", "5",
+                          "--memory-bw-gbs", "10", "--backend", "gloo", "--layers", "2", "--hidden", "64",
+                          "--heads", "4", "--vocab", "512", "--seq", "64", "--micro-batch", "2",
+                          "--global-batch", "8", "--dtype", "fp32"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len({r.split("|")[2].split("+")[0].strip(" *<-") for r in rows}) == 14
+    times = [float(r.split("|")[-2]) for r in rows]
+    assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out
+    bad = subprocess.run([sys.executable, "tools/plan.py", "--nodes", "2", "--gpus-per-node", "2",
+                          "--inter-gbit", "1", "--layers", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--memory-gib" in bad.stderr

@@ -1,0 +1,164 @@
+"""Predict memory and step time of every PaRO strategy / ZeRO++ combination before launch.
+
+The model comes from a megazpp config (`--config`, with batch, precision and parallel sizes
+from the same file unless overridden) or from its dimensions (`--arch --layers --hidden
+--heads ...`; `--params` picks the FFN width that gives that parameter count). The cluster is
+described by flags, with `--accelerator` filling in typical memory, compute and NVLink values.
+Memory and byte terms are `megazpp.zero.formulas` (what the engine's tests assert); the
+planner adds activations, timing and the fit test (docs/planning.md).
+
+    python tools/plan.py --accelerator h100-80gb --nodes 8 --gpus-per-node 8 --inter-gbit 400 \\
+        --arch llama --layers 32 --hidden 4096 --heads 32 --ffn 11008 --vocab 32000 --seq 4096 \\
+        --micro-batch 1 --global-batch 1024 --dtype bf16 --activation-checkpointing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from megazpp.config import Config, load_config
+from megazpp.errors import ConfigError, MegazppError
+from megazpp.model.config import ModelConfig
+from megazpp.model.flops import parameter_count
+from megazpp.planner.cluster import ACCELERATORS, GIB, Cluster, gbit
+from megazpp.planner.plan import plan
+from megazpp.planner.report import summary, table
+from megazpp.planner.shape import shapes_of_config
+from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
+from megazpp.zero.formulas import ZeroPP
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    m = p.add_argument_group("model (or --config)")
+    m.add_argument("--config", help="megazpp YAML config (model, training, precision, parallel, zero)")
+    m.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--query-groups", type=int)
+    m.add_argument("--ffn", type=int)
+    m.add_argument("--params", type=float, help="total parameters (e.g. 7e9): sets the FFN width")
+    m.add_argument("--vocab", type=int)
+    m.add_argument("--seq", type=int)
+    j = p.add_argument_group("job (override --config)")
+    j.add_argument("--micro-batch", type=int)
+    j.add_argument("--global-batch", type=int)
+    j.add_argument("--tp", type=int)
+    j.add_argument("--pp", type=int)
+    j.add_argument("--sequence-parallel", action="store_true", default=None)
+    j.add_argument("--dtype", choices=sorted(DTYPE_BYTES))
+    j.add_argument("--grad-accum", choices=sorted(DTYPE_BYTES))
+    j.add_argument("--activation-checkpointing", action="store_true", default=None)
+    j.add_argument("--no-flash-attention", action="store_true",
+                   help="count the attention score matrix in activations (no fused attention kernel)")
+    j.add_argument("--trainable-fraction", type=float, default=1.0,
+                   help="PEFT: fraction of the weights that is trained (the rest frozen)")
+    j.add_argument("--paro-group-size", type=int)
+    j.add_argument("--hpz", type=int, help="hpZ partition size (default: DP ranks per node)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, required=True)
+    c.add_argument("--gpus-per-node", type=int, required=True)
+    c.add_argument("--accelerator", choices=sorted(ACCELERATORS))
+    c.add_argument("--memory-gib", type=float)
+    c.add_argument("--tflops", type=float, help="achievable TFLOP/s per accelerator")
+    c.add_argument("--memory-bw-gbs", type=float, help="HBM GB/s")
+    c.add_argument("--intra-gbs", type=float, help="intra-node GB/s per accelerator")
+    c.add_argument("--inter-gbit", type=float, required=True, help="inter-node Gbit/s per node")
+    c.add_argument("--intra-latency-us", type=float, default=5.0)
+    c.add_argument("--inter-latency-us", type=float, default=15.0)
+    c.add_argument("--usable-memory-fraction", type=float, default=0.9)
+    c.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    o = p.add_argument_group("output")
+    o.add_argument("--no-zeropp", action="store_true", help="plain PaRO strategies only")
+    o.add_argument("--top", type=int, help="print only the first N rows")
+    return p
+
+
+def _pick(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _cluster(a: argparse.Namespace) -> Cluster:
+    acc = ACCELERATORS.get(a.accelerator)
+    values = {"memory_gib": _pick(a.memory_gib, acc and acc.memory_gib),
+              "tflops": _pick(a.tflops, acc and acc.achievable_tflops),
+              "memory_bw_gbs": _pick(a.memory_bw_gbs, acc and acc.memory_bandwidth_gbs),
+              "intra_gbs": _pick(a.intra_gbs, acc and acc.intra_gbs)}
+    missing = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(f"cluster: give {', '.join(missing)} or an --accelerator preset")
+    return Cluster(nodes=a.nodes, gpus_per_node=a.gpus_per_node, memory_bytes=values["memory_gib"] * GIB,
+                   flops=values["tflops"] * 1e12, intra_bw=values["intra_gbs"] * 1e9, inter_bw=gbit(a.inter_gbit),
+                   intra_latency=a.intra_latency_us * 1e-6, inter_latency=a.inter_latency_us * 1e-6,
+                   memory_bw=values["memory_bw_gbs"] * 1e9, usable_memory_fraction=a.usable_memory_fraction,
+                   backend=a.backend)
+
+
+def _ffn_for(params: float, base: ModelConfig) -> int:
+    """FFN width whose parameter count is closest to `params` (the count is linear in it)."""
+    def count(ffn: int) -> int:
+        return parameter_count(dataclasses.replace(base, ffn_hidden_size=ffn, moe_ffn_hidden_size=None))
+    slope = (count(128) - count(64)) / 64
+    return max(64, round((64 + (params - count(64)) / slope) / 64) * 64)
+
+
+def _model(a: argparse.Namespace, base: Config | None) -> ModelConfig:
+    if base is not None:
+        return base.model
+    need = {"--layers": a.layers, "--hidden": a.hidden, "--heads": a.heads, "--vocab": a.vocab, "--seq": a.seq}
+    missing = [k for k, v in need.items() if v is None]
+    if missing:
+        raise ConfigError(f"model: give --config or {', '.join(missing)}")
+    cfg = ModelConfig(arch=a.arch, num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                      num_query_groups=a.query_groups, ffn_hidden_size=a.ffn, vocab_size=a.vocab,
+                      seq_length=a.seq)
+    if a.params is not None:
+        if a.ffn is not None:
+            raise ConfigError("give --params or --ffn, not both (--params sets the FFN width)")
+        cfg = dataclasses.replace(cfg, ffn_hidden_size=_ffn_for(a.params, cfg), moe_ffn_hidden_size=None)
+    return cfg
+
+
+def _workload(a: argparse.Namespace) -> Workload:
+    """The config's job (if any) with every flag given on the command line taking precedence."""
+    base = load_config(["--config", a.config]) if a.config else None
+    model = _model(a, base)
+    job = workload_of_config(base) if base else Workload(model=model, micro_batch=a.micro_batch,
+                                                        global_batch=a.global_batch)
+    flags = {"micro_batch": a.micro_batch, "global_batch": a.global_batch, "tp": a.tp, "pp": a.pp,
+             "param_bytes": a.dtype and DTYPE_BYTES[a.dtype], "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
+             "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
+             "paro_group_size": a.paro_group_size, "hpz_size": a.hpz}
+    job = dataclasses.replace(job, model=model, flash_attention=not a.no_flash_attention,
+                              trainable_fraction=a.trainable_fraction,
+                              **{k: v for k, v in flags.items() if v is not None})
+    if job.micro_batch is None or job.global_batch is None:
+        raise ConfigError("job: give --micro-batch and --global-batch (or a --config that sets "
+                          "training.micro_batch_size and training.global_batch_size)")
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        cluster = _cluster(a)
+        workload = _workload(a)
+        shapes = shapes_of_config(workload.model, tp=workload.tp, pp=workload.pp, bucket_numel=workload.bucket_numel,
+                                  threshold=workload.module_granularity_threshold,
+                                  trainable_fraction=workload.trainable_fraction)
+        result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP() if a.no_zeropp else None)
+    except MegazppError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(result, workload, cluster) + f"; {parameter_count(workload.model) / 1e9:.2f} B parameters")
+    print()
+    print(table(result, a.top))
+    print()
+    print(f"Recommendation: {result.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
