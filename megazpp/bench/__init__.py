@@ -1,0 +1,1 @@
+"""Benchmark harness: launching configurations on netlab, the DeepSpeed peer, result tables."""
