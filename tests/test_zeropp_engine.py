@@ -112,6 +112,10 @@ def _train(model: GPTModel, engine: ZeroEngine, topo: Topology, steps: range) ->
     return out
 
 
+def _summary(steps: list[dict], engine: ZeroEngine) -> dict:
+    return {"steps": steps, "held": engine.held_bytes(), "expected": engine.expected_bytes()}
+
+
 def _state(engine: ZeroEngine) -> list[torch.Tensor]:
     return ([b.param_store.clone() for b in engine.buckets] + [m.param.detach().clone() for b in engine.buckets
                                                                for m in b.masters] +
@@ -159,7 +163,8 @@ def _fp16_skip(topo: Topology) -> dict:
     result = engine.step()
     after = [v for b in engine.buckets for v in b.extra_state.values()]
     ratio = engine.loss_scale / scale
-    unchanged = all(torch.equal(a, v * ratio if k.endswith("_scales") else v) for (k, v), a in zip(before, after))
+    unchanged = all(torch.equal(a, v * ratio if k.endswith("_scales") else v)
+                    for (k, v), a in zip(before, after))
     nonzero = any(bool(v.abs().sum() > 0) for _, v in before)
     _train(model, engine, topo, range(2, 3))  # the third completed step resets (reset_t = 3)
     reset = all(bool((v == 0).all()) for b in engine.buckets for v in b.extra_state.values())
@@ -173,7 +178,7 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
     for label, zeropp in (("zero3", ZeroPP()), ("zeropp", ALL3), ("zeropp_loco", ALL3_LOCO)):
         model, engine = _engine(topo, "GGG", zeropp)
         steps = _train(model, engine, topo, range(STEPS))
-        report["runs"][label] = {"steps": steps, "held": engine.held_bytes(), "expected": engine.expected_bytes()}
+        report["runs"][label] = _summary(steps, engine)
 
     # checkpoint with LoCo: buffers restored, resumed run bitwise equal
     model, engine = _engine(topo, "GGG", ALL3_LOCO)
@@ -197,7 +202,7 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
     for label, (strategy, zeropp, options) in COMBOS.items():
         model, engine = _engine(topo, strategy, zeropp, **options)
         steps = _train(model, engine, topo, range(2))
-        report["combos"][label] = {"steps": steps, "held": engine.held_bytes(), "expected": engine.expected_bytes()}
+        report["combos"][label] = _summary(steps, engine)
     report["refused"] = {}
     for label, (strategy, zeropp, _) in REFUSED.items():
         try:
@@ -258,7 +263,8 @@ def test_inter_node_bytes_and_hpz_backward(report):
         plain = runs["zero3"]["steps"][-1]["counted"][1]
         for label in ("zeropp", "zeropp_loco"):
             inter = runs[label]["steps"][-1]["counted"][1]
-            print(f"rank {rank} {label}: inter-node bytes per step {inter} = {inter / plain:.4f} x ZeRO-3's {plain}")
+            print(f"rank {rank} {label}: inter-node bytes per step {inter} = "
+                  f"{inter / plain:.4f} x ZeRO-3's {plain}")
             assert inter <= RATIO * plain, (rank, label, inter / plain)
             for s in runs[label]["steps"]:
                 assert s["backward_gather"][1] == 0 and s["backward_gather"][0] > 0, (rank, s)
@@ -276,7 +282,8 @@ def test_training_follows_zero3(report):
     assert base[-1] < base[0] - 2.0, base  # the model learns in 30 steps
     for label in ("zeropp", "zeropp_loco"):
         gaps = [abs(a - b) for a, b in zip(_mean_losses(report, label), base)]
-        print(f"{label}: |loss - ZeRO-3| over {STEPS} steps: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}")
+        print(f"{label}: |loss - ZeRO-3| over {STEPS} steps: max {max(gaps):.4f}, "
+              f"mean {sum(gaps) / len(gaps):.4f}")
         assert max(gaps) <= MAX_GAP and sum(gaps) / len(gaps) <= MEAN_GAP, (label, gaps)
 
 

@@ -319,7 +319,7 @@ class ZeroEngine:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
         if self.paths.take_overflow():  # a non-finite gradient that qgZ never quantized
-            counted.append(torch.full((1,), float("nan")))
+            counted.append(torch.full((1,), float("nan"), device=grads[0].device))
         scale_before = self.loss_scale
         norm = float(global_grad_norm(counted, self._norm_groups()))
         finite = math.isfinite(norm)

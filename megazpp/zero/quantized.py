@@ -28,7 +28,8 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int) -> torch.Tensor:
                       scales.view(torch.uint8).view(parts, -1)], dim=1).reshape(-1)
 
 
-def unpack(buf: torch.Tensor, parts: int, code_bytes: int, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack(buf: torch.Tensor, parts: int, code_bytes: int,
+           code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack`: codes [parts, code_bytes] and fp32 scales [parts, blocks]."""
     rows = buf.view(parts, -1)
     codes = rows[:, :code_bytes].contiguous().view(code_dtype)

@@ -19,8 +19,11 @@ back on a skip; a loss-scale change rescales them (errors are in loss-scaled uni
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+import kernels
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
@@ -28,13 +31,12 @@ from megazpp.zero.paths import CommPaths, Waitable
 from megazpp.zero.quantized import PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
 
-import kernels
-
 
 class _FillSecondary:
     """A forward gather that, once complete, leaves hpZ's secondary shard behind."""
 
-    def __init__(self, pending: Waitable, secondary: torch.Tensor, lo: int, on_filled) -> None:
+    def __init__(self, pending: Waitable, secondary: torch.Tensor, lo: int,
+                 on_filled: Callable[[], None]) -> None:
         self._pending, self._secondary, self._lo, self._on_filled = pending, secondary, lo, on_filled
 
     def wait(self) -> torch.Tensor:
@@ -45,6 +47,8 @@ class _FillSecondary:
 
 
 class ZeroPPPaths(CommPaths):
+    """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group."""
+
     def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy,
                  shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int) -> None:
         super().__init__(strategy, groups, hier)
