@@ -6,7 +6,15 @@ as the command-line tools, so tests of other areas run on real (tiny) tokenized 
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# Triton fixes interpreter mode when it is first imported, and several tests import it
+# indirectly (transformers, the kernels): set it before any of them so the Triton kernel tests
+# run interpreted on CPU whatever the test order. The CUDA compile check runs in a subprocess
+# with it removed.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 
