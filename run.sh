@@ -22,12 +22,10 @@ has_cuda() {
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
 }
 
+# The pinned wheel comes from the package registry: the CPU build on the CPU machines this
+# project targets, the default (CUDA) build where the registry serves that.
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-  if has_cuda; then
-    "$PYTHON" -m pip install --quiet torch==2.13.0
-  else
-    "$PYTHON" -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-  fi
+  "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
 if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet -e .
