@@ -7,8 +7,8 @@ ranks is tests/test_planner_engine.py.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +22,10 @@ from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas
 from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
+
+_spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
 
 TINY = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                    vocab_size=96, seq_length=8, ffn_hidden_size=40)
@@ -173,17 +177,16 @@ def test_bad_cluster_and_batch_are_config_errors():
         Workload(model=TINY, micro_batch=1, global_batch=4, tp=4).dp(_cluster(4, 2))
 
 
-def test_plan_cli_prints_sorted_table_and_recommendation():
-    out = subprocess.run([sys.executable, "tools/plan.py", "--nodes", "2", "--gpus-per-node", "2",
-                          "--inter-gbit", "1", "--memory-gib", "1", "--tflops", "0.05", "--intra-gbs", "5",
-                          "--memory-bw-gbs", "10", "--backend", "gloo", "--layers", "2", "--hidden", "64",
-                          "--heads", "4", "--vocab", "512", "--seq", "64", "--micro-batch", "2",
-                          "--global-batch", "8", "--dtype", "fp32"],
-                         capture_output=True, text=True, check=True).stdout
+def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
+    args = ["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--memory-gib", "1", "--tflops", "0.05",
+            "--intra-gbs", "5", "--memory-bw-gbs", "10", "--backend", "gloo", "--layers", "2", "--hidden", "64",
+            "--heads", "4", "--vocab", "512", "--seq", "64", "--micro-batch", "2", "--global-batch", "8",
+            "--dtype", "fp32"]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len({r.split("|")[2].split("+")[0].strip(" *<-") for r in rows}) == 14
     times = [float(r.split("|")[-2]) for r in rows]
     assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out
-    bad = subprocess.run([sys.executable, "tools/plan.py", "--nodes", "2", "--gpus-per-node", "2",
-                          "--inter-gbit", "1", "--layers", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--memory-gib" in bad.stderr
+    assert plan_cli.main(["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--layers", "2"]) == 2
+    assert "--memory-gib" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""The planner against a real ZeroEngine on 4 gloo ranks (2 virtual nodes x 2), one spawn.
+
+Memory: for all 14 strategies (and ZeRO++ combinations) the planner's model-state bytes per
+rank equal the bytes of the tensors the engine holds after a step (`ZeroEngine.held_bytes`),
+and its per-step bytes equal what the comm counter recorded. The configuration is the one
+of tests/test_zero_engine.py (tiny Llama, bucket_numel 4000, 2 micro-batches, fp32).
+Auto: `auto_strategy` returns the same strategy on every rank, with probed bandwidths (which
+differ per rank until rank 0's are broadcast) and with given ones, and equals the plan
+computed here from the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megazpp.config import Config, OptimizerConfig, PrecisionConfig
+from megazpp.errors import ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.parallel.counter import counter
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.topology import Topology
+from megazpp.planner.auto import auto_strategy, choose_strategy
+from megazpp.planner.cluster import GIB, Cluster
+from megazpp.planner.plan import Option, predict
+from megazpp.planner.settings import PlannerSettings
+from megazpp.planner.shape import shape_of_model, shapes_of_config
+from megazpp.planner.workload import Workload, workload_of_config
+from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.formulas import ZeroPP
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+
+LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+MICRO, BUCKET = 2, 4000
+BLOCKS = dict(qwz_block=256, qgz_block=128)
+RUNS = [(name, ZeroPP()) for name in VALID_NAMES] + [
+    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS)), ("IIG", ZeroPP(qgz=True, **BLOCKS)),
+    ("NGG", ZeroPP(qgz=True, loco=True, **BLOCKS))]
+GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
+                        inter_node_gbit=0.1)
+
+
+def _config() -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(**LLAMA)
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = MICRO, MICRO * 4 * 2
+    cfg.zero.reduce_bucket_size = BUCKET
+    return cfg
+
+
+def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int, int]:
+    counter.reset_step()
+    for micro in range(MICRO):
+        g = torch.Generator().manual_seed(10 * micro + topo.dp_rank)
+        ids = torch.randint(0, LLAMA["vocab_size"], (MICRO, LLAMA["seq_length"] + 1), generator=g)
+        engine.scale_loss(model(ids[:, :-1], ids[:, 1:]).mean() / MICRO).backward()
+    engine.step()
+    rows = [r for tag, r in counter.step_totals()["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"]
+    return sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)
+
+
+def _rank() -> dict:
+    topo = Topology.from_env(ranks_per_node=2)
+    out = {"runs": []}
+    for name, zpp in RUNS:
+        model = GPTModel(ModelConfig(**LLAMA))
+        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"])
+        engine = ZeroEngine(model, OptimizerConfig(lr=1e-2), PrecisionConfig(),
+                            ZeroOptions(strategy=name, micro_batches_per_step=MICRO, bucket_numel=BUCKET,
+                                        zeropp=zpp), topo)
+        counted = _one_step(model, engine, topo)
+        out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
+    model = GPTModel(ModelConfig(**LLAMA))
+    out["probed"] = auto_strategy(model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001))
+    out["given"] = auto_strategy(model, _config(), topo, GIVEN)
+    try:
+        auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
+        out["refused"] = ""
+    except ConfigError as e:
+        out["refused"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_rank, 4, timeout_s=300)
+
+
+def _workload() -> Workload:
+    return Workload(model=ModelConfig(**LLAMA), micro_batch=MICRO, global_batch=MICRO * 4 * 2, param_bytes=4,
+                    accum_bytes=4, bucket_numel=BUCKET)
+
+
+def test_planner_memory_and_bytes_equal_the_engine(results):
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8)
+    from_config = shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET)
+    for rank, report in enumerate(results):
+        for (name, zpp), run in zip(RUNS, report["runs"]):
+            assert run["shape"] == from_config[0], (name, rank)  # the meta-device build sees the same units
+            stage = predict(Option(parse_strategy(name), zpp), [run["shape"]], _workload(), cluster).stages[0]
+            assert stage.state == run["held"], (name, zpp, rank, stage.state, run["held"])
+            assert stage.step_bytes == run["counted"], (name, zpp, rank, stage.step_bytes, run["counted"])
+
+
+def test_auto_choice_is_identical_on_every_rank(results):
+    for key in ("probed", "given"):
+        names = {(r[key].strategy.name, r[key].runner_up) for r in results}
+        assert len(names) == 1, (key, names)
+        clusters = {r[key].cluster for r in results}
+        assert len(clusters) == 1, key  # rank 0's measurements were broadcast
+    # the given settings reproduce here, from the same shape, workload and cluster
+    given = results[0]["given"]
+    shape = results[0]["runs"][0]["shape"]
+    local = choose_strategy([shape], workload_of_config(_config()), given.cluster)
+    assert (local.strategy, local.runner_up) == (given.strategy, given.runner_up)
+    assert given.cluster.inter_bw == pytest.approx(0.1e9 / 8) and given.cluster.nodes == 2
+    # 0.3 MiB: the replicated strategies' fp32 state does not fit, so the choice shards something
+    assert given.strategy.name != "NNN" and not given.plan.rows[-1].fits
+    assert all(r["refused"].startswith("zero.paro_strategy = auto: set planner.achievable_tflops")
+               for r in results)
+    probed = results[0]["probed"].cluster
+    assert probed.intra_bw > 0 and probed.inter_bw > 0 and probed.flops > 0
+    assert dataclasses.replace(probed, flops=1.0) != probed
