@@ -1,0 +1,118 @@
+"""Start one configuration as 2 nodes x R ranks, on netlab or on the plain loopback.
+
+Why two launchers even on loopback: each node is its own `torch.distributed.run` (c10d
+rendezvous, LOCAL_WORLD_SIZE = ranks per node), exactly as on netlab and on a real cluster,
+so the only thing that changes between link settings is the link.
+
+netlab runs under its own prefix and subnet (`NETLAB_PREFIX`, `NETLAB_SUBNET`), so the
+benchmark never touches a netlab somebody else (a test) has up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+NETLAB = "tools/netlab.sh"
+NETLAB_ENV = {"NETLAB_PREFIX": "mzbench", "NETLAB_SUBNET": "10.78.0"}
+LOOPBACK = "loopback"
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def _netlab(*args: str, capture: bool = False) -> str:
+    env = {**os.environ, **NETLAB_ENV}
+    done = subprocess.run(["bash", NETLAB, *args], env=env, check=True, text=True,
+                          stdout=subprocess.PIPE if capture else None)
+    return done.stdout if capture else ""
+
+
+def netlab_up(nodes: int, rate: str, delay: str) -> None:
+    _netlab("down")  # a previous benchmark killed hard may have left ours up
+    _netlab("up", str(nodes), rate, delay)
+
+
+def netlab_down() -> None:
+    _netlab("down")
+
+
+def netlab_rx_bytes(nodes: int) -> int:
+    """Bytes received so far by every node's inter-node link (what crossed the slow links)."""
+    return sum(int(_netlab("bytes", str(n), capture=True).split()[0]) for n in range(nodes))
+
+
+def master_addr(setting: str) -> str:
+    if setting == LOOPBACK:
+        return "127.0.0.1"
+    return _netlab("addr", "0", capture=True).strip()
+
+
+def node_command(setting: str, node: int, layout: Layout, port: int, python: str,
+                 probe_dir: str, script: str, args: Sequence[str], env: dict[str, str]) -> list[str]:
+    """The command that starts node `node`'s ranks (inside its namespace on netlab)."""
+    launch = [python, "-m", "torch.distributed.run", "--nnodes", str(layout.nodes),
+              "--node-rank", str(node), "--nproc-per-node", str(layout.ranks_per_node),
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr(setting)}:{port}",
+              "-m", "megazpp.bench.rank_probe", "--out", probe_dir, script, *args]
+    with_env = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *launch]
+    if setting == LOOPBACK:
+        return with_env
+    return ["bash", NETLAB, "run", str(node), *with_env]
+
+
+def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s: float) -> str | None:
+    """Run every node's command at once; None on success, else the reason (exit status or
+    timeout, with the last line of the first failing node's log). On a timeout or a failure
+    the other nodes are stopped (their whole process groups, which this call created)."""
+    procs = []
+    for cmd, log in zip(commands, log_paths):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **NETLAB_ENV}, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    while any(p.poll() is None for p in procs):
+        bad = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if bad is not None:
+            failure = f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
+            break
+        if time.monotonic() > deadline:
+            failure = f"timed out after {timeout_s:.0f} s"
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if failure is None:
+        bad = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+        if bad is not None:
+            failure = f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
+    return failure
+
+
+def _last_line(path: str) -> str:
+    """The most telling line of a failed node's log: the last error-looking line, else the last."""
+    with open(path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "(empty log)"

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""The heterogeneous-network benchmark: every ZeRO / ZeRO++ / PaRO configuration and the
+DeepSpeed peer, trained on 2 nodes x 2 ranks across a rate-limited link (tools/netlab.sh),
+at each link setting in turn; one Markdown table and one JSON file per setting.
+
+    sudo python tools/bench_netlab.py                                   # the full sweep
+    sudo python tools/bench_netlab.py --rates 1gbit --only zero3,zeropp,ds-zero3 --steps 5
+    sudo python tools/bench_netlab.py --rates loopback --steps 3 -- --hidden-size 64 --num-layers 2
+
+Settings: a tc rate (`1gbit`, `10gbit`, ...: netlab up, per-node link shaped) or `loopback`
+(no netlab: both node launchers on 127.0.0.1; no link counters). Arguments after `--` go to
+every run (pretrain_gpt.py flags, understood by the DeepSpeed peer too). Needs root for
+netlab, and the sample data that `run.sh` builds (data/). netlab is taken down on any exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import sys
+import time
+
+from megazpp.bench import launch, results
+from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
+from megazpp.config import load_config
+from megazpp.errors import ConfigError, DataError, MegazppError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = "configs/experiments/netlab/llama_comm_bound.yaml"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--rates", default="1gbit,10gbit,loopback",
+                   help="comma-separated link settings, in order (tc rates or 'loopback')")
+    p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
+    p.add_argument("--list", action="store_true", help="print the configuration names and exit")
+    p.add_argument("--steps", type=int, default=10, help="training steps per configuration")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="the benchmark model's YAML")
+    p.add_argument("--data-dir", default="data", help="holds corpus_text_document.* and tokenizer.model")
+    p.add_argument("--out", default="runs/bench_netlab", help="result directory")
+    p.add_argument("--delay", default="0", help="netlab link delay (tc syntax; 0: none)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--deepspeed-python", default=sys.executable,
+                   help="python that can import deepspeed (the `bench` extra)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
+    p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
+    ns = p.parse_args(argv)
+    ns.extra = extra
+    ns.rates = [r for r in ns.rates.split(",") if r]
+    ns.only = [n for n in ns.only.split(",") if n] if ns.only else None
+    if ns.steps < 1:
+        p.error(f"--steps {ns.steps}: expected a positive number of steps")
+    if not ns.rates:
+        p.error("--rates is empty")
+    return ns
+
+
+def check_data(data_dir: str) -> tuple[str, str]:
+    prefix = os.path.join(data_dir, "corpus_text_document")
+    tokenizer = os.path.join(data_dir, "tokenizer.model")
+    for path in (prefix + ".idx", prefix + ".bin", tokenizer):
+        if not os.path.exists(path):
+            raise DataError(f"{path} is missing: build the sample data first (`bash run.sh` or "
+                            f"tools/run_loco_experiment.sh build it under {data_dir}/)")
+    return prefix, tokenizer
+
+
+def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_args: list[str],
+            layout: launch.Layout, tokens_per_step: int, port: int) -> results.Row:
+    run_dir = os.path.abspath(os.path.join(ns.out, setting, config.name))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    python = ns.deepspeed_python if config.runner == DEEPSPEED else sys.executable
+    args = [*config.script_args(), *shared_args, "--tensorboard-dir", os.path.join(run_dir, "tb")]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "MEGAZPP_COMM_REPORT_DIR": run_dir}
+    commands = [launch.node_command(setting, n, layout, port, python, run_dir, config.script, args, env)
+                for n in range(layout.nodes)]
+    logs = [os.path.join(run_dir, f"node{n}.log") for n in range(layout.nodes)]
+    on_netlab = setting != launch.LOOPBACK
+    before = launch.netlab_rx_bytes(layout.nodes) if on_netlab else None
+    start = time.perf_counter()
+    failure = launch.run_nodes(commands, logs, ns.timeout)
+    wall = time.perf_counter() - start
+    wire = launch.netlab_rx_bytes(layout.nodes) - before if on_netlab else None
+    try:
+        return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
+                                   tokens_per_step=tokens_per_step, world_size=layout.world_size,
+                                   wire_bytes=wire, wall_s=wall, failure=failure)
+    except MegazppError as exc:
+        return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
+                                   tokens_per_step=tokens_per_step, world_size=layout.world_size,
+                                   wire_bytes=wire, wall_s=wall, failure=f"unreadable results: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(list(sys.argv[1:] if argv is None else argv))
+    os.chdir(REPO)
+    layout = launch.Layout(ns.nodes, ns.ranks_per_node)
+    configs = select(all_configs(layout.ranks_per_node), ns.only)
+    if ns.list:
+        print("\n".join(c.name for c in configs))
+        return 0
+    prefix, tokenizer = check_data(ns.data_dir)
+    shared = ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
+              "--train-iters", str(ns.steps), "--ranks-per-node", str(layout.ranks_per_node), *ns.extra]
+    cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
+    cfg.validate(layout.world_size)
+    tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
+    command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    port = ns.port
+    for setting in ns.rates:
+        rows: list[results.Row] = []
+        try:
+            if setting != launch.LOOPBACK:
+                launch.netlab_up(layout.nodes, setting, ns.delay)
+            for config in configs:
+                print(f"[{setting}] {config.name} ...", flush=True)
+                rows.append(run_one(ns, setting, config, shared, layout, tokens_per_step, port))
+                port += 1
+                md, _ = results.write_setting(ns.out, setting, rows, command)
+                print(f"[{setting}] {config.name}: {rows[-1].status}, "
+                      f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}", flush=True)
+        finally:
+            if setting != launch.LOOPBACK:
+                launch.netlab_down()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ConfigError, DataError) as exc:
+        print(f"bench_netlab.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
