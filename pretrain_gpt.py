@@ -27,6 +27,8 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
+from megazpp.training import faults
+from megazpp.training.checkpoint import LoadedCheckpoint, load_checkpoint, load_model_weights
 from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.schedule import forward_backward
@@ -89,6 +91,16 @@ def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
                              sequence_parallel=cfg.parallel.sequence_parallel)
 
 
+def find_checkpoint(cfg: Config, topology: Topology) -> LoadedCheckpoint | None:
+    """The checkpoint to start from: `--load`'s, or else `--save`'s own latest one, so a job
+    restarted by torchrun (`--max-restarts`) resumes where it stopped; None: from scratch."""
+    ck = cfg.checkpoint
+    load_dir = ck.load or ck.save
+    if not load_dir:
+        return None
+    return load_checkpoint(load_dir, topology, fallback=ck.load_fallback)
+
+
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
     model = GPTModel(cfg.model, tp_group=topology.tp_group,
                      sequence_parallel=cfg.parallel.sequence_parallel,
@@ -102,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world_size)
     check_inputs(cfg)
+    faults.check_spec()
     device = pick_device()
     started = init_distributed(cfg, world_size, device)
     try:
@@ -120,7 +133,11 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
         (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
+    loaded = find_checkpoint(cfg, topology)
     model = build_model(cfg, topology, device)
+    if loaded is not None and loaded.weights_only:
+        # before the engine exists: it copies the weights into its fp32 masters and shards
+        load_model_weights(model, loaded.state["model"])
     engine = build_engine(cfg, model, topology)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
@@ -132,10 +149,12 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     logger.write_config(cfg.to_dict(), cfg.to_yaml())
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology))
-    if cfg.checkpoint.load:
-        start = trainer.resume(cfg.checkpoint.load)
-        logger.info(f"resumed from {cfg.checkpoint.load} at iteration {start}" if start is not None
-                     else f"no checkpoint in {cfg.checkpoint.load}: starting from scratch")
+    if loaded is None:
+        logger.info("no checkpoint to load: starting from scratch")
+    elif loaded.weights_only:
+        logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
+    else:
+        logger.info(f"resumed from {loaded.path} at iteration {trainer.resume(loaded)}")
     try:
         return trainer.train()
     finally:

@@ -75,6 +75,13 @@ class TrainingConfig:
     eval_interval: int = 100
     eval_iters: int = 10
     seed: int = 1234
+    # Numerical faults (bf16 / fp32; fp16 overflow is the loss scaler's business): a step
+    # with a non-finite loss or gradient norm is skipped; this many in a row stop the run.
+    max_bad_steps: int = 5
+    # A loss above factor x the mean of the last `loss_spike_window` good losses is logged as
+    # a spike (TensorBoard `train/loss_spike`); 0 turns spike detection off.
+    loss_spike_factor: float = 3.0
+    loss_spike_window: int = 50
 
 
 @dataclass
@@ -98,12 +105,19 @@ class PrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Megatron's checkpoint flags: `exit_interval` N stops after step N (saving if `save`)."""
+    """Megatron's checkpoint flags: `exit_interval` N stops after step N (saving if `save`).
+
+    With `save` and no `load`, a run resumes from `save`'s latest checkpoint if it has one,
+    so a job restarted by its launcher continues where it stopped.
+    """
 
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None
+    # Load the next older complete checkpoint when the newest is refused (never by default:
+    # silently losing progress is worse than stopping to look).
+    load_fallback: bool = False
 
 
 @dataclass
@@ -520,6 +534,11 @@ def _validate_schedule(cfg: Config) -> None:
     _require_positive("logging.log_interval", cfg.logging.log_interval)
     _require_positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _require_positive("checkpoint.exit_interval", cfg.checkpoint.exit_interval)
+    _require_positive("training.max_bad_steps", t.max_bad_steps)
+    _require_positive("training.loss_spike_window", t.loss_spike_window)
+    if t.loss_spike_factor != 0 and t.loss_spike_factor <= 1:
+        raise ConfigError(f"training.loss_spike_factor = {t.loss_spike_factor}: expected 0 "
+                          "(off) or a factor > 1")
     if t.eval_iters < 0 or t.lr_warmup_iters < 0:
         raise ConfigError("training.eval_iters and training.lr_warmup_iters must be >= 0, got "
                           f"{t.eval_iters} and {t.lr_warmup_iters}")

@@ -24,3 +24,11 @@ class CheckpointError(MegazppError, RuntimeError):
 
 class TopologyError(MegazppError, ValueError):
     """A parallel layout does not fit the world size or the model."""
+
+
+class CommunicationError(MegazppError, RuntimeError):
+    """A collective or point-to-point operation failed or timed out (a peer died or hung)."""
+
+
+class NumericalError(MegazppError, RuntimeError):
+    """Training produced non-finite losses or gradients for too many consecutive steps."""

@@ -36,11 +36,9 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.training.checkpoint import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE,
-                                         _write_atomically, checkpoint_name, latest_checkpoint,
-                                         layout_of, rank_file_name)
-
-MODEL_CONFIG_KEY = "model_config"
-WEIGHTS_ONLY_KEY = "weights_only"
+                                         MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY, checkpoint_name,
+                                         latest_checkpoint, layout_of, rank_file_name,
+                                         write_atomically)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -183,11 +181,11 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
             part = shard_for_rank(full, stage, cfg, tp, tp_rank)
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
             topo = layout_topology(tp, pp, tp_rank, stage.pp_rank)
-            _write_atomically(tmp / rank_file_name(topo), lambda f: torch.save(state, f))
+            write_atomically(tmp / rank_file_name(topo), lambda f: torch.save(state, f))
     meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),
             WEIGHTS_ONLY_KEY: True, MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
             **(extra_meta or {})}
-    _write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     tmp.rename(final)
-    _write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
+    write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
     return final

@@ -17,18 +17,25 @@ same convention; the emulation's extra wire cost is documented in docs/arch/para
 
 Without an initialised process group every operation is the local identity of a world of
 one, so single-process code runs the same code path.
+
+Failures (a peer that died, the process group's timeout, `--distributed-timeout-minutes`)
+are re-raised as `CommunicationError` naming the operation, its tag and this rank, also
+when they surface at an asynchronous handle's `wait()`: "all_reduce (tag zero/grad_norm) on
+rank 3 failed" tells an operator where a job stopped, a bare gloo error does not.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megazpp.errors import TopologyError
+from megazpp.errors import CommunicationError, MegazppError, TopologyError
 from megazpp.parallel.counter import counter
 
 ReduceOp = dist.ReduceOp
@@ -39,7 +46,9 @@ P2POp = dist.P2POp
 # force the emulated path so it stays exercised on a torch whose gloo has every operation.
 _EMULATED: set[str] = set()
 _ranks_per_node: int | None = None
-_group_ranks: dict[Any, list[int]] = {}
+# Weak keys: a cached strong reference would keep a ProcessGroup alive past
+# destroy_process_group, and its destructor then aborts the process at exit.
+_group_ranks: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
 
 
 class _Done:
@@ -67,6 +76,59 @@ class _Then:
 
     def is_completed(self) -> bool:
         return self._done
+
+
+def _failure(op: str, tag: str | None, exc: BaseException) -> CommunicationError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CommunicationError(f"{op} (tag {tag or op}) on rank {rank} failed: a peer rank died "
+                              f"or the collective timed out ({type(exc).__name__}: "
+                              f"{str(exc).strip()[:400]})")
+
+
+class _NamedWork:
+    """An asynchronous handle whose `wait()` failure names the operation."""
+
+    def __init__(self, work: Any, op: str, tag: str | None) -> None:
+        self._work, self._op, self._tag = work, op, tag
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._work.wait(*args, **kwargs)
+        except MegazppError:
+            raise
+        except RuntimeError as exc:
+            raise _failure(self._op, self._tag, exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _named_failures(op: str) -> Callable[[_F], _F]:
+    """Decorate a communication function so that its backend errors (RuntimeError and its
+    torch.distributed subclasses) become CommunicationError naming `op` and the tag."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tag = kwargs.get("tag")
+            try:
+                result = fn(*args, **kwargs)
+            except MegazppError:
+                raise
+            except RuntimeError as exc:
+                raise _failure(op, tag, exc) from exc
+            if isinstance(result, list) and op == "batch_isend_irecv":
+                return [_NamedWork(w, op, tag) for w in result]
+            if result is not None and hasattr(result, "wait") and not isinstance(result, _Done):
+                return _NamedWork(result, op, tag)
+            return result
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def set_ranks_per_node(n: int) -> None:
@@ -159,6 +221,7 @@ def _native(name: str, call: Any) -> Any:
         return None
 
 
+@_named_failures("all_reduce")
 def all_reduce(t: torch.Tensor, op: Any = SUM, group: Any = None, async_op: bool = False,
                tag: str | None = None) -> Any:
     if not dist.is_initialized():
@@ -179,6 +242,7 @@ def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Any, async
     return work if async_op else None
 
 
+@_named_failures("all_gather_into_tensor")
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                            async_op: bool = False, tag: str | None = None) -> Any:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
@@ -218,6 +282,7 @@ def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, grou
     return None
 
 
+@_named_failures("reduce_scatter_tensor")
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: Any = None,
                           async_op: bool = False, tag: str | None = None) -> Any:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
@@ -255,6 +320,7 @@ def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[
     return None
 
 
+@_named_failures("all_to_all_single")
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group: Any = None,
                       async_op: bool = False, tag: str | None = None) -> Any:
@@ -281,6 +347,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
     return _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op)
 
 
+@_named_failures("broadcast")
 def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
               tag: str | None = None) -> Any:
     """`src` is a global rank, as in torch.distributed."""
@@ -301,11 +368,13 @@ def _record_recv(tag: str | None, src: int, nbytes: int) -> None:
         counter.record("p2p", tag or "p2p", 0, nbytes)
 
 
+@_named_failures("send")
 def send(t: torch.Tensor, dst: int, group: Any = None, tag: str | None = None) -> None:
     """Blocking send to global rank `dst`; the receiver does the counting."""
     dist.send(t, dst, group=group)
 
 
+@_named_failures("recv")
 def recv(t: torch.Tensor, src: int, group: Any = None, tag: str | None = None) -> None:
     """Blocking receive from global rank `src`."""
     _record_recv(tag, src, _nbytes(t))
@@ -320,6 +389,7 @@ def recv_op(t: torch.Tensor, src: int, group: Any = None) -> P2POp:
     return dist.P2POp(dist.irecv, t, src, group)
 
 
+@_named_failures("batch_isend_irecv")
 def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
     """Start all `ops` (from `send_op` / `recv_op`); returns their waitables."""
     if not ops:
@@ -330,6 +400,7 @@ def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
     return dist.batch_isend_irecv(ops)
 
 
+@_named_failures("all_gather_object")
 def all_gather_object(obj: Any, group: Any = None, tag: str | None = None) -> list[Any]:
     """Every member's picklable `obj`, in group-rank order (counted as its pickled size)."""
     if not dist.is_initialized():
@@ -340,6 +411,7 @@ def all_gather_object(obj: Any, group: Any = None, tag: str | None = None) -> li
     return out
 
 
+@_named_failures("barrier")
 def barrier(group: Any = None, tag: str | None = None) -> None:
     if not dist.is_initialized():
         return

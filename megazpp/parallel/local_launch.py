@@ -52,7 +52,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         store_path = os.path.join(tmp, "store")
         ctx = mp.spawn(_rank_entry, nprocs=world_size, join=False,
                        args=(world_size, store_path, tmp, timeout_s, dict(env or {}), fn, args, kwargs))
-        ctx.join(timeout=None)
+        while not ctx.join(timeout=None):  # join() returns at each rank's exit; wait for all
+            pass
         results = []
         errors = []
         for rank in range(world_size):

@@ -21,18 +21,25 @@ import os
 import random
 import re
 import shutil
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
 
 from megazpp.errors import CheckpointError
+from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import get_rng_tracker
+from megazpp.training import faults
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest"
 METADATA_FILE = "metadata.json"
+WEIGHTS_ONLY_KEY = "weights_only"
+MODEL_CONFIG_KEY = "model_config"
 _NAME = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -57,8 +64,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomically(path: Path, write: Any) -> None:
-    """`write(file)` into a temporary sibling, flush it to disk, then rename over `path`."""
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """`write(file)` into a temporary sibling, flush it to disk, then rename over `path`: a
+    reader sees the old file or the whole new one, never a torn write."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
         write(f)
@@ -68,14 +77,23 @@ def _write_atomically(path: Path, write: Any) -> None:
 
 
 def _barrier() -> None:
-    from megazpp.parallel import comm
-
     comm.barrier(tag="checkpoint")
 
 
+def expected_rank_files(layout: dict[str, Any]) -> list[str]:
+    """Every rank file a complete checkpoint of `layout` (tp, pp, dp) holds."""
+    return [rank_file_name(SimpleNamespace(tp_rank=t, pp_rank=p, dp_rank=d))
+            for p in range(layout["pp"]) for d in range(layout["dp"]) for t in range(layout["tp"])]
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str, Any],
-                    topology: Any) -> Path:
-    """Collectively save this rank's `state` as checkpoint `iteration`; return its directory."""
+                    topology: Any, extra_metadata: dict[str, Any] | None = None) -> Path:
+    """Collectively save this rank's `state` as checkpoint `iteration`; return its directory.
+
+    Each rank file is stamped with the layout it was written under, so a loader can tell a
+    stray file of another run from this checkpoint's. `extra_metadata` (e.g. the model
+    config) goes into `metadata.json`.
+    """
     root = Path(save_dir)
     name = checkpoint_name(iteration)
     final, tmp = root / name, root / f"{name}.tmp"
@@ -88,11 +106,14 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
     if not tmp.is_dir():
         raise CheckpointError(f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
                               "--save must be a directory on storage every node shares")
-    _write_atomically(tmp / rank_file_name(topology), lambda f: torch.save(state, f))
+    stamped = {**state, "layout": layout_of(topology)}
+    write_atomically(tmp / rank_file_name(topology), lambda f: torch.save(stamped, f))
+    faults.maybe_raise("raise_after_rank_file", iteration, topology.rank)
     _barrier()
     if topology.rank == 0:
-        meta = {"format": FORMAT_VERSION, "iteration": iteration, **layout_of(topology)}
-        _write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta).encode()))
+        meta = {"format": FORMAT_VERSION, "iteration": iteration, **layout_of(topology),
+                **(extra_metadata or {})}
+        write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta).encode()))
         if final.exists():  # saving the same iteration again (a resumed run): replace it whole
             old = root / f"{name}.old"
             if old.exists():
@@ -103,7 +124,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
         else:
             tmp.rename(final)
         _fsync_dir(root)
-        _write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
+        faults.maybe_raise("raise_before_latest", iteration, topology.rank)
+        write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
         _fsync_dir(root)
     _barrier()
     return final
@@ -126,25 +148,55 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def load_checkpoint(load_dir: str | os.PathLike, topology: Any) -> dict[str, Any] | None:
-    """This rank's state from `load_dir`'s latest checkpoint (None if there is none)."""
-    path = latest_checkpoint(load_dir)
-    if path is None:
-        return None
+@dataclass
+class LoadedCheckpoint:
+    """This rank's state from a checkpoint every rank verified."""
+
+    path: Path
+    metadata: dict[str, Any]
+    state: dict[str, Any]
+
+    @property
+    def weights_only(self) -> bool:
+        """An imported checkpoint: model weights to start from, no run state to resume."""
+        return bool(self.metadata.get(WEIGHTS_ONLY_KEY))
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path / METADATA_FILE}: unreadable ({exc})") from exc
+        raise CheckpointError(f"{path / METADATA_FILE}: missing or unreadable ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path / METADATA_FILE}: unknown checkpoint format "
                               f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
-    saved = {k: meta.get(k) for k in layout_of(topology)}
-    if saved != layout_of(topology):
+    if not isinstance(meta.get("iteration"), int) or any(
+            not isinstance(meta.get(k), int) or meta[k] < 1 for k in ("world_size", "tp", "pp", "dp")):
+        raise CheckpointError(f"{path / METADATA_FILE}: iteration or layout missing or invalid")
+    return meta
+
+
+def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata, this rank's state) of checkpoint `path`, or CheckpointError saying why not.
+
+    A weights-only checkpoint must match in tp and pp only: every DP rank reads DP rank 0's
+    file, so it starts any data-parallel size.
+    """
+    meta = _read_metadata(path)
+    weights_only = bool(meta.get(WEIGHTS_ONLY_KEY))
+    mine = layout_of(topology)
+    keys = ("tp", "pp") if weights_only else tuple(mine)
+    saved = {k: meta[k] for k in keys}
+    if saved != {k: mine[k] for k in keys}:
         raise CheckpointError(f"{path}: saved with parallel layout {saved}, this run has "
-                              f"{layout_of(topology)}")
-    file = path / rank_file_name(topology)
-    if not file.exists():
-        raise CheckpointError(f"{file}: missing (checkpoint {path} is incomplete)")
+                              f"{ {k: mine[k] for k in keys} }")
+    missing = [f for f in expected_rank_files(meta) if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: incomplete checkpoint, missing rank files {missing[:4]}"
+                              f"{' ...' if len(missing) > 4 else ''}")
+    reader = SimpleNamespace(tp_rank=topology.tp_rank, pp_rank=topology.pp_rank,
+                             dp_rank=0 if weights_only else topology.dp_rank)
+    file = path / rank_file_name(reader)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means an unusable file
@@ -153,7 +205,74 @@ def load_checkpoint(load_dir: str | os.PathLike, topology: Any) -> dict[str, Any
         raise CheckpointError(f"{file}: holds iteration "
                               f"{state.get('iteration') if isinstance(state, dict) else '?'}, "
                               f"but {METADATA_FILE} says {meta['iteration']}")
-    return state
+    stamp = state.get("layout")
+    if stamp is not None and stamp != {k: meta[k] for k in layout_of(topology)}:
+        raise CheckpointError(f"{file}: written under parallel layout {stamp}, but "
+                              f"{METADATA_FILE} describes {layout_of(SimpleNamespace(**meta))}")
+    if "model" not in state:
+        raise CheckpointError(f"{file}: holds no model state")
+    return meta, state
+
+
+def _candidates(root: Path, fallback: bool) -> list[Path]:
+    """The checkpoint `latest` names; with `fallback`, then every older `iter_N` directory."""
+    try:
+        named = latest_checkpoint(root)
+    except CheckpointError:
+        if not fallback:
+            raise
+        named = None
+    if not fallback:
+        return [named] if named is not None else []
+    limit = int(named.name[5:]) if named is not None else None
+    older = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()
+                    and (limit is None or int(p.name[5:]) < limit)),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    return ([named] if named is not None else []) + older
+
+
+def load_checkpoint(load_dir: str | os.PathLike, topology: Any, *,
+                    fallback: bool = False) -> LoadedCheckpoint | None:
+    """Collectively load the checkpoint `latest` names (None when `latest` does not exist).
+
+    Every rank verifies its part and all ranks agree on the verdict, so either every rank
+    loads the same checkpoint or all raise CheckpointError. With `fallback`, a refused
+    checkpoint is skipped for the next older complete one (never silently: the reasons are
+    in the warning and in the final error if none loads).
+    """
+    root = Path(load_dir)
+    if not (root / LATEST_FILE).exists():
+        return None
+    refused: list[str] = []
+    for path in _candidates(root, fallback):
+        try:
+            meta, state = _read_verified(path, topology)
+            verdict = ""
+        except CheckpointError as exc:
+            meta, state, verdict = {}, {}, str(exc)
+        verdicts = comm.all_gather_object(verdict, tag="checkpoint/verify")
+        reasons = sorted({v for v in verdicts if v})
+        if not reasons:
+            if refused:
+                warnings.warn(f"--load-fallback: loading {path} instead; refused: "
+                              + "; ".join(refused), stacklevel=2)
+            return LoadedCheckpoint(path, meta, state)
+        refused.append("; ".join(reasons))
+    if not refused:
+        raise CheckpointError(f"{root}: {LATEST_FILE} names no checkpoint and no complete "
+                              "iter_N directory exists")
+    hint = "" if fallback else " (pass --load-fallback to load the previous complete checkpoint)"
+    raise CheckpointError(f"{root}: no loadable checkpoint: " + " | ".join(refused) + hint)
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, Any]) -> None:
+    """`model.load_state_dict(weights)`, with a mismatch (another model shape or layout)
+    reported as a CheckpointError naming the first differing tensors."""
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint weights do not fit this model: "
+                              f"{str(exc).strip()[:600]}") from exc
 
 
 def capture_rng_state() -> dict[str, Any]:

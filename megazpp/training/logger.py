@@ -15,6 +15,9 @@ dominated by one slow step. Tags (fixed, compared across runs and frameworks):
     perf/tokens_per_sec tokens of all ranks per second of wall time
     perf/tflops         achieved model TFLOP/s per rank: training FLOPs / time / world size
     mem/peak_bytes      peak accelerator memory allocated (CUDA) or peak resident set size (CPU)
+
+Written by the trainer when it happens (not at the interval): `train/loss_spike`, the
+ratio of a spiking loss to the recent mean (see `numerics.NumericsMonitor`).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class TrainingLogger:
         }
         if self.enabled:
             self.write_scalars(values, iteration)
+            if self.writer is not None:
+                self.writer.flush()  # a killed rank must not take logged steps with it
             self.print(
                 f"iter {iteration:>6}/{self.train_iters} | loss {values['train/loss']:.4f} | "
                 f"lr {lr:.3e} | grad_norm {values['train/grad_norm']:.3f} | "

@@ -6,16 +6,21 @@ One iteration, top to bottom:
      accumulate over the micro-batches inside the engine);
   3. `engine.step()`: reduce, unscale, clip, update (or skip an overflowing step);
   4. advance the lr schedule only if the update was applied, count the consumed samples;
-  5. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
-     save and exit at their intervals.
+  5. check the step's numerics (`numerics.NumericsMonitor`): a non-finite step was skipped
+     by the engine; `max_bad_steps` of them in a row stop the run with NumericalError;
+  6. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
+     save and exit at their intervals; never save right after a bad step or weights that
+     are not finite.
 Everything that decides what happens next (model, engine, schedule, sampler position, RNGs)
 is in the checkpoint, so a resumed run continues exactly as if it had never stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,12 +29,17 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
+from megazpp.errors import NumericalError
+from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
-from megazpp.training.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
-                                         save_checkpoint)
-from megazpp.training.engine import Engine
+from megazpp.training import faults
+from megazpp.training.checkpoint import (MODEL_CONFIG_KEY, LoadedCheckpoint, capture_rng_state,
+                                         load_model_weights,
+                                         restore_rng_state, save_checkpoint)
+from megazpp.training.engine import Engine, StepResult
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
+from megazpp.training.numerics import NumericsMonitor
 from megazpp.training.schedule import MicroBatch, forward_backward
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
@@ -42,6 +52,7 @@ class TrainHistory:
     losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
     skipped: dict[int, bool] = field(default_factory=dict)
+    loss_spikes: dict[int, float] = field(default_factory=dict)  # iteration -> loss / mean
     resumed_from: int | None = None
 
 
@@ -66,6 +77,10 @@ class Trainer:
                                       t.lr_decay_iters or t.train_iters, t.lr_decay_style)
         self.iteration = 0
         self.consumed_samples = 0
+        self.last_checkpoint: Path | None = None
+        self.numerics = NumericsMonitor(fp16=cfg.precision.fp16,
+                                        spike_factor=t.loss_spike_factor,
+                                        spike_window=t.loss_spike_window)
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -79,24 +94,34 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        load_model_weights(self.model, state["model"])
         self.engine.load_state_dict(state["engine"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         restore_rng_state(state["rng"])
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
 
-    def resume(self, load_dir: str) -> int | None:
-        """Load `load_dir`'s latest checkpoint if there is one; return its iteration."""
-        state = load_checkpoint(load_dir, self.topology)
-        if state is None:
-            return None
-        self.load_state_dict(state)
+    def resume(self, loaded: LoadedCheckpoint) -> int:
+        """Continue the run `loaded` (a verified checkpoint of a run, not weights only) holds;
+        return its iteration."""
+        self.load_state_dict(loaded.state)
+        self.last_checkpoint = loaded.path
         return self.iteration
 
     def save(self) -> None:
-        save_checkpoint(self.cfg.checkpoint.save, self.iteration, self.state_dict(),
-                        self.topology)
+        """Save, unless a weight is not finite anywhere (all ranks agree before any write, so
+        a poisoned state never becomes the `latest` checkpoint)."""
+        finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        flag = torch.tensor([0.0 if finite else 1.0])
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="checkpoint/finite_check")
+        if flag.item():
+            raise NumericalError(
+                f"iteration {self.iteration}: refusing to save a checkpoint with non-finite "
+                f"weights (rank {self.topology.rank} finite: {finite}); last good checkpoint: "
+                f"{self.last_checkpoint or 'none'}")
+        self.last_checkpoint = save_checkpoint(
+            self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
+            extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model)})
 
     # -- the loop -----------------------------------------------------------------------------
     def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:
@@ -128,7 +153,8 @@ class Trainer:
                      for _ in range(self.num_micro_batches)]
             lr = self.lr_schedule.lr
             self.engine.set_lr(lr)
-            losses = self.forward_backward(self.model, micro, self.engine)
+            with faults.poisoned_output(self.model, self.iteration + 1, self.topology.rank):
+                losses = self.forward_backward(self.model, micro, self.engine)
             result = self.engine.step()
             if not result.skipped:
                 self.lr_schedule.step()
@@ -139,6 +165,7 @@ class Trainer:
             history.skipped[self.iteration] = result.skipped
             self.logger.record_step(self.iteration, loss, lr, result)
             self.logger.write_scalars(counter.end_step(), self.iteration)
+            bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()
             evaluating = self.valid_ds is not None and t.eval_iters > 0 and (
@@ -149,14 +176,41 @@ class Trainer:
             exiting = ck.exit_interval is not None and self.iteration % ck.exit_interval == 0
             saving = bool(ck.save) and ((ck.save_interval and self.iteration % ck.save_interval == 0)
                                         or exiting or self.iteration == t.train_iters)
+            if saving and bad:
+                self.logger.info(f"iter {self.iteration}: not saving after a non-finite step")
+                saving = False
             if saving:
                 self.save()
             if evaluating or saving:
                 counter.end_step()  # keep evaluation / checkpoint traffic out of step totals
             self.logger.resume_clock()
+            faults.maybe_kill(self.iteration, self.topology.rank)
             if exiting:
                 break
         return history
+
+    def _check_numerics(self, loss: float | None, result: StepResult,
+                        history: TrainHistory) -> bool:
+        """Report spikes and bad steps; stop after `max_bad_steps` bad steps in a row. The
+        decision rests on the globally reduced gradient norm (and the loss, which a NaN turns
+        into a NaN norm too), so every rank stops at the same step."""
+        health = self.numerics.observe(loss, result)
+        if health.spike_ratio is not None:
+            history.loss_spikes[self.iteration] = health.spike_ratio
+            self.logger.write_scalars({"train/loss_spike": health.spike_ratio}, self.iteration)
+            self.logger.info(f"iter {self.iteration}: loss spike, {loss:.4f} is "
+                             f"{health.spike_ratio:.1f}x the recent mean")
+        if not health.bad:
+            return False
+        limit = self.cfg.training.max_bad_steps
+        message = (f"iteration {self.iteration} on rank {self.topology.rank}: loss {loss}, "
+                   f"grad norm {result.grad_norm} ({health.consecutive_bad} consecutive "
+                   f"non-finite steps, limit --max-bad-steps {limit}); last good checkpoint: "
+                   f"{self.last_checkpoint or 'none'}")
+        if health.consecutive_bad >= limit:
+            raise NumericalError(message)
+        self.logger.info(f"skipped update: {message}")
+        return True
 
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` batches of the validation split: the same
