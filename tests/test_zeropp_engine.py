@@ -3,7 +3,8 @@
 One spawn does all the multi-rank work and returns a report per rank; the tests below each
 check one claim on it:
 
-* qgZ's reduced gradient vs the exact fp32 reduce-scatter, within the two-int4-stage bound
+* on GGG and every PaRO combination below: qgZ's reduced gradient vs the exact fp32
+  reduce-scatter, within the two-int4-stage bound
   `kernels.qgz_error_bound` (derived in docs/arch/kernels.md):
       |qgZ - exact| <= (1 + 2**-10) / 7 * sum over ranks of the block absmax of g_r / D
   and qwZ's gathered weights equal to dequantize(quantize(w)) (int8, same blocks), hence within

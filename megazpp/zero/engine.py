@@ -10,7 +10,9 @@ One step, top to bottom:
    level p from the updated os shard (`formulas.param_sync_sequence`).
 With p sharded, `param_fetch.ParamFetcher` gathers and releases parameter units around each
 module's forward and backward. Every collective comes from `formulas`, so the bytes the
-comm counter records are the bytes `formulas.step_bytes` predicts.
+comm counter records are the bytes `formulas.step_bytes` predicts. ZeRO++ (qwZ, hpZ, qgZ)
+and LoCo swap the gather and micro-batch reduction paths (`zeropp_paths.ZeroPPPaths`); the
+engine only tells the paths when buckets are built and steps end.
 """
 
 from __future__ import annotations
