@@ -190,3 +190,23 @@ def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
     assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out
     assert plan_cli.main(["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--layers", "2"]) == 2
     assert "--memory-gib" in capsys.readouterr().err
+
+
+def test_peft_frozen_weights_engine_versus_paper_accounting():
+    """Engine accounting: frozen weights whole on every rank, no traffic. PaRO's accounting
+    (`shard_frozen`): frozen weights held at p and gathered with their unit, never reduced."""
+    cluster = _cluster(2, 2)
+    shape = StageShape(0, units=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True, last=True,
+                       frozen_units=(2400, 7200))
+    engine_view = Workload(model=TINY, micro_batch=1, global_batch=12, trainable_fraction=0.04)  # A = 3
+    paper_view = dataclasses.replace(engine_view, shard_frozen=True)
+    iig = parse_strategy("IIG")
+    lay = layout(engine_view, cluster)
+    plain = predict_stage(iig, formulas.ZeroPP(), shape, engine_view, cluster, lay)
+    paper = predict_stage(iig, formulas.ZeroPP(), shape, paper_view, cluster, lay)
+    assert plain.frozen_bytes == 9600 * 2 and paper.frozen_bytes == 9600 * 2 // 2  # k = 2
+    assert plain.state == paper.state
+    fetch = formulas.sequence_bytes(formulas.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
+    assert paper.step_bytes == (plain.step_bytes[0] + 2 * 3 * fetch[0], plain.step_bytes[1] + 2 * 3 * fetch[1])
+    nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), shape, paper_view, cluster, lay)
+    assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole in both accountings

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="count the attention score matrix in activations (no fused attention kernel)")
     j.add_argument("--trainable-fraction", type=float, default=1.0,
                    help="PEFT: fraction of the weights that is trained (the rest frozen)")
+    j.add_argument("--shard-frozen", action="store_true",
+                   help="PEFT as the PaRO paper counts it: frozen weights sharded at level p and gathered "
+                        "like trainable ones (megazpp's engine keeps frozen weights whole on every rank)")
     j.add_argument("--paro-group-size", type=int)
     j.add_argument("--hpz", type=int, help="hpZ partition size (default: DP ranks per node)")
     c = p.add_argument_group("cluster")
@@ -73,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--no-zeropp", action="store_true", help="plain PaRO strategies only")
     o.add_argument("--top", type=int, help="print only the first N rows")
+    o.add_argument("--tie", type=float, default=2.0,
+                   help="percent: options this close to the fastest count as tied; the smallest footprint wins")
     return p
 
 
@@ -132,7 +137,7 @@ def _workload(a: argparse.Namespace) -> Workload:
              "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
              "paro_group_size": a.paro_group_size, "hpz_size": a.hpz}
     job = dataclasses.replace(job, model=model, flash_attention=not a.no_flash_attention,
-                              trainable_fraction=a.trainable_fraction,
+                              trainable_fraction=a.trainable_fraction, shard_frozen=a.shard_frozen,
                               **{k: v for k, v in flags.items() if v is not None})
     if job.micro_batch is None or job.global_batch is None:
         raise ConfigError("job: give --micro-batch and --global-batch (or a --config that sets "
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = shapes_of_config(workload.model, tp=workload.tp, pp=workload.pp, bucket_numel=workload.bucket_numel,
                                   threshold=workload.module_granularity_threshold,
                                   trainable_fraction=workload.trainable_fraction)
-        result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP() if a.no_zeropp else None)
+        result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP() if a.no_zeropp else None, tie=a.tie / 100)
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -139,7 +139,7 @@ class StagePrediction:
     frozen_bytes: int
     activation_bytes: float
     transient_bytes: int
-    step_bytes: tuple[int, int]  # (intra, inter) received per step, = formulas.step_bytes
+    step_bytes: tuple[int, int]  # (intra, inter) per step: formulas.step_bytes (+ frozen fetches if sharded)
     compute_s: float
     calls: int  # DP collective calls per step (each pays a latency)
     exposed: dict[str, float] = field(default_factory=dict)
@@ -155,6 +155,22 @@ class StagePrediction:
     @property
     def step_s(self) -> float:
         return self.compute_s + self.exposed_s
+
+
+def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
+                    padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
+    """The PaRO paper's PEFT accounting: frozen weights of each unit sharded at p and gathered
+    with it (forward and backward), never reduced or updated. Returns (frozen bytes held, the
+    extra fetch phases, the largest gathered unit). megazpp's engine does not do this."""
+    pb = workload.param_bytes
+    fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_units]
+    held = formulas.state_bytes(s, fpadded, lay.d, lay.k, pb, workload.accum_bytes).params
+    held += (stage.frozen - sum(stage.frozen_units)) * pb
+    if zpp.hpz > 1:
+        held += sum(n // zpp.hpz * pb for n in fpadded)
+    ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster)
+    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward")}
+    return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
 def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload,
@@ -186,6 +202,13 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
     ph = phases(s, padded, lay, zpp, workload, a, cluster)
+    frozen_bytes = stage.frozen * pb
+    if workload.shard_frozen and s.p != Level.N and stage.frozen_units:
+        frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
+        for name, extra in fetched.items():
+            ph[name] = ph[name] + extra
+            step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
+        transient = 2 * biggest * pb + (2 * biggest * pb if s.g != Level.N else 0)
     n = max(1, len(padded))
     fwd, bwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "fetch_backward", "micro_reduce", "boundary"))
     exposed = {
@@ -206,6 +229,6 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         hop = link_time(0, act, cluster) if lay.pp_neighbor_inter else link_time(act, 0, cluster)
         exposed["pipeline_p2p"] = 2 * a * hop
     calls = sum(p.calls * p.times for p in ph.values())
-    return StagePrediction(stage.stage, state, stage.frozen * pb, activations, transient, step, compute,
+    return StagePrediction(stage.stage, state, frozen_bytes, activations, transient, step, compute,
                            calls, exposed)
 

@@ -40,4 +40,5 @@ def summary(p: Plan, workload: Workload, cluster: Cluster) -> str:
             f"{workload.micro_batches(cluster)} accumulation steps, global batch {workload.global_batch}; "
             f"{workload.param_bytes}-byte weights, {workload.accum_bytes}-byte gradient accumulation"
             f"{', activation checkpointing' if workload.activation_checkpointing else ''}"
-            f"{f', trainable fraction {workload.trainable_fraction:g}' if workload.trainable_fraction < 1 else ''}")
+            f"{f', trainable fraction {workload.trainable_fraction:g}' if workload.trainable_fraction < 1 else ''}"
+            f"{' (frozen weights sharded at p, the PaRO paper accounting)' if workload.shard_frozen else ''}")

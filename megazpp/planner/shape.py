@@ -32,7 +32,9 @@ class StageShape:
 
     `units` are the parameter units (used when p is sharded), `buckets` the gradient buckets
     (p = N), both of trainable elements only; `frozen` elements are not the engine's (it
-    leaves frozen parameters whole on every rank).
+    leaves frozen parameters whole on every rank). `frozen_units` are the frozen elements of
+    each unit under a modelled trainable fraction, for the PaRO paper's PEFT accounting, where
+    frozen weights are sharded at level p like the trainable ones (`Workload.shard_frozen`).
     """
 
     stage: int
@@ -42,6 +44,7 @@ class StageShape:
     layers: int
     first: bool
     last: bool
+    frozen_units: tuple[int, ...] = ()
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
         return self.buckets if strategy.p == Level.N else self.units
@@ -70,12 +73,13 @@ def _trainable(n: int, fraction: float) -> int:
     return n if fraction >= 1 else max(1, math.ceil(n * fraction))
 
 
-def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float) -> tuple[list[int], int]:
-    trainable, frozen = [], 0
+def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float) -> tuple[list[int], list[int]]:
+    """(trainable, frozen) elements of each group under `fraction`."""
+    trainable, frozen = [], []
     for spec in specs:
         n = sum(sizes[id(p)] for _, p in spec.params)
         trainable.append(_trainable(n, fraction))
-        frozen += n - trainable[-1]
+        frozen.append(n - trainable[-1])
     return trainable, frozen
 
 
@@ -94,7 +98,9 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
     units, frozen_u = _numels(parameter_units(model, threshold), sizes, trainable_fraction)
     buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
-    return StageShape(stage, tuple(units), tuple(buckets), frozen_params + frozen_u, layers, first, last)
+    frozen_units = tuple(frozen_u) if any(frozen_u) else ()
+    return StageShape(stage, tuple(units), tuple(buckets), frozen_params + sum(frozen_u), layers, first, last,
+                      frozen_units)
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:

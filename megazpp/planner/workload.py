@@ -27,6 +27,7 @@ class Workload:
     sequence_parallel: bool = False
     flash_attention: bool = True
     trainable_fraction: float = 1.0  # PEFT: the rest of the weights is frozen
+    shard_frozen: bool = False  # PaRO paper's PEFT accounting: frozen weights sharded at p (not megazpp's engine)
     paro_group_size: int | None = None  # None: the DP ranks of one node (the engine's default)
     hpz_size: int | None = None  # None: the DP ranks of one node (ZeRO++'s recommendation)
     bucket_numel: int = 500_000_000  # zero.reduce_bucket_size
