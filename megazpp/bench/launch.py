@@ -11,6 +11,7 @@ benchmark never touches a netlab somebody else (a test) has up.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -108,11 +109,15 @@ def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s
     return failure
 
 
+_ERROR_LINE = re.compile(r"(\w+(Error|Exception): .+|error: .+)")
+
+
 def _last_line(path: str) -> str:
-    """The most telling line of a failed node's log: the last error-looking line, else the last."""
+    """The most telling line of a failed node's log: the last exception or error message a
+    rank printed (not the launcher's ChildFailedError wrapper), else the last line."""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     for line in reversed(lines):
-        if "Error" in line or "error:" in line:
+        if _ERROR_LINE.search(line) and "ChildFailedError" not in line:
             return line[:300]
     return lines[-1][:300] if lines else "(empty log)"
