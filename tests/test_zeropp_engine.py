@@ -177,7 +177,7 @@ def _fp16_skip(topo: Topology) -> dict:
     _train(model, engine, topo, range(2, 3))  # the third completed step resets (reset_t = 3)
     reset = all(bool((v == 0).all()) for b in engine.buckets for v in b.extra_state.values())
     return {"skipped": result.skipped, "ratio": ratio, "unchanged": unchanged, "nonzero": nonzero,
-            "reset": reset}
+            "reset": reset, "held_as_expected": engine.held_bytes() == engine.expected_bytes()}
 
 
 def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
@@ -323,7 +323,7 @@ def test_fp16_skipped_step_keeps_loco_buffers(report):
     for rank, r in enumerate(report):
         f = r["fp16"]
         assert f["skipped"] and f["ratio"] == 0.5, (rank, f)
-        assert f["nonzero"] and f["unchanged"] and f["reset"], (rank, f)
+        assert f["nonzero"] and f["unchanged"] and f["reset"] and f["held_as_expected"], (rank, f)
 
 
 def test_tutorial_ds_config_runs(report):

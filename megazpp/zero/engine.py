@@ -95,7 +95,7 @@ class ZeroEngine:
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
-                                  topology.dp_rank % self.zeropp.hpz)
+                                  topology.dp_rank % self.zeropp.hpz, skip_copy=precision.fp16)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
                  self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
@@ -394,7 +394,7 @@ class ZeroEngine:
         plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
-                                            self.param_dtype.itemsize, self.strategy)
+                                            self.param_dtype.itemsize, self.strategy, self.scaler is not None)
         return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:

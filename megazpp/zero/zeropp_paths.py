@@ -12,9 +12,11 @@ What changes, per path of `CommPaths`:
   LoCo keeps one error buffer per stage per bucket in `Bucket.extra_state` (checkpointed).
 
 LoCo and skipped steps: the buffers are updated while reducing, before anybody knows whether
-the step will be skipped, so the buffers of the last completed step are kept aside and put
-back on a skip; a loss-scale change rescales them (errors are in loss-scaled units); every
-`reset_t` completed steps they are zeroed.
+the step will be skipped, so in fp16 runs (where overflow skips are routine) the buffers of
+the last completed step are kept aside and put back on a skip; a loss-scale change rescales
+them (errors are in loss-scaled units); every `reset_t` completed steps they are zeroed. In
+bf16 / fp32 a skip means a diverging run, and the second copy would cost a byte per parameter,
+so there the buffers keep what the skipped step's reductions wrote.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ class _FillSecondary:
 
 
 class ZeroPPPaths(CommPaths):
-    """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group."""
+    """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group;
+    `skip_copy`: keep LoCo's buffers of the last completed step to restore on a skipped step
+    (fp16 runs, where overflow skips are routine)."""
 
     def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy,
-                 shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int) -> None:
+                 shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int,
+                 skip_copy: bool) -> None:
         super().__init__(strategy, groups, hier)
         self.zeropp = zeropp
+        self._skip_copy = skip_copy
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
         self._qgz_seq = formulas.qgz_sequence(strategy, shapes) if zeropp.qgz else []
@@ -75,7 +81,8 @@ class ZeroPPPaths(CommPaths):
                                                          b.param_store.device)
                 b.extra_state[f"loco_stage{i}_codes"] = codes
                 b.extra_state[f"loco_stage{i}_scales"] = scales
-            self._committed[id(b)] = {k: v.clone() for k, v in b.extra_state.items()}
+            if self._skip_copy:
+                self._committed[id(b)] = {k: v.clone() for k, v in b.extra_state.items()}
 
     def _loco_buffers(self, b: Bucket) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if not self.zeropp.loco:
@@ -118,22 +125,20 @@ class ZeroPPPaths(CommPaths):
     def after_step(self, skipped: bool, step_count: int, scale_ratio: float) -> None:
         self._fresh.clear()
         for b in self._buckets:
-            saved = self._committed.get(id(b))
-            if saved is None:
-                continue
-            live = b.extra_state
-            if skipped:
+            live, saved = b.extra_state, self._committed.get(id(b))
+            if skipped and saved is not None:
                 for k, v in saved.items():
                     live[k].copy_(v)
-            elif step_count % self.zeropp.reset_t == 0:
+            elif not skipped and step_count % self.zeropp.reset_t == 0:
                 for v in live.values():
                     v.zero_()
             if scale_ratio != 1.0:
                 for k, v in live.items():
                     if k.endswith("_scales"):
                         v.mul_(scale_ratio)
-            for k, v in live.items():
-                saved[k].copy_(v)
+            if saved is not None:
+                for k, v in live.items():
+                    saved[k].copy_(v)
 
     def params_replaced(self) -> None:
         self._fresh.clear()
