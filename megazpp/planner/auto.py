@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
-from megazpp.zero.strategy import Strategy
+from megazpp.zero.strategy import Level, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +42,30 @@ class Choice:
 
 
 def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Cluster,
-                    zeropp: formulas.ZeroPP = formulas.ZeroPP()) -> Choice:
-    """The recommended strategy among those the run's ZeRO++ switches apply to (pure, local)."""
-    result = plan(shapes, workload, cluster, fixed_zeropp=zeropp)
+                    zeropp: formulas.ZeroPP = formulas.ZeroPP(),
+                    allowed: Callable[[Strategy], bool] = lambda s: True) -> Choice:
+    """The recommended strategy among those the run's ZeRO++ switches apply to and `allowed`
+    accepts (pure, local)."""
+    result = plan(shapes, workload, cluster, fixed_zeropp=zeropp, allowed=allowed)
     if result.choice is None:
         raise ConfigError(f"zero.paro_strategy = auto: {result.reason}")
     runner = result.runner_up.option.strategy.name if result.runner_up else None
     return Choice(result.choice.option.strategy, runner, result, cluster)
 
 
-def _zeropp_of(cfg: Config) -> formulas.ZeroPP:
+def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
+    """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
     z = cfg.zero
-    return formulas.ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size,
-                           qgz=z.zero_quantized_gradients, loco=z.loco)
+    return formulas.ZeroPP(qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients, loco=z.loco,
+                           hpz=min(z.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
+
+
+def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:
+    """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
+    needs the whole accumulated gradient)."""
+    if topology.pp > 1 and cfg.model.tie_embeddings:
+        return lambda s: s.g == Level.N
+    return lambda s: True
 
 
 def _device_memory(settings: PlannerSettings) -> float:
@@ -115,7 +126,8 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                       usable_memory_fraction=settings.usable_memory_fraction,
                       backend="nccl" if torch.cuda.is_available() else "gloo")
     workload = workload_of_config(cfg)
-    choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg))
+    choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
+                             _allowed(cfg, topology))
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
     name, runner = names[0]
     if topology.rank == 0:

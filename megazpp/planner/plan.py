@@ -2,14 +2,14 @@
 
 Why the near-tie rule: predictions are first-order; when two options are within `tie` (2 %)
 of the fastest, the difference is below the model's accuracy, so the one that holds less
-memory wins (headroom for a larger micro-batch, fewer surprises from fragmentation). This is
-also what makes PaRO's PEFT advice come out: ING and INI move about the same bytes there, and
-ING holds less optimizer state.
+memory wins (headroom for a larger micro-batch, fewer surprises from fragmentation); footprints
+within 1 % of each other count as equal, and then the faster one wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, predict_stage
@@ -19,6 +19,7 @@ from megazpp.zero import formulas
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, Strategy
 
 TIE = 0.02
+SAME_MEMORY = 0.01  # footprints this close count as equal: then the faster option wins
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,25 @@ def applies(zpp: formulas.ZeroPP, s: Strategy) -> bool:
     return not (zpp.qgz and s.g == Level.N)
 
 
-def options(workload: Workload, cluster: Cluster, fixed: formulas.ZeroPP | None = None) -> list[Option]:
+def options(workload: Workload, cluster: Cluster, fixed: formulas.ZeroPP | None = None,
+            allowed: Callable[[Strategy], bool] = lambda s: True) -> list[Option]:
     """All 14 strategies, each with every useful ZeRO++ combination (or only `fixed`).
 
     qwZ where parameters are gathered (p in {I, G}), qgZ where gradients are reduced per
     micro-batch (g in {I, G}), hpZ where parameters are gathered across nodes (p = G with DP
     spanning nodes) and a node holds at least 2 DP ranks. With one DP rank ZeRO++ has nothing
-    to compress (the engine turns it off), so only the plain strategies are listed.
+    to compress (the engine turns it off), so only the plain strategies are listed. `allowed`
+    leaves out strategies the run cannot use (the engine refuses them).
     """
     d = workload.dp(cluster)
+    strategies = [s for s in VALID_STRATEGIES if allowed(s)]
     if fixed is not None:
-        return [Option(s, fixed if d > 1 else formulas.ZeroPP()) for s in VALID_STRATEGIES if applies(fixed, s)]
+        return [Option(s, fixed if d > 1 else formulas.ZeroPP()) for s in strategies if applies(fixed, s)]
     on_node = dp_ranks_on_node(workload, cluster)
     hpz = min(workload.hpz_size or on_node, on_node)
     spans_nodes = layout(workload, cluster).shapes.dp.inter_peers > 0
     out = []
-    for s in VALID_STRATEGIES:
+    for s in strategies:
         if d == 1:
             out.append(Option(s))
             continue
@@ -135,7 +139,7 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
              f"{c.step_bytes[0] / 1e9:.2f} GB intra-node per rank per step"]
     fastest = rows[0]
     if fastest is not choice:
-        parts.append(f"{fastest.name} is {100 * (choice.step_s / fastest.step_s - 1):.1f} % faster, within "
+        parts.append(f"{fastest.name} is {100 * (1 - fastest.step_s / choice.step_s):.1f} % faster, within "
                      f"the {100 * tie:.0f} % tie margin, but holds {_gib(fastest.memory_bytes)}, so the "
                      f"smaller footprint wins")
     if runner is not None:
@@ -151,15 +155,17 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
 
 
 def plan(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
-         fixed_zeropp: formulas.ZeroPP | None = None, tie: float = TIE) -> Plan:
+         fixed_zeropp: formulas.ZeroPP | None = None, tie: float = TIE,
+         allowed: Callable[[Strategy], bool] = lambda s: True) -> Plan:
     """Predict every option, sort (fitting, fastest, smallest) and pick the recommendation."""
-    rows = sorted((predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp)),
+    rows = sorted((predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp, allowed)),
                   key=_sort_key)
     fitting = [p for p in rows if p.fits]
     choice = runner = None
     if fitting:
         close = [p for p in fitting if p.step_s <= fitting[0].step_s * (1 + tie)]
-        choice = min(close, key=lambda p: (p.memory_bytes, p.step_s, p.name))
+        least = min(p.memory_bytes for p in close)
+        choice = next(p for p in close if p.memory_bytes <= least * (1 + SAME_MEMORY))
         runner = next((p for p in fitting if p is not choice), None)
     return Plan(rows, choice, runner, _reason(choice, runner, rows, tie))
 
