@@ -1,0 +1,174 @@
+"""The network benchmark's pieces that need no netlab, no root and no training run: argument
+parsing, the configuration list, the node command lines, and the table assembled from the
+files a run leaves (written here by hand, as fakes with known numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from megazpp.bench import launch, results
+from megazpp.bench.deepspeed_peer import deepspeed_config, parse_args as peer_args
+from megazpp.bench.suite import DEEPSPEED, MEGAZPP, all_configs, select
+from megazpp.config import load_config
+from megazpp.errors import ConfigError, DataError
+from megazpp.zero.strategy import VALID_NAMES
+
+REPO = Path(__file__).resolve().parents[1]
+NETLAB_YAML = str(REPO / "configs" / "experiments" / "netlab" / "llama_comm_bound.yaml")
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_netlab", REPO / "tools" / "bench_netlab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments_split_at_double_dash_and_lists():
+    ns = _tool().parse_args(["--rates", "1gbit,loopback", "--only", "zero3,ds-zero3", "--steps", "4",
+                             "--", "--hidden-size", "64"])
+    assert ns.rates == ["1gbit", "loopback"]
+    assert ns.only == ["zero3", "ds-zero3"]
+    assert ns.steps == 4 and ns.extra == ["--hidden-size", "64"]
+    default = _tool().parse_args([])
+    assert default.rates == ["1gbit", "10gbit", "loopback"] and default.only is None and default.extra == []
+    with pytest.raises(SystemExit):
+        _tool().parse_args(["--steps", "0"])
+
+
+def test_configuration_list():
+    configs = all_configs(ranks_per_node=2)
+    names = [c.name for c in configs]
+    assert len(names) == len(set(names)) == 6 + 14 + 4
+    assert [n for n in names if n.startswith("paro-")] == [f"paro-{s}" for s in VALID_NAMES]
+    by_name = {c.name: c for c in configs}
+    assert by_name["zeropp+loco"].flags == ("--zero-stage", "3", "--zero-quantized-weights",
+                                            "--zero-hpz-partition-size", "2",
+                                            "--zero-quantized-gradients", "--loco")
+    assert by_name["zero3"].script == "pretrain_gpt.py" and by_name["zero3"].runner == MEGAZPP
+    hpz = by_name["ds-zero3+hpz"]
+    assert hpz.runner == DEEPSPEED and hpz.script == "megazpp/bench/deepspeed_peer.py"
+    assert hpz.script_args() == ["--ds-zero", '{"zero_hpz_partition_size": 2}']
+    assert [c.name for c in select(configs, ["ds-zero3", "zero3"])] == ["zero3", "ds-zero3"]
+    with pytest.raises(ConfigError, match="unknown configuration.*zero4"):
+        select(configs, ["zero3", "zero4"])
+
+
+def test_every_megazpp_configuration_is_accepted_by_the_config_loader():
+    for c in all_configs(ranks_per_node=2):
+        if c.runner == MEGAZPP:
+            cfg = load_config(["--config", NETLAB_YAML, *c.flags])
+            cfg.validate(4)
+
+
+def test_node_commands(monkeypatch):
+    layout = launch.Layout(nodes=2, ranks_per_node=2)
+    loop = launch.node_command(launch.LOOPBACK, 1, layout, 29800, "py", "/d", "s.py", ["--a"], {"X": "1"})
+    assert loop[:2] == ["env", "X=1"]
+    assert loop[2:] == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                        "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        "127.0.0.1:29800", "-m", "megazpp.bench.rank_probe", "--out", "/d", "s.py", "--a"]
+    monkeypatch.chdir(REPO)
+    lab = launch.node_command("1gbit", 0, layout, 29800, "py", "/d", "s.py", [], {})
+    assert lab[:4] == ["bash", "tools/netlab.sh", "run", "0"]
+    assert "10.78.0.1:29800" in lab  # the benchmark's own netlab subnet, not the tests' one
+
+
+def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4) -> None:
+    writer = SummaryWriter(str(run_dir / "tb"))
+    for step, (tps, loss) in enumerate(zip(tokens_per_sec, losses), start=1):
+        writer.add_scalar("perf/tokens_per_sec", tps, step)
+        writer.add_scalar("train/loss", loss, step)
+    writer.close()
+    for rank in range(world):
+        (run_dir / f"comm_rank{rank}.json").write_text(json.dumps({"run": {"inter": inter_per_rank[rank]}}))
+        (run_dir / f"rss_rank{rank}.json").write_text(json.dumps({"rank": rank, "maxrss_bytes": rss[rank]}))
+
+
+def test_row_from_a_run_directory(tmp_path):
+    _fake_run(tmp_path, tokens_per_sec=[100.0, 400.0, 200.0, 250.0], losses=[5.0, 4.0, 3.5, 3.25],
+              inter_per_rank=[400, 400, 800, 800], rss=[10, 30, 20, 5])
+    row = results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000,
+                              world_size=4, wire_bytes=3000, wall_s=12.0)
+    # steps 2..4 take 2.5, 5 and 4 s: median 4 s (step 1 is left out)
+    assert row.step_time_s == pytest.approx(4.0)
+    assert row.tokens_per_s == pytest.approx(250.0)
+    assert row.counted_inter_bytes_per_step == pytest.approx(2400 / 4)
+    assert row.wire_inter_bytes_per_step == pytest.approx(750.0)
+    assert row.rss_per_rank == [10, 30, 20, 5] and row.peak_rss_bytes == 30
+    assert row.final_loss == pytest.approx(3.25) and row.status == "ok"
+    peer = results.collect_row("ds-zero3", DEEPSPEED, str(tmp_path), steps=4, tokens_per_step=1000,
+                               world_size=4, wire_bytes=None, wall_s=1.0)
+    assert peer.counted_inter_bytes_per_step is None and peer.wire_inter_bytes_per_step is None
+
+
+def test_missing_rank_files_are_refused(tmp_path):
+    _fake_run(tmp_path, tokens_per_sec=[1.0], losses=[1.0], inter_per_rank=[0] * 4, rss=[1] * 4)
+    (tmp_path / "rss_rank3.json").unlink()
+    with pytest.raises(DataError, match="3 rss_rank"):
+        results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=1, tokens_per_step=10,
+                            world_size=4, wire_bytes=None, wall_s=1.0)
+
+
+def test_table_and_files(tmp_path):
+    rows = [results.Row("zero3", MEGAZPP, "ok", 10, step_time_s=2.0, tokens_per_s=500.0,
+                        counted_inter_bytes_per_step=2e6, wire_inter_bytes_per_step=3e6,
+                        peak_rss_bytes=2**30, final_loss=6.5),
+            results.Row("zeropp", MEGAZPP, "ok", 10, step_time_s=0.5, tokens_per_s=2000.0,
+                        counted_inter_bytes_per_step=5e5, wire_inter_bytes_per_step=5e5,
+                        peak_rss_bytes=2**29, final_loss=6.51),
+            results.Row("ds-zero3+qwz", DEEPSPEED, "failed: ValueError: no | CPU", 10)]
+    text = results.render_markdown("1gbit", rows, "python tools/bench_netlab.py")
+    lines = text.splitlines()
+    assert lines[0] == "## 1gbit"
+    assert "| zero3 | megazpp | 2.000 | 500 | 1.00 | 2.00 | 3.00 | 1.50 | 1024 | 6.5000 | ok |" in lines
+    assert "| zeropp | megazpp | 0.500 | 2000 | 4.00 | 0.50 | 0.50 | 1.00 | 512 | 6.5100 | ok |" in lines
+    assert lines[-1].endswith("| n/a | failed: ValueError: no / CPU |")
+    md, js = results.write_setting(str(tmp_path), "1gbit", rows, "cmd")
+    assert Path(md).read_text().startswith("## 1gbit")
+    data = json.loads(Path(js).read_text())
+    assert data["setting"] == "1gbit" and [r["config"] for r in data["rows"]] == ["zero3", "zeropp", "ds-zero3+qwz"]
+    assert sorted(os.listdir(tmp_path)) == ["1gbit.json", "1gbit.md"]  # no temporary left
+
+
+def test_missing_data_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="corpus_text_document.idx is missing"):
+        _tool().check_data(str(tmp_path))
+
+
+def test_deepspeed_peer_config():
+    zero, rest = peer_args(["--ds-zero", '{"zero_hpz_partition_size": 2}', "--config",
+                            NETLAB_YAML])
+    assert zero == {"zero_hpz_partition_size": 2}
+    cfg = load_config(rest)
+    ds = deepspeed_config(cfg, 4, zero)
+    assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["gradient_accumulation_steps"] == 1 and ds["gradient_clipping"] == 1.0
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
+    with pytest.raises(ConfigError, match="not JSON"):
+        peer_args(["--ds-zero", "{stage"])
+    with pytest.raises(ConfigError, match="JSON object"):
+        peer_args(["--ds-zero", "[3]"])
+    with pytest.raises(ConfigError, match="fp32 only"):
+        deepspeed_config(load_config([*rest, "--bf16"]), 4, {})
+
+
+def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
+    out = tmp_path / "probe"
+    done = subprocess.run([sys.executable, "-m", "megazpp.bench.rank_probe", "--out", str(out),
+                           str(script), str(tmp_path / "args.txt"), "a", "--b"],
+                          env={**os.environ, "RANK": "2"}, cwd=REPO)
+    assert done.returncode == 3
+    assert (tmp_path / "args.txt").read_text() == "a --b"
+    probe = json.loads((out / "rss_rank2.json").read_text())
+    assert probe["rank"] == 2 and probe["exit"] == 3 and probe["maxrss_bytes"] > 10 * 2**20
