@@ -9,6 +9,7 @@ from rank to rank, so rank 0's measurements are broadcast before planning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                       usable_memory_fraction=settings.usable_memory_fraction,
                       backend="nccl" if torch.cuda.is_available() else "gloo")
     workload = workload_of_config(cfg)
+    if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
+        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
     choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
                              _allowed(cfg, topology))
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")

@@ -17,8 +17,8 @@ from megazpp.planner.cluster import Cluster
 @dataclass(frozen=True)
 class Workload:
     model: ModelConfig
-    micro_batch: int
-    global_batch: int
+    micro_batch: int | None
+    global_batch: int | None
     tp: int = 1
     pp: int = 1
     param_bytes: int = 2  # model dtype (bf16 / fp16: 2, fp32: 4)
@@ -44,6 +44,8 @@ class Workload:
 
     def micro_batches(self, cluster: Cluster) -> int:
         """Micro-batches per optimizer step (gradient accumulation steps) of each DP rank."""
+        if self.micro_batch is None or self.global_batch is None:
+            raise ConfigError("the job needs a micro-batch size and a global batch size")
         per_step = self.micro_batch * self.dp(cluster)
         if self.micro_batch < 1 or self.global_batch < per_step or self.global_batch % per_step:
             raise ConfigError(f"global batch {self.global_batch} is not a positive multiple of micro batch "
