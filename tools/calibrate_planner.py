@@ -23,6 +23,7 @@ On one machine, 4 ranks carved into 2 virtual nodes over loopback (a smoke test)
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -40,7 +41,7 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import broadcast_values, probe_link
+from megazpp.planner.probe import LinkProbe, broadcast_values, probe_link
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
@@ -108,8 +109,9 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     rpn = topo.ranks_per_node
     cfg = _model_cfg(a)
     flops = _compute_rate(cfg, a, topo)
-    intra = probe_link(topo.dp_intra_group, len(topo.dp_intra_ranks))
-    inter = probe_link(topo.dp_inter_group, len(topo.dp_inter_ranks))
+    intra, inter = (probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
+                    for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks),
+                                         (topo.dp_inter_group, topo.dp_inter_ranks)))
     values = broadcast_values([flops, _memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
                                intra.latency, inter.latency])
     inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]

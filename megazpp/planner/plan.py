@@ -129,9 +129,13 @@ def _gib(x: float) -> str:
 def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Prediction], tie: float) -> str:
     if choice is None:
         least = min(rows, key=lambda p: p.memory_bytes)
+        m = least.fullest
+        parts = {"model state": m.state.total, "frozen weights": m.frozen_bytes, "activations": m.activation_bytes,
+                 "buffers": m.transient_bytes}
+        largest = max(parts, key=parts.get)
         return (f"nothing fits: the smallest footprint, {least.name}, needs {_gib(least.memory_bytes)} of "
-                f"{_gib(least.memory_limit)} usable; raise TP / PP, turn on activation checkpointing or "
-                f"shrink the micro-batch")
+                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(parts[largest])}); raise TP / PP, "
+                f"turn on activation checkpointing or shrink the micro-batch")
     c = choice.critical
     parts = [f"{choice.name} fits ({_gib(choice.memory_bytes)} of {_gib(choice.memory_limit)} usable) and is "
              f"predicted at {choice.step_s:.3f} s/step: compute {c.compute_s:.3f} s + exposed communication / "
