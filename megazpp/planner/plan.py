@@ -2,8 +2,8 @@
 
 Why the near-tie rule: predictions are first-order; when two options are within `tie` (2 %)
 of the fastest, the difference is below the model's accuracy, so the one that holds less
-memory wins (headroom for a larger micro-batch, fewer surprises from fragmentation); footprints
-within 1 % of each other count as equal, and then the faster one wins.
+memory wins (headroom for a larger micro-batch, fewer surprises from fragmentation), provided
+it saves at least 5 % of the usable memory; otherwise the faster one wins.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megazpp.zero import formulas
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, Strategy
 
 TIE = 0.02
-SAME_MEMORY = 0.01  # footprints this close count as equal: then the faster option wins
+SAME_MEMORY = 0.05  # of the usable memory: smaller savings are not worth a slower option
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def plan(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
     if fitting:
         close = [p for p in fitting if p.step_s <= fitting[0].step_s * (1 + tie)]
         least = min(p.memory_bytes for p in close)
-        choice = next(p for p in close if p.memory_bytes <= least * (1 + SAME_MEMORY))
+        choice = next(p for p in close if p.memory_bytes <= least + SAME_MEMORY * p.memory_limit)
         runner = next((p for p in fitting if p is not choice), None)
     return Plan(rows, choice, runner, _reason(choice, runner, rows, tie))
 
