@@ -220,3 +220,19 @@ def test_peft_frozen_weights_engine_versus_paper_accounting():
     assert paper.step_bytes == (plain.step_bytes[0] + 2 * 3 * fetch[0], plain.step_bytes[1] + 2 * 3 * fetch[1])
     nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), shape, paper_view, cluster, lay)
     assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole in both accountings
+
+
+def test_without_overlap_every_phase_is_exposed():
+    workload = Workload(model=TINY, micro_batch=1, global_batch=8)  # A = 2 on 2 x 2
+    shape = StageShape(0, units=(4000, 4000), buckets=(8000,), frozen=0, layers=2, first=True, last=True)
+    ggg = parse_strategy("GGG")
+    slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
+    lay = layout(workload, slow_compute)
+    hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
+    serial_cluster = dataclasses.replace(slow_compute, overlap=False)
+    serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)
+    ph = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, serial_cluster)
+    assert hidden.exposed["fetch_forward"] == pytest.approx(2 * ph["fetch_forward"].seconds / 2)  # first unit
+    assert serial.exposed["fetch_forward"] == pytest.approx(2 * ph["fetch_forward"].seconds)
+    assert serial.exposed["backward_comm"] == pytest.approx(
+        2 * (ph["fetch_backward"].seconds + ph["micro_reduce"].seconds) + ph["boundary"].seconds)

@@ -117,7 +117,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]
     cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=rpn, memory_bytes=float(1 << 40), flops=values[0],
                       intra_bw=values[2], inter_bw=inter_bw, intra_latency=values[4], inter_latency=values[5],
-                      memory_bw=values[1], backend="gloo")
+                      memory_bw=values[1], backend="gloo", overlap=not a.no_overlap)
     workload = Workload(model=cfg, micro_batch=a.micro_batch, global_batch=a.micro_batch * a.micro_batches * topo.dp,
                         param_bytes=4, accum_bytes=4, bucket_numel=a.bucket_numel)
     rows = []
@@ -160,7 +160,8 @@ def report(result: dict, a: argparse.Namespace) -> str:
              f"{c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
              f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
              f"Gbit/s per node ({'given' if a.inter_gbit else 'probed'}; probed "
-             f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us", "",
+             f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; overlap model "
+             f"{'on' if c.overlap else 'off'}", "",
              "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
     errors = []
     for name, predicted, measured in result["rows"]:
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="spawn 4 gloo ranks here (2 virtual nodes x 2)")
     p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE (2 with --local)")
     p.add_argument("--inter-gbit", type=float, help="the link's rate (netlab's) instead of the probed one")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="predict with communication never hidden behind compute (Cluster.overlap = False)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)

@@ -51,6 +51,7 @@ class Cluster:
     memory_bw: float = 2e12  # bytes/s, HBM
     usable_memory_fraction: float = 0.9  # the rest: allocator fragmentation, workspaces, context
     backend: str = "nccl"  # "gloo": reduce-scatter runs as a full all-reduce on the wire
+    overlap: bool = True  # False: communication never hides behind compute (CPU cores doing both)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):

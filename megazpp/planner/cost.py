@@ -15,6 +15,7 @@ Overlap model, per micro-batch of forward time t_f and backward time t_b (comput
   bucket's reduction starts when backward ends);
 * last micro-batch: the step-boundary reduction also starts in its backward (the engine starts
   a bucket's boundary reduction as soon as its last gradient is in), same rule;
+* `Cluster.overlap = False` (hosts whose cores both compute and move bytes) hides nothing;
 * after backward nothing hides: parameter refresh, norm all-reduce, the AdamW update (memory
   bound: 28 bytes of fp32 state read/written + the model-dtype copy per os element).
 Tensor-parallel all-reduces (4 per layer and micro-batch, 6 with recomputation) and pipeline
@@ -211,10 +212,11 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         transient = 2 * biggest * pb + (2 * biggest * pb if s.g != Level.N else 0)
     n = max(1, len(padded))
     fwd, bwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "fetch_backward", "micro_reduce", "boundary"))
+    hide_f, hide_b = (t_f, t_b) if cluster.overlap else (0.0, 0.0)  # compute that communication hides behind
     exposed = {
-        "fetch_forward": a * max(fwd - t_f, fwd / n),
-        "backward_comm": (a - 1) * max(bwd + red - t_b, (bwd + red) / n) + max(bwd + red + bnd - t_b,
-                                                                               (bwd + red + bnd) / n),
+        "fetch_forward": a * max(fwd - hide_f, fwd / n),
+        "backward_comm": (a - 1) * max(bwd + red - hide_b, (bwd + red) / n) + max(bwd + red + bnd - hide_b,
+                                                                                  (bwd + red + bnd) / n),
         "refresh": ph["refresh"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
         "optimizer": sum(padded) // formulas.level_div(s.os, lay.d, lay.k) * (ADAM_TRAFFIC_FP32 + pb)
