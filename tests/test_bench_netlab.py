@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,16 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     assert (tmp_path / "args.txt").read_text() == "a --b"
     probe = json.loads((out / "rss_rank2.json").read_text())
     assert probe["rank"] == 2 and probe["exit"] == 3 and probe["maxrss_bytes"] > 10 * 2**20
+
+
+def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):
+    logs = [str(tmp_path / "n0.log"), str(tmp_path / "n1.log")]
+    ok = launch.run_nodes([["true"], ["sh", "-c", "echo fine"]], logs, timeout_s=30)
+    assert ok is None and Path(logs[1]).read_text() == "fine\n"
+    failing = [["sh", "-c", "echo '[rank1]: ValueError: boom'; echo ChildFailedError: wrapper; exit 3"],
+               ["sleep", "60"]]
+    start = time.monotonic()
+    failure = launch.run_nodes(failing, logs, timeout_s=30)
+    assert failure == "node 0 exited with status 3: [rank1]: ValueError: boom"
+    assert time.monotonic() - start < 15  # the sleeping node was stopped, not waited for
+    assert launch.run_nodes([["sleep", "60"], ["true"]], logs, timeout_s=1) == "timed out after 1 s"

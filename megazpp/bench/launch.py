@@ -84,15 +84,30 @@ def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s
                                           env={**os.environ, **NETLAB_ENV}, start_new_session=True))
     deadline = time.monotonic() + timeout_s
     failure = None
-    while any(p.poll() is None for p in procs):
-        bad = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        if bad is not None:
-            failure = f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
-            break
-        if time.monotonic() > deadline:
-            failure = f"timed out after {timeout_s:.0f} s"
-            break
-        time.sleep(0.5)
+    try:
+        while any(p.poll() is None for p in procs):
+            failure = _failed_node(procs, log_paths)
+            if failure is not None:
+                break
+            if time.monotonic() > deadline:
+                failure = f"timed out after {timeout_s:.0f} s"
+                break
+            time.sleep(0.5)
+    finally:  # also on Ctrl-C / SIGTERM of the benchmark: no rank outlives it
+        _stop(procs)
+    return failure or _failed_node(procs, log_paths)
+
+
+def _failed_node(procs: Sequence[subprocess.Popen], log_paths: Sequence[str]) -> str | None:
+    bad = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+    if bad is None:
+        return None
+    return f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM each still-running node's process group (torchrun passes it to its ranks),
+    SIGKILL what is left after 30 s."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
@@ -102,11 +117,6 @@ def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    if failure is None:
-        bad = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
-        if bad is not None:
-            failure = f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
-    return failure
 
 
 _ERROR_LINE = re.compile(r"(\w+(Error|Exception): .+|error: .+)")
