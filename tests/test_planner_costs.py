@@ -236,3 +236,13 @@ def test_without_overlap_every_phase_is_exposed():
     assert serial.exposed["fetch_forward"] == pytest.approx(2 * ph["fetch_forward"].seconds)
     assert serial.exposed["backward_comm"] == pytest.approx(
         2 * (ph["fetch_backward"].seconds + ph["micro_reduce"].seconds) + ph["boundary"].seconds)
+
+
+def test_planner_settings_refuse_non_positive_values():
+    from megazpp.planner.settings import PlannerSettings
+
+    PlannerSettings(probe=True).validate()
+    with pytest.raises(ConfigError, match="planner.inter_node_gbit = 0"):
+        PlannerSettings(inter_node_gbit=0).validate()
+    with pytest.raises(ConfigError, match="planner.usable_memory_fraction"):
+        PlannerSettings(usable_memory_fraction=1.5).validate()

@@ -2,12 +2,14 @@
 
 Why a section of its own: the topology (nodes, ranks per node) is known at start-up, but the
 network's bandwidths and the accelerator's rate are not; a user states them here or asks for
-a short probe. Kept import-free so `megazpp.config` can compose it without a cycle.
+a short probe. It imports nothing of megazpp but errors, so `megazpp.config` can compose it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from megazpp.errors import ConfigError
 
 
 @dataclass
@@ -24,3 +26,13 @@ class PlannerSettings:
     inter_node_latency_us: float = 15.0
     memory_bandwidth_gbs: float = 2000.0
     usable_memory_fraction: float = 0.9
+
+    def validate(self) -> None:
+        """ConfigError naming the key for a value that is not a positive number."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "probe" and value is not None and not value > 0:
+                raise ConfigError(f"planner.{f.name} = {value!r}: expected a positive number")
+        if self.usable_memory_fraction > 1:
+            raise ConfigError(f"planner.usable_memory_fraction = {self.usable_memory_fraction!r}: expected a "
+                              f"fraction in (0, 1]")
