@@ -133,9 +133,15 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
         parts = {"model state": m.state.total, "frozen weights": m.frozen_bytes, "activations": m.activation_bytes,
                  "buffers": m.transient_bytes}
         largest = max(parts, key=parts.get)
+        remedy = {"model state": "raise TP / PP (or add nodes)",
+                  "frozen weights": "raise TP / PP (the engine shards only trainable weights)",
+                  "activations": "turn on activation checkpointing, shrink the micro-batch or raise TP "
+                                 "(with sequence parallelism)",
+                  "buffers": "use smaller gradient buckets (zero.reduce_bucket_size) or parameter units "
+                             "(zero.module_granularity_threshold 0)"}
         return (f"nothing fits: the smallest footprint, {least.name}, needs {_gib(least.memory_bytes)} of "
-                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(parts[largest])}); raise TP / PP, "
-                f"turn on activation checkpointing or shrink the micro-batch")
+                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(parts[largest])}): "
+                f"{remedy[largest]}")
     c = choice.critical
     parts = [f"{choice.name} fits ({_gib(choice.memory_bytes)} of {_gib(choice.memory_limit)} usable) and is "
              f"predicted at {choice.step_s:.3f} s/step: compute {c.compute_s:.3f} s + exposed communication / "
