@@ -59,6 +59,10 @@ else
   # threads cost far more than the second core gives.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
+# torchrun >= 2.4 lets the workers' process group reuse the rendezvous store, which outlives
+# a restart: a restarted rank can then read a dead peer's address left by the failed attempt
+# and fail with "connectFullMesh ... Connection refused". A fresh store per attempt avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
