@@ -17,7 +17,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.planner.activations import layer_bytes, stage_activation_bytes
 from megazpp.planner.cluster import Cluster
 from megazpp.planner.cost import ADAM_TRAFFIC_FP32, layout, phases, predict_stage
-from megazpp.planner.plan import Option, options, plan, predict
+from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas

@@ -59,7 +59,8 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
         ids = torch.randint(0, LLAMA["vocab_size"], (MICRO, LLAMA["seq_length"] + 1), generator=g)
         engine.scale_loss(model(ids[:, :-1], ids[:, 1:]).mean() / MICRO).backward()
     engine.step()
-    rows = [r for tag, r in counter.step_totals()["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"]
+    rows = [r for tag, r in counter.step_totals()["tags"].items()
+            if tag.startswith("zero/") or tag == "train/grad_norm"]
     return sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)
 
 

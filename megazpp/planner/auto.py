@@ -29,7 +29,7 @@ from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
-from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.strategy import Level, Strategy, parse_strategy
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
 
 def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
+    settings.validate()
     shape = shape_of_model(model, bucket_numel=cfg.zero.reduce_bucket_size,
                            threshold=cfg.zero.module_granularity_threshold, stage=topology.pp_rank,
                            layers=len(range(*topology.layer_range(cfg.model.num_layers))),
@@ -139,6 +140,5 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
     if name != choice.strategy.name:
         log.warning("zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s",
                     choice.strategy.name, name)
-        choice = Choice(next(r.option.strategy for r in choice.plan.rows if r.option.strategy.name == name),
-                        runner, choice.plan, cluster)
+        choice = Choice(parse_strategy(name), runner, choice.plan, cluster)
     return choice
