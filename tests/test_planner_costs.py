@@ -183,6 +183,8 @@ def test_bad_cluster_and_batch_are_config_errors():
         _cluster(2, 2, inter_bw=0)
     with pytest.raises(ConfigError, match="global batch 6"):
         Workload(model=TINY, micro_batch=1, global_batch=6).micro_batches(_cluster(2, 2))
+    with pytest.raises(ConfigError, match="paro_group_size = 3: expected a positive divisor"):
+        layout(Workload(model=TINY, micro_batch=1, global_batch=4, paro_group_size=3), _cluster(2, 2))
     with pytest.raises(ConfigError, match="tensor-parallel size 4 must divide"):
         Workload(model=TINY, micro_batch=1, global_batch=4, tp=4).dp(_cluster(4, 2))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megazpp.errors import ConfigError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.planner.activations import stage_activation_bytes
 from megazpp.planner.cluster import Cluster
@@ -60,6 +61,8 @@ def dp_ranks_on_node(workload: Workload, cluster: Cluster) -> int:
 def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     d = workload.dp(cluster)
     k = workload.paro_group_size or dp_ranks_on_node(workload, cluster)
+    if k < 1 or d % k:
+        raise ConfigError(f"paro_group_size = {k}: expected a positive divisor of the data-parallel size {d}")
     dp_ranks = [workload.tp * j for j in range(d)]
     shapes = formulas.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz)
     rpn = cluster.gpus_per_node
