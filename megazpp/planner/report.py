@@ -33,7 +33,7 @@ def summary(p: Plan, workload: Workload, cluster: Cluster) -> str:
     d = workload.dp(cluster)
     cfg = workload.model
     return (f"{cluster.nodes} nodes x {cluster.gpus_per_node} accelerators ({cluster.memory_bytes / GIB:.0f} GiB, "
-            f"{cluster.flops / 1e12:.0f} TFLOP/s achievable), intra {cluster.intra_bw / 1e9:.1f} GB/s per "
+            f"{cluster.flops / 1e12:.3g} TFLOP/s achievable), intra {cluster.intra_bw / 1e9:.1f} GB/s per "
             f"accelerator, inter {cluster.inter_bw * 8 / 1e9:.1f} Gbit/s per node; TP {workload.tp} x PP "
             f"{workload.pp} x DP {d}; {cfg.arch} {cfg.num_layers} layers, hidden {cfg.hidden_size}, seq "
             f"{cfg.seq_length}, vocab {cfg.vocab_size}; micro-batch {workload.micro_batch} x "
