@@ -133,7 +133,8 @@ def _workload(a: argparse.Namespace) -> Workload:
     job = workload_of_config(base) if base else Workload(model=model, micro_batch=a.micro_batch,
                                                         global_batch=a.global_batch)
     flags = {"micro_batch": a.micro_batch, "global_batch": a.global_batch, "tp": a.tp, "pp": a.pp,
-             "param_bytes": a.dtype and DTYPE_BYTES[a.dtype], "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
+             "param_bytes": a.dtype and DTYPE_BYTES[a.dtype], "fp16": a.dtype and a.dtype == "fp16",
+             "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
              "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
              "paro_group_size": a.paro_group_size, "hpz_size": a.hpz}
     job = dataclasses.replace(job, model=model, flash_attention=not a.no_flash_attention,

@@ -22,6 +22,7 @@ class Workload:
     tp: int = 1
     pp: int = 1
     param_bytes: int = 2  # model dtype (bf16 / fp16: 2, fp32: 4)
+    fp16: bool = False  # fp16 with loss scaling (LoCo then keeps a copy for skipped steps)
     accum_bytes: int = 4  # gradient accumulation dtype
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
@@ -64,7 +65,7 @@ def workload_of_config(cfg: Config) -> Workload:
     return Workload(
         model=cfg.model, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
         tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-        param_bytes=DTYPE_BYTES[dtype], accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
+        param_bytes=DTYPE_BYTES[dtype], fp16=prec.fp16, accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
         activation_checkpointing=cfg.model.activation_checkpointing, sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,
         hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
