@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megazpp.errors import CheckpointError, ConfigError
+from megazpp.errors import CheckpointError, ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
 
 # Fields that describe the file or generation defaults, not the function the weights compute.
@@ -83,8 +83,19 @@ def model_config_from_hf(hf: Mapping[str, Any], *, seq_length: int | None = None
     """The megazpp ModelConfig computing the same function as HF Llama config `hf`.
 
     `seq_length` defaults to the checkpoint's max_position_embeddings (RoPE has no table, so
-    it only bounds the sequences megazpp will be asked to train on).
+    it only bounds the sequences megazpp will be asked to train on). A field of the wrong
+    JSON type (a list where a number belongs) is a ConfigError too, not a TypeError.
     """
+    try:
+        return _model_config_from_hf(hf, seq_length, where)
+    except MegazppError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"{where}: a field has the wrong type or value ({exc})") from exc
+
+
+def _model_config_from_hf(hf: Mapping[str, Any], seq_length: int | None,
+                          where: str) -> ModelConfig:
     unknown = sorted(set(hf) - _IGNORED_FIELDS - _MAPPED_FIELDS)
     if unknown:
         raise ConfigError(f"{where}: field {unknown[0]!r} = {hf[unknown[0]]!r} is not understood "
