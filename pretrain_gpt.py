@@ -28,7 +28,8 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import LoadedCheckpoint, load_checkpoint, load_model_weights
+from megazpp.training.checkpoint import (LoadedCheckpoint, is_weights_only, latest_checkpoint,
+                                         load_checkpoint, load_model_weights)
 from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.schedule import forward_backward
@@ -92,10 +93,17 @@ def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
 
 
 def find_checkpoint(cfg: Config, topology: Topology) -> LoadedCheckpoint | None:
-    """The checkpoint to start from: `--load`'s, or else `--save`'s own latest one, so a job
-    restarted by torchrun (`--max-restarts`) resumes where it stopped; None: from scratch."""
+    """The checkpoint to start from; None: from scratch.
+
+    `--load`'s, or else `--save`'s own latest one, so a job restarted by torchrun
+    (`--max-restarts`) resumes where it stopped. When `--load` holds imported weights only
+    (a starting point, no run state) and `--save` already holds this run's progress, the run
+    resumes from `--save` instead of starting over from the imported weights.
+    """
     ck = cfg.checkpoint
     load_dir = ck.load or ck.save
+    if ck.load and ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
+        load_dir = ck.save
     if not load_dir:
         return None
     return load_checkpoint(load_dir, topology, fallback=ck.load_fallback)

@@ -148,6 +148,12 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     return path
 
 
+def is_weights_only(load_dir: str | os.PathLike) -> bool:
+    """Whether `load_dir`'s latest checkpoint is an import (model weights, no run state)."""
+    path = latest_checkpoint(load_dir)
+    return path is not None and bool(_read_metadata(path).get(WEIGHTS_ONLY_KEY))
+
+
 @dataclass
 class LoadedCheckpoint:
     """This rank's state from a checkpoint every rank verified."""

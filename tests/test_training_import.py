@@ -1,0 +1,58 @@
+"""Training from an imported (weights-only) checkpoint written by megazpp.interop: the weights
+are loaded before the engine copies them into its fp32 masters, the run starts at iteration 0,
+any data-parallel size reads DP rank 0's file, and a restarted fine-tune resumes from its own
+--save rather than from the imported weights again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_training_pretrain import tiny_args
+
+import pretrain_gpt
+from megazpp.config import load_config
+from megazpp.interop.checkpoint_io import write_weights_checkpoint
+from megazpp.model.gpt import GPTModel
+from megazpp.parallel.local_launch import run_ranks
+
+SOURCE_SEED = 77
+
+
+def _import(tmp_path, prefix, tokenizer):
+    """An imported checkpoint holding the weights a model initialised with SOURCE_SEED has."""
+    model_cfg = load_config(tiny_args(prefix, tokenizer)).model
+    source = dataclasses.replace(model_cfg, init_seed=SOURCE_SEED)
+    path = tmp_path / "imported"
+    write_weights_checkpoint(path, source, GPTModel(source).state_dict(), tp=1, pp=1)
+    return path
+
+
+def _dp2(args: list[str]) -> dict[int, float]:
+    return pretrain_gpt.main(args).losses
+
+
+def test_train_from_imported_weights(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+    imported = _import(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
+    common = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "3",
+                       "--eval-iters", "0", "--log-interval", "100", "--bf16",
+                       "--global-batch-size", "8")
+    reference = pretrain_gpt.main(common + ["--init-seed", str(SOURCE_SEED)])
+
+    run = tmp_path / "run"
+    tuned = common + ["--init-seed", "5", "--load", str(imported), "--save", str(run)]
+    first = pretrain_gpt.main(tuned + ["--exit-interval", "2"])
+    assert first.resumed_from is None and sorted(first.losses) == [1, 2]
+    assert [first.losses[i] for i in (1, 2)] == [reference.losses[i] for i in (1, 2)]
+    # restarted: --save holds this run's progress, so the imported weights are not reloaded
+    again = pretrain_gpt.main(tuned)
+    assert again.resumed_from == 2 and again.losses[3] == reference.losses[3]
+
+    # two data-parallel ranks both start from DP rank 0's (the only) file
+    ranks = run_ranks(_dp2, 2, common + ["--init-seed", "5", "--load", str(imported)],
+                      timeout_s=120)
+    for losses in ranks:
+        assert losses[1] == pytest.approx(reference.losses[1], rel=1e-3)
+        assert losses[3] == pytest.approx(reference.losses[3], abs=2e-2)
+    other = pretrain_gpt.main(common + ["--init-seed", "5"])  # the comparison can fail
+    assert other.losses[1] != pytest.approx(reference.losses[1], rel=1e-3)
