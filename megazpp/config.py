@@ -26,6 +26,7 @@ import yaml
 
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
+from megazpp.planner.settings import PlannerSettings
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
@@ -145,7 +146,8 @@ class ZeroConfig:
     defaults are DeepSpeed's except `overlap_comm` (megazpp always overlaps), and a value
     other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
     `megazpp.zero.factory` turns this section into the engine's options. With stage 0 and no
-    `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP).
+    `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
+    lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """
 
     stage: int = 0
@@ -178,6 +180,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
 
     @property
     def tp(self) -> int:
@@ -210,6 +213,7 @@ class Config:
         _validate_schedule(self)
         _validate_precision(self.precision)
         _validate_zero(self.zero)
+        self.planner.validate()
         _refuse_not_implemented(self)
         return self
 
@@ -227,6 +231,7 @@ NOT_IMPLEMENTED_YET: dict[str, str] = {
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
 FLAG_NAMES: dict[str, str] = {
     "zero.stage": "--zero-stage",
+    "planner.probe": "--planner-probe",
 }
 
 

@@ -7,7 +7,7 @@ of tests/test_zero_engine.py (tiny Llama, bucket_numel 4000, 2 micro-batches, fp
 LoCo run in fp16, whose error buffers keep a copy for skipped steps).
 Auto: `auto_strategy` returns the same strategy on every rank, with probed bandwidths (which
 differ per rank until rank 0's are broadcast) and with given ones, and equals the plan
-computed here from the same inputs.
+computed here from the same inputs; `build_zero_engine` runs it for `paro_strategy: auto`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.factory import build_zero_engine
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
@@ -80,6 +81,9 @@ def _rank() -> dict:
     model = GPTModel(ModelConfig(**LLAMA))
     out["probed"] = auto_strategy(model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001))
     out["given"] = auto_strategy(model, _config(), topo, GIVEN)
+    cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
+    cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
+    out["factory"] = build_zero_engine(GPTModel(ModelConfig(**LLAMA)), cfg, topo, MICRO).strategy.name
     try:
         auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
         out["refused"] = ""
@@ -124,6 +128,7 @@ def test_auto_choice_is_identical_on_every_rank(results):
     assert given.cluster.inter_bw == pytest.approx(0.1e9 / 8) and given.cluster.nodes == 2
     # 0.3 MiB: the replicated strategies' fp32 state does not fit, so the choice shards something
     assert given.strategy.name != "NNN" and not given.plan.rows[-1].fits
+    assert {r["factory"] for r in results} == {given.strategy.name}  # stage 3 yields to auto
     assert all(r["refused"].startswith("zero.paro_strategy = auto: set planner.achievable_tflops")
                for r in results)
     probed = results[0]["probed"].cluster

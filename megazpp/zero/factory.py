@@ -7,12 +7,14 @@ honour must be refused here, naming the key, rather than silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from torch import nn
 
 from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
+from megazpp.planner.auto import auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import parse_strategy
@@ -47,6 +49,10 @@ def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
                       micro_batches_per_step: int | None = None,
                       counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> ZeroEngine:
     """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`;
-    `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate)."""
+    `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate).
+    `paro_strategy: auto` asks the planner (collective: every rank gets rank 0's choice)."""
+    if str(cfg.zero.paro_strategy).lower() == "auto":
+        chosen = auto_strategy(model, cfg, topology, cfg.planner).strategy.name
+        cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, paro_strategy=chosen, stage=0))
     return ZeroEngine(model, cfg.optimizer, cfg.precision, zero_options(cfg.zero, micro_batches_per_step),
                       topology, counts_in_norm=counts_in_norm)
