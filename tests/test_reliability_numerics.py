@@ -83,3 +83,18 @@ def test_fault_spec_is_checked(monkeypatch, tiny_indexed_prefix, tiny_tokenizer_
     with pytest.raises(ConfigError, match=r"MEGAZPP_FAULT = 'nan_loss@x': expected "
                                           r"POINT@N\[-M\]\[:RANK\]"):
         pretrain_gpt.main(tiny_args(tiny_indexed_prefix, tiny_tokenizer_model))
+
+
+def test_fp16_bad_step_is_skipped_counted_and_backs_off(tmp_path, monkeypatch,
+                                                        tiny_indexed_prefix,
+                                                        tiny_tokenizer_model):
+    tb = tmp_path / "tb"
+    monkeypatch.setenv("MEGAZPP_FAULT", "nan_loss@2")
+    history = pretrain_gpt.main(tiny_args(
+        tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "3", "--eval-iters", "0",
+        "--fp16", "--log-interval", "1", "--tensorboard-dir", str(tb)))
+    assert history.skipped == {1: False, 2: True, 3: False}
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/skipped_steps")] == [0, 1, 0]
+    assert [e.value for e in events.Scalars("train/loss_scale")] == [65536, 32768, 32768]

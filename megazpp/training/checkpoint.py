@@ -4,14 +4,20 @@ Layout of a save directory:
 
     latest                          text: the name of the newest complete checkpoint
     iter_0000100/
-        metadata.json               iteration, format and parallel layout (written by rank 0)
+        metadata.json               iteration, format, parallel layout, model config (rank 0)
         rank_tp00_pp000_dp0000.pt   one file per rank: its model part, engine state, RNGs, ...
+                                    and the layout it was written under
 
 Why this order of writes: every rank writes its file into `iter_N.tmp/` (each file itself
 via a temporary name and a rename), all ranks meet, rank 0 adds `metadata.json`, renames the
 directory to `iter_N`, and only then replaces `latest` (again via a temporary name). A crash
-at any point leaves `latest` naming the previous checkpoint, which no step touched. Files are
-read with `torch.load(weights_only=True)`: a checkpoint is data and never executes code.
+at any point leaves `latest` naming the previous checkpoint, which no step touched.
+
+Why loading is collective: every rank checks that all rank files exist, that its own file
+holds the metadata's iteration and layout, and then all ranks agree on the verdict, so a
+checkpoint is used by every rank or by none (a half-loaded job would train on a mixture).
+A refused checkpoint is an error unless the caller asked to fall back to older ones. Files
+are read with `torch.load(weights_only=True)`: a checkpoint is data and never executes code.
 """
 
 from __future__ import annotations
@@ -162,6 +168,10 @@ class LoadedCheckpoint:
     metadata: dict[str, Any]
     state: dict[str, Any]
 
+    def __getitem__(self, key: str) -> Any:
+        """`loaded["engine"]`: an entry of this rank's state."""
+        return self.state[key]
+
     @property
     def weights_only(self) -> bool:
         """An imported checkpoint: model weights to start from, no run state to resume."""
@@ -215,8 +225,6 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     if stamp is not None and stamp != {k: meta[k] for k in layout_of(topology)}:
         raise CheckpointError(f"{file}: written under parallel layout {stamp}, but "
                               f"{METADATA_FILE} describes {layout_of(SimpleNamespace(**meta))}")
-    if "model" not in state:
-        raise CheckpointError(f"{file}: holds no model state")
     return meta, state
 
 

@@ -12,6 +12,7 @@ dominated by one slow step. Tags (fixed, compared across runs and frameworks):
     train/lr            learning rate of the interval's last step
     train/grad_norm     mean global gradient norm (before clipping) over applied steps
     train/loss_scale    fp16 loss scale after the interval's last step (1 otherwise)
+    train/skipped_steps steps of the interval whose update was skipped (fp16 overflow, NaN)
     perf/tokens_per_sec tokens of all ranks per second of wall time
     perf/tflops         achieved model TFLOP/s per rank: training FLOPs / time / world size
     mem/peak_bytes      peak accelerator memory allocated (CUDA) or peak resident set size (CPU)
@@ -33,7 +34,7 @@ import torch
 from megazpp.training.engine import StepResult
 
 TAGS = ("train/loss", "val/loss", "train/lr", "train/grad_norm", "train/loss_scale",
-        "perf/tokens_per_sec", "perf/tflops", "mem/peak_bytes")
+        "train/skipped_steps", "perf/tokens_per_sec", "perf/tflops", "mem/peak_bytes")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -114,6 +115,7 @@ class TrainingLogger:
             "train/lr": lr,
             "train/grad_norm": sum(self._norms) / len(self._norms) if self._norms else math.nan,
             "train/loss_scale": loss_scale,
+            "train/skipped_steps": float(self._skipped),
             "perf/tokens_per_sec": tokens_per_sec,
             "perf/tflops": tflops,
             "mem/peak_bytes": float(peak_memory_bytes(self.device)),

@@ -29,7 +29,7 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import NumericalError
+from megazpp.errors import CheckpointError, NumericalError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.training import faults
@@ -43,6 +43,8 @@ from megazpp.training.numerics import NumericsMonitor
 from megazpp.training.schedule import MicroBatch, forward_backward
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
+# What `Trainer.state_dict` saves and `resume` needs (an import holds only the model).
+RESUME_KEYS = ("iteration", "consumed_samples", "model", "engine", "lr_schedule", "rng")
 
 
 @dataclass
@@ -104,6 +106,10 @@ class Trainer:
     def resume(self, loaded: LoadedCheckpoint) -> int:
         """Continue the run `loaded` (a verified checkpoint of a run, not weights only) holds;
         return its iteration."""
+        missing = [key for key in RESUME_KEYS if key not in loaded.state]
+        if missing:
+            raise CheckpointError(f"{loaded.path}: this rank's file lacks {missing} (not a "
+                                  "training checkpoint?)")
         self.load_state_dict(loaded.state)
         self.last_checkpoint = loaded.path
         return self.iteration
