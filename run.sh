@@ -7,7 +7,9 @@
 # 3. launches pretrain_gpt.py with torchrun on every GPU of this node, or one CPU rank.
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
-# --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts.
+# --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
+# (default 0). A restarted attempt given --save resumes from that directory's latest complete
+# checkpoint by itself (pretrain_gpt.find_checkpoint).
 # CONFIG picks the YAML (default configs/llama_tiny.yaml). Data and logs stay in this checkout
 # (data/, runs/, checkpoints/), which must be on storage every node sees for checkpoints.
 set -euo pipefail

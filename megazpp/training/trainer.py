@@ -118,7 +118,7 @@ class Trainer:
         """Save, unless a weight is not finite anywhere (all ranks agree before any write, so
         a poisoned state never becomes the `latest` checkpoint)."""
         finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        flag = torch.tensor([0.0 if finite else 1.0])
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)  # NCCL: on the GPU
         comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="checkpoint/finite_check")
         if flag.item():
             raise NumericalError(
