@@ -32,7 +32,7 @@ from megazpp.training.deepspeed_config import map_deepspeed_config, read_deepspe
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5
-FEW = settings(max_examples=60, deadline=None, derandomize=True,
+FEW = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -187,7 +187,8 @@ def _read_metadata(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / METADATA_FILE}: unknown checkpoint format "
                               f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
     if not isinstance(meta.get("iteration"), int) or any(
-            not isinstance(meta.get(k), int) or meta[k] < 1 for k in ("world_size", "tp", "pp", "dp")):
+            not isinstance(meta.get(k), int) or meta[k] < 1
+            for k in ("world_size", "tp", "pp", "dp")):
         raise CheckpointError(f"{path / METADATA_FILE}: iteration or layout missing or invalid")
     return meta
 
