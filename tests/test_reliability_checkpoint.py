@@ -72,6 +72,14 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
     assert (ckpt / "latest").read_text() == "iter_0000004\n"
     assert not list(ckpt.glob("*.tmp")) and not list(ckpt.glob("*.old"))
 
+    # 4. the newest checkpoint rots on disk: refused, unless --load-fallback is given
+    (ckpt / "iter_0000004" / "rank_tp00_pp000_dp0000.pt").write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError, match=r"dp0000.pt: cannot be loaded as checkpoint data \(UnpicklingError: not tensors and plain data \(Unsupported operand 0\)\) \(pass --load-fallback"):
+        pretrain_gpt.main(args + ["--train-iters", "4"])
+    with pytest.warns(UserWarning, match="loading .*iter_0000002 instead"):
+        fallback = pretrain_gpt.main(args + ["--train-iters", "4", "--load-fallback"])
+    assert fallback.resumed_from == 2 and fallback.losses == resumed.losses
+
 
 def _write(root: Path, iteration: int, layout: dict, files: dict[str, dict]) -> Path:
     """A hand-made checkpoint: `files` maps rank file names to their state."""

@@ -217,7 +217,8 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means an unusable file
-        raise CheckpointError(f"{file}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"{file}: cannot be loaded as checkpoint data "
+                              f"({_load_failure(exc)})") from exc
     if not isinstance(state, dict) or state.get("iteration") != meta["iteration"]:
         raise CheckpointError(f"{file}: holds iteration "
                               f"{state.get('iteration') if isinstance(state, dict) else '?'}, "
@@ -227,6 +228,17 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
         raise CheckpointError(f"{file}: written under parallel layout {stamp}, but "
                               f"{METADATA_FILE} describes {layout_of(SimpleNamespace(**meta))}")
     return meta, state
+
+
+def _load_failure(exc: Exception) -> str:
+    """The informative line of a torch.load failure. torch's weights-only refusal is a page
+    ending in advice to load with weights_only=False, which must never be followed for a
+    file of unknown origin; keep only what it found."""
+    text = str(exc)
+    refused = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    if refused:
+        return f"{type(exc).__name__}: not tensors and plain data ({refused[1].strip()[:200]})"
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else ''}"
 
 
 def _candidates(root: Path, fallback: bool) -> list[Path]:
