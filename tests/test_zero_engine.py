@@ -5,8 +5,10 @@ variants and two with a PaRO group spanning both nodes) and checks, per strategy
 against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
 held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
 `formulas.step_bytes`; and a save at step 2 resumed in a fresh model + engine, bitwise equal
-to the uninterrupted run. A second spawn covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's
-embedding tied across the two stages (1F1B), and the MoE parameter-unit threshold.
+to the uninterrupted run. With activation checkpointing (GGG, IIG): the same losses, and
+counted bytes equal to `step_bytes` with the recompute's third fetch of the checkpointed
+layers' units. A second spawn covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's embedding
+tied across the two stages (1F1B), and the MoE parameter-unit threshold.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megazpp.errors import ConfigError
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
+from megazpp.planner.shape import recompute_mask
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
 from megazpp.training.engine import LocalEngine
 from megazpp.zero import formulas
@@ -36,6 +39,7 @@ GPT2 = dict(LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, posit
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
 WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
+CHECKPOINTED = ("GGG", "IIG")  # also run with activation checkpointing (units fetched a third time)
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +58,28 @@ def _engine(model: GPTModel, topo: Topology, strategy: str, **options) -> ZeroEn
     return ZeroEngine(model, OPT, PrecisionConfig(), opts, topo)
 
 
-def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[dict]:
+def _recompute_bytes(model: GPTModel) -> tuple[list[bool], int]:
+    """Which units a checkpointed layer gathers again, and how many elements they hold (call
+    before the engine empties the parameters)."""
+    units = parameter_units(model, 0)
+    mask = list(recompute_mask(model, units))
+    return mask, sum(u.numel for u, again in zip(units, mask) if again)
+
+
+def _predicted(engine: ZeroEngine, recompute: list[bool] | None) -> tuple[int, int]:
+    """The engine's own prediction, or, with activation checkpointing, `formulas.step_bytes`
+    given the padded sizes of the units gathered again for the recompute."""
+    if recompute is None:
+        return engine.expected_step_bytes(MICRO)
+    padded = engine.padded_numels()
+    return formulas.step_bytes(engine.strategy, padded, engine.shapes, engine.hier, micro_batches=MICRO,
+                               param_bytes=engine.param_dtype.itemsize, accum_bytes=engine.accum_dtype.itemsize,
+                               zeropp=engine.zeropp,
+                               recomputed_numels=[n for n, again in zip(padded, recompute) if again])
+
+
+def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range,
+                 recompute: list[bool] | None = None) -> list[dict]:
     """Per step: this DP rank's loss, the engine's counted bytes (its tags; the model's TP
     collectives excluded) and all counted bytes, the prediction, fetch statistics."""
     out = []
@@ -73,7 +98,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
         out.append({"loss": total, "norm": result.grad_norm,
                     "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
                     "all": (totals["intra"], totals["inter"]),
-                    "predicted": engine.expected_step_bytes(MICRO), **stats})
+                    "predicted": _predicted(engine, recompute), **stats})
     return out
 
 
@@ -128,6 +153,13 @@ def _strategies_rank(ckpt_root: str) -> dict:
             "resumed_norms": [s["norm"] for s in resumed_steps],
             "resumed_equal": all(torch.equal(a, b) for a, b in zip(final, _model_params(resumed))),
         }
+    checkpointed = dict(LLAMA, activation_checkpointing=True)
+    for name in CHECKPOINTED:
+        model = _model(checkpointed, topo)
+        mask, recomputed = _recompute_bytes(model)
+        engine = _engine(model, topo, name)
+        report["runs"][f"{name}/ckpt"] = {"steps": _train_steps(model, engine, topo, cfg, range(SAVE_AT), mask),
+                                         "recomputed": recomputed, "units": len(mask)}
     return report
 
 
@@ -160,6 +192,17 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
     assert min(totals, key=totals.get) == "GGG" and max(totals, key=totals.get) == "NNN"
     # fetch statistics: every parameter unit gathered once forward and once backward
     assert first["GGG"]["steps"][1]["fetch_hooks"] > 0 and first["NNG"]["steps"][1]["fetch_hooks"] == 0
+    for rank, report in enumerate(results):  # activation checkpointing: same losses, a third fetch counted
+        for name in CHECKPOINTED:
+            run, plain = report["runs"][f"{name}/ckpt"], report["runs"][name]["steps"][:SAVE_AT]
+            # all 7 units of each of the 2 layers but the MLP's output projection, which stays
+            # gathered from its backward fetch through the recompute
+            assert run["recomputed"] == 2 * (6976 - 1280), (name, rank, run["recomputed"])
+            for s, p in zip(run["steps"], plain):
+                assert abs(s["loss"] - p["loss"]) < 1e-6, (name, rank, s["loss"], p["loss"])
+                assert s["all"] == s["counted"] == s["predicted"], (name, rank, s)
+                assert s["counted"][0] > p["counted"][0], (name, rank, s["counted"], p["counted"])
+                assert s["param_all_gathers"] > p["param_all_gathers"], (name, rank)
 
 
 def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:

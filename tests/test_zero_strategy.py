@@ -73,6 +73,16 @@ def test_step_bytes_worked_by_hand_for_ggg_and_nig():
     # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
     assert formulas.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
                                accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
+    # activation checkpointing, two buckets of 8, one of them recomputed: per micro-batch each
+    # bucket's 2 fetches + reduce as above, plus a third fetch of the recomputed one; under hpZ
+    # over the node pair that fetch is intra-node (16 B from the peer), as the backward one
+    assert formulas.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
+                               recomputed_numels=[8]) == (2 * (2 * 3 * 16 + 16) + 2, 2 * (2 * 3 * 8 + 8) + 4)
+    hpz = formulas.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
+    parts = formulas.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
+                                zeropp=formulas.ZeroPP(hpz=2), recomputed_numels=[8])
+    assert list(parts) == list(formulas.STEP_PHASES)
+    assert parts["fetch_recompute"].bytes_once(hpz) == parts["fetch_backward"].bytes_once(hpz) == (16, 0)
     nig = parse_strategy("NIG")
     # per micro-batch: intra reduce-scatter of 32 B -> 16 intra; boundary: cross reduce-scatter
     # of the 16 B I-chunk -> 8 inter; refresh p=N from G: cross + intra all-gather (8 inter, 16

@@ -1,18 +1,19 @@
 """Memory and step time of one strategy (+ ZeRO++ switches) on one pipeline stage.
 
 Why the terms are split into phases: the overlap model needs to know WHEN bytes move
-(forward fetch, backward fetch, per-micro-batch reduction, step boundary, refresh), while the
-byte totals must stay exactly `formulas.step_bytes`. The phases are built from the same
-`formulas` sequence functions and element formats that `step_bytes` sums, and
-tests/test_planner_costs.py asserts that they add up to it for every strategy and combination.
+(forward fetch, backward fetch, recompute fetch under activation checkpointing, per-micro-batch
+reduction, step boundary, refresh), while the byte totals must stay exactly
+`formulas.step_bytes`. The phases are `formulas.step_parts`, the very terms `step_bytes` sums,
+timed here; tests/test_planner_costs.py asserts that they add up to it for every strategy and
+combination.
 
 Overlap model, per micro-batch of forward time t_f and backward time t_b (compute only):
 
 * forward: parameter fetches (p sharded) are prefetched one unit ahead, so they hide behind
   the forward compute; exposed = max(fetch - t_f, one unit's fetch) (the first unit waits);
-* backward: re-fetches and the per-micro-batch gradient reduction share the link and hide
-  behind backward compute; exposed = max(fetch + reduce - t_b, one bucket's share) (the last
-  bucket's reduction starts when backward ends);
+* backward: re-fetches (also those for the recompute) and the per-micro-batch gradient
+  reduction share the link and hide behind backward compute; exposed = max(fetch + reduce -
+  t_b, one bucket's share) (the last bucket's reduction starts when backward ends);
 * last micro-batch: the step-boundary reduction also starts in its backward (the engine starts
   a bucket's boundary reduction as soon as its last gradient is in), same rule;
 * `Cluster.overlap = False` (hosts whose cores both compute and move bytes) hides nothing;
@@ -89,35 +90,19 @@ class Phase:
                      self.calls + other.calls, self.times)
 
 
-PHASES = ("fetch_forward", "fetch_backward", "micro_reduce", "boundary", "refresh")
-
-
-def phase_sequences(s: Strategy, shapes: formulas.DPShapes, hier: formulas.Hierarchy, zpp: formulas.ZeroPP,
-                    param_bytes: int, accum_bytes: int, micro_batches: int):
-    """(sequence, element format, times per step) of each phase, as `formulas.step_bytes` sums them."""
-    k = shapes.k
-    fetch = formulas.param_fetch_sequence(s, k, hier)
-    weights = zpp.weights if zpp.qwz else param_bytes
-    backward = ((formulas.hpz_fetch_sequence(), param_bytes) if zpp.hpz > 1 else (fetch, weights))
-    micro = ((formulas.qgz_sequence(s, shapes), zpp.grads) if zpp.qgz
-             else (formulas.micro_batch_reduce_sequence(s, k, hier), param_bytes))
-    return {"fetch_forward": (fetch, weights, micro_batches),
-            "fetch_backward": (*backward, micro_batches),
-            "micro_reduce": (*micro, micro_batches),
-            "boundary": (formulas.boundary_sequence(s, k, hier), accum_bytes, 1),
-            "refresh": (formulas.param_sync_sequence(s, k, hier), param_bytes, 1)}
-
-
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
-           micro_batches: int, cluster: Cluster) -> dict[str, Phase]:
-    seqs = phase_sequences(s, lay.shapes, lay.hier, zpp, workload.param_bytes, workload.accum_bytes,
-                           micro_batches)
+           micro_batches: int, cluster: Cluster, recomputed: list[int] | None = None) -> dict[str, Phase]:
+    """`formulas.step_parts` timed: one Phase per entry of `formulas.STEP_PHASES`.
+    `recomputed`: padded sizes of the units gathered again for a checkpointed layer's recompute."""
+    parts = formulas.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
+                                param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
+                                zeropp=zpp, recomputed_numels=recomputed or ())
     out = {}
-    for name, (seq, elem, times) in seqs.items():
-        total = Phase(times=times)
-        for n in padded:
-            for c in seq:
-                intra, inter, secs = collective_time(c, n, elem, lay.shapes, cluster)
+    for name, part in parts.items():
+        total = Phase(times=part.times)
+        for n in part.numels:
+            for c in part.sequence:
+                intra, inter, secs = collective_time(c, n, part.elem, lay.shapes, cluster)
                 total = total + Phase(intra, inter, secs, 1 if getattr(lay.shapes, c.group).size > 1 else 0)
         out[name] = total
     return out
@@ -125,12 +110,10 @@ def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, wo
 
 def norm_phase(s: Strategy, lay: Layout, cluster: Cluster) -> Phase:
     """The fp32 squared-norm all-reduce over the os owners and the TP / PP groups."""
-    groups = [getattr(lay.shapes, g) for g in formulas.norm_groups(s)] + list(lay.extra_norm_groups)
     total = Phase()
-    for g in groups:
+    for g in formulas.norm_shapes(s, lay.shapes, lay.extra_norm_groups):
         if g.size > 1:
-            total = total + Phase(2 * 4 * g.intra_peers // g.size, 2 * 4 * g.inter_peers // g.size,
-                                  group_all_reduce_time(4, g, cluster), 1)
+            total = total + Phase(*formulas.all_reduce_bytes(4, g), group_all_reduce_time(4, g, cluster), 1)
     return total
 
 
@@ -161,10 +144,15 @@ class StagePrediction:
         return self.compute_s + self.exposed_s
 
 
+def _recomputed(s: Strategy, stage: StageShape, workload: Workload, numels: list[int]) -> list[int]:
+    """Per-unit `numels` of the units gathered again for the recompute (activation checkpointing)."""
+    return stage.recomputed(numels) if workload.activation_checkpointing and s.p != Level.N else []
+
+
 def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
                     padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
     """The PaRO paper's PEFT accounting: frozen weights of each unit sharded at p and gathered
-    with it (forward and backward), never reduced or updated. Returns (frozen bytes held, the
+    with it (forward, recompute, backward), never reduced or updated. Returns (frozen bytes held, the
     extra fetch phases, the largest gathered unit). megazpp's engine does not do this."""
     pb = workload.param_bytes
     fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_units]
@@ -172,8 +160,8 @@ def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, worklo
     held += (stage.frozen - sum(stage.frozen_units)) * pb
     if zpp.hpz > 1:
         held += sum(n // zpp.hpz * pb for n in fpadded)
-    ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster)
-    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward")}
+    ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster, _recomputed(s, stage, workload, fpadded))
+    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward", "fetch_recompute")}
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
@@ -185,8 +173,10 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
                                 formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, workload.fp16))
+    recomputed = _recomputed(s, stage, workload, padded)
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
-                               accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp)
+                               accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
+                               recomputed_numels=recomputed)
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
@@ -205,7 +195,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
-    ph = phases(s, padded, lay, zpp, workload, a, cluster)
+    ph = phases(s, padded, lay, zpp, workload, a, cluster, recomputed)
     frozen_bytes = stage.frozen * pb
     if workload.shard_frozen and s.p != Level.N and stage.frozen_units:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
@@ -214,7 +204,8 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
             step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
         transient = 2 * biggest * pb + (2 * biggest * pb if s.g != Level.N else 0)
     n = max(1, len(padded))
-    fwd, bwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "fetch_backward", "micro_reduce", "boundary"))
+    fwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "micro_reduce", "boundary"))
+    bwd = ph["fetch_backward"].seconds + ph["fetch_recompute"].seconds  # the recompute runs inside backward
     hide_f, hide_b = (t_f, t_b) if cluster.overlap else (0.0, 0.0)  # compute that communication hides behind
     exposed = {
         "fetch_forward": a * max(fwd - hide_f, fwd / n),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -35,6 +36,8 @@ class StageShape:
     leaves frozen parameters whole on every rank). `frozen_units` are the frozen elements of
     each unit under a modelled trainable fraction, for the PaRO paper's PEFT accounting, where
     frozen weights are sharded at level p like the trainable ones (`Workload.shard_frozen`).
+    `recompute[i]` says whether unit i is gathered a third time per micro-batch when layers
+    run under activation checkpointing (`recompute_mask`); empty means none is.
     """
 
     stage: int
@@ -45,9 +48,14 @@ class StageShape:
     first: bool
     last: bool
     frozen_units: tuple[int, ...] = ()
+    recompute: tuple[bool, ...] = ()
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
         return self.buckets if strategy.p == Level.N else self.units
+
+    def recomputed(self, numels: Sequence[int]) -> list[int]:
+        """The entries of per-unit `numels` whose unit is gathered again for the recompute."""
+        return [n for n, again in zip(numels, self.recompute) if again]
 
     @property
     def trainable(self) -> int:
@@ -83,6 +91,38 @@ def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float)
     return trainable, frozen
 
 
+def recompute_mask(model: nn.Module, units: list[ParamGroupSpec]) -> tuple[bool, ...]:
+    """Per unit: is it gathered again for the recompute of its checkpointed layer?
+
+    Why not every unit of a layer: the recompute starts when backward first needs a tensor the
+    layer saved. A unit whose output reaches the layer's output only through operations that
+    save nothing (the dense MLP's output projection, a whole MoE block or a whole layer as one
+    unit, when hidden dropout is off) has already been gathered by its backward hook by then;
+    the recompute stops early right after that unit's forward (torch's non-reentrant checkpoint),
+    before its release hook, so it stays gathered into its backward. Every other unit of the
+    layer is gathered, released, and gathered again (megazpp.zero.param_fetch).
+    """
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return tuple(False for _ in units)
+    dropout = getattr(getattr(model, "cfg", None), "hidden_dropout", 0.0) > 0
+    layer_of: dict[int, nn.Module] = {}
+    for layer in layers.values():
+        for m in layer.modules():
+            layer_of[id(m)] = layer
+    mask = []
+    for spec in units:
+        layer = layer_of.get(id(spec.module))
+        if layer is None:
+            mask.append(False)
+            continue
+        mlp = layer.mlp
+        ends = [layer, mlp] if getattr(layer, "is_moe", False) else [layer, mlp, list(mlp.children())[-1]]
+        stays = any(spec.module is m for m in ends) and not (dropout and spec.module is not layer)
+        mask.append(not stays)
+    return tuple(mask)
+
+
 def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage: int = 0,
                    layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
                    trainable_fraction: float = 1.0) -> StageShape:
@@ -96,11 +136,12 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage
         raise ConfigError(f"trainable_fraction = {trainable_fraction!r}: expected a fraction in (0, 1]")
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
-    units, frozen_u = _numels(parameter_units(model, threshold), sizes, trainable_fraction)
+    specs = parameter_units(model, threshold)
+    units, frozen_u = _numels(specs, sizes, trainable_fraction)
     buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
     frozen_units = tuple(frozen_u) if any(frozen_u) else ()
     return StageShape(stage, tuple(units), tuple(buckets), frozen_params + sum(frozen_u), layers, first, last,
-                      frozen_units)
+                      frozen_units, recompute_mask(model, specs))
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:

@@ -150,7 +150,8 @@ def micro_batch_reduce_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Co
 
 
 def param_fetch_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
-    """Before a unit's forward and again before its backward: rebuild full parameters."""
+    """Before a unit's forward, its recompute (activation checkpointing) and its backward:
+    rebuild full parameters."""
     return gather_sequence(s.p, Level.N, k, hier)
 
 
@@ -185,7 +186,7 @@ def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes:
     if g.size == 1:
         return 0, 0
     if c.op == "all_reduce":
-        return 2 * nbytes * g.intra_peers // g.size, 2 * nbytes * g.inter_peers // g.size
+        return all_reduce_bytes(nbytes, g)
     per_peer = nbytes // g.size
     return per_peer * g.intra_peers, per_peer * g.inter_peers
 
@@ -250,37 +251,88 @@ def norm_groups(s: Strategy) -> list[str]:
     return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.os]
 
 
-def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
-               micro_batches: int, param_bytes: int, accum_bytes: int,
-               extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None) -> tuple[int, int]:
-    """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`.
+STEP_PHASES = ("fetch_forward", "fetch_backward", "fetch_recompute", "micro_reduce", "boundary", "refresh")
 
-    Per bucket: 2 parameter fetches per micro-batch (forward, backward) when p is sharded,
-    one gradient reduction to g per micro-batch, the boundary reduction to os in the
-    accumulation dtype, the parameter refresh to p; plus one fp32 all-reduce of the squared
-    norm over the os owners and over `extra_norm_groups` (tensor / pipeline groups). With
-    ZeRO++ (`zeropp`) the fetches and the micro-batch reduction take its sequences and formats.
+
+@dataclass(frozen=True)
+class StepPart:
+    """One communication phase of a step: the sequence run on each of its buckets, the wire
+    format, how often per step, and the padded sizes of the buckets it moves."""
+
+    sequence: tuple[Collective, ...]
+    elem: ElemFormat
+    times: int
+    numels: tuple[int, ...]
+
+    def bytes_once(self, shapes: DPShapes) -> tuple[int, int]:
+        """(intra, inter) bytes of one occurrence over all its buckets."""
+        intra = inter = 0
+        for n in self.numels:
+            a, b = sequence_bytes(self.sequence, n, self.elem, shapes)
+            intra, inter = intra + a, inter + b
+        return intra, inter
+
+
+def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
+               micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: "ZeroPP | None" = None,
+               recomputed_numels: Iterable[int] = ()) -> dict[str, StepPart]:
+    """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
+    when the bytes move (the planner's overlap model).
+
+    Per micro-batch, when p is sharded: a fetch before each unit's forward and one before its
+    backward; with activation checkpointing also one before its recompute inside backward, for
+    the units in `recomputed_numels` (a checkpointed layer's units, except one its backward hook
+    already gathered when the recompute starts: megazpp.planner.shape.recompute_mask). The
+    recompute gathers as backward does: under hpZ from the secondary shard, under qwZ without
+    hpZ the quantized primary shard. Then one gradient reduction to g per micro-batch, and per
+    step the boundary reduction to os (accumulation dtype) and the parameter refresh to p.
+    With ZeRO++ (`zeropp`) the fetches and the micro-batch reduction take its sequences and formats.
     """
     k = shapes.k
     pp = zeropp or ZeroPP()
+    numels = tuple(padded_numels)
+    fetch = tuple(param_fetch_sequence(s, k, hier))
+    weights: ElemFormat = pp.weights if pp.qwz else param_bytes
+    backward = (tuple(hpz_fetch_sequence()), param_bytes) if pp.hpz > 1 else (fetch, weights)
+    micro = ((tuple(qgz_sequence(s, shapes)), pp.grads) if pp.qgz
+             else (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes))
+    return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels),
+            "fetch_backward": StepPart(*backward, micro_batches, numels),
+            "fetch_recompute": StepPart(*backward, micro_batches, tuple(recomputed_numels)),
+            "micro_reduce": StepPart(*micro, micro_batches, numels),
+            "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
+            "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, numels)}
+
+
+def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[GroupShape] = ()) -> list[GroupShape]:
+    """Groups the fp32 squared-norm scalar is all-reduced over: the os owners, then the
+    tensor / pipeline groups."""
+    return [getattr(shapes, g) for g in norm_groups(s)] + list(extra_norm_groups)
+
+
+def all_reduce_bytes(nbytes: int, g: GroupShape) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives in an all-reduce of `nbytes` over `g`."""
+    if g.size == 1:
+        return 0, 0
+    return 2 * nbytes * g.intra_peers // g.size, 2 * nbytes * g.inter_peers // g.size
+
+
+def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
+               micro_batches: int, param_bytes: int, accum_bytes: int,
+               extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None,
+               recomputed_numels: Iterable[int] = ()) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
+    phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
+    and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
-    fetch = param_fetch_sequence(s, k, hier)
-    forward = (fetch, pp.weights if pp.qwz else param_bytes, micro_batches)
-    backward = ((hpz_fetch_sequence(), param_bytes, micro_batches) if pp.hpz > 1
-                else (fetch, pp.weights if pp.qwz else param_bytes, micro_batches))
-    micro = ((qgz_sequence(s, shapes), pp.grads, micro_batches) if pp.qgz
-             else (micro_batch_reduce_sequence(s, k, hier), param_bytes, micro_batches))
-    for n in padded_numels:
-        parts = [forward, backward, micro, (boundary_sequence(s, k, hier), accum_bytes, 1),
-                 (param_sync_sequence(s, k, hier), param_bytes, 1)]
-        for seq, elem, times in parts:
-            a, b = sequence_bytes(seq, n, elem, shapes)
-            intra, inter = intra + times * a, inter + times * b
-    norm_shapes = [getattr(shapes, g) for g in norm_groups(s)] + list(extra_norm_groups)
-    for g in norm_shapes:
-        if g.size > 1:
-            intra += 2 * 4 * g.intra_peers // g.size
-            inter += 2 * 4 * g.inter_peers // g.size
+    parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
+                       accum_bytes=accum_bytes, zeropp=zeropp, recomputed_numels=recomputed_numels)
+    for part in parts.values():
+        a, b = part.bytes_once(shapes)
+        intra, inter = intra + part.times * a, inter + part.times * b
+    for g in norm_shapes(s, shapes, extra_norm_groups):
+        a, b = all_reduce_bytes(4, g)
+        intra, inter = intra + a, inter + b
     return intra, inter
 
 
