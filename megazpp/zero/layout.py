@@ -16,6 +16,7 @@ zero, gets zero gradients, and counts as no-decay.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,6 +92,14 @@ class BucketLayout:
             if k and a < b:
                 out.append((a - lo, b - lo))
         return out
+
+    def describe(self) -> dict[str, Any]:
+        """The layout without tensors, in terms any reader understands (global parameter names,
+        shapes, flat offsets): what a checkpoint needs to place its shards without rebuilding
+        the model or re-deriving the nested I/G order."""
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
+                "offsets": list(self.offsets), "decay_numel": self.decay_numel, "numel": self.numel,
+                "padded": self.padded, "d": self.d, "k": self.k, "dp_index": self.dp_index}
 
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
