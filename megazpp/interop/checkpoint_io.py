@@ -9,11 +9,9 @@ Where the weights of a (tp_rank, pp_rank) part live depends on the engine that w
 - LocalEngine (dp = 1): "model" holds the part's weights in the model dtype; with bf16/fp16
   its fp32 masters are engine["masters"], a list in `named_parameters` order.
 - ZeRO engines (engine state carries "strategy" = "pgo", e.g. "NNG"): with parameters
-  replicated (p = N), or saved while gathered (`ZeroEngine.gathered_parameters()`), DP rank
-  0's "model" holds the whole part and is read. Released parameters (p = I or G, saved as
-  empty tensors) and the sharded masters must be reassembled from the flat bucket shards of
-  every DP rank; they are refused by name until the bucket layout is saved with the state
-  (see docs/arch/interop.md, "ZeRO checkpoints").
+  replicated (p = N) DP rank 0's "model" holds the whole part and is read. Released
+  parameters (p = I or G, saved as empty tensors) and the sharded fp32 masters are
+  reassembled from the flat bucket shards of every DP rank (`zero_shards.py`).
 
 Weights-only checkpoints (what an import writes) hold {"iteration": 0, "consumed_samples": 0,
 "model": ...} per rank and record the model config and `"weights_only": true` in
@@ -33,6 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from megazpp.errors import CheckpointError, ConfigError
+from megazpp.interop.zero_shards import consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.training.checkpoint import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE,
@@ -60,17 +59,9 @@ def _zero_strategy(engine: Any) -> str | None:
     return None
 
 
-def _check_whole(model: Mapping[str, torch.Tensor], stage: StageLayout, tp: int,
-                 strategy: str, file: Path) -> None:
-    """A ZeRO run whose parameters were released when it saved left empty tensors."""
-    for key in stage.keys:
-        tensor = model.get(key)
-        if tensor is not None and tensor.shape != stage.shard_shape(key, tp):
-            raise CheckpointError(
-                f"{file}: {key!r} was saved with shape {tuple(tensor.shape)} by the ZeRO engine "
-                f"with strategy {strategy}, which shards parameters over data-parallel ranks; "
-                "reassembling ZeRO parameter shards is not implemented yet (save with p = N, "
-                "or inside ZeroEngine.gathered_parameters())")
+def _is_whole(model: Mapping[str, torch.Tensor], stage: StageLayout, tp: int) -> bool:
+    """False when a ZeRO run saved released (empty) parameters (p = I / G)."""
+    return all(model[key].shape == stage.shard_shape(key, tp) for key in stage.keys if key in model)
 
 
 class CheckpointReader:
@@ -140,11 +131,9 @@ class CheckpointReader:
         strategy = _zero_strategy(engine)
         model = state["model"]
         if strategy is not None:
-            _check_whole(model, stage, self.tp, strategy, file)
-            if masters:
-                raise CheckpointError(f"{file}: fp32 masters of a ZeRO checkpoint are sharded "
-                                      "over data-parallel ranks; exporting them is not "
-                                      "implemented yet (export the model weights instead)")
+            if masters or not _is_whole(model, stage, self.tp):
+                return consolidated_part(self, tp_rank, pp_rank, model, masters)
+            return model
         if not masters or engine is None or engine.get("masters") is None:
             return model
         saved = engine["masters"]

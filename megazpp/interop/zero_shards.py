@@ -1,0 +1,163 @@
+"""Full per-parameter tensors out of the DP shards of a ZeRO checkpoint part.
+
+Every rank file of a ZeRO run records, per bucket, its layout (global parameter names,
+shapes, flat offsets, padding) and the `[start, end)` ranges of the bucket's unpermuted flat
+buffer that each saved tensor covers (`ZeroEngine.state_dict`). So a reader fills one flat
+buffer per bucket and kind (parameters, fp32 masters, Adam moments) from all DP ranks' files
+without knowing the PaRO strategy or the nested I/G order, checks that every element of the
+unpadded part was covered, and slices tensors by name. Consolidated exports and resharding
+resume (`reshard.py`) both start from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megazpp.errors import CheckpointError
+from megazpp.model.gpt import EMBEDDING_WEIGHT
+from megazpp.zero.engine import FULL_STATE_FORMAT
+
+
+class PartReader(Protocol):
+    """What is read from a checkpoint (`checkpoint_io.CheckpointReader`)."""
+
+    path: Any
+    dp: int
+    iteration: int
+
+    def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Any: ...
+
+    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]: ...
+
+
+KINDS = ("params", "masters", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class FullPartState:
+    """One (tp, pp) part's ZeRO state as full tensors keyed by global parameter name."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor (moments may be empty)
+    adam_step: torch.Tensor | None
+    step_count: int
+    loss_scaler: Any
+    source: str  # "strategy S, dp D, paro group K" of the checkpoint
+
+    def engine_state(self) -> dict[str, Any]:
+        """The input of `ZeroEngine.load_state_dict` for a layout other than the saved one."""
+        has_moments = self.adam_step is not None
+        return {"format": FULL_STATE_FORMAT, "source": self.source, "step_count": self.step_count,
+                "loss_scaler": self.loss_scaler, "adam_step": self.adam_step,
+                "params": self.tensors["params"], "masters": self.tensors["masters"],
+                "exp_avg": self.tensors["exp_avg"] if has_moments else None,
+                "exp_avg_sq": self.tensors["exp_avg_sq"] if has_moments else None}
+
+
+def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[dict[str, Any]]:
+    states = []
+    for dp_rank in range(reader.dp):
+        file = reader.rank_file(tp_rank, pp_rank, dp_rank)
+        state = reader.rank_state(tp_rank, pp_rank, dp_rank)
+        if state.get("iteration") != reader.iteration:
+            raise CheckpointError(f"{file}: holds iteration {state.get('iteration')}, the checkpoint's "
+                                  f"metadata says {reader.iteration}")
+        engine = state.get("engine")
+        if not isinstance(engine, dict) or "strategy" not in engine:
+            raise CheckpointError(f"{file}: holds no ZeRO engine state to reassemble")
+        if "optimizer_slots" not in engine or any("ranges" not in b for b in engine["buckets"]):
+            raise CheckpointError(f"{file}: ZeRO state (strategy {engine['strategy']}) without shard "
+                                  "placement (saved by an older megazpp): its shards cannot be "
+                                  "reassembled; it resumes only at its own layout")
+        if engine["dp_rank"] != dp_rank or engine["dp"] != reader.dp:
+            raise CheckpointError(f"{file}: engine state of dp rank {engine['dp_rank']} of "
+                                  f"{engine['dp']}, expected {dp_rank} of {reader.dp}")
+        states.append(engine)
+    def shared(engine: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in b["layout"].items() if k != "dp_index"} for b in engine["buckets"]]
+
+    for dp_rank, engine in enumerate(states[1:], start=1):
+        if shared(engine) != shared(states[0]):
+            raise CheckpointError(f"{reader.rank_file(tp_rank, pp_rank, dp_rank)}: bucket layouts "
+                                  f"differ from dp rank 0's (files of different runs?)")
+    return states
+
+
+def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Bucket `index`'s flat buffers filled from every rank's ranges, sliced by name."""
+    layout = states[0]["buckets"][index]["layout"]
+    padded, numel = layout["padded"], layout["numel"]
+    flats: dict[str, torch.Tensor] = {}
+    covered = {kind: torch.zeros(padded, dtype=torch.bool) for kind in KINDS}
+
+    def put(kind: str, lo: int, hi: int, tensor: torch.Tensor) -> None:
+        if kind not in flats:
+            flats[kind] = torch.zeros(padded, dtype=tensor.dtype)
+        if hi - lo != tensor.numel():
+            raise CheckpointError(f"{where}: {kind} piece of {tensor.numel()} elements for range "
+                                  f"[{lo}, {hi})")
+        flats[kind][lo:hi] = tensor.reshape(-1)
+        covered[kind][lo:hi] = True
+
+    for engine in states:
+        saved = engine["buckets"][index]
+        ranges = saved["ranges"]
+        put("params", *ranges["param_store"], saved["param_store"])
+        for (lo, hi), master in zip(ranges["masters"], saved["masters"]):
+            put("masters", lo, hi, master)
+        adam = engine["optimizer"]["state"]
+        for slot, (b, j) in enumerate(engine["optimizer_slots"]):
+            if b == index and slot in adam:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    put(kind, *ranges["masters"][j], adam[slot][kind])
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in KINDS:
+        if kind not in flats:
+            continue
+        missing = (~covered[kind][:numel]).nonzero()
+        if len(missing):
+            raise CheckpointError(f"{where}: bucket {layout['names'][:1]}... {kind}: no rank file "
+                                  f"covers flat element {int(missing[0])}")
+        out[kind] = {name: flats[kind][off:off + torch.Size(shape).numel()].view(shape)
+                     for name, off, shape in zip(layout["names"], layout["offsets"], layout["shapes"])}
+    return out
+
+
+def _adam_step(states: list[dict[str, Any]]) -> torch.Tensor | None:
+    for engine in states:
+        for entry in engine["optimizer"]["state"].values():
+            if "step" in entry:
+                return torch.as_tensor(entry["step"]).clone()
+    return None
+
+
+def full_part_state(reader: PartReader, tp_rank: int, pp_rank: int) -> FullPartState:
+    """The (tp_rank, pp_rank) part's ZeRO state from all its DP ranks' files."""
+    states = _zero_engine_states(reader, tp_rank, pp_rank)
+    tensors: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}
+    where = f"{reader.path} (tp {tp_rank}, pp {pp_rank})"
+    for index in range(len(states[0]["buckets"])):
+        for kind, by_name in _assemble(states, index, where).items():
+            tensors[kind].update(by_name)
+    first = states[0]
+    step = _adam_step(states)
+    if step is not None and len(tensors["exp_avg"]) != len(tensors["masters"]):
+        raise CheckpointError(f"{where}: Adam moments saved for only some parameters")
+    return FullPartState(tensors, step, int(first["step_count"]), first.get("loss_scaler"),
+                         f"strategy {first['strategy']}, dp {first['dp']}, paro group {first['k']}")
+
+
+def consolidated_part(reader: PartReader, tp_rank: int, pp_rank: int,
+                      model: dict[str, torch.Tensor], masters: bool) -> dict[str, torch.Tensor]:
+    """DP rank 0's `model` state of a ZeRO part with every parameter whole (from the shards;
+    the fp32 masters instead with `masters`). A tied output layer is the embedding's tensor."""
+    full = full_part_state(reader, tp_rank, pp_rank).tensors["masters" if masters else "params"]
+    out = dict(model)
+    for key in model:
+        if key in full:
+            out[key] = full[key]
+        elif key == "output_layer.weight" and EMBEDDING_WEIGHT in full:
+            out[key] = full[EMBEDDING_WEIGHT]
+    return out

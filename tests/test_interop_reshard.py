@@ -1,0 +1,117 @@
+"""Resharding resume and consolidated export of a ZeRO-sharded checkpoint.
+
+A 4-rank ZeRO-3 (GGG, 2 virtual nodes x 2) fp32 run trains 6 steps, saving at 3 and 6. A
+2-rank NNG run resumes from step 3 (parameters, fp32 masters, Adam moments and step
+redistributed) and must reproduce steps 4-6 within 1e-6: same global batch, so the sampler
+gives the same samples. The step-6 checkpoint exported by tools/export_checkpoint.py equals
+the weights `ZeroEngine.gathered_parameters()` showed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pretrain_gpt
+from megazpp.config import load_config
+from megazpp.data.builder import build_gpt_datasets
+from megazpp.errors import CheckpointError
+from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.topology import Topology
+from megazpp.training.logger import TrainingLogger
+from megazpp.training.trainer import Trainer
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _export_tool():
+    spec = importlib.util.spec_from_file_location("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
+    return ["--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "90,10,0",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--lr", "1e-2", "--adam-eps", "1e-3", "--train-iters", "6",
+            "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100", "--seed", "5",
+            "--paro-strategy", strategy, "--save", save, "--save-interval", "3"]
+
+
+def _train(argv: list[str], reshard_from: str | None) -> tuple[dict[int, float], dict, bool]:
+    """pretrain_gpt's setup with the resharding hook: losses, gathered weights at the end, and
+    whether the hook saw a layout change."""
+    cfg = load_config(argv)
+    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
+    pretrain_gpt.seed_everything(cfg.training.seed, topology)
+    t = cfg.training
+    train_ds, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
+                                        (t.train_iters * t.global_batch_size, 0, 0), t.seed)
+    device = torch.device("cpu")
+    model = pretrain_gpt.build_model(cfg, topology, device)
+    engine = pretrain_gpt.build_engine(cfg, model, topology)
+    logger = TrainingLogger(enabled=False, tensorboard_dir=None, log_interval=100,
+                            train_iters=t.train_iters, tokens_per_step=1, flops_per_step=1.0,
+                            world_size=topology.world_size, device=device)
+    trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device)
+    changed = False
+    if reshard_from is not None:
+        changed = needs_reshard(reshard_from, engine, topology)
+        trainer.resume(load_resharded(reshard_from, topology, model, engine))
+    losses = trainer.train().losses
+    with engine.gathered_parameters():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, weights, changed
+
+
+def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_model, tmp_path):
+    data = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    sharded = str(tmp_path / "ggg4")
+    ranks = run_ranks(_train, 4, _args(*data, sharded, "GGG"), None, timeout_s=300, env=env)
+    reference, gathered, _ = ranks[0]
+    assert reference[6] < reference[1] - 0.05  # the steps change the model
+    step3 = str(Path(sharded) / "iter_0000003")
+
+    resumed = run_ranks(_train, 2, _args(*data, str(tmp_path / "nng2"), "NNG"), step3,
+                        timeout_s=300, env=env)
+    for losses, _, changed in resumed:
+        assert changed
+        assert sorted(losses) == [4, 5, 6]
+        for i in (4, 5, 6):
+            assert losses[i] == pytest.approx(reference[i], abs=1e-6), (i, losses, reference)
+
+    export_checkpoint = _export_tool()
+    out = tmp_path / "full.safetensors"
+    assert export_checkpoint.main(["--load", sharded, "--output", str(out)]) == 0
+    exported = load_file(str(out))
+    assert sorted(exported) == sorted(gathered)
+    for name, tensor in gathered.items():
+        assert torch.equal(exported[name], tensor), name
+    masters = tmp_path / "masters.safetensors"
+    assert export_checkpoint.main(["--load", sharded, "--output", str(masters), "--masters"]) == 0
+    for name, tensor in load_file(str(masters)).items():  # fp32 run: masters are the weights
+        assert torch.equal(tensor, gathered[name]), name
+
+
+def test_reshard_refuses_other_tensor_parallel_layout(tiny_indexed_prefix, tmp_path):
+    from megazpp.interop.checkpoint_io import write_weights_checkpoint
+    from megazpp.model.config import ModelConfig
+    from megazpp.model.gpt import GPTModel
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=64, vocab_size=128, seq_length=16).validate()
+    path = write_weights_checkpoint(tmp_path / "tp2", cfg, GPTModel(cfg).state_dict(), tp=2, pp=1)
+    topology = Topology.from_env(1, 1)
+    with pytest.raises(CheckpointError, match="tp 2"):
+        needs_reshard(path, None, topology)
