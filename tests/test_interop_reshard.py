@@ -3,15 +3,18 @@
 A 4-rank ZeRO-3 (GGG, 2 virtual nodes x 2) fp32 run trains 6 steps, saving at 3 and 6. A
 2-rank NNG run resumes from step 3 (parameters, fp32 masters, Adam moments and step
 redistributed) and must reproduce steps 4-6 within 1e-6: same global batch, so the sampler
-gives the same samples. The step-6 checkpoint exported by tools/export_checkpoint.py equals
+gives the same samples. A 2-rank GGG run with qgZ + LoCo resumes from the same step with
+the step-3 weights exactly (its LoCo buffers start from zero, with a warning). The step-6 checkpoint exported by tools/export_checkpoint.py equals
 the weights `ZeroEngine.gathered_parameters()` showed at the end of the run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ import pretrain_gpt
 from megazpp.config import load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
+from megazpp.interop.checkpoint_io import CheckpointReader
+from megazpp.interop.consolidate import consolidated_weights
 from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
@@ -47,9 +52,9 @@ def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
             "--paro-strategy", strategy, "--save", save, "--save-interval", "3"]
 
 
-def _train(argv: list[str], reshard_from: str | None) -> tuple[dict[int, float], dict, bool]:
-    """pretrain_gpt's setup with the resharding hook: losses, gathered weights at the end, and
-    whether the hook saw a layout change."""
+def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
+    """pretrain_gpt's setup with the resharding hook: losses, the gathered weights right after
+    the resume and at the end, whether the hook saw a layout change, the engine's warnings."""
     cfg = load_config(argv)
     cfg.validate(int(os.environ["WORLD_SIZE"]))
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
@@ -64,32 +69,55 @@ def _train(argv: list[str], reshard_from: str | None) -> tuple[dict[int, float],
                             train_iters=t.train_iters, tokens_per_step=1, flops_per_step=1.0,
                             world_size=topology.world_size, device=device)
     trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device)
-    changed = False
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    logging.getLogger("megazpp.zero.engine").addHandler(handler)
+    out: dict[str, Any] = {"changed": False}
     if reshard_from is not None:
-        changed = needs_reshard(reshard_from, engine, topology)
+        out["changed"] = needs_reshard(reshard_from, engine, topology)
         trainer.resume(load_resharded(reshard_from, topology, model, engine))
-    losses = trainer.train().losses
+        with engine.gathered_parameters():
+            out["resumed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["losses"] = trainer.train().losses
     with engine.gathered_parameters():
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return losses, weights, changed
+        out["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logging.getLogger("megazpp.zero.engine").removeHandler(handler)
+    out["warnings"] = [r.getMessage() for r in warnings if r.levelno >= logging.WARNING]
+    return out
+
+
+def _resume_legs(nng: list[str], ggg_loco: list[str], step3: str) -> list[dict[str, Any]]:
+    return [_train(nng, step3), _train(ggg_loco, step3)]
 
 
 def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_model, tmp_path):
     data = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
     env = {"LOCAL_WORLD_SIZE": "2"}
     sharded = str(tmp_path / "ggg4")
-    ranks = run_ranks(_train, 4, _args(*data, sharded, "GGG"), None, timeout_s=300, env=env)
-    reference, gathered, _ = ranks[0]
+    run = run_ranks(_train, 4, _args(*data, sharded, "GGG"), None, timeout_s=300, env=env)[0]
+    reference, gathered = run["losses"], run["final"]
     assert reference[6] < reference[1] - 0.05  # the steps change the model
     step3 = str(Path(sharded) / "iter_0000003")
 
-    resumed = run_ranks(_train, 2, _args(*data, str(tmp_path / "nng2"), "NNG"), step3,
-                        timeout_s=300, env=env)
-    for losses, _, changed in resumed:
-        assert changed
-        assert sorted(losses) == [4, 5, 6]
+    loco = _args(*data, str(tmp_path / "ggg2_loco"), "GGG") + ["--zero-quantized-gradients", "--loco"]
+    legs = run_ranks(_resume_legs, 2, _args(*data, str(tmp_path / "nng2"), "NNG"), loco, step3,
+                     timeout_s=300, env=env)
+    cfg = load_config(_args(*data, sharded, "GGG")).model
+    at_step3 = consolidated_weights(CheckpointReader(step3), cfg)
+    for nng, ggg in legs:
+        assert nng["changed"] and ggg["changed"]
+        assert sorted(nng["losses"]) == [4, 5, 6]
         for i in (4, 5, 6):
-            assert losses[i] == pytest.approx(reference[i], abs=1e-6), (i, losses, reference)
+            assert nng["losses"][i] == pytest.approx(reference[i], abs=1e-6), (i, nng["losses"], reference)
+        for leg in (nng, ggg):  # replicated (NNG) and released-then-gathered (GGG) parameters
+            assert sorted(leg["resumed"]) == sorted(at_step3)
+            assert all(torch.equal(leg["resumed"][n], t) for n, t in at_step3.items())
+        # step 4's forward uses the exact step-3 weights; later steps see qgZ's 4-bit gradients
+        assert ggg["losses"][4] == pytest.approx(reference[4], abs=1e-6)
+        assert ggg["losses"][6] == pytest.approx(reference[6], abs=2e-2)
+        assert any("LoCo error buffers" in w for w in ggg["warnings"]), ggg["warnings"]
+        assert not nng["warnings"]
 
     export_checkpoint = _export_tool()
     out = tmp_path / "full.safetensors"
