@@ -21,7 +21,7 @@ from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas
-from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
+from megazpp.zero.strategy import VALID_STRATEGIES, Level, parse_strategy
 
 _spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -46,14 +46,16 @@ def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
     for opt in options(workload, cluster):
         lay = layout(workload, cluster, opt.zeropp.hpz)
         padded = [formulas.padded_numel(n, lay.d, opt.zeropp.alignment()) for n in numels]
-        ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster)
+        recomputed = padded[1:]  # activation checkpointing: these units are fetched a third time
+        ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, recomputed)
         norm = formulas.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
                                    accum_bytes=4, extra_norm_groups=lay.extra_norm_groups)
         ours = (sum(p.intra * p.times for p in ph.values()) + norm[0],
                 sum(p.inter * p.times for p in ph.values()) + norm[1])
         assert ours == formulas.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
                                            param_bytes=2, accum_bytes=4, extra_norm_groups=lay.extra_norm_groups,
-                                           zeropp=opt.zeropp), (opt.name, nodes, gpus)
+                                           zeropp=opt.zeropp, recomputed_numels=recomputed), (opt.name, nodes, gpus)
+        assert (ph["fetch_recompute"].intra > 0) == (opt.strategy.p != Level.N and lay.k > 1), opt.name
 
 
 def test_zeropp_options_only_where_they_act():
