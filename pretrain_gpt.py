@@ -13,6 +13,7 @@ import os
 import random
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -21,15 +22,16 @@ import torch.distributed as dist
 
 from megazpp.config import Config, load_config
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.errors import ConfigError, MegazppError
+from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.errors import CheckpointError, ConfigError, MegazppError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (LoadedCheckpoint, is_weights_only, latest_checkpoint,
-                                         load_checkpoint, load_model_weights)
+from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, is_weights_only,
+                                         latest_checkpoint, load_checkpoint, load_model_weights)
 from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.schedule import forward_backward
@@ -92,21 +94,33 @@ def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
                              sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def find_checkpoint(cfg: Config, topology: Topology) -> LoadedCheckpoint | None:
-    """The checkpoint to start from; None: from scratch.
+def checkpoint_dir(cfg: Config) -> str | None:
+    """The directory to start from; None: from scratch.
 
-    `--load`'s, or else `--save`'s own latest one, so a job restarted by torchrun
-    (`--max-restarts`) resumes where it stopped. When `--load` holds imported weights only
-    (a starting point, no run state) and `--save` already holds this run's progress, the run
-    resumes from `--save` instead of starting over from the imported weights.
+    `--load`'s, or else `--save`'s own, so a job restarted by torchrun (`--max-restarts`)
+    resumes where it stopped. When `--load` holds imported weights only (a starting point, no
+    run state) and `--save` already holds this run's progress, the run resumes from `--save`
+    instead of starting over from the imported weights.
     """
     ck = cfg.checkpoint
     load_dir = ck.load or ck.save
     if ck.load and ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
         load_dir = ck.save
-    if not load_dir:
-        return None
-    return load_checkpoint(load_dir, topology, fallback=ck.load_fallback)
+    return load_dir or None
+
+
+def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPTModel,
+                      engine: Engine) -> LoadedCheckpoint:
+    """This run's own checkpoint, resharded when it was written under another data-parallel
+    size or PaRO strategy (that is only known once the engine, and so its layout, exists)."""
+    try:
+        reshard = needs_reshard(load_dir, engine, topology)
+    except CheckpointError:
+        # unreadable newest checkpoint: the loader names the damage, or falls back when asked
+        reshard = False
+    if reshard:
+        return load_resharded(load_dir, topology, model, engine)
+    return load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
 
 
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
@@ -141,12 +155,17 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
         (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
-    loaded = find_checkpoint(cfg, topology)
+    load_dir = checkpoint_dir(cfg)
+    imported = load_dir is not None and is_weights_only(load_dir)
+    loaded = (load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
+              if imported else None)
     model = build_model(cfg, topology, device)
-    if loaded is not None and loaded.weights_only:
+    if loaded is not None:
         # before the engine exists: it copies the weights into its fp32 masters and shards
         load_model_weights(model, loaded.state["model"])
     engine = build_engine(cfg, model, topology)
+    if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
+        loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,

@@ -26,7 +26,7 @@ from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
-from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.interop.reshard import needs_reshard
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.training.logger import TrainingLogger
@@ -76,7 +76,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"changed": False}
     if reshard_from is not None:
         out["changed"] = needs_reshard(reshard_from, engine, topology)
-        trainer.resume(load_resharded(reshard_from, topology, model, engine))
+        trainer.resume(pretrain_gpt.resume_checkpoint(cfg, reshard_from, topology, model, engine))
         with engine.gathered_parameters():
             out["resumed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["losses"] = trainer.train().losses
