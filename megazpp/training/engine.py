@@ -64,7 +64,25 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class LocalEngine:
+class ScaledOptimizerEngine:
+    """What every engine shares: an fp16 loss scaler (None outside fp16) and the AdamW whose
+    learning rate the trainer sets each step. Subclasses assign `scaler` and `optimizer`."""
+
+    scaler: LossScaler | None
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+
+class LocalEngine(ScaledOptimizerEngine):
     """The engine for one data-parallel rank (DP = 1), under any TP x PP layout.
 
     `norm_groups`: process groups whose ranks' gradients together form the model (TP, PP), so
@@ -123,16 +141,6 @@ class LocalEngine:
             return param.grad
         index = self._index[id(param)]
         return self._main_grads[index] if self._touched[index] else None
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler else loss
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
 
     def _master_grads(self) -> list[tuple[int, torch.Tensor]]:
         """Attach this step's fp32 gradient to each master that received one."""

@@ -29,10 +29,10 @@ from torch import nn
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-from megazpp.training.engine import DTYPES, StepResult, model_dtype
+from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.training.loss_scaler import LossScaler
-from megazpp.training.optimizer import build_adamw, set_lr
+from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
@@ -63,7 +63,7 @@ class ZeroOptions:
     zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
 
 
-class ZeroEngine:
+class ZeroEngine(ScaledOptimizerEngine):
     """The optimizer-engine protocol (scale_loss, step, zero_grad, state_dict) over DP ranks."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
@@ -287,16 +287,6 @@ class ZeroEngine:
         b.boundary_pending = self.paths.start_boundary(b)
 
     # -- the engine protocol -----------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler else loss
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-
     def _os_gradients(self) -> list[torch.Tensor]:
         """Finish every bucket's reductions; the fully reduced fp32 gradient of my os shard."""
         grads = []
