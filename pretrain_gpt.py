@@ -26,6 +26,7 @@ from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.errors import CheckpointError, ConfigError, MegazppError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory:
         return _train(cfg, device)
     finally:
         if started:
-            dist.destroy_process_group()
+            release_process_groups()
 
 
 def _train(cfg: Config, device: torch.device) -> TrainHistory:

@@ -8,6 +8,7 @@ is re-raised in the parent with the rank named, instead of leaving the others ha
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import tempfile
@@ -18,6 +19,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def release_process_groups() -> None:
+    """Collect cyclic garbage, then destroy the process groups.
+
+    Engines, their hook closures and the model form reference cycles that hold process groups;
+    left to the collector at interpreter exit, a group's destructor would run after
+    `destroy_process_group` and abort the process (SIGABRT) after its work was done.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _rank_entry(rank: int, world_size: int, store_path: str, out_dir: str, timeout_s: float,
@@ -33,7 +45,7 @@ def _rank_entry(rank: int, world_size: int, store_path: str, out_dir: str, timeo
         try:
             value = fn(*args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            release_process_groups()
         payload = ("ok", value)
     except BaseException:  # reported to the parent with the rank named, then re-raised there
         payload = ("error", traceback.format_exc())
