@@ -28,7 +28,7 @@ from torch import nn
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.training.loss_scaler import LossScaler
+from megazpp.training.loss_scaler import LossScaler, scaler_for
 from megazpp.training.optimizer import build_adamw, named_trainable, param_groups, set_lr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,13 +117,7 @@ class LocalEngine(ScaledOptimizerEngine):
             self._touched = [False] * len(self.params)
             for i, p in enumerate(self.params):
                 p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
-        self.scaler: LossScaler | None = None
-        if precision.fp16:
-            dynamic = precision.loss_scale == 0
-            self.scaler = LossScaler(
-                precision.initial_loss_scale if dynamic else precision.loss_scale,
-                dynamic=dynamic, min_scale=precision.min_loss_scale,
-                growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+        self.scaler = scaler_for(precision)
 
     def _accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:

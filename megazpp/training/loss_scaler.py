@@ -9,6 +9,8 @@ that does not overflow. A static scaler (`dynamic=False`) only skips.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LossScaler:
     def __init__(self, initial_scale: float, *, dynamic: bool = True, min_scale: float = 1.0,
@@ -42,3 +44,14 @@ class LossScaler:
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
         self._hysteresis_left = int(state["hysteresis_left"])
+
+
+def scaler_for(precision: Any) -> LossScaler | None:
+    """The scaler a `PrecisionConfig` asks for: None outside fp16; in fp16 dynamic when
+    `loss_scale` is 0 (DeepSpeed's convention), else static at `loss_scale`."""
+    if not precision.fp16:
+        return None
+    dynamic = precision.loss_scale == 0
+    return LossScaler(precision.initial_loss_scale if dynamic else precision.loss_scale,
+                      dynamic=dynamic, min_scale=precision.min_loss_scale,
+                      growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)

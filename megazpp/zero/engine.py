@@ -31,7 +31,7 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.training.loss_scaler import LossScaler
+from megazpp.training.loss_scaler import scaler_for
 from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
@@ -88,13 +88,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the model has no trainable parameters for the ZeRO engine")
-        self.scaler: LossScaler | None = None
-        if precision.fp16:
-            dynamic = precision.loss_scale == 0
-            self.scaler = LossScaler(
-                precision.initial_loss_scale if dynamic else precision.loss_scale,
-                dynamic=dynamic, min_scale=precision.min_loss_scale,
-                growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+        self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
