@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from megazpp.config import NOT_IMPLEMENTED_YET, load_config
+from megazpp.config import load_config
+from megazpp.config_checks import NOT_IMPLEMENTED_YET
 from megazpp.errors import ConfigError
 
 BASE_YAML = """\

@@ -1,0 +1,144 @@
+"""Whole-config consistency checks, run by `Config.validate` once every source is merged.
+
+Why apart from the schema and the loader: these rules read only the finished dataclass values
+(never YAML, flags or their origins), so they stay readable as one list of refusals, each a
+`ConfigError` naming the key, the value and what was expected, raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from megazpp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megazpp.config import Config, PrecisionConfig, ZeroConfig
+
+# Features that are configured here but not executed yet. A field listed here with a value
+# other than its default is refused with "not implemented yet"; remove the entry in the same
+# commit that makes the feature work.
+NOT_IMPLEMENTED_YET: dict[str, str] = {
+    "zero.overlap_comm": "ZeRO without communication overlap (reduction always overlaps backward)",
+    "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
+}
+
+
+def _require_positive(where: str, value: int | float | None) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"{where} = {value!r}: expected a value > 0")
+
+
+def _validate_parallel(cfg: Config, world_size: int) -> None:
+    p = cfg.parallel
+    _require_positive("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
+    _require_positive("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
+    _require_positive("parallel.ranks_per_node", p.ranks_per_node)
+    _require_positive("parallel.distributed_timeout_minutes", p.distributed_timeout_minutes)
+    if p.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs "
+                          "parallel.tensor_model_parallel_size > 1 (it splits the sequence "
+                          "over the tensor-parallel ranks)")
+    if world_size % (cfg.tp * cfg.pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {cfg.tp} "
+            f"x pipeline_model_parallel_size {cfg.pp}")
+
+
+def _resolve_batch(cfg: Config, world_size: int) -> None:
+    t = cfg.training
+    dp = cfg.data_parallel_size(world_size)
+    _require_positive("training.micro_batch_size", t.micro_batch_size)
+    _require_positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    per_step = t.micro_batch_size * dp
+    if t.gradient_accumulation_steps is not None:
+        implied = per_step * t.gradient_accumulation_steps
+        if t.global_batch_size is not None and t.global_batch_size != implied:
+            raise ConfigError(
+                f"training.global_batch_size = {t.global_batch_size} disagrees with "
+                f"micro_batch_size {t.micro_batch_size} x gradient_accumulation_steps "
+                f"{t.gradient_accumulation_steps} x data-parallel size {dp} = {implied}")
+        t.global_batch_size = implied
+    if t.global_batch_size is None:
+        t.global_batch_size = per_step
+    _require_positive("training.global_batch_size", t.global_batch_size)
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"micro_batch_size {t.micro_batch_size} x data-parallel size {dp} = {per_step}")
+
+
+def _validate_schedule(cfg: Config) -> None:
+    t, o = cfg.training, cfg.optimizer
+    for key in ("train_iters", "eval_interval", "lr_decay_iters"):
+        _require_positive(f"training.{key}", getattr(t, key))
+    _require_positive("logging.log_interval", cfg.logging.log_interval)
+    _require_positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
+    _require_positive("checkpoint.exit_interval", cfg.checkpoint.exit_interval)
+    _require_positive("training.max_bad_steps", t.max_bad_steps)
+    _require_positive("training.loss_spike_window", t.loss_spike_window)
+    if t.loss_spike_factor != 0 and t.loss_spike_factor <= 1:
+        raise ConfigError(f"training.loss_spike_factor = {t.loss_spike_factor}: expected 0 "
+                          "(off) or a factor > 1")
+    if t.eval_iters < 0 or t.lr_warmup_iters < 0:
+        raise ConfigError("training.eval_iters and training.lr_warmup_iters must be >= 0, got "
+                          f"{t.eval_iters} and {t.lr_warmup_iters}")
+    decay_iters = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_iters > decay_iters:
+        raise ConfigError(f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
+                          f"length (lr_decay_iters or train_iters) = {decay_iters}")
+    _require_positive("optimizer.lr", o.lr)
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr = {o.min_lr} must lie in [0, optimizer.lr = {o.lr}]")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optimizer.{key} = {getattr(o, key)}: expected a value in [0, 1)")
+    _require_positive("optimizer.adam_eps", o.adam_eps)
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError("optimizer.weight_decay and optimizer.clip_grad must be >= 0, got "
+                          f"{o.weight_decay} and {o.clip_grad}")
+    parts = cfg.data.split.replace("/", ",").split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"data.split = {cfg.data.split!r}: expected up to three non-negative "
+                          "weights such as '969,30,1'")
+
+
+def _validate_precision(p: PrecisionConfig) -> None:
+    if p.bf16 and p.fp16:
+        raise ConfigError("precision.bf16 and precision.fp16 are both set: choose one")
+    model_dtype = "bf16" if p.bf16 else "fp16" if p.fp16 else "fp32"
+    if p.grad_accum_dtype not in ("fp32", model_dtype):
+        raise ConfigError(
+            f"precision.grad_accum_dtype = {p.grad_accum_dtype!r} with a {model_dtype} model: "
+            f"expected 'fp32' or the model dtype {model_dtype!r}")
+    if p.loss_scale < 0:
+        raise ConfigError(f"precision.loss_scale = {p.loss_scale}: expected 0 (dynamic) or > 0")
+    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        _require_positive(f"precision.{key}", getattr(p, key))
+
+
+def _validate_zero(z: ZeroConfig) -> None:
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage = {z.stage}: expected 0, 1, 2 or 3")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "zero_hpz_partition_size",
+                "loco_reset_t", "paro_group_size"):
+        _require_positive(f"zero.{key}", getattr(z, key))
+    if z.module_granularity_threshold < 0:
+        raise ConfigError(f"zero.module_granularity_threshold = "
+                          f"{z.module_granularity_threshold}: expected a value >= 0")
+
+
+def _refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:
+    for dotted, feature in NOT_IMPLEMENTED_YET.items():
+        section, name = dotted.split(".")
+        obj = getattr(cfg, section)
+        default = next(f for f in dataclasses.fields(obj) if f.name == name).default
+        if getattr(obj, name) != default:
+            source = (origins or {}).get(dotted)
+            prefix = f"{source}: " if source else ""
+            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not "
+                              "implemented yet")
