@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from megazpp.cli import run_tool
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
@@ -110,4 +111,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -25,8 +25,9 @@ import time
 
 from megazpp.bench import launch, results
 from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
+from megazpp.cli import run_tool
 from megazpp.config import load_config
-from megazpp.errors import ConfigError, DataError, MegazppError
+from megazpp.errors import DataError, MegazppError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "configs/experiments/netlab/llama_comm_bound.yaml"
@@ -139,8 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ConfigError, DataError) as exc:
-        print(f"bench_netlab.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -10,12 +10,17 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks, resolve_inputs
+from megazpp.cli import run_tool
+from megazpp.data.jsonl import (
+    SkipReason,
+    extract_text,
+    iter_line_chunks,
+    resolve_inputs,
+)
 from megazpp.data.preprocess import preprocess
 from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 from megazpp.data.tokenizer import Tokenizer
@@ -77,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

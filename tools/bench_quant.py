@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 import kernels
+from megazpp.cli import run_tool
 
 
 @dataclass
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

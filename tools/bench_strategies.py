@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
 
+from megazpp.cli import run_tool
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
@@ -135,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megazpp.cli import run_tool
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
@@ -208,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from megazpp.analysis.compare_dirs import closing_line, compare_directories
+from megazpp.cli import run_tool
 from megazpp.errors import MegazppError
 
 
@@ -45,4 +46,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -16,10 +16,9 @@ the run's --config (and any model flags it was run with) after the export option
 from __future__ import annotations
 
 import argparse
-import sys
 
+from megazpp.cli import run_tool
 from megazpp.config import load_config
-from megazpp.errors import MegazppError
 from megazpp.interop.consolidate import DTYPES, parse_dtype
 from megazpp.interop.convert import export_hf, import_hf
 
@@ -67,8 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MegazppError as exc:
-        print(f"convert_hf.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -13,10 +13,9 @@ its model config: give the run's --config (and any model flags) after the option
 from __future__ import annotations
 
 import argparse
-import sys
 
+from megazpp.cli import run_tool
 from megazpp.config import load_config
-from megazpp.errors import MegazppError
 from megazpp.interop.consolidate import DTYPES, parse_dtype
 from megazpp.interop.convert import export_safetensors
 
@@ -38,8 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MegazppError as exc:
-        print(f"export_checkpoint.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

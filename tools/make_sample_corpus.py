@@ -7,9 +7,9 @@ Usage: python tools/make_sample_corpus.py --out DIR [--total-bytes N]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from megazpp.cli import run_tool
 from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 
 
@@ -29,4 +29,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

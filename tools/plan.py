@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import sys
 
+from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
@@ -28,6 +29,7 @@ from megazpp.planner.report import summary, table
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
 from megazpp.zero.formulas import ZeroPP
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -167,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

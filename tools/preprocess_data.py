@@ -9,8 +9,8 @@ counted by reason in the closing summary line.
 from __future__ import annotations
 
 import argparse
-import sys
 
+from megazpp.cli import run_tool
 from megazpp.data.preprocess import DEFAULT_CHUNK_BYTES, preprocess
 
 
@@ -41,4 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -6,9 +6,9 @@ on JSONL corpus files (their `text` / `raw_content`) or plain-text files. Writes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from megazpp.cli import run_tool
 from megazpp.data.jsonl import resolve_inputs
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
@@ -39,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

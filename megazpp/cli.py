@@ -1,0 +1,23 @@
+"""The one way a command-line tool ends.
+
+A refusal of user input (`MegazppError`: bad file, key, value) is the user's to fix, so it is
+printed as one `prog: error: ...` line with exit code 2, like argparse's own errors, instead of a
+traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NoReturn
+
+from megazpp.errors import MegazppError
+
+
+def run_tool(main: Callable[[], int | None]) -> NoReturn:
+    try:
+        code = main()
+    except MegazppError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
