@@ -20,10 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.interop.reshard import load_resharded, needs_reshard
-from megazpp.errors import CheckpointError, ConfigError, MegazppError
+from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import release_process_groups
@@ -190,8 +191,4 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except MegazppError as exc:
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from megazpp.errors import MegazppError
 
 
-def run_tool(main: Callable[[], int | None]) -> NoReturn:
+def run_tool(main: Callable[[], Any]) -> NoReturn:
+    """Run `main`; an int it returns is the exit code, anything else (a run's history) is 0."""
     try:
-        code = main()
+        result = main()
     except MegazppError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(code or 0)
+    sys.exit(result if isinstance(result, int) else 0)

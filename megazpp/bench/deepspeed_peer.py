@@ -27,10 +27,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import ConfigError, MegazppError
+from megazpp.errors import ConfigError
 from megazpp.model.gpt import GPTModel
 from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
@@ -134,8 +135,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except MegazppError as exc:
-        print(f"deepspeed_peer.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)
