@@ -1,16 +1,19 @@
 """Block-wise int8/int4 quantization for ZeRO++ (qwZ, qgZ) and LoCo.
 
 Each op is a Triton kernel (kernels/triton_ops.py) with a pure-torch twin of identical bits
-(kernels/reference.py); `kernels.api` picks Triton for CUDA tensors and the twin for CPU ones.
+(kernels/reference.py); `kernels.api` picks Triton for CUDA tensors and the twin for CPU ones (eager, or compiled by
+TorchInductor: kernels/cpu_compiled.py).
 Formats are described in kernels/format.py and docs/arch/kernels.md.
 """
 
 from kernels.api import (
+    CPU_KERNELS,
     backend_for,
     dequant_reduce,
     dequant_reduce_loco_quantize,
     dequant_reduce_quantize,
     dequantize,
+    kernel_set,
     loco_quantize,
     new_error_buffer,
     quantize,
@@ -19,6 +22,7 @@ from kernels.bounds import block_absmax, qgz_error_bound, quantization_error_bou
 from kernels.format import DEFAULT_BLOCK_SIZE, QMAX
 
 __all__ = [
+    "CPU_KERNELS",
     "DEFAULT_BLOCK_SIZE",
     "QMAX",
     "backend_for",
@@ -27,6 +31,7 @@ __all__ = [
     "dequant_reduce_loco_quantize",
     "dequant_reduce_quantize",
     "dequantize",
+    "kernel_set",
     "loco_quantize",
     "new_error_buffer",
     "qgz_error_bound",

@@ -1,15 +1,17 @@
 """Device dispatch: the Triton kernel for CUDA tensors, the torch reference for CPU tensors.
 
-Both implementations share one signature per op (see kernels/reference.py for the semantics),
+All implementations share one signature per op (see kernels/reference.py for the semantics),
 so each public function here is the reference's signature and docstring, routed by the device
-of its first tensor argument.
+of its first tensor argument. On CPU the reference runs eagerly by default; `kernel_set
+("compiled")` routes CPU tensors to the same source compiled by TorchInductor
+(kernels/cpu_compiled.py), which an engine picks from `zero.cpu_quant_kernels`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Callable
 
 import torch
@@ -19,20 +21,33 @@ from kernels.format import check_block_size, num_blocks
 from megazpp.errors import ConfigError
 
 
-def backend_for(tensor: torch.Tensor) -> ModuleType:
-    """The module implementing the ops for tensors on `tensor`'s device."""
+CPU_KERNELS = ("reference", "compiled")
+
+
+def check_cpu_kernels(cpu: str) -> str:
+    if cpu not in CPU_KERNELS:
+        raise ConfigError(f"zero.cpu_quant_kernels = {cpu!r}: expected one of {', '.join(map(repr, CPU_KERNELS))}")
+    return cpu
+
+
+def backend_for(tensor: torch.Tensor, cpu: str = "reference") -> ModuleType:
+    """The module implementing the ops for tensors on `tensor`'s device (`cpu`: which CPU one)."""
     if tensor.device.type == "cuda":
         from kernels import triton_ops  # imported lazily: CPU-only runs never initialize Triton
 
         return triton_ops
     if tensor.device.type == "cpu":
+        if check_cpu_kernels(cpu) == "compiled":
+            from kernels import cpu_compiled  # imported lazily: torch.compile is slow to import
+
+            return cpu_compiled
         return reference
     raise ConfigError(
         f"quantization kernels run on cuda (Triton) or cpu (torch reference) tensors, not {tensor.device}"
     )
 
 
-def _dispatched(op: Callable) -> Callable:
+def _dispatched(op: Callable, cpu: str) -> Callable:
     first = next(iter(inspect.signature(op).parameters))
 
     @functools.wraps(op)
@@ -40,17 +55,33 @@ def _dispatched(op: Callable) -> Callable:
         tensor = args[0] if args else kwargs[first]
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"{op.__name__}: {first} must be a torch.Tensor, got {type(tensor).__name__}")
-        return getattr(backend_for(tensor), op.__name__)(*args, **kwargs)
+        return getattr(backend_for(tensor, cpu), op.__name__)(*args, **kwargs)
 
     return run
 
 
-quantize = _dispatched(reference.quantize)
-dequantize = _dispatched(reference.dequantize)
-loco_quantize = _dispatched(reference.loco_quantize)
-dequant_reduce = _dispatched(reference.dequant_reduce)
-dequant_reduce_quantize = _dispatched(reference.dequant_reduce_quantize)
-dequant_reduce_loco_quantize = _dispatched(reference.dequant_reduce_loco_quantize)
+_OPS = (reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,
+        reference.dequant_reduce_quantize, reference.dequant_reduce_loco_quantize)
+
+
+@functools.cache
+def kernel_set(cpu: str = "reference") -> SimpleNamespace:
+    """The six ops as attributes (`.quantize`, ...), CPU tensors going to the `cpu` implementation."""
+    check_cpu_kernels(cpu)
+    if cpu == "compiled":
+        from kernels import cpu_compiled
+
+        cpu_compiled.require_compiler()
+    return SimpleNamespace(**{op.__name__: _dispatched(op, cpu) for op in _OPS})
+
+
+_DEFAULT = kernel_set("reference")
+quantize = _DEFAULT.quantize
+dequantize = _DEFAULT.dequantize
+loco_quantize = _DEFAULT.loco_quantize
+dequant_reduce = _DEFAULT.dequant_reduce
+dequant_reduce_quantize = _DEFAULT.dequant_reduce_quantize
+dequant_reduce_loco_quantize = _DEFAULT.dequant_reduce_loco_quantize
 
 
 def new_error_buffer(

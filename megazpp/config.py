@@ -167,6 +167,7 @@ class ZeroConfig:
     loco_err_beta: float = 0.8
     loco_reset_t: int = 1024
     module_granularity_threshold: int = 0
+    cpu_quant_kernels: str = "reference"  # megazpp's own: "compiled" fuses the CPU quantizers
 
 
 @dataclass

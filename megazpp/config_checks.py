@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kernels.api import check_cpu_kernels
 from megazpp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ def _validate_zero(z: ZeroConfig) -> None:
     if z.module_granularity_threshold < 0:
         raise ConfigError(f"zero.module_granularity_threshold = "
                           f"{z.module_granularity_threshold}: expected a value >= 0")
+    check_cpu_kernels(z.cpu_quant_kernels)
 
 
 def _refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:

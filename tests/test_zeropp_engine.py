@@ -23,6 +23,7 @@ check one claim on it:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -48,7 +49,7 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=4,
              vocab_size=128, seq_length=16, ffn_hidden_size=256)
 OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0)
 BF16 = PrecisionConfig(bf16=True)
-STEPS, MICRO, SAVE_AT = 30, 2, 3
+STEPS, MICRO, SAVE_AT, COMPILED_STEPS = 30, 2, 3, 3
 # Blocks small enough that padding the norm gains' units to 4 x 256 elements costs little
 # on this tiny model (the defaults, 2048 and 256, suit real layers).
 PP = dict(qwz_block=256, qgz_block=128)
@@ -190,6 +191,14 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
         steps = _train(model, engine, topo, range(STEPS))
         report["runs"][label] = _summary(steps, engine)
 
+    # the compiled CPU kernels: the same bits as the eager reference, so the same run
+    model, engine = _engine(topo, "GGG", ALL3_LOCO)
+    eager = _train(model, engine, topo, range(COMPILED_STEPS))
+    model2, engine2 = _engine(topo, "GGG", dataclasses.replace(ALL3_LOCO, cpu_kernels="compiled"))
+    compiled = _train(model2, engine2, topo, range(COMPILED_STEPS))
+    report["compiled"] = {"losses": ([s["loss"] for s in eager], [s["loss"] for s in compiled]),
+                          "state_equal": all(torch.equal(a, b) for a, b in zip(_state(engine), _state(engine2)))}
+
     # checkpoint with LoCo: buffers restored, resumed run bitwise equal
     model, engine = _engine(topo, "GGG", ALL3_LOCO)
     _train(model, engine, topo, range(SAVE_AT))
@@ -306,6 +315,13 @@ def test_loco_checkpoint_resumes_bitwise(report):
         assert res["buffers_nonzero"] and res["buffers_restored"], rank
         assert res["losses"][0] == res["losses"][1], rank
         assert res["state_equal"], rank
+
+
+def test_compiled_cpu_kernels_train_bitwise_like_the_reference(report):
+    for r in report:
+        eager, compiled = r["compiled"]["losses"]
+        assert eager == compiled and len(eager) == COMPILED_STEPS
+        assert r["compiled"]["state_equal"]
 
 
 def test_paro_strategies_with_zeropp(report):

@@ -37,7 +37,7 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
                           f"refreshed per gradient bucket; size buckets with zero.reduce_bucket_size")
     zeropp = ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size,
                     qgz=z.zero_quantized_gradients, loco=z.loco, err_beta=z.loco_err_beta,
-                    reset_t=z.loco_reset_t)
+                    reset_t=z.loco_reset_t, cpu_kernels=z.cpu_quant_kernels)
     check_zeropp(zeropp, strategy)
     return ZeroOptions(strategy=strategy.name, paro_group_size=z.paro_group_size,
                        bucket_numel=z.reduce_bucket_size,

@@ -340,7 +340,7 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
 
 @dataclass(frozen=True)
 class ZeroPP:
-    """Which ZeRO++ paths are on, and their quantization blocks.
+    """Which ZeRO++ paths are on, their quantization blocks, and which CPU kernels run them.
 
     qwZ: parameter gathers from the primary shard move int8 codes + scales (`weights`).
     hpZ: `hpz` > 1 keeps a secondary copy of the parameters split over `hpz` DP ranks of one
@@ -357,6 +357,7 @@ class ZeroPP:
     qgz_block: int = 256
     err_beta: float = 0.8  # LoCo: weight of the old error in the blended buffer
     reset_t: int = 1024  # LoCo: buffers are zeroed after every reset_t optimizer steps
+    cpu_kernels: str = "reference"  # kernels.CPU_KERNELS: eager torch, or compiled by TorchInductor
 
     @property
     def enabled(self) -> bool:

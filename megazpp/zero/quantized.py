@@ -12,6 +12,7 @@ Both run their first collective asynchronously and the rest when waited on, like
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,9 +42,9 @@ class PendingQuantizedGather:
     exact gather sequence, decode the whole buffer into the model dtype."""
 
     def __init__(self, seq: list[Collective], shard: torch.Tensor, groups: ZeroGroups, block: int,
-                 tag: str) -> None:
-        codes, scales = kernels.quantize(shard, 8, block)
-        self._block, self._dtype = block, shard.dtype
+                 tag: str, ops: SimpleNamespace = kernels.kernel_set()) -> None:
+        codes, scales = ops.quantize(shard, 8, block)
+        self._ops, self._block, self._dtype = ops, block, shard.dtype
         self._code_bytes = codes.numel()
         self._blob = codes.numel() + scales.numel() * 4
         self._pending = PendingSequence(seq, pack(codes, scales, 1), groups, tag)
@@ -52,7 +53,7 @@ class PendingQuantizedGather:
         gathered = self._pending.wait()
         parts = gathered.numel() // self._blob
         codes, scales = unpack(gathered, parts, self._code_bytes, torch.int8)
-        return kernels.dequantize(codes.reshape(-1), scales.reshape(-1), 8, self._block, dtype=self._dtype)
+        return self._ops.dequantize(codes.reshape(-1), scales.reshape(-1), 8, self._block, dtype=self._dtype)
 
 
 class PendingQuantizedReduce:
@@ -67,16 +68,18 @@ class PendingQuantizedReduce:
     """
 
     def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
-                 loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0) -> None:
-        self.overflow = not bool(torch.isfinite(grad).all())
+                 loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0,
+                 ops: SimpleNamespace = kernels.kernel_set()) -> None:
+        # one reduction, no temporary: the max |value| is non-finite exactly when a value is
+        self.overflow = not bool(torch.isfinite(torch.linalg.vector_norm(grad, float("inf"))))
         if self.overflow:
             grad = torch.zeros_like(grad)
         self._stages, self._block, self._tag = list(stages), block, tag
-        self._loco, self._beta = loco, err_beta
+        self._loco, self._beta, self._ops = loco, err_beta, ops
         if loco:
-            codes, scales, _, _ = kernels.loco_quantize(grad, *loco[0], err_beta, block, bits=4)
+            codes, scales, _, _ = ops.loco_quantize(grad, *loco[0], err_beta, block, bits=4)
         else:
-            codes, scales = kernels.quantize(grad, 4, block)
+            codes, scales = ops.quantize(grad, 4, block)
         self._stage = 0
         self._result: torch.Tensor | None = None
         self._launch(codes, scales)
@@ -95,13 +98,13 @@ class PendingQuantizedReduce:
             codes, scales = unpack(self._recv, size, self._code_bytes, torch.uint8)
             self._stage += 1
             if self._stage == len(self._stages):
-                self._result = kernels.dequant_reduce(codes, scales, 4, self._block)
+                self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
             elif self._loco:
-                q, s, _, _ = kernels.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
-                                                                 *self._loco[self._stage], self._beta)
+                q, s, _, _ = self._ops.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
+                                                                    *self._loco[self._stage], self._beta)
                 self._launch(q, s)
             else:
-                self._launch(*kernels.dequant_reduce_quantize(codes, scales, 4, self._block))
+                self._launch(*self._ops.dequant_reduce_quantize(codes, scales, 4, self._block))
         if self.overflow:
             self._result.fill_(float("nan"))
         return self._result

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.errors import ConfigError
 from megazpp.zero.formulas import ZeroPP
@@ -37,6 +38,7 @@ def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
     check_block_size(zeropp.qwz_block)
     check_block_size(zeropp.qgz_block)
     check_err_beta(zeropp.err_beta)
+    check_cpu_kernels(zeropp.cpu_kernels)
     if zeropp.reset_t < 1:
         raise ConfigError(f"zero.loco_reset_t = {zeropp.reset_t}: expected a positive step count")
 

@@ -58,6 +58,7 @@ class ZeroPPPaths(CommPaths):
                  skip_copy: bool) -> None:
         super().__init__(strategy, groups, hier)
         self.zeropp = zeropp
+        self._ops = kernels.kernel_set(zeropp.cpu_kernels)
         self._skip_copy = skip_copy
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
@@ -100,7 +101,7 @@ class ZeroPPPaths(CommPaths):
             return PendingSequence(formulas.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
         if self._qwz:
             pending: Waitable = PendingQuantizedGather(self._fetch, b.param_store, self.groups,
-                                                       self.zeropp.qwz_block, tag)
+                                                       self.zeropp.qwz_block, tag, self._ops)
         else:
             pending = super().start_param_gather(b, phase)
         if self.zeropp.hpz > 1 and id(b) not in self._fresh:
@@ -113,7 +114,7 @@ class ZeroPPPaths(CommPaths):
         if not self._stages:
             return super().start_grad_reduce(b, grad)
         pending = PendingQuantizedReduce(grad, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
-                                         self._loco_buffers(b), self.zeropp.err_beta)
+                                         self._loco_buffers(b), self.zeropp.err_beta, self._ops)
         self._overflow |= pending.overflow
         return pending
 

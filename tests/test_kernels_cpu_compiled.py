@@ -1,0 +1,75 @@
+"""The TorchInductor-compiled CPU kernels against the eager torch reference: same bits.
+
+`zero.cpu_quant_kernels: compiled` is only worth having if it is the reference, faster; so
+codes, scales, decoded values and LoCo buffers must be torch.equal to the eager ops, over
+sizes that do and do not divide the block, several sizes per op (one dynamic-shape
+compilation serves them all), bf16 input, and blocks that are all zero or below TINY.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.format import TINY_ABSMAX
+from megazpp.errors import ConfigError
+
+COMPILED = kernels.kernel_set("compiled")
+SIZES = [(4096, 256), (4096 + 100, 256), (3000, 128)]
+
+
+def _values(numel: int, block: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
+    x[:block] = 0.0
+    x[block:2 * block] = TINY_ABSMAX / 3
+    return x
+
+
+def _equal(got, want) -> None:
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_and_dequantize_match_reference(bits):
+    for numel, block in SIZES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _values(numel, block, numel).to(dtype)
+            codes, scales = COMPILED.quantize(x, bits, block)
+            _equal((codes, scales), reference.quantize(x, bits, block))
+            _equal(COMPILED.dequantize(codes, scales, bits, block, numel, dtype=dtype),
+                   reference.dequantize(codes, scales, bits, block, numel, dtype=dtype))
+
+
+def test_reductions_and_loco_match_reference():
+    for numel, block in SIZES:
+        parts = [reference.quantize(_values(numel, block, seed), 4, block) for seed in range(3)]
+        codes = torch.stack([c for c, _ in parts])
+        scales = torch.stack([s for _, s in parts])
+        _equal(COMPILED.dequant_reduce(codes, scales, 4, block, numel),
+               reference.dequant_reduce(codes, scales, 4, block, numel))
+        _equal(COMPILED.dequant_reduce_quantize(codes, scales, 4, block),
+               reference.dequant_reduce_quantize(codes, scales, 4, block))
+        mine, theirs = kernels.new_error_buffer(numel, block), kernels.new_error_buffer(numel, block)
+        for step in range(3):  # the error buffer carries over: later steps see a non-zero one
+            grad = _values(numel, block, 100 + step)
+            _equal(COMPILED.loco_quantize(grad, *mine, 0.8, block), reference.loco_quantize(grad, *theirs, 0.8, block))
+            _equal(COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, *mine, 0.8),
+                   reference.dequant_reduce_loco_quantize(codes, scales, 4, block, *theirs, 0.8))
+
+
+def test_bad_choices_are_refused(monkeypatch):
+    with pytest.raises(ConfigError, match="zero.cpu_quant_kernels = 'fast'"):
+        kernels.kernel_set("fast")
+    from kernels import cpu_compiled
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        cpu_compiled.require_compiler()
