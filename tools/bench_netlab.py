@@ -83,7 +83,7 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     os.makedirs(run_dir)
     python = ns.deepspeed_python if config.runner == DEEPSPEED else sys.executable
     args = [*config.script_args(), *shared_args, "--tensorboard-dir", os.path.join(run_dir, "tb")]
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    env = {**launch.CPU_RANK_ENV, **{k: os.environ[k] for k in launch.CPU_RANK_ENV if k in os.environ},
            "MEGAZPP_COMM_REPORT_DIR": run_dir}
     commands = [launch.node_command(setting, n, layout, port, python, run_dir, config.script, args, env)
                 for n in range(layout.nodes)]
