@@ -60,7 +60,7 @@ def _dispatched(op: Callable, cpu: str) -> Callable:
     return run
 
 
-_OPS = (reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,
+_OPS = (reference.all_finite, reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,
         reference.dequant_reduce_quantize, reference.dequant_reduce_loco_quantize)
 
 

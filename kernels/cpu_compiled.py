@@ -2,10 +2,13 @@
 
 Why: eager torch runs every line of kernels/reference.py as its own pass over memory (a
 quantize is about ten passes), so on CPU ranks ZeRO++ spent more host time quantizing than
-it saved on the link. Compiling the very same source fuses those passes into one or two loops;
-the arithmetic is unchanged (no reciprocal for a division, sums in the same order), so the
+it saved on the link. Compiling the very same source (`reference.Arithmetic`, the whole-block
+part of each op; the checks, padding and casts around it stay eager) fuses those passes into
+one or two loops; the arithmetic is unchanged (no reciprocal for a division, sums in the same order), so the
 codes and scales are the reference's bit for bit, which tests/test_kernels_cpu_compiled.py
-checks. Shapes are compiled as dynamic, so one compilation serves every bucket size.
+checks. Shapes are compiled static: with symbolic sizes Inductor's loops did not vectorize
+(the int4 dequantize-reduce ran 3x slower), and a run has only a few bucket sizes, each
+compiled once per process (and cached on disk across processes).
 
 Selected by `zero.cpu_quant_kernels: compiled`; needs a C++ compiler on the ranks' machines
 (TorchInductor's CPU backend calls it once per op, cached on disk afterwards).
@@ -13,6 +16,7 @@ Selected by `zero.cpu_quant_kernels: compiled`; needs a C++ compiler on the rank
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -23,8 +27,11 @@ import torch
 from kernels import reference
 from megazpp.errors import ConfigError
 
-OPS = ("quantize", "dequantize", "loco_quantize", "dequant_reduce", "dequant_reduce_quantize",
+OPS = ("all_finite", "quantize", "dequantize", "loco_quantize", "dequant_reduce", "dequant_reduce_quantize",
        "dequant_reduce_loco_quantize")
+# Distinct static shapes one function may be compiled for (TorchDynamo's default of 8 would send
+# a model with many bucket sizes back to eager, silently and slowly).
+SHAPES_PER_OP = 64
 
 
 def require_compiler() -> None:
@@ -36,16 +43,38 @@ def require_compiler() -> None:
                           f"use 'reference'")
 
 
+def _compile(fn: Callable) -> Callable:
+    """`fn` compiled lazily, once per input shape."""
+    op = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=SHAPES_PER_OP,
+                                        accumulated_recompile_limit=8 * SHAPES_PER_OP):
+            return op(*args, **kwargs)
+
+    return run
+
+
 @functools.cache
-def compiled(name: str) -> Callable:
-    """The reference op `name`, compiled lazily at its first call."""
+def arithmetic() -> reference.Arithmetic:
+    """The reference's whole-block arithmetic, each function compiled."""
+    return reference.Arithmetic(**{f.name: _compile(getattr(reference.EAGER, f.name))
+                                   for f in dataclasses.fields(reference.Arithmetic)})
+
+
+@functools.cache
+def op(name: str) -> Callable:
+    """The public op `name` of kernels.reference, running the compiled arithmetic."""
     if name not in OPS:
         raise ConfigError(f"kernels.cpu_compiled: no op named {name!r}; expected one of {', '.join(OPS)}")
-    return torch.compile(getattr(reference, name), dynamic=True)
+    if name == "all_finite":
+        return _compile(reference.all_finite)
+    return functools.partial(getattr(reference, name), arith=arithmetic())
 
 
 def __getattr__(name: str) -> Callable:
     """Module attributes `quantize`, `dequantize`, ...: the same names as kernels.reference."""
     if name in OPS:
-        return compiled(name)
+        return op(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,9 @@ tensor, because `number / tensor` in torch multiplies by a reciprocal instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from kernels.format import (
@@ -94,13 +97,66 @@ def _loco_tile(
     return codes, scales, err_q, err_s
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scales = quantize_tile(tile, bits)
+    return encode(codes, bits), scales
+
+
+def _loco_blocks(tile: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
+                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scales, err_q, err_s = _loco_tile(tile, err_codes, err_scales, err_beta, bits)
+    return encode(codes, bits), scales, encode(err_q, 8), err_s
+
+
+def _reduce_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    total = torch.zeros(scales.shape[1], block_size, dtype=torch.float32, device=codes.device)
+    for part in range(codes.shape[0]):
+        total = total + _dequant_tile(codes[part], scales[part], bits, block_size)
+    return total
+
+
+def _reduce_quantize_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                            out_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_blocks(_reduce_tile(codes, scales, bits, block_size), out_bits)
+
+
+def _reduce_loco_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                        err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _loco_blocks(_reduce_tile(codes, scales, bits, block_size), err_codes, err_scales, err_beta, out_bits)
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """The whole-block arithmetic of every op, on [blocks, block_size] tiles, apart from the
+    checks, padding, slicing and dtype casts around it. The public ops run these eager functions
+    by default; kernels/cpu_compiled.py hands them the same functions compiled (only whole
+    blocks reach the compiler: Inductor once miscompiled a bf16 cast of a ragged tail)."""
+
+    quantize: Callable = _quantize_blocks
+    dequantize: Callable = _dequant_tile
+    loco: Callable = _loco_blocks
+    reduce: Callable = _reduce_tile
+    reduce_quantize: Callable = _reduce_quantize_blocks
+    reduce_loco: Callable = _reduce_loco_blocks
+
+
+EAGER = Arithmetic()
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every value of `x` is finite (qgZ checks a gradient before quantizing it, since
+    a NaN block would quantize to zeros and hide the overflow)."""
+    return torch.isfinite(x).all()
+
+
+def quantize(x: torch.Tensor, bits: int, block_size: int, *,
+             arith: Arithmetic = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a float tensor; returns (codes, fp32 scales), codes padded to whole blocks."""
     check_float_input("quantize input", x)
     check_bits(bits)
     check_block_size(block_size)
-    codes, scales = quantize_tile(_tile(x, block_size), bits)
-    return encode(codes, bits), scales
+    return arith.quantize(_tile(x, block_size), bits)
 
 
 def dequantize(
@@ -110,12 +166,14 @@ def dequantize(
     block_size: int,
     numel: int | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    arith: Arithmetic = EAGER,
 ) -> torch.Tensor:
     """Decode codes to a flat tensor of `numel` values (default: every block) of `dtype`."""
     blocks = check_codes("dequantize", codes, scales, bits, block_size)
     numel = check_numel(numel, blocks, block_size)
     check_out_dtype(dtype)
-    return _dequant_tile(codes, scales, bits, block_size).reshape(-1)[:numel].to(dtype)
+    return arith.dequantize(codes, scales, bits, block_size).reshape(-1)[:numel].to(dtype)
 
 
 def loco_quantize(
@@ -125,41 +183,38 @@ def loco_quantize(
     err_beta: float,
     block_size: int,
     bits: int = 4,
+    *,
+    arith: Arithmetic = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """LoCo-quantize `grad`; returns (codes, scales, err_codes, err_scales), the error in place."""
     check_float_input("loco_quantize grad", grad)
     check_bits(bits)
     err_beta = check_err_beta(err_beta)
     check_error_buffer(err_codes, err_scales, num_blocks(grad.numel(), block_size), block_size, grad.device)
-    codes, scales, err_q, err_s = _loco_tile(_tile(grad, block_size), err_codes, err_scales, err_beta, bits)
-    err_codes.copy_(encode(err_q, 8))
+    codes, scales, err_q, err_s = arith.loco(_tile(grad, block_size), err_codes, err_scales, err_beta, bits)
+    err_codes.copy_(err_q)
     err_scales.copy_(err_s)
-    return encode(codes, bits), scales, err_codes, err_scales
-
-
-def _reduce_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    blocks = check_stacked(codes, scales, bits, block_size)
-    total = torch.zeros(blocks, block_size, dtype=torch.float32, device=codes.device)
-    for part in range(codes.shape[0]):
-        total = total + _dequant_tile(codes[part], scales[part], bits, block_size)
-    return total
+    return codes, scales, err_codes, err_scales
 
 
 def dequant_reduce(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None, *,
+    arith: Arithmetic = EAGER,
 ) -> torch.Tensor:
     """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
-    total = _reduce_tile(codes, scales, bits, block_size)
-    return total.reshape(-1)[: check_numel(numel, total.shape[0], block_size)]
+    blocks = check_stacked(codes, scales, bits, block_size)
+    total = arith.reduce(codes, scales, bits, block_size)
+    return total.reshape(-1)[: check_numel(numel, blocks, block_size)]
 
 
 def dequant_reduce_quantize(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4, *,
+    arith: Arithmetic = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""
     check_bits(out_bits)
-    q, s = quantize_tile(_reduce_tile(codes, scales, bits, block_size), out_bits)
-    return encode(q, out_bits), s
+    check_stacked(codes, scales, bits, block_size)
+    return arith.reduce_quantize(codes, scales, bits, block_size, out_bits)
 
 
 def dequant_reduce_loco_quantize(
@@ -171,14 +226,16 @@ def dequant_reduce_loco_quantize(
     err_scales: torch.Tensor,
     err_beta: float,
     out_bits: int = 4,
+    *,
+    arith: Arithmetic = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
     check_bits(out_bits)
     err_beta = check_err_beta(err_beta)
-    total = _reduce_tile(codes, scales, bits, block_size)
-    check_error_buffer(err_codes, err_scales, total.shape[0], block_size, codes.device)
-    q, s, err_q, err_s = _loco_tile(total, err_codes, err_scales, err_beta, out_bits)
-    err_codes.copy_(encode(err_q, 8))
+    blocks = check_stacked(codes, scales, bits, block_size)
+    check_error_buffer(err_codes, err_scales, blocks, block_size, codes.device)
+    q, s, err_q, err_s = arith.reduce_loco(codes, scales, bits, block_size, err_codes, err_scales, err_beta,
+                                           out_bits)
+    err_codes.copy_(err_q)
     err_scales.copy_(err_s)
-    return encode(q, out_bits), s, err_codes, err_scales
-
+    return q, s, err_codes, err_scales

@@ -2,8 +2,9 @@
 
 `zero.cpu_quant_kernels: compiled` is only worth having if it is the reference, faster; so
 codes, scales, decoded values and LoCo buffers must be torch.equal to the eager ops, over
-sizes that do and do not divide the block, several sizes per op (one dynamic-shape
-compilation serves them all), bf16 input, and blocks that are all zero or below TINY.
+sizes that do and do not divide the block (each a compilation of its own: shapes are
+static), bf16 input, and blocks that are all zero or below TINY; and the overflow check
+qgZ runs before quantizing must see every NaN and infinity.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kernels.format import TINY_ABSMAX
 from megazpp.errors import ConfigError
 
 COMPILED = kernels.kernel_set("compiled")
-SIZES = [(4096, 256), (4096 + 100, 256), (3000, 128)]
+SIZES = [(4096, 256), (4096 + 100, 128)]
 
 
 def _values(numel: int, block: int, seed: int) -> torch.Tensor:
@@ -62,6 +63,16 @@ def test_reductions_and_loco_match_reference():
             _equal(COMPILED.loco_quantize(grad, *mine, 0.8, block), reference.loco_quantize(grad, *theirs, 0.8, block))
             _equal(COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, *mine, 0.8),
                    reference.dequant_reduce_loco_quantize(codes, scales, 4, block, *theirs, 0.8))
+
+
+def test_all_finite_sees_every_nan_and_infinity():
+    x = _values(5000, 256, 7)
+    assert bool(COMPILED.all_finite(x)) and bool(reference.all_finite(x))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 2500, 4999):
+            y = x.clone()
+            y[where] = bad
+            assert not bool(COMPILED.all_finite(y)) and not bool(reference.all_finite(y))
 
 
 def test_bad_choices_are_refused(monkeypatch):

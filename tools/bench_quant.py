@@ -1,7 +1,7 @@
 """Throughput of the quantization kernels, as bytes moved per second, in a Markdown table.
 
-Every op runs on CPU through the torch reference and, when a GPU is present, on CUDA through
-the Triton kernels. Bytes moved = bytes of every input tensor + bytes of every output tensor (an
+Every op runs on CPU through the torch reference (eager, and compiled by TorchInductor:
+kernels/cpu_compiled.py) and, when a GPU is present, on CUDA through the Triton kernels. Bytes moved = bytes of every input tensor + bytes of every output tensor (an
 error buffer updated in place counts once as input and once as output). Each device's copy
 bandwidth is measured in the same run (a clone of an fp32 tensor of the benchmark's size, read +
 write), and every op is reported as a percentage of it: these ops stream memory once, so the
@@ -18,6 +18,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -39,7 +40,8 @@ def _tensors(result: object) -> list[torch.Tensor]:
     return [result] if isinstance(result, torch.Tensor) else [t for t in result if isinstance(t, torch.Tensor)]
 
 
-def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str) -> list[Case]:
+def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str,
+           ops: SimpleNamespace) -> list[Case]:
     gen = torch.Generator(device=device).manual_seed(0)
     grad = torch.randn(numel, device=device, generator=gen)
     weight = grad.to(torch.bfloat16)
@@ -53,33 +55,33 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
     part_err = kernels.quantize(grad[:part_numel] * 0.01, 8, int4_block)
     k = f"{parts} x {part_numel}"
     return [
-        Case("quantize int8 (qwZ, bf16 in)", (weight,), lambda: kernels.quantize(weight, 8, int8_block)),
+        Case("quantize int8 (qwZ, bf16 in)", (weight,), lambda: ops.quantize(weight, 8, int8_block)),
         Case(
             "dequantize int8 -> bf16 (qwZ)",
             w8,
-            lambda: kernels.dequantize(*w8, 8, int8_block, numel, torch.bfloat16),
+            lambda: ops.dequantize(*w8, 8, int8_block, numel, torch.bfloat16),
         ),
-        Case("quantize int4 (qgZ, fp32 in)", (grad,), lambda: kernels.quantize(grad, 4, int4_block)),
-        Case("dequantize int4 -> fp32", g4, lambda: kernels.dequantize(*g4, 4, int4_block, numel)),
+        Case("quantize int4 (qgZ, fp32 in)", (grad,), lambda: ops.quantize(grad, 4, int4_block)),
+        Case("dequantize int4 -> fp32", g4, lambda: ops.dequantize(*g4, 4, int4_block, numel)),
         Case(
             "LoCo quantize int4 + int8 error",
             (grad, *err),
-            lambda: kernels.loco_quantize(grad, *err, 0.8, int4_block),
+            lambda: ops.loco_quantize(grad, *err, 0.8, int4_block),
         ),
         Case(
             f"dequant-reduce int4 {k} -> fp32",
             (codes, scales),
-            lambda: kernels.dequant_reduce(codes, scales, 4, int4_block),
+            lambda: ops.dequant_reduce(codes, scales, 4, int4_block),
         ),
         Case(
             f"dequant-reduce int4 {k} -> int4",
             (codes, scales),
-            lambda: kernels.dequant_reduce_quantize(codes, scales, 4, int4_block, 4),
+            lambda: ops.dequant_reduce_quantize(codes, scales, 4, int4_block, 4),
         ),
         Case(
             f"dequant-reduce + LoCo int4 {k} -> int4",
             (codes, scales, *part_err),
-            lambda: kernels.dequant_reduce_loco_quantize(codes, scales, 4, int4_block, *part_err, 0.8),
+            lambda: ops.dequant_reduce_loco_quantize(codes, scales, 4, int4_block, *part_err, 0.8),
         ),
     ]
 
@@ -104,7 +106,7 @@ def _time(fn: Callable[[], object], device: str, warmup: int, iters: int) -> flo
     return statistics.median(samples)
 
 
-def _device_name(device: str) -> str:
+def _device_name(device: str, cpu_kernels: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} (Triton kernels)"
     cpu = platform.processor() or platform.machine()
@@ -113,16 +115,17 @@ def _device_name(device: str) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads (torch reference)"
+    how = "torch reference, compiled by TorchInductor" if cpu_kernels == "compiled" else "torch reference, eager"
+    return f"{cpu}, {torch.get_num_threads()} threads ({how})"
 
 
-def bench_device(device: str, numel: int, args: argparse.Namespace) -> str:
-    """The Markdown section for one device."""
+def bench_device(device: str, numel: int, args: argparse.Namespace, cpu_kernels: str = "reference") -> str:
+    """The Markdown section for one device (and, on CPU, one of `kernels.CPU_KERNELS`)."""
     src = torch.randn(numel, device=device)
     copy_s = _time(src.clone, device, args.warmup, args.iters)
     copy_bw = 2 * src.nbytes / copy_s
     lines = [
-        f"### {_device_name(device)}",
+        f"### {_device_name(device, cpu_kernels)}",
         "",
         f"Copy bandwidth (clone of {numel} fp32, read + write): {copy_bw / 1e9:.1f} GB/s; "
         f"int4 block {args.int4_block}, int8 block {args.int8_block}.",
@@ -130,7 +133,8 @@ def bench_device(device: str, numel: int, args: argparse.Namespace) -> str:
         "| op | bytes moved | time (us) | GB/s | % of copy |",
         "|---|---:|---:|---:|---:|",
     ]
-    for case in _cases(numel, args.parts, args.int4_block, args.int8_block, device):
+    ops = kernels.kernel_set(cpu_kernels)
+    for case in _cases(numel, args.parts, args.int4_block, args.int8_block, device, ops):
         moved = sum(t.nbytes for t in case.inputs) + sum(t.nbytes for t in _tensors(case.run()))
         seconds = _time(case.run, device, args.warmup, args.iters)
         lines.append(
@@ -150,13 +154,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--cpu-kernels", default=",".join(kernels.CPU_KERNELS),
+                        help="comma-separated CPU implementations to measure (kernels.CPU_KERNELS)")
     args = parser.parse_args(argv)
     devices = {"auto": ["cpu"] + (["cuda"] if torch.cuda.is_available() else []), "cpu": ["cpu"], "cuda": ["cuda"]}
     if args.devices == "cuda" and not torch.cuda.is_available():
         parser.error("--devices cuda: no CUDA device is available")
     print("## Quantization kernel throughput\n")
+    cpu_kernels = [kernels.api.check_cpu_kernels(c) for c in args.cpu_kernels.split(",") if c]
     for device in devices[args.devices]:
-        print(bench_device(device, args.cpu_numel if device == "cpu" else args.numel, args) + "\n")
+        for flavour in cpu_kernels if device == "cpu" else ["reference"]:
+            print(bench_device(device, args.cpu_numel if device == "cpu" else args.numel, args, flavour) + "\n")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,7 @@ class PendingQuantizedReduce:
     def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
                  loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0,
                  ops: SimpleNamespace = kernels.kernel_set()) -> None:
-        # one reduction, no temporary: the max |value| is non-finite exactly when a value is
-        self.overflow = not bool(torch.isfinite(torch.linalg.vector_norm(grad, float("inf"))))
+        self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
             grad = torch.zeros_like(grad)
         self._stages, self._block, self._tag = list(stages), block, tag
