@@ -168,6 +168,8 @@ class ZeroConfig:
     loco_reset_t: int = 1024
     module_granularity_threshold: int = 0
     cpu_quant_kernels: str = "reference"  # megazpp's own: "compiled" fuses the CPU quantizers
+    qwz_block_size: int = 2048  # megazpp's own: values per int8 scale in qwZ's gathers
+    qgz_block_size: int = 256  # megazpp's own: values per int4 scale in qgZ's all-to-alls
 
 
 @dataclass

@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kernels.api import check_cpu_kernels
+from kernels.format import check_block_size
 from megazpp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -132,6 +133,11 @@ def _validate_zero(z: ZeroConfig) -> None:
         raise ConfigError(f"zero.module_granularity_threshold = "
                           f"{z.module_granularity_threshold}: expected a value >= 0")
     check_cpu_kernels(z.cpu_quant_kernels)
+    for key in ("qwz_block_size", "qgz_block_size"):
+        try:
+            check_block_size(getattr(z, key))
+        except ConfigError as err:
+            raise ConfigError(f"zero.{key}: {err}") from None
 
 
 def _refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:

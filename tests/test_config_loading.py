@@ -83,6 +83,10 @@ def test_inconsistent_values_rejected(base_yaml):
         load_config(["--config", base_yaml, "--min-lr", "0.5"]).validate()
     with pytest.raises(ConfigError, match=r"lr_decay_style = 'cosin'.*did you mean 'cosine'"):
         load_config(["--config", base_yaml, "--lr-decay-style", "cosin"])
+    with pytest.raises(ConfigError, match=r"zero\.qgz_block_size: quantization block_size=7 is invalid"):
+        load_config(["--config", base_yaml, "--qgz-block-size", "7"]).validate()
+    with pytest.raises(ConfigError, match=r"zero\.cpu_quant_kernels = 'fast': expected one of 'reference', 'compiled'"):
+        load_config(["--config", base_yaml, "--cpu-quant-kernels", "fast"]).validate()
 
 
 def test_deepspeed_config_mapping(tmp_path, base_yaml):
@@ -148,3 +152,13 @@ def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
     with pytest.raises(ConfigError, match=r"world size 2 is not divisible by "
                                           r"tensor_model_parallel_size 4"):
         pretrain_gpt.main(["--config", base_yaml, "--tensor-model-parallel-size", "4"])
+
+
+def test_zeropp_keys_reach_the_engine_settings(base_yaml):
+    from megazpp.zero.zeropp import zeropp_of
+
+    z = load_config(["--config", base_yaml, "--zero-quantized-gradients", "--qgz-block-size", "4096",
+                     "--qwz-block-size", "512", "--cpu-quant-kernels", "compiled"]).validate().zero
+    settings = zeropp_of(z)
+    assert (settings.qgz, settings.qgz_block, settings.qwz_block, settings.cpu_kernels) == (True, 4096, 512, "compiled")
+    assert settings.grads.block == 4096 and settings.alignment() == 4096

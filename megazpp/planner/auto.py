@@ -30,6 +30,7 @@ from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
+from megazpp.zero.zeropp import zeropp_of
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,8 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
 
 def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
-    z = cfg.zero
-    return formulas.ZeroPP(qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients, loco=z.loco,
-                           hpz=min(z.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
+    return dataclasses.replace(zeropp_of(cfg.zero),
+                               hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
 
 
 def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:

@@ -18,7 +18,7 @@ from megazpp.planner.auto import auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import parse_strategy
-from megazpp.zero.zeropp import check_zeropp
+from megazpp.zero.zeropp import check_zeropp, zeropp_of
 
 
 def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> ZeroOptions:
@@ -35,9 +35,7 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
     if z.allgather_bucket_size != defaults.allgather_bucket_size and z.allgather_bucket_size != z.reduce_bucket_size:
         raise ConfigError(f"zero.allgather_bucket_size = {z.allgather_bucket_size}: parameters are "
                           f"refreshed per gradient bucket; size buckets with zero.reduce_bucket_size")
-    zeropp = ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size,
-                    qgz=z.zero_quantized_gradients, loco=z.loco, err_beta=z.loco_err_beta,
-                    reset_t=z.loco_reset_t, cpu_kernels=z.cpu_quant_kernels)
+    zeropp = zeropp_of(z)
     check_zeropp(zeropp, strategy)
     return ZeroOptions(strategy=strategy.name, paro_group_size=z.paro_group_size,
                        bucket_numel=z.reduce_bucket_size,

@@ -14,6 +14,7 @@ from typing import Any
 
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
+from megazpp.config import ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import Level, Strategy
@@ -41,6 +42,13 @@ def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
     check_cpu_kernels(zeropp.cpu_kernels)
     if zeropp.reset_t < 1:
         raise ConfigError(f"zero.loco_reset_t = {zeropp.reset_t}: expected a positive step count")
+
+
+def zeropp_of(z: ZeroConfig) -> ZeroPP:
+    """The ZeRO++ settings of a `zero` config section (hpZ not yet fitted to the topology)."""
+    return ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size, qgz=z.zero_quantized_gradients,
+                  loco=z.loco, qwz_block=z.qwz_block_size, qgz_block=z.qgz_block_size, err_beta=z.loco_err_beta,
+                  reset_t=z.loco_reset_t, cpu_kernels=z.cpu_quant_kernels)
 
 
 def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Any) -> ZeroPP:
