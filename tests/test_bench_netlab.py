@@ -106,6 +106,10 @@ def test_row_from_a_run_directory(tmp_path):
     assert row.wire_inter_bytes_per_step == pytest.approx(750.0)
     assert row.rss_per_rank == [10, 30, 20, 5] and row.peak_rss_bytes == 30
     assert row.final_loss == pytest.approx(3.25) and row.status == "ok"
+    # two warm-up steps left out: steps 3..4 take 5 and 4 s, median 4.5 s; all but the last: 4 s
+    assert results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000, world_size=4,
+                               wire_bytes=3000, wall_s=12.0, warmup=2).step_time_s == pytest.approx(4.5)
+    assert results.step_time([100.0, 400.0, 200.0, 250.0], 1000, warmup=4) == pytest.approx(4.0)
     peer = results.collect_row("ds-zero3", DEEPSPEED, str(tmp_path), steps=4, tokens_per_step=1000,
                                world_size=4, wire_bytes=None, wall_s=1.0)
     assert peer.counted_inter_bytes_per_step is None and peer.wire_inter_bytes_per_step is None
@@ -151,8 +155,8 @@ def test_deepspeed_peer_config():
     assert zero == {"zero_hpz_partition_size": 2}
     cfg = load_config(rest)
     ds = deepspeed_config(cfg, 4, zero)
-    assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 1
-    assert ds["gradient_accumulation_steps"] == 1 and ds["gradient_clipping"] == 1.0
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 1.0
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
     with pytest.raises(ConfigError, match="not JSON"):
         peer_args(["--ds-zero", "{stage"])

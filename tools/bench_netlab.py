@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
     p.add_argument("--list", action="store_true", help="print the configuration names and exit")
     p.add_argument("--steps", type=int, default=10, help="training steps per configuration")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the median step time")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the benchmark model's YAML")
     p.add_argument("--data-dir", default="data", help="holds corpus_text_document.* and tokenizer.model")
     p.add_argument("--out", default="runs/bench_netlab", help="result directory")
@@ -61,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ns.only = [n for n in ns.only.split(",") if n] if ns.only else None
     if ns.steps < 1:
         p.error(f"--steps {ns.steps}: expected a positive number of steps")
+    if not 0 <= ns.warmup < ns.steps:
+        p.error(f"--warmup {ns.warmup}: expected 0 <= warmup < --steps ({ns.steps})")
     if not ns.rates:
         p.error("--rates is empty")
     return ns
@@ -97,11 +100,12 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     try:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,
-                                   wire_bytes=wire, wall_s=wall, failure=failure)
+                                   wire_bytes=wire, wall_s=wall, failure=failure, warmup=ns.warmup)
     except MegazppError as exc:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,
-                                   wire_bytes=wire, wall_s=wall, failure=f"unreadable results: {exc}")
+                                   wire_bytes=wire, wall_s=wall, failure=f"unreadable results: {exc}",
+                                   warmup=ns.warmup)
 
 
 def main(argv: list[str] | None = None) -> int:
