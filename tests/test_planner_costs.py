@@ -226,20 +226,34 @@ def test_peft_frozen_weights_engine_versus_paper_accounting():
     assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole in both accountings
 
 
-def test_without_overlap_every_phase_is_exposed():
+def test_without_overlap_only_the_link_wait_hides():
+    """overlap=False (CPU cores move the bytes): a collective's host part (its call plus its bytes
+    at the intra-node rate) is always exposed; only the wait on the slower inter-node link hides
+    behind compute."""
     workload = Workload(model=TINY, micro_batch=1, global_batch=8)  # A = 2 on 2 x 2
     shape = StageShape(0, units=(4000, 4000), buckets=(8000,), frozen=0, layers=2, first=True, last=True)
     ggg = parse_strategy("GGG")
     slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
     lay = layout(workload, slow_compute)
+    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, False))  # flat: one call per unit
     hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
     serial_cluster = dataclasses.replace(slow_compute, overlap=False)
     serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)
+    overlapped = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, slow_compute)
+    assert hidden.exposed["fetch_forward"] == pytest.approx(2 * overlapped["fetch_forward"].seconds / 2)  # first unit
     ph = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, serial_cluster)
-    assert hidden.exposed["fetch_forward"] == pytest.approx(2 * ph["fetch_forward"].seconds / 2)  # first unit
-    assert serial.exposed["fetch_forward"] == pytest.approx(2 * ph["fetch_forward"].seconds)
-    assert serial.exposed["backward_comm"] == pytest.approx(
-        2 * (ph["fetch_backward"].seconds + ph["micro_reduce"].seconds) + ph["boundary"].seconds)
+    fetch = ph["fetch_forward"]
+    # two units, each a flat 4-rank all-gather: 3 ring steps at the inter latency, and the bytes
+    # received (1 intra peer, 2 inter peers, 1000 parameters each) at the intra rate of 1e10 B/s
+    assert fetch.host == pytest.approx(2 * (3 * 1e-4 + 3 * 1000 * workload.param_bytes / 1e10))
+    assert 0 < fetch.host < fetch.seconds  # the inter link (1e9 B/s per node) is slower
+    assert serial.exposed["fetch_forward"] == pytest.approx(2 * fetch.host)
+    back = ph["fetch_backward"] + ph["micro_reduce"]
+    assert serial.exposed["backward_comm"] == pytest.approx(2 * back.host + ph["boundary"].host)
+    fast = dataclasses.replace(serial_cluster, flops=1e30)  # nothing to hide behind
+    exposed = predict_stage(ggg, formulas.ZeroPP(), shape, workload, fast, lay).exposed
+    assert exposed["fetch_forward"] == pytest.approx(2 * fetch.seconds)
+    assert exposed["backward_comm"] == pytest.approx(2 * back.seconds + ph["boundary"].seconds)
 
 
 def test_planner_settings_refuse_non_positive_values():
@@ -250,3 +264,20 @@ def test_planner_settings_refuse_non_positive_values():
         PlannerSettings(inter_node_gbit=0).validate()
     with pytest.raises(ConfigError, match="planner.usable_memory_fraction"):
         PlannerSettings(usable_memory_fraction=1.5).validate()
+
+
+def test_probed_collective_lines_replace_latency_and_bandwidth():
+    from megazpp.planner.timing import collective_time, host_time
+
+    base = _cluster(2, 2, backend="gloo", overlap=False)
+    probed = dataclasses.replace(base, collective_fits={"all_gather/dp": (2e-3, 5e-9)})
+    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    gather = formulas.Collective("all_gather", "dp", 1)
+    intra, inter, seconds = collective_time(gather, 4000, 4, shapes, probed)
+    assert (intra, inter) == (4000, 8000)  # 1000 fp32 from the node peer, 2000 from the other node
+    assert seconds == pytest.approx(2e-3 + 5e-9 * 12000)
+    assert host_time(gather, intra, inter, seconds, shapes, probed) == pytest.approx(2e-3 + 12000 / 1e10)
+    _, _, by_link = collective_time(gather, 4000, 4, shapes, base)  # not probed: latency + links in turn
+    assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
+    rs = formulas.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
+    assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (4000 / 1e10 + 8000 / 5e8))

@@ -41,7 +41,8 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import LinkProbe, broadcast_values, probe_link
+from megazpp.planner.probe import (LinkProbe, broadcast_values, probe_collectives, probe_link,
+                                   probe_memory_bandwidth, probe_optimizer_rate)
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
@@ -62,27 +63,20 @@ def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
 
 
 def _compute_rate(cfg: ModelConfig, a: argparse.Namespace, topo: Topology) -> float:
-    """FLOP/s of this rank's forward + backward (no communication), all ranks at once."""
+    """FLOP/s of one rank's forward + backward (no communication), timed from a barrier until
+    the last rank is done: ranks sharing cores run at once, and a step's collectives wait for
+    the slowest, so this is the rate a step sees (a rank timing only itself read 30-50 % high
+    or low, as the scheduler favoured it or not)."""
     model = GPTModel(cfg)
     times = []
     for i, (x, y) in enumerate(_batches(cfg, a, topo.rank) * (a.steps + 1)):
         comm.barrier(tag="calibrate")
         start = time.perf_counter()
         model(x, y).mean().backward()
+        comm.barrier(tag="calibrate")
         if i:
             times.append(time.perf_counter() - start)
     return training_flops_per_token(cfg) * a.micro_batch * cfg.seq_length / statistics.median(times)
-
-
-def _memory_bandwidth() -> float:
-    """Bytes/s of an in-place add over 32 MiB fp32 (read two, write one)."""
-    x, y = torch.ones(1 << 23), torch.ones(1 << 23)
-    times = []
-    for _ in range(6):
-        start = time.perf_counter()
-        x.add_(y)
-        times.append(time.perf_counter() - start)
-    return 3 * 4 * x.numel() / statistics.median(times[1:])
 
 
 def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
@@ -112,20 +106,29 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     intra, inter = (probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
                     for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks),
                                          (topo.dp_inter_group, topo.dp_inter_ranks)))
-    values = broadcast_values([flops, _memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
-                               intra.latency, inter.latency])
+    node = (topo.dp_intra_group, len(topo.dp_intra_ranks))
+    fits = probe_collectives({"dp": (topo.dp_group, topo.dp), "intra": node, "hpz": node,
+                              "cross": (topo.dp_inter_group, len(topo.dp_inter_ranks))})
+    keys = sorted(fits)  # the same on every rank: the same groups were probed
+    comm.barrier(tag="calibrate")  # all ranks at once, as in a step: they share the cores
+    values = broadcast_values([flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
+                               intra.latency, inter.latency, probe_optimizer_rate(),
+                               *(x for k in keys for x in fits[k])])
     inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]
     cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=rpn, memory_bytes=float(1 << 40), flops=values[0],
                       intra_bw=values[2], inter_bw=inter_bw, intra_latency=values[4], inter_latency=values[5],
-                      memory_bw=values[1], backend="gloo", overlap=not a.no_overlap)
+                      memory_bw=values[1], backend="gloo", overlap=a.overlap == "on",
+                      optimizer_rate=values[6],
+                      collective_fits={k: (values[7 + 2 * i], values[8 + 2 * i]) for i, k in enumerate(keys)}
+                      if a.collective_probe else None)
     workload = Workload(model=cfg, micro_batch=a.micro_batch, global_batch=a.micro_batch * a.micro_batches * topo.dp,
                         param_bytes=4, accum_bytes=4, bucket_numel=a.bucket_numel)
     rows = []
     for name in a.strategies:
         mine, shape = _measure_step(cfg, a, topo, name)
         measured = max(comm.all_gather_object(mine, tag="calibrate"))
-        predicted = predict(Option(parse_strategy(name)), [shape], workload, cluster).step_s
-        rows.append((name, predicted, measured))
+        stage = predict(Option(parse_strategy(name)), [shape], workload, cluster).critical
+        rows.append((name, stage.step_s, measured, {"compute": stage.compute_s, **stage.exposed}))
     if topo.rank != 0:
         return None
     return {"rows": rows, "cluster": cluster, "probed_inter": values[3]}
@@ -160,13 +163,17 @@ def report(result: dict, a: argparse.Namespace) -> str:
              f"{c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
              f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
              f"Gbit/s per node ({'given' if a.inter_gbit else 'probed'}; probed "
-             f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; overlap model "
-             f"{'on' if c.overlap else 'off'}", "",
+             f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; AdamW "
+             f"{c.optimizer_rate / 1e6:.0f} M elements/s; overlap model {'on' if c.overlap else 'off'}; collectives "
+             f"(per call, per received GB): {', '.join(f'{k} {v[0] * 1e3:.2f} ms + {v[1] * 1e9:.2f} s' for k, v in sorted((c.collective_fits or {}).items())) or 'not probed'}",
+             "",
              "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
     errors = []
-    for name, predicted, measured in result["rows"]:
+    for name, predicted, measured, terms in result["rows"]:
         errors.append(predicted / measured - 1)
         lines.append(f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * errors[-1]:+.1f} % |")
+        if a.breakdown:
+            print(name, " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v))
     rho = spearman([r[1] for r in result["rows"]], [r[2] for r in result["rows"]])
     worst = max(abs(e) for e in errors)
     ok = rho >= 0.8 and worst <= 0.3
@@ -180,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="spawn 4 gloo ranks here (2 virtual nodes x 2)")
     p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE (2 with --local)")
     p.add_argument("--inter-gbit", type=float, help="the link's rate (netlab's) instead of the probed one")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="predict with communication never hidden behind compute (Cluster.overlap = False)")
+    p.add_argument("--overlap", choices=("on", "off"), default="off",
+                   help="'off' (default): gloo's threads move the bytes on the cores that compute, so "
+                        "communication is not hidden behind compute (Cluster.overlap); 'on': the GPU model")
+    p.add_argument("--breakdown", action="store_true", help="also print each prediction's terms")
+    p.add_argument("--no-collective-probe", dest="collective_probe", action="store_false",
+                   help="time collectives by latency and link bandwidth instead of each op's probed line")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)

@@ -52,6 +52,14 @@ class Cluster:
     usable_memory_fraction: float = 0.9  # the rest: allocator fragmentation, workspaces, context
     backend: str = "nccl"  # "gloo": reduce-scatter runs as a full all-reduce on the wire
     overlap: bool = True  # False: communication never hides behind compute (CPU cores doing both)
+    # os elements one rank's AdamW updates per second, measured (`probe.probe_optimizer_rate`);
+    # None: the update is memory bound, (28 + param bytes) per element at memory_bw
+    optimizer_rate: float | None = None
+    # measured cost of "<op>/<group>" (op: all_gather, reduce_scatter, all_reduce; group: a
+    # DPShapes name) as (seconds per call, seconds per received byte), from
+    # `probe.probe_collectives`; replaces latency and link bandwidth for that pair, which
+    # misjudge backends whose collectives cost host time (gloo on shared CPU cores)
+    collective_fits: dict[str, tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -60,6 +68,8 @@ class Cluster:
         for name in ("memory_bytes", "flops", "intra_bw", "inter_bw", "memory_bw"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cluster.{name} = {getattr(self, name)!r}: expected a positive number")
+        if self.optimizer_rate is not None and not self.optimizer_rate > 0:
+            raise ConfigError(f"cluster.optimizer_rate = {self.optimizer_rate!r}: expected a positive number or None")
         for name in ("intra_latency", "inter_latency"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster.{name} = {getattr(self, name)!r}: expected a number >= 0")

@@ -16,7 +16,9 @@ Overlap model, per micro-batch of forward time t_f and backward time t_b (comput
   t_b, one bucket's share) (the last bucket's reduction starts when backward ends);
 * last micro-batch: the step-boundary reduction also starts in its backward (the engine starts
   a bucket's boundary reduction as soon as its last gradient is in), same rule;
-* `Cluster.overlap = False` (hosts whose cores both compute and move bytes) hides nothing;
+* `Cluster.overlap = False` (hosts whose cores both compute and move bytes): the cores' share
+  of a collective (`timing.host_time`: the call, and its bytes at the host's own copy rate)
+  hides nothing; only the rest, waiting on a slower link, hides behind compute;
 * after backward nothing hides: parameter refresh, norm all-reduce, the AdamW update (memory
   bound: 28 bytes of fp32 state read/written + the model-dtype copy per os element).
 Tensor-parallel all-reduces (4 per layer and micro-batch, 6 with recomputation) and pipeline
@@ -32,7 +34,7 @@ from megazpp.model.flops import training_flops_per_token
 from megazpp.planner.activations import stage_activation_bytes
 from megazpp.planner.cluster import Cluster
 from megazpp.planner.shape import StageShape
-from megazpp.planner.timing import collective_time, group_all_reduce_time, link_time
+from megazpp.planner.timing import collective_time, group_all_reduce_time, host_time, link_time
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas
 from megazpp.zero.strategy import Level, Strategy
@@ -84,10 +86,11 @@ class Phase:
     seconds: float = 0.0
     calls: int = 0
     times: int = 1
+    host: float = 0.0  # of `seconds`, the part the host's cores are busy (`timing.host_time`)
 
     def __add__(self, other: "Phase") -> "Phase":
         return Phase(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
-                     self.calls + other.calls, self.times)
+                     self.calls + other.calls, self.times, self.host + other.host)
 
 
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
@@ -103,9 +106,17 @@ def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, wo
         for n in part.numels:
             for c in part.sequence:
                 intra, inter, secs = collective_time(c, n, part.elem, lay.shapes, cluster)
-                total = total + Phase(intra, inter, secs, 1 if getattr(lay.shapes, c.group).size > 1 else 0)
+                total = total + Phase(intra, inter, secs, 1 if getattr(lay.shapes, c.group).size > 1 else 0,
+                                      host=host_time(c, intra, inter, secs, lay.shapes, cluster))
         out[name] = total
     return out
+
+
+def optimizer_time(os_elements: int, param_bytes: int, cluster: Cluster) -> float:
+    """The AdamW update of this rank's optimizer shard: measured rate, else memory bound."""
+    if cluster.optimizer_rate is not None:
+        return os_elements / cluster.optimizer_rate
+    return os_elements * (ADAM_TRAFFIC_FP32 + param_bytes) / cluster.memory_bw
 
 
 def norm_phase(s: Strategy, lay: Layout, cluster: Cluster) -> Phase:
@@ -204,17 +215,21 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
             step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
         transient = 2 * biggest * pb + (2 * biggest * pb if s.g != Level.N else 0)
     n = max(1, len(padded))
-    fwd, red, bnd = (ph[x].seconds for x in ("fetch_forward", "micro_reduce", "boundary"))
-    bwd = ph["fetch_backward"].seconds + ph["fetch_recompute"].seconds  # the recompute runs inside backward
-    hide_f, hide_b = (t_f, t_b) if cluster.overlap else (0.0, 0.0)  # compute that communication hides behind
+    backward = ph["fetch_backward"] + ph["fetch_recompute"] + ph["micro_reduce"]  # recompute runs in backward
+    last = backward + ph["boundary"]
+
+    def hidden(p: Phase, compute_s: float) -> float:
+        """Exposed seconds of phase `p` running alongside `compute_s` of compute."""
+        if cluster.overlap:
+            return max(p.seconds - compute_s, p.seconds / n)
+        return p.host + max(p.seconds - p.host - compute_s, 0.0)
+
     exposed = {
-        "fetch_forward": a * max(fwd - hide_f, fwd / n),
-        "backward_comm": (a - 1) * max(bwd + red - hide_b, (bwd + red) / n) + max(bwd + red + bnd - hide_b,
-                                                                                  (bwd + red + bnd) / n),
+        "fetch_forward": a * hidden(ph["fetch_forward"], t_f),
+        "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
-        "optimizer": sum(padded) // formulas.level_div(s.os, lay.d, lay.k) * (ADAM_TRAFFIC_FP32 + pb)
-        / cluster.memory_bw,
+        "optimizer": optimizer_time(sum(padded) // formulas.level_div(s.os, lay.d, lay.k), pb, cluster),
     }
     act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
     if workload.tp > 1:

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from megazpp.config import OptimizerConfig
 from megazpp.parallel import comm
+from megazpp.training.optimizer import build_adamw
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
 
@@ -66,6 +68,82 @@ def probe_matmul_flops(n: int = 1024, repeats: int = 5, device: str | torch.devi
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times[1:])
+
+
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _timed_calls(call: Any, group: Any, repeats: int) -> float:
+    """Seconds per call of `repeats` calls back to back, as a step issues them (a barrier before
+    each call would line the ranks up and hide the time a call waits for a peer that the
+    scheduler has not run yet, which is most of a call's cost when ranks outnumber cores)."""
+    call()  # warm-up: connections, buffers
+    comm.barrier(group=group, tag="planner/probe")
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats
+
+
+def _calls(op: str, numel: int, size: int, group: Any) -> tuple[Any, float]:
+    """A call of `op` moving `numel` elements per member, and the bytes one rank receives by the
+    convention of `formulas.collective_bytes`."""
+    shard, whole = torch.ones(numel), torch.ones(numel * size)
+    if op == "all_gather":
+        return lambda: comm.all_gather_into_tensor(whole, shard, group=group, tag="planner/probe"), \
+            4.0 * numel * (size - 1)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter_tensor(shard, whole, group=group, tag="planner/probe"), \
+            4.0 * numel * (size - 1)
+    return lambda: comm.all_reduce(whole, group=group, tag="planner/probe"), 2.0 * 4 * numel * (size - 1)
+
+
+def probe_collectives(groups: dict[str, tuple[Any, int]], small: int = 1 << 16, large: int = 1 << 20,
+                      repeats: int = 10) -> dict[str, tuple[float, float]]:
+    """(seconds per call, seconds per received byte) of each op in `COLLECTIVE_OPS` on each
+    named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", fitted
+    through a `small`- and a `large`-element message per member (256 KiB and 4 MiB of fp32:
+    the range of parameter units and buckets, where the line is used; a line through a tiny
+    message put TCP's and the shaper's small-message behaviour into the per-call term).
+    Collective: every rank calls it with the same groups, so the groups of every node run at
+    once, as in a step."""
+    out = {}
+    for name, (group, size) in groups.items():
+        if size < 2:
+            continue
+        for op in COLLECTIVE_OPS:
+            (call_s, bytes_s), (call_l, bytes_l) = (_calls(op, n, size, group) for n in (small, large))
+            t_s, t_l = _timed_calls(call_s, group, repeats), _timed_calls(call_l, group, repeats)
+            # a stalled small call can outlast the large one on a loaded host: then the line
+            # goes through the origin and the large call
+            per_byte = (t_l - t_s) / (bytes_l - bytes_s) if t_l > t_s else t_l / bytes_l
+            out[f"{op}/{name}"] = (max(t_s - per_byte * bytes_s, 0.0), per_byte)
+    return out
+
+
+def probe_optimizer_rate(numel: int = 1 << 22, repeats: int = 5) -> float:
+    """Elements per second the engines' own AdamW (`build_adamw`) updates on this rank: on CPU
+    its foreach kernels make several passes per element, far from the memory-bound ideal."""
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.full((numel,), 1e-3)
+    optimizer = build_adamw([{"params": [param], "weight_decay": 0.1}], OptimizerConfig())
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return numel / statistics.median(times[1:])
+
+
+def probe_memory_bandwidth(numel: int = 1 << 23, repeats: int = 5) -> float:
+    """Bytes/s of an in-place add over 32 MiB fp32 (read two, write one) on this rank."""
+    x, y = torch.ones(numel), torch.ones(numel)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        x.add_(y)
+        times.append(time.perf_counter() - start)
+    return 3 * 4 * numel / statistics.median(times[1:])
 
 
 def broadcast_values(values: list[float]) -> list[float]:

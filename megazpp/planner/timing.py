@@ -13,7 +13,12 @@ where the bytes are what this rank receives by the comm counter's convention, th
 the inter-node one when any member sits on another node, and the inter-node bandwidth per rank
 is the node's bandwidth shared by its ranks. Intra and inter transfers of one collective run
 concurrently, so the slower link sets the time. On gloo, reduce-scatter is a full ring
-all-reduce on the wire (docs/arch/parallel.md), so its bytes count twice.
+all-reduce on the wire (docs/arch/parallel.md), so its bytes count twice. Where the
+collectives cost host time (gloo on CPU cores shared by several ranks, as in the netlab
+calibration: a 4-rank all-gather of 4 KB took 2.9 ms, twice what the ring-step latency of a
+2-rank all-reduce predicts, and gloo's all-gather received 0.6 GB/s where its all-reduce
+reached 1 GB/s), a probe fits each op on each group with a line instead (`probe_collectives`,
+`Cluster.collective_fits`): seconds = per call + per received byte x (intra + inter bytes).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from megazpp.zero import formulas
 
 
 def link_time(intra: float, inter: float, cluster: Cluster) -> float:
-    """Seconds to receive `intra` and `inter` bytes over the two links at once."""
-    return max(intra / cluster.intra_bw, inter / cluster.inter_bw_per_rank)
+    """Seconds to receive `intra` and `inter` bytes over the two links: at once, or one after
+    the other where the same CPU cores move both (`Cluster.overlap` false)."""
+    times = (intra / cluster.intra_bw, inter / cluster.inter_bw_per_rank)
+    return max(times) if cluster.overlap else sum(times)
 
 
 def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemFormat,
@@ -34,10 +41,29 @@ def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemForma
     group: formulas.GroupShape = getattr(shapes, c.group)
     if group.size == 1:
         return 0, 0, 0.0
+    fit = (cluster.collective_fits or {}).get(f"{c.op}/{c.group}")
+    if fit is not None:  # measured on this op and group: per call + per received byte
+        return intra, inter, fit[0] + fit[1] * (intra + inter)
     wire = 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
-    steps = (group.size - 1) * (2 if c.op == "all_reduce" else 1)
+    steps = (group.size - 1) * (2 if c.op == "all_reduce" else wire)
     latency = cluster.inter_latency if group.inter_peers else cluster.intra_latency
     return intra, inter, steps * latency + link_time(wire * intra, wire * inter, cluster)
+
+
+def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, shapes: formulas.DPShapes,
+              cluster: Cluster) -> float:
+    """Of a collective's `seconds`, the part the host's own cores are busy with: the call (its
+    probed intercept, else the ring-step latencies) plus every byte at the intra-node rate, the
+    fastest the cores move bytes; the remainder is waiting on a slower link."""
+    fit = (cluster.collective_fits or {}).get(f"{c.op}/{c.group}")
+    group: formulas.GroupShape = getattr(shapes, c.group)
+    if fit is not None:
+        call = fit[0]
+    else:
+        steps = (group.size - 1) * (2 if c.op == "all_reduce" else 1)
+        call = steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
+    wire = 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
+    return min(seconds, call + wire * (intra + inter) / cluster.intra_bw)
 
 
 def group_all_reduce_time(nbytes: float, group: formulas.GroupShape, cluster: Cluster) -> float:

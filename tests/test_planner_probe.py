@@ -1,0 +1,65 @@
+"""The planner's probes on 4 gloo ranks (2 virtual nodes x 2), and the calibration tool end to end.
+
+The probes feed `paro_strategy: auto` and tools/calibrate_planner.py; what can be asserted of a
+timing is its structure: every op on every group that has peers, a positive per-byte cost, a
+non-negative per-call cost, and a fitted line that reproduces a freshly timed call of another
+size within a loose factor (timings on a shared 2-core machine are noisy).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megazpp.parallel.local_launch import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _probe_rank() -> dict:
+    torch.set_num_threads(1)
+    from megazpp.parallel.topology import Topology
+    from megazpp.planner import probe
+
+    topo = Topology.from_env(ranks_per_node=2)
+    node = (topo.dp_intra_group, len(topo.dp_intra_ranks))
+    groups = {"dp": (topo.dp_group, topo.dp), "intra": node, "cross": (topo.dp_inter_group, 2),
+              "hpz": (None, 1)}
+    fits = probe.probe_collectives(groups, small=1 << 10, large=1 << 18, repeats=3)
+    call, received = probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group)
+    timed = probe._timed_calls(call, topo.dp_group, 5)
+    return {"fits": fits, "check": (timed, received), "adam": probe.probe_optimizer_rate(1 << 16, 2)}
+
+
+def test_collective_probe_fits_every_op_and_group():
+    result = run_ranks(_probe_rank, 4, env={"LOCAL_WORLD_SIZE": "2"})[0]
+    fits = result["fits"]
+    assert sorted(fits) == sorted(f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce")
+                                  for g in ("dp", "intra", "cross"))  # hpz has no peer: not probed
+    for per_call, per_byte in fits.values():
+        assert per_call >= 0 and per_byte > 0 and math.isfinite(per_call + per_byte)
+    timed, received = result["check"]
+    assert received == 4 * (1 << 12) * 3  # fp32, three peers
+    per_call, per_byte = fits["all_gather/dp"]
+    assert timed / 5 < per_call + per_byte * received < timed * 5
+    assert result["adam"] > 1e5  # elements per second
+
+
+def test_calibration_tool_runs_locally():
+    proc = subprocess.run(
+        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden", "32", "--layers", "2", "--steps", "2",
+         "--vocab", "256", "--seq", "32", "--strategies", "NNN", "GGG"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^\| (NNN|GGG) \| ([0-9.]+) \| ([0-9.]+) \| ([-+][0-9.]+) % \|$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["NNN", "GGG"]
+    for _, predicted, measured, error in rows:
+        assert float(predicted) > 0 and float(measured) > 0
+        assert abs(float(error) - 100 * (float(predicted) / float(measured) - 1)) < 1.0  # 4-digit rounding
+    assert "collectives (per call, per received GB): all_gather/cross" in proc.stdout
+    assert re.search(r"Spearman rank correlation (-?[0-9.]+|nan)", proc.stdout)
