@@ -190,3 +190,17 @@ def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):
     assert failure == "node 0 exited with status 3: [rank1]: ValueError: boom"
     assert time.monotonic() - start < 15  # the sleeping node was stopped, not waited for
     assert launch.run_nodes([["sleep", "60"], ["true"]], logs, timeout_s=1) == "timed out after 1 s"
+
+
+def test_figure_of_every_setting(tmp_path):
+    from megazpp.bench.plot import plot_settings
+
+    with pytest.raises(DataError, match="no <setting>.json"):
+        plot_settings(tmp_path, tmp_path / "netlab.png")
+    for setting, speed in (("loopback", 900.0), ("1gbit", 300.0)):
+        rows = [results.Row("zero3", MEGAZPP, "ok", 5, step_time_s=1.0, tokens_per_s=speed,
+                            counted_inter_bytes_per_step=2e8),
+                results.Row("ds-zero3+qwz", DEEPSPEED, "failed: CPU", 5)]
+        results.write_setting(str(tmp_path), setting, rows, "cmd")
+    png = plot_settings(tmp_path, tmp_path / "netlab.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

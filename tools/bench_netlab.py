@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The heterogeneous-network benchmark: every ZeRO / ZeRO++ / PaRO configuration and the
 DeepSpeed peer, trained on 2 nodes x 2 ranks across a rate-limited link (tools/netlab.sh),
-at each link setting in turn; one Markdown table and one JSON file per setting.
+at each link setting in turn; one Markdown table and one JSON file per setting, and one figure
+of them all (OUT/netlab.png).
 
     sudo python tools/bench_netlab.py                                   # the full sweep
     sudo python tools/bench_netlab.py --rates 1gbit --only zero3,zeropp,ds-zero3 --steps 5
@@ -24,6 +25,7 @@ import sys
 import time
 
 from megazpp.bench import launch, results
+from megazpp.bench.plot import plot_settings
 from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
 from megazpp.cli import run_tool
 from megazpp.config import load_config
@@ -31,6 +33,7 @@ from megazpp.errors import DataError, MegazppError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "configs/experiments/netlab/llama_comm_bound.yaml"
+PNG = "netlab.png"  # every setting's tokens/s and inter-node bytes, redrawn after each run
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,6 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="python that can import deepspeed (the `bench` extra)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
+    p.add_argument("--plot-only", action="store_true",
+                   help="only redraw OUT/netlab.png from the <setting>.json files already in --out")
     ns = p.parse_args(argv)
     ns.extra = extra
     ns.rates = [r for r in ns.rates.split(",") if r]
@@ -111,6 +116,9 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.chdir(REPO)
+    if ns.plot_only:
+        print(plot_settings(ns.out, os.path.join(ns.out, PNG)))
+        return 0
     layout = launch.Layout(ns.nodes, ns.ranks_per_node)
     configs = select(all_configs(layout.ranks_per_node), ns.only)
     if ns.list:
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_one(ns, setting, config, shared, layout, tokens_per_step, port))
                 port += 1
                 md, _ = results.write_setting(ns.out, setting, rows, command)
+                plot_settings(ns.out, os.path.join(ns.out, PNG))
                 print(f"[{setting}] {config.name}: {rows[-1].status}, "
                       f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}", flush=True)
         finally:

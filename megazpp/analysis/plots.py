@@ -45,7 +45,7 @@ def plot_loss(comparison: Comparison, path: Path, smoothing: float) -> None:
         axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    _save(figure, path)
+    save_png(figure, path)
 
 
 def plot_throughput(comparison: Comparison, path: Path) -> None:
@@ -68,7 +68,7 @@ def plot_throughput(comparison: Comparison, path: Path) -> None:
         axes.grid(alpha=0.3)
     bottom.set_xlabel("step")
     figure.tight_layout()
-    _save(figure, path)
+    save_png(figure, path)
 
 
 def _colors(count: int) -> list[str]:
@@ -93,7 +93,8 @@ def _annotate_missing(axes, labels: list[str], tag: str) -> None:
                   transform=axes.transAxes, fontsize="small", color="dimgrey")
 
 
-def _save(figure: Figure, path: Path) -> None:
+def save_png(figure: Figure, path: Path) -> None:
+    """Render `figure` to `path` atomically (temporary name, then rename)."""
     FigureCanvasAgg(figure)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
