@@ -7,6 +7,7 @@ in the table is asserted with ==.
 
 import importlib.util
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,10 @@ def test_bad_arguments_are_config_errors(run_dirs, tmp_path):
 def test_resumed_run_reads_the_later_write(tmp_path):
     """A run resumed from step 2 rewrites steps 3 and 4 in a second event file."""
     write_run(tmp_path / "run", {"train/loss": {1: 4.0, 2: 3.0, 3: 2.0, 4: 1.0}})
+    # event files are read in name order, and a name starts with its creation second then ends
+    # with a per-process writer counter ("...9" sorts after "...10"): a resumed run is a new
+    # process a second or more later, so the test waits like one
+    time.sleep(1.05)
     write_run(tmp_path / "run", {"train/loss": {3: 2.5, 4: 2.25, 5: 2.0}})
     series = read_run(tmp_path / "run", "run").scalars["train/loss"]
     assert series.steps.tolist() == [1, 2, 3, 4, 5]
