@@ -266,17 +266,21 @@ def test_planner_settings_refuse_non_positive_values():
         PlannerSettings(usable_memory_fraction=1.5).validate()
 
 
-def test_probed_collective_lines_replace_latency_and_bandwidth():
-    from megazpp.planner.timing import collective_time, host_time
+def test_probed_collective_times_replace_latency_and_bandwidth():
+    from megazpp.planner.timing import collective_time, host_time, measured_time
 
+    points = ((1e3, 2e-3), (1e4, 3e-3), (1e6, 5e-2))  # (received bytes, seconds)
+    assert measured_time(points, 10) == 2e-3  # never below the smallest message's time
+    assert measured_time(points, 5.5e3) == pytest.approx(2.5e-3)
+    assert measured_time(points, 2e6) == pytest.approx(5e-2 + (5e-2 - 3e-3) / 99e4 * 1e6)  # last segment
     base = _cluster(2, 2, backend="gloo", overlap=False)
-    probed = dataclasses.replace(base, collective_fits={"all_gather/dp": (2e-3, 5e-9)})
+    probed = dataclasses.replace(base, collective_times={"all_gather/dp": points})
     shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
     gather = formulas.Collective("all_gather", "dp", 1)
     intra, inter, seconds = collective_time(gather, 4000, 4, shapes, probed)
     assert (intra, inter) == (4000, 8000)  # 1000 fp32 from the node peer, 2000 from the other node
-    assert seconds == pytest.approx(2e-3 + 5e-9 * 12000)
-    assert host_time(gather, intra, inter, seconds, shapes, probed) == pytest.approx(2e-3 + 12000 / 1e10)
+    assert seconds == pytest.approx(3e-3 + (5e-2 - 3e-3) * 2000 / 99e4)  # 12000 bytes: on the second segment
+    assert host_time(gather, intra, inter, seconds, shapes, probed) == pytest.approx(min(seconds, 2e-3 + 12000 / 1e10))
     _, _, by_link = collective_time(gather, 4000, 4, shapes, base)  # not probed: latency + links in turn
     assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
     rs = formulas.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps

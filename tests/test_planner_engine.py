@@ -142,4 +142,10 @@ def test_auto_choice_is_identical_on_every_rank(results):
                for r in results)
     probed = results[0]["probed"].cluster
     assert probed.intra_bw > 0 and probed.inter_bw > 0 and probed.flops > 0
+    # CPU ranks: the host model (cores move the bytes), with every op probed on every DP group
+    assert not probed.overlap and probed.backend == "gloo" and probed.optimizer_rate > 0
+    assert sorted(probed.collective_times) == sorted(f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce")
+                                                    for g in ("cross", "dp", "hpz", "intra"))
+    assert all(len(points) == 3 for points in probed.collective_times.values())
+    assert all(r["probed"].cluster.collective_times == probed.collective_times for r in results)  # rank 0's
     assert dataclasses.replace(probed, flops=1.0) != probed

@@ -1,9 +1,9 @@
 """The planner's probes on 4 gloo ranks (2 virtual nodes x 2), and the calibration tool end to end.
 
 The probes feed `paro_strategy: auto` and tools/calibrate_planner.py; what can be asserted of a
-timing is its structure: every op on every group that has peers, a positive per-byte cost, a
-non-negative per-call cost, and a fitted line that reproduces a freshly timed call of another
-size within a loose factor (timings on a shared 2-core machine are noisy).
+timing is its structure: every op on every group that has peers, ascending sizes and times,
+the byte convention of the comm counter, and a probed point that a fresh timing of the same
+call reproduces within a loose factor (timings on a shared 2-core machine are noisy).
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ def _probe_rank() -> dict:
     from megazpp.planner import probe
 
     topo = Topology.from_env(ranks_per_node=2)
-    node = (topo.dp_intra_group, len(topo.dp_intra_ranks))
-    groups = {"dp": (topo.dp_group, topo.dp), "intra": node, "cross": (topo.dp_inter_group, 2),
-              "hpz": (None, 1)}
-    fits = probe.probe_collectives(groups, small=1 << 10, large=1 << 18, repeats=3)
+    groups = {**probe.dp_groups(topo), "hpz": (None, 1)}  # hpZ off: a group of one
+    fits = probe.probe_collectives(groups, sizes=(1 << 8, 1 << 12, 1 << 18), repeats=3)
     call, received = probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group)
-    timed = probe._timed_calls(call, topo.dp_group, 5)
+    timed = probe._timed_calls(call, topo.dp_group, 5, rounds=1)
     return {"fits": fits, "check": (timed, received), "adam": probe.probe_optimizer_rate(1 << 16, 2)}
 
 
@@ -41,12 +39,15 @@ def test_collective_probe_fits_every_op_and_group():
     fits = result["fits"]
     assert sorted(fits) == sorted(f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce")
                                   for g in ("dp", "intra", "cross"))  # hpz has no peer: not probed
-    for per_call, per_byte in fits.values():
-        assert per_call >= 0 and per_byte > 0 and math.isfinite(per_call + per_byte)
+    for points in fits.values():
+        sizes = [b for b, _ in points]
+        times = [t for _, t in points]
+        assert sizes == sorted(sizes) and times == sorted(times) and times[0] > 0  # raised where noisy
+        assert all(math.isfinite(t) for t in times)
     timed, received = result["check"]
-    assert received == 4 * (1 << 12) * 3  # fp32, three peers
-    per_call, per_byte = fits["all_gather/dp"]
-    assert timed / 5 < per_call + per_byte * received < timed * 5
+    assert received == 4 * (1 << 12) * 3  # fp32, three peers: the middle probed size
+    assert fits["all_gather/dp"][1][0] == received
+    assert timed / 5 < fits["all_gather/dp"][1][1] < timed * 5
     assert result["adam"] > 1e5  # elements per second
 
 
@@ -61,5 +62,5 @@ def test_calibration_tool_runs_locally():
     for _, predicted, measured, error in rows:
         assert float(predicted) > 0 and float(measured) > 0
         assert abs(float(error) - 100 * (float(predicted) / float(measured) - 1)) < 1.0  # 4-digit rounding
-    assert "collectives (per call, per received GB): all_gather/cross" in proc.stdout
+    assert "collectives (ms per call at 4 KiB / 256 KiB / 4 MiB per member): all_gather/cross" in proc.stdout
     assert re.search(r"Spearman rank correlation (-?[0-9.]+|nan)", proc.stdout)

@@ -1,19 +1,17 @@
 """Calibrate the planner: predicted vs measured step time of several strategies on this cluster.
 
-Each rank measures what the planner takes as input (its compute rate on the model's own
-forward/backward, memory bandwidth, and the intra-/inter-node links by timed all-reduces;
-rank 0's numbers are broadcast), then trains a few steps under each strategy with the real
-ZeroEngine and times them. Rank 0 prints predicted and measured seconds per step, the error
-of each prediction, and the Spearman rank correlation (issue 10 asks for >= 0.8 and every
-error within 30 %). The planner is told the backend is gloo (reduce-scatter = all-reduce on
-the wire).
+Each rank measures what the planner takes as input: its compute rate on the model's own
+forward/backward (timed until the slowest rank is done), memory bandwidth, the links by timed
+all-reduces, and, for the host model of CPU ranks (gloo: the cores move the bytes, so
+`Cluster.overlap` is off), a line per collective op and DP group and the AdamW rate
+(`probe.probe_host`); rank 0's numbers are broadcast. Then every strategy trains a few steps
+with the real ZeroEngine. Rank 0 prints predicted and measured seconds per step, the error of
+each prediction, and the Spearman rank correlation (issue 10 asks for >= 0.8 and every error
+within 30 %).
 
-On netlab (2 nodes x 2 ranks, 1 Gbit/s between nodes), one command per node:
+On netlab (2 nodes x 2 ranks, the link shaped to 1 Gbit/s), as root:
 
-    sudo tools/netlab.sh up 2 1gbit 0.2ms
-    for n in 0 1; do sudo tools/netlab.sh run $n python -m torch.distributed.run --nnodes 2 \\
-      --node-rank $n --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:29556 \\
-      tools/calibrate_planner.py --inter-gbit 1 & done; wait
+    tools/calibrate_netlab.sh 1gbit [--breakdown]
 
 On one machine, 4 ranks carved into 2 virtual nodes over loopback (a smoke test):
 
@@ -41,8 +39,7 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import (LinkProbe, broadcast_values, probe_collectives, probe_link,
-                                   probe_memory_bandwidth, probe_optimizer_rate)
+from megazpp.planner.probe import LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
@@ -68,15 +65,16 @@ def _compute_rate(cfg: ModelConfig, a: argparse.Namespace, topo: Topology) -> fl
     the slowest, so this is the rate a step sees (a rank timing only itself read 30-50 % high
     or low, as the scheduler favoured it or not)."""
     model = GPTModel(cfg)
+    batches = _batches(cfg, a, topo.rank)
     times = []
-    for i, (x, y) in enumerate(_batches(cfg, a, topo.rank) * (a.steps + 1)):
+    for i, (x, y) in enumerate(batches * (2 * a.steps + 2)):
         comm.barrier(tag="calibrate")
         start = time.perf_counter()
         model(x, y).mean().backward()
         comm.barrier(tag="calibrate")
-        if i:
+        if i >= 2 * len(batches):  # two warm-up rounds: allocator growth, first-touch pages
             times.append(time.perf_counter() - start)
-    return training_flops_per_token(cfg) * a.micro_batch * cfg.seq_length / statistics.median(times)
+    return training_flops_per_token(cfg) * a.micro_batch * cfg.seq_length / statistics.fmean(times)
 
 
 def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
@@ -106,21 +104,15 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     intra, inter = (probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
                     for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks),
                                          (topo.dp_inter_group, topo.dp_inter_ranks)))
-    node = (topo.dp_intra_group, len(topo.dp_intra_ranks))
-    fits = probe_collectives({"dp": (topo.dp_group, topo.dp), "intra": node, "hpz": node,
-                              "cross": (topo.dp_inter_group, len(topo.dp_inter_ranks))})
-    keys = sorted(fits)  # the same on every rank: the same groups were probed
-    comm.barrier(tag="calibrate")  # all ranks at once, as in a step: they share the cores
+    fits, adam = probe_host(topo)
+    comm.barrier(tag="calibrate")
     values = broadcast_values([flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
-                               intra.latency, inter.latency, probe_optimizer_rate(),
-                               *(x for k in keys for x in fits[k])])
+                               intra.latency, inter.latency])
     inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]
     cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=rpn, memory_bytes=float(1 << 40), flops=values[0],
                       intra_bw=values[2], inter_bw=inter_bw, intra_latency=values[4], inter_latency=values[5],
                       memory_bw=values[1], backend="gloo", overlap=a.overlap == "on",
-                      optimizer_rate=values[6],
-                      collective_fits={k: (values[7 + 2 * i], values[8 + 2 * i]) for i, k in enumerate(keys)}
-                      if a.collective_probe else None)
+                      optimizer_rate=adam, collective_times=fits if a.collective_probe else None)
     workload = Workload(model=cfg, micro_batch=a.micro_batch, global_batch=a.micro_batch * a.micro_batches * topo.dp,
                         param_bytes=4, accum_bytes=4, bucket_numel=a.bucket_numel)
     rows = []
@@ -165,20 +157,23 @@ def report(result: dict, a: argparse.Namespace) -> str:
              f"Gbit/s per node ({'given' if a.inter_gbit else 'probed'}; probed "
              f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; AdamW "
              f"{c.optimizer_rate / 1e6:.0f} M elements/s; overlap model {'on' if c.overlap else 'off'}; collectives "
-             f"(per call, per received GB): {', '.join(f'{k} {v[0] * 1e3:.2f} ms + {v[1] * 1e9:.2f} s' for k, v in sorted((c.collective_fits or {}).items())) or 'not probed'}",
+             f"(ms per call at 4 KiB / 256 KiB / 4 MiB per member): "
+             f"{', '.join(k + ' ' + '/'.join(f'{t * 1e3:.2f}' for _, t in v) for k, v in sorted((c.collective_times or {}).items())) or 'not probed'}",
              "",
              "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
     errors = []
-    for name, predicted, measured, terms in result["rows"]:
+    for name, predicted, measured, _ in result["rows"]:
         errors.append(predicted / measured - 1)
         lines.append(f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * errors[-1]:+.1f} % |")
-        if a.breakdown:
-            print(name, " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v))
     rho = spearman([r[1] for r in result["rows"]], [r[2] for r in result["rows"]])
     worst = max(abs(e) for e in errors)
     ok = rho >= 0.8 and worst <= 0.3
     lines += ["", f"Spearman rank correlation {rho:.3f} (target >= 0.8); largest error {100 * worst:.1f} % "
               f"(target <= 30 %): {'PASS' if ok else 'FAIL'}"]
+    if a.breakdown:
+        lines += ["", "Predicted seconds per step, by term:"]
+        lines += [f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
+                  for name, _, _, terms in result["rows"]]
     return "\n".join(lines)
 
 

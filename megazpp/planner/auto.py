@@ -23,7 +23,7 @@ from megazpp.errors import ConfigError
 from megazpp.parallel import comm
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Plan, plan
-from megazpp.planner.probe import broadcast_values, probe_link, probe_matmul_flops
+from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
 from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
@@ -122,11 +122,14 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                            first=topology.is_first_stage, last=topology.is_last_stage)
     shapes = {s.stage: s for s in comm.all_gather_object(shape, tag="planner/shapes")}
     memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measure_cluster(settings, topology))
+    cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
+    fits, adam = probe_host(topology) if cpu and settings.probe else (None, None)
     cluster = Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
                       flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
                       inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
                       usable_memory_fraction=settings.usable_memory_fraction,
-                      backend="nccl" if torch.cuda.is_available() else "gloo")
+                      backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
+                      optimizer_rate=adam)
     workload = workload_of_config(cfg)
     if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
         workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)

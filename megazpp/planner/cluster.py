@@ -55,11 +55,11 @@ class Cluster:
     # os elements one rank's AdamW updates per second, measured (`probe.probe_optimizer_rate`);
     # None: the update is memory bound, (28 + param bytes) per element at memory_bw
     optimizer_rate: float | None = None
-    # measured cost of "<op>/<group>" (op: all_gather, reduce_scatter, all_reduce; group: a
-    # DPShapes name) as (seconds per call, seconds per received byte), from
+    # measured time of "<op>/<group>" (op: all_gather, reduce_scatter, all_reduce; group: a
+    # DPShapes name) as ascending (received bytes, seconds) points, from
     # `probe.probe_collectives`; replaces latency and link bandwidth for that pair, which
     # misjudge backends whose collectives cost host time (gloo on shared CPU cores)
-    collective_fits: dict[str, tuple[float, float]] | None = None
+    collective_times: dict[str, tuple[tuple[float, float], ...]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -73,16 +73,40 @@ def probe_matmul_flops(n: int = 1024, repeats: int = 5, device: str | torch.devi
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _timed_calls(call: Any, group: Any, repeats: int) -> float:
-    """Seconds per call of `repeats` calls back to back, as a step issues them (a barrier before
-    each call would line the ranks up and hide the time a call waits for a peer that the
-    scheduler has not run yet, which is most of a call's cost when ranks outnumber cores)."""
+def dp_groups(topology: Any) -> dict[str, tuple[Any, int]]:
+    """The launcher's data-parallel groups under the names `formulas.DPShapes` gives them (the
+    PaRO group and the hpZ group default to the node's DP ranks)."""
+    node = (topology.dp_intra_group, len(topology.dp_intra_ranks))
+    return {"dp": (topology.dp_group, topology.dp), "intra": node, "hpz": node,
+            "cross": (topology.dp_inter_group, len(topology.dp_inter_ranks))}
+
+
+def probe_host(topology: Any) -> tuple[dict[str, tuple[tuple[float, float], ...]], float]:
+    """Rank 0's collective times and AdamW rate, on every rank: the host model's inputs
+    (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective."""
+    times = probe_collectives(dp_groups(topology))
+    keys = sorted(times)  # the same on every rank: the topology is symmetric
+    comm.barrier(tag="planner/probe")  # every rank at once, as in a step: they share the cores
+    flat = broadcast_values([*(x for k in keys for point in times[k] for x in point), probe_optimizer_rate()])
+    per_key = len(flat[:-1]) // max(len(keys), 1)
+    return ({k: tuple(zip(flat[i * per_key:(i + 1) * per_key:2], flat[i * per_key + 1:(i + 1) * per_key:2]))
+             for i, k in enumerate(keys)}, flat[-1])
+
+
+def _timed_calls(call: Any, group: Any, repeats: int, rounds: int = 4) -> float:
+    """Mean seconds per call over `rounds` of `repeats` calls issued back to back, as a step
+    issues them. Not a barrier before each call: it would line the ranks up and hide the time a
+    call waits for a peer the scheduler has not run yet, most of a call's cost when ranks
+    outnumber cores. Not a median: a step pays the host's occasional stalls too."""
     call()  # warm-up: connections, buffers
-    comm.barrier(group=group, tag="planner/probe")
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats
+    total = 0.0
+    for _ in range(rounds):
+        comm.barrier(group=group, tag="planner/probe")
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        total += time.perf_counter() - start
+    return total / (rounds * repeats)
 
 
 def _calls(op: str, numel: int, size: int, group: Any) -> tuple[Any, float]:
@@ -98,26 +122,25 @@ def _calls(op: str, numel: int, size: int, group: Any) -> tuple[Any, float]:
     return lambda: comm.all_reduce(whole, group=group, tag="planner/probe"), 2.0 * 4 * numel * (size - 1)
 
 
-def probe_collectives(groups: dict[str, tuple[Any, int]], small: int = 1 << 16, large: int = 1 << 20,
-                      repeats: int = 10) -> dict[str, tuple[float, float]]:
-    """(seconds per call, seconds per received byte) of each op in `COLLECTIVE_OPS` on each
-    named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", fitted
-    through a `small`- and a `large`-element message per member (256 KiB and 4 MiB of fp32:
-    the range of parameter units and buckets, where the line is used; a line through a tiny
-    message put TCP's and the shaper's small-message behaviour into the per-call term).
-    Collective: every rank calls it with the same groups, so the groups of every node run at
-    once, as in a step."""
+def probe_collectives(groups: dict[str, tuple[Any, int]], sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
+                      repeats: int = 5) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Ascending (received bytes, seconds per call) points of each op in `COLLECTIVE_OPS` on each
+    named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at
+    `sizes` elements per member: 4 KiB (the call itself), 256 KiB and 4 MiB of fp32 (parameter
+    units and buckets). A time below the previous size's (noise on a loaded host) is raised to
+    it. Collective: every rank calls it with the same groups, so the groups of every node run
+    at once, as in a step."""
     out = {}
     for name, (group, size) in groups.items():
         if size < 2:
             continue
         for op in COLLECTIVE_OPS:
-            (call_s, bytes_s), (call_l, bytes_l) = (_calls(op, n, size, group) for n in (small, large))
-            t_s, t_l = _timed_calls(call_s, group, repeats), _timed_calls(call_l, group, repeats)
-            # a stalled small call can outlast the large one on a loaded host: then the line
-            # goes through the origin and the large call
-            per_byte = (t_l - t_s) / (bytes_l - bytes_s) if t_l > t_s else t_l / bytes_l
-            out[f"{op}/{name}"] = (max(t_s - per_byte * bytes_s, 0.0), per_byte)
+            points: list[tuple[float, float]] = []
+            for numel in sorted(sizes):
+                call, received = _calls(op, numel, size, group)
+                seconds = _timed_calls(call, group, repeats)
+                points.append((received, max(seconds, points[-1][1] if points else 0.0)))
+            out[f"{op}/{name}"] = tuple(points)
     return out
 
 

@@ -17,11 +17,14 @@ all-reduce on the wire (docs/arch/parallel.md), so its bytes count twice. Where 
 collectives cost host time (gloo on CPU cores shared by several ranks, as in the netlab
 calibration: a 4-rank all-gather of 4 KB took 2.9 ms, twice what the ring-step latency of a
 2-rank all-reduce predicts, and gloo's all-gather received 0.6 GB/s where its all-reduce
-reached 1 GB/s), a probe fits each op on each group with a line instead (`probe_collectives`,
-`Cluster.collective_fits`): seconds = per call + per received byte x (intra + inter bytes).
+reached 1 GB/s), a probe times each op on each group at three message sizes instead
+(`probe_collectives`, `Cluster.collective_times`), and a call's time is read off those points
+at its received bytes (intra + inter), piecewise linear.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from megazpp.planner.cluster import Cluster
 from megazpp.zero import formulas
@@ -41,13 +44,26 @@ def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemForma
     group: formulas.GroupShape = getattr(shapes, c.group)
     if group.size == 1:
         return 0, 0, 0.0
-    fit = (cluster.collective_fits or {}).get(f"{c.op}/{c.group}")
-    if fit is not None:  # measured on this op and group: per call + per received byte
-        return intra, inter, fit[0] + fit[1] * (intra + inter)
+    points = (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
+    if points:  # measured on this op and group
+        return intra, inter, measured_time(points, intra + inter)
     wire = 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
     steps = (group.size - 1) * (2 if c.op == "all_reduce" else wire)
     latency = cluster.inter_latency if group.inter_peers else cluster.intra_latency
     return intra, inter, steps * latency + link_time(wire * intra, wire * inter, cluster)
+
+
+def measured_time(points: Sequence[tuple[float, float]], received: float) -> float:
+    """Seconds of a call receiving `received` bytes, piecewise linear through the probed
+    (bytes, seconds) points: no less than the smallest message's time, and past the largest
+    along the last segment."""
+    if received <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if received <= b1:
+            return t0 + (t1 - t0) * (received - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) * (received - b1) / (b1 - b0)
 
 
 def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, shapes: formulas.DPShapes,
@@ -55,10 +71,10 @@ def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, sh
     """Of a collective's `seconds`, the part the host's own cores are busy with: the call (its
     probed intercept, else the ring-step latencies) plus every byte at the intra-node rate, the
     fastest the cores move bytes; the remainder is waiting on a slower link."""
-    fit = (cluster.collective_fits or {}).get(f"{c.op}/{c.group}")
+    points = (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
     group: formulas.GroupShape = getattr(shapes, c.group)
-    if fit is not None:
-        call = fit[0]
+    if points:
+        call = points[0][1]  # the smallest probed message: the call itself
     else:
         steps = (group.size - 1) * (2 if c.op == "all_reduce" else 1)
         call = steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
