@@ -35,7 +35,9 @@ def test_the_three_runs_differ_only_in_gradient_reduction(tiny_tokenizer_model):
     for run in RUNS[1:]:
         other = _flat(cfgs[run])
         differing = {k for k in base if base[k] != other[k]}
-        assert differing <= {"logging.tensorboard_dir", "zero.zero_quantized_gradients", "zero.loco"}
+        assert differing <= {"logging.tensorboard_dir", "zero.zero_quantized_gradients", "zero.loco",
+                             "zero.qgz_block_size"}
+        assert cfgs[run].zero.qgz_block_size == 2048  # coarse enough that int4 visibly hurts
     assert not cfgs["fp32"].zero.zero_quantized_gradients
     assert cfgs["qgz_int4"].zero.zero_quantized_gradients and not cfgs["qgz_int4"].zero.loco
     loco = cfgs["qgz_int4_loco"].zero

@@ -9,7 +9,7 @@ ring (see `megazpp.planner.timing`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megazpp.errors import ConfigError
 
@@ -59,7 +59,7 @@ class Cluster:
     # DPShapes name) as ascending (received bytes, seconds) points, from
     # `probe.probe_collectives`; replaces latency and link bandwidth for that pair, which
     # misjudge backends whose collectives cost host time (gloo on shared CPU cores)
-    collective_times: dict[str, tuple[tuple[float, float], ...]] | None = None
+    collective_times: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
