@@ -8,6 +8,7 @@ Formats are described in kernels/format.py and docs/arch/kernels.md.
 
 from kernels.api import (
     CPU_KERNELS,
+    all_finite,
     backend_for,
     dequant_reduce,
     dequant_reduce_loco_quantize,
@@ -23,6 +24,7 @@ from kernels.format import DEFAULT_BLOCK_SIZE, QMAX
 
 __all__ = [
     "CPU_KERNELS",
+    "all_finite",
     "DEFAULT_BLOCK_SIZE",
     "QMAX",
     "backend_for",

@@ -66,7 +66,8 @@ _OPS = (reference.all_finite, reference.quantize, reference.dequantize, referenc
 
 @functools.cache
 def kernel_set(cpu: str = "reference") -> SimpleNamespace:
-    """The six ops as attributes (`.quantize`, ...), CPU tensors going to the `cpu` implementation."""
+    """The ops as attributes (`.quantize`, `.all_finite`, ...), CPU tensors going to the `cpu`
+    implementation."""
     check_cpu_kernels(cpu)
     if cpu == "compiled":
         from kernels import cpu_compiled
@@ -76,6 +77,7 @@ def kernel_set(cpu: str = "reference") -> SimpleNamespace:
 
 
 _DEFAULT = kernel_set("reference")
+all_finite = _DEFAULT.all_finite
 quantize = _DEFAULT.quantize
 dequantize = _DEFAULT.dequantize
 loco_quantize = _DEFAULT.loco_quantize
