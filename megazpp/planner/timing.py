@@ -37,6 +37,25 @@ def link_time(intra: float, inter: float, cluster: Cluster) -> float:
     return max(times) if cluster.overlap else sum(times)
 
 
+def _wire(c: formulas.Collective, cluster: Cluster) -> int:
+    """Times a collective's bytes cross the wire: gloo runs a reduce-scatter as an all-reduce."""
+    return 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
+
+
+def _probed(c: formulas.Collective, cluster: Cluster) -> Sequence[tuple[float, float]] | None:
+    return (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
+
+
+def _call_time(c: formulas.Collective, group: formulas.GroupShape, cluster: Cluster) -> float:
+    """Seconds a call costs besides its bytes: the probed smallest message's time, else the
+    latency of each ring step (an all-reduce, and gloo's reduce-scatter, take twice the steps)."""
+    points = _probed(c, cluster)
+    if points:
+        return points[0][1]
+    steps = (group.size - 1) * (2 if c.op == "all_reduce" else _wire(c, cluster))
+    return steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
+
+
 def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemFormat,
                     shapes: formulas.DPShapes, cluster: Cluster) -> tuple[int, int, float]:
     """(intra bytes, inter bytes, seconds) of one call of collective `c` on `numel` elements."""
@@ -44,13 +63,11 @@ def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemForma
     group: formulas.GroupShape = getattr(shapes, c.group)
     if group.size == 1:
         return 0, 0, 0.0
-    points = (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
+    points = _probed(c, cluster)
     if points:  # measured on this op and group
         return intra, inter, measured_time(points, intra + inter)
-    wire = 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
-    steps = (group.size - 1) * (2 if c.op == "all_reduce" else wire)
-    latency = cluster.inter_latency if group.inter_peers else cluster.intra_latency
-    return intra, inter, steps * latency + link_time(wire * intra, wire * inter, cluster)
+    wire = _wire(c, cluster)
+    return intra, inter, _call_time(c, group, cluster) + link_time(wire * intra, wire * inter, cluster)
 
 
 def measured_time(points: Sequence[tuple[float, float]], received: float) -> float:
@@ -68,18 +85,11 @@ def measured_time(points: Sequence[tuple[float, float]], received: float) -> flo
 
 def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, shapes: formulas.DPShapes,
               cluster: Cluster) -> float:
-    """Of a collective's `seconds`, the part the host's own cores are busy with: the call (its
-    probed intercept, else the ring-step latencies) plus every byte at the intra-node rate, the
-    fastest the cores move bytes; the remainder is waiting on a slower link."""
-    points = (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
-    group: formulas.GroupShape = getattr(shapes, c.group)
-    if points:
-        call = points[0][1]  # the smallest probed message: the call itself
-    else:
-        steps = (group.size - 1) * (2 if c.op == "all_reduce" else 1)
-        call = steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
-    wire = 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
-    return min(seconds, call + wire * (intra + inter) / cluster.intra_bw)
+    """Of a collective's `seconds`, the part the host's own cores are busy with: the call itself
+    plus every byte at the intra-node rate, the fastest the cores move bytes; the remainder is
+    waiting on a slower link."""
+    call = _call_time(c, getattr(shapes, c.group), cluster)
+    return min(seconds, call + _wire(c, cluster) * (intra + inter) / cluster.intra_bw)
 
 
 def group_all_reduce_time(nbytes: float, group: formulas.GroupShape, cluster: Cluster) -> float:
