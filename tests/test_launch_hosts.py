@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,21 @@ def test_ctrl_c_stops_every_host(tmp_path, checkout):
     assert proc.returncode == 128 + signal.SIGINT, (out, err)
     assert "SIGINT: stopping every host" in err
     assert (marks / "0.stopped").exists() and (marks / "1.stopped").exists()
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed")
+def test_pdsh_is_used_when_installed(tmp_path, checkout):
+    """pdsh (its ssh module, reaching a stand-in ssh on PATH) carries the same command lines."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ssh").write_text('#!/usr/bin/env bash\nexec bash -c "${@: -1}"\n')
+    (fake_bin / "ssh").chmod(0o755)
+    proc = _launch(tmp_path, checkout, MEGAZPP_RSH="", PDSH_RCMD_TYPE="ssh", FAIL_NODE="1", WAIT="1",
+                   PATH=f"{fake_bin}:{os.environ['PATH']}")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, (out, err)
+    assert "via pdsh" in err and "beta: node 1 fails" in out
+    assert (tmp_path / "marks" / "0.stopped").exists()
 
 
 def test_hostfile_parsing(tmp_path):

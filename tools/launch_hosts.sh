@@ -10,5 +10,6 @@
 # to be installed here first).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m megazpp.launch.hosts "$@"
+# This checkout on the path without changing PYTHONPATH, which is passed on to the hosts as is.
+exec "${PYTHON:-python3}" -c 'import sys; sys.path.insert(0, sys.argv.pop(1))
+from megazpp.launch.hosts import main; sys.exit(main(sys.argv[1:]))' "$ROOT" "$@"
