@@ -108,6 +108,13 @@ def test_pdsh_is_used_when_installed(tmp_path, checkout):
     assert (tmp_path / "marks" / "0.stopped").exists()
 
 
+def test_a_missing_remote_shell_is_refused(tmp_path, checkout):
+    proc = _launch(tmp_path, checkout, MEGAZPP_RSH=str(tmp_path / "no-such-ssh") + " -x")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert err == f"launch_hosts: error: MEGAZPP_RSH='{tmp_path}/no-such-ssh -x': command '{tmp_path}/no-such-ssh' not found\n"
+
+
 def test_hostfile_parsing(tmp_path):
     good = tmp_path / "good"
     good.write_text("n1 slots=8\n# comment\n  n2   slots=8 # trailing\n")

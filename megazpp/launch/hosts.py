@@ -72,7 +72,10 @@ def parse_hostfile(path: Path) -> list[Host]:
 def remote_shell() -> list[str]:
     """The command that runs a shell command line on a host, given `HOST CMDLINE`."""
     if os.environ.get("MEGAZPP_RSH"):
-        return shlex.split(os.environ["MEGAZPP_RSH"])
+        rsh = shlex.split(os.environ["MEGAZPP_RSH"])
+        if shutil.which(rsh[0]) is None:
+            raise LaunchError(f"MEGAZPP_RSH={os.environ['MEGAZPP_RSH']!r}: command {rsh[0]!r} not found")
+        return rsh
     if shutil.which("pdsh"):
         return ["pdsh", "-S", "-N", "-w"]
     if shutil.which("ssh"):
