@@ -115,6 +115,19 @@ def test_a_missing_remote_shell_is_refused(tmp_path, checkout):
     assert err == f"launch_hosts: error: MEGAZPP_RSH='{tmp_path}/no-such-ssh -x': command '{tmp_path}/no-such-ssh' not found\n"
 
 
+def test_a_stop_before_the_run_started_is_not_lost(tmp_path):
+    """The launcher may stop a host whose guard has not started yet: the run, once started,
+    finds the stop marker and ends at once, leaving no pid file or marker behind."""
+    pidfile = tmp_path / "run.pid"
+    guard = [sys.executable, "-m", "megazpp.launch.node"]
+    stop = subprocess.run([*guard, "--stop", str(pidfile)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    started = time.monotonic()
+    run = subprocess.run([*guard, "--pidfile", str(pidfile), "--", "sleep", "60"], cwd=REPO, timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM and time.monotonic() - started < 30
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hostfile_parsing(tmp_path):
     good = tmp_path / "good"
     good.write_text("n1 slots=8\n# comment\n  n2   slots=8 # trailing\n")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megazpp.errors import LaunchError
+from megazpp.launch.node import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 FORWARDED = ("CONFIG", "DATA_DIR", "VOCAB_SIZE", "PYTHON", "PYTHONPATH", "MAX_RESTARTS",
@@ -100,6 +101,7 @@ class Launch:
     env: dict[str, str]
     python: str
     launch_id: str
+    stop_grace_s: float
 
     def pidfile(self, node_rank: int) -> str:
         return f"/tmp/megazpp-launch-{self.launch_id}-node{node_rank}.pid"
@@ -114,7 +116,8 @@ class Launch:
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
     def stop_line(self, node_rank: int) -> str:
-        command = [self.python, "-m", "megazpp.launch.node", "--stop", self.pidfile(node_rank)]
+        command = [self.python, "-m", "megazpp.launch.node", "--stop", self.pidfile(node_rank),
+                   "--grace", str(self.stop_grace_s)]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
     def on_host(self, node_rank: int, line: str, **popen: object) -> subprocess.Popen:
@@ -146,11 +149,11 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
     raise _Interrupted(signum)
 
 
-def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen], grace_s: float) -> None:
+def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen]) -> None:
     """Stop every still-running host through its guard, then end the local clients."""
     stoppers = [launch.on_host(r, launch.stop_line(r), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 for r, proc in running.items() if proc.poll() is None]
-    deadline = time.monotonic() + grace_s + 30
+    deadline = time.monotonic() + launch.stop_grace_s + 30
     for proc in [*stoppers, *running.values()]:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -159,7 +162,7 @@ def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen], grace_s: fl
             proc.wait()
 
 
-def run_launch(launch: Launch, run_args: list[str], grace_s: float) -> int:
+def run_launch(launch: Launch, run_args: list[str]) -> int:
     lock = threading.Lock()
     procs: dict[int, subprocess.Popen] = {}
     readers: list[threading.Thread] = []
@@ -178,8 +181,8 @@ def run_launch(launch: Launch, run_args: list[str], grace_s: float) -> int:
             if failed:
                 rank = failed[0]
                 _note(f"{launch.hosts[rank].name} (node {rank}) exited with code {codes[rank]}: stopping the others")
-                stop_hosts(launch, procs, grace_s)
-                return codes[rank] or 1
+                stop_hosts(launch, procs)
+                return exit_code(codes[rank])
             if all(c == 0 for c in codes.values()):
                 return 0
             time.sleep(0.2)
@@ -187,7 +190,7 @@ def run_launch(launch: Launch, run_args: list[str], grace_s: float) -> int:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not abandon the stop
         _note(f"{signal.Signals(interrupt.signum).name}: stopping every host")
-        stop_hosts(launch, procs, grace_s)
+        stop_hosts(launch, procs)
         return 128 + interrupt.signum
     finally:
         for s, handler in previous.items():
@@ -231,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch_hosts: error: {exc}", file=sys.stderr)
         return 2
     launch = Launch(hosts, rsh, args.workdir, master, port, forwarded_env(dict(os.environ)), python,
-                    uuid.uuid4().hex[:12])
+                    uuid.uuid4().hex[:12], args.stop_grace)
     _note(f"{len(hosts)} hosts x {hosts[0].slots} ranks, master {master}:{port}, via {rsh[0]}")
-    return run_launch(launch, run_args, args.stop_grace)
+    return run_launch(launch, run_args)
 
 
 if __name__ == "__main__":

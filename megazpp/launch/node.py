@@ -26,7 +26,8 @@ from pathlib import Path
 STOP_SUFFIX = ".stop"
 
 
-def _exit_code(returncode: int) -> int:
+def exit_code(returncode: int) -> int:
+    """A shell's view of a Popen return code: 128 + N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
@@ -56,7 +57,7 @@ def run_guarded(command: list[str], pidfile: Path) -> int:
     if stop_marker.exists():
         _signal_group(child.pid, signal.SIGTERM)
     try:
-        return _exit_code(child.wait())
+        return exit_code(child.wait())
     finally:
         pidfile.unlink(missing_ok=True)
         stop_marker.unlink(missing_ok=True)
