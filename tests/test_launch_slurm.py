@@ -60,6 +60,10 @@ def test_node_variables_from_the_job():
     assert slurm_node_env(cpu)["NPROC_PER_NODE"] == "2"
     assert "NPROC_PER_NODE" not in slurm_node_env({k: v for k, v in cpu.items() if "PER_NODE" not in k})
     assert slurm_node_env({"PATH": "/usr/bin"}) == {}
+    login_shell = {k: v for k, v in _job().items() if k != "SLURM_NODEID"}  # salloc, not on a node
+    assert slurm_node_env(login_shell) == {}
+    with pytest.raises(LaunchError, match="SLURM_NNODES is not"):
+        slurm_node_env({k: v for k, v in _job().items() if k != "SLURM_NNODES"})
 
 
 def test_explicit_variables_win():
@@ -75,6 +79,7 @@ def test_explicit_variables_win():
     ({"SLURM_JOB_NODELIST": "gpu[07-09]"}, "names 3 hosts but SLURM_NNODES=4"),
     ({"SLURM_NODEID": "4"}, "SLURM_NODEID=4 is not below SLURM_NNODES=4"),
     ({"SLURM_NNODES": "four"}, "SLURM_NNODES='four' is not a whole number"),
+    ({"SLURM_NNODES": ""}, "SLURM_NNODES='' is not a whole number"),
 ])
 def test_refusals(change, message):
     with pytest.raises(LaunchError, match=message):

@@ -135,13 +135,13 @@ def _check_step(env: Mapping[str, str], nnodes: int) -> None:
 
 
 def slurm_node_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The node variables SLURM determines and `env` does not already set ({} outside a job)."""
-    if "SLURM_JOB_ID" not in env:
+    """The node variables SLURM determines and `env` does not already set ({} outside a job's
+    nodes, e.g. in an `salloc` shell on a login node, which has no SLURM_NODEID)."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:
         return {}
-    missing = [n for n in ("SLURM_NNODES", "SLURM_NODEID") if n not in env]
-    if missing:
-        raise LaunchError(f"SLURM_JOB_ID is set but {', '.join(missing)} is not: run.sh reads a SLURM job's "
-                          f"node count and this node's index from them")
+    if "SLURM_NNODES" not in env:
+        raise LaunchError("SLURM_JOB_ID and SLURM_NODEID are set but SLURM_NNODES is not: run.sh reads the "
+                          "job's node count from it")
     nnodes, node_rank = _int(env, "SLURM_NNODES"), _int(env, "SLURM_NODEID")
     if not (env.get("NNODES") and env.get("NODE_RANK")):  # both set by hand: no SLURM layout used
         _check_step(env, nnodes)
