@@ -25,7 +25,8 @@ LAUNCHER = REPO / "tools" / "launch_hosts.sh"
 # Node 1 fails after a moment when FAIL_NODE=1; the others wait for a signal, writing down
 # that they got it (a stopped host leaves "<node>.stopped" behind).
 FAKE_RUN_SH = """\
-echo "node $NODE_RANK of $NNODES master $MASTER_ADDR:$MASTER_PORT ranks $NPROC_PER_NODE env ${MEGAZPP_TEST_FORWARDED:-none} args $*"
+echo "node $NODE_RANK of $NNODES master $MASTER_ADDR:$MASTER_PORT ranks $NPROC_PER_NODE" \
+     "env ${MEGAZPP_TEST_FORWARDED:-none} args $*"
 trap 'touch "$MARKS/$NODE_RANK.stopped"; exit 143' TERM
 if [ "${FAIL_NODE:-}" = "$NODE_RANK" ]; then sleep 1; echo "node $NODE_RANK fails"; exit 3; fi
 [ "${WAIT:-0}" = 1 ] || exit 0
@@ -47,10 +48,9 @@ def checkout(tmp_path) -> Path:
 
 
 def _launch(tmp_path: Path, checkout: Path, **env: str) -> subprocess.Popen:
-    full = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "MARKS": str(tmp_path / "marks"),
-            "MEGAZPP_RSH": str(tmp_path / "rsh"), "MEGAZPP_TEST_FORWARDED": "yes", **env}
-    full.pop("MASTER_ADDR", None)
-    full.pop("MASTER_PORT", None)
+    full = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    full.update({"PYTHON": sys.executable, "PYTHONPATH": str(REPO), "MARKS": str(tmp_path / "marks"),
+                 "MEGAZPP_RSH": str(tmp_path / "rsh"), "MEGAZPP_TEST_FORWARDED": "yes", **env})
     return subprocess.Popen(["bash", str(LAUNCHER), "--workdir", str(checkout), "--stop-grace", "10",
                              str(tmp_path / "hosts"), "--train-iters", "3"],
                             env=full, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -112,7 +112,10 @@ def test_a_missing_remote_shell_is_refused(tmp_path, checkout):
     proc = _launch(tmp_path, checkout, MEGAZPP_RSH=str(tmp_path / "no-such-ssh") + " -x")
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and out == ""
-    assert err == f"launch_hosts: error: MEGAZPP_RSH='{tmp_path}/no-such-ssh -x': command '{tmp_path}/no-such-ssh' not found\n"
+    missing = tmp_path / "no-such-ssh"
+    assert err == f"launch_hosts: error: MEGAZPP_RSH='{missing} -x': command '{missing}' not found\n"
+    proc = _launch(tmp_path, checkout, MASTER_PORT="29x")
+    assert proc.communicate(timeout=60)[1] == "launch_hosts: error: MASTER_PORT='29x' is not a port number (1-65535)\n"
 
 
 def test_a_stop_before_the_run_started_is_not_lost(tmp_path):

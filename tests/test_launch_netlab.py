@@ -167,7 +167,8 @@ def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, data_d
     started = time.monotonic()
     launcher = subprocess.run(["bash", "tools/launch_hosts.sh", "--stop-grace", "20", str(hostfile),
                                *_run_args(tmp_path, "fail")],
-                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(data_dir), FAIL_HOST=HOSTS[1], FAIL_AFTER_S="20"),
+                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(data_dir), FAIL_HOST=HOSTS[1],
+                                       FAIL_AFTER_S="20"),
                               cwd=REPO, text=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     assert launcher.returncode == 1, launcher.stdout[-3000:] + launcher.stderr[-2000:]
     assert f"{HOSTS[1]}: {HOSTS[1]}: simulated failure" in launcher.stdout

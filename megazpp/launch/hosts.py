@@ -57,7 +57,8 @@ def parse_hostfile(path: Path) -> list[Host]:
             continue
         slots = words[1].removeprefix("slots=") if len(words) == 2 else ""
         if not (words[1:] and words[1].startswith("slots=") and slots.isdigit() and int(slots) > 0):
-            raise LaunchError(f"hostfile {path} line {number}: expected 'HOST slots=N' with N > 0, got {line.strip()!r}")
+            raise LaunchError(f"hostfile {path} line {number}: expected 'HOST slots=N' with N > 0, "
+                              f"got {line.strip()!r}")
         if any(h.name == words[0] for h in hosts):
             raise LaunchError(f"hostfile {path} line {number}: host {words[0]!r} is listed twice")
         hosts.append(Host(words[0], int(slots)))
@@ -199,6 +200,15 @@ def run_launch(launch: Launch, run_args: list[str]) -> int:
             reader.join(timeout=5)
 
 
+def master_port(value: str | None) -> int | None:
+    """MASTER_PORT as given, checked; None when unset."""
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise LaunchError(f"MASTER_PORT={value!r} is not a port number (1-65535)")
+    return int(value)
+
+
 def free_port(rsh: list[str], host: str, python: str) -> int:
     """A port nobody listens on at the master, asked of the master itself."""
     out = subprocess.run([*rsh, host, shlex.join([python, "-c", FREE_PORT])], capture_output=True,
@@ -212,7 +222,8 @@ def free_port(rsh: list[str], host: str, python: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tools/launch_hosts.sh", allow_abbrev=False, description="Start run.sh on every host of a hostfile ('HOST slots=N' lines).",
+        prog="tools/launch_hosts.sh", allow_abbrev=False,
+        description="Start run.sh on every host of a hostfile ('HOST slots=N' lines).",
         epilog="Environment: MASTER_ADDR / MASTER_PORT override the first host and a free port on it; "
                f"MEGAZPP_RSH replaces ssh/pdsh; {', '.join(FORWARDED)} and every variable starting with "
                f"{', '.join(FORWARDED_PREFIXES)} are passed on to the hosts.")
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         rsh = remote_shell()
         python = os.environ.get("PYTHON", "python3")
         master = os.environ.get("MASTER_ADDR") or hosts[0].name
-        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port(rsh, hosts[0].name, python)
+        port = master_port(os.environ.get("MASTER_PORT")) or free_port(rsh, hosts[0].name, python)
     except LaunchError as exc:
         print(f"launch_hosts: error: {exc}", file=sys.stderr)
         return 2
