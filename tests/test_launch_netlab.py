@@ -154,6 +154,7 @@ def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path,
     assert lines and all(line.startswith((f"{HOSTS[0]}: ", f"{HOSTS[1]}: ")) for line in lines)
     assert any(line.startswith(f"{HOSTS[0]}: ") and "iter      3/3" in line for line in lines)
     assert _losses(tmp_path / "tb_hosts") == by_hand
+    print(f"losses of all three launches: {by_hand}")
 
 
 def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, data_dir):
