@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ def _unavailable() -> str | None:
     if os.geteuid() != 0:
         return "netlab needs root (network namespaces, tc)"
     for tool in ("ip", "tc", "unshare"):
-        if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
+        if shutil.which(tool) is None:
             return f"netlab needs '{tool}', which is not installed"
     return None
 

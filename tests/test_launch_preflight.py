@@ -17,14 +17,14 @@ DATA = "data/corpus_text_document"
 TOKENIZER = "data/tokenizer.model"
 
 
-def _check_in_node_dirs(scenarios: list[tuple[list[str], str]]) -> list[str | None]:
-    """For each (per-node working directories, save dir): the refusal message, or None."""
+def _check_in_node_dirs(scenarios: list[tuple[list[str], str | None, list[str]]]) -> list[str | None]:
+    """For each (per-node working directories, save dir, data path): the refusal, or None."""
     topology = Topology.from_env(1, 1, ranks_per_node=1)
     results = []
-    for dirs, save in scenarios:
+    for dirs, save, data_path in scenarios:
         os.chdir(dirs[topology.rank])
         try:
-            check_nodes(topology, [DATA], TOKENIZER, save)
+            check_nodes(topology, data_path, TOKENIZER, save)
             results.append(None)
         except LaunchError as exc:
             results.append(str(exc))
@@ -58,15 +58,16 @@ def test_nodes_that_differ_are_named(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     (Path(unwritable[0]) / "blocker").mkdir()
     (Path(unwritable[1]) / "blocker").write_text("a file where node 1 needs a directory")
     results = run_ranks(_check_in_node_dirs, 2, [
-        (same, str(shared)),
-        (same, None),
-        (other_index, str(shared)),
-        (missing, None),
-        (same, "ckpt"),  # relative: a different directory on each node
-        (unwritable, "blocker/ckpt"),
+        (same, str(shared), [DATA]),
+        (same, None, [DATA]),
+        (other_index, str(shared), [DATA]),
+        (missing, None, [DATA]),
+        (same, "ckpt", [DATA]),  # relative: a different directory on each node
+        (unwritable, "blocker/ckpt", [DATA]),
+        (same, str(shared), ["0.5", DATA, "0.5"]),  # refused while fingerprinting: no rank hangs
     ])
     assert results[0] == results[1], "every rank reaches the same verdict"
-    ok, no_save, index, gone, not_shared, cannot_write = results[0]
+    ok, no_save, index, gone, not_shared, cannot_write, bad_blend = results[0]
     assert ok is None and no_save is None
     assert not list(shared.iterdir()), "probe files are removed"
     host = os.uname().nodename
@@ -77,6 +78,8 @@ def test_nodes_that_differ_are_named(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     assert not_shared == (f"preflight: node 1 ({host}) and node 0 ({host}) do not see each other's probe "
                           f"files in the save directory ckpt: it must be one directory shared by all nodes")
     assert cannot_write.startswith(f"preflight: node 1 ({host}) cannot write to the save directory blocker/ckpt (")
+    assert bad_blend.startswith(f"preflight: node 0 ({host}) cannot fingerprint its code and data: ")
+    assert f"; node 1 ({host}) cannot fingerprint" in bad_blend
 
 
 def test_a_different_commit_is_named():

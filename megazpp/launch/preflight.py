@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megazpp.data.builder import parse_data_path
-from megazpp.errors import LaunchError
+from megazpp.errors import LaunchError, MegazppError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 
@@ -108,12 +108,12 @@ def _reads_probe(save_dir: Path, name: str) -> bool:
 
 def first_difference(reports: list[NodeReport], save_dir: str | None) -> str | None:
     """One line naming each node that differs from node 0, or None when all agree."""
+    problems = [f"{r.name} {r.problem}" for r in reports if r.problem]
+    if problems:  # a node that could not look has nothing to compare
+        return "; ".join(problems)
     ref = reports[0]
-    problems = []
     for report in reports:
-        if report.problem:
-            problems.append(f"{report.name} {report.problem}")
-        elif report.code != ref.code:
+        if report.code != ref.code:
             problems.append(f"{report.name} runs {report.code} but {ref.name} runs {ref.code}; "
                             f"check out the same commit on every node")
         elif report.files != ref.files:
@@ -132,12 +132,16 @@ def check_nodes(topology: Topology, data_path: Sequence[str], tokenizer_model: s
     nodes = topology.world_size // topology.ranks_per_node
     if nodes == 1:
         return
-    node, leader = divmod(topology.rank, topology.ranks_per_node)
+    node, local_rank = divmod(topology.rank, topology.ranks_per_node)
     save = Path(save_dir) if save_dir else None
     mine: NodeReport | None = None
-    if leader == 0:
-        mine = NodeReport(node, socket.gethostname(), code_version(), data_files(data_path, tokenizer_model))
-        if save is not None:
+    if local_rank == 0:
+        mine = NodeReport(node, socket.gethostname(), "", {})
+        try:  # a node that fails here still joins the gathers below, or the others would wait
+            mine.code, mine.files = code_version(), data_files(data_path, tokenizer_model)
+        except (MegazppError, OSError) as exc:
+            mine.problem = f"cannot fingerprint its code and data: {exc}"
+        if save is not None and mine.problem is None:
             mine.probe, mine.problem = _write_probe(save, node)
     reports = [r for r in comm.all_gather_object(mine, tag=TAG) if r is not None]
     # Node 0 reads every node's probe, the others read node 0's: visibility both ways.
@@ -146,8 +150,8 @@ def check_nodes(topology: Topology, data_path: Sequence[str], tokenizer_model: s
         others = [r for r in reports if r.node != node and r.probe and (node == 0 or r.node == 0)]
         unseen = [r.node for r in others if not _reads_probe(save, r.probe)]
     gathered = comm.all_gather_object(unseen if mine is not None else None, tag=TAG)
-    for report, seen in zip(reports, [u for u in gathered if u is not None]):
-        report.unseen = seen
+    for report, not_found in zip(reports, [u for u in gathered if u is not None]):
+        report.unseen = not_found
     if mine is not None and mine.probe is not None:
         (save / mine.probe).unlink(missing_ok=True)
     problem = first_difference(reports, save_dir)
