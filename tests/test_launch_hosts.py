@@ -22,13 +22,16 @@ from megazpp.launch.hosts import Host, parse_hostfile
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "tools" / "launch_hosts.sh"
 
-# Node 1 fails after a moment when FAIL_NODE=1; the others wait for a signal, writing down
-# that they got it (a stopped host leaves "<node>.stopped" behind).
+# With WAIT=1 a node waits for a signal, writing down that it got it (a stopped host leaves
+# "<node>.stopped" behind); node FAIL_NODE fails once node 0 is waiting.
 FAKE_RUN_SH = """\
 echo "node $NODE_RANK of $NNODES master $MASTER_ADDR:$MASTER_PORT ranks $NPROC_PER_NODE" \
      "env ${MEGAZPP_TEST_FORWARDED:-none} args $*"
 trap 'touch "$MARKS/$NODE_RANK.stopped"; exit 143' TERM
-if [ "${FAIL_NODE:-}" = "$NODE_RANK" ]; then sleep 1; echo "node $NODE_RANK fails"; exit 3; fi
+if [ "${FAIL_NODE:-}" = "$NODE_RANK" ]; then
+  while [ ! -e "$MARKS/0.started" ]; do sleep 0.1; done
+  echo "node $NODE_RANK fails"; exit 3
+fi
 [ "${WAIT:-0}" = 1 ] || exit 0
 touch "$MARKS/$NODE_RANK.started"
 sleep 300 & wait
