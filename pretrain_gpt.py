@@ -24,6 +24,7 @@ from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.launch.preflight import check_nodes
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
@@ -151,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory:
 def _train(cfg: Config, device: torch.device) -> TrainHistory:
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
+    check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size

@@ -32,6 +32,11 @@ fi
 if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet -e .
 fi
+# Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
+# NPROC_PER_NODE come from the job unless set (megazpp/launch/slurm.py); on the hosts of a
+# hostfile, tools/launch_hosts.sh sets them.
+slurm_exports=$("$PYTHON" -m megazpp.launch.slurm)
+eval "$slurm_exports"
 
 mkdir -p "$DATA_DIR"
 if [ ! -d "$DATA_DIR/corpus" ]; then

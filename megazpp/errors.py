@@ -32,3 +32,8 @@ class CommunicationError(MegazppError, RuntimeError):
 
 class NumericalError(MegazppError, RuntimeError):
     """Training produced non-finite losses or gradients for too many consecutive steps."""
+
+
+class LaunchError(MegazppError, RuntimeError):
+    """The launch environment (SLURM variables, a hostfile, the nodes' files) is unusable or
+    the nodes of one job disagree."""
