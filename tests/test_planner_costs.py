@@ -235,7 +235,7 @@ def test_without_overlap_only_the_link_wait_hides():
     ggg = parse_strategy("GGG")
     slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
     lay = layout(workload, slow_compute)
-    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, False))  # flat: one call per unit
+    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, "never"))  # flat: one call per unit
     hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
     serial_cluster = dataclasses.replace(slow_compute, overlap=False)
     serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)

@@ -62,7 +62,7 @@ THRESHOLD = 0  # one parameter unit per module that owns parameters
 MAX_GAP, MEAN_GAP = 0.1, 0.03
 RATIO = 0.27
 COMBOS = {  # PaRO strategy x ZeRO++ paths that apply to it
-    "GGG/flat": ("GGG", ZeroPP(qwz=True, qgz=True, **PP), {"hierarchical": False}),
+    "GGG/flat": ("GGG", ZeroPP(qwz=True, qgz=True, **PP), {"hierarchical": "never"}),
     "IGG": ("IGG", ALL3, {}),
     "GIG": ("GIG", ZeroPP(qwz=True, hpz=2, qgz=True, loco=True, **PP), {}),
     "III": ("III", ZeroPP(qwz=True, qgz=True, loco=True, **PP), {}),
