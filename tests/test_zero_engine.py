@@ -261,7 +261,8 @@ def test_tensor_and_pipeline_parallel_and_moe_threshold():
                 assert s["counted"] == s["predicted"], (name, rank, s)
         t = report["threshold"]
         fine, coarse = report["moe/0"], report[f"moe/{t}"]
-        assert [s["loss"] for s in fine] == [s["loss"] for s in coarse], rank
+        # other groups, other bucket boundaries: the norm's partial sums round differently
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fine, coarse)) < 1e-6, rank
         for a, b in zip(fine[1:], coarse[1:]):
             assert a["fetch_hooks"] >= 10 * b["fetch_hooks"] > 0, (a, b, report["moe_units"])
             # gathers go per fetch group (bounded by reduce_bucket_size 4000 here), not per unit

@@ -228,16 +228,12 @@ class ZeroEngine(ScaledOptimizerEngine):
                     modules[id(b)].append(module)
         return modules
 
-    def _unit_parents(self) -> list[tuple[nn.Module, list[Bucket]]]:
-        """Modules whose direct children are unit roots, with those children's groups."""
+    def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
+        """Modules whose direct children are unit roots, with those children and their groups."""
         group_of = {id(m): b for b in self.buckets for m in b.modules}
         out = []
         for module in self.model.modules():
-            children: list[Bucket] = []
-            for c in module.children():
-                b = group_of.get(id(c))
-                if b is not None and all(b is not seen for seen in children):
-                    children.append(b)
+            children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
             if children:
                 out.append((module, children))
         return out

@@ -40,7 +40,8 @@ class ParamFetcher:
     elements of the groups ahead that may be gathering at once (0: no prefetch)."""
 
     def __init__(self, buckets: list[Bucket], paths: CommPaths,
-                 modules_of: dict[int, list[nn.Module]], parents: list[tuple[nn.Module, list[Bucket]]],
+                 modules_of: dict[int, list[nn.Module]],
+                 parents: list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]],
                  on_backward_start: Callable[[], None], keep: dict[int, bool], prefetch_numel: int) -> None:
         self._buckets = buckets
         self.paths = paths
@@ -52,14 +53,14 @@ class ParamFetcher:
         self._index: dict[int, int] = {}
         self.fetch_hook_calls = 0
         self.all_gather_calls = 0
-        self._called: set[int] = set()
+        self._called: set[int] = set()  # unit roots whose own forward ran
         self._running: dict[int, int] = {}  # group -> its modules whose forward is running
         self._finished: dict[int, Bucket] = {}  # forward done, released when the forward moves on
         self.backward_active = False
         for b in buckets:
             self.release(b)
             for module in modules_of[id(b)]:
-                module.register_forward_pre_hook(self._pre_forward(b))
+                module.register_forward_pre_hook(self._pre_forward(b, module))
                 module.register_forward_hook(self._post_forward(b))
         self._parent_hooks = []
         for parent, children in parents:
@@ -135,11 +136,11 @@ class ParamFetcher:
             self._finished[id(b)] = b
 
     # -- hooks -----------------------------------------------------------------------------
-    def _pre_forward(self, b: Bucket) -> Callable:
+    def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.fetch_hook_calls += 1
             if not self._order_done:
-                self._called.add(id(b))
+                self._called.add(id(module))
                 if all(u is not b for u in self.order):
                     self.order.append(b)
             self._enter(b)
@@ -168,13 +169,17 @@ class ParamFetcher:
             self._prefetch(b, -1)
         return hook
 
-    def _uncalled(self, children: list[Bucket]) -> list[Bucket]:
-        """Children the parent must gather itself (all of them until the first forward ends)."""
-        if not self._order_done:
-            return children
-        return [b for b in children if id(b) not in self._called]
+    def _uncalled(self, children: list[tuple[nn.Module, Bucket]]) -> list[Bucket]:
+        """Groups of the children the parent must gather itself: all of them until the first
+        forward ends, then those of children whose own forward never ran (the parent reads
+        their parameters directly, so no hook of theirs gathers them before backward)."""
+        todo: list[Bucket] = []
+        for child, b in children:
+            if (not self._order_done or id(child) not in self._called) and all(b is not t for t in todo):
+                todo.append(b)
+        return todo
 
-    def _parent_pre_forward(self, children: list[Bucket]) -> Callable:
+    def _parent_pre_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             todo = self._uncalled(children)
             if todo:
@@ -184,7 +189,7 @@ class ParamFetcher:
                 self.fetch(b, "backward" if self.backward_active else "forward")
         return hook
 
-    def _parent_post_forward(self, children: list[Bucket]) -> Callable:
+    def _parent_post_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
         def before_backward(grad: torch.Tensor) -> None:
             todo = self._uncalled(children)
             if todo:
