@@ -172,6 +172,8 @@ def test_deepspeed_peer_config():
     assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 1.0
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == cfg.zero.stage3_max_live_parameters == 10**9
+    assert ds["zero_optimization"]["overlap_comm"] is True
     with pytest.raises(ConfigError, match="not JSON"):
         peer_args(["--ds-zero", "{stage"])
     with pytest.raises(ConfigError, match="JSON object"):
