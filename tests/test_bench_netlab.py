@@ -184,8 +184,8 @@ def test_deepspeed_peer_config():
 
 def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     script = tmp_path / "job.py"
-    # two optimizer steps around collectives of a one-rank gloo group: 3 calls in the first step
-    # (the barrier's own all_reduce inside it counted once), 2 in the second
+    # three optimizer steps around collectives of a one-rank gloo group: 3 calls in the first
+    # step (a call made inside another counted once), 2 in each of the others
     script.write_text(
         "import sys, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method=f'file://{sys.argv[1]}.store', rank=0, world_size=1)\n"
@@ -193,6 +193,8 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
         "t = torch.ones(2)\n"
         "dist.barrier(); dist.all_reduce(t); dist.broadcast(t, 0); opt.step()\n"
         "dist.all_reduce(t); dist.all_gather_object([None], 1); opt.step()\n"
+        "from megazpp.parallel import comm\n"  # megazpp's layer: torch's newest names, counted too
+        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"
         "dist.destroy_process_group()\n"
         "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
     out = tmp_path / "probe"
@@ -203,7 +205,7 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     assert (tmp_path / "args.txt").read_text() == "a --b"
     probe = json.loads((out / "rss_rank2.json").read_text())
     assert probe["rank"] == 2 and probe["exit"] == 3 and probe["maxrss_bytes"] > 10 * 2**20
-    assert probe["calls_at_steps"] == [3, 5]
+    assert probe["calls_at_steps"] == [3, 5, 7]
 
 
 def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):

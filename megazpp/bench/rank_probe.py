@@ -32,8 +32,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megazpp.parallel.counter import write_json_atomic
 
 COUNTED_FUNCTIONS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_coalesced",
-    "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+    "all_gather_coalesced", "all_reduce_coalesced", "_broadcast_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "_reduce_scatter_base", "all_to_all",
     "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier", "send", "recv", "isend",
     "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
 
