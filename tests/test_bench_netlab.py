@@ -194,7 +194,11 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
         "dist.barrier(); dist.all_reduce(t); dist.broadcast(t, 0); opt.step()\n"
         "dist.all_reduce(t); dist.all_gather_object([None], 1); opt.step()\n"
         "from megazpp.parallel import comm\n"  # megazpp's layer: torch's newest names, counted too
-        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"
+        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"        "class Outer(torch.optim.SGD):\n"  # a step inside another step (DeepSpeed's) is one step
+        "    def step(self, closure=None):\n"
+        "        return opt.step()\n"
+        "outer = Outer([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+        "dist.all_reduce(t); outer.step()\n"
         "dist.destroy_process_group()\n"
         "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
     out = tmp_path / "probe"
@@ -205,7 +209,7 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     assert (tmp_path / "args.txt").read_text() == "a --b"
     probe = json.loads((out / "rss_rank2.json").read_text())
     assert probe["rank"] == 2 and probe["exit"] == 3 and probe["maxrss_bytes"] > 10 * 2**20
-    assert probe["calls_at_steps"] == [3, 5, 7]
+    assert probe["calls_at_steps"] == [3, 5, 7, 8]
 
 
 def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):

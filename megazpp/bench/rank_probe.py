@@ -12,7 +12,8 @@ calls per step for megazpp and DeepSpeed alike. megazpp's own counter sees only 
 layer and DeepSpeed bypasses it, so the probe counts at the one place both pass: every
 torch.distributed collective and point-to-point function (a call made inside another, such
 as all_gather_object's, counts once), and notes the running count whenever an optimizer
-step ends (torch's global optimizer step hook: one AdamW step per training step in both).
+step ends (torch's global optimizer step hooks; an optimizer stepped inside another's step, as
+DeepSpeed's ZeRO optimizer steps the client AdamW, is the same training step).
 Writes DIR/rss_rank<RANK>.json: {"rank", "maxrss_bytes", "exit", "calls_at_steps"}.
 """
 
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from megazpp.parallel.counter import write_json_atomic
 
@@ -46,6 +47,7 @@ class CallCounter:
         self.calls = 0
         self.at_steps: list[int] = []
         self._depth = 0
+        self._stepping = 0  # optimizer steps in progress: DeepSpeed's ZeRO optimizer steps the client's inside its own
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -70,7 +72,16 @@ class CallCounter:
             setattr(distributed_c10d, name, wrapped)
             if getattr(dist, name, None) is fn:
                 setattr(dist, name, wrapped)
-        register_optimizer_step_post_hook(lambda *_: self.at_steps.append(self.calls))
+        register_optimizer_step_pre_hook(self._step_starts)
+        register_optimizer_step_post_hook(self._step_ends)
+
+    def _step_starts(self, *_: Any) -> None:
+        self._stepping += 1
+
+    def _step_ends(self, *_: Any) -> None:
+        self._stepping -= 1
+        if self._stepping == 0:  # the outermost step of this training step
+            self.at_steps.append(self.calls)
 
 
 def probe_path(directory: str, rank: int) -> str:
