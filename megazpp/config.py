@@ -144,10 +144,11 @@ class ParallelConfig:
 class ZeroConfig:
     """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
 
-    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one; the
-    defaults are DeepSpeed's except `overlap_comm` (megazpp always overlaps), and a value
-    other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `megazpp.zero.factory` turns this section into the engine's options. With stage 0 and no
+    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
+    mean what they mean there; the defaults are DeepSpeed's except `overlap_comm` (on), and a
+    value other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
+    `megazpp.zero.factory` turns this section into the engine's `ZeroOptions` under the same
+    names and defaults; `Config.validate` checks it whole (config_checks._validate_zero). With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """

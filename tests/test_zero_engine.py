@@ -8,8 +8,9 @@ held per rank against `formulas.state_bytes`; counted intra/inter bytes of every
 step 2 resumed in a fresh model + engine, bitwise equal to the uninterrupted run. Fetch groups
 are kept from forward to backward by default (DeepSpeed's reuse budget); GGG and IIG also run
 with reuse off (`stage3_max_live_parameters: 0`), and checkpointed in both modes: the same
-losses, and the recompute fetches nothing (bytes and calls as without it). A second spawn covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's embedding
-tied across the two stages (1F1B), and the MoE parameter-unit threshold.
+losses, and the recompute fetches nothing (bytes and calls as without it). A second spawn
+covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's embedding tied across the two stages
+(1F1B), and the MoE parameter-unit threshold.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ Writes DIR/rss_rank<RANK>.json: {"rank", "maxrss_bytes", "exit", "calls_at_steps
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import runpy
@@ -58,8 +59,7 @@ class CallCounter:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-        counted.__name__, counted.__doc__, counted.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore[attr-defined]
-        return counted
+        return functools.wraps(fn)(counted)
 
     def install(self) -> None:
         """Wrap the functions in torch.distributed and in distributed_c10d (where they call each

@@ -45,8 +45,9 @@ _ZERO_UNSUPPORTED: dict[str, Any] = {
     "allgather_partitions": True, "ignore_unused_parameters": True,
     **{key: _OFF for key in (
         "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
-        "cpu_offload_use_pin_memory", "sub_group_size", "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "round_robin_gradients",
+        "cpu_offload_use_pin_memory", "sub_group_size", "stage3_param_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "round_robin_gradients",
         "elastic_checkpoint", "zero_quantized_nontrainable_weights", "memory_efficient_linear",
         "mics_shard_size", "mics_hierarchical_params_gather", "legacy_stage1",
         "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
