@@ -41,6 +41,7 @@ OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
 WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
 REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse off), and checkpointed
+# GGG also runs with size-bounded fetch groups ("GGG/size"); the others group by layer, split at 4000
 NO_REUSE = {"stage3_max_live_parameters": 0}
 
 
@@ -116,7 +117,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
     runs = ([(name, name, {}) for name in VALID_NAMES] +
             [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT] +
             [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE] +
-            [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF])
+            [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF] +
+            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})])
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
     for label, name, options in runs:
         model = _model(LLAMA, topo)
@@ -150,7 +152,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
     labels = (list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE] +
-              [f"{n}/noreuse" for n in REUSE_OFF])
+              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"])
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)

@@ -186,3 +186,37 @@ def test_config_validate_refuses_bad_zero_values_before_any_process_group():
         with pytest.raises(ConfigError, match=key):
             Config(zero=zero).validate(1)
     Config(zero=ZeroConfig(paro_strategy="auto")).validate(1)  # the planner decides later
+
+
+class _Stack(nn.Module):
+    """embedding, two repeated blocks, a head: the shape of a transformer for fetch groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10, bias=False)
+
+
+def test_fetch_groups_by_layer_or_by_size():
+    from megazpp.zero.units import fetch_groups
+
+    model = _Stack()
+    units = parameter_units(model, 0)  # embed, 2 x 26 block units, norm, head
+    assert len(units) == 55
+    by_layer = fetch_groups(model, units, "layer", 10**9)
+    # one group per block (its MoE experts, a nested ModuleList, stay inside it); the norm and
+    # the head, consecutive and outside any block, share one
+    assert [len(g.modules) for g in by_layer] == [1, 26, 26, 2]
+    assert [g.numel for g in by_layer] == [40, 4384, 4384, 768]
+    assert sum(g.numel for g in by_layer) == sum(p.numel() for p in model.parameters())
+    # a bound splits a layer (a unit larger than the bound is a group of its own)
+    bounded = fetch_groups(model, units, "layer", 4160)
+    assert [g.numel for g in bounded] == [40, 4160, 224, 4160, 224, 768]
+    # by size: blocks do not matter, only the bound
+    assert [g.numel for g in fetch_groups(model, units, "size", 10**9)] == [40 + 2 * 4384 + 768]
+    # 4200: embed + attn; the first MoE (router + 24 expert linears of 8); the second attn, its
+    # router and one expert linear; the other 23 expert linears, the norm and the head
+    assert [g.numel for g in fetch_groups(model, units, "size", 4200)] == [40 + 4160, 224, 4160 + 32 + 8,
+                                                                          23 * 8 + 128 + 640]
