@@ -293,3 +293,11 @@ def test_probed_collective_times_replace_latency_and_bandwidth():
     assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
     rs = formulas.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
     assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (4000 / 1e10 + 8000 / 5e8))
+
+
+def test_planner_follows_zero_hierarchical():
+    """The planner prices the collectives the engine will run: zero.hierarchical reaches it."""
+    cluster = _cluster(2, 2)
+    workload = Workload(model=TINY, micro_batch=1, global_batch=4)
+    assert layout(workload, cluster).hier == formulas.Hierarchy(True, True, True)
+    assert layout(dataclasses.replace(workload, hierarchical="never"), cluster).hier == formulas.Hierarchy()

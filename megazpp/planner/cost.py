@@ -74,7 +74,7 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
     extra = tuple(g for g, size in ((tp_group, workload.tp),
                                     (formulas.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
-    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes), extra, tp_group,
+    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
                   workload.pp > 1 and pp_ranks[1] // rpn != 0)
 
 

@@ -36,6 +36,7 @@ class Workload:
     fetch_groups: str = "layer"  # zero.fetch_groups
     max_live_parameters: int = 1_000_000_000  # zero.stage3_max_live_parameters
     max_reuse_distance: int = 1_000_000_000  # zero.stage3_max_reuse_distance
+    hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -74,4 +75,5 @@ def workload_of_config(cfg: Config) -> Workload:
         hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
         bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
         module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
-        max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance)
+        max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
+        hierarchical=z.hierarchical)
