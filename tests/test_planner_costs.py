@@ -21,7 +21,7 @@ from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas
-from megazpp.zero.strategy import VALID_STRATEGIES, Level, parse_strategy
+from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
 
 _spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)

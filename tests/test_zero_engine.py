@@ -30,7 +30,7 @@ from megazpp.training.engine import LocalEngine
 from megazpp.zero import formulas
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
-from megazpp.zero.units import fetch_groups, is_fine_grained, parameter_units
+from megazpp.zero.units import is_fine_grained, parameter_units
 
 STEPS, MICRO, SAVE_AT = 5, 2, 2
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
