@@ -144,10 +144,11 @@ class ParallelConfig:
 class ZeroConfig:
     """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
 
-    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one; the
-    defaults are DeepSpeed's except `overlap_comm` (megazpp always overlaps), and a value
-    other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `megazpp.zero.factory` turns this section into the engine's options. With stage 0 and no
+    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
+    mean what they mean there; the defaults are DeepSpeed's except `overlap_comm` (on), and a
+    value other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
+    `megazpp.zero.factory` turns this section into the engine's `ZeroOptions` under the same
+    names and defaults; `Config.validate` checks it whole (config_checks._validate_zero). With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """
@@ -158,7 +159,7 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     contiguous_gradients: bool = True
-    overlap_comm: bool = True  # DeepSpeed's default is false; megazpp always overlaps
+    overlap_comm: bool = True  # DeepSpeed's default is false; false: no prefetch, reductions waited at once
     reduce_scatter: bool = True
     zero_quantized_weights: bool = False
     zero_hpz_partition_size: int = 1
@@ -167,6 +168,12 @@ class ZeroConfig:
     loco_err_beta: float = 0.8
     loco_reset_t: int = 1024
     module_granularity_threshold: int = 0
+    # parameter fetch (p sharded): groups, prefetch depth and reuse, DeepSpeed's meanings
+    fetch_groups: str = "layer"  # megazpp's own: "layer" or "size" (see megazpp.zero.units)
+    stage3_prefetch_bucket_size: int = 50_000_000  # elements of groups gathered ahead of use
+    stage3_max_live_parameters: int = 1_000_000_000  # elements kept gathered forward -> backward
+    stage3_max_reuse_distance: int = 1_000_000_000  # kept only if reused within this many elements
+    hierarchical: str = "auto"  # megazpp's own: G-level collectives in two stages: auto / always / never
     cpu_quant_kernels: str = "reference"  # megazpp's own: "compiled" fuses the CPU quantizers
     qwz_block_size: int = 2048  # megazpp's own: values per int8 scale in qwZ's gathers
     qgz_block_size: int = 256  # megazpp's own: values per int4 scale in qgZ's all-to-alls

@@ -11,8 +11,11 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kernels.api import check_cpu_kernels
-from kernels.format import check_block_size
+from kernels.format import check_block_size, check_err_beta
 from megazpp.errors import ConfigError
+from megazpp.zero.formulas import HIERARCHY_MODES
+from megazpp.zero.strategy import resolve_strategy
+from megazpp.zero.units import FETCH_GROUP_MODES
 
 if TYPE_CHECKING:
     from megazpp.config import Config, PrecisionConfig, ZeroConfig
@@ -21,7 +24,6 @@ if TYPE_CHECKING:
 # other than its default is refused with "not implemented yet"; remove the entry in the same
 # commit that makes the feature work.
 NOT_IMPLEMENTED_YET: dict[str, str] = {
-    "zero.overlap_comm": "ZeRO without communication overlap (reduction always overlaps backward)",
     "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
 }
 
@@ -129,9 +131,19 @@ def _validate_zero(z: ZeroConfig) -> None:
     for key in ("reduce_bucket_size", "allgather_bucket_size", "zero_hpz_partition_size",
                 "loco_reset_t", "paro_group_size"):
         _require_positive(f"zero.{key}", getattr(z, key))
-    if z.module_granularity_threshold < 0:
-        raise ConfigError(f"zero.module_granularity_threshold = "
-                          f"{z.module_granularity_threshold}: expected a value >= 0")
+    for key in ("module_granularity_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance"):
+        if getattr(z, key) < 0:
+            raise ConfigError(f"zero.{key} = {getattr(z, key)}: expected a value >= 0")
+    for key, allowed in (("fetch_groups", FETCH_GROUP_MODES), ("hierarchical", HIERARCHY_MODES)):
+        if getattr(z, key) not in allowed:
+            raise ConfigError(f"zero.{key} = {getattr(z, key)!r}: expected one of {', '.join(allowed)}")
+    if str(z.paro_strategy).lower() != "auto":
+        resolve_strategy(z.paro_strategy, z.stage)
+    try:
+        check_err_beta(z.loco_err_beta)
+    except ConfigError as err:
+        raise ConfigError(f"zero.loco_err_beta (zeropp_loco_param.err_beta): {err}") from None
     check_cpu_kernels(z.cpu_quant_kernels)
     for key in ("qwz_block_size", "qgz_block_size"):
         try:

@@ -24,6 +24,7 @@ from megazpp.zero.strategy import VALID_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 NETLAB_YAML = str(REPO / "configs" / "experiments" / "netlab" / "llama_comm_bound.yaml")
+COMPUTE_YAML = str(REPO / "configs" / "experiments" / "netlab" / "llama_compute_bound.yaml")
 
 
 def _tool():
@@ -68,6 +69,11 @@ def test_every_megazpp_configuration_is_accepted_by_the_config_loader():
         if c.runner == MEGAZPP:
             cfg = load_config(["--config", NETLAB_YAML, *c.flags])
             cfg.validate(4)
+    # the second shape: Llama 4 x 512, 8 heads, seq 128, micro-batch 2, one micro-batch per step
+    cfg = load_config(["--config", COMPUTE_YAML]).validate(4)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (4, 512, 8, 128)
+    assert cfg.training.micro_batch_size == 2 and cfg.num_micro_batches(4) == 1
 
 
 def test_node_commands(monkeypatch):
@@ -83,7 +89,7 @@ def test_node_commands(monkeypatch):
     assert "10.78.0.1:29800" in lab  # the benchmark's own netlab subnet, not the tests' one
 
 
-def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4) -> None:
+def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4, calls=None) -> None:
     writer = SummaryWriter(str(run_dir / "tb"))
     for step, (tps, loss) in enumerate(zip(tokens_per_sec, losses), start=1):
         writer.add_scalar("perf/tokens_per_sec", tps, step)
@@ -91,12 +97,16 @@ def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, wor
     writer.close()
     for rank in range(world):
         (run_dir / f"comm_rank{rank}.json").write_text(json.dumps({"run": {"inter": inter_per_rank[rank]}}))
-        (run_dir / f"rss_rank{rank}.json").write_text(json.dumps({"rank": rank, "maxrss_bytes": rss[rank]}))
+        probe = {"rank": rank, "maxrss_bytes": rss[rank]}
+        if calls is not None:
+            probe["calls_at_steps"] = calls[rank]
+        (run_dir / f"rss_rank{rank}.json").write_text(json.dumps(probe))
 
 
 def test_row_from_a_run_directory(tmp_path):
     _fake_run(tmp_path, tokens_per_sec=[100.0, 400.0, 200.0, 250.0], losses=[5.0, 4.0, 3.5, 3.25],
-              inter_per_rank=[400, 400, 800, 800], rss=[10, 30, 20, 5])
+              inter_per_rank=[400, 400, 800, 800], rss=[10, 30, 20, 5],
+              calls=[[50, 60, 70, 80], [50, 61, 72, 83], [50, 60, 70, 80], [50, 60, 70, 80]])
     row = results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000,
                               world_size=4, wire_bytes=3000, wall_s=12.0)
     # steps 2..4 take 2.5, 5 and 4 s: median 4 s (step 1 is left out)
@@ -105,6 +115,9 @@ def test_row_from_a_run_directory(tmp_path):
     assert row.counted_inter_bytes_per_step == pytest.approx(2400 / 4)
     assert row.wire_inter_bytes_per_step == pytest.approx(750.0)
     assert row.rss_per_rank == [10, 30, 20, 5] and row.peak_rss_bytes == 30
+    # calls between optimizer steps 2..4 (the first step also holds the set-up): 10 / 11 per step
+    assert row.calls_per_rank == [10, 11, 10, 10] and row.calls_per_step == 11
+    assert results.calls_per_step([]) is None and results.calls_per_step([7]) == 7
     assert row.final_loss == pytest.approx(3.25) and row.status == "ok"
     # two warm-up steps left out: steps 3..4 take 5 and 4 s, median 4.5 s; all but the last: 4 s
     assert results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000, world_size=4,
@@ -126,7 +139,8 @@ def test_missing_rank_files_are_refused(tmp_path):
 def test_table_and_files(tmp_path):
     rows = [results.Row("zero3", MEGAZPP, "ok", 10, step_time_s=2.0, tokens_per_s=500.0,
                         counted_inter_bytes_per_step=2e6, wire_inter_bytes_per_step=3e6,
-                        peak_rss_bytes=2**30, final_loss=6.5),
+                        peak_rss_bytes=2**30, rss_per_rank=[2**30, 2**29], calls_per_step=161.0,
+                        final_loss=6.5),
             results.Row("zeropp", MEGAZPP, "ok", 10, step_time_s=0.5, tokens_per_s=2000.0,
                         counted_inter_bytes_per_step=5e5, wire_inter_bytes_per_step=5e5,
                         peak_rss_bytes=2**29, final_loss=6.51),
@@ -134,8 +148,8 @@ def test_table_and_files(tmp_path):
     text = results.render_markdown("1gbit", rows, "python tools/bench_netlab.py")
     lines = text.splitlines()
     assert lines[0] == "## 1gbit"
-    assert "| zero3 | megazpp | 2.000 | 500 | 1.00 | 2.00 | 3.00 | 1.50 | 1024 | 6.5000 | ok |" in lines
-    assert "| zeropp | megazpp | 0.500 | 2000 | 4.00 | 0.50 | 0.50 | 1.00 | 512 | 6.5100 | ok |" in lines
+    assert "| zero3 | megazpp | 2.000 | 500 | 1.00 | 2.00 | 3.00 | 1.50 | 161 | 1024 / 512 | 6.5000 | ok |" in lines
+    assert "| zeropp | megazpp | 0.500 | 2000 | 4.00 | 0.50 | 0.50 | 1.00 | n/a | 512 | 6.5100 | ok |" in lines
     assert lines[-1].endswith("| n/a | failed: ValueError: no / CPU |")
     md, js = results.write_setting(str(tmp_path), "1gbit", rows, "cmd")
     assert Path(md).read_text().startswith("## 1gbit")
@@ -158,6 +172,8 @@ def test_deepspeed_peer_config():
     assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 1.0
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == cfg.zero.stage3_max_live_parameters == 10**9
+    assert ds["zero_optimization"]["overlap_comm"] is True
     with pytest.raises(ConfigError, match="not JSON"):
         peer_args(["--ds-zero", "{stage"])
     with pytest.raises(ConfigError, match="JSON object"):
@@ -168,7 +184,23 @@ def test_deepspeed_peer_config():
 
 def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text("import sys\nopen(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
+    # three optimizer steps around collectives of a one-rank gloo group: 3 calls in the first
+    # step (a call made inside another counted once), 2 in each of the others
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method=f'file://{sys.argv[1]}.store', rank=0, world_size=1)\n"
+        "opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+        "t = torch.ones(2)\n"
+        "dist.barrier(); dist.all_reduce(t); dist.broadcast(t, 0); opt.step()\n"
+        "dist.all_reduce(t); dist.all_gather_object([None], 1); opt.step()\n"
+        "from megazpp.parallel import comm\n"  # megazpp's layer: torch's newest names, counted too
+        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"        "class Outer(torch.optim.SGD):\n"  # a step inside another step (DeepSpeed's) is one step
+        "    def step(self, closure=None):\n"
+        "        return opt.step()\n"
+        "outer = Outer([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+        "dist.all_reduce(t); outer.step()\n"
+        "dist.destroy_process_group()\n"
+        "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
     out = tmp_path / "probe"
     done = subprocess.run([sys.executable, "-m", "megazpp.bench.rank_probe", "--out", str(out),
                            str(script), str(tmp_path / "args.txt"), "a", "--b"],
@@ -177,6 +209,7 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     assert (tmp_path / "args.txt").read_text() == "a --b"
     probe = json.loads((out / "rss_rank2.json").read_text())
     assert probe["rank"] == 2 and probe["exit"] == 3 and probe["maxrss_bytes"] > 10 * 2**20
+    assert probe["calls_at_steps"] == [3, 5, 7, 8]
 
 
 def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):

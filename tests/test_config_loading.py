@@ -100,7 +100,8 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
         "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
                               "overlap_comm": True, "allgather_partitions": True,
-                              "stage3_module_granularity_threshold": 1000},
+                              "stage3_module_granularity_threshold": 1000, "stage3_max_live_parameters": 3e8,
+                              "stage3_max_reuse_distance": 2e8, "stage3_prefetch_bucket_size": 1e7},
     })
     cfg = load_config(["--config", base_yaml, "--deepspeed_config", ds]).validate(world_size=1)
     o, p, t = cfg.optimizer, cfg.precision, cfg.training
@@ -109,8 +110,10 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
     assert (p.fp16, p.initial_loss_scale, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == \
         (True, 4096.0, 500, 2, 2.0)
     assert (t.micro_batch_size, t.global_batch_size, cfg.logging.log_interval) == (2, 8, 5)
-    assert (cfg.zero.stage, cfg.zero.reduce_bucket_size, cfg.zero.module_granularity_threshold) \
-        == (2, 200_000_000, 1000)
+    z = cfg.zero
+    assert (z.stage, z.reduce_bucket_size, z.module_granularity_threshold, z.stage3_max_live_parameters,
+            z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size) == (2, 200_000_000, 1000, 3 * 10**8,
+                                                                            2 * 10**8, 10**7)
     # flags still win over the DeepSpeed file
     cfg = load_config(["--deepspeed_config", ds, "--lr", "2e-3"])
     assert cfg.optimizer.lr == 2e-3
@@ -135,9 +138,10 @@ def test_bad_deepspeed_keys_rejected(tmp_path):
 
 
 def test_not_implemented_features_refused_from_flags(base_yaml):
-    assert "zero.overlap_comm" in NOT_IMPLEMENTED_YET
-    with pytest.raises(ConfigError, match=r"command line: zero\.overlap_comm = False: .*not implemented yet"):
-        load_config(["--no-overlap-comm"])
+    assert "zero.contiguous_gradients" in NOT_IMPLEMENTED_YET
+    with pytest.raises(ConfigError, match=r"command line: zero\.contiguous_gradients = False: .*not implemented yet"):
+        load_config(["--no-contiguous-gradients"])
+    assert load_config(["--no-overlap-comm"]).zero.overlap_comm is False  # acts: no prefetch, reductions waited
     with pytest.raises(ConfigError, match=r"sequence_parallel = true needs "
                                           r"parallel\.tensor_model_parallel_size > 1"):
         load_config(["--config", base_yaml, "--sequence-parallel"]).validate(world_size=1)

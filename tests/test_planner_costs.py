@@ -21,7 +21,7 @@ from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload
 from megazpp.zero import formulas
-from megazpp.zero.strategy import VALID_STRATEGIES, Level, parse_strategy
+from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
 
 _spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -46,16 +46,17 @@ def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
     for opt in options(workload, cluster):
         lay = layout(workload, cluster, opt.zeropp.hpz)
         padded = [formulas.padded_numel(n, lay.d, opt.zeropp.alignment()) for n in numels]
-        recomputed = padded[1:]  # activation checkpointing: these units are fetched a third time
-        ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, recomputed)
+        reused = (True, False, True)  # groups kept from forward to backward skip the backward fetch
+        ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, reused)
         norm = formulas.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
                                    accum_bytes=4, extra_norm_groups=lay.extra_norm_groups)
         ours = (sum(p.intra * p.times for p in ph.values()) + norm[0],
                 sum(p.inter * p.times for p in ph.values()) + norm[1])
         assert ours == formulas.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
                                            param_bytes=2, accum_bytes=4, extra_norm_groups=lay.extra_norm_groups,
-                                           zeropp=opt.zeropp, recomputed_numels=recomputed), (opt.name, nodes, gpus)
-        assert (ph["fetch_recompute"].intra > 0) == (opt.strategy.p != Level.N and lay.k > 1), opt.name
+                                           zeropp=opt.zeropp, reused=reused), (opt.name, nodes, gpus)
+        if opt.zeropp.hpz == 1:  # one of the three groups is fetched again for backward
+            assert ph["fetch_backward"].calls * 3 == ph["fetch_forward"].calls, opt.name
 
 
 def test_zeropp_options_only_where_they_act():
@@ -89,7 +90,7 @@ def test_ddp_on_two_single_gpu_nodes_by_hand():
     """NNN, D = 2 across nodes, one bucket: every term of the step written out."""
     cluster = _cluster(2, 1)
     workload = Workload(model=TINY, micro_batch=2, global_batch=8, param_bytes=2, accum_bytes=4)  # A = 2
-    shape = StageShape(0, units=(1000,), buckets=(1000,), frozen=0, layers=2, first=True, last=True)
+    shape = StageShape(0, fetch_groups=(1000,), buckets=(1000,), frozen=0, layers=2, first=True, last=True)
     nnn = parse_strategy("NNN")
     p = predict_stage(nnn, formulas.ZeroPP(), shape, workload, cluster, layout(workload, cluster))
     psi = 1000  # already a multiple of D = 2
@@ -168,14 +169,14 @@ def test_config_shapes_match_parameter_count_and_tp_split():
     from megazpp.model.flops import parameter_count
 
     one = shapes_of_config(TINY, bucket_numel=4000)
-    assert sum(one[0].units) == sum(one[0].buckets) == parameter_count(TINY)
+    assert sum(one[0].fetch_groups) == sum(one[0].buckets) == parameter_count(TINY)
     two = shapes_of_config(TINY, tp=2, bucket_numel=4000)
     norms = 2 * 2 * 32 + 32  # two norms per layer + the final norm stay whole on every TP rank
-    assert sum(two[0].units) == (parameter_count(TINY) - norms) // 2 + norms
+    assert sum(two[0].fetch_groups) == (parameter_count(TINY) - norms) // 2 + norms
     stages = shapes_of_config(TINY, pp=2, bucket_numel=4000)
-    assert [s.layers for s in stages] == [1, 1] and sum(sum(s.units) for s in stages) == parameter_count(TINY)
+    assert [s.layers for s in stages] == [1, 1] and sum(sum(s.fetch_groups) for s in stages) == parameter_count(TINY)
     peft = shapes_of_config(TINY, trainable_fraction=0.01, bucket_numel=4000)
-    assert sum(peft[0].units) + peft[0].frozen == parameter_count(TINY) and peft[0].frozen > 0.9 * parameter_count(TINY)
+    assert sum(peft[0].fetch_groups) + peft[0].frozen == parameter_count(TINY) and peft[0].frozen > 0.9 * parameter_count(TINY)
     with pytest.raises(ConfigError, match="not divisible by the tensor-parallel size 3"):
         shapes_of_config(TINY, tp=3)
 
@@ -210,8 +211,8 @@ def test_peft_frozen_weights_engine_versus_paper_accounting():
     """Engine accounting: frozen weights whole on every rank, no traffic. PaRO's accounting
     (`shard_frozen`): frozen weights held at p and gathered with their unit, never reduced."""
     cluster = _cluster(2, 2)
-    shape = StageShape(0, units=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True, last=True,
-                       frozen_units=(2400, 7200))
+    shape = StageShape(0, fetch_groups=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True, last=True,
+                       frozen_groups=(2400, 7200))
     engine_view = Workload(model=TINY, micro_batch=1, global_batch=12, trainable_fraction=0.04)  # A = 3
     paper_view = dataclasses.replace(engine_view, shard_frozen=True)
     iig = parse_strategy("IIG")
@@ -221,7 +222,12 @@ def test_peft_frozen_weights_engine_versus_paper_accounting():
     assert plain.frozen_bytes == 9600 * 2 and paper.frozen_bytes == 9600 * 2 // 2  # k = 2
     assert plain.state == paper.state
     fetch = formulas.sequence_bytes(formulas.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
-    assert paper.step_bytes == (plain.step_bytes[0] + 2 * 3 * fetch[0], plain.step_bytes[1] + 2 * 3 * fetch[1])
+    # fetched in each of the 3 forwards; the default reuse budget keeps the groups for backward
+    assert paper.step_bytes == (plain.step_bytes[0] + 3 * fetch[0], plain.step_bytes[1] + 3 * fetch[1])
+    plain_off, paper_off = (predict_stage(iig, formulas.ZeroPP(), shape, dataclasses.replace(w, max_live_parameters=0),
+                                          cluster, lay) for w in (engine_view, paper_view))
+    assert paper_off.step_bytes == (plain_off.step_bytes[0] + 2 * 3 * fetch[0],
+                                    plain_off.step_bytes[1] + 2 * 3 * fetch[1])
     nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), shape, paper_view, cluster, lay)
     assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole in both accountings
 
@@ -231,17 +237,19 @@ def test_without_overlap_only_the_link_wait_hides():
     at the intra-node rate) is always exposed; only the wait on the slower inter-node link hides
     behind compute."""
     workload = Workload(model=TINY, micro_batch=1, global_batch=8)  # A = 2 on 2 x 2
-    shape = StageShape(0, units=(4000, 4000), buckets=(8000,), frozen=0, layers=2, first=True, last=True)
+    shape = StageShape(0, fetch_groups=(4000, 4000), buckets=(8000,), frozen=0, layers=2, first=True, last=True)
     ggg = parse_strategy("GGG")
     slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
     lay = layout(workload, slow_compute)
-    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, False))  # flat: one call per unit
+    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, "never"))  # flat: one call per unit
     hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
     serial_cluster = dataclasses.replace(slow_compute, overlap=False)
     serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)
     overlapped = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, slow_compute)
     assert hidden.exposed["fetch_forward"] == pytest.approx(2 * overlapped["fetch_forward"].seconds / 2)  # first unit
-    ph = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, serial_cluster)
+    # the default reuse budget keeps both groups from forward to backward (no backward fetch)
+    ph = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, serial_cluster, (True, True))
+    assert ph["fetch_backward"].seconds == 0
     fetch = ph["fetch_forward"]
     # two units, each a flat 4-rank all-gather: 3 ring steps at the inter latency, and the bytes
     # received (1 intra peer, 2 inter peers, 1000 parameters each) at the intra rate of 1e10 B/s
@@ -285,3 +293,11 @@ def test_probed_collective_times_replace_latency_and_bandwidth():
     assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
     rs = formulas.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
     assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (4000 / 1e10 + 8000 / 5e8))
+
+
+def test_planner_follows_zero_hierarchical():
+    """The planner prices the collectives the engine will run: zero.hierarchical reaches it."""
+    cluster = _cluster(2, 2)
+    workload = Workload(model=TINY, micro_batch=1, global_batch=4)
+    assert layout(workload, cluster).hier == formulas.Hierarchy(True, True, True)
+    assert layout(dataclasses.replace(workload, hierarchical="never"), cluster).hier == formulas.Hierarchy()

@@ -3,10 +3,11 @@
 Memory: for all 14 strategies (and ZeRO++ combinations) the planner's model-state bytes per
 rank equal the bytes of the tensors the engine holds after a step (`ZeroEngine.held_bytes`),
 and its per-step bytes equal what the comm counter recorded. The configuration is the one
-of tests/test_zero_engine.py (tiny Llama, bucket_numel 4000, 2 micro-batches, fp32; one
-LoCo run in fp16, whose error buffers keep a copy for skipped steps); four runs with activation
-checkpointing (GGG, IIG, and ZeRO++ with hpZ, whose recompute gathers the secondary shard, and
-qwZ alone, whose recompute gathers the quantized primary) check the recompute fetches.
+of tests/test_zero_engine.py (tiny Llama, reduce_bucket_size 4000, 2 micro-batches, fp32; one
+LoCo run in fp16, whose error buffers keep a copy for skipped steps); fetch groups are kept from
+forward to backward (the default budget) except in two runs with `stage3_max_live_parameters: 0`;
+four runs with activation checkpointing (GGG, IIG, ZeRO++ with hpZ, qwZ alone) check that the
+recompute fetches nothing.
 Auto: `auto_strategy` returns the same strategy on every rank, with probed bandwidths (which
 differ per rank until rank 0's are broadcast) and with given ones, and equals the plan
 computed here from the same inputs; `build_zero_engine` runs it for `paro_strategy: auto`.
@@ -42,13 +43,16 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, 
 MICRO, BUCKET = 2, 4000
 BLOCKS = dict(qwz_block=256, qgz_block=128)
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(fp16=True)
-# (strategy, ZeRO++, precision, activation checkpointing)
-RUNS = [(name, ZeroPP(), FP32, False) for name in VALID_NAMES] + [
-    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False), ("IIG", ZeroPP(qgz=True, **BLOCKS), FP32, False),
-    ("NGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, False),
-    ("GGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP16, False),
-    ("GGG", ZeroPP(), FP32, True), ("IIG", ZeroPP(), FP32, True),
-    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, True), ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True)]
+LIVE = 10**9  # zero.stage3_max_live_parameters: the default keeps every group for backward
+# (strategy, ZeRO++, precision, activation checkpointing, max live parameters)
+RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
+    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False, LIVE),
+    ("IIG", ZeroPP(qgz=True, **BLOCKS), FP32, False, LIVE),
+    ("NGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, False, LIVE),
+    ("GGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP16, False, LIVE),
+    ("GGG", ZeroPP(), FP32, True, LIVE), ("IIG", ZeroPP(), FP32, True, LIVE),
+    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, True, 0),
+    ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True, 0)]
 GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
                         inter_node_gbit=0.1)
 
@@ -76,12 +80,12 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
 def _rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     out = {"runs": []}
-    for name, zpp, precision, checkpointing in RUNS:
+    for name, zpp, precision, checkpointing, live in RUNS:
         model = GPTModel(ModelConfig(**LLAMA, activation_checkpointing=checkpointing))
         shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"])
         engine = ZeroEngine(model, OptimizerConfig(lr=1e-2), precision,
-                            ZeroOptions(strategy=name, micro_batches_per_step=MICRO, bucket_numel=BUCKET,
-                                        zeropp=zpp), topo)
+                            ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=BUCKET,
+                                        stage3_max_live_parameters=live, zeropp=zpp), topo)
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**LLAMA))
@@ -103,21 +107,19 @@ def results():
     return run_ranks(_rank, 4, timeout_s=300)
 
 
-def _workload(fp16: bool = False, checkpointing: bool = False) -> Workload:
+def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE) -> Workload:
     return Workload(model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing), micro_batch=MICRO,
                     global_batch=MICRO * 4 * 2, param_bytes=2 if fp16 else 4, fp16=fp16, accum_bytes=4,
-                    bucket_numel=BUCKET, activation_checkpointing=checkpointing)
+                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live)
 
 
 def test_planner_memory_and_bytes_equal_the_engine(results):
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8)
     from_config = shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET)
-    # every unit of the 2 layers but the MLP's output projection is gathered again to recompute
-    assert sum(from_config[0].recompute) == 2 * 6
     for rank, report in enumerate(results):
-        for (name, zpp, precision, checkpointing), run in zip(RUNS, report["runs"]):
-            assert run["shape"] == from_config[0], (name, rank)  # the meta-device build sees the same units
-            workload = _workload(precision.fp16, checkpointing)
+        for (name, zpp, precision, checkpointing, live), run in zip(RUNS, report["runs"]):
+            assert run["shape"] == from_config[0], (name, rank)  # the meta-device build sees the same groups
+            workload = _workload(precision.fp16, checkpointing, live)
             stage = predict(Option(parse_strategy(name), zpp), [run["shape"]], workload, cluster).stages[0]
             assert stage.state == run["held"], (name, zpp, rank, stage.state, run["held"])
             assert stage.step_bytes == run["counted"], (name, zpp, rank, stage.step_bytes, run["counted"])

@@ -3,6 +3,8 @@ units under module_granularity_threshold (no ranks needed)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -73,16 +75,19 @@ def test_step_bytes_worked_by_hand_for_ggg_and_nig():
     # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
     assert formulas.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
                                accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
-    # activation checkpointing, two buckets of 8, one of them recomputed: per micro-batch each
-    # bucket's 2 fetches + reduce as above, plus a third fetch of the recomputed one; under hpZ
-    # over the node pair that fetch is intra-node (16 B from the peer), as the backward one
+    # two groups of 8, the second kept from forward to backward: per micro-batch each group's
+    # forward fetch + reduce as above, and one backward fetch (the first group's); calls: per
+    # micro-batch 3 two-stage sequences (6 calls) + 2 reduce sequences (4), plus the norm
     assert formulas.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                               recomputed_numels=[8]) == (2 * (2 * 3 * 16 + 16) + 2, 2 * (2 * 3 * 8 + 8) + 4)
+                               reused=[False, True]) == (2 * (3 * 16 + 2 * 16) + 2, 2 * (3 * 8 + 2 * 8) + 4)
+    assert formulas.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (6 + 4) + 1
+    assert formulas.step_calls(ggg, [8, 8], shapes, formulas.Hierarchy(), micro_batches=2) == 2 * (4 + 2) + 1
+    # under hpZ over the node pair the backward fetch is one intra-node call (16 B from the peer)
     hpz = formulas.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
     parts = formulas.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                                zeropp=formulas.ZeroPP(hpz=2), recomputed_numels=[8])
+                                zeropp=formulas.ZeroPP(hpz=2))
     assert list(parts) == list(formulas.STEP_PHASES)
-    assert parts["fetch_recompute"].bytes_once(hpz) == parts["fetch_backward"].bytes_once(hpz) == (16, 0)
+    assert parts["fetch_backward"].bytes_once(hpz) == (16, 0) and parts["fetch_backward"].calls_once(hpz) == 1
     nig = parse_strategy("NIG")
     # per micro-batch: intra reduce-scatter of 32 B -> 16 intra; boundary: cross reduce-scatter
     # of the 16 B I-chunk -> 8 inter; refresh p=N from G: cross + intra all-gather (8 inter, 16
@@ -146,14 +151,72 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     from megazpp.config import ZeroConfig
     from megazpp.zero.factory import zero_options
 
-    opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234), 4)
-    assert (opts.strategy, opts.module_granularity_threshold, opts.bucket_numel,
-            opts.micro_batches_per_step) == ("GGG", 5000, 1234, 4)
+    opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234,
+                                   allgather_bucket_size=7, stage3_max_live_parameters=0, fetch_groups="size",
+                                   hierarchical="never", overlap_comm=False), 4)
+    assert (opts.strategy, opts.module_granularity_threshold, opts.reduce_bucket_size, opts.allgather_bucket_size,
+            opts.stage3_max_live_parameters, opts.fetch_groups, opts.hierarchical, opts.overlap_comm,
+            opts.micro_batches_per_step) == ("GGG", 5000, 1234, 7, 0, "size", "never", False, 4)
+    # one vocabulary: the engine's options carry the section's names and defaults
+    defaults = zero_options(ZeroConfig(stage=3))
+    for f in dataclasses.fields(defaults):
+        if hasattr(ZeroConfig, f.name) and f.name != "zeropp":
+            assert getattr(defaults, f.name) == getattr(ZeroConfig(stage=3), f.name) or f.name == "strategy", f.name
     assert zero_options(ZeroConfig(paro_strategy="nig", paro_group_size=2)).strategy == "NIG"
     assert zero_options(ZeroConfig(paro_strategy="ggg", stage=3)).strategy == "GGG"
     for bad in (ZeroConfig(paro_strategy="NIG", stage=3), ZeroConfig(paro_strategy="GNN"),
-                ZeroConfig(stage=3, reduce_scatter=False), ZeroConfig(stage=3, allgather_bucket_size=7),
+                ZeroConfig(stage=3, reduce_scatter=False),
                 ZeroConfig(stage=1, zero_quantized_weights=True), ZeroConfig(stage=2, zero_hpz_partition_size=2),
                 ZeroConfig(stage=1, zero_quantized_gradients=True), ZeroConfig(stage=3, loco=True)):
         with pytest.raises(ConfigError):
             zero_options(bad)
+
+
+def test_config_validate_refuses_bad_zero_values_before_any_process_group():
+    """Config.validate runs before torch.distributed is initialised: every bad `zero` value
+    named there, with the key."""
+    from megazpp.config import Config, ZeroConfig
+
+    for zero, key in ((ZeroConfig(paro_strategy="GNN"), "zero.paro_strategy"),
+                      (ZeroConfig(paro_strategy="NIG", stage=3), "zero.paro_strategy"),
+                      (ZeroConfig(stage=3, loco_err_beta=1.5), "zero.loco_err_beta"),
+                      (ZeroConfig(stage=3, fetch_groups="module"), "zero.fetch_groups"),
+                      (ZeroConfig(stage=3, hierarchical="on"), "zero.hierarchical"),
+                      (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance")):
+        with pytest.raises(ConfigError, match=key):
+            Config(zero=zero).validate(1)
+    Config(zero=ZeroConfig(paro_strategy="auto")).validate(1)  # the planner decides later
+
+
+class _Stack(nn.Module):
+    """embedding, two repeated blocks, a head: the shape of a transformer for fetch groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10, bias=False)
+
+
+def test_fetch_groups_by_layer_or_by_size():
+    from megazpp.zero.units import fetch_groups
+
+    model = _Stack()
+    units = parameter_units(model, 0)  # embed, 2 x 26 block units, norm, head
+    assert len(units) == 55
+    by_layer = fetch_groups(model, units, "layer", 10**9)
+    # one group per block (its MoE experts, a nested ModuleList, stay inside it); the norm and
+    # the head, consecutive and outside any block, share one
+    assert [len(g.modules) for g in by_layer] == [1, 26, 26, 2]
+    assert [g.numel for g in by_layer] == [40, 4384, 4384, 768]
+    assert sum(g.numel for g in by_layer) == sum(p.numel() for p in model.parameters())
+    # a bound splits a layer (a unit larger than the bound is a group of its own)
+    bounded = fetch_groups(model, units, "layer", 4160)
+    assert [g.numel for g in bounded] == [40, 4160, 224, 4160, 224, 768]
+    # by size: blocks do not matter, only the bound
+    assert [g.numel for g in fetch_groups(model, units, "size", 10**9)] == [40 + 2 * 4384 + 768]
+    # 4200: embed + attn; the first MoE (router + 24 expert linears of 8); the second attn, its
+    # router and one expert linear; the other 23 expert linears, the norm and the head
+    assert [g.numel for g in fetch_groups(model, units, "size", 4200)] == [40 + 4160, 224, 4160 + 32 + 8,
+                                                                          23 * 8 + 128 + 640]

@@ -10,8 +10,9 @@ check one claim on it:
   and qwZ's gathered weights equal to dequantize(quantize(w)) (int8, same blocks), hence within
   `kernels.quantization_error_bound`: |w - w_hat| <= s (1/2 + 127 * 2**-20), s = absmax / 127;
 * counted inter-node bytes per step with all three on <= 0.27 x plain ZeRO-3 on the same bf16
-  model, each equal to `formulas.step_bytes`; with hpZ the backward gathers record 0 inter-node
-  bytes;
+  model with groups released after forward (the ZeRO++ paper's setting; `stage3_max_live_parameters:
+  0`), each equal to `formulas.step_bytes` and the calls to `formulas.step_calls`; with hpZ the
+  backward gathers record 0 inter-node bytes; with groups kept (the default) there are none;
 * 30 steps of a small Llama with ZeRO++ (and with LoCo too) stay within MAX_GAP / MEAN_GAP of
   ZeRO-3's losses;
 * a LoCo checkpoint restores the error buffers, and the resumed run is bitwise the
@@ -61,8 +62,10 @@ THRESHOLD = 0  # one parameter unit per module that owns parameters
 # grows with the step count as the runs drift apart; the observed values are printed.
 MAX_GAP, MEAN_GAP = 0.1, 0.03
 RATIO = 0.27
-COMBOS = {  # PaRO strategy x ZeRO++ paths that apply to it
-    "GGG/flat": ("GGG", ZeroPP(qwz=True, qgz=True, **PP), {"hierarchical": False}),
+NO_REUSE = {"stage3_max_live_parameters": 0}
+COMBOS = {  # PaRO strategy x ZeRO++ paths that apply to it (groups kept for backward unless NO_REUSE)
+    "GGG": ("GGG", ALL3_LOCO, {}),
+    "GGG/flat": ("GGG", ZeroPP(qwz=True, qgz=True, **PP), {"hierarchical": "never"}),
     "IGG": ("IGG", ALL3, {}),
     "GIG": ("GIG", ZeroPP(qwz=True, hpz=2, qgz=True, loco=True, **PP), {}),
     "III": ("III", ZeroPP(qwz=True, qgz=True, loco=True, **PP), {}),
@@ -110,6 +113,7 @@ def _train(model: GPTModel, engine: ZeroEngine, topo: Topology, steps: range) ->
         out.append({"loss": total, "skipped": result.skipped,
                     "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
                     "predicted": engine.expected_step_bytes(MICRO),
+                    "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
                     "backward_gather": (backward["intra"], backward["inter"])})
     return out
 
@@ -187,7 +191,7 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
     for label, (strategy, zeropp, options) in COMBOS.items():
         report["bounds"][label] = _bounds(topo, strategy, zeropp, **options)
     for label, zeropp in (("zero3", ZeroPP()), ("zeropp", ALL3), ("zeropp_loco", ALL3_LOCO)):
-        model, engine = _engine(topo, "GGG", zeropp)
+        model, engine = _engine(topo, "GGG", zeropp, **NO_REUSE)
         steps = _train(model, engine, topo, range(STEPS))
         report["runs"][label] = _summary(steps, engine)
 
@@ -244,7 +248,9 @@ def _tutorial(prefix: str, tokenizer: str) -> dict:
                                  "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
                                  "--global-batch-size", "8", "--lr", "1e-2", "--train-iters", "3",
                                  "--lr-warmup-iters", "1", "--eval-iters", "1", "--eval-interval", "3",
-                                 "--log-interval", "100", "--seed", "5"])
+                                 "--log-interval", "100", "--seed", "5",
+                                 # groups released after forward, so backward gathers (hpZ: intra-node)
+                                 "--stage3-max-live-parameters", "0"])
     after = counter.run_totals()["tags"]
 
     def moved(tag: str) -> tuple[int, int]:
@@ -280,7 +286,7 @@ def test_inter_node_bytes_and_hpz_backward(report):
         runs = r["runs"]
         for label, run in runs.items():
             for s in run["steps"]:
-                assert s["counted"] == s["predicted"], (rank, label, s)
+                assert s["counted"] == s["predicted"] and s["calls"] == s["predicted_calls"], (rank, label, s)
             assert run["held"] == run["expected"], (rank, label)
         plain = runs["zero3"]["steps"][-1]["counted"][1]
         for label in ("zeropp", "zeropp_loco"):
@@ -328,8 +334,9 @@ def test_paro_strategies_with_zeropp(report):
     for rank, r in enumerate(report):
         for label, run in r["combos"].items():
             for s in run["steps"]:
-                assert s["counted"] == s["predicted"], (rank, label, s)
+                assert s["counted"] == s["predicted"] and s["calls"] == s["predicted_calls"], (rank, label, s)
                 assert math.isfinite(s["loss"]) and not s["skipped"], (rank, label)
+                assert s["backward_gather"] == (0, 0), (rank, label, s)  # every group kept for backward
             assert run["held"] == run["expected"], (rank, label)
         for label, (_, _, words) in REFUSED.items():
             assert r["refused"][label] is not None and words in r["refused"][label], (rank, label)

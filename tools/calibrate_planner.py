@@ -82,7 +82,7 @@ def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strat
     shape = shape_of_model(model, bucket_numel=a.bucket_numel, threshold=0, layers=cfg.num_layers)
     engine = ZeroEngine(model, OptimizerConfig(lr=1e-4), PrecisionConfig(),
                         ZeroOptions(strategy=strategy, micro_batches_per_step=a.micro_batches,
-                                    bucket_numel=a.bucket_numel), topo)
+                                    reduce_bucket_size=a.bucket_numel), topo)
     batches = _batches(cfg, a, topo.dp_rank)
     times = []
     for step in range(a.warmup + a.steps):

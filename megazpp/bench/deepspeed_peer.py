@@ -39,6 +39,11 @@ from megazpp.training.optimizer import build_adamw, named_trainable, param_group
 from megazpp.training.trainer import make_micro_batch
 
 
+# zero settings both engines read under the same name and meaning: the peer gets megazpp's values
+SHARED_ZERO_KEYS = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
 def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's JSON for the run `cfg` describes; `zero` overrides `zero_optimization`.
 
@@ -56,8 +61,8 @@ def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict
         "gradient_clipping": cfg.optimizer.clip_grad,
         "steps_per_print": 1 << 30,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": cfg.zero.reduce_bucket_size, **zero},
+        "zero_optimization": {"stage": 3, "contiguous_gradients": True,
+                              **{key: getattr(cfg.zero, key) for key in SHARED_ZERO_KEYS}, **zero},
     }
 
 

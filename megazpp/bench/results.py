@@ -15,7 +15,10 @@ Per-step numbers:
   bytes for the whole run / steps (the trainer moves no bytes outside steps when evaluation
   and checkpoints are off, as in the benchmark's YAML);
 * wire bytes per step = bytes received by all nodes' inter-node links / steps, i.e. including
-  rendezvous, process-group set-up and TCP/IP overhead, amortised over the run.
+  rendezvous, process-group set-up and TCP/IP overhead, amortised over the run;
+* collective calls per step = per rank, the median over the steps after the first `warmup`
+  of the torch.distributed calls made between two optimizer steps (the rank probe's
+  `calls_at_steps`, the same count for megazpp and DeepSpeed); the row shows the largest rank's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Row:
     wire_inter_bytes_per_step: float | None = None
     peak_rss_bytes: int | None = None
     rss_per_rank: list[int] = field(default_factory=list)
+    calls_per_step: float | None = None
+    calls_per_rank: list[float] = field(default_factory=list)
     final_loss: float | None = None
     wall_s: float | None = None
 
@@ -56,6 +61,14 @@ def step_time(tokens_per_sec: Sequence[float], tokens_per_step: int, warmup: int
     if not times:
         raise DataError("no finite positive perf/tokens_per_sec point: the run logged no step")
     return statistics.median(times[warmup:] if len(times) > warmup else times[-1:])
+
+
+def calls_per_step(calls_at_steps: Sequence[int], warmup: int = 1) -> float | None:
+    """Median calls of one step after `warmup` steps (the first step also holds the set-up)."""
+    per_step = [b - a for a, b in zip([0, *calls_at_steps], calls_at_steps)]
+    if not per_step:
+        return None
+    return float(statistics.median(per_step[warmup:] if len(per_step) > warmup else per_step[-1:]))
 
 
 def _read_json_files(pattern: str) -> list[dict[str, Any]]:
@@ -87,8 +100,13 @@ def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_
     rss = _read_json_files(os.path.join(run_dir, "rss_rank*.json"))
     if len(rss) != world_size:
         raise DataError(f"{run_dir}: {len(rss)} rss_rank*.json probes for {world_size} ranks")
-    row.rss_per_rank = [int(r["maxrss_bytes"]) for r in sorted(rss, key=lambda r: r["rank"])]
+    probes = sorted(rss, key=lambda r: r["rank"])
+    row.rss_per_rank = [int(r["maxrss_bytes"]) for r in probes]
     row.peak_rss_bytes = max(row.rss_per_rank)
+    calls = [calls_per_step(r.get("calls_at_steps", []), warmup) for r in probes]
+    if all(c is not None for c in calls):
+        row.calls_per_rank = [float(c) for c in calls if c is not None]
+        row.calls_per_step = max(row.calls_per_rank)
     if wire_bytes is not None:
         row.wire_inter_bytes_per_step = wire_bytes / steps
     return row
@@ -103,9 +121,9 @@ def render_markdown(setting: str, rows: Sequence[Row], command: str) -> str:
     ref = next((r.tokens_per_s for r in rows if r.config == REFERENCE and r.tokens_per_s), None)
     lines = [f"## {setting}", "", f"Command: `{command}`", "",
              "| config | runner | step time (s) | tokens/s | vs zero3 | inter-node MB/step counted "
-             "| inter-node MB/step on the wire | wire / counted | peak RSS MiB (max rank) "
-             "| final loss | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| inter-node MB/step on the wire | wire / counted | calls/step (max rank) "
+             "| peak RSS MiB per rank | final loss | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speedup = r.tokens_per_s / ref if ref and r.tokens_per_s else None
         ratio = (r.wire_inter_bytes_per_step / r.counted_inter_bytes_per_step
@@ -114,9 +132,16 @@ def render_markdown(setting: str, rows: Sequence[Row], command: str) -> str:
             f"| {r.config} | {r.runner} | {fmt(r.step_time_s, digits=3)} | {fmt(r.tokens_per_s, digits=0)} "
             f"| {fmt(speedup)} | {fmt(r.counted_inter_bytes_per_step, 1e6)} "
             f"| {fmt(r.wire_inter_bytes_per_step, 1e6)} | {fmt(ratio)} "
-            f"| {fmt(r.peak_rss_bytes, 2**20, 0)} | {fmt(r.final_loss, digits=4)} "
+            f"| {fmt(r.calls_per_step, digits=0)} | {_per_rank_mib(r)} | {fmt(r.final_loss, digits=4)} "
             f"| {r.status.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def _per_rank_mib(r: Row) -> str:
+    """Every rank's peak RSS in MiB, '/'-separated (the max alone when only it is known)."""
+    if r.rss_per_rank:
+        return " / ".join(f"{v / 2**20:.0f}" for v in r.rss_per_rank)
+    return fmt(r.peak_rss_bytes, 2**20, 0)
 
 
 def write_setting(out_dir: str, setting: str, rows: Sequence[Row], command: str) -> tuple[str, str]:

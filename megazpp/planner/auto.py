@@ -116,8 +116,9 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
 def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
     settings.validate()
-    shape = shape_of_model(model, bucket_numel=cfg.zero.reduce_bucket_size,
-                           threshold=cfg.zero.module_granularity_threshold, stage=topology.pp_rank,
+    shape = shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
+                           threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
+                           stage=topology.pp_rank,
                            layers=len(range(*topology.layer_range(cfg.model.num_layers))),
                            first=topology.is_first_stage, last=topology.is_last_stage)
     shapes = {s.stage: s for s in comm.all_gather_object(shape, tag="planner/shapes")}

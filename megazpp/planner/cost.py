@@ -1,7 +1,7 @@
 """Memory and step time of one strategy (+ ZeRO++ switches) on one pipeline stage.
 
 Why the terms are split into phases: the overlap model needs to know WHEN bytes move
-(forward fetch, backward fetch, recompute fetch under activation checkpointing, per-micro-batch
+(forward fetch, backward fetch of the groups not kept from forward, per-micro-batch
 reduction, step boundary, refresh), while the byte totals must stay exactly
 `formulas.step_bytes`. The phases are `formulas.step_parts`, the very terms `step_bytes` sums,
 timed here; tests/test_planner_costs.py asserts that they add up to it for every strategy and
@@ -11,7 +11,8 @@ Overlap model, per micro-batch of forward time t_f and backward time t_b (comput
 
 * forward: parameter fetches (p sharded) are prefetched one unit ahead, so they hide behind
   the forward compute; exposed = max(fetch - t_f, one unit's fetch) (the first unit waits);
-* backward: re-fetches (also those for the recompute) and the per-micro-batch gradient
+* backward: re-fetches (none for groups kept from forward, none for a recompute) and the
+  per-micro-batch gradient
   reduction share the link and hide behind backward compute; exposed = max(fetch + reduce -
   t_b, one bucket's share) (the last bucket's reduction starts when backward ends);
 * last micro-batch: the step-boundary reduction also starts in its backward (the engine starts
@@ -73,7 +74,7 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
     extra = tuple(g for g, size in ((tp_group, workload.tp),
                                     (formulas.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
-    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes), extra, tp_group,
+    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
                   workload.pp > 1 and pp_ranks[1] // rpn != 0)
 
 
@@ -94,12 +95,12 @@ class Phase:
 
 
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
-           micro_batches: int, cluster: Cluster, recomputed: list[int] | None = None) -> dict[str, Phase]:
+           micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = ()) -> dict[str, Phase]:
     """`formulas.step_parts` timed: one Phase per entry of `formulas.STEP_PHASES`.
-    `recomputed`: padded sizes of the units gathered again for a checkpointed layer's recompute."""
+    `reused`: per fetch group, kept gathered from forward to backward (`formulas.reuse_mask`)."""
     parts = formulas.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
                                 param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
-                                zeropp=zpp, recomputed_numels=recomputed or ())
+                                zeropp=zpp, reused=reused)
     out = {}
     for name, part in parts.items():
         total = Phase(times=part.times)
@@ -155,24 +156,27 @@ class StagePrediction:
         return self.compute_s + self.exposed_s
 
 
-def _recomputed(s: Strategy, stage: StageShape, workload: Workload, numels: list[int]) -> list[int]:
-    """Per-unit `numels` of the units gathered again for the recompute (activation checkpointing)."""
-    return stage.recomputed(numels) if workload.activation_checkpointing and s.p != Level.N else []
+def reused_groups(s: Strategy, workload: Workload, padded: list[int]) -> tuple[bool, ...]:
+    """Per fetch group: kept gathered from forward to backward, as the engine decides it."""
+    if s.p == Level.N:
+        return ()
+    return formulas.reuse_mask(padded, workload.max_live_parameters, workload.max_reuse_distance)
 
 
 def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
                     padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
-    """The PaRO paper's PEFT accounting: frozen weights of each unit sharded at p and gathered
-    with it (forward, recompute, backward), never reduced or updated. Returns (frozen bytes held, the
+    """The PaRO paper's PEFT accounting: frozen weights of each fetch group sharded at p and
+    gathered with it (forward, backward unless kept), never reduced or updated. Returns (frozen bytes held, the
     extra fetch phases, the largest gathered unit). megazpp's engine does not do this."""
     pb = workload.param_bytes
-    fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_units]
+    fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_groups]
     held = formulas.state_bytes(s, fpadded, lay.d, lay.k, pb, workload.accum_bytes).params
-    held += (stage.frozen - sum(stage.frozen_units)) * pb
+    held += (stage.frozen - sum(stage.frozen_groups)) * pb
     if zpp.hpz > 1:
         held += sum(n // zpp.hpz * pb for n in fpadded)
-    ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster, _recomputed(s, stage, workload, fpadded))
-    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward", "fetch_recompute")}
+    together = [p + f for p, f in zip(padded, fpadded)]  # a group is kept or not with its frozen part
+    ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster, reused_groups(s, workload, together))
+    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward")}
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
@@ -184,17 +188,18 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
                                 formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, workload.fp16))
-    recomputed = _recomputed(s, stage, workload, padded)
+    reused = reused_groups(s, workload, padded)
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               recomputed_numels=recomputed)
+                               reused=reused)
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
         stage=stage.stage, layers=stage.layers, sequence_parallel=workload.sequence_parallel,
         flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
     biggest = max(padded, default=0)
-    transient = (2 * biggest * pb if s.p != Level.N else 0) + (2 * biggest * pb if s.g != Level.N else 0)
+    kept = sum(n for n, again in zip(padded, reused) if again) * pb  # gathered from forward into backward
+    transient = (2 * biggest * pb + kept if s.p != Level.N else 0) + (2 * biggest * pb if s.g != Level.N else 0)
 
     tokens = workload.micro_batch * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
@@ -206,16 +211,16 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
-    ph = phases(s, padded, lay, zpp, workload, a, cluster, recomputed)
+    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused)
     frozen_bytes = stage.frozen * pb
-    if workload.shard_frozen and s.p != Level.N and stage.frozen_units:
+    if workload.shard_frozen and s.p != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
         for name, extra in fetched.items():
             ph[name] = ph[name] + extra
             step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
-        transient = 2 * biggest * pb + (2 * biggest * pb if s.g != Level.N else 0)
+        transient = 2 * biggest * pb + kept + (2 * biggest * pb if s.g != Level.N else 0)
     n = max(1, len(padded))
-    backward = ph["fetch_backward"] + ph["fetch_recompute"] + ph["micro_reduce"]  # recompute runs in backward
+    backward = ph["fetch_backward"] + ph["micro_reduce"]
     last = backward + ph["boundary"]
 
     def hidden(p: Phase, compute_s: float) -> float:

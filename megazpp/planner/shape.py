@@ -1,9 +1,9 @@
-"""What one rank of a pipeline stage trains: its parameter units, gradient buckets, layers.
+"""What one rank of a pipeline stage trains: its fetch groups, gradient buckets, layers.
 
 Why the engine's own grouping: padding (every bucket is rounded up to the DP size, times
 ZeRO++'s quantization block) and the number of collective calls (latency) depend on how
-parameters are grouped, so the planner asks `megazpp.zero.units` for the exact units and
-buckets the engine would build, instead of treating the model as one flat block. With a live
+parameters are grouped, so the planner asks `megazpp.zero.units` for the exact fetch groups
+and buckets the engine would build, instead of treating the model as one flat block. With a live
 model (`paro_strategy: auto`) this is exact; from a config the model is built on the meta
 device (no memory), and tensor parallelism is applied by dividing the sizes of the layers that
 shard (column / row parallel weights, vocabulary embedding), so bucket boundaries under TP > 1
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -24,42 +23,36 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megazpp.zero.strategy import Level, Strategy
-from megazpp.zero.units import ParamGroupSpec, gradient_buckets, parameter_units
+from megazpp.zero.units import ParamGroupSpec, fetch_groups, gradient_buckets, parameter_units
 
 
 @dataclass(frozen=True)
 class StageShape:
     """One rank of pipeline stage `stage`: element counts before padding.
 
-    `units` are the parameter units (used when p is sharded), `buckets` the gradient buckets
-    (p = N), both of trainable elements only; `frozen` elements are not the engine's (it
-    leaves frozen parameters whole on every rank). `frozen_units` are the frozen elements of
-    each unit under a modelled trainable fraction, for the PaRO paper's PEFT accounting, where
-    frozen weights are sharded at level p like the trainable ones (`Workload.shard_frozen`).
-    `recompute[i]` says whether unit i is gathered a third time per micro-batch when layers
-    run under activation checkpointing (`recompute_mask`); empty means none is.
+    `fetch_groups` are the parameter fetch groups (used when p is sharded), `buckets` the
+    gradient buckets (p = N), both of trainable elements only; `frozen` elements are not the
+    engine's (it leaves frozen parameters whole on every rank). `frozen_groups` are the frozen
+    elements of each fetch group under a modelled trainable fraction, for the PaRO paper's PEFT
+    accounting, where frozen weights are sharded at level p like the trainable ones
+    (`Workload.shard_frozen`).
     """
 
     stage: int
-    units: tuple[int, ...]
+    fetch_groups: tuple[int, ...]
     buckets: tuple[int, ...]
     frozen: int
     layers: int
     first: bool
     last: bool
-    frozen_units: tuple[int, ...] = ()
-    recompute: tuple[bool, ...] = ()
+    frozen_groups: tuple[int, ...] = ()
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
-        return self.buckets if strategy.p == Level.N else self.units
-
-    def recomputed(self, numels: Sequence[int]) -> list[int]:
-        """The entries of per-unit `numels` whose unit is gathered again for the recompute."""
-        return [n for n, again in zip(numels, self.recompute) if again]
+        return self.buckets if strategy.p == Level.N else self.fetch_groups
 
     @property
     def trainable(self) -> int:
-        return sum(self.units)
+        return sum(self.fetch_groups)
 
 
 def _shards_over_tp(module: nn.Module, name: str) -> bool:
@@ -91,42 +84,12 @@ def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float)
     return trainable, frozen
 
 
-def recompute_mask(model: nn.Module, units: list[ParamGroupSpec]) -> tuple[bool, ...]:
-    """Per unit: is it gathered again for the recompute of its checkpointed layer?
-
-    Why not every unit of a layer: the recompute starts when backward first needs a tensor the
-    layer saved. A unit whose output reaches the layer's output only through operations that
-    save nothing (the dense MLP's output projection, a whole MoE block or a whole layer as one
-    unit, when hidden dropout is off) has already been gathered by its backward hook by then;
-    the recompute stops early right after that unit's forward (torch's non-reentrant checkpoint),
-    before its release hook, so it stays gathered into its backward. Every other unit of the
-    layer is gathered, released, and gathered again (megazpp.zero.param_fetch).
-    """
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        return tuple(False for _ in units)
-    dropout = getattr(getattr(model, "cfg", None), "hidden_dropout", 0.0) > 0
-    layer_of: dict[int, nn.Module] = {}
-    for layer in layers.values():
-        for m in layer.modules():
-            layer_of[id(m)] = layer
-    mask = []
-    for spec in units:
-        layer = layer_of.get(id(spec.module))
-        if layer is None:
-            mask.append(False)
-            continue
-        mlp = layer.mlp
-        ends = [layer, mlp] if getattr(layer, "is_moe", False) else [layer, mlp, list(mlp.children())[-1]]
-        stays = any(spec.module is m for m in ends) and not (dropout and spec.module is not layer)
-        mask.append(not stays)
-    return tuple(mask)
-
-
-def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage: int = 0,
-                   layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
+def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch_mode: str = "layer",
+                   stage: int = 0, layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
                    trainable_fraction: float = 1.0) -> StageShape:
-    """The exact grouping the engine builds for `model` (this rank's model).
+    """The exact grouping the engine builds for `model` (this rank's model): `bucket_numel`
+    bounds every bucket and fetch group (the smaller of `zero.reduce_bucket_size` and
+    `zero.allgather_bucket_size`), `fetch_mode` is `zero.fetch_groups`.
 
     `tp_divisor` > 1 only for a model built with TP = 1 standing in for a TP shard;
     `trainable_fraction` < 1 models PEFT as that fraction of every unit being trainable
@@ -136,12 +99,12 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage
         raise ConfigError(f"trainable_fraction = {trainable_fraction!r}: expected a fraction in (0, 1]")
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
-    specs = parameter_units(model, threshold)
-    units, frozen_u = _numels(specs, sizes, trainable_fraction)
+    specs = fetch_groups(model, parameter_units(model, threshold), fetch_mode, bucket_numel * tp_divisor)
+    groups, frozen_g = _numels(specs, sizes, trainable_fraction)
     buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
-    frozen_units = tuple(frozen_u) if any(frozen_u) else ()
-    return StageShape(stage, tuple(units), tuple(buckets), frozen_params + sum(frozen_u), layers, first, last,
-                      frozen_units, recompute_mask(model, specs))
+    frozen_groups = tuple(frozen_g) if any(frozen_g) else ()
+    return StageShape(stage, tuple(groups), tuple(buckets), frozen_params + sum(frozen_g), layers, first, last,
+                      frozen_groups)
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -150,7 +113,8 @@ def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
 
 
 def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel: int = 500_000_000,
-                     threshold: int = 0, trainable_fraction: float = 1.0) -> list[StageShape]:
+                     threshold: int = 0, fetch_mode: str = "layer",
+                     trainable_fraction: float = 1.0) -> list[StageShape]:
     """One StageShape per pipeline stage, from models built on the meta device (no memory)."""
     cfg.validate()
     if cfg.num_layers % pp:
@@ -166,7 +130,8 @@ def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel
         with torch.device("meta"):
             model = GPTModel(cfg, pre_process=first, post_process=last,
                              layer_range=stage_layer_range(cfg.num_layers, pp, stage))
-        shapes.append(shape_of_model(model, bucket_numel=bucket_numel, threshold=threshold, stage=stage,
+        shapes.append(shape_of_model(model, bucket_numel=bucket_numel, threshold=threshold, fetch_mode=fetch_mode,
+                                     stage=stage,
                                      layers=cfg.num_layers // pp, first=first, last=last, tp_divisor=tp,
                                      trainable_fraction=trainable_fraction))
     return shapes

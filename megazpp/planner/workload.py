@@ -31,8 +31,12 @@ class Workload:
     shard_frozen: bool = False  # PaRO paper's PEFT accounting: frozen weights sharded at p (not megazpp's engine)
     paro_group_size: int | None = None  # None: the DP ranks of one node (the engine's default)
     hpz_size: int | None = None  # None: the DP ranks of one node (ZeRO++'s recommendation)
-    bucket_numel: int = 500_000_000  # zero.reduce_bucket_size
+    bucket_numel: int = 500_000_000  # min(zero.reduce_bucket_size, zero.allgather_bucket_size)
     module_granularity_threshold: int = 0
+    fetch_groups: str = "layer"  # zero.fetch_groups
+    max_live_parameters: int = 1_000_000_000  # zero.stage3_max_live_parameters
+    max_reuse_distance: int = 1_000_000_000  # zero.stage3_max_reuse_distance
+    hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -69,4 +73,7 @@ def workload_of_config(cfg: Config) -> Workload:
         activation_checkpointing=cfg.model.activation_checkpointing, sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,
         hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
-        bucket_numel=z.reduce_bucket_size, module_granularity_threshold=z.module_granularity_threshold)
+        bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
+        module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
+        max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
+        hierarchical=z.hierarchical)

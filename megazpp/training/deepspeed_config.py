@@ -32,6 +32,9 @@ _ZERO_DIRECT = {
     "zero_hpz_partition_size": "zero_hpz_partition_size",
     "zero_quantized_gradients": "zero_quantized_gradients",
     "stage3_module_granularity_threshold": "module_granularity_threshold",
+    "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters": "stage3_max_live_parameters",
+    "stage3_max_reuse_distance": "stage3_max_reuse_distance",
 }
 
 # Valid DeepSpeed keys whose feature megazpp does not have. Each is accepted only at a value
@@ -42,10 +45,9 @@ _ZERO_UNSUPPORTED: dict[str, Any] = {
     "allgather_partitions": True, "ignore_unused_parameters": True,
     **{key: _OFF for key in (
         "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
-        "cpu_offload_use_pin_memory", "sub_group_size", "stage3_max_live_parameters",
-        "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "round_robin_gradients",
+        "cpu_offload_use_pin_memory", "sub_group_size", "stage3_param_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "round_robin_gradients",
         "elastic_checkpoint", "zero_quantized_nontrainable_weights", "memory_efficient_linear",
         "mics_shard_size", "mics_hierarchical_params_gather", "legacy_stage1",
         "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",

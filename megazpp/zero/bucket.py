@@ -37,7 +37,7 @@ class MasterPiece:
 class Bucket:
     name: str
     layout: BucketLayout
-    module: nn.Module | None
+    modules: list[nn.Module]  # unit roots whose hooks fetch this bucket (p sharded)
     param_store: torch.Tensor  # parameters at level p (model dtype); p = N: the full flat buffer
     grad_acc: torch.Tensor  # gradient accumulator at level g (accumulation dtype)
     masters: list[MasterPiece]

@@ -43,9 +43,19 @@ def size_of(groups: ZeroGroups, name: str) -> int:
     return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
 
 
+class _Local:
+    """The work of a collective over a group of one: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
-    """Launch one collective on `t`; returns (work, result tensor, finisher run after wait)."""
+    """Launch one collective on `t`; returns (work, result tensor, finisher run after wait).
+    Over a group of one the result is `t` itself and no call is made (`formulas.step_calls`)."""
     size = size_of(groups, c.group)
+    if size == 1:
+        return _Local(), t, lambda: None
     group = groups.get(c.group)
     permute = c.group == "dp" and groups.k not in (1, groups.d)
     if c.op == "all_reduce":

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
@@ -42,7 +42,7 @@ from megazpp.zero.paths import CommPaths
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import gradient_buckets, parameter_units
+from megazpp.zero.units import fetch_groups, gradient_buckets, parameter_units
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,32 @@ FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 @dataclass
 class ZeroOptions:
-    """How the engine partitions and moves state (the zero_optimization block, resolved)."""
+    """How the engine partitions and moves state: the `zero` config section resolved (strategy
+    parsed, ZeRO++ settings checked), under the section's own names and defaults."""
 
     strategy: str | int = "NNN"
-    paro_group_size: int | None = None  # None: the DP ranks on one node
-    bucket_numel: int = 50_000_000  # gradient bucket size when parameters are replicated
-    module_granularity_threshold: int = 0
-    hierarchical: str | bool = "auto"
+    paro_group_size: int | None = ZeroConfig.paro_group_size  # None: the DP ranks on one node
+    reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
+    allgather_bucket_size: int = ZeroConfig.allgather_bucket_size
+    module_granularity_threshold: int = ZeroConfig.module_granularity_threshold
+    fetch_groups: str = ZeroConfig.fetch_groups
+    stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
+    stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
+    stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
+    hierarchical: str = ZeroConfig.hierarchical
+    overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
     zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
+
+
+class _Finished:
+    """A reduction already waited for (overlap_comm = false), kept until step() takes it."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        return self._result
 
 
 class ZeroEngine(ScaledOptimizerEngine):
@@ -102,6 +119,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._micro_batches = 0
         self._callback_queued = False
         self.buckets = self._build_buckets()
+        self.reused = (formulas.reuse_mask(self.padded_numels(), options.stage3_max_live_parameters,
+                                           options.stage3_max_reuse_distance)
+                       if self.strategy.p != Level.N else ())
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
                    "weight_decay": optimizer.weight_decay},
@@ -113,7 +133,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
             self.fetcher = ParamFetcher(self.buckets, self.paths, self._unit_modules(),
-                                        self._unit_parents(), self._queue_backward_callback)
+                                        self._unit_parents(), self._queue_backward_callback,
+                                        {id(b): kept for b, kept in zip(self.buckets, self.reused)},
+                                        options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
@@ -134,10 +156,14 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
+        # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
+        # both of DeepSpeed's bounds hold for it
+        bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
         if self.strategy.p == Level.N:
-            specs = gradient_buckets(self.model, o.bucket_numel)
+            specs = gradient_buckets(self.model, bound)
         else:
-            specs = parameter_units(self.model, o.module_granularity_threshold)
+            specs = fetch_groups(self.model, parameter_units(self.model, o.module_granularity_threshold),
+                                 o.fetch_groups, bound)
         dp_index = self.topology.dp_rank
         s = self.strategy
         buckets = []
@@ -153,7 +179,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
                        for a, b, decays in layout.decay_split(s.os)]
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
-            bucket = Bucket(spec.name, layout, spec.module, store,
+            bucket = Bucket(spec.name, layout, spec.modules, store,
                             flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
                             masters, layout.ranges_in_shard(s.os, keep))
             self.paths.init_bucket(bucket)
@@ -190,11 +216,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         return b.grad_acc[off:off + shape.numel()].view(shape)
 
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
-        """The unit's own module plus any module elsewhere that registers one of its parameters
+        """The group's unit roots plus any module elsewhere that registers one of its parameters
         (a tied output layer), so every user of a parameter gathers it first."""
         owner = {id(p): b for b in self.buckets for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): [b.module] for b in self.buckets}
-        subtree = {id(b): {id(m) for m in b.module.modules()} for b in self.buckets}
+        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.buckets}
+        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.buckets}
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 b = owner.get(id(p))
@@ -202,12 +228,12 @@ class ZeroEngine(ScaledOptimizerEngine):
                     modules[id(b)].append(module)
         return modules
 
-    def _unit_parents(self) -> list[tuple[nn.Module, list[Bucket]]]:
-        """Modules whose direct children are unit roots, with those children's units."""
-        unit_of = {id(b.module): b for b in self.buckets}
+    def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
+        """Modules whose direct children are unit roots, with those children and their groups."""
+        group_of = {id(m): b for b in self.buckets for m in b.modules}
         out = []
         for module in self.model.modules():
-            children = [unit_of[id(c)] for c in module.children() if id(c) in unit_of]
+            children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
             if children:
                 out.append((module, children))
         return out
@@ -225,10 +251,10 @@ class ZeroEngine(ScaledOptimizerEngine):
         grad = p.grad.reshape(-1)
         if self.strategy.g == Level.N:
             b.grad_acc[off:off + n].add_(grad)
-        else:
+        else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
-                b.staging = b.param_store.new_zeros(b.layout.padded)
-            b.staging[off:off + n].copy_(grad)
+                b.staging = b.param_store.new_empty(b.layout.padded)
+            torch.mul(grad, 1.0 / self.groups.d, out=b.staging[off:off + n])
         p.grad = None
         b.arrived.add(i)
         if len(b.arrived) == b.num_params:
@@ -242,13 +268,24 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
                 b.staging = b.param_store.new_zeros(b.layout.padded)
-            b.staging.mul_(1.0 / self.groups.d)
+            else:
+                self._zero_unwritten(b)
             b.micro_pending = self.paths.start_grad_reduce(b, b.staging)
             b.staging = None
+            if not self.options.overlap_comm:
+                self._wait_micro(b)
         elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
         if self.fetcher is not None:
             self.fetcher.release(b)
+
+    def _zero_unwritten(self, b: Bucket) -> None:
+        """Zero what no gradient was written into: the padding, and unused parameters' slices."""
+        layout = b.layout
+        b.staging[layout.numel:].zero_()
+        for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
+            if i not in b.arrived:
+                b.staging[off:off + shape.numel()].zero_()
 
     def _holds(self, b: Bucket, param: nn.Parameter) -> bool:
         return self._bucket_of[id(param)][0] is b
@@ -279,6 +316,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.strategy.g == Level.N:
             b.grad_acc.mul_(1.0 / self.groups.d)
         b.boundary_pending = self.paths.start_boundary(b)
+        if not self.options.overlap_comm:
+            b.boundary_pending = _Finished(b.boundary_pending.wait())
 
     # -- the engine protocol -----------------------------------------------------------------
     def _os_gradients(self) -> list[torch.Tensor]:
@@ -385,16 +424,25 @@ class ZeroEngine(ScaledOptimizerEngine):
                                             self.param_dtype.itemsize, self.strategy, self.scaler is not None)
         return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
-    def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
+    def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
         extra = []
         for attr, size in (("tp_ranks", "tp"), ("pp_ranks", "pp")):
             if getattr(self.topology, size, 1) > 1:
                 extra.append(formulas.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
                                                     self.topology.ranks_per_node))
+        return extra
+
+    def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
         return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
-                                   extra_norm_groups=extra, zeropp=self.zeropp)
+                                   extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
+                                   reused=self.reused)
+
+    def expected_step_calls(self, micro_batches: int) -> int:
+        return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                   micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
+                                   zeropp=self.zeropp, reused=self.reused)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""

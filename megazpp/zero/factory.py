@@ -16,31 +16,23 @@ from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.planner.auto import auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.formulas import ZeroPP
-from megazpp.zero.strategy import parse_strategy
+from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.zeropp import check_zeropp, zeropp_of
 
 
 def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> ZeroOptions:
-    """`paro_strategy` wins over `stage` (both given and disagreeing is an error)."""
-    strategy = parse_strategy(z.paro_strategy if z.paro_strategy is not None else z.stage,
-                              key="zero.paro_strategy" if z.paro_strategy is not None else "zero.stage")
-    if z.paro_strategy is not None and z.stage != 0 and parse_strategy(z.stage) != strategy:
-        raise ConfigError(f"zero.paro_strategy = {z.paro_strategy!r} and zero.stage = {z.stage} disagree "
-                          f"(stage {z.stage} is {parse_strategy(z.stage)}); set one of them")
+    """The engine's options: the section's own names and values, the strategy resolved
+    (`paro_strategy` wins over `stage`; both given and disagreeing is an error)."""
+    strategy = resolve_strategy(z.paro_strategy, z.stage)
     if not z.reduce_scatter:
         raise ConfigError("zero.reduce_scatter = false: the engine always reduces gradients by "
                           "reduce-scatter to their shard level (set it to true)")
-    defaults = ZeroConfig()
-    if z.allgather_bucket_size != defaults.allgather_bucket_size and z.allgather_bucket_size != z.reduce_bucket_size:
-        raise ConfigError(f"zero.allgather_bucket_size = {z.allgather_bucket_size}: parameters are "
-                          f"refreshed per gradient bucket; size buckets with zero.reduce_bucket_size")
     zeropp = zeropp_of(z)
     check_zeropp(zeropp, strategy)
-    return ZeroOptions(strategy=strategy.name, paro_group_size=z.paro_group_size,
-                       bucket_numel=z.reduce_bucket_size,
-                       module_granularity_threshold=z.module_granularity_threshold,
-                       micro_batches_per_step=micro_batches_per_step, zeropp=zeropp)
+    same = {f.name: getattr(z, f.name) for f in dataclasses.fields(ZeroOptions)
+            if f.name not in ("strategy", "micro_batches_per_step", "zeropp")}
+    return ZeroOptions(strategy=strategy.name, micro_batches_per_step=micro_batches_per_step, zeropp=zeropp,
+                       **same)
 
 
 def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,

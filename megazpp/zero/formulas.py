@@ -150,8 +150,8 @@ def micro_batch_reduce_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Co
 
 
 def param_fetch_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
-    """Before a unit's forward, its recompute (activation checkpointing) and its backward:
-    rebuild full parameters."""
+    """Before a fetch group's forward and (unless it is kept) its backward: rebuild full
+    parameters."""
     return gather_sequence(s.p, Level.N, k, hier)
 
 
@@ -200,15 +200,19 @@ def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemForma
     return intra, inter
 
 
-def choose_hierarchy(shapes: DPShapes, mode: str | bool = "auto") -> Hierarchy:
-    """Two-stage G-level collectives where they move fewer inter-node bytes (or as forced).
+HIERARCHY_MODES = ("auto", "always", "never")  # config key zero.hierarchical
+
+
+def choose_hierarchy(shapes: DPShapes, mode: str = "auto") -> Hierarchy:
+    """Two-stage G-level collectives where they move fewer inter-node bytes (or as forced by
+    `mode`, one of HIERARCHY_MODES).
 
     Decided on a unit payload so the answer does not depend on bucket sizes; a degenerate
     split (k = 1 or k = D) is never hierarchical since one of its stages would be a no-op.
     """
-    if shapes.k in (1, shapes.d) or mode is False or mode == "off":
+    if shapes.k in (1, shapes.d) or mode == "never":
         return Hierarchy()
-    if mode is True or mode == "on":
+    if mode == "always":
         return Hierarchy(True, True, True)
     unit = shapes.d * shapes.k * 8
     flat, hier = Hierarchy(), Hierarchy(True, True, True)
@@ -251,7 +255,29 @@ def norm_groups(s: Strategy) -> list[str]:
     return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.os]
 
 
-STEP_PHASES = ("fetch_forward", "fetch_backward", "fetch_recompute", "micro_reduce", "boundary", "refresh")
+STEP_PHASES = ("fetch_forward", "fetch_backward", "micro_reduce", "boundary", "refresh")
+
+
+def reuse_mask(numels: Sequence[int], max_live: int, max_reuse_distance: int) -> tuple[bool, ...]:
+    """Per fetch group (in forward order): is it kept gathered from its forward to its backward?
+
+    DeepSpeed's meaning of `stage3_max_reuse_distance` / `stage3_max_live_parameters`: a group
+    is not released after its forward when its next use (its backward) comes within
+    `max_reuse_distance` parameter elements used in between (the later groups' forward and
+    backward: 2 x their elements), and the groups kept stay within `max_live` elements. The
+    last groups of the forward are reused soonest, so groups are kept from the end while both
+    bounds hold. Checkpointed layers need no separate rule: their recompute runs inside
+    backward, where a gathered group is never released before its gradients are in.
+    """
+    kept = [False] * len(numels)
+    live = later = 0
+    for i in range(len(numels) - 1, -1, -1):
+        if 2 * later > max_reuse_distance or live + numels[i] > max_live:
+            break
+        kept[i] = True
+        live += numels[i]
+        later += numels[i]
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -272,33 +298,37 @@ class StepPart:
             intra, inter = intra + a, inter + b
         return intra, inter
 
+    def calls_once(self, shapes: DPShapes) -> int:
+        """Collective calls of one occurrence over all its buckets (a group of one is skipped)."""
+        return len(self.numels) * sum(1 for c in self.sequence if getattr(shapes, c.group).size > 1)
+
 
 def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: "ZeroPP | None" = None,
-               recomputed_numels: Iterable[int] = ()) -> dict[str, StepPart]:
+               reused: Sequence[bool] = ()) -> dict[str, StepPart]:
     """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
     when the bytes move (the planner's overlap model).
 
-    Per micro-batch, when p is sharded: a fetch before each unit's forward and one before its
-    backward; with activation checkpointing also one before its recompute inside backward, for
-    the units in `recomputed_numels` (a checkpointed layer's units, except one its backward hook
-    already gathered when the recompute starts: megazpp.planner.shape.recompute_mask). The
-    recompute gathers as backward does: under hpZ from the secondary shard, under qwZ without
-    hpZ the quantized primary shard. Then one gradient reduction to g per micro-batch, and per
-    step the boundary reduction to os (accumulation dtype) and the parameter refresh to p.
-    With ZeRO++ (`zeropp`) the fetches and the micro-batch reduction take its sequences and formats.
+    Per micro-batch, when p is sharded: a fetch of each group before its forward, and one before
+    its backward unless `reused[i]` says group i stays gathered from forward to backward
+    (`reuse_mask`). Activation checkpointing adds no fetch: the recompute runs inside backward,
+    right before the group's backward, and finds it gathered (or gathers it as the backward
+    fetch: under hpZ from the secondary shard, under qwZ without hpZ the quantized primary).
+    Then one gradient reduction to g per micro-batch, and per step the boundary reduction to os
+    (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
+    the micro-batch reduction take its sequences and formats.
     """
     k = shapes.k
     pp = zeropp or ZeroPP()
     numels = tuple(padded_numels)
+    again = tuple(n for i, n in enumerate(numels) if not (i < len(reused) and reused[i]))
     fetch = tuple(param_fetch_sequence(s, k, hier))
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     backward = (tuple(hpz_fetch_sequence()), param_bytes) if pp.hpz > 1 else (fetch, weights)
     micro = ((tuple(qgz_sequence(s, shapes)), pp.grads) if pp.qgz
              else (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes))
     return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels),
-            "fetch_backward": StepPart(*backward, micro_batches, numels),
-            "fetch_recompute": StepPart(*backward, micro_batches, tuple(recomputed_numels)),
+            "fetch_backward": StepPart(*backward, micro_batches, again),
             "micro_reduce": StepPart(*micro, micro_batches, numels),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
             "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, numels)}
@@ -320,13 +350,13 @@ def all_reduce_bytes(nbytes: int, g: GroupShape) -> tuple[int, int]:
 def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int,
                extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None,
-               recomputed_numels: Iterable[int] = ()) -> tuple[int, int]:
+               reused: Sequence[bool] = ()) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
     phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
     and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
-                       accum_bytes=accum_bytes, zeropp=zeropp, recomputed_numels=recomputed_numels)
+                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused)
     for part in parts.values():
         a, b = part.bytes_once(shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -334,6 +364,19 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
         a, b = all_reduce_bytes(4, g)
         intra, inter = intra + a, inter + b
     return intra, inter
+
+
+def step_calls(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
+               micro_batches: int, extra_norm_groups: Sequence[GroupShape] = (),
+               zeropp: "ZeroPP | None" = None, reused: Sequence[bool] = ()) -> int:
+    """Collective calls one rank issues in one optimizer step: every collective of every phase
+    of `step_parts` on every bucket, except those over a group of one (the engine skips them),
+    plus one norm all-reduce per norm group of more than one rank. On CPU ranks each call costs
+    a fixed host time whatever its size, which is why fetch groups exist (units.fetch_groups)."""
+    parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=1,
+                       accum_bytes=1, zeropp=zeropp, reused=reused)
+    calls = sum(part.times * part.calls_once(shapes) for part in parts.values())
+    return calls + sum(1 for g in norm_shapes(s, shapes, extra_norm_groups) if g.size > 1)
 
 
 # -- ZeRO++ (qwZ, hpZ, qgZ) and LoCo -------------------------------------------------------------

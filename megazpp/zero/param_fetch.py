@@ -1,9 +1,16 @@
-"""Gather a unit's parameters right before its module runs, release them right after.
+"""Gather a fetch group's parameters when one of its units' modules runs; keep or release them.
 
 Why hooks on modules: with parameters sharded (p in {I, G}) a rank holds only its slice, and
-the full tensors must exist exactly while a module computes with them: forward pre-hook
-gathers, forward post-hook releases, a hook on the module's outputs re-gathers before its
-backward, and the gradient hooks release once every gradient of the unit has arrived.
+the full tensors must exist while a module computes with them. A fetch group (one flat buffer,
+`units.fetch_groups`) is gathered by one collective per stage when the first of its units'
+modules starts; it has finished its forward when none of its modules is running any more, and
+is released when the forward moves on to another group (or ends), unless it is kept for its
+backward (`formulas.reuse_mask`: DeepSpeed's `stage3_max_live_parameters` /
+`stage3_max_reuse_distance`). A hook on each unit's outputs gathers the group again before its
+backward if it was released; the gradient hooks release it once every gradient of the group has
+arrived. A forward that runs inside backward (the recompute of a checkpointed layer) never
+releases: its group's backward comes next, so the recompute reuses what is gathered and a
+group is fetched at most twice per micro-batch, checkpointed or not.
 
 A parent module may read a child's parameters without calling the child (GPT-2's position
 table is `self.position_embeddings.weight[:s]`), so every module with unit children also gets
@@ -11,9 +18,10 @@ hooks: in the first forward they gather all those children; afterwards only the 
 own forward never ran, and parents left with none lose their hooks.
 
 Released parameters keep their `nn.Parameter` object (autograd saved it) but point at an
-empty tensor; re-gathering points them at fresh views of the unit's full buffer, which the
-saved references then see. The first forward records the order units run in; afterwards the
-next unit (forward) or the previous one (backward) is gathered asynchronously ahead of use.
+empty tensor; re-gathering points them at fresh views of the group's full buffer, which the
+saved references then see. The first forward records the order groups run in; afterwards the
+next groups (forward) or the previous ones (backward) are gathered asynchronously ahead of use,
+as many as fit `stage3_prefetch_bucket_size` elements.
 """
 
 from __future__ import annotations
@@ -28,23 +36,31 @@ from megazpp.zero.paths import CommPaths
 
 
 class ParamFetcher:
+    """`keep[id(b)]`: group b stays gathered from its forward to its backward; `prefetch_numel`:
+    elements of the groups ahead that may be gathering at once (0: no prefetch)."""
+
     def __init__(self, buckets: list[Bucket], paths: CommPaths,
-                 modules_of: dict[int, list[nn.Module]], parents: list[tuple[nn.Module, list[Bucket]]],
-                 on_backward_start: Callable[[], None]) -> None:
+                 modules_of: dict[int, list[nn.Module]],
+                 parents: list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]],
+                 on_backward_start: Callable[[], None], keep: dict[int, bool], prefetch_numel: int) -> None:
         self._buckets = buckets
         self.paths = paths
         self._on_backward_start = on_backward_start
+        self._keep = keep
+        self._prefetch_numel = prefetch_numel
         self.order: list[Bucket] = []
         self._order_done = False
         self._index: dict[int, int] = {}
         self.fetch_hook_calls = 0
         self.all_gather_calls = 0
-        self._called: set[int] = set()
+        self._called: set[int] = set()  # unit roots whose own forward ran
+        self._running: dict[int, int] = {}  # group -> its modules whose forward is running
+        self._finished: dict[int, Bucket] = {}  # forward done, released when the forward moves on
         self.backward_active = False
         for b in buckets:
             self.release(b)
             for module in modules_of[id(b)]:
-                module.register_forward_pre_hook(self._pre_forward(b))
+                module.register_forward_pre_hook(self._pre_forward(b, module))
                 module.register_forward_hook(self._post_forward(b))
         self._parent_hooks = []
         for parent, children in parents:
@@ -73,31 +89,61 @@ class ParamFetcher:
             b.fetch_pending.wait()
             b.fetch_pending = None
         b.full_params = None
+        self._finished.pop(id(b), None)
         for p in b.layout.params:
             p.data = b.param_store.new_empty(0)
 
     def release_all(self) -> None:
-        """Release every unit, dropping unused prefetches: a gather still in flight when the
+        """Release every group, dropping unused prefetches: a gather still in flight when the
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
+        self._running.clear()
         self.backward_active = False
 
     def _prefetch(self, b: Bucket, step: int) -> None:
-        if not self._order_done:
+        """Gather the groups after (step +1) or before (-1) `b` in the recorded order, as many
+        as fit the prefetch budget (groups already gathered cost nothing and do not count)."""
+        if not self._order_done or id(b) not in self._index:
             return
-        i = self._index.get(id(b))
-        if i is not None and 0 <= i + step < len(self.order):
-            self._launch(self.order[i + step], "forward" if step > 0 else "backward")
+        budget = self._prefetch_numel
+        i = self._index[id(b)] + step
+        while 0 <= i < len(self.order):
+            ahead = self.order[i]
+            if ahead.full_params is None:
+                budget -= ahead.layout.padded
+                if budget < 0:
+                    return
+                self._launch(ahead, "forward" if step > 0 else "backward")
+            i += step
+
+    # -- the forward's group boundaries ----------------------------------------------------
+    def _enter(self, b: Bucket) -> None:
+        """A module of `b` starts its forward (outside backward): groups whose forward is over
+        and that are not kept are released now that the forward has moved on."""
+        if self.backward_active:
+            return
+        self._running[id(b)] = self._running.get(id(b), 0) + 1
+        self._finished.pop(id(b), None)
+        for other in list(self._finished.values()):
+            self.release(other)
+
+    def _exit(self, b: Bucket) -> None:
+        if self.backward_active:
+            return
+        self._running[id(b)] -= 1
+        if self._running[id(b)] == 0 and not (torch.is_grad_enabled() and self._keep[id(b)]):
+            self._finished[id(b)] = b
 
     # -- hooks -----------------------------------------------------------------------------
-    def _pre_forward(self, b: Bucket) -> Callable:
+    def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.fetch_hook_calls += 1
             if not self._order_done:
-                self._called.add(id(b))
+                self._called.add(id(module))
                 if all(u is not b for u in self.order):
                     self.order.append(b)
+            self._enter(b)
             # a recompute inside backward gathers as backward does (hpZ: from the secondary
             # shard) and wants no forward prefetch
             self.fetch(b, "backward" if self.backward_active else "forward")
@@ -111,7 +157,7 @@ class ParamFetcher:
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._pre_backward(b))
-            self.release(b)
+            self._exit(b)
         return hook
 
     def _pre_backward(self, b: Bucket) -> Callable:
@@ -123,22 +169,27 @@ class ParamFetcher:
             self._prefetch(b, -1)
         return hook
 
-    def _uncalled(self, children: list[Bucket]) -> list[Bucket]:
-        """Children the parent must gather itself (all of them until the first forward ends)."""
-        if not self._order_done:
-            return children
-        return [b for b in children if id(b) not in self._called]
+    def _uncalled(self, children: list[tuple[nn.Module, Bucket]]) -> list[Bucket]:
+        """Groups of the children the parent must gather itself: all of them until the first
+        forward ends, then those of children whose own forward never ran (the parent reads
+        their parameters directly, so no hook of theirs gathers them before backward)."""
+        todo: list[Bucket] = []
+        for child, b in children:
+            if (not self._order_done or id(child) not in self._called) and all(b is not t for t in todo):
+                todo.append(b)
+        return todo
 
-    def _parent_pre_forward(self, children: list[Bucket]) -> Callable:
+    def _parent_pre_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             todo = self._uncalled(children)
             if todo:
                 self.fetch_hook_calls += 1
             for b in todo:
-                self.fetch(b)
+                self._enter(b)
+                self.fetch(b, "backward" if self.backward_active else "forward")
         return hook
 
-    def _parent_post_forward(self, children: list[Bucket]) -> Callable:
+    def _parent_post_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
         def before_backward(grad: torch.Tensor) -> None:
             todo = self._uncalled(children)
             if todo:
@@ -155,12 +206,17 @@ class ParamFetcher:
                     if t.requires_grad:
                         t.register_hook(before_backward)
             for b in todo:
-                self.release(b)
+                self._exit(b)
         return hook
 
     def forward_finished(self) -> None:
-        """Called after the root module's forward: the execution order is now known, and so
-        are the parents that never need to gather for their children."""
+        """Called after the root module's forward: groups not kept for backward are released;
+        the first time, the execution order is now known, and so are the parents that never
+        need to gather for their children."""
+        if self.backward_active:
+            return
+        for b in list(self._finished.values()):
+            self.release(b)
         if not self._order_done and self.order:
             self._order_done = True
             self._index = {id(b): i for i, b in enumerate(self.order)}

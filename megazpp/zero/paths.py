@@ -19,7 +19,7 @@ import torch
 
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket
-from megazpp.zero.collectives import PendingSequence, ZeroGroups
+from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.strategy import Strategy
 
 
@@ -40,7 +40,7 @@ class CommPaths:
 
     def gather_calls(self, phase: str) -> int:
         """Collectives one parameter fetch issues (for the engine's statistics)."""
-        return len(self._fetch)
+        return sum(1 for c in self._fetch if size_of(self.groups, c.group) > 1)
 
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
         """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward"."""

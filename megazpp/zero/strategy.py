@@ -72,3 +72,15 @@ def parse_strategy(value: str | int | Strategy, *, key: str = "paro_strategy") -
                           f"{', '.join(VALID_NAMES)} (or ZeRO stage 0-3, 'mics')")
     raise ConfigError(f"{key}={value!r} is not a strategy; expected one of {', '.join(VALID_NAMES)}, "
                       f"a ZeRO stage 0-3, or 'mics'")
+
+
+def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
+    """The strategy of a `zero` config section: `paro_strategy` wins over `stage`, and both
+    given and disagreeing is an error (checked by Config.validate, before any process group)."""
+    if paro_strategy is None:
+        return parse_strategy(stage, key="zero.stage")
+    strategy = parse_strategy(paro_strategy, key="zero.paro_strategy")
+    if stage != 0 and parse_strategy(stage) != strategy:
+        raise ConfigError(f"zero.paro_strategy = {paro_strategy!r} and zero.stage = {stage} disagree "
+                          f"(stage {stage} is {parse_strategy(stage)}); set one of them")
+    return strategy

@@ -1,11 +1,23 @@
-"""Which parameters travel together: parameter units (p sharded) and gradient buckets (p = N).
+"""Which parameters travel together: parameter units and fetch groups (p sharded), gradient
+buckets (p = N).
 
-Why units follow modules: a unit is gathered right before its module runs and released right
-after, so it must be a module subtree. `module_granularity_threshold` (DeepSpeed's
-`stage3_module_granularity_threshold`) merges fine-grained subtrees: a module whose parameter
-count divided by (1 + its number of descendant modules) is below the threshold becomes one
-unit with its whole subtree, so a layer of 64 three-linear experts costs one fetch hook and
-one all-gather instead of 197. Threshold 0 gives one unit per module that owns parameters.
+Why units follow modules: a unit is where the fetch hooks go (its module's forward and backward
+need its parameters whole), so it must be a module subtree. `module_granularity_threshold`
+(DeepSpeed's `stage3_module_granularity_threshold`) merges fine-grained subtrees: a module whose
+parameter count divided by (1 + its number of descendant modules) is below the threshold becomes
+one unit with its whole subtree, so a layer of 64 three-linear experts costs one hook instead of
+197. Threshold 0 gives one unit per module that owns parameters.
+
+Why fetch groups on top: each collective call costs a fixed host time (1-4 ms on CPU ranks,
+whatever its size), so gathering a Llama layer's seven units one by one costs seven calls per
+stage where one would do. A fetch group is a run of consecutive units sharing one flat buffer:
+one all-gather per stage fetches it, one reduce-scatter per stage reduces its gradients.
+`layer` (default) groups the units of each repeated block (an element of a ModuleList /
+ModuleDict, i.e. a transformer layer) and merges the consecutive units outside any block (the
+final norm with the output layer); `size` fills groups in registration order regardless of
+blocks. Either way a group holds at most `max_numel` elements (DeepSpeed's bounds on one
+all-gather and one reduction call: the smaller of `allgather_bucket_size` and
+`reduce_bucket_size`), a unit larger than that forming a group of its own.
 """
 
 from __future__ import annotations
@@ -15,13 +27,17 @@ from dataclasses import dataclass, field
 from torch import nn
 
 
+FETCH_GROUP_MODES = ("layer", "size")
+
+
 @dataclass
 class ParamGroupSpec:
-    """Parameters that share one flat buffer; `module` is where its fetch hooks go (or None)."""
+    """Parameters that share one flat buffer; `modules` are the unit roots where its fetch
+    hooks go (empty for a gradient bucket of replicated parameters)."""
 
     name: str
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    module: nn.Module | None = None
+    modules: list[nn.Module] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -47,7 +63,7 @@ def parameter_units(model: nn.Module, threshold: int) -> list[ParamGroupSpec]:
 
     def visit(name: str, module: nn.Module) -> None:
         if is_fine_grained(module, threshold):
-            unit = ParamGroupSpec(name or "<root>", module=module)
+            unit = ParamGroupSpec(name or "<root>", modules=[module])
             for pname, p in module.named_parameters(prefix=name):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
@@ -55,7 +71,7 @@ def parameter_units(model: nn.Module, threshold: int) -> list[ParamGroupSpec]:
             if unit.params:
                 units.append(unit)
             return
-        own = ParamGroupSpec(name or "<root>", module=module)
+        own = ParamGroupSpec(name or "<root>", modules=[module])
         for pname, p in module.named_parameters(prefix=name, recurse=False):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
@@ -67,6 +83,37 @@ def parameter_units(model: nn.Module, threshold: int) -> list[ParamGroupSpec]:
 
     visit("", model)
     return units
+
+
+def _blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """Module id -> the outermost repeated block (element of a ModuleList / ModuleDict) it lies in."""
+    block_of: dict[int, nn.Module] = {}
+    for module in model.modules():  # pre-order: outer containers claim their subtrees first
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            for child in module.children():
+                for m in child.modules():
+                    block_of.setdefault(id(m), child)
+    return block_of
+
+
+def fetch_groups(model: nn.Module, units: list[ParamGroupSpec], mode: str,
+                 max_numel: int) -> list[ParamGroupSpec]:
+    """Consecutive `units` merged into fetch groups (`mode` in FETCH_GROUP_MODES)."""
+    block_of = _blocks(model)
+    groups: list[ParamGroupSpec] = []
+    last_key: object = object()
+    for unit in units:
+        starts = not groups or groups[-1].numel + unit.numel > max_numel
+        if mode == "layer":
+            block = block_of.get(id(unit.modules[0]))
+            key: object = None if block is None else id(block)
+            starts = starts or key != last_key
+            last_key = key
+        if starts:
+            groups.append(ParamGroupSpec(unit.name))
+        groups[-1].params.extend(unit.params)
+        groups[-1].modules.extend(unit.modules)
+    return groups
 
 
 def gradient_buckets(model: nn.Module, bucket_numel: int) -> list[ParamGroupSpec]:

@@ -93,7 +93,7 @@ class ZeroPPPaths(CommPaths):
 
     # -- the paths -----------------------------------------------------------------------------
     def gather_calls(self, phase: str) -> int:
-        return 1 if phase == "backward" and self.zeropp.hpz > 1 else len(self._fetch)
+        return 1 if phase == "backward" and self.zeropp.hpz > 1 else super().gather_calls(phase)
 
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
         tag = f"zero/param_gather/{phase}"
