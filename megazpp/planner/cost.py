@@ -183,7 +183,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     padded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.groups(s)]
     plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, workload.fp16))
+                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s))
     recomputed = _recomputed(s, stage, workload, padded)
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,

@@ -11,6 +11,12 @@ permutation in `to_dp_order` / `from_dp_order`.
 Decay parameters come first, so the optimizer shard of a bucket splits into at most two
 contiguous pieces (weight decay on, off) that AdamW can take as plain tensors. Padding is
 zero, gets zero gradients, and counts as no-decay.
+
+With ZeRO++ quantization (`align` > 1, a multiple of every quantization block) each tensor
+starts at a multiple of `align`, so no block ever holds values of two tensors: a block's one
+scale is set by its own tensor's largest value, never by a neighbour's (a norm gain's gradient
+next to a weight matrix's would otherwise round to zero). The gaps are zero padding like the
+tail.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ class BucketLayout:
     @staticmethod
     def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int,
               align: int = 1) -> "BucketLayout":
-        """`align`: each DP shard is a multiple of it (ZeRO++'s quantization block)."""
+        """`align`: each DP shard and each tensor's offset is a multiple of it (ZeRO++'s
+        quantization blocks)."""
         ordered = ([np for np in named_params if is_decayed(*np)] +
                    [np for np in named_params if not is_decayed(*np)])
         offsets, pos, decay = [], 0, 0
         for name, p in ordered:
+            pos = -(-pos // align) * align
             offsets.append(pos)
             pos += p.numel()
             if is_decayed(name, p):
