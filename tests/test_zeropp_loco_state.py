@@ -93,7 +93,7 @@ def _spike_run(topo: Topology) -> dict:
         return inner_opt(*args, **kwargs)
 
     engine.paths.after_step, engine.optimizer.step = after_step, opt_step
-    errors, norms, scaled_ok = [], [], None
+    errors, norms, scaled_ok, vector_err = [], [], None, None
     for step in range(STEPS):
         scale = SPIKE if step == SPIKE_AT else 1.0
         tw, tb = _targets(step, 0, topo.dp_rank)
@@ -103,13 +103,27 @@ def _spike_run(topo: Topology) -> dict:
         coef = min(1.0, OPT.clip_grad / (result.grad_norm + 1e-6))
         exact = [g * coef for g in _exact_os(engine, step, 1, scale)]
         errors.append(max(float((a - e).norm() / e.norm()) for a, e in zip(seen["applied"], exact)))
+        if step == 0:  # the 1-D tensor (b) arrives exactly, the 2-D one (w) int4-rounded
+            vector_err = _vector_error(engine, seen["applied"], exact)
         if step == SPIKE_AT:
             after = _buffers(engine)
             keys = [k for b in engine.buckets for k in b.extra_state]
             scaled_ok = (seen["rescale"] == coef and any(bool(v.abs().sum() > 0) for v in after) and
                          all(torch.equal(a, v * coef if k.endswith("_scales") else v)
                              for k, v, a in zip(keys, seen["before"], after)))
-    return {"errors": errors, "norms": norms, "scaled_ok": scaled_ok}
+    return {"errors": errors, "norms": norms, "scaled_ok": scaled_ok, "vector_err": vector_err}
+
+
+def _vector_error(engine: ZeroEngine, applied: list[torch.Tensor], exact: list[torch.Tensor]) -> tuple:
+    """(max |applied - exact| over my shard's 1-D-tensor elements, over the rest, count of the former)."""
+    b = engine.buckets[0]
+    lo, hi = b.layout.shard_range(engine.strategy.os)
+    vector = torch.zeros(hi - lo, dtype=torch.bool)
+    for a, z in b.layout.vector_ranges():
+        if max(a, lo) < min(z, hi):
+            vector[max(a, lo) - lo:min(z, hi) - lo] = True
+    diff = (torch.cat(applied) - torch.cat(exact)).abs()
+    return (float(diff[vector].max()) if vector.any() else 0.0, float(diff[~vector].max()), int(vector.sum()))
 
 
 def _accumulation_run(topo: Topology) -> dict:
@@ -177,6 +191,16 @@ def test_spike_rescales_buffers_by_the_clip_coefficient_and_leaves_no_echo(repor
         print(f"rank {rank}: relative deviation from the exact update before the spike {calm:.3f}, "
               f"after it {echo:.3f}")
         assert echo <= 2 * calm, (rank, s["errors"])
+
+
+def test_vector_tensors_are_reduced_exactly(report):
+    """Exact up to fp32 summation order (1e-7 on values ~1e-2), against int4's ~1e-3."""
+    held = 0
+    for rank, r in enumerate(report):
+        vector, rest, count = r["spike"]["vector_err"]
+        held += count
+        assert vector <= 1e-7 and rest > 1e-5, (rank, r["spike"]["vector_err"])
+    assert held == 40  # every element of the bias, on whichever ranks hold it
 
 
 def test_accumulation_compensates_once_per_step(report):

@@ -395,7 +395,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
-                                   extra_norm_groups=extra, zeropp=self.zeropp)
+                                   extra_norm_groups=extra, zeropp=self.zeropp,
+                                   exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""

@@ -101,6 +101,11 @@ class BucketLayout:
                 out.append((a - lo, b - lo))
         return out
 
+    def vector_ranges(self) -> list[tuple[int, int]]:
+        """Flat [start, end) of every tensor with at most one dimension (norm gains, biases):
+        the ones qgZ sends exactly (few values, and an int4 grid of 15 levels is coarse for them)."""
+        return [(off, off + shape.numel()) for off, shape in zip(self.offsets, self.shapes) if len(shape) <= 1]
+
     def describe(self) -> dict[str, Any]:
         """The layout without tensors, in terms any reader understands (global parameter names,
         shapes, flat offsets): what a checkpoint needs to place its shards without rebuilding

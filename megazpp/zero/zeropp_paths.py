@@ -8,7 +8,8 @@ What changes, per path of `CommPaths`:
   of `hpz` DP ranks on one node. The secondary shard is cut from the full buffer of the first
   forward gather after each step, so it costs no communication and backward computes with
   exactly the weights forward used (quantized ones under qwZ);
-* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`formulas.qgz_sequence`);
+* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`formulas.qgz_sequence`),
+  the bucket's 1-D tensors sent exactly alongside (`quantized.ExactPlan`);
   LoCo keeps one error buffer per stage per bucket in `Bucket.extra_state` (checkpointed),
   managed across steps by `loco.LocoState` (compensation once per step, rescaled by the clip
   coefficient and loss-scale change, rolled back on a skipped step, reset every `reset_t`).
@@ -26,7 +27,7 @@ from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
 from megazpp.zero.paths import CommPaths, Waitable
-from megazpp.zero.quantized import PendingQuantizedGather, PendingQuantizedReduce
+from megazpp.zero.quantized import ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
 
 
@@ -56,6 +57,8 @@ class ZeroPPPaths(CommPaths):
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
         self._qgz_seq = formulas.qgz_sequence(strategy, shapes) if zeropp.qgz else []
         self._stages = [(groups.get(c.group), size_of(groups, c.group)) for c in self._qgz_seq]
+        self._shapes = shapes
+        self._exact: dict[int, ExactPlan | None] = {}
         self._hpz_index = hpz_index
         self._buckets: list[Bucket] = []
         self._secondary: dict[int, torch.Tensor] = {}
@@ -71,6 +74,13 @@ class ZeroPPPaths(CommPaths):
             self._secondary[id(b)] = b.param_store.new_zeros(b.layout.padded // self.zeropp.hpz)
         if self._loco is not None:
             self._loco.add_bucket(b)
+        if self._stages:
+            group, local = divmod(b.layout.dp_index, b.layout.k)
+            mine = [(size, local if c.group == "intra" else group)
+                    for c, (_, size) in zip(self._qgz_seq, self._stages)]
+            ranges = b.layout.vector_ranges()
+            widths = formulas.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
+            self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths)
 
     # -- the paths -----------------------------------------------------------------------------
     def gather_calls(self, phase: str) -> int:
@@ -96,7 +106,7 @@ class ZeroPPPaths(CommPaths):
             return super().start_grad_reduce(b, grad)
         loco = self._loco.for_reduction(b) if self._loco is not None else None
         pending = PendingQuantizedReduce(grad, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
-                                         loco, self.zeropp.err_beta, self._ops)
+                                         loco, self.zeropp.err_beta, self._ops, self._exact[id(b)])
         self._overflow |= pending.overflow
         return pending
 
