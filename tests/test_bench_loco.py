@@ -86,7 +86,9 @@ def test_gap_report_over_seeds(tmp_path, capsys):
             writer.add_scalar("val/loss", final + 0.5, 20)
             writer.close()
         dirs[name] = ",".join(str(tmp_path / f"s{seed}" / name) for seed in range(len(per_seed)))
-    assert loco_gap_main([dirs["fp32"], dirs["int4"], dirs["loco"]]) == 0
+    png = tmp_path / "seeds.png"
+    assert loco_gap_main([dirs["fp32"], dirs["int4"], dirs["loco"], "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = capsys.readouterr().out.splitlines()
     # means: fp32 4.1, int4 4.4, LoCo 4.2 -> closes 2/3 of the gap
     assert lines[0].startswith("final train loss (mean of 2 seeds): fp32 4.1000, int4 4.4000, int4+LoCo 4.2000")

@@ -12,7 +12,7 @@
 # through run.sh, the main job, which also builds the sample corpus, tokenizer and indexed
 # dataset under $DATA_DIR (default data/) when they are missing; each on a free port. Results:
 # $OUT/seed$S/{fp32,qgz_int4,qgz_int4_loco} (TensorBoard), $OUT/compare/{loss.png,
-# throughput.png,summary.md,loco_gap.md}; OUT is runs/loco (runs/loco_smoke with --smoke). A
+# throughput.png,summary.md,loco_gap.md,loco_seeds.png}; OUT is runs/loco (runs/loco_smoke with --smoke). A
 # run's old TensorBoard directory is removed first, so curves never mix two attempts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,4 +54,4 @@ IFS=, read -r -a ALL <<< "${DIRS[fp32]},${DIRS[qgz_int4]},${DIRS[qgz_int4_loco]}
 "$PYTHON" tools/compare_runs.py "${ALL[@]}" \
   --labels "${LABELS[fp32]},${LABELS[qgz_int4]},${LABELS[qgz_int4_loco]}" --out "$OUT/compare"
 "$PYTHON" -m megazpp.bench.loco_gap "${DIRS[fp32]}" "${DIRS[qgz_int4]}" "${DIRS[qgz_int4_loco]}" \
-  --out "$OUT/compare/loco_gap.md"
+  --out "$OUT/compare/loco_gap.md" --plot "$OUT/compare/loco_seeds.png"

@@ -10,7 +10,8 @@ dividing by a non-positive number. Optionally written to a Markdown file next to
 Several seeds: each of FP32, INT4, LOCO may be a comma-separated list of run directories, one
 per seed in the same order. At a high learning rate one seed mostly measures which run
 happens to hit a gradient spike, so the verdict uses the mean over seeds; each run's mean and
-spread (sample standard deviation, min..max) and each seed's own closed fraction are listed.
+spread (sample standard deviation, min..max) and each seed's own closed fraction are listed;
+`--plot` draws each run's mean curves over its seeds with min..max bands.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import statistics
 import sys
 from typing import Sequence
 
+from pathlib import Path
+
 from megazpp.analysis.comparison import compare_runs
-from megazpp.analysis.event_reader import read_run
+from megazpp.analysis.event_reader import Run, read_run
+from megazpp.analysis.plots import plot_seed_bands
 from megazpp.errors import MegazppError
 
 TARGET = 0.5
@@ -61,14 +65,30 @@ def _mean(values: list[float | None]) -> float | None:
     return None if None in values else statistics.mean(values)
 
 
-def report(run_dirs: Sequence[str]) -> list[str]:
-    """`run_dirs`: FP32, INT4, LOCO, each one directory or a comma-separated list (one per seed)."""
+NAMES = ("fp32", "int4", "int4+LoCo")
+
+
+def _split(run_dirs: Sequence[str]) -> list[list[str]]:
     per_run = [d.split(",") for d in run_dirs]
     if len({len(dirs) for dirs in per_run}) != 1:
         raise MegazppError(f"loco_gap: the three runs list {[len(d) for d in per_run]} seed directories; "
                            f"expected the same seeds for fp32, int4 and int4+LoCo")
-    seeds = [compare_runs([read_run(d, name) for d, name in zip(dirs, ("fp32", "int4", "int4+loco"))])
-             for dirs in zip(*per_run)]
+    return per_run
+
+
+def _read(per_run: list[list[str]]) -> list[list[Run]]:
+    return [[read_run(d, name) for d in dirs] for dirs, name in zip(per_run, NAMES)]
+
+
+def plot(run_dirs: Sequence[str], path: str) -> None:
+    """Mean training and validation loss of each run over its seeds, with min..max bands."""
+    plot_seed_bands(dict(zip(NAMES, _read(_split(run_dirs)))), Path(path))
+
+
+def report(run_dirs: Sequence[str]) -> list[str]:
+    """`run_dirs`: FP32, INT4, LOCO, each one directory or a comma-separated list (one per seed)."""
+    per_run = _split(run_dirs)
+    seeds = [compare_runs(runs) for runs in zip(*_read(per_run))]
     train = [[c.summaries[i].final_loss for c in seeds] for i in range(3)]
     val = [[c.summaries[i].final_val_loss for c in seeds] for i in range(3)]
     n = len(seeds)
@@ -94,9 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in ("fp32", "int4", "loco"):
         p.add_argument(run, help="run directory, or comma-separated directories (one per seed)")
     p.add_argument("--out", help="also write these lines to this Markdown file")
+    p.add_argument("--plot", help="also draw each run's mean loss over seeds, with bands, to this PNG")
     ns = p.parse_args(argv)
     try:
         lines = report([ns.fp32, ns.int4, ns.loco])
+        if ns.plot:
+            plot([ns.fp32, ns.int4, ns.loco], ns.plot)
     except MegazppError as exc:
         print(f"loco_gap: error: {exc}", file=sys.stderr)
         return 2
