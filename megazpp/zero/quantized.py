@@ -66,8 +66,9 @@ class ExactPlan:
 
     @staticmethod
     def build(ranges: Sequence[tuple[int, int]], numel: int, stages: Sequence[tuple[int, int]],
-              widths: Sequence[int]) -> "ExactPlan | None":
-        """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage."""
+              widths: Sequence[int], device: torch.device | str = "cpu") -> "ExactPlan | None":
+        """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage; the
+        index tensors live on `device` (the bucket's), so no reduction copies them there."""
         if not ranges:
             return None
 
@@ -81,7 +82,8 @@ class ExactPlan:
                                     for j, chunk in enumerate(chunks)]))
             current, size = chunks[me], size // parts
             keeps.append(sum(b - a for a, b in current))
-        return ExactPlan(positions(ranges), tuple(dests), tuple(widths), tuple(keeps), positions(current))
+        return ExactPlan(positions(ranges).to(device), tuple(d.to(device) for d in dests), tuple(widths),
+                         tuple(keeps), positions(current).to(device))
 
 
 class PendingQuantizedGather:

@@ -80,7 +80,7 @@ class ZeroPPPaths(CommPaths):
                     for c, (_, size) in zip(self._qgz_seq, self._stages)]
             ranges = b.layout.vector_ranges()
             widths = formulas.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
-            self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths)
+            self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths, b.param_store.device)
 
     # -- the paths -----------------------------------------------------------------------------
     def gather_calls(self, phase: str) -> int:
