@@ -24,6 +24,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.layout import is_vector, layout_order
 from megazpp.zero.units import ParamGroupSpec, gradient_buckets, parameter_units
 
 
@@ -38,6 +39,10 @@ class StageShape:
     frozen weights are sharded at level p like the trainable ones (`Workload.shard_frozen`).
     `recompute[i]` says whether unit i is gathered a third time per micro-batch when layers
     run under activation checkpointing (`recompute_mask`); empty means none is.
+    `unit_tensors` / `bucket_tensors`: per group, its tensors as (numel, is 1-D) in bucket
+    layout order, which ZeRO++'s per-tensor block alignment and qgZ's exact 1-D values depend
+    on (`formulas.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
+    group counts as one tensor).
     """
 
     stage: int
@@ -49,9 +54,17 @@ class StageShape:
     last: bool
     frozen_units: tuple[int, ...] = ()
     recompute: tuple[bool, ...] = ()
+    unit_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
+    bucket_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
         return self.buckets if strategy.p == Level.N else self.units
+
+    def group_tensors(self, strategy: Strategy) -> tuple[tuple[tuple[int, bool], ...], ...]:
+        """Per group of `groups(strategy)`: its tensors (numel, is 1-D); one whole-group
+        tensor each when unknown."""
+        tensors = self.bucket_tensors if strategy.p == Level.N else self.unit_tensors
+        return tensors or tuple(((n, False),) for n in self.groups(strategy))
 
     def recomputed(self, numels: Sequence[int]) -> list[int]:
         """The entries of per-unit `numels` whose unit is gathered again for the recompute."""
@@ -89,6 +102,11 @@ def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float)
         trainable.append(_trainable(n, fraction))
         frozen.append(n - trainable[-1])
     return trainable, frozen
+
+
+def _tensors(specs: list[ParamGroupSpec], sizes: dict[int, int]) -> tuple[tuple[tuple[int, bool], ...], ...]:
+    """Per group: (numel on this rank, is 1-D) of each tensor, in bucket layout order."""
+    return tuple(tuple((sizes[id(p)], is_vector(p.shape)) for _, p in layout_order(spec.params)) for spec in specs)
 
 
 def recompute_mask(model: nn.Module, units: list[ParamGroupSpec]) -> tuple[bool, ...]:
@@ -137,11 +155,14 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, stage
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
     specs = parameter_units(model, threshold)
+    bucket_specs = gradient_buckets(model, bucket_numel * tp_divisor)
     units, frozen_u = _numels(specs, sizes, trainable_fraction)
-    buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
+    buckets, _ = _numels(bucket_specs, sizes, trainable_fraction)
     frozen_units = tuple(frozen_u) if any(frozen_u) else ()
+    whole = trainable_fraction >= 1
     return StageShape(stage, tuple(units), tuple(buckets), frozen_params + sum(frozen_u), layers, first, last,
-                      frozen_units, recompute_mask(model, specs))
+                      frozen_units, recompute_mask(model, specs), _tensors(specs, sizes) if whole else (),
+                      _tensors(bucket_specs, sizes) if whole else ())
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:

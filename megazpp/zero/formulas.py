@@ -455,6 +455,24 @@ def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: Z
     return total
 
 
+def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:
+    """Flat offsets of tensors laid out in order, each starting at a multiple of `align`
+    (ZeRO++: no quantization block holds values of two tensors), and the end of the last."""
+    offsets, pos = [], 0
+    for n in numels:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def tensor_layout(tensors: Sequence[tuple[int, bool]], d: int, align: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """A bucket of `tensors` ((numel, is 1-D) in layout order): its padded size and the flat
+    ranges of its 1-D tensors (what qgZ sends exactly), as `BucketLayout` lays it out."""
+    offsets, end = tensor_offsets([n for n, _ in tensors], align)
+    return padded_numel(end, d, align), [(o, o + n) for o, (n, vector) in zip(offsets, tensors) if vector]
+
+
 def padded_numel(numel: int, d: int, align: int = 1) -> int:
     """Round a bucket up to a multiple of the DP size (times ZeRO++'s block `align`) so every
     level divides it evenly and every quantized chunk is whole blocks."""
