@@ -36,13 +36,14 @@ def test_the_three_runs_differ_only_in_gradient_reduction(tiny_tokenizer_model):
         other = _flat(cfgs[run])
         differing = {k for k in base if base[k] != other[k]}
         assert differing <= {"logging.tensorboard_dir", "zero.zero_quantized_gradients", "zero.loco",
-                             "zero.qgz_block_size"}
+                             "zero.qgz_block_size", "zero.loco_reset_t"}
         assert cfgs[run].zero.qgz_block_size == 2048  # coarse enough that int4 visibly hurts
     assert not cfgs["fp32"].zero.zero_quantized_gradients
     assert cfgs["qgz_int4"].zero.zero_quantized_gradients and not cfgs["qgz_int4"].zero.loco
     loco = cfgs["qgz_int4_loco"].zero
     assert loco.zero_quantized_gradients and loco.loco
-    assert (loco.loco_err_beta, loco.loco_reset_t) == (0.8, 1024)
+    assert (loco.loco_err_beta, loco.loco_reset_t) == (0.8, 200)
+    assert loco.loco_reset_t < cfgs["qgz_int4_loco"].training.train_iters  # the periodic reset fires
     assert [cfgs[r].logging.tensorboard_dir for r in RUNS] == [f"runs/loco/{r}" for r in RUNS]
 
 
@@ -71,6 +72,30 @@ def test_gap_report_from_runs(tmp_path, capsys):
     assert "LoCo closes 75% of the gap" in lines[0] and "LoCo closes 75% of the gap" in lines[1]
     assert out.read_text().startswith("# LoCo experiment: gap closed")
     assert loco_gap_main([str(tmp_path / "missing")] * 3) == 2
+
+
+def test_gap_report_over_seeds(tmp_path, capsys):
+    """Each run given as one directory per seed: means decide, spreads and per-seed closures listed."""
+    finals = {"fp32": (4.0, 4.2), "int4": (4.4, 4.4), "loco": (4.1, 4.3)}
+    dirs = {}
+    for name, per_seed in finals.items():
+        for seed, final in enumerate(per_seed):
+            writer = SummaryWriter(str(tmp_path / f"s{seed}" / name))
+            for step, value in ((10, 6.0), (20, final)):
+                writer.add_scalar("train/loss", value, step)
+            writer.add_scalar("val/loss", final + 0.5, 20)
+            writer.close()
+        dirs[name] = ",".join(str(tmp_path / f"s{seed}" / name) for seed in range(len(per_seed)))
+    png = tmp_path / "seeds.png"
+    assert loco_gap_main([dirs["fp32"], dirs["int4"], dirs["loco"], "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = capsys.readouterr().out.splitlines()
+    # means: fp32 4.1, int4 4.4, LoCo 4.2 -> closes 2/3 of the gap
+    assert lines[0].startswith("final train loss (mean of 2 seeds): fp32 4.1000, int4 4.4000, int4+LoCo 4.2000")
+    assert "LoCo closes 67% of the gap" in lines[0]
+    assert lines[2].startswith("fp32: final train loss 4.1000 +- 0.1414 [4.0000, 4.2000]")
+    assert lines[5] == "per seed, LoCo closes of the train gap: 75%, 50%"
+    assert loco_gap_main([dirs["fp32"], dirs["int4"], str(tmp_path / "s0" / "loco")]) == 2  # seeds differ
 
 
 def test_script_refuses_unknown_arguments():

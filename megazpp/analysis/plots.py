@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from megazpp.analysis.comparison import INTER_BYTES, TOKENS_PER_SEC, TRAIN_LOSS, VAL_LOSS, Comparison
+from megazpp.analysis.event_reader import Run
 from megazpp.analysis.smoothing import ema_debiased
 
 MIB = 2.0 ** 20
@@ -44,6 +46,33 @@ def plot_loss(comparison: Comparison, path: Path, smoothing: float) -> None:
     if axes.get_legend_handles_labels()[0]:
         axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
+    figure.tight_layout()
+    save_png(figure, path)
+
+
+def plot_seed_bands(groups: dict[str, list[Run]], path: Path, smoothing: float = 0.6) -> None:
+    """Per group (one configuration trained with several seeds): the mean over seeds of the
+    smoothed training loss (left) and of the validation loss (right), each with a band from
+    the lowest to the highest seed. Only steps every seed of a group logged are drawn."""
+    figure = Figure(figsize=(11, 5), dpi=110)
+    left, right = figure.subplots(1, 2)
+    for color, (label, runs) in zip(_colors(len(groups)), groups.items()):
+        for axes, tag, smooth in ((left, TRAIN_LOSS, smoothing), (right, VAL_LOSS, 0.0)):
+            series = [r.scalars.get(tag) for r in runs]
+            if any(s is None or not len(s) for s in series):
+                continue
+            steps = sorted(set.intersection(*(set(np.asarray(s.steps).tolist()) for s in series)))
+            curves = np.stack([ema_debiased(np.asarray(s.values)[np.isin(s.steps, steps)], smooth)
+                               if smooth else np.asarray(s.values)[np.isin(s.steps, steps)] for s in series])
+            axes.plot(steps, curves.mean(axis=0), color=color, linewidth=1.8,
+                      marker="o" if tag == VAL_LOSS else None, label=f"{label} (mean of {len(runs)})")
+            axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.2)
+    left.set(xlabel="step", ylabel="loss", title=f"Training loss (smoothing {smoothing:g}), min..max over seeds")
+    right.set(xlabel="step", ylabel="loss", title="Validation loss, min..max over seeds")
+    for axes in (left, right):
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize="small")
+        axes.grid(alpha=0.3)
     figure.tight_layout()
     save_png(figure, path)
 

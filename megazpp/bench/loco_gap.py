@@ -6,17 +6,27 @@ the training loss (the interval mean at the last common step, what compare_runs 
 the validation loss (the same held-out batches every time, so the less noisy of the two).
 When int4 is not worse than fp32 there is no gap to close, and the line says so instead of
 dividing by a non-positive number. Optionally written to a Markdown file next to the plots.
+
+Several seeds: each of FP32, INT4, LOCO may be a comma-separated list of run directories, one
+per seed in the same order. At a high learning rate one seed mostly measures which run
+happens to hit a gradient spike, so the verdict uses the mean over seeds; each run's mean and
+spread (sample standard deviation, min..max) and each seed's own closed fraction are listed;
+`--plot` draws each run's mean curves over its seeds with min..max bands.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from typing import Sequence
 
+from pathlib import Path
+
 from megazpp.analysis.comparison import compare_runs
-from megazpp.analysis.event_reader import read_run
+from megazpp.analysis.event_reader import Run, read_run
+from megazpp.analysis.plots import plot_seed_bands
 from megazpp.errors import MegazppError
 
 TARGET = 0.5
@@ -42,23 +52,74 @@ def describe(kind: str, fp32: float | None, int4: float | None, loco: float | No
             f"LoCo closes {100 * closed:.0f}% of the gap ({verdict} the >= {100 * TARGET:.0f}% target)")
 
 
+def _spread(values: list[float | None]) -> str:
+    if None in values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return (f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f} "
+            f"[{min(values):.4f}, {max(values):.4f}]")
+
+
+def _mean(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.mean(values)
+
+
+NAMES = ("fp32", "int4", "int4+LoCo")
+
+
+def _split(run_dirs: Sequence[str]) -> list[list[str]]:
+    per_run = [d.split(",") for d in run_dirs]
+    if len({len(dirs) for dirs in per_run}) != 1:
+        raise MegazppError(f"loco_gap: the three runs list {[len(d) for d in per_run]} seed directories; "
+                           f"expected the same seeds for fp32, int4 and int4+LoCo")
+    return per_run
+
+
+def _read(per_run: list[list[str]]) -> list[list[Run]]:
+    return [[read_run(d, name) for d in dirs] for dirs, name in zip(per_run, NAMES)]
+
+
+def plot(run_dirs: Sequence[str], path: str) -> None:
+    """Mean training and validation loss of each run over its seeds, with min..max bands."""
+    plot_seed_bands(dict(zip(NAMES, _read(_split(run_dirs)))), Path(path))
+
+
 def report(run_dirs: Sequence[str]) -> list[str]:
-    comparison = compare_runs([read_run(d, name) for d, name in zip(run_dirs, ("fp32", "int4", "int4+loco"))])
-    s = comparison.summaries
-    lines = [describe("final train loss", *(r.final_loss for r in s)),
-             describe("final validation loss", *(r.final_val_loss for r in s))]
-    if comparison.step_range:
-        lines.append(f"(over the common steps {comparison.step_range[0]}..{comparison.step_range[1]})")
+    """`run_dirs`: FP32, INT4, LOCO, each one directory or a comma-separated list (one per seed)."""
+    per_run = _split(run_dirs)
+    seeds = [compare_runs(runs) for runs in zip(*_read(per_run))]
+    train = [[c.summaries[i].final_loss for c in seeds] for i in range(3)]
+    val = [[c.summaries[i].final_val_loss for c in seeds] for i in range(3)]
+    n = len(seeds)
+    over = "" if n == 1 else f" (mean of {n} seeds)"
+    lines = [describe(f"final train loss{over}", *map(_mean, train)),
+             describe(f"final validation loss{over}", *map(_mean, val))]
+    if n > 1:
+        for name, t, v in zip(("fp32", "int4", "int4+LoCo"), train, val):
+            lines.append(f"{name}: final train loss {_spread(t)}, final validation loss {_spread(v)}")
+        for kind, losses in (("train", train), ("validation", val)):
+            closed = [None if None in seed else closed_fraction(*seed) for seed in zip(*losses)]
+            shown = ", ".join("n/a" if c is None else f"{100 * c:.0f}%" for c in closed)
+            lines.append(f"per seed, LoCo closes of the {kind} gap: {shown}")
+    ranges = {c.step_range for c in seeds if c.step_range}
+    if len(ranges) == 1:
+        lo, hi = ranges.pop()
+        lines.append(f"(over the common steps {lo}..{hi})")
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("fp32"), p.add_argument("int4"), p.add_argument("loco")
+    for run in ("fp32", "int4", "loco"):
+        p.add_argument(run, help="run directory, or comma-separated directories (one per seed)")
     p.add_argument("--out", help="also write these lines to this Markdown file")
+    p.add_argument("--plot", help="also draw each run's mean loss over seeds, with bands, to this PNG")
     ns = p.parse_args(argv)
     try:
         lines = report([ns.fp32, ns.int4, ns.loco])
+        if ns.plot:
+            plot([ns.fp32, ns.int4, ns.loco], ns.plot)
     except MegazppError as exc:
         print(f"loco_gap: error: {exc}", file=sys.stderr)
         return 2

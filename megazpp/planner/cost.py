@@ -184,14 +184,15 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
                   cluster: Cluster, lay: Layout) -> StagePrediction:
     a = workload.micro_batches(cluster)
     pb, ab = workload.param_bytes, workload.accum_bytes
-    padded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.groups(s)]
+    laid = [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+    padded = [n for n, _ in laid]
     plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, workload.fp16))
+                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s))
     reused = reused_groups(s, workload, padded)
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               reused=reused)
+                               reused=reused, exact_ranges=[r for _, r in laid])
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,

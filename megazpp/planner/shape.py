@@ -22,6 +22,7 @@ from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megazpp.zero.layout import is_vector, layout_order
 from megazpp.zero.strategy import Level, Strategy
 from megazpp.zero.units import ParamGroupSpec, fetch_groups, gradient_buckets, parameter_units
 
@@ -36,6 +37,10 @@ class StageShape:
     elements of each fetch group under a modelled trainable fraction, for the PaRO paper's PEFT
     accounting, where frozen weights are sharded at level p like the trainable ones
     (`Workload.shard_frozen`).
+    `group_tensors` / `bucket_tensors`: per group, its tensors as (numel, is 1-D) in bucket
+    layout order, which ZeRO++'s per-tensor block alignment and qgZ's exact 1-D values depend
+    on (`formulas.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
+    group counts as one tensor).
     """
 
     stage: int
@@ -46,9 +51,17 @@ class StageShape:
     first: bool
     last: bool
     frozen_groups: tuple[int, ...] = ()
+    fetch_group_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
+    bucket_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
         return self.buckets if strategy.p == Level.N else self.fetch_groups
+
+    def group_tensors(self, strategy: Strategy) -> tuple[tuple[tuple[int, bool], ...], ...]:
+        """Per group of `groups(strategy)`: its tensors (numel, is 1-D); one whole-group
+        tensor each when unknown."""
+        tensors = self.bucket_tensors if strategy.p == Level.N else self.fetch_group_tensors
+        return tensors or tuple(((n, False),) for n in self.groups(strategy))
 
     @property
     def trainable(self) -> int:
@@ -84,6 +97,11 @@ def _numels(specs: list[ParamGroupSpec], sizes: dict[int, int], fraction: float)
     return trainable, frozen
 
 
+def _tensors(specs: list[ParamGroupSpec], sizes: dict[int, int]) -> tuple[tuple[tuple[int, bool], ...], ...]:
+    """Per group: (numel on this rank, is 1-D) of each tensor, in bucket layout order."""
+    return tuple(tuple((sizes[id(p)], is_vector(p.shape)) for _, p in layout_order(spec.params)) for spec in specs)
+
+
 def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch_mode: str = "layer",
                    stage: int = 0, layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
                    trainable_fraction: float = 1.0) -> StageShape:
@@ -100,11 +118,14 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
     specs = fetch_groups(model, parameter_units(model, threshold), fetch_mode, bucket_numel * tp_divisor)
+    bucket_specs = gradient_buckets(model, bucket_numel * tp_divisor)
     groups, frozen_g = _numels(specs, sizes, trainable_fraction)
-    buckets, _ = _numels(gradient_buckets(model, bucket_numel * tp_divisor), sizes, trainable_fraction)
+    buckets, _ = _numels(bucket_specs, sizes, trainable_fraction)
     frozen_groups = tuple(frozen_g) if any(frozen_g) else ()
+    whole = trainable_fraction >= 1
     return StageShape(stage, tuple(groups), tuple(buckets), frozen_params + sum(frozen_g), layers, first, last,
-                      frozen_groups)
+                      frozen_groups, _tensors(specs, sizes) if whole else (),
+                      _tensors(bucket_specs, sizes) if whole else ())
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:

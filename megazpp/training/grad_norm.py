@@ -33,10 +33,18 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[Any] = (),
     return sq.sqrt()
 
 
-def clip_by_norm_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float) -> None:
-    """Scale `grads` in place so their global norm is at most `max_norm` (0 disables)."""
-    if max_norm <= 0 or not grads:
-        return
-    coef = max_norm / (total_norm + 1e-6)
-    if coef < 1.0:
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor clipping multiplies the gradients by: min(1, max_norm / norm); 1 when
+    `max_norm` is 0 (clipping off). Error-feedback state scales by it too (LoCo)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_by_norm_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float) -> float:
+    """Scale `grads` in place so their global norm is at most `max_norm` (0 disables);
+    returns the coefficient applied (`clip_coefficient`)."""
+    coef = clip_coefficient(total_norm, max_norm)
+    if coef < 1.0 and grads:
         torch._foreach_mul_(list(grads), coef)
+    return coef

@@ -110,7 +110,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
-                                  topology.dp_rank % self.zeropp.hpz, skip_copy=precision.fp16)
+                                  topology.dp_rank % self.zeropp.hpz)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
                  self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
@@ -352,11 +352,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         scale_before = self.loss_scale
         norm = float(global_grad_norm(counted, self._norm_groups()))
         finite = math.isfinite(norm)
+        clip = 1.0
         if finite:
             pieces = [(m, g[m.start:m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
             for m, g in pieces:
                 m.param.grad = g
-            clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
+            clip = clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
             self.optimizer.step()
             for b in self.buckets:
                 self._refresh_params(b)
@@ -364,7 +365,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.zero_grad()
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
-        self.paths.after_step(not finite, self.step_count, self.loss_scale / scale_before)
+        self.paths.after_step(not finite, self.step_count, clip * self.loss_scale / scale_before)
         return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
 
     def _refresh_params(self, b: Bucket) -> None:
@@ -421,7 +422,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
-                                            self.param_dtype.itemsize, self.strategy, self.scaler is not None)
+                                            self.param_dtype.itemsize, self.strategy)
         return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
@@ -437,7 +438,8 @@ class ZeroEngine(ScaledOptimizerEngine):
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
                                    extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                   reused=self.reused)
+                                   reused=self.reused,
+                                   exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
 
     def expected_step_calls(self, micro_batches: int) -> int:
         return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,

@@ -179,23 +179,26 @@ def _nbytes(numel: int, fmt: ElemFormat) -> int:
     return fmt.nbytes(numel) if isinstance(fmt, QuantFormat) else numel * fmt
 
 
-def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes) -> tuple[int, int]:
-    """(intra, inter) bytes this rank receives for collective `c`, by comm's convention."""
+def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes,
+                     side: int = 0) -> tuple[int, int]:
+    """(intra, inter) bytes this rank receives for collective `c`, by comm's convention;
+    `side`: bytes each peer's chunk carries besides `elem` (qgZ's exactly sent values)."""
     g: GroupShape = getattr(shapes, c.group)
     nbytes = _nbytes(padded_numel // c.numel_div, elem)
     if g.size == 1:
         return 0, 0
     if c.op == "all_reduce":
         return all_reduce_bytes(nbytes, g)
-    per_peer = nbytes // g.size
+    per_peer = nbytes // g.size + side
     return per_peer * g.intra_peers, per_peer * g.inter_peers
 
 
 def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemFormat,
-                   shapes: DPShapes) -> tuple[int, int]:
+                   shapes: DPShapes, sides: Sequence[int] = ()) -> tuple[int, int]:
+    """`sides`: per collective of `seq`, the `side` bytes of `collective_bytes` (default none)."""
     intra = inter = 0
-    for c in seq:
-        a, b = collective_bytes(c, padded_numel, elem, shapes)
+    for i, c in enumerate(seq):
+        a, b = collective_bytes(c, padded_numel, elem, shapes, sides[i] if sides else 0)
         intra, inter = intra + a, inter + b
     return intra, inter
 
@@ -289,12 +292,13 @@ class StepPart:
     elem: ElemFormat
     times: int
     numels: tuple[int, ...]
+    sides: tuple[tuple[int, ...], ...] = ()  # per bucket, per collective: extra bytes per peer
 
     def bytes_once(self, shapes: DPShapes) -> tuple[int, int]:
         """(intra, inter) bytes of one occurrence over all its buckets."""
         intra = inter = 0
-        for n in self.numels:
-            a, b = sequence_bytes(self.sequence, n, self.elem, shapes)
+        for i, n in enumerate(self.numels):
+            a, b = sequence_bytes(self.sequence, n, self.elem, shapes, self.sides[i] if self.sides else ())
             intra, inter = intra + a, inter + b
         return intra, inter
 
@@ -305,7 +309,8 @@ class StepPart:
 
 def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: "ZeroPP | None" = None,
-               reused: Sequence[bool] = ()) -> dict[str, StepPart]:
+               reused: Sequence[bool] = (),
+               exact_ranges: Sequence[Sequence[tuple[int, int]]] = ()) -> dict[str, StepPart]:
     """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
     when the bytes move (the planner's overlap model).
 
@@ -316,7 +321,9 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     fetch: under hpZ from the secondary shard, under qwZ without hpZ the quantized primary).
     Then one gradient reduction to g per micro-batch, and per step the boundary reduction to os
     (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
-    the micro-batch reduction take its sequences and formats.
+    the micro-batch reduction take its sequences and formats; under qgZ, `exact_ranges` (per
+    bucket, the flat ranges of the tensors it sends exactly: `BucketLayout.vector_ranges`) add
+    their fp32 side payload (`qgz_exact_widths`).
     """
     k = shapes.k
     pp = zeropp or ZeroPP()
@@ -325,11 +332,18 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     fetch = tuple(param_fetch_sequence(s, k, hier))
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     backward = (tuple(hpz_fetch_sequence()), param_bytes) if pp.hpz > 1 else (fetch, weights)
-    micro = ((tuple(qgz_sequence(s, shapes)), pp.grads) if pp.qgz
-             else (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes))
+    sides: tuple[tuple[int, ...], ...] = ()
+    if pp.qgz:
+        qseq = qgz_sequence(s, shapes)
+        micro = (tuple(qseq), pp.grads)
+        if exact_ranges:
+            sides = tuple(tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r))
+                          for n, r in zip(numels, exact_ranges))
+    else:
+        micro = (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes)
     return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels),
             "fetch_backward": StepPart(*backward, micro_batches, again),
-            "micro_reduce": StepPart(*micro, micro_batches, numels),
+            "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
             "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, numels)}
 
@@ -350,13 +364,14 @@ def all_reduce_bytes(nbytes: int, g: GroupShape) -> tuple[int, int]:
 def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int,
                extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None,
-               reused: Sequence[bool] = ()) -> tuple[int, int]:
+               reused: Sequence[bool] = (),
+               exact_ranges: Sequence[Sequence[tuple[int, int]]] = ()) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
     phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
     and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
-                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused)
+                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused, exact_ranges=exact_ranges)
     for part in parts.values():
         a, b = part.bytes_once(shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -438,19 +453,66 @@ def qgz_sequence(s: Strategy, shapes: DPShapes) -> list[Collective]:
     return seq
 
 
+def chunk_ranges(ranges: Sequence[tuple[int, int]], numel: int, parts: int) -> list[list[tuple[int, int]]]:
+    """`ranges` (sorted, disjoint [start, end) in a buffer of `numel`) cut by `parts` equal
+    chunks, each chunk's pieces relative to the chunk's start."""
+    size = numel // parts
+    out: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    for a, b in ranges:
+        for j in range(a // size, -(-b // size)):
+            lo, hi = max(a, j * size), min(b, (j + 1) * size)
+            if lo < hi:
+                out[j].append((lo - j * size, hi - j * size))
+    return out
+
+
+def qgz_exact_widths(seq: Sequence[Collective], shapes: DPShapes, padded: int,
+                     exact: Sequence[tuple[int, int]]) -> list[int]:
+    """fp32 values each peer's chunk carries besides its int4 codes, per qgZ stage.
+
+    qgZ sends the tensors in `exact` (norm gains, biases: `BucketLayout.vector_ranges`)
+    exactly: each chunk of a stage carries its values of them as fp32, padded to the most
+    any chunk of that granularity in the bucket holds, so every peer's chunk has one size
+    (the all-to-all needs equal splits) and the width needs no rank's position."""
+    widths = []
+    for c in seq:
+        parts = c.numel_div * getattr(shapes, c.group).size
+        widths.append(max((sum(b - a for a, b in piece) for piece in chunk_ranges(exact, padded, parts)),
+                          default=0))
+    return widths
+
+
 def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,
-                       param_bytes: int, strategy: Strategy, fp16: bool = False) -> int:
+                       param_bytes: int, strategy: Strategy) -> int:
     """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype) and LoCo's
-    error buffers (int8 codes + fp32 scales per stage; in fp16 runs also the copy a skipped step
-    restores)."""
+    error buffers (int8 codes + fp32 scales per stage), twice: the live buffers and the copy a
+    skipped step restores (`loco.LocoState`)."""
     total = 0
     for n in padded_numels:
         if zeropp.hpz > 1:
             total += n // zeropp.hpz * param_bytes
         if zeropp.loco:
             for c in qgz_sequence(strategy, shapes):
-                total += (2 if fp16 else 1) * QuantFormat(8, zeropp.qgz_block).nbytes(n // c.numel_div)
+                total += 2 * QuantFormat(8, zeropp.qgz_block).nbytes(n // c.numel_div)
     return total
+
+
+def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:
+    """Flat offsets of tensors laid out in order, each starting at a multiple of `align`
+    (ZeRO++: no quantization block holds values of two tensors), and the end of the last."""
+    offsets, pos = [], 0
+    for n in numels:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def tensor_layout(tensors: Sequence[tuple[int, bool]], d: int, align: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """A bucket of `tensors` ((numel, is 1-D) in layout order): its padded size and the flat
+    ranges of its 1-D tensors (what qgZ sends exactly), as `BucketLayout` lays it out."""
+    offsets, end = tensor_offsets([n for n, _ in tensors], align)
+    return padded_numel(end, d, align), [(o, o + n) for o, (n, vector) in zip(offsets, tensors) if vector]
 
 
 def padded_numel(numel: int, d: int, align: int = 1) -> int:

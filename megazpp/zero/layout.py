@@ -11,6 +11,12 @@ permutation in `to_dp_order` / `from_dp_order`.
 Decay parameters come first, so the optimizer shard of a bucket splits into at most two
 contiguous pieces (weight decay on, off) that AdamW can take as plain tensors. Padding is
 zero, gets zero gradients, and counts as no-decay.
+
+With ZeRO++ quantization (`align` > 1, a multiple of every quantization block) each tensor
+starts at a multiple of `align`, so no block ever holds values of two tensors: a block's one
+scale is set by its own tensor's largest value, never by a neighbour's (a norm gain's gradient
+next to a weight matrix's would otherwise round to zero). The gaps are zero padding like the
+tail.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from torch import nn
 
 from megazpp.training.optimizer import is_decayed
-from megazpp.zero.formulas import level_div, padded_numel
+from megazpp.zero.formulas import level_div, padded_numel, tensor_offsets
 from megazpp.zero.strategy import Level
 
 
@@ -42,18 +48,14 @@ class BucketLayout:
     @staticmethod
     def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int,
               align: int = 1) -> "BucketLayout":
-        """`align`: each DP shard is a multiple of it (ZeRO++'s quantization block)."""
-        ordered = ([np for np in named_params if is_decayed(*np)] +
-                   [np for np in named_params if not is_decayed(*np)])
-        offsets, pos, decay = [], 0, 0
-        for name, p in ordered:
-            offsets.append(pos)
-            pos += p.numel()
-            if is_decayed(name, p):
-                decay = pos
+        """`align`: each DP shard and each tensor's offset is a multiple of it (ZeRO++'s
+        quantization blocks)."""
+        ordered = layout_order(named_params)
+        offsets, end = tensor_offsets([p.numel() for _, p in ordered], align)
+        decayed = [off + p.numel() for off, (name, p) in zip(offsets, ordered) if is_decayed(name, p)]
         return BucketLayout([n for n, _ in ordered], [p for _, p in ordered],
-                            [p.shape for _, p in ordered], offsets, decay, pos,
-                            padded_numel(pos, d, align), d, k, dp_index)
+                            [p.shape for _, p in ordered], offsets, max(decayed, default=0), end,
+                            padded_numel(end, d, align), d, k, dp_index)
 
     @property
     def m(self) -> int:
@@ -93,6 +95,11 @@ class BucketLayout:
                 out.append((a - lo, b - lo))
         return out
 
+    def vector_ranges(self) -> list[tuple[int, int]]:
+        """Flat [start, end) of every tensor with at most one dimension (norm gains, biases):
+        the ones qgZ sends exactly (few values, and an int4 grid of 15 levels is coarse for them)."""
+        return [(off, off + shape.numel()) for off, shape in zip(self.offsets, self.shapes) if is_vector(shape)]
+
     def describe(self) -> dict[str, Any]:
         """The layout without tensors, in terms any reader understands (global parameter names,
         shapes, flat offsets): what a checkpoint needs to place its shards without rebuilding
@@ -111,6 +118,17 @@ class BucketLayout:
         """Make every parameter's data a view of `flat` (the gathered or replicated buffer)."""
         for off, p, shape in zip(self.offsets, self.params, self.shapes):
             p.data = flat[off:off + shape.numel()].view(shape)
+
+
+def is_vector(shape: torch.Size) -> bool:
+    """A tensor of at most one dimension (a norm gain, a bias): qgZ sends these exactly."""
+    return len(shape) <= 1
+
+
+def layout_order(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """The order parameters take in a bucket: weight-decayed ones first (module docstring)."""
+    return ([np for np in named_params if is_decayed(*np)] +
+            [np for np in named_params if not is_decayed(*np)])
 
 
 def to_dp_order(flat: torch.Tensor, k: int, m: int) -> torch.Tensor:

@@ -65,8 +65,10 @@ class CommPaths:
         """Whether this step's reductions saw a non-finite local gradient (then cleared)."""
         return False
 
-    def after_step(self, skipped: bool, step_count: int, scale_ratio: float) -> None:
-        """The optimizer step finished (or was skipped); the loss scale changed by `scale_ratio`."""
+    def after_step(self, skipped: bool, step_count: int, rescale: float) -> None:
+        """The optimizer step finished (or was skipped). `rescale` takes this step's reduced
+        gradient units to the next step's: the clip coefficient applied (1 on a skip) times the
+        loss scale's change (new / old, fp16)."""
 
     def params_replaced(self) -> None:
         """Parameter shards were overwritten outside a step (a checkpoint was loaded)."""

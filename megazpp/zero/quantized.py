@@ -8,33 +8,82 @@ times the DP size: no size ever takes an unquantized fallback.
 
 Both run their first collective asynchronously and the rest when waited on, like
 `collectives.PendingSequence`, so a reduction overlaps the rest of backward.
+
+qgZ sends a bucket's 1-D tensors (norm gains, biases) exactly: each peer's chunk carries, after
+its scales, the fp32 values of those tensors that fall in it (`ExactPlan`, widths from
+`formulas.qgz_exact_widths`), and the receiver overwrites their dequantized sums with the exact
+ones. Their int4 codes still travel (the blocks stay uniform) but are never used.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 import kernels
 from megazpp.parallel import comm
 from megazpp.zero.collectives import PendingSequence, ZeroGroups
-from megazpp.zero.formulas import Collective
+from megazpp.zero.formulas import Collective, chunk_ranges
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int) -> torch.Tensor:
-    """One uint8 buffer of `parts` equal chunks, each: its codes, then its scales' bytes."""
-    return torch.cat([codes.view(torch.uint8).view(parts, -1),
-                      scales.view(torch.uint8).view(parts, -1)], dim=1).reshape(-1)
+def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None) -> torch.Tensor:
+    """One uint8 buffer of `parts` equal chunks, each: its codes, its scales' bytes, then its
+    row of `exact` ([parts, width] fp32), if any."""
+    rows = [codes.view(torch.uint8).view(parts, -1), scales.view(torch.uint8).view(parts, -1)]
+    if exact is not None:
+        rows.append(exact.view(torch.uint8).view(parts, -1))
+    return torch.cat(rows, dim=1).reshape(-1)
 
 
-def unpack(buf: torch.Tensor, parts: int, code_bytes: int,
-           code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `pack`: codes [parts, code_bytes] and fp32 scales [parts, blocks]."""
+def unpack(buf: torch.Tensor, parts: int, code_bytes: int, code_dtype: torch.dtype,
+           exact_width: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `pack`: codes [parts, code_bytes], fp32 scales [parts, blocks] and the fp32
+    exact values [parts, exact_width]."""
     rows = buf.view(parts, -1)
+    tail = rows.shape[1] - 4 * exact_width
     codes = rows[:, :code_bytes].contiguous().view(code_dtype)
-    return codes, rows[:, code_bytes:].contiguous().view(torch.float32)
+    return (codes, rows[:, code_bytes:tail].contiguous().view(torch.float32),
+            rows[:, tail:].contiguous().view(torch.float32))
+
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """Where the exactly sent values of one bucket go in each qgZ stage, for one rank.
+
+    The values travel as a vector in flat-position order: stage 1 sends `first` (positions in
+    the bucket); at each stage, value i goes to row `dest[i] // width` of the send matrix
+    [parts, width]; after summing the received rows, my first `keep` entries are the vector of
+    the next stage; `last` are their positions in the final reduced chunk."""
+
+    first: torch.Tensor
+    dests: tuple[torch.Tensor, ...]
+    widths: tuple[int, ...]
+    keeps: tuple[int, ...]
+    last: torch.Tensor
+
+    @staticmethod
+    def build(ranges: Sequence[tuple[int, int]], numel: int, stages: Sequence[tuple[int, int]],
+              widths: Sequence[int], device: torch.device | str = "cpu") -> "ExactPlan | None":
+        """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage; the
+        index tensors live on `device` (the bucket's), so no reduction copies them there."""
+        if not ranges:
+            return None
+
+        def positions(pieces: Sequence[tuple[int, int]]) -> torch.Tensor:
+            return torch.cat([torch.arange(a, b) for a, b in pieces] or [torch.zeros(0, dtype=torch.long)])
+
+        current, size, dests, keeps = list(ranges), numel, [], []
+        for (parts, me), width in zip(stages, widths):
+            chunks = chunk_ranges(current, size, parts)
+            dests.append(torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk))
+                                    for j, chunk in enumerate(chunks)]))
+            current, size = chunks[me], size // parts
+            keeps.append(sum(b - a for a, b in current))
+        return ExactPlan(positions(ranges).to(device), tuple(d.to(device) for d in dests), tuple(widths),
+                         tuple(keeps), positions(current).to(device))
 
 
 class PendingQuantizedGather:
@@ -52,7 +101,7 @@ class PendingQuantizedGather:
     def wait(self) -> torch.Tensor:
         gathered = self._pending.wait()
         parts = gathered.numel() // self._blob
-        codes, scales = unpack(gathered, parts, self._code_bytes, torch.int8)
+        codes, scales, _ = unpack(gathered, parts, self._code_bytes, torch.int8)
         return self._ops.dequantize(codes.reshape(-1), scales.reshape(-1), 8, self._block, dtype=self._dtype)
 
 
@@ -69,12 +118,14 @@ class PendingQuantizedReduce:
 
     def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
                  loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0,
-                 ops: SimpleNamespace = kernels.kernel_set()) -> None:
+                 ops: SimpleNamespace = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
             grad = torch.zeros_like(grad)
         self._stages, self._block, self._tag = list(stages), block, tag
         self._loco, self._beta, self._ops = loco, err_beta, ops
+        self._exact = exact
+        self._values = grad[exact.first].float() if exact is not None else None
         if loco:
             codes, scales, _, _ = ops.loco_quantize(grad, *loco[0], err_beta, block, bits=4)
         else:
@@ -86,7 +137,12 @@ class PendingQuantizedReduce:
     def _launch(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         group, size = self._stages[self._stage]
         self._code_bytes = codes.numel() // size
-        send = pack(codes, scales, size)
+        rows = None
+        if self._exact is not None:
+            width = self._exact.widths[self._stage]
+            rows = self._values.new_zeros(size * width)
+            rows[self._exact.dests[self._stage]] = self._values
+        send = pack(codes, scales, size, rows)
         self._recv = torch.empty_like(send)
         self._work = comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
 
@@ -94,10 +150,18 @@ class PendingQuantizedReduce:
         while self._result is None:
             self._work.wait()
             _, size = self._stages[self._stage]
-            codes, scales = unpack(self._recv, size, self._code_bytes, torch.uint8)
+            width = self._exact.widths[self._stage] if self._exact is not None else 0
+            codes, scales, exact = unpack(self._recv, size, self._code_bytes, torch.uint8, width)
+            if self._exact is not None:  # summed in sender order, like dequant_reduce
+                total = exact[0].clone()
+                for row in exact[1:]:
+                    total += row
+                self._values = total[:self._exact.keeps[self._stage]]
             self._stage += 1
             if self._stage == len(self._stages):
                 self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
+                if self._exact is not None:
+                    self._result[self._exact.last] = self._values
             elif self._loco:
                 q, s, _, _ = self._ops.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
                                                                     *self._loco[self._stage], self._beta)

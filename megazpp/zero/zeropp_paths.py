@@ -8,15 +8,11 @@ What changes, per path of `CommPaths`:
   of `hpz` DP ranks on one node. The secondary shard is cut from the full buffer of the first
   forward gather after each step, so it costs no communication and backward computes with
   exactly the weights forward used (quantized ones under qwZ);
-* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`formulas.qgz_sequence`);
-  LoCo keeps one error buffer per stage per bucket in `Bucket.extra_state` (checkpointed).
-
-LoCo and skipped steps: the buffers are updated while reducing, before anybody knows whether
-the step will be skipped, so in fp16 runs (where overflow skips are routine) the buffers of
-the last completed step are kept aside and put back on a skip; a loss-scale change rescales
-them (errors are in loss-scaled units); every `reset_t` completed steps they are zeroed. In
-bf16 / fp32 a skip means a diverging run, and the second copy would cost a byte per parameter,
-so there the buffers keep what the skipped step's reductions wrote.
+* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`formulas.qgz_sequence`),
+  the bucket's 1-D tensors sent exactly alongside (`quantized.ExactPlan`);
+  LoCo keeps one error buffer per stage per bucket in `Bucket.extra_state` (checkpointed),
+  managed across steps by `loco.LocoState` (compensation once per step, rescaled by the clip
+  coefficient and loss-scale change, rolled back on a skipped step, reset every `reset_t`).
 """
 
 from __future__ import annotations
@@ -29,8 +25,9 @@ import kernels
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
+from megazpp.zero.loco import LocoState
 from megazpp.zero.paths import CommPaths, Waitable
-from megazpp.zero.quantized import PendingQuantizedGather, PendingQuantizedReduce
+from megazpp.zero.quantized import ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
 
 
@@ -49,26 +46,25 @@ class _FillSecondary:
 
 
 class ZeroPPPaths(CommPaths):
-    """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group;
-    `skip_copy`: keep LoCo's buffers of the last completed step to restore on a skipped step
-    (fp16 runs, where overflow skips are routine)."""
+    """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group."""
 
     def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy,
-                 shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int,
-                 skip_copy: bool) -> None:
+                 shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int) -> None:
         super().__init__(strategy, groups, hier)
         self.zeropp = zeropp
         self._ops = kernels.kernel_set(zeropp.cpu_kernels)
-        self._skip_copy = skip_copy
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
         self._qgz_seq = formulas.qgz_sequence(strategy, shapes) if zeropp.qgz else []
         self._stages = [(groups.get(c.group), size_of(groups, c.group)) for c in self._qgz_seq]
+        self._shapes = shapes
+        self._exact: dict[int, ExactPlan | None] = {}
         self._hpz_index = hpz_index
         self._buckets: list[Bucket] = []
         self._secondary: dict[int, torch.Tensor] = {}
         self._fresh: set[int] = set()
-        self._committed: dict[int, dict[str, torch.Tensor]] = {}
+        self._loco = (LocoState([c.numel_div for c in self._qgz_seq], zeropp.qgz_block, zeropp.reset_t)
+                      if zeropp.loco and self._qgz_seq else None)
         self._overflow = False
 
     # -- per-bucket state ----------------------------------------------------------------------
@@ -76,20 +72,15 @@ class ZeroPPPaths(CommPaths):
         self._buckets.append(b)
         if self.zeropp.hpz > 1:
             self._secondary[id(b)] = b.param_store.new_zeros(b.layout.padded // self.zeropp.hpz)
-        if self.zeropp.loco:
-            for i, c in enumerate(self._qgz_seq, start=1):
-                codes, scales = kernels.new_error_buffer(b.layout.padded // c.numel_div, self.zeropp.qgz_block,
-                                                         b.param_store.device)
-                b.extra_state[f"loco_stage{i}_codes"] = codes
-                b.extra_state[f"loco_stage{i}_scales"] = scales
-            if self._skip_copy:
-                self._committed[id(b)] = {k: v.clone() for k, v in b.extra_state.items()}
-
-    def _loco_buffers(self, b: Bucket) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        if not self.zeropp.loco:
-            return None
-        return [(b.extra_state[f"loco_stage{i}_codes"], b.extra_state[f"loco_stage{i}_scales"])
-                for i in range(1, len(self._qgz_seq) + 1)]
+        if self._loco is not None:
+            self._loco.add_bucket(b)
+        if self._stages:
+            group, local = divmod(b.layout.dp_index, b.layout.k)
+            mine = [(size, local if c.group == "intra" else group)
+                    for c, (_, size) in zip(self._qgz_seq, self._stages)]
+            ranges = b.layout.vector_ranges()
+            widths = formulas.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
+            self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths, b.param_store.device)
 
     # -- the paths -----------------------------------------------------------------------------
     def gather_calls(self, phase: str) -> int:
@@ -113,8 +104,9 @@ class ZeroPPPaths(CommPaths):
     def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
         if not self._stages:
             return super().start_grad_reduce(b, grad)
+        loco = self._loco.for_reduction(b) if self._loco is not None else None
         pending = PendingQuantizedReduce(grad, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
-                                         self._loco_buffers(b), self.zeropp.err_beta, self._ops)
+                                         loco, self.zeropp.err_beta, self._ops, self._exact[id(b)])
         self._overflow |= pending.overflow
         return pending
 
@@ -123,35 +115,19 @@ class ZeroPPPaths(CommPaths):
         seen, self._overflow = self._overflow, False
         return seen
 
-    def after_step(self, skipped: bool, step_count: int, scale_ratio: float) -> None:
+    def after_step(self, skipped: bool, step_count: int, rescale: float) -> None:
         self._fresh.clear()
-        for b in self._buckets:
-            live, saved = b.extra_state, self._committed.get(id(b))
-            if skipped and saved is not None:
-                for k, v in saved.items():
-                    live[k].copy_(v)
-            elif not skipped and step_count % self.zeropp.reset_t == 0:
-                for v in live.values():
-                    v.zero_()
-            if scale_ratio != 1.0:
-                for k, v in live.items():
-                    if k.endswith("_scales"):
-                        v.mul_(scale_ratio)
-            if saved is not None:
-                for k, v in live.items():
-                    saved[k].copy_(v)
+        if self._loco is not None:
+            self._loco.after_step(skipped, step_count, rescale)
 
     def params_replaced(self) -> None:
         self._fresh.clear()
-        for b in self._buckets:
-            for k, v in self._committed.get(id(b), {}).items():
-                v.copy_(b.extra_state[k])
+        if self._loco is not None:
+            self._loco.commit()
 
     def state_nbytes(self) -> int:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
         total = sum(nbytes(t) for t in self._secondary.values())
-        for b in self._buckets:
-            total += sum(nbytes(t) for t in b.extra_state.values())
-            total += sum(nbytes(t) for t in self._committed.get(id(b), {}).values())
-        return total
+        total += sum(nbytes(t) for b in self._buckets for t in b.extra_state.values())
+        return total + (self._loco.nbytes() if self._loco is not None else 0)
