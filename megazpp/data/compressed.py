@@ -19,7 +19,9 @@ import zstandard
 
 # zstd's `--long` mode allows windows up to 2 GiB; the decoder only allocates what a frame asks for.
 ZSTD_MAX_WINDOW = 1 << 31
-READ_BUFFER_BYTES = 1 << 20
+# One zstd block of output per read: a read that fails (a bad block, a frame checksum) loses at
+# most this much of what was decoded before the damage.
+READ_BUFFER_BYTES = 128 << 10
 # What a damaged compressed stream raises, by codec.
 READ_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
 
