@@ -89,6 +89,9 @@ def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny
         preprocess(str(tmp_path / "nothing*.jsonl"), tiny_tokenizer_model, tmp_path / "out", progress=False)
     with pytest.raises(DataError, match=r"tokenizer model .*missing\.model does not exist"):
         preprocess(tiny_corpus_dir, tmp_path / "missing.model", tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match=r"JSON key 'meta/title' cannot name an output file"):
+        preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "out", json_keys=("text", "meta/title"),
+                   progress=False)
     (tmp_path / "garbage.model").write_bytes(b"not a protobuf")
     with pytest.raises(DataError, match=r"garbage\.model is not a valid SentencePiece model"):
         preprocess(tiny_corpus_dir, tmp_path / "garbage.model", tmp_path / "out", progress=False)

@@ -210,6 +210,9 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
     tokenizer = Tokenizer(tokenizer_model)  # fail on a bad model before any worker starts
     _check_filters(shards, filters)
     json_keys = tuple(json_keys)
+    for key in json_keys:
+        if safe_name(key) != key:
+            raise DataError(f"JSON key {key!r} cannot name an output file: use letters, digits, '.', '_' or '-'")
     shard_dir = Path(f"{output_prefix}_shards")
     fingerprint = options_fingerprint(Path(tokenizer_model), {
         "json_keys": json_keys, "append_eod": append_eod, "split_by_source": split_by_source,
@@ -223,7 +226,7 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
     try:
         chunks = _chunks(shards, pending, chunk_bytes, filters)
         init_args = (str(tokenizer_model), json_keys, append_eod, split_by_source, filters)
-        if workers <= 1:
+        if workers <= 1 or not pending:
             _consume(map(ChunkEncoder(*init_args), chunks), writer, results, identities, fingerprint, summary, bar)
         else:
             with Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
