@@ -26,6 +26,8 @@ def write_tree(root: Path, files: int = 12) -> list[list[str]]:
         docs = [f"file {f} document {d} " + "x y z " * ((f + d) % 5) for d in range(3 + f % 4)]
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
         texts.append((path, docs))
+    (root / "a" / "empty.jsonl").write_text("")  # an empty shard
+    texts.append((root / "a" / "empty.jsonl", []))
     return [docs for _, docs in sorted(texts)]
 
 
@@ -51,7 +53,8 @@ def test_per_shard_outputs_one_dataset_per_file(tiny_tokenizer_model, tmp_path):
                          per_shard=True, progress=False)
     prefixes = summary.shard_outputs["text"]
     assert not summary.outputs and len(prefixes) == len(texts)
-    assert prefixes[0] == str(tmp_path / "out_shards" / "a" / "part0" / "001_text_document")
+    assert prefixes[:2] == [str(tmp_path / "out_shards" / "a" / "empty_text_document"),
+                            str(tmp_path / "out_shards" / "a" / "part0" / "001_text_document")]
     assert [_read(p) for p in prefixes] == [[tok.encode(t) for t in docs] for docs in texts]
 
 
@@ -71,14 +74,14 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tiny_tokenizer_
         preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=2, chunk_bytes=64,
                    progress=False)
     assert not list(tmp_path.glob("out_text_document*"))
-    assert sorted(p.name for p in (tmp_path / "out_shards").rglob("*.done.json")) == ["001.done.json", "002.done.json"]
-    stale = tmp_path / "out_shards" / "a" / "part0" / "004_text_document.bin.tmp99999"  # a killed run's leftover
+    assert sorted(p.name for p in (tmp_path / "out_shards").rglob("*.done.json")) == ["001.done.json", "empty.done.json"]
+    stale = tmp_path / "out_shards" / "a" / "part0" / "002_text_document.bin.tmp99999"  # a killed run's leftover
     stale.write_bytes(b"junk")
     monkeypatch.setattr(pp, "write_marker", real_marker)
     real_read, read = pp.iter_line_chunks, []
     monkeypatch.setattr(pp, "iter_line_chunks", lambda path, n: (read.append(path.name), real_read(path, n))[1])
     summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=1, progress=False)
-    assert summary.resumed == 2 and "001.jsonl" not in read and "002.jsonl" not in read
+    assert summary.resumed == 2 and "empty.jsonl" not in read and "001.jsonl" not in read and "002.jsonl" in read
     assert len(read) == len(summary.files) - 2 and not stale.exists()
     assert summary.documents == reference.documents and summary.tokens == reference.tokens
     for suffix in (".bin", ".idx"):
@@ -127,7 +130,7 @@ def _cli(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_progress_bars_and_plain_logs(tiny_tokenizer_model, tmp_path):
-    write_tree(tmp_path / "in", files=4)
+    write_tree(tmp_path / "in", files=3)
     common = ["--input", str(tmp_path / "in"), "--tokenizer-model", str(tiny_tokenizer_model), "--workers", "2"]
     quiet = _cli(common + ["--output-prefix", str(tmp_path / "q"), "--no-progress"])
     assert quiet.returncode == 0, quiet.stderr

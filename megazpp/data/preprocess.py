@@ -46,7 +46,7 @@ _NO_ROWS = np.empty(0, dtype=np.int64)
 
 @dataclass
 class Chunk:
-    """Lines of one shard sent to a worker; the shard's last chunk is an empty end marker."""
+    """Lines of one shard sent to a worker; the shard's last chunk says so (an empty one for an empty file)."""
 
     shard: int
     lines: list[bytes]
@@ -305,17 +305,21 @@ def _chunks(shards: list[Shard], indices: list[int], chunk_bytes: int, filters: 
                 duplicate_rows = load_duplicate_rows(v2.duplicates, v2.id_prefix)
             except DataError as e:
                 damage.append(f"{e}; no document of {shard.path} is dropped as a duplicate")
-        row = 0
+        row, held = 0, None  # each chunk is held back one step, so the last one can carry the end marker
         try:
             for lines in iter_line_chunks(shard.path, chunk_bytes):
+                if held is not None:
+                    yield held
                 n = len(lines)
                 lo, hi = np.searchsorted(duplicate_rows, [row, row + n])
-                yield Chunk(index, lines, shard.source, row, v2.id_prefix if v2 else None,
-                            signals.take(n) if signals else None, duplicate_rows[lo:hi] - row)
+                held = Chunk(index, lines, shard.source, row, v2.id_prefix if v2 else None,
+                             signals.take(n) if signals else None, duplicate_rows[lo:hi] - row)
                 row += n
         except DataError as e:
             damage.append(f"{e}; kept the lines before it, skipped the rest of the file")
-        yield Chunk(index, [], shard.source, row, None, None, _NO_ROWS, last=True, damage=tuple(damage))
+        last = held or Chunk(index, [], shard.source, row, None, None, _NO_ROWS)
+        last.last, last.damage = True, tuple(damage)
+        yield last
 
 
 class _ShardWriter:
