@@ -131,7 +131,7 @@ def _cli(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_progress_bars_and_plain_logs(tiny_tokenizer_model, tmp_path):
     write_tree(tmp_path / "in", files=3)
-    common = ["--input", str(tmp_path / "in"), "--tokenizer-model", str(tiny_tokenizer_model), "--workers", "2"]
+    common = ["--input", str(tmp_path / "in"), "--tokenizer-model", str(tiny_tokenizer_model)]
     quiet = _cli(common + ["--output-prefix", str(tmp_path / "q"), "--no-progress"])
     assert quiet.returncode == 0, quiet.stderr
     assert "\r" not in quiet.stdout + quiet.stderr and "preprocessed 4 files" in quiet.stdout

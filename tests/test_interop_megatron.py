@@ -86,7 +86,7 @@ def test_merged_preprocessing_reads_identically_in_megatron_and_matches_its_merg
         path.write_text("".join(json.dumps({"text": f"file {f} doc {d} " + "abc " * d}) + "\n" for d in range(f + 1)))
     shards = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "shard", per_shard=True, append_eod=True,
                         progress=False).shard_outputs["text"]
-    merged = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "merged", workers=2, append_eod=True,
+    merged = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "merged", append_eod=True,
                         progress=False).outputs["text"]
     expected = [IndexedDataset(p)[i] for p in shards for i in range(len(IndexedDataset(p)))]
     theirs = mcore.IndexedDataset(merged)

@@ -93,8 +93,9 @@ def iter_line_chunks(path: Path, chunk_bytes: int) -> Iterator[list[bytes]]:
     `DataError` naming the file and the last good line, so a caller can keep what was read."""
     chunk: list[bytes] = []
     size = lines = 0
-    damage = zstd_damage(path) if path.name.endswith(".zst") else None
+    damage = None
     try:
+        damage = zstd_damage(path) if path.name.endswith(".zst") else None
         with open_binary(path) as f:
             for line in f:
                 chunk.append(line)
