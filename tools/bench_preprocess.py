@@ -122,10 +122,15 @@ def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path
                                  "--tokenizer-model", str(model), "--output-prefix", str(out), "--workers",
                                  str(workers), "--no-progress"], stdout=subprocess.DEVNULL, env=env)
         peak_one = peak_all = 0
-        while proc.poll() is None:
-            one, total = tree_memory(proc.pid)
-            peak_one, peak_all = max(peak_one, one), max(peak_all, total)
-            time.sleep(0.1)
+        try:
+            while proc.poll() is None:
+                one, total = tree_memory(proc.pid)
+                peak_one, peak_all = max(peak_one, one), max(peak_all, total)
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave the run behind
+                proc.terminate()
+                proc.wait()
         if proc.returncode:
             raise SystemExit(f"preprocess_data.py failed with exit code {proc.returncode}")
         ds = IndexedDataset(f"{out}_text_document")
