@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_data_preprocess import load_tool
 
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.preprocess import preprocess
@@ -100,8 +101,6 @@ def test_filters_keep_exactly_what_the_rules_say_and_count_per_rule(tiny_tokeniz
 
 
 def test_cli_filter_file_and_split_by_snapshot(tiny_tokenizer_model, tmp_path, capsys):
-    from test_data_preprocess import load_tool
-
     docs = build_layout(tmp_path / "rpv2")
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - " + RULES[0] + "\n")
