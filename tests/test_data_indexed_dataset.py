@@ -81,3 +81,20 @@ def test_missing_file_is_named(write_token_dataset, tmp_path):
     (tmp_path / "synthetic.bin").unlink()
     with pytest.raises(DataError, match=r"synthetic\.bin does not exist"):
         IndexedDataset(prefix)
+
+
+def test_merge_concatenates_in_order_and_refuses_mixed_dtypes(write_token_dataset, tmp_path):
+    from megazpp.data.indexed_dataset import merge_indexed_datasets
+
+    a = write_token_dataset(DOCS, name="a")
+    b = write_token_dataset([[], [1, 2]], name="b")
+    empty = write_token_dataset([], name="empty")
+    merge_indexed_datasets([a, empty, b], tmp_path / "m")
+    ds = IndexedDataset(tmp_path / "m")
+    assert [ds[i].tolist() for i in range(len(ds))] == DOCS + [[], [1, 2]]
+    assert ds.document_indices.tolist() == list(range(7))
+    with pytest.raises(DataError, match=r"different token dtypes \['int32', 'uint16'\]"):
+        merge_indexed_datasets([a, write_token_dataset([[1]], name="u16", dtype=np.uint16)], tmp_path / "bad")
+    with pytest.raises(DataError, match="nothing to merge"):
+        merge_indexed_datasets([], tmp_path / "none")
+    assert not list(tmp_path.glob("bad*")) and not list(tmp_path.glob("none*"))

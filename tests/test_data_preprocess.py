@@ -3,6 +3,7 @@
 import gzip
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,9 @@ def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny
         preprocess(str(tmp_path / "nothing*.jsonl"), tiny_tokenizer_model, tmp_path / "out", progress=False)
     with pytest.raises(DataError, match=r"tokenizer model .*missing\.model does not exist"):
         preprocess(tiny_corpus_dir, tmp_path / "missing.model", tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match=r"JSON key 'meta/title' cannot name an output file"):
+        preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "out", json_keys=("text", "meta/title"),
+                   progress=False)
     (tmp_path / "garbage.model").write_bytes(b"not a protobuf")
     with pytest.raises(DataError, match=r"garbage\.model is not a valid SentencePiece model"):
         preprocess(tiny_corpus_dir, tmp_path / "garbage.model", tmp_path / "out", progress=False)
@@ -95,20 +99,21 @@ def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_interrupted_run_keeps_the_previous_output_intact(tiny_tokenizer_model, tmp_path, workers):
+def test_damaged_file_keeps_what_was_read_and_the_previous_output_is_replaced_whole(tiny_tokenizer_model, tmp_path,
+                                                                                    workers):
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.jsonl").write_text('{"text": "an earlier dataset"}\n')
-    done = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", progress=False)
-    before = {s: Path(done.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")}
-    # a second run over a good file and a truncated gzip dies part-way through
     (tmp_path / "in" / "a.jsonl").write_text('{"text": "new data"}\n' * 2000)
-    whole = gzip.compress(b'{"text": "gzipped"}\n' * 5000)
+    whole = gzip.compress(b"".join(b'{"text": "gzipped %d"}\n' % i for i in range(5000)))
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])
-    with pytest.raises(DataError, match=r"b\.jsonl\.gz: cannot read"):
-        preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=workers,
-                   chunk_bytes=1024, progress=False)
-    after = {s: Path(done.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")}
-    assert after == before
+    summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=workers,
+                         chunk_bytes=1024, progress=False)
+    good = len(gzip.decompress(whole).splitlines())
+    [damage] = summary.damage
+    read = int(re.search(r"cannot read past line (\d+)", damage).group(1))
+    assert str(tmp_path / "in" / "b.jsonl.gz") in damage and "EOFError" in damage and 0 < read < good
+    ds = IndexedDataset(summary.outputs["text"])
+    tok = Tokenizer(tiny_tokenizer_model)
+    assert len(ds) == 2000 + read and ds[2000 + read - 1].tolist() == tok.encode(f"gzipped {read - 1}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx"]
 
 

@@ -71,3 +71,32 @@ def test_ours_read_identically_by_megatron_and_bytes_match(tmp_path, dtype):
     for suffix in (".bin", ".idx"):
         ours, theirs = tmp_path / f"ours{suffix}", tmp_path / f"mcore{suffix}"
         assert ours.read_bytes() == theirs.read_bytes()
+
+
+def test_merged_preprocessing_reads_identically_in_megatron_and_matches_its_merge(tmp_path, tiny_tokenizer_model):
+    """Many files preprocessed into shards and merged: megatron-core reads every token of the
+    merged dataset as our shards hold it, and its own merge of the same shards gives the same bytes."""
+    import json
+
+    from megazpp.data.preprocess import preprocess
+
+    for f in range(5):
+        path = tmp_path / "in" / f"s{f % 2}" / f"{f}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"text": f"file {f} doc {d} " + "abc " * d}) + "\n" for d in range(f + 1)))
+    shards = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "shard", per_shard=True, append_eod=True,
+                        progress=False).shard_outputs["text"]
+    merged = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "merged", append_eod=True,
+                        progress=False).outputs["text"]
+    expected = [IndexedDataset(p)[i] for p in shards for i in range(len(IndexedDataset(p)))]
+    theirs = mcore.IndexedDataset(merged)
+    assert len(theirs) == len(expected) == 15
+    assert np.array_equal(theirs.document_indices, np.arange(16))
+    for i, doc in enumerate(expected):
+        assert np.array_equal(theirs[i], doc)
+    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "mcore_merge.bin"), dtype=np.uint16)
+    for p in shards:
+        builder.add_index(p)
+    builder.finalize(str(tmp_path / "mcore_merge.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"mcore_merge{suffix}").read_bytes() == open(merged + suffix, "rb").read()

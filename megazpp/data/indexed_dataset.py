@@ -21,6 +21,7 @@ segfault in a data-loader worker.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -35,6 +36,7 @@ DTYPE_CODES: dict[int, type] = {
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
+_COPY_BLOCK = 16 << 20
 
 
 def data_file(prefix: str | os.PathLike) -> Path:
@@ -144,7 +146,6 @@ class IndexedDatasetBuilder:
         self._tmp_bin.parent.mkdir(parents=True, exist_ok=True)
         self._bin = open(self._tmp_bin, "wb")
         self._lengths: list[np.ndarray] = []
-        self._doc_ends: list[int] = [0]
         self._num_sequences = 0
 
     def add_document(self, tokens: np.ndarray) -> None:
@@ -162,9 +163,7 @@ class IndexedDatasetBuilder:
             raise DataError(f"{self.prefix}: token ids outside the range of {self.dtype.name}")
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self._lengths.append(lengths.astype(np.int32))
-        first = self._num_sequences
         self._num_sequences += len(lengths)
-        self._doc_ends.extend(range(first + 1, self._num_sequences + 1))
 
     def finalize(self) -> None:
         """Writes the index, then moves both files to their final names (data first)."""
@@ -173,7 +172,7 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
-        docs = np.asarray(self._doc_ends, dtype=np.int64)
+        docs = np.arange(self._num_sequences + 1, dtype=np.int64)  # one sequence per document
         try:
             with open(self._tmp_idx, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
@@ -200,3 +199,52 @@ class IndexedDatasetBuilder:
             self.finalize()
         else:
             self.abort()
+
+
+def merge_indexed_datasets(prefixes: list[str], output_prefix: str | os.PathLike) -> None:
+    """Concatenates datasets into one, as Megatron's merge does (`IndexedDatasetBuilder.add_index`):
+    sequences and documents in the given order, byte-identical to Megatron's result.
+
+    Streams: the `.bin` files are copied in blocks and the `.idx` arrays written one input at a
+    time, so memory stays at one input's index however many inputs there are. Written under
+    temporary names and renamed last, like the builder."""
+    if not prefixes:
+        raise DataError(f"nothing to merge into {output_prefix}")
+    dtypes, n_seq, n_doc = set(), 0, 1
+    for p in prefixes:
+        ds = IndexedDataset(p)
+        dtypes.add(ds.dtype)
+        n_seq += len(ds)
+        n_doc += ds.num_documents
+    if len(dtypes) != 1:
+        raise DataError(f"cannot merge datasets of different token dtypes {sorted(d.name for d in dtypes)} "
+                        f"into {output_prefix}")
+    dtype = dtypes.pop()
+    suffix = f".tmp{os.getpid()}"
+    tmp_bin, tmp_idx = Path(f"{data_file(output_prefix)}{suffix}"), Path(f"{index_file(output_prefix)}{suffix}")
+    try:
+        with open(tmp_bin, "wb") as out:
+            for p in prefixes:
+                with open(data_file(p), "rb") as f:
+                    shutil.copyfileobj(f, out, _COPY_BLOCK)
+        with open(tmp_idx, "wb") as out:
+            out.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[dtype], n_seq, n_doc))
+            for p in prefixes:
+                out.write(IndexedDataset(p).sequence_lengths.astype("<i4").tobytes())
+            byte_offset = 0
+            for p in prefixes:
+                ds = IndexedDataset(p)
+                out.write((ds.sequence_pointers + byte_offset).astype("<i8").tobytes())
+                byte_offset += int(ds.sequence_lengths.sum(dtype=np.int64)) * dtype.itemsize
+            out.write(np.zeros(1, "<i8").tobytes())
+            seq_offset = 0
+            for p in prefixes:
+                ds = IndexedDataset(p)
+                out.write((ds.document_indices[1:] + seq_offset).astype("<i8").tobytes())
+                seq_offset += len(ds)
+        os.replace(tmp_bin, data_file(output_prefix))
+        os.replace(tmp_idx, index_file(output_prefix))
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
