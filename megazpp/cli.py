@@ -14,11 +14,12 @@ from typing import Any, Callable, NoReturn
 from megazpp.errors import MegazppError
 
 
-def run_tool(main: Callable[[], Any]) -> NoReturn:
-    """Run `main`; an int it returns is the exit code, anything else (a run's history) is 0."""
+def run_tool(main: Callable[[], Any], prog: str | None = None) -> NoReturn:
+    """Run `main`; an int it returns is the exit code, anything else (a run's history) is 0.
+    `prog` names the program in the error line (default: the script's file name)."""
     try:
         result = main()
     except MegazppError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        print(f"{prog or os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.exit(result if isinstance(result, int) else 0)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size
 from megazpp.errors import ConfigError
+from megazpp.zero.strategy import parse_strategy
 
 if TYPE_CHECKING:
     from megazpp.config import Config, PrecisionConfig, ZeroConfig
@@ -86,6 +87,17 @@ def _validate_schedule(cfg: Config) -> None:
         raise ConfigError("training.eval_iters and training.lr_warmup_iters must be >= 0, got "
                           f"{t.eval_iters} and {t.lr_warmup_iters}")
     decay_iters = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_fraction is not None:
+        if not 0 <= t.lr_warmup_fraction <= 1:
+            raise ConfigError(f"training.lr_warmup_fraction = {t.lr_warmup_fraction}: expected a "
+                              "fraction in [0, 1]")
+        if t.lr_warmup_iters:
+            raise ConfigError(f"training.lr_warmup_fraction = {t.lr_warmup_fraction} and "
+                              f"training.lr_warmup_iters = {t.lr_warmup_iters} are both set: "
+                              "give one")
+        # resolved once into iterations, which is what the schedule and checkpoints record
+        t.lr_warmup_iters = round(t.lr_warmup_fraction * decay_iters)
+        t.lr_warmup_fraction = None
     if t.lr_warmup_iters > decay_iters:
         raise ConfigError(f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
                           f"length (lr_decay_iters or train_iters) = {decay_iters}")
@@ -129,6 +141,8 @@ def _validate_zero(z: ZeroConfig) -> None:
     for key in ("reduce_bucket_size", "allgather_bucket_size", "zero_hpz_partition_size",
                 "loco_reset_t", "paro_group_size"):
         _require_positive(f"zero.{key}", getattr(z, key))
+    if z.paro_strategy is not None and str(z.paro_strategy).lower() != "auto":
+        parse_strategy(z.paro_strategy, key="zero.paro_strategy")  # refused before launch
     if z.module_granularity_threshold < 0:
         raise ConfigError(f"zero.module_granularity_threshold = "
                           f"{z.module_granularity_threshold}: expected a value >= 0")

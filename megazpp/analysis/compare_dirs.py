@@ -42,11 +42,7 @@ def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        from megazpp.analysis.plots import plot_loss, plot_throughput
-    except ImportError as exc:
-        raise ImportError("compare_runs draws its PNGs with matplotlib: "
-                          "pip install 'megazpp[plot]'") from exc
+    from megazpp.analysis.plots import plot_loss, plot_throughput
     files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD)
     plot_loss(comparison, files.loss_png, smoothing)
     plot_throughput(comparison, files.throughput_png)

@@ -32,6 +32,10 @@ _ZERO_DIRECT = {
     "zero_hpz_partition_size": "zero_hpz_partition_size",
     "zero_quantized_gradients": "zero_quantized_gradients",
     "stage3_module_granularity_threshold": "module_granularity_threshold",
+    # PaRO's proposed key (DeepSpeed issue 5607): any of the 14 strategies, or "auto"
+    "paro_strategy": "paro_strategy",
+    # the name module_granularity_threshold had in its DeepSpeed PR (6649) before the rename
+    "stage3_coalesced_fetch_threshold": "module_granularity_threshold",
 }
 
 # Valid DeepSpeed keys whose feature megazpp does not have. Each is accepted only at a value
