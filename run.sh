@@ -52,7 +52,7 @@ fi
 if [ ! -f "$DATA_DIR/corpus_text_document.idx" ]; then
   "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/corpus" \
     --tokenizer-model "$DATA_DIR/tokenizer.model" --output-prefix "$DATA_DIR/corpus.tmp" \
-    --workers 2 --append-eod --no-progress
+    --workers 2 --append-eod
   mv "$DATA_DIR/corpus.tmp_text_document.bin" "$DATA_DIR/corpus_text_document.bin"
   mv "$DATA_DIR/corpus.tmp_text_document.idx" "$DATA_DIR/corpus_text_document.idx"
 fi

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megazpp.cli import run_tool
+from megazpp.cli import add_progress_flag, run_tool, wants_progress
 from megazpp.data.preprocess import DEFAULT_CHUNK_BYTES, preprocess
 
 
@@ -27,13 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help=f"input bytes per unit of worker work (default {DEFAULT_CHUNK_BYTES})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_flag(parser)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     summary = preprocess(args.input, args.tokenizer_model, args.output_prefix, workers=args.workers,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod,
-                         chunk_bytes=args.chunk_bytes, progress=not args.no_progress)
+                         chunk_bytes=args.chunk_bytes, progress=wants_progress(args))
     for key, prefix in summary.outputs.items():
         print(f"{prefix}.bin/.idx: {summary.documents[key]} documents, {summary.tokens[key]} tokens")
     print(summary.line())
