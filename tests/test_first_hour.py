@@ -165,6 +165,9 @@ def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
                      "--no-load-optim: not implemented")
     one_line_refusal(run_sh(data_dir, *TINY, "--global-batch-size", "6", nproc=2, ok=False),
                      "training.global_batch_size = 6 is not divisible by")
+    one_line_refusal(run_sh(data_dir, *TINY, "--num-layers", "3",
+                            "--pipeline-model-parallel-size", "2", nproc=2, ok=False),
+                     "model num_layers = 3 is not divisible by pipeline_model_parallel_size")
     # --help through run.sh and directly
     assert "Megatron-LM spellings" in run_sh(data_dir, "--help").stdout
 
@@ -267,3 +270,18 @@ def test_data_tools_print_no_carriage_returns_and_tokenizer_says_what_it_trained
                 str(tmp_path / "c"))
     for proc in (corpus, tok, prep):
         assert "\r" not in proc.stdout + proc.stderr
+
+
+def test_banner_says_why_auto_picked_its_strategy(tiny_indexed_prefix, tiny_tokenizer_model,
+                                                  capsys):
+    import pretrain_gpt
+
+    pretrain_gpt.main(["--data-path", str(tiny_indexed_prefix), "--tokenizer-model",
+                       str(tiny_tokenizer_model), *TINY, "--train-iters", "1", "--eval-iters",
+                       "0", "--paro-strategy", "auto", "--accelerator-memory-gib", "8",
+                       "--achievable-tflops", "1"])
+    out = capsys.readouterr().out
+    chosen = re.search(r"zero: paro_strategy auto -> (\w{3}) \(runner-up \w+\): \1 fits", out)
+    assert chosen, out
+    assert (f"data-parallel optimizer: PaRO {chosen[1]} (zero.paro_strategy auto: the "
+            "planner's choice, reason above)") in out

@@ -10,22 +10,36 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Sequence
+from typing import Any, Sequence, TextIO
 
 from megazpp.model.flops import parameter_count
 from megazpp.training.engine import Engine
 from megazpp.training.startup import Startup
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a record comes (a run inside a test or a tool
+    that redirects stdout gets its lines where its prints go)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 def configure_console_logging(rank: int) -> None:
     """Rank 0 prints megazpp's INFO records (the ZeRO engine's strategy line, the planner's
     reason for `paro_strategy: auto`) to stdout; other ranks only warnings."""
     root = logging.getLogger("megazpp")
-    if not any(getattr(h, "_megazpp_console", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler._megazpp_console = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
+    if not any(isinstance(h, _StdoutHandler) for h in root.handlers):
+        root.addHandler(_StdoutHandler())
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
@@ -54,7 +68,7 @@ def banner(cfg: Any, topology: Any, engine: Engine, datasets: Sequence[Any],
     precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
     train_ds, valid_ds = datasets
     sizes = f"train {len(train_ds)} samples" + (
-        f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation split")
+        f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation")
     saving = (f"{ck.save} every {ck.save_interval} steps and at the last" if ck.save and
               ck.save_interval else f"{ck.save} at the last step" if ck.save else "not saved")
     lines = [

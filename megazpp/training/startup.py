@@ -22,10 +22,12 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
 from megazpp.errors import CheckpointError, ConfigError
+from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, is_weights_only, latest_checkpoint,
                                          read_metadata)
@@ -107,11 +109,15 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
 
 
 def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
-    """Load and validate the config for `world_size` ranks, check inputs and fault specs,
-    choose the checkpoint; ConfigError (or CheckpointError) before any work otherwise."""
+    """Load and validate the config for `world_size` ranks (the model's tp x pp split
+    included), check inputs and fault specs, choose the checkpoint; a MegazppError before any
+    work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     cfg.validate(world_size)
+    # the model's split over tp x pp depends on those two sizes only, not on any process group
+    Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
     check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
