@@ -147,25 +147,31 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
             in imported)
 
 
+@pytest.mark.skipif(not SEEDS.is_dir(), reason=f"no seed pages at {SEEDS}")
 def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
         tmp_path, data_dir):
     # the PaRO seed's block, verbatim, on 2 ranks: the banner names the strategy and its source
     ds = tmp_path / "paro.json"
     ds.write_text(seed_blocks()["002_dd16a0f1a623b22e.txt"][0])
     out = run_sh(data_dir, *TINY, "--train-iters", "2", "--deepspeed_config", str(ds),
+                 "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"),
                  nproc=2).stdout
     assert "layout: world 2 = tp 1 x pp 1 x dp 2" in out
     assert "data-parallel optimizer: PaRO NIG (zero.paro_strategy NIG)" in out
-    # refused inputs on 2 ranks: one line for the job
-    one_line_refusal(run_sh(data_dir, *TINY, "--zero-stage", "7", nproc=2, ok=False),
+    # refused inputs on 2 ranks: one line for the job (own directories: never the checkout's)
+    own = ["--save", str(tmp_path / "ckpt2"), "--tensorboard-dir", str(tmp_path / "tb2")]
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--zero-stage", "7", nproc=2, ok=False),
                      "zero.stage = 7: expected 0, 1, 2 or 3")
-    one_line_refusal(run_sh(data_dir, *TINY, "--rotary-bse", "3", nproc=2, ok=False),
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--rotary-bse", "3", nproc=2, ok=False),
                      "unknown flag --rotary-bse (did you mean '--rotary-base'?)")
-    one_line_refusal(run_sh(data_dir, *TINY, "--no-load-optim", nproc=2, ok=False),
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--zero-stage", "3", "--paro-strategy", "NIG",
+                            nproc=2, ok=False),
+                     "zero.paro_strategy = 'NIG' and zero.stage = 3 disagree")
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--no-load-optim", nproc=2, ok=False),
                      "--no-load-optim: not implemented")
-    one_line_refusal(run_sh(data_dir, *TINY, "--global-batch-size", "6", nproc=2, ok=False),
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--global-batch-size", "6", nproc=2, ok=False),
                      "training.global_batch_size = 6 is not divisible by")
-    one_line_refusal(run_sh(data_dir, *TINY, "--num-layers", "3",
+    one_line_refusal(run_sh(data_dir, *TINY, *own, "--num-layers", "3",
                             "--pipeline-model-parallel-size", "2", nproc=2, ok=False),
                      "model num_layers = 3 is not divisible by pipeline_model_parallel_size")
     # --help through run.sh and directly

@@ -31,6 +31,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, is_weights_only, latest_checkpoint,
                                          read_metadata)
+from megazpp.zero.factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait. Everything else shapes the run's state.
@@ -118,6 +119,8 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
                             sequence_parallel=cfg.parallel.sequence_parallel)
+    if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
+        zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
