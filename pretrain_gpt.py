@@ -3,7 +3,8 @@
 
 Launched directly (one process) or by torchrun (`run.sh`), which sets RANK / WORLD_SIZE /
 LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK. The whole configuration is checked against the
-world size before the process group starts, so a bad flag never leaves ranks waiting.
+world size before the process group starts (`megazpp.training.startup`, which also decides
+the checkpoint to resume), so a bad flag never leaves ranks waiting. `--help` lists every flag.
 """
 
 from __future__ import annotations
@@ -21,33 +22,27 @@ import torch
 import torch.distributed as dist
 
 from megazpp.cli import run_tool
-from megazpp.config import Config, load_config
+from megazpp.config import Config
+from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
-from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
-from megazpp.training import faults
 from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, is_weights_only,
-                                         latest_checkpoint, load_checkpoint, load_model_weights)
+                                         load_checkpoint, load_model_weights)
 from megazpp.training.engine import Engine, LocalEngine
+from megazpp.training.banner import banner, configure_console_logging
 from megazpp.training.logger import TrainingLogger
+from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.zero.factory import build_zero_engine
-
-
-def check_inputs(cfg: Config) -> None:
-    if not cfg.data.data_path:
-        raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
-                          "'..._text_document' prefix) or set it in the config file")
-    if not cfg.data.tokenizer_model:
-        raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
 
 
 def pick_device() -> torch.device:
@@ -97,21 +92,6 @@ def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
                              sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def checkpoint_dir(cfg: Config) -> str | None:
-    """The directory to start from; None: from scratch.
-
-    `--load`'s, or else `--save`'s own, so a job restarted by torchrun (`--max-restarts`)
-    resumes where it stopped. When `--load` holds imported weights only (a starting point, no
-    run state) and `--save` already holds this run's progress, the run resumes from `--save`
-    instead of starting over from the imported weights.
-    """
-    ck = cfg.checkpoint
-    load_dir = ck.load or ck.save
-    if ck.load and ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
-        load_dir = ck.save
-    return load_dir or None
-
-
 def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPTModel,
                       engine: Engine) -> LoadedCheckpoint:
     """This run's own checkpoint, resharded when it was written under another data-parallel
@@ -134,24 +114,27 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
     return model.to(device)
 
 
-def main(argv: Sequence[str] | None = None) -> TrainHistory:
-    cfg = load_config(list(sys.argv[1:] if argv is None else argv))
+def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(render_help(), end="")
+        return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world_size)
-    check_inputs(cfg)
-    faults.check_spec()
+    start = prepare(args, world_size, torchrun_restart_count())
     device = pick_device()
-    started = init_distributed(cfg, world_size, device)
+    started = init_distributed(start.cfg, world_size, device)
     try:
-        return _train(cfg, device)
+        return _train(start, device)
     finally:
         if started:
             release_process_groups()
 
 
-def _train(cfg: Config, device: torch.device) -> TrainHistory:
+def _train(start: Startup, device: torch.device) -> TrainHistory:
+    cfg = start.cfg
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
+    configure_console_logging(topology.rank)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
@@ -159,7 +142,7 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
         (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
-    load_dir = checkpoint_dir(cfg)
+    load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
     loaded = (load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
               if imported else None)
@@ -176,8 +159,10 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
         tensorboard_dir=cfg.logging.tensorboard_dir, log_interval=cfg.logging.log_interval,
         train_iters=t.train_iters, tokens_per_step=tokens_per_step,
         flops_per_step=float(training_flops_per_token(cfg.model)) * tokens_per_step,
-        world_size=topology.world_size, device=device)
+        world_size=topology.world_size, device=device, fp16=cfg.precision.fp16)
     logger.write_config(cfg.to_dict(), cfg.to_yaml())
+    for line in banner(cfg, topology, engine, (train_ds, valid_ds), start):
+        logger.info(line)
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology))
     if loaded is None:

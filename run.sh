@@ -9,7 +9,7 @@
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
 # (default 0). A restarted attempt given --save resumes from that directory's latest complete
-# checkpoint by itself (pretrain_gpt.find_checkpoint).
+# checkpoint by itself (the resume rule: megazpp/training/startup.py, the README).
 # CONFIG picks the YAML (default configs/llama_tiny.yaml). Data and logs stay in this checkout
 # (data/, runs/, checkpoints/), which must be on storage every node sees for checkpoints.
 set -euo pipefail
@@ -29,7 +29,7 @@ has_cuda() {
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
-if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy" >/dev/null 2>&1; then
+if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy, matplotlib" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet -e .
 fi
 # Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
@@ -37,6 +37,10 @@ fi
 # hostfile, tools/launch_hosts.sh sets them.
 slurm_exports=$("$PYTHON" -m megazpp.launch.slurm)
 eval "$slurm_exports"
+
+for arg in "$@"; do
+  case "$arg" in -h|--help) exec "$PYTHON" pretrain_gpt.py --help ;; esac
+done
 
 mkdir -p "$DATA_DIR"
 if [ ! -d "$DATA_DIR/corpus" ]; then
@@ -53,7 +57,7 @@ fi
 if [ ! -f "$DATA_DIR/corpus_text_document.idx" ]; then
   "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/corpus" \
     --tokenizer-model "$DATA_DIR/tokenizer.model" --output-prefix "$DATA_DIR/corpus.tmp" \
-    --workers 2 --append-eod --no-progress
+    --workers 2 --append-eod
   mv "$DATA_DIR/corpus.tmp_text_document.bin" "$DATA_DIR/corpus_text_document.bin"
   mv "$DATA_DIR/corpus.tmp_text_document.idx" "$DATA_DIR/corpus_text_document.idx"
 fi
@@ -81,10 +85,16 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$DEFAULT_NPROC}
 
+TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
+            --tokenizer-model "$DATA_DIR/tokenizer.model" "$@")
+
+# Check the whole configuration (and which checkpoint it would resume) once for this job,
+# before torchrun starts any rank: a refused input is then one line, not an error and a
+# launcher traceback per rank.
+"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) "${TRAIN_ARGS[@]}"
+
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
   --max-restarts "${MAX_RESTARTS:-0}" \
-  pretrain_gpt.py --config "$CONFIG" \
-  --data-path "$DATA_DIR/corpus_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
-  "$@"
+  pretrain_gpt.py "${TRAIN_ARGS[@]}"

@@ -24,6 +24,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
+from megazpp.config_aliases import MEGATRON_ALIASES, translate_megatron_flags
 from megazpp.config_checks import (_refuse_not_implemented, _resolve_batch, _validate_parallel,
                                     _validate_precision, _validate_schedule, _validate_zero)
 from megazpp.errors import ConfigError, MegazppError
@@ -73,6 +74,7 @@ class TrainingConfig:
     gradient_accumulation_steps: int | None = None
     train_iters: int = 100
     lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None  # Megatron's: warmup as a fraction of the decay
     lr_decay_iters: int | None = None  # None: decay over the whole run (train_iters)
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     eval_interval: int = 100
@@ -251,11 +253,12 @@ def flag_table() -> dict[str, tuple[str, str]]:
     return table
 
 
-def load_config(argv: Sequence[str] | None = None) -> Config:
+def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = None) -> Config:
     """Build the Config from `--config FILE`, `--deepspeed_config FILE` and flags in `argv`.
 
     Validation against the world size happens separately (`Config.validate`), since the
     launcher decides the world; everything that does not depend on it is checked here.
+    Values the loader adjusted (see `_fit_warmup_to_run`) are described in `notes`.
     """
     args = list(argv or [])
     yaml_path, ds_path, flag_args = _split_file_flags(args)
@@ -268,11 +271,34 @@ def load_config(argv: Sequence[str] | None = None) -> Config:
 
         _merge(values, origins, read_deepspeed_config(ds_path),
                source=f"DeepSpeed config {ds_path}")
+    from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
     cfg = _build(values)
     _refuse_not_implemented(cfg, origins)
+    _fit_warmup_to_run(cfg.training, from_files, origins, notes if notes is not None else [])
     _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
     return cfg
+
+
+def _fit_warmup_to_run(t: TrainingConfig, from_files: dict[str, Any], origins: dict[str, str],
+                       notes: list[str]) -> None:
+    """A quick try such as `--train-iters 10` on a config file written for a longer run
+    keeps the file's warmup as the same share of the (shorter) run instead of being refused
+    for a warmup longer than the run. A warmup given on the command line is never changed."""
+    source = origins.get("training.lr_warmup_iters")
+    decay = t.lr_decay_iters or t.train_iters
+    if source in (None, "command line") or t.lr_warmup_iters <= decay:
+        return
+    file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters")
+                     or TrainingConfig.train_iters)
+    if t.lr_warmup_iters > file_decay:
+        return  # the file contradicts itself: Config.validate refuses it
+    adjusted = t.lr_warmup_iters * decay // file_decay
+    notes.append(f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is longer than "
+                 f"this run's {decay} steps: using {adjusted}, the same share "
+                 f"({t.lr_warmup_iters}/{file_decay}) of the run as in the file; give "
+                 "--lr-warmup-iters to choose")
+    t.lr_warmup_iters = adjusted
 
 
 def _split_file_flags(args: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -427,6 +453,7 @@ def _parse_number(value: Any, where: str, expected: str) -> float:
 
 def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
     table = flag_table()
+    args = translate_megatron_flags(args)
     parser = _RaisingParser(add_help=False, allow_abbrev=False)
     for flag, (section, name) in table.items():
         hint = typing.get_type_hints(SECTIONS[section])[name]
@@ -443,8 +470,9 @@ def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
         bad = unknown[0]
         if bad.startswith("-"):
             name = bad.split("=", 1)[0]
-            flags = list(table) + [f"--no-{f[2:]}" for f, (s, n) in table.items()
-                                   if typing.get_type_hints(SECTIONS[s])[n] is bool]
+            flags = list(table) + list(MEGATRON_ALIASES) + [
+                f"--no-{f[2:]}" for f, (s, n) in table.items()
+                if typing.get_type_hints(SECTIONS[s])[n] is bool]
             raise ConfigError(f"command line: unknown flag {name}{_suggest(name, flags)}")
         raise ConfigError(f"command line: unexpected argument {bad!r}")
     update: dict[str, dict[str, Any]] = {}

@@ -88,6 +88,17 @@ def _validate_schedule(cfg: Config) -> None:
         raise ConfigError("training.eval_iters and training.lr_warmup_iters must be >= 0, got "
                           f"{t.eval_iters} and {t.lr_warmup_iters}")
     decay_iters = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_fraction is not None:
+        if not 0 <= t.lr_warmup_fraction <= 1:
+            raise ConfigError(f"training.lr_warmup_fraction = {t.lr_warmup_fraction}: expected a "
+                              "fraction in [0, 1]")
+        if t.lr_warmup_iters:
+            raise ConfigError(f"training.lr_warmup_fraction = {t.lr_warmup_fraction} and "
+                              f"training.lr_warmup_iters = {t.lr_warmup_iters} are both set: "
+                              "give one")
+        # resolved once into iterations, which is what the schedule and checkpoints record
+        t.lr_warmup_iters = round(t.lr_warmup_fraction * decay_iters)
+        t.lr_warmup_fraction = None
     if t.lr_warmup_iters > decay_iters:
         raise ConfigError(f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
                           f"length (lr_decay_iters or train_iters) = {decay_iters}")

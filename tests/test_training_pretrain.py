@@ -72,6 +72,7 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_indexed_prefix, tiny_tokeniz
         "iter_0000002", "iter_0000004", "iter_0000005", "latest"]
     meta = json.loads((ckpt / "iter_0000005" / "metadata.json").read_text())
     assert meta.pop("model_config")["hidden_size"] == 32
+    assert meta.pop("config")["training"]["train_iters"] == 8  # the resolved config, whole
     assert meta == {"format": 1, "iteration": 5, "world_size": 1, "tp": 1, "pp": 1, "dp": 1}
 
     second = pretrain_gpt.main(common + ["--load", str(ckpt), "--save", str(ckpt)])

@@ -6,7 +6,7 @@ inter-node bytes, and a Markdown table with the gap of every run to the first.
 
 Writes OUT/loss.png, OUT/throughput.png and OUT/summary.md; numbers are taken over the
 training steps all runs share (the notes in summary.md say when runs differ in length or
-lack a tag).
+lack a tag, or when one directory holds several runs, which are then compared separately).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="a run's TensorBoard directory (or a directory holding exactly one); "
                              "the first run is the reference for the gap column")
     parser.add_argument("--out", required=True, help="directory for the PNGs and summary.md")
-    parser.add_argument("--smoothing", type=float, default=0.9,
-                        help="TensorBoard-style EMA weight in [0, 1) for the smoothed curves")
+    parser.add_argument("--smoothing", type=float, default=None,
+                        help="TensorBoard-style EMA weight in [0, 1) for the smoothed curves "
+                             "(default: adapted to the run length, up to 0.9, none for 10 "
+                             "points or fewer; the raw curve is always drawn)")
     parser.add_argument("--labels", default=None,
                         help="comma-separated names, one per RUN_DIR (default: directory names)")
     return parser.parse_args(argv)

@@ -9,18 +9,23 @@ writes a weights-only checkpoint (iteration 0) split for tensor x pipeline paral
 a tokenizer.model in the HF directory is checked against the model and copied to OUT.
 `export` reads any megazpp checkpoint (a save directory or one iter_N directory) and writes
 config.json + model.safetensors (sharded above --max-shard-gb) loadable by transformers'
-LlamaForCausalLM. A checkpoint written by training does not record its model config: give
-the run's --config (and any model flags it was run with) after the export options.
+LlamaForCausalLM, with the run's tokenizer.model when the checkpoint's saved config names one
+that exists (or --tokenizer-model). The model config comes from the checkpoint (training and
+imports record it); a --config given after the export options must agree with it. Neither
+command overwrites: an existing --save checkpoint or --hf-dir model is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from megazpp.cli import run_tool
 from megazpp.config import load_config
 from megazpp.interop.consolidate import DTYPES, parse_dtype
+from megazpp.interop.checkpoint_io import saved_tokenizer
 from megazpp.interop.convert import export_hf, import_hf
+from megazpp.interop.safetensors_io import CONFIG_FILE, read_json
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--masters", action="store_true",
                      help="export the fp32 master weights of a bf16/fp16 run")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
-    exp.add_argument("--tokenizer-model", help="check and copy a tokenizer.model alongside")
+    exp.add_argument("--tokenizer-model", help="check and copy a tokenizer.model alongside "
+                                               "(default: the run's, from the checkpoint)")
     return parser
 
 
@@ -56,12 +62,20 @@ def main(argv: list[str] | None = None) -> int:
                          seq_length=args.seq_length, dtype=parse_dtype(args.dtype),
                          tokenizer_model=args.tokenizer_model)
         print(f"wrote {path} (tp={args.tp}, pp={args.pp})")
+        trained = read_json(Path(args.hf_dir) / CONFIG_FILE).get("max_position_embeddings")
+        if args.seq_length and isinstance(trained, int) and args.seq_length > trained:
+            print(f"note: --seq-length {args.seq_length} exceeds the model's "
+                  f"max_position_embeddings {trained}: RoPE runs at any length, but positions "
+                  f"beyond {trained} were never trained (expect worse loss there until the "
+                  "model is trained at the new length)")
         return 0
     cfg = load_config(rest).model if rest else None
+    tokenizer = args.tokenizer_model or saved_tokenizer(args.load)
     out = export_hf(args.load, args.hf_dir, cfg=cfg, dtype=parse_dtype(args.dtype),
                     masters=args.masters, max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                    tokenizer_model=args.tokenizer_model)
-    print(f"wrote {out}")
+                    tokenizer_model=tokenizer)
+    print(f"wrote {out}" + (f" (with {tokenizer})" if tokenizer else
+                            " (no tokenizer: give --tokenizer-model to add one)"))
     return 0
 
 

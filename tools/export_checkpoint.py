@@ -6,8 +6,9 @@
 
 The tensor- and pipeline-parallel pieces are glued back into the single-process model's
 tensors, keyed by megazpp's parameter names; the model config is stored in the file's
-metadata (key "megazpp_model_config", JSON). A checkpoint written by training does not record
-its model config: give the run's --config (and any model flags) after the options.
+metadata (key "megazpp_model_config", JSON). The model config comes from the checkpoint
+(training and imports record it); a --config given after the options must agree with it.
+An existing FILE is never overwritten (the same rule as convert_hf.py export).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="save directory (its latest) or iter_N dir")
-    parser.add_argument("--output", required=True, help="the .safetensors file to write")
+    parser.add_argument("--output", required=True,
+                        help="the .safetensors file to write (must not exist)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
     parser.add_argument("--masters", action="store_true",
                         help="export the fp32 master weights of a bf16/fp16 run")

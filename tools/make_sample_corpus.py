@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megazpp.cli import run_tool
+from megazpp.cli import add_progress_flag, run_tool, wants_progress
 from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 
 
@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--total-bytes", type=int, default=DEFAULT_TOTAL_BYTES,
                         help=f"approximate corpus size in bytes (default {DEFAULT_TOTAL_BYTES})")
+    add_progress_flag(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    summary = build_sample_corpus(args.out, total_bytes=args.total_bytes, progress=True)
+    summary = build_sample_corpus(args.out, total_bytes=args.total_bytes,
+                                  progress=wants_progress(args))
     for source, path in summary.files.items():
         print(f"{path}: {summary.documents[source]} documents, {summary.bytes[source]} bytes")
     print(f"sample corpus: {len(summary.files)} sources, {sum(summary.documents.values())} documents, "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from megazpp.cli import run_tool
+from megazpp.cli import add_progress_flag, run_tool, wants_progress
 from megazpp.data.preprocess import DEFAULT_CHUNK_BYTES, preprocess
 from megazpp.data.signal_filter import FilterSpec, load_filter_file
 
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(one copy of each duplicate cluster stays; needs pyarrow)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help=f"input bytes per unit of worker work (default {DEFAULT_CHUNK_BYTES})")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars: a plain progress line every 30 s (no carriage returns in logs)")
+    add_progress_flag(parser)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     filters = FilterSpec(from_file.rules + tuple(args.filter), from_file.drop_duplicates or args.drop_duplicates)
     summary = preprocess(args.input, args.tokenizer_model, args.output_prefix, workers=args.workers,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod,
-                         chunk_bytes=args.chunk_bytes, progress=not args.no_progress, filters=filters,
+                         chunk_bytes=args.chunk_bytes, progress=wants_progress(args), filters=filters,
                          split_by_source=args.split_by_source, per_shard=args.per_shard,
                          keep_shards=args.keep_shards)
     for label, prefix in summary.outputs.items():

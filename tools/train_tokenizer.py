@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megazpp.cli import run_tool
+from megazpp.cli import add_progress_flag, run_tool, wants_progress
 from megazpp.data.jsonl import resolve_inputs
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
@@ -25,16 +25,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="lines sampled for training; bounds training time "
                              f"(default {DEFAULT_INPUT_SENTENCE_SIZE})")
     parser.add_argument("--seed", type=int, default=1234)
+    add_progress_flag(parser)
     args = parser.parse_args(argv)
     files = [f for pattern in args.input for f in resolve_inputs(pattern)] if args.input else []
     start = time.perf_counter()
+    print(f"training a SentencePiece BPE tokenizer (vocab {args.vocab_size}) on {len(files)} "
+          f"files, sampling up to {args.input_sentence_size} lines", flush=True)
     model, skipped = train_tokenizer(files, args.vocab_size, args.output, key=args.json_key,
                                      input_sentence_size=args.input_sentence_size, seed=args.seed,
-                                     progress=True)
+                                     progress=wants_progress(args),
+                                     log=lambda line: print(line, flush=True))
     vocab = Tokenizer(model).vocab_size
     skipped_text = ", ".join(f"{r}={n}" for r, n in sorted(skipped.items())) or "none"
     print(f"tokenizer {model}: vocab {vocab} trained on {len(files)} files in "
           f"{time.perf_counter() - start:.1f} s; skipped records: {skipped_text}")
+    if vocab < args.vocab_size:
+        print(f"note: --vocab-size {args.vocab_size} asked for more pieces than this corpus "
+              f"yields: trained {vocab} (every merge the corpus allows); a larger corpus gives "
+              "a larger vocabulary")
     return 0
 
 

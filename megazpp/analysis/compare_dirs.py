@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megazpp.analysis.comparison import Comparison, compare_runs
-from megazpp.analysis.event_reader import read_run
+from megazpp.analysis.comparison import TRAIN_LOSS, Comparison, compare_runs
+from megazpp.analysis.event_reader import read_runs
 from megazpp.analysis.report import format_loss, render_markdown
-from megazpp.analysis.smoothing import check_weight
+from megazpp.analysis.smoothing import auto_weight, check_weight
 from megazpp.errors import ConfigError
 
 LOSS_PNG, THROUGHPUT_PNG, SUMMARY_MD = "loss.png", "throughput.png", "summary.md"
@@ -24,30 +24,42 @@ class ComparisonFiles:
     loss_png: Path
     throughput_png: Path
     summary_md: Path
+    smoothing: float  # the EMA weight of loss.png's smoothed curves
 
 
 def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
-                        smoothing: float = 0.9,
+                        smoothing: float | None = None,
                         labels: Sequence[str] | None = None) -> ComparisonFiles:
     """Read every run, compare them (the first is the reference), write the three files.
 
     Every run is read before anything is written, so a bad run directory costs no output.
+    `smoothing` None adapts the weight to the shortest training-loss curve (`auto_weight`).
+    A directory holding several runs is split into them, and a note says so.
     """
     if not run_dirs:
         raise ConfigError("no run directories given (expected at least one RUN_DIR)")
-    check_weight(smoothing)
+    if smoothing is not None:
+        check_weight(smoothing)
     names = _labels(run_dirs, labels)
-    comparison = compare_runs([read_run(d, name) for d, name in zip(run_dirs, names)])
+    per_dir = [read_runs(d, name) for d, name in zip(run_dirs, names)]
+    comparison = compare_runs([run for runs in per_dir for run in runs])
+    for d, runs in zip(run_dirs, per_dir):
+        if len(runs) > 1:
+            comparison.notes.append(
+                f"{d} holds {len(runs)} runs with different configs (TensorBoard shows them "
+                f"merged into one curve); compared separately as "
+                f"{', '.join(run.label for run in runs)}")
+    if smoothing is None:
+        lengths = [len(run.scalars[TRAIN_LOSS]) for run in comparison.runs
+                   if TRAIN_LOSS in run.scalars]
+        smoothing = auto_weight(min(lengths, default=0))
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        from megazpp.analysis.plots import plot_loss, plot_throughput
-    except ImportError as exc:
-        raise ImportError("compare_runs draws its PNGs with matplotlib: "
-                          "pip install 'megazpp[plot]'") from exc
-    files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD)
+    from megazpp.analysis.plots import plot_loss, plot_throughput
+    files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD,
+                            smoothing)
     plot_loss(comparison, files.loss_png, smoothing)
     plot_throughput(comparison, files.throughput_png)
     _write_text(files.summary_md, render_markdown(comparison))
@@ -65,7 +77,8 @@ def closing_line(files: ComparisonFiles) -> str:
               if best else "no run has a training loss")
     notes = f"{len(comparison.notes)} note(s)" if comparison.notes else "no notes"
     return (f"compared {len(comparison.runs)} run(s) on {steps}: {lowest}; {notes}; "
-            f"wrote {files.loss_png}, {files.throughput_png}, {files.summary_md}")
+            f"smoothing {files.smoothing:.2g}; wrote {files.loss_png}, {files.throughput_png}, "
+            f"{files.summary_md}")
 
 
 def _labels(run_dirs: Sequence[str | Path], labels: Sequence[str] | None) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import yaml
 from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util import tensor_util
 
 from megazpp.errors import DataError
@@ -56,6 +57,69 @@ def read_run(run_dir: str | Path, label: str) -> Run:
     tags = accumulator.Tags()
     scalars = {tag: _series(accumulator.Scalars(tag)) for tag in tags["scalars"]}
     config = _config(accumulator) if CONFIG_TEXT_TAG in tags["tensors"] else None
+    return Run(label, directory, scalars, config)
+
+
+def read_runs(run_dir: str | Path, label: str) -> list[Run]:
+    """The runs under `run_dir`: one, or several when later runs wrote into the same
+    directory (TensorBoard would merge them into one curve, purging the older points).
+
+    An event file starts a new run when its first point is step 1 and the config it logged
+    differs from the current run's; a file that starts later (a resumed attempt), or at step
+    1 with the same config (a restart before the first checkpoint), continues the current
+    run. Several runs are labelled `label#1`, `label#2`, ... oldest first.
+    """
+    directory, _ = _locate(Path(run_dir))
+    groups: list[list[Path]] = []
+    current_config: str | None = None
+    for _, first_step, config, path in sorted(_file_starts(directory),
+                                               key=lambda start: (start[0], str(start[3]))):
+        fresh = first_step == 1 and config is not None and config != current_config
+        if not groups or (fresh and current_config is not None):
+            groups.append([])
+        groups[-1].append(path)
+        current_config = config if config is not None else current_config
+    if len(groups) <= 1:
+        return [read_run(directory, label)]
+    return [_merged_run(files, f"{label}#{i}", directory) for i, files in enumerate(groups, 1)]
+
+
+def _file_starts(directory: Path) -> list[tuple[float, int | None, str | None, Path]]:
+    """(wall time of its first event, first scalar step, logged config text, path) per file."""
+    starts = []
+    for path in directory.glob(EVENT_FILE_GLOB):
+        wall, step, config = None, None, None
+        for event in EventFileLoader(str(path)).Load():
+            wall = event.wall_time if wall is None else wall
+            for value in event.summary.value:
+                if value.tag == CONFIG_TEXT_TAG and config is None:
+                    config = tensor_util.make_ndarray(value.tensor).reshape(-1)[0]
+                elif value.tag != CONFIG_TEXT_TAG and step is None and event.step > 0:
+                    step = event.step
+            if step is not None:
+                break
+        starts.append((wall or 0.0, step, config, path))
+    return starts
+
+
+def _merged_run(files: list[Path], label: str, directory: Path) -> Run:
+    """One run from its event files in write order: a later file replaces the points from its
+    first step on (what a resumed attempt rewrote)."""
+    scalars: dict[str, Series] = {}
+    config = None
+    for path in files:
+        accumulator = _load(path)
+        tags = accumulator.Tags()
+        for tag in tags["scalars"]:
+            new = _series(accumulator.Scalars(tag))
+            old = scalars.get(tag)
+            if old is not None and len(new):
+                old = old.within(int(old.steps[0]) if len(old) else 0, int(new.steps[0]) - 1)
+                new = Series(np.concatenate([old.steps, new.steps]),
+                             np.concatenate([old.values, new.values]))
+            scalars[tag] = new
+        if CONFIG_TEXT_TAG in tags["tensors"]:
+            config = _config(accumulator)
     return Run(label, directory, scalars, config)
 
 

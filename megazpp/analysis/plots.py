@@ -30,9 +30,12 @@ def plot_loss(comparison: Comparison, path: Path, smoothing: float) -> None:
     for color, run in zip(_colors(len(comparison.runs)), comparison.runs):
         train = run.scalars.get(TRAIN_LOSS)
         if train is not None and len(train):
-            axes.plot(train.steps, train.values, color=color, linewidth=0.8, alpha=0.3)
-            axes.plot(train.steps, ema_debiased(train.values, smoothing), color=color,
-                      linewidth=1.8, label=f"{run.label} train (smoothing {smoothing:g})")
+            axes.plot(train.steps, train.values, color=color, linewidth=1.0, alpha=0.45,
+                      marker="." if len(train) <= 50 else None,
+                      label=f"{run.label} train (raw)")
+            if smoothing > 0:
+                axes.plot(train.steps, ema_debiased(train.values, smoothing), color=color,
+                          linewidth=1.8, label=f"{run.label} train (smoothing {smoothing:.2g})")
         val = run.scalars.get(VAL_LOSS)
         if val is not None and len(val):
             axes.plot(val.steps, val.values, linestyle="none", marker="o", markersize=6,

@@ -39,3 +39,11 @@ def check_weight(weight: float) -> None:
     if not 0.0 <= weight < 1.0:
         raise ConfigError(f"smoothing weight {weight} is outside [0, 1) "
                           "(0 = no smoothing, 0.9 = TensorBoard's usual setting)")
+
+
+def auto_weight(points: int) -> float:
+    """A smoothing weight for a curve of `points` points: an averaging window of about a
+    tenth of the curve (an EMA of weight w averages ~1/(1-w) points), at most TensorBoard's
+    usual 0.9, and none for 10 points or fewer. A fixed 0.9 on an 8-point run ends the
+    smoothed curve far above the real final loss."""
+    return min(0.9, max(0.0, 1.0 - 10.0 / points)) if points > 0 else 0.0

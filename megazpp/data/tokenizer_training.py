@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -43,10 +43,23 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
                 yield from (line.rstrip("\n") for line in f if line.strip())
 
 
+def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> Iterator[str]:
+    count = 0
+    for count, line in enumerate(lines, 1):
+        yield line
+    if log is not None:
+        log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
+
+
 def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
                     key: str = "text", input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
-                    seed: int = 1234, progress: bool = False) -> tuple[Path, Counter]:
-    """Trains and writes `<output_prefix>.model` / `.vocab`; returns the model path and skip counts."""
+                    seed: int = 1234, progress: bool = False,
+                    log: Callable[[str], None] | None = None) -> tuple[Path, Counter]:
+    """Trains and writes `<output_prefix>.model` / `.vocab`; returns the model path and skip counts.
+
+    SentencePiece reads every line first, then learns its merges without reporting progress;
+    `log` (when given) is told when the reading ends, so a log shows which phase is running.
+    """
     paths = [Path(f) for f in files]
     for p in paths:
         if not p.is_file():
@@ -60,8 +73,9 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
     spm.set_random_generator_seed(seed)  # the line sample, hence the model, follows the seed
     try:
         spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter(tqdm(iter_training_lines(paths, key, skipped), desc="reading lines",
-                                        unit=" line", disable=not progress)),
+            sentence_iterator=_announce_end(
+                tqdm(iter_training_lines(paths, key, skipped), desc="reading lines",
+                     unit=" line", disable=not progress), log),
             model_prefix=str(tmp_prefix),
             model_type="bpe",
             vocab_size=vocab_size,

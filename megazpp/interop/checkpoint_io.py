@@ -34,8 +34,8 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.interop.zero_shards import consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
-from megazpp.training.checkpoint import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE,
-                                         MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY, checkpoint_name,
+from megazpp.training.checkpoint import (CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
+                                         METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY, checkpoint_name,
                                          latest_checkpoint, layout_of, rank_file_name,
                                          write_atomically)
 
@@ -143,6 +143,14 @@ class CheckpointReader:
         out = dict(model)
         out.update(zip(stage.parameter_names, saved))
         return out
+
+
+def saved_tokenizer(path: str | os.PathLike) -> str | None:
+    """The tokenizer model the checkpoint's run trained with (from the resolved config that
+    training saves), when that file still exists; None otherwise."""
+    meta = CheckpointReader(path).meta
+    name = (meta.get(CONFIG_KEY) or {}).get("data", {}).get("tokenizer_model")
+    return name if name and Path(name).is_file() else None
 
 
 def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,

@@ -73,7 +73,7 @@ def export_hf(load: str | os.PathLike, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     if (out / CONFIG_FILE).exists():
         raise CheckpointError(f"{out}: already holds a model ({CONFIG_FILE}); choose a new "
-                              "directory")
+                              "directory (exports never overwrite)")
     model_cfg, full = _full_weights(load, cfg, masters, dtype)
     hf_weights = megazpp_to_hf(full, model_cfg)
     if tokenizer_model:
@@ -92,8 +92,11 @@ def export_safetensors(load: str | os.PathLike, output: str | os.PathLike, *,
                        cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                        masters: bool = False) -> Path:
     """One safetensors file of full weights, megazpp names, model config in its metadata."""
-    model_cfg, full = _full_weights(load, cfg, masters, dtype)
     out = Path(output)
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; choose a new file (exports never "
+                              "overwrite)")
+    model_cfg, full = _full_weights(load, cfg, masters, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(out, full, {"format": "pt", SAFETENSORS_CONFIG_KEY:
                                   json.dumps(dataclasses.asdict(model_cfg))})

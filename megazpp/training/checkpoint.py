@@ -46,6 +46,7 @@ LATEST_FILE = "latest"
 METADATA_FILE = "metadata.json"
 WEIGHTS_ONLY_KEY = "weights_only"
 MODEL_CONFIG_KEY = "model_config"
+CONFIG_KEY = "config"  # the run's whole resolved config, as Megatron saves its args
 _NAME = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -157,7 +158,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
 def is_weights_only(load_dir: str | os.PathLike) -> bool:
     """Whether `load_dir`'s latest checkpoint is an import (model weights, no run state)."""
     path = latest_checkpoint(load_dir)
-    return path is not None and bool(_read_metadata(path).get(WEIGHTS_ONLY_KEY))
+    return path is not None and bool(read_metadata(path).get(WEIGHTS_ONLY_KEY))
 
 
 @dataclass
@@ -178,7 +179,7 @@ class LoadedCheckpoint:
         return bool(self.metadata.get(WEIGHTS_ONLY_KEY))
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
+def read_metadata(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -199,7 +200,7 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     A weights-only checkpoint must match in tp and pp only: every DP rank reads DP rank 0's
     file, so it starts any data-parallel size.
     """
-    meta = _read_metadata(path)
+    meta = read_metadata(path)
     weights_only = bool(meta.get(WEIGHTS_ONLY_KEY))
     mine = layout_of(topology)
     keys = ("tp", "pp") if weights_only else tuple(mine)

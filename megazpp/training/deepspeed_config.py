@@ -35,6 +35,10 @@ _ZERO_DIRECT = {
     "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "stage3_max_live_parameters": "stage3_max_live_parameters",
     "stage3_max_reuse_distance": "stage3_max_reuse_distance",
+    # PaRO's proposed key (DeepSpeed issue 5607): any of the 14 strategies, or "auto"
+    "paro_strategy": "paro_strategy",
+    # the name module_granularity_threshold had in its DeepSpeed PR (6649) before the rename
+    "stage3_coalesced_fetch_threshold": "module_granularity_threshold",
 }
 
 # Valid DeepSpeed keys whose feature megazpp does not have. Each is accepted only at a value

@@ -43,13 +43,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class TrainingLogger:
     """Collects step results; emits on the logging rank (others only keep the clock)."""
 
     def __init__(self, *, enabled: bool, tensorboard_dir: str | None, log_interval: int,
                  train_iters: int, tokens_per_step: int, flops_per_step: float, world_size: int,
-                 device: torch.device, print_fn: Callable[[str], None] | None = None) -> None:
+                 device: torch.device, print_fn: Callable[[str], None] | None = None,
+                 fp16: bool = False) -> None:
         self.enabled = enabled
+        self.fp16 = fp16  # the console shows the loss scale only where there is one
         self.log_interval, self.train_iters = log_interval, train_iters
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.world_size, self.device = world_size, device
@@ -61,6 +70,7 @@ class TrainingLogger:
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
         self._paused_at = time.perf_counter()
         self._reset(self._paused_at)
+        self._run_start: tuple[float, int] | None = None  # (time, iteration) of the first step
 
     def _reset(self, now: float) -> None:
         self._start = now
@@ -96,6 +106,8 @@ class TrainingLogger:
                 self.writer.add_scalar(tag, value, step)
 
     def record_step(self, iteration: int, loss: float, lr: float, result: StepResult) -> None:
+        if self._run_start is None:
+            self._run_start = (self._start, iteration - 1)
         self._losses.append(loss)
         if result.skipped:
             self._skipped += 1
@@ -124,13 +136,23 @@ class TrainingLogger:
             self.write_scalars(values, iteration)
             if self.writer is not None:
                 self.writer.flush()  # a killed rank must not take logged steps with it
+            scaling = (f"loss_scale {loss_scale:g} | skipped {self._skipped} | " if self.fp16
+                       else f"skipped {self._skipped} | " if self._skipped else "")
             self.print(
                 f"iter {iteration:>6}/{self.train_iters} | loss {values['train/loss']:.4f} | "
-                f"lr {lr:.3e} | grad_norm {values['train/grad_norm']:.3f} | "
-                f"loss_scale {loss_scale:g} | skipped {self._skipped} | "
+                f"lr {lr:.3e} | grad_norm {values['train/grad_norm']:.3f} | {scaling}"
                 f"tokens/s {tokens_per_sec:.0f} | tflops {tflops:.4f} | "
-                f"peak_mem {values['mem/peak_bytes'] / 2**20:.1f} MiB")
+                f"peak_mem {values['mem/peak_bytes'] / 2**20:.1f} MiB | {self._clock(iteration, now)}")
         self._reset(now)
+
+    def _clock(self, iteration: int, now: float) -> str:
+        """Wall time since this process's first step (evaluation and saves included) and the
+        time the remaining steps take at this process's average pace."""
+        start, first = self._run_start or (now, iteration)
+        elapsed = now - start
+        done = iteration - first
+        eta = elapsed / done * (self.train_iters - iteration) if done > 0 else math.nan
+        return f"elapsed {_hms(elapsed)} | eta {_hms(eta)}"
 
     def record_eval(self, iteration: int, val_loss: float) -> None:
         if self.enabled:

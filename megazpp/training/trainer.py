@@ -33,7 +33,8 @@ from megazpp.errors import CheckpointError, NumericalError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.training import faults
-from megazpp.training.checkpoint import (MODEL_CONFIG_KEY, LoadedCheckpoint, capture_rng_state,
+from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedCheckpoint,
+                                         capture_rng_state,
                                          load_model_weights,
                                          restore_rng_state, save_checkpoint)
 from megazpp.training.engine import Engine, StepResult
@@ -127,7 +128,10 @@ class Trainer:
                 f"{self.last_checkpoint or 'none'}")
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
-            extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model)})
+            extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
+                            CONFIG_KEY: self.cfg.to_dict()})
+        self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved "
+                         f"checkpoint {self.last_checkpoint}")
 
     # -- the loop -----------------------------------------------------------------------------
     def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:

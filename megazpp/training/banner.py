@@ -1,0 +1,89 @@
+"""The start-up banner: what this run is, in a few console lines, before its first step.
+
+Why: a log read hours later (or a job that dies at step 1) must say what was run: the
+model's size, how the ranks are laid out, which data-parallel strategy runs and who chose
+it, how much data each split holds, where checkpoints and TensorBoard events go, which
+checkpoint the run started from and why, and what the config loader adjusted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Sequence, TextIO
+
+from megazpp.model.flops import parameter_count
+from megazpp.training.engine import Engine
+from megazpp.training.startup import Startup
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a record comes (a run inside a test or a tool
+    that redirects stdout gets its lines where its prints go)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def configure_console_logging(rank: int) -> None:
+    """Rank 0 prints megazpp's INFO records (the ZeRO engine's strategy line, the planner's
+    reason for `paro_strategy: auto`) to stdout; other ranks only warnings."""
+    root = logging.getLogger("megazpp")
+    if not any(isinstance(h, _StdoutHandler) for h in root.handlers):
+        root.addHandler(_StdoutHandler())
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def _strategy(cfg: Any, engine: Engine) -> str:
+    strategy = getattr(engine, "strategy", None)
+    if strategy is None:
+        return "none: one data-parallel replica (LocalEngine)"
+    z = cfg.zero
+    if z.paro_strategy is not None and str(z.paro_strategy).lower() == "auto":
+        source = "zero.paro_strategy auto: the planner's choice, reason above"
+    elif z.paro_strategy is not None:
+        source = f"zero.paro_strategy {z.paro_strategy}"
+    elif z.stage:
+        source = f"zero.stage {z.stage}"
+    else:
+        source = "data parallel with no ZeRO stage: plain DDP"
+    zeropp = [name for name, on in (("qwZ", z.zero_quantized_weights),
+                                    ("hpZ", z.zero_hpz_partition_size > 1),
+                                    ("qgZ", z.zero_quantized_gradients), ("LoCo", z.loco)) if on]
+    return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}"
+
+
+def banner(cfg: Any, topology: Any, engine: Engine, datasets: Sequence[Any],
+           start: Startup) -> list[str]:
+    m, t, ck = cfg.model, cfg.training, cfg.checkpoint
+    precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
+    train_ds, valid_ds = datasets
+    sizes = f"train {len(train_ds)} samples" + (
+        f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation")
+    saving = (f"{ck.save} every {ck.save_interval} steps and at the last" if ck.save and
+              ck.save_interval else f"{ck.save} at the last step" if ck.save else "not saved")
+    lines = [
+        f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
+        f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_count(m) / 1e6:.2f}M "
+        f"parameters, {precision}",
+        f"layout: world {topology.world_size} = tp {topology.tp} x pp {topology.pp} x dp "
+        f"{topology.dp}; {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks",
+        f"data-parallel optimizer: {_strategy(cfg, engine)}",
+        f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {topology.dp} "
+        f"x {cfg.num_micro_batches(topology.world_size)} accumulation; {t.train_iters} steps, "
+        f"warmup {t.lr_warmup_iters}, lr {cfg.optimizer.lr:g} {t.lr_decay_style} to "
+        f"{cfg.optimizer.min_lr:g}",
+        f"data: {' '.join(cfg.data.data_path)} (split {cfg.data.split}): {sizes}",
+        f"checkpoints: {saving}; TensorBoard: {cfg.logging.tensorboard_dir or 'off'}",
+        f"start: {start.why}",
+    ]
+    return lines + [f"note: {note}" for note in start.notes]

@@ -1,0 +1,142 @@
+"""Everything a run decides before a process group exists: the validated config (and what the
+loader adjusted), its inputs, and which checkpoint it starts from.
+
+Why apart from pretrain_gpt.py: `run.sh` runs the same checks once per job before torchrun
+starts any rank (`python -m megazpp.training.startup --world-size N ARGS`), so a refused input
+is one line per job instead of one error and a launcher traceback per rank.
+
+The resume rule. A run continues the checkpoint in a directory when
+  - `--load DIR` names it (whatever the settings: the user asked for it); or
+  - there is no `--load`, `--save DIR` holds a checkpoint, and either this attempt is a
+    restart by torchrun (`TORCHELASTIC_RESTART_COUNT` > 0) or the checkpoint's saved config
+    equals this run's in everything but `RUN_ONLY_KEYS` (where checkpoints and logs go, how
+    often, when to stop, timeouts).
+Otherwise a checkpoint in `--save` is refused by name, with the settings that differ and the
+two ways on: `--load DIR` to continue it with the new settings, or another `--save` to start
+a new run (a new run never writes into another run's directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+from megazpp.config import Config, load_config
+from megazpp.errors import CheckpointError, ConfigError
+from megazpp.parallel.topology import Topology
+from megazpp.training import faults
+from megazpp.training.checkpoint import (CONFIG_KEY, is_weights_only, latest_checkpoint,
+                                         read_metadata)
+from megazpp.zero.factory import zero_options
+
+# Settings a continued run may change: where checkpoints and logs go and how often, when to
+# stop, how long a collective may wait. Everything else shapes the run's state.
+RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes")
+
+
+@dataclass
+class Startup:
+    """A validated config and how the run starts."""
+
+    cfg: Config
+    load_dir: str | None  # the checkpoint directory to start from; None: from scratch
+    why: str  # why that directory (or why none), for the start-up banner
+    notes: list[str] = field(default_factory=list)  # values the loader adjusted
+
+
+def torchrun_restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def check_inputs(cfg: Config) -> None:
+    if not cfg.data.data_path:
+        raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
+                          "'..._text_document' prefix) or set it in the config file")
+    if not cfg.data.tokenizer_model:
+        raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, body in config.items()
+            for key, value in body.items()}
+
+
+def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs."""
+    old, new = _flatten(saved), _flatten(current)
+    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
+    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
+            for k in keys if old.get(k) != new.get(k)]
+
+
+def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
+    """(directory to start from or None, why): the resume rule of this module's docstring.
+
+    When `--load` holds imported weights only (a starting point, no run state) and `--save`
+    already holds this run's progress, the run resumes from `--save` instead of starting
+    over from the imported weights.
+    """
+    ck = cfg.checkpoint
+    if ck.load:
+        if ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
+            return ck.save, f"--save {ck.save} (this fine-tune's progress over --load)"
+        return ck.load, f"--load {ck.load}"
+    if not ck.save:
+        return None, "no --save or --load"
+    try:
+        path = latest_checkpoint(ck.save)
+    except CheckpointError:
+        return ck.save, f"--save {ck.save}"  # damaged: the loader names it or falls back
+    if path is None:
+        return None, f"--save {ck.save} holds no checkpoint yet"
+    if restarts:
+        return ck.save, f"torchrun restart {restarts}"
+    saved = read_metadata(path).get(CONFIG_KEY)
+    if saved is None:
+        raise ConfigError(f"--save {ck.save} already holds {path.name}, which records no "
+                          f"settings: pass --load {ck.save} to continue it, or give another "
+                          "--save directory to start a new run")
+    diff = settings_diff(saved, cfg.to_dict())
+    if diff:
+        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+        raise ConfigError(f"--save {ck.save} already holds {path.name} of a run with other "
+                          f"settings ({shown}): pass --load {ck.save} to continue it with "
+                          "these settings, or give another --save directory to start a new run")
+    return ck.save, f"--save {ck.save} (same settings)"
+
+
+def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
+    """Load and validate the config for `world_size` ranks (the model's tp x pp split
+    included), check inputs and fault specs, choose the checkpoint; a MegazppError before any
+    work otherwise."""
+    notes: list[str] = []
+    cfg = load_config(list(argv), notes)
+    cfg.validate(world_size)
+    # the model's split over tp x pp depends on those two sizes only, not on any process group
+    Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
+    if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
+        zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
+    check_inputs(cfg)
+    faults.check_spec()
+    load_dir, why = choose_checkpoint(cfg, restarts)
+    return Startup(cfg, load_dir, why, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """run.sh's check: `--world-size N` then pretrain_gpt.py's arguments; silent when fine."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, required=True)
+    known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    prepare(rest, known.world_size)
+    return 0
+
+
+if __name__ == "__main__":
+    from megazpp.cli import run_tool
+
+    run_tool(main, prog="pretrain_gpt.py")
