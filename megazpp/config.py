@@ -29,6 +29,7 @@ from megazpp.config_checks import (_refuse_not_implemented, _resolve_batch, _val
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.settings import PlannerSettings
+from megazpp.unique_keys import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
@@ -289,7 +290,7 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from exc
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
     if raw is None:
