@@ -32,7 +32,8 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, is_weights_only,
+from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_loadable,
+                                         check_not_behind, check_save_dir, is_weights_only,
                                          latest_checkpoint, load_checkpoint, load_model_weights)
 from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.logger import TrainingLogger
@@ -151,12 +152,18 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory:
 def _train(cfg: Config, device: torch.device) -> TrainHistory:
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
+    ck = cfg.checkpoint
+    if ck.load and not ck.load_optional:
+        check_loadable(ck.load)
+    if ck.save:
+        check_save_dir(ck.save, topology)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
+        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed,
+        vocab_size=cfg.model.vocab_size)
     load_dir = checkpoint_dir(cfg)
     imported = load_dir is not None and is_weights_only(load_dir)
     loaded = (load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
@@ -168,6 +175,9 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     engine = build_engine(cfg, model, topology)
     if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
+    if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
+        resumed = loaded is not None and not loaded.weights_only
+        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if resumed else 0)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
@@ -179,7 +189,8 @@ def _train(cfg: Config, device: torch.device) -> TrainHistory:
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology))
     if loaded is None:
-        logger.info("no checkpoint to load: starting from scratch")
+        where = f" in {load_dir}" if load_dir else " (no --load or --save)"
+        logger.info(f"no checkpoint to load{where}: starting from scratch")
     elif loaded.weights_only:
         logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
     else:

@@ -119,9 +119,17 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None
+    # Stop (saving if `save`) at the first step that ends this many minutes after training
+    # started, as Megatron's --exit-duration-in-mins; SIGTERM / SIGINT stop the same way.
+    exit_duration_in_mins: float | None = None
     # Load the next older complete checkpoint when the newest is refused (never by default:
     # silently losing progress is worse than stopping to look).
     load_fallback: bool = False
+    # `load` naming no checkpoint is an error (a mistyped path would start from scratch and
+    # overwrite `save`'s checkpoints) unless this is set.
+    load_optional: bool = False
+    # Allow a run that starts below the newest checkpoint in `save` to move `latest` back.
+    overwrite_newer_checkpoints: bool = False
 
 
 @dataclass
