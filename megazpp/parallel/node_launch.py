@@ -14,20 +14,29 @@ another job's rendezvous holds joins that rendezvous and dies in an `AttributeEr
   `--report-interval` seconds (30) says what is awaited and for how long;
 - after `--rdzv-timeout` seconds (600) the wait ends with one line naming address and port.
 
-Everything else is torchrun's own launch (run in this process, so its signal forwarding to
-the ranks is unchanged): `python -m megazpp.parallel.node_launch --nnodes 2 --node-rank 0
---nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 pretrain_gpt.py ...`.
+SIGTERM and SIGINT are forwarded to this node's ranks, and the launcher keeps waiting for
+them: a rank finishes its step, saves and exits 0 (`megazpp.training.stopping`), so the
+launcher, and the job, end with 0 too. (torchrun's own handler would end the launcher with an
+exception at once and kill the ranks 30 s later, whether or not they had finished saving.)
+The other signals keep torchrun's handling.
+
+Everything else is torchrun's own launch, run in this process: `python -m
+megazpp.parallel.node_launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr
+10.0.0.1 --master-port 29500 pretrain_gpt.py ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from types import FrameType
 from typing import Any, Sequence
 
 from megazpp.cli import run_tool
@@ -159,6 +168,43 @@ def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout
     rendezvous_handler_registry.register(BACKEND, create)
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# torchrun handles the signals named here; SIGTERM and SIGINT are left to `_forward`.
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def _child_pids() -> list[int]:
+    """This process's children: torchrun starts the ranks directly, each in its own session
+    (so a terminal's Ctrl-C reaches only the launcher)."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            children.append(int(entry))
+    return children
+
+
+def _forward(signum: int, _frame: FrameType | None) -> None:
+    """Pass SIGTERM / SIGINT on to the ranks and keep waiting for them; before any rank
+    exists (waiting for the rendezvous) there is nothing to save: stop."""
+    name = signal.Signals(signum).name
+    ranks = _child_pids()
+    if not ranks:
+        _say(f"{name} received before the ranks started: stopping")
+        raise SystemExit(128 + signum)
+    _say(f"{name} received: forwarded to this node's ranks {ranks}")
+    for pid in ranks:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
@@ -182,18 +228,18 @@ def launch(args: argparse.Namespace) -> int:
         "--nnodes", str(args.nnodes),  # the node rank matters to node 0 hosting (is_host)
         "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
         "--rdzv-backend", BACKEND, "--rdzv-endpoint", endpoint,
+        "--signals-to-handle", TORCHRUN_SIGNALS,
         "--rdzv-conf", f"join_timeout={max(1, round(args.rdzv_timeout))},"
                        f"is_host={'true' if args.node_rank == 0 else 'false'}",
         *args.command]
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
     except ChildFailedError as exc:
         print(str(exc), file=sys.stderr, flush=True)  # torchrun's table of failed ranks
         return 1
-    except SignalException as exc:
-        name = signal.Signals(exc.sigval).name
-        _say(f"stopped by {name}: it was forwarded to the ranks, which finish their step and "
-             "save when --save is set (their last lines say where)")
+    except SignalException as exc:  # SIGHUP / SIGQUIT: torchrun stopped the ranks
         return 128 + int(exc.sigval)
     except RendezvousTimeoutError:
         raise CommunicationError(
