@@ -30,11 +30,17 @@ def environment(data_dir, **variables: str) -> dict[str, str]:
     return env
 
 
+def outputs(data_dir) -> list[str]:
+    """Logs and checkpoints next to the test's data, not the YAML's paths in the checkout."""
+    return ["--tensorboard-dir", str(data_dir.parent / "tb"), "--save",
+            str(data_dir.parent / "ckpt")]
+
+
 def run_sh(data_dir, *args: str, timeout: float = 240, **variables: str):
     started = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "run.sh"), *TINY, *args], cwd=ROOT,
-                          env=environment(data_dir, **variables), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(["bash", str(ROOT / "run.sh"), *TINY, *outputs(data_dir), *args],
+                          cwd=ROOT, env=environment(data_dir, **variables),
+                          capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - started
 
 
@@ -99,7 +105,7 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
                                                         tiny_tokenizer_model):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
     port = free_port()
-    first = Run(["bash", str(ROOT / "run.sh"), *TINY],  # a 2-node job waiting for its peer
+    first = Run(["bash", str(ROOT / "run.sh"), *TINY, *outputs(data)],  # waits for its peer
                 env_extra=environment(data, NNODES="2", NODE_RANK="0", MASTER_PORT=str(port),
                                       RDZV_TIMEOUT="120"))
     try:

@@ -130,7 +130,8 @@ def run_sh(tmp_path: Path, data_dir: Path, *extra: str, env_extra: dict[str, str
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--lr-warmup-iters", "2", "--eval-iters", "0",
-            "--split", "90,10,0", "--log-interval", "1", *extra]
+            "--split", "90,10,0", "--log-interval", "1",
+            "--tensorboard-dir", str(tmp_path / "tb"), *extra]
     return Run(["bash", str(ROOT / "run.sh"), *args], env_extra=env)
 
 
