@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_reliability_restart import ROOT, free_port
 from test_reliability_signals import Run, run_sh_data
 
@@ -135,3 +137,16 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
         proc, _ = run_sh(data, "--train-iters", "2", "--log-interval", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "iter      2/2" in proc.stdout
+
+
+def test_a_bad_port_or_node_rank_is_one_line():
+    from megazpp.errors import ConfigError
+    from megazpp.parallel.node_launch import parse_args, resolve_port
+
+    for bad in ("abc", "0", "70000"):
+        with pytest.raises(ConfigError, match=f"MASTER_PORT = '{bad}': expected a port number "
+                                              "in 1..65535"):
+            resolve_port(bad, 1)
+    assert resolve_port("", 2) == 29500 and resolve_port("1234", 1) == 1234
+    with pytest.raises(ConfigError, match="NODE_RANK = 2: expected 0..1 for NNODES = 2"):
+        parse_args(["--nnodes", "2", "--node-rank", "2", "pretrain_gpt.py"])
