@@ -37,7 +37,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.training.checkpoint import (CHECKSUMS_KEY, FORMAT_VERSION, LATEST_FILE,
                                          METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY,
                                          checkpoint_name, latest_checkpoint, layout_of,
-                                         rank_file_name, write_atomically)
+                                         rank_file_name, verify_checksum, write_atomically)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -112,6 +112,7 @@ class CheckpointReader:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
         if not file.exists():
             raise CheckpointError(f"{file}: missing (checkpoint {self.path} is incomplete)")
+        verify_checksum(file, self.meta)
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any unpickling failure means an unusable file

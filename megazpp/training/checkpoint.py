@@ -134,6 +134,20 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) 
     return f"sha256:{writer.digest.hexdigest()}"
 
 
+def verify_checksum(file: Path, metadata: dict[str, Any]) -> None:
+    """Refuse `file` when its bytes differ from the checksum `metadata` records for it
+    (checkpoints written before checksums were recorded have none: nothing to compare)."""
+    checksums = metadata.get(CHECKSUMS_KEY)
+    expected = checksums.get(file.name) if isinstance(checksums, dict) else None
+    if expected is None:
+        return
+    actual = file_checksum(file)
+    if actual != expected:
+        raise CheckpointError(f"{file}: checksum mismatch ({actual[:19]}..., {METADATA_FILE} "
+                              f"records {str(expected)[:19]}...): the file changed after it "
+                              "was written (disk, copy or memory corruption)")
+
+
 def file_checksum(path: Path) -> str:
     """"sha256:<hex>" of a file's bytes, read in blocks (rank files can be gigabytes)."""
     digest = hashlib.sha256()
@@ -371,13 +385,7 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     reader = SimpleNamespace(tp_rank=topology.tp_rank, pp_rank=topology.pp_rank,
                              dp_rank=0 if weights_only else topology.dp_rank)
     file = path / rank_file_name(reader)
-    expected = (meta.get(CHECKSUMS_KEY) or {}).get(file.name)
-    if expected is not None:  # checkpoints from before checksums were recorded have none
-        actual = file_checksum(file)
-        if actual != expected:
-            raise CheckpointError(f"{file}: checksum mismatch ({actual[:19]}..., {METADATA_FILE} "
-                                  f"records {str(expected)[:19]}...): the file changed after it "
-                                  "was written (disk, copy or memory corruption)")
+    verify_checksum(file, meta)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means an unusable file
