@@ -105,9 +105,10 @@ class _HashingWriter:
 
 def _write_failure(path: Path, exc: OSError) -> CheckpointError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CheckpointError(f"no space left on the device of {path.parent} (writing {path.name}; "
-                               f"{exc.strerror}): the partial file was removed")
-    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file was removed")
+        return CheckpointError(f"no space left on the device of {path.parent} (writing "
+                               f"{path.name}; {exc.strerror}): the partial file was removed")
+    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file "
+                           "was removed")
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> str:
