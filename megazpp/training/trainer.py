@@ -9,8 +9,9 @@ One iteration, top to bottom:
   5. check the step's numerics (`numerics.NumericsMonitor`): a non-finite step was skipped
      by the engine; `max_bad_steps` of them in a row stop the run with NumericalError;
   6. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
-     save and exit at their intervals; never save right after a bad step or weights that
-     are not finite.
+     save and exit at their intervals, or save and stop early when a rank got SIGTERM /
+     SIGINT or `exit_duration_in_mins` has passed (`stopping.py`; the ranks agree each
+     step); never save right after a bad step or weights that are not finite.
 Everything that decides what happens next (model, engine, schedule, sampler position, RNGs)
 is in the checkpoint, so a resumed run continues exactly as if it had never stopped.
 """
@@ -40,8 +41,8 @@ from megazpp.training.engine import Engine, StepResult
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
-from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 from megazpp.training.schedule import MicroBatch, forward_backward
+from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
 # What `Trainer.state_dict` saves and `resume` needs (an import holds only the model).
