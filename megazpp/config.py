@@ -119,8 +119,8 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None
-    # Stop (saving if `save`) at the first step that ends this many minutes after training
-    # started, as Megatron's --exit-duration-in-mins; SIGTERM / SIGINT stop the same way.
+    # Stop (saving if `save`) after the first step that ends this many minutes after the
+    # program started, as Megatron's --exit-duration-in-mins; SIGTERM / SIGINT stop the same way.
     exit_duration_in_mins: float | None = None
     # Load the next older complete checkpoint when the newest is refused (never by default:
     # silently losing progress is worse than stopping to look).

@@ -18,6 +18,10 @@ import threading
 import time
 from types import FrameType, TracebackType
 
+# `--exit-duration-in-mins` counts from here, i.e. from the start of the program (this module
+# is imported with the trainer), setup included, as Megatron counts: a scheduler's time limit
+# does not pause for data and model building either.
+PROGRAM_START = time.monotonic()
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SAME_REQUEST_S = 1.0
 # What each rank contributes to the agreement (a MAX over ranks): the larger code wins.
@@ -38,7 +42,7 @@ class StopRequests:
     def __init__(self, exit_duration_mins: float | None) -> None:
         self.signal_name: str | None = None
         self._first_signal_at = 0.0
-        self._deadline = (time.monotonic() + 60.0 * exit_duration_mins
+        self._deadline = (PROGRAM_START + 60.0 * exit_duration_mins
                           if exit_duration_mins is not None else None)
         self._previous: dict[signal.Signals, object] = {}
 
