@@ -17,7 +17,6 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
-import torch
 
 import pretrain_gpt
 from megazpp.training.checkpoint import load_checkpoint
