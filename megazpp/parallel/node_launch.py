@@ -49,7 +49,8 @@ DEFAULT_REPORT_S = 30.0
 
 
 def _say(text: str) -> None:
-    print(f"node_launch: {text}", file=sys.stderr, flush=True)
+    """One line on stderr; `os.write`, since signal handlers and a reporter thread call it."""
+    os.write(2, f"node_launch: {text}\n".encode())
 
 
 def free_port() -> int:
