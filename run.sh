@@ -8,8 +8,9 @@
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
-# (default 0); RDZV_TIMEOUT the seconds a node waits for the others (default 600). A restarted attempt given --save resumes from that directory's latest complete
-# checkpoint by itself (pretrain_gpt.find_checkpoint).
+# (default 0); RDZV_TIMEOUT the seconds a node waits for the others (default 600). A
+# restarted attempt given --save resumes from that directory's latest complete checkpoint by
+# itself (pretrain_gpt.find_checkpoint).
 # CONFIG picks the YAML (default configs/llama_tiny.yaml). Data and logs stay in this checkout
 # (data/, runs/, checkpoints/), which must be on storage every node sees for checkpoints.
 set -euo pipefail
