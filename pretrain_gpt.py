@@ -34,8 +34,9 @@ from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, is_weights_only,
-                                         load_checkpoint, load_model_weights)
+from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
+                                         check_save_dir, is_weights_only, load_checkpoint,
+                                         load_model_weights)
 from megazpp.training.engine import Engine, LocalEngine
 from megazpp.training.banner import banner, configure_console_logging
 from megazpp.training.logger import TrainingLogger
@@ -136,12 +137,16 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_console_logging(topology.rank)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
+    ck = cfg.checkpoint
+    if ck.save:
+        check_save_dir(ck.save, topology)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
+        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed,
+        vocab_size=cfg.model.vocab_size)
     load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
     loaded = (load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
@@ -153,6 +158,9 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     engine = build_engine(cfg, model, topology)
     if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
+    if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
+        resumed = loaded is not None and not loaded.weights_only
+        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if resumed else 0)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
@@ -166,7 +174,8 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology))
     if loaded is None:
-        logger.info("no checkpoint to load: starting from scratch")
+        where = f" in {load_dir}" if load_dir else " (no --load or --save)"
+        logger.info(f"no checkpoint to load{where}: starting from scratch")
     elif loaded.weights_only:
         logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
     else:

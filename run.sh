@@ -8,8 +8,9 @@
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
-# (default 0). A restarted attempt given --save resumes from that directory's latest complete
-# checkpoint by itself (the resume rule: megazpp/training/startup.py, the README).
+# (default 0); RDZV_TIMEOUT the seconds a node waits for the others (default 600). A
+# restarted attempt given --save resumes from that directory's latest complete checkpoint by
+# itself (the resume rule: megazpp/training/startup.py, the README).
 # CONFIG picks the YAML (default configs/llama_tiny.yaml). Data and logs stay in this checkout
 # (data/, runs/, checkpoints/), which must be on storage every node sees for checkpoints.
 set -euo pipefail
@@ -82,7 +83,6 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$DEFAULT_NPROC}
 
 TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
@@ -93,8 +93,11 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 # launcher traceback per rank.
 "$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) "${TRAIN_ARGS[@]}"
 
-exec "$PYTHON" -m torch.distributed.run \
+# torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
+# (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,
+# with a line every 30 s saying what is awaited and a one-line error at the end.
+exec "$PYTHON" -m megazpp.parallel.node_launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
-  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-  --max-restarts "${MAX_RESTARTS:-0}" \
+  --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-}" \
+  --rdzv-timeout "${RDZV_TIMEOUT:-600}" --max-restarts "${MAX_RESTARTS:-0}" \
   pretrain_gpt.py "${TRAIN_ARGS[@]}"

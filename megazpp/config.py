@@ -30,6 +30,7 @@ from megazpp.config_checks import (_refuse_not_implemented, _resolve_batch, _val
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.settings import PlannerSettings
+from megazpp.unique_keys import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
@@ -120,9 +121,17 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None
+    # Stop (saving if `save`) after the first step that ends this many minutes after the
+    # program started, as Megatron's --exit-duration-in-mins; SIGTERM / SIGINT stop the same way.
+    exit_duration_in_mins: float | None = None
     # Load the next older complete checkpoint when the newest is refused (never by default:
     # silently losing progress is worse than stopping to look).
     load_fallback: bool = False
+    # `load` naming no checkpoint is an error (a mistyped path would start from scratch and
+    # overwrite `save`'s checkpoints) unless this is set.
+    load_optional: bool = False
+    # Allow a run that starts below the newest checkpoint in `save` to move `latest` back.
+    overwrite_newer_checkpoints: bool = False
 
 
 @dataclass
@@ -322,7 +331,7 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from exc
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
     if raw is None:

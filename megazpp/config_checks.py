@@ -79,6 +79,7 @@ def _validate_schedule(cfg: Config) -> None:
     _require_positive("logging.log_interval", cfg.logging.log_interval)
     _require_positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _require_positive("checkpoint.exit_interval", cfg.checkpoint.exit_interval)
+    _require_positive("checkpoint.exit_duration_in_mins", cfg.checkpoint.exit_duration_in_mins)
     _require_positive("training.max_bad_steps", t.max_bad_steps)
     _require_positive("training.loss_spike_window", t.loss_spike_window)
     if t.loss_spike_factor != 0 and t.loss_spike_factor <= 1:

@@ -3,6 +3,7 @@ falling loss, bitwise checkpoint resume, and the checkpoint files' atomic layout
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -73,6 +74,9 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     meta = json.loads((ckpt / "iter_0000005" / "metadata.json").read_text())
     assert meta.pop("model_config")["hidden_size"] == 32
     assert meta.pop("config")["training"]["train_iters"] == 8  # the resolved config, whole
+    rank_file = ckpt / "iter_0000005" / "rank_tp00_pp000_dp0000.pt"  # hashed while written
+    assert meta.pop("checksums") == {
+        rank_file.name: "sha256:" + hashlib.sha256(rank_file.read_bytes()).hexdigest()}
     assert meta == {"format": 1, "iteration": 5, "world_size": 1, "tp": 1, "pp": 1, "dp": 1}
 
     second = pretrain_gpt.main(common + ["--load", str(ckpt), "--save", str(ckpt)])
@@ -104,5 +108,10 @@ def test_broken_checkpoints_are_refused(tmp_path, tiny_indexed_prefix, tiny_toke
         pretrain_gpt.main(resume)
     (ckpt / "latest").write_text("iter_0000002\n")
     (ckpt / "iter_0000002" / "rank_tp00_pp000_dp0000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="rank_tp00_pp000_dp0000.pt: checksum mismatch"):
+        pretrain_gpt.main(resume)
+    meta_file = ckpt / "iter_0000002" / "metadata.json"  # as written before checksums existed
+    meta_file.write_text(json.dumps({k: v for k, v in json.loads(meta_file.read_text()).items()
+                                     if k != "checksums"}))
     with pytest.raises(CheckpointError, match="rank_tp00_pp000_dp0000.pt: cannot be loaded"):
         pretrain_gpt.main(resume)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -65,17 +66,30 @@ def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[i
 
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
-                       seed: int, cache_dir: str | os.PathLike | None = None):
-    """(train, valid, test); a split with no documents or no requested samples is None."""
+                       seed: int, cache_dir: str | os.PathLike | None = None,
+                       vocab_size: int | None = None):
+    """(train, valid, test); a valid or test split with no documents or no requested samples is
+    None.
+
+    Nothing is dropped silently: a prefix without documents, or one that `split` leaves with no
+    training documents while training samples are asked for, is refused (a blend would
+    otherwise train on the remaining prefixes alone); a blend member missing from the valid or
+    test split is a warning. With `vocab_size`, a token id the model's embedding cannot hold is
+    refused when the dataset opens.
+    """
     if len(num_samples) != 3 or any(int(n) < 0 for n in num_samples):
         raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
     blend = parse_data_path(data_path)
     fractions = parse_split(split)
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    for ds in indexed:
+        _check_dataset(ds, vocab_size)
     ranges = [split_ranges(ds.num_documents, fractions) for ds in indexed]
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         members = [i for i, r in enumerate(ranges) if r[s][1] > r[s][0]]
+        if int(num_samples[s]) and len(members) < len(blend) and (name == "train" or members):
+            _report_missing(name, split, [indexed[i] for i in range(len(blend)) if i not in members])
         if int(num_samples[s]) == 0 or not members:
             out.append(None)
             continue
@@ -90,3 +104,26 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, nu
                          if need else None)
         out.append(BlendedDataset(parts, dataset_index, sample_index))
     return tuple(out)
+
+
+def _check_dataset(ds: IndexedDataset, vocab_size: int | None) -> None:
+    if ds.num_documents == 0:
+        raise DataError(f"dataset {ds.prefix!r} holds no documents ({ds.idx_path}): nothing to train "
+                        "on; remove it from --data-path or preprocess it again")
+    if vocab_size is not None:
+        top = ds.max_token_id()
+        if top >= vocab_size:
+            raise DataError(f"dataset {ds.prefix!r} holds token id {top}, but the model's vocabulary has "
+                            f"{vocab_size} entries (ids 0..{vocab_size - 1}): was it tokenized with another, "
+                            "larger tokenizer than --tokenizer-model?")
+
+
+def _report_missing(name: str, split: str, missing: Sequence[IndexedDataset]) -> None:
+    """The training split must contain every prefix of the blend; a valid/test split that lacks
+    some (but not all) of them is evaluated on the others, with a warning."""
+    listing = ", ".join(f"{ds.prefix!r} ({ds.num_documents} documents)" for ds in missing)
+    message = f"--split {split!r} leaves the {name} split no documents of {listing}"
+    if name == "train":
+        raise DataError(f"{message}: it would train without them; give a split with a larger "
+                        "training share or more documents")
+    warnings.warn(f"{message}: {name} losses are computed without them", stacklevel=3)

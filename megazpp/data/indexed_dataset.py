@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megazpp.data.index_cache import cache_key, load_or_build
 from megazpp.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -115,6 +116,23 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
+
+    def max_token_id(self) -> int:
+        """The largest token id in `.bin` (-1 when it holds none), so a dataset tokenized with a
+        larger vocabulary than the model's is refused when it opens, not as an IndexError inside
+        the embedding. Megatron's `.idx` has no room for it, so it is scanned once and cached
+        beside the data, keyed by both files' sizes and modification times."""
+        if len(self._data) == 0:
+            return -1
+        stats = [p.stat() for p in (self.idx_path, self.bin_path)]
+        key = cache_key({"kind": "max_token_id", "files": [[s.st_size, s.st_mtime_ns] for s in stats]})
+        path = Path(f"{self.prefix}_max_token_{key}.npy")
+        arrays, _ = load_or_build({"max": path}, lambda: {"max": np.array([self._scan_max()], np.int64)})
+        return int(arrays["max"][0])
+
+    def _scan_max(self) -> int:
+        chunk = 1 << 26  # tokens per read: bounded memory for the scan of a large corpus
+        return max(int(self._data[i:i + chunk].max()) for i in range(0, len(self._data), chunk))
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence i, a view into the mapped file."""

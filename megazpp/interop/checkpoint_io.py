@@ -34,10 +34,10 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.interop.zero_shards import consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
-from megazpp.training.checkpoint import (CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
-                                         METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY, checkpoint_name,
-                                         latest_checkpoint, layout_of, rank_file_name,
-                                         write_atomically)
+from megazpp.training.checkpoint import (CHECKSUMS_KEY, CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
+                                         METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY,
+                                         checkpoint_name, latest_checkpoint, layout_of,
+                                         rank_file_name, verify_checksum, write_atomically)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -112,6 +112,7 @@ class CheckpointReader:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
         if not file.exists():
             raise CheckpointError(f"{file}: missing (checkpoint {self.path} is incomplete)")
+        verify_checksum(file, self.meta)
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any unpickling failure means an unusable file
@@ -173,15 +174,17 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    checksums = {}
     for stage in stages:
         for tp_rank in range(tp):
             part = shard_for_rank(full, stage, cfg, tp, tp_rank)
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
-            topo = layout_topology(tp, pp, tp_rank, stage.pp_rank)
-            write_atomically(tmp / rank_file_name(topo), lambda f: torch.save(state, f))
+            file_name = rank_file_name(layout_topology(tp, pp, tp_rank, stage.pp_rank))
+            checksums[file_name] = write_atomically(tmp / file_name,
+                                                       lambda f: torch.save(state, f))
     meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),
             WEIGHTS_ONLY_KEY: True, MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
-            **(extra_meta or {})}
+            CHECKSUMS_KEY: checksums, **(extra_meta or {})}
     write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     tmp.rename(final)
     write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))

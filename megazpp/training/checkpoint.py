@@ -18,10 +18,20 @@ holds the metadata's iteration and layout, and then all ranks agree on the verdi
 checkpoint is used by every rank or by none (a half-loaded job would train on a mixture).
 A refused checkpoint is an error unless the caller asked to fall back to older ones. Files
 are read with `torch.load(weights_only=True)`: a checkpoint is data and never executes code.
+
+Why a checksum per file: a flipped bit in a tensor's exponent loads without complaint and
+turns the loss to 1e34; each rank hashes its file while writing it, `metadata.json` records
+the digests, and a file whose bytes differ is refused like any other damaged checkpoint.
+A failed write (a full disk) removes what it had written, so `latest` and the disk are as
+they were before the save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import errno
+import hashlib
 import json
 import os
 import random
@@ -47,6 +57,7 @@ METADATA_FILE = "metadata.json"
 WEIGHTS_ONLY_KEY = "weights_only"
 MODEL_CONFIG_KEY = "model_config"
 CONFIG_KEY = "config"  # the run's whole resolved config, as Megatron saves its args
+CHECKSUMS_KEY = "checksums"  # metadata.json: rank file name -> "sha256:<hex>"
 _NAME = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -71,16 +82,81 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+class _HashingWriter:
+    """A binary file that hashes what passes through it and remembers the OSError a write met
+    (torch.save reports a failed write as a RuntimeError that no longer says why)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.digest.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_failure(path: Path, exc: OSError) -> CheckpointError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"no space left on the device of {path.parent} (writing "
+                               f"{path.name}; {exc.strerror}): the partial file was removed")
+    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file "
+                           "was removed")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> str:
     """`write(file)` into a temporary sibling, flush it to disk, then rename over `path`: a
-    reader sees the old file or the whole new one, never a torn write."""
+    reader sees the old file or the whole new one, never a torn write. Returns the written
+    bytes' checksum ("sha256:<hex>"). A write that fails for lack of space or another OS
+    error removes the temporary file and raises CheckpointError saying why."""
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    writer: _HashingWriter | None = None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)  # type: ignore[arg-type]  # a write()/flush() file is what savers use
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        cause = writer.error if writer is not None and writer.error is not None else exc
+        if isinstance(cause, OSError):
+            raise _write_failure(path, cause) from exc
+        raise
+    return f"sha256:{writer.digest.hexdigest()}"
+
+
+def verify_checksum(file: Path, metadata: dict[str, Any]) -> None:
+    """Refuse `file` when its bytes differ from the checksum `metadata` records for it
+    (checkpoints written before checksums were recorded have none: nothing to compare)."""
+    checksums = metadata.get(CHECKSUMS_KEY)
+    expected = checksums.get(file.name) if isinstance(checksums, dict) else None
+    if expected is None:
+        return
+    actual = file_checksum(file)
+    if actual != expected:
+        raise CheckpointError(f"{file}: checksum mismatch ({actual[:19]}..., {METADATA_FILE} "
+                              f"records {str(expected)[:19]}...): the file changed after it "
+                              "was written (disk, copy or memory corruption)")
+
+
+def file_checksum(path: Path) -> str:
+    """"sha256:<hex>" of a file's bytes, read in blocks (rank files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _barrier() -> None:
@@ -114,28 +190,124 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
         raise CheckpointError(f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
                               "--save must be a directory on storage every node shares")
     stamped = {**state, "layout": layout_of(topology)}
-    write_atomically(tmp / rank_file_name(topology), lambda f: torch.save(stamped, f))
+    file_name = rank_file_name(topology)
+    try:
+        checksum, failure = write_atomically(tmp / file_name, lambda f: torch.save(stamped, f)), ""
+    except CheckpointError as exc:
+        checksum, failure = "", f"rank {topology.rank}: {exc}"
     faults.maybe_raise("raise_after_rank_file", iteration, topology.rank)
-    _barrier()
+    # the ranks meet here; every rank learns every rank's outcome, so a failed write stops all
+    written = comm.all_gather_object((file_name, checksum, failure), tag="checkpoint")
+    _raise_if_failed(root, tmp, iteration, [f for _, _, f in written], topology.rank)
+    failure = ""
     if topology.rank == 0:
         meta = {"format": FORMAT_VERSION, "iteration": iteration, **layout_of(topology),
+                CHECKSUMS_KEY: {name: digest for name, digest, _ in written},
                 **(extra_metadata or {})}
-        write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta).encode()))
-        if final.exists():  # saving the same iteration again (a resumed run): replace it whole
-            old = root / f"{name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
-        faults.maybe_raise("raise_before_latest", iteration, topology.rank)
-        write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
-        _fsync_dir(root)
-    _barrier()
+        try:
+            write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta).encode()))
+            _commit(root, tmp, final, iteration)
+        except CheckpointError as exc:
+            failure = f"rank 0: {exc}"
+    _raise_if_failed(root, tmp, iteration,
+                     comm.all_gather_object(failure, tag="checkpoint/commit"), topology.rank)
     return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, iteration: int) -> None:
+    """Rank 0: rename the complete directory into place, then move `latest` to it."""
+    name = final.name
+    if final.exists():  # saving the same iteration again (a resumed run): replace it whole
+        old = root / f"{name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    faults.maybe_raise("raise_before_latest", iteration, 0)
+    write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
+    _fsync_dir(root)
+
+
+def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str],
+                     rank: int) -> None:
+    """After a failed write: rank 0 removes the unfinished directory (it would keep a full
+    disk full), and every rank raises the same error; `latest` was not touched."""
+    failures = [f for f in failures if f]
+    if not failures:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(f"checkpoint {checkpoint_name(iteration)} was not saved: "
+                          + "; ".join(failures) + f"; {root / LATEST_FILE} is unchanged")
+
+
+def check_save_dir(save_dir: str | os.PathLike, topology: Any) -> None:
+    """Collective, before step 1: every rank creates, writes and removes a probe file in
+    `save_dir` (every rank writes its own file at each save), so an unwritable `--save` (a
+    file, a read-only mount, no permission) stops the run before any step is computed rather
+    than at the first save, possibly after the whole run."""
+    root = Path(save_dir)
+    probe = root / f".write_probe_rank{topology.rank}_{os.getpid()}"
+    failure = ""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"megazpp write probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except FileExistsError:
+        failure = f"rank {topology.rank}: {root} exists and is not a directory"
+    except OSError as exc:
+        failure = f"rank {topology.rank}: cannot write in {root} ({exc.strerror or exc})"
+        with contextlib.suppress(OSError):  # a probe created before a failed write
+            probe.unlink(missing_ok=True)
+    failures = sorted({f for f in comm.all_gather_object(failure, tag="checkpoint/probe") if f})
+    if failures:
+        raise CheckpointError(f"--save {save_dir} is not writable: " + "; ".join(failures))
+
+
+def check_loadable(load_dir: str | os.PathLike) -> None:
+    """`--load DIR` must name a directory with a `latest` checkpoint: a mistyped path would
+    otherwise start from scratch and, with `--save` on the real directory, overwrite its
+    checkpoints. Names the closest sibling directory when there is one."""
+    root = Path(load_dir)
+    if (root / LATEST_FILE).exists():
+        return
+    if root.is_dir():
+        found = f"{root} holds no {LATEST_FILE} file (no checkpoint was completed there)"
+    else:
+        found = f"{root} does not exist"
+        parent = root.parent if str(root.parent) else Path(".")
+        siblings = [p.name for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
+        close = difflib.get_close_matches(root.name, siblings, n=1, cutoff=0.6)
+        if close:
+            found += f" (did you mean {parent / close[0]}?)"
+    raise CheckpointError(f"--load {load_dir}: nothing to load, {found}; pass --load-optional "
+                          "to start from scratch when it holds no checkpoint")
+
+
+def check_not_behind(save_dir: str | os.PathLike, start_iteration: int) -> None:
+    """Refuse a run that would move `save_dir`'s `latest` back: it starts at
+    `start_iteration`, below the newest checkpoint there, so its saves would point `latest`
+    at an older state and later overwrite the newer checkpoints."""
+    root = Path(save_dir)
+    pointer = root / LATEST_FILE
+    try:
+        name = pointer.read_text().strip()
+    except OSError:
+        return
+    match = _NAME.match(name)
+    if match and int(match[1]) > start_iteration:
+        raise CheckpointError(
+            f"--save {save_dir}: its {LATEST_FILE} names {name}, newer than this run's start at "
+            f"iteration {start_iteration}; saving would move {LATEST_FILE} back and overwrite the "
+            "newer checkpoints. Resume it (--load with that directory), save elsewhere, or pass "
+            "--overwrite-newer-checkpoints")
 
 
 def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
@@ -215,6 +387,7 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     reader = SimpleNamespace(tp_rank=topology.tp_rank, pp_rank=topology.pp_rank,
                              dp_rank=0 if weights_only else topology.dp_rank)
     file = path / rank_file_name(reader)
+    verify_checksum(file, meta)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means an unusable file

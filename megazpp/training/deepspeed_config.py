@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megazpp.errors import ConfigError
+from megazpp.unique_keys import DuplicateKeyError, load_json
 
 Sections = dict[str, dict[str, Any]]
 
@@ -76,10 +77,10 @@ _OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch
 def read_deepspeed_config(path: str) -> Sections:
     """Parse the JSON file at `path` and map it; every refusal names the file and the key."""
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = load_json(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"DeepSpeed config {path}: cannot be read ({exc.strerror or exc})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as exc:
         raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"DeepSpeed config {path}: expected a JSON object at the top level")

@@ -10,6 +10,8 @@ normal run (the variable unset) can never trigger one.
 or an inclusive range `N-M`, RANK a global rank (without it every rank fires):
 
     kill_after_step       SIGKILL this process right after optimizer step ITERATION
+    sigterm_after_step    send this process SIGTERM right after optimizer step ITERATION
+                          (what a scheduler does; the trainer saves and stops)
     raise_after_rank_file checkpoint ITERATION: raise InjectedFault after this rank's file
                           is written, before the other ranks meet (a crash between shards)
     raise_before_latest   checkpoint ITERATION: raise InjectedFault after the directory is
@@ -35,8 +37,8 @@ from torch import nn
 from megazpp.errors import ConfigError
 
 ENV = "MEGAZPP_FAULT"
-POINTS = ("kill_after_step", "raise_after_rank_file", "raise_before_latest", "nan_loss",
-          "loss_spike")
+POINTS = ("kill_after_step", "sigterm_after_step", "raise_after_rank_file",
+          "raise_before_latest", "nan_loss", "loss_spike")
 _OUTPUT_FACTORS = {"nan_loss": float("nan"), "loss_spike": 10.0}
 
 
@@ -84,6 +86,11 @@ def maybe_raise(point: str, iteration: int, rank: int) -> None:
 def maybe_kill(iteration: int, rank: int) -> None:
     if armed("kill_after_step", iteration, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_signal(iteration: int, rank: int) -> None:
+    if armed("sigterm_after_step", iteration, rank):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -29,8 +29,8 @@ from megazpp.config import Config, load_config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (CONFIG_KEY, is_weights_only, latest_checkpoint,
-                                         read_metadata)
+from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
+                                         latest_checkpoint, read_metadata)
 from megazpp.zero.factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
@@ -82,6 +82,8 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
     """
     ck = cfg.checkpoint
     if ck.load:
+        if not ck.load_optional:
+            check_loadable(ck.load)
         if ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
             return ck.save, f"--save {ck.save} (this fine-tune's progress over --load)"
         return ck.load, f"--load {ck.load}"

@@ -9,8 +9,9 @@ One iteration, top to bottom:
   5. check the step's numerics (`numerics.NumericsMonitor`): a non-finite step was skipped
      by the engine; `max_bad_steps` of them in a row stop the run with NumericalError;
   6. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
-     save and exit at their intervals; never save right after a bad step or weights that
-     are not finite.
+     save and exit at their intervals, or save and stop early when a rank got SIGTERM /
+     SIGINT or `exit_duration_in_mins` has passed (`stopping.py`; the ranks agree each
+     step); never save right after a bad step or weights that are not finite.
 Everything that decides what happens next (model, engine, schedule, sampler position, RNGs)
 is in the checkpoint, so a resumed run continues exactly as if it had never stopped.
 """
@@ -42,6 +43,7 @@ from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
 from megazpp.training.schedule import MicroBatch, forward_backward
+from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
 # What `Trainer.state_dict` saves and `resume` needs (an import holds only the model).
@@ -153,6 +155,12 @@ class Trainer:
         return float(mean)
 
     def train(self) -> TrainHistory:
+        """Run to `train_iters`, or until `exit_interval`, `exit_duration_in_mins`, SIGTERM or
+        SIGINT stops the run after a step (saving first when `save` is set)."""
+        with StopRequests(self.cfg.checkpoint.exit_duration_in_mins) as stop:
+            return self._train(stop)
+
+    def _train(self, stop: StopRequests) -> TrainHistory:
         cfg, t, ck = self.cfg, self.cfg.training, self.cfg.checkpoint
         history = TrainHistory(resumed_from=self.iteration or None)
         samples = iter(self._sampler(self.train_ds, self.consumed_samples))
@@ -178,12 +186,15 @@ class Trainer:
             bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()
+            faults.maybe_signal(self.iteration, self.topology.rank)
+            stop_code = self._agreed_stop(stop)
             evaluating = self.valid_ds is not None and t.eval_iters > 0 and (
                 self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters)
             if evaluating:
                 history.val_losses[self.iteration] = self.evaluate()
                 self.logger.record_eval(self.iteration, history.val_losses[self.iteration])
-            exiting = ck.exit_interval is not None and self.iteration % ck.exit_interval == 0
+            exiting = stop_code != NO_STOP or (
+                ck.exit_interval is not None and self.iteration % ck.exit_interval == 0)
             saving = bool(ck.save) and ((ck.save_interval and self.iteration % ck.save_interval == 0)
                                         or exiting or self.iteration == t.train_iters)
             if saving and bad:
@@ -191,13 +202,37 @@ class Trainer:
                 saving = False
             if saving:
                 self.save()
-            if evaluating or saving:
-                counter.end_step()  # keep evaluation / checkpoint traffic out of step totals
+            if evaluating or saving or self.topology.world_size > 1:
+                counter.end_step()  # keep evaluation / checkpoint / stop-check traffic out
             self.logger.resume_clock()
             faults.maybe_kill(self.iteration, self.topology.rank)
+            if stop_code != NO_STOP:
+                self._report_stop(stop_code, stop, saved=saving)
             if exiting:
                 break
         return history
+
+    def _agreed_stop(self, stop: StopRequests) -> int:
+        """This step's stop decision, the same on every rank: the largest rank's code (one
+        4-byte all-reduce per step when there are several ranks)."""
+        code = stop.code()
+        if self.topology.world_size > 1:
+            flag = torch.tensor([float(code)], device=self.device)  # NCCL: on the GPU
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="train/stop_check")
+            code = int(flag.item())
+        return code
+
+    def _report_stop(self, code: int, stop: StopRequests, saved: bool) -> None:
+        why = (f"{stop.signal_name or 'a signal on another rank'}" if code == SIGNAL else
+               f"--exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins}")
+        if saved:
+            where = f"saved checkpoint {self.last_checkpoint}"
+        elif self.cfg.checkpoint.save:
+            where = (f"not saved (non-finite step); last good checkpoint: "
+                     f"{self.last_checkpoint or 'none'}")
+        else:
+            where = "nothing saved (no --save)"
+        self.logger.info(f"stopped after iteration {self.iteration} ({why}): {where}")
 
     def _check_numerics(self, loss: float | None, result: StepResult,
                         history: TrainHistory) -> bool:

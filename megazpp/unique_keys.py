@@ -1,0 +1,57 @@
+"""YAML and JSON readers that refuse a key given twice in one mapping, at any depth.
+
+Why: both formats let the last of two equal keys win without a word, so a config file with a
+second `model:` section silently drops every key of the first (its `hidden_size` included),
+and a DeepSpeed JSON with two `zero_optimization` blocks keeps only one. A duplicate is
+almost always an editing accident, so it is refused with both line numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+
+class UniqueKeySafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` (plain data only) that raises on a repeated mapping key."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class refuses it with its message
+                continue
+            if line != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"duplicate key {key!r} at lines {line} and "
+                            f"{key_node.start_mark.line + 1}")
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML as plain data; a repeated key raises `yaml.YAMLError` naming both lines."""
+    return yaml.load(text, Loader=UniqueKeySafeLoader)
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names the same key twice."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"duplicate key {key!r} in one JSON object")
+        out[key] = value
+    return out
+
+
+def load_json(text: str) -> Any:
+    """`json.loads` that raises `DuplicateKeyError` (a ValueError) on a repeated key."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
