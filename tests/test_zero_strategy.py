@@ -31,6 +31,18 @@ def test_fourteen_strategies_aliases_and_rejection():
             parse_strategy(bad)
 
 
+def test_padding_and_tensors_tile_an_aligned_bucket():
+    """ZeRO++ alignment leaves gaps between tensors; gradients are written tensor by tensor, so
+    the engine zeroes `padding_ranges` explicitly: with the tensors they must cover the buffer."""
+    params = [("w", nn.Parameter(torch.zeros(7, 3))), ("b", nn.Parameter(torch.zeros(5))),
+              ("v", nn.Parameter(torch.zeros(9, 2)))]
+    lay = BucketLayout.build(params, 2, 1, 0, align=8)
+    tensors = [(off, off + shape.numel()) for off, shape in zip(lay.offsets, lay.shapes)]
+    assert all(off % 8 == 0 for off, _ in tensors)
+    assert lay.padding_ranges() == [(21, 24), (42, 48), (53, 64)] and lay.padded == 64
+    assert sorted(tensors + lay.padding_ranges()) == [(0, 21), (21, 24), (24, 42), (42, 48), (48, 53), (53, 64)]
+
+
 def test_g_shard_nests_inside_i_shard_and_both_partition_the_buffer():
     d, k = 8, 4
     params = [("w", nn.Parameter(torch.zeros(7, 3))), ("b", nn.Parameter(torch.zeros(5)))]

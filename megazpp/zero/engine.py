@@ -280,9 +280,11 @@ class ZeroEngine(ScaledOptimizerEngine):
             self.fetcher.release(b)
 
     def _zero_unwritten(self, b: Bucket) -> None:
-        """Zero what no gradient was written into: the padding, and unused parameters' slices."""
+        """Zero what no gradient was written into: the padding (between tensors and at the tail),
+        and unused parameters' slices."""
         layout = b.layout
-        b.staging[layout.numel:].zero_()
+        for lo, hi in layout.padding_ranges():
+            b.staging[lo:hi].zero_()
         for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
             if i not in b.arrived:
                 b.staging[off:off + shape.numel()].zero_()

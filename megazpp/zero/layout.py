@@ -95,6 +95,20 @@ class BucketLayout:
                 out.append((a - lo, b - lo))
         return out
 
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """Flat [start, end) of every stretch no tensor owns: the gaps ZeRO++'s per-tensor
+        alignment leaves between tensors, and the tail. Gradients written tensor by tensor leave
+        them untouched, so they must be zeroed explicitly (or they would feed the grad norm and
+        the blocks' scales)."""
+        out, pos = [], 0
+        for off, shape in zip(self.offsets, self.shapes):
+            if off > pos:
+                out.append((pos, off))
+            pos = off + shape.numel()
+        if self.padded > pos:
+            out.append((pos, self.padded))
+        return out
+
     def vector_ranges(self) -> list[tuple[int, int]]:
         """Flat [start, end) of every tensor with at most one dimension (norm gains, biases):
         the ones qgZ sends exactly (few values, and an int4 grid of 15 levels is coarse for them)."""
