@@ -74,7 +74,8 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tiny_tokenizer_
         preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=2, chunk_bytes=64,
                    progress=False)
     assert not list(tmp_path.glob("out_text_document*"))
-    assert sorted(p.name for p in (tmp_path / "out_shards").rglob("*.done.json")) == ["001.done.json", "empty.done.json"]
+    markers = sorted(p.name for p in (tmp_path / "out_shards").rglob("*.done.json"))
+    assert markers == ["001.done.json", "empty.done.json"]
     stale = tmp_path / "out_shards" / "a" / "part0" / "002_text_document.bin.tmp99999"  # a killed run's leftover
     stale.write_bytes(b"junk")
     monkeypatch.setattr(pp, "write_marker", real_marker)
@@ -85,7 +86,8 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tiny_tokenizer_
     assert len(read) == len(summary.files) - 2 and not stale.exists()
     assert summary.documents == reference.documents and summary.tokens == reference.tokens
     for suffix in (".bin", ".idx"):
-        assert Path(summary.outputs["text"] + suffix).read_bytes() == Path(reference.outputs["text"] + suffix).read_bytes()
+        ours, ref = Path(summary.outputs["text"] + suffix), Path(reference.outputs["text"] + suffix)
+        assert ours.read_bytes() == ref.read_bytes()
     assert not (tmp_path / "out_shards").exists()
 
 

@@ -91,7 +91,7 @@ def test_filters_keep_exactly_what_the_rules_say_and_count_per_rule(tiny_tokeniz
                 dropped[verdict[0]] = dropped.get(verdict[0], 0) + 1
                 unevaluable[verdict[0]] = unevaluable.get(verdict[0], 0) + verdict[1]
     assert all(dropped.get(r) for r in RULES) and unevaluable[RULES[2]] and kept  # every path exercised
-    assert dict(summary.dropped) == dropped
+    assert dict(summary.dropped) == dropped and list(summary.dropped) == list(RULES)  # listed in rule order
     assert {r: n for r, n in summary.unevaluable.items() if n} == {r: n for r, n in unevaluable.items() if n}
     assert dict(summary.skipped) == {"missing_signals": SHARDS["2023-06/0000/en_tail"]}
     tok = Tokenizer(tiny_tokenizer_model)

@@ -238,6 +238,7 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
         bar.close()
     for result in results:
         summary.add(result)
+    summary.dropped = Counter({rule: summary.dropped[rule] for rule in filters.rule_order() if rule in summary.dropped})
     if not per_shard:
         for label, prefixes in summary.shard_outputs.items():
             source, _, key = label.rpartition(":")

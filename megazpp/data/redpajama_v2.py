@@ -1,9 +1,9 @@
 """RedPajama-V2's published layout: documents joined with their quality signals and duplicates.
 
-    documents/<snapshot>/<shard>/<lang>_<bucket>.json.gz                 one JSON document per line
-    quality_signals/<snapshot>/<shard>/<lang>_<bucket>.signals.json.gz   {"id", "id_int", "metadata",
-                                                                          "quality_signals": {name: [[start, end, value], ...]}}
-    duplicates/<snapshot>/<shard>/<lang>_<bucket>.duplicates.parquet     column `doc_id`: the documents to drop
+    documents/<snapshot>/<shard>/<lang>_<bucket>.json.gz                one JSON document per line
+    quality_signals/<snapshot>/<shard>/<lang>_<bucket>.signals.json.gz  one line per document: {"id",
+        "id_int", "metadata", "quality_signals": {name: [[start, end, value], ...]}}
+    duplicates/<snapshot>/<shard>/<lang>_<bucket>.duplicates.parquet    column `doc_id`: the documents to drop
 
 A document has no id of its own: its id is `<snapshot>/<shard>/<lang>_<bucket>.json.gz/<row>`
 (row = line number from 0), the `id` its signals record carries and the `doc_id` the duplicates

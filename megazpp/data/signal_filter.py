@@ -225,9 +225,12 @@ class FilterSpec:
     def needs_signals(self) -> bool:
         return bool(self.rules)
 
+    def rule_order(self) -> list[str]:
+        """The rules in the order a document meets them (duplicates first)."""
+        return ([DUPLICATE_RULE] if self.drop_duplicates else []) + list(self.rules)
+
     def describe(self) -> str:
-        parts = ([DUPLICATE_RULE] if self.drop_duplicates else []) + list(self.rules)
-        return "; ".join(parts) or "none"
+        return "; ".join(self.rule_order()) or "none"
 
 
 def load_filter_file(path: str | Path) -> FilterSpec:
