@@ -1,10 +1,14 @@
 """Many input files: shards merged in file order, kept per shard, resumed after an interruption,
 split by source; progress bars for terminals and plain lines for logs."""
 
+import fcntl
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -131,15 +135,38 @@ def _cli(args: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+def _cli_on_terminal(args: list[str]) -> tuple[int, str]:
+    """(exit code, what it drew on stderr) with stderr a pseudo-terminal: bars are drawn only
+    on a terminal (megazpp.cli.wants_progress)."""
+    leader, follower = pty.openpty()
+    # a new pseudo-terminal is 0 columns wide, and bars sized to the terminal would be empty
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
+                            stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    os.close(follower)
+    drawn = bytearray()
+    while True:  # read as it draws, so a full terminal buffer never blocks the tool
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the tool closed its end
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    return proc.wait(timeout=300), drawn.decode(errors="replace")
+
+
 def test_progress_bars_and_plain_logs(tiny_tokenizer_model, tmp_path):
     write_tree(tmp_path / "in", files=3)
     common = ["--input", str(tmp_path / "in"), "--tokenizer-model", str(tiny_tokenizer_model)]
     quiet = _cli(common + ["--output-prefix", str(tmp_path / "q"), "--no-progress"])
     assert quiet.returncode == 0, quiet.stderr
     assert "\r" not in quiet.stdout + quiet.stderr and "preprocessed 4 files" in quiet.stdout
-    bars = _cli(common + ["--output-prefix", str(tmp_path / "b")])
-    assert bars.returncode == 0, bars.stderr
-    assert "files: 100%" in bars.stderr and "4/4" in bars.stderr and "tok/s" in bars.stderr
+    code, drawn = _cli_on_terminal(common + ["--output-prefix", str(tmp_path / "b")])
+    assert code == 0, drawn
+    assert "files: 100%" in drawn and "4/4" in drawn and "tok/s" in drawn
     bad = _cli(common + ["--output-prefix", str(tmp_path / "x"), "--filter", "rps_doc_word_count >="])
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "error: filter rule 'rps_doc_word_count >=': expected a number" in bad.stderr
