@@ -14,6 +14,7 @@ import os
 # with it removed.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest
@@ -21,6 +22,29 @@ import pytest
 from megazpp.data.preprocess import preprocess
 from megazpp.data.sample_corpus import build_sample_corpus
 from megazpp.data.tokenizer_training import train_tokenizer
+
+def netlab_unavailable() -> str | None:
+    """Why tools/netlab.sh cannot make nodes here, or None: it needs root and iproute2's tools."""
+    if os.geteuid() != 0:
+        return "netlab needs root (network namespaces, tc)"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"netlab needs '{tool}', which is not installed"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "netlab: runs nodes on tools/netlab.sh; skipped, with the reason, "
+                                       "where netlab cannot run")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = netlab_unavailable()
+    if reason is not None:
+        for item in items:
+            if item.get_closest_marker("netlab") is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
 
 TINY_CORPUS_BYTES = 200_000
 TINY_VOCAB_SIZE = 512

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -39,16 +38,7 @@ exec bash "$NETLAB" run "${host##*-node}" bash -c "$*"
 """
 
 
-def _unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "netlab needs root (network namespaces, tc)"
-    for tool in ("ip", "tc", "unshare"):
-        if shutil.which(tool) is None:
-            return f"netlab needs '{tool}', which is not installed"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+pytestmark = pytest.mark.netlab  # skipped with the reason where netlab cannot run (conftest)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +23,7 @@ RATE = "1gbit"
 RUN_TIMEOUT_S = 420
 
 
-def _unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "netlab needs root (network namespaces, tc)"
-    for tool in ("ip", "tc", "unshare"):
-        if shutil.which(tool) is None:
-            return f"netlab needs '{tool}', which is not installed"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+pytestmark = pytest.mark.netlab  # skipped with the reason where netlab cannot run (conftest)
 
 
 def _netlab(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:

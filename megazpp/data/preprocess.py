@@ -34,7 +34,7 @@ from megazpp.data.jsonl import SkipReason, input_root, iter_line_chunks, parse_r
     resolve_inputs
 from megazpp.data.progress import Progress
 from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow, load_duplicate_rows, parse_signals
-from megazpp.data.shards import Shard, ShardResult, file_identity, marker_path, options_fingerprint, plan_shards, \
+from megazpp.data.shards import DocumentCounts, Shard, ShardResult, file_identity, marker_path, options_fingerprint, plan_shards, \
     read_marker, safe_name, write_marker
 from megazpp.data.signal_filter import DocumentFilter, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
@@ -156,18 +156,12 @@ def output_label(key: str, source: str) -> str:
     return f"{source}:{key}" if source else key
 
 
-@dataclass
-class PreprocessSummary:
+@dataclass(kw_only=True)
+class PreprocessSummary(DocumentCounts):
     outputs: dict[str, str]                     # label -> merged prefix (empty when kept per shard)
     files: list[Path]
     shard_outputs: dict[str, list[str]] = field(default_factory=dict)  # label -> shard prefixes, in file order
     resumed: int = 0                            # shards finished by an earlier run and not redone
-    documents: Counter = field(default_factory=Counter)
-    tokens: Counter = field(default_factory=Counter)
-    skipped: Counter = field(default_factory=Counter)
-    dropped: Counter = field(default_factory=Counter)
-    unevaluable: Counter = field(default_factory=Counter)
-    damage: list[str] = field(default_factory=list)
     new_tokens: int = 0                         # tokenized by this run (the rate's numerator)
     seconds: float = 0.0
 
@@ -178,9 +172,7 @@ class PreprocessSummary:
     def add(self, result: ShardResult) -> None:
         for label, prefix in result.outputs.items():
             self.shard_outputs.setdefault(label, []).append(prefix)
-        for name in ("documents", "tokens", "skipped", "dropped", "unevaluable"):
-            getattr(self, name).update(getattr(result, name))
-        self.damage.extend(result.damage)
+        self.add_counts(result)
 
     def line(self) -> str:
         skipped = ", ".join(f"{r}={n}" for r, n in sorted(self.skipped.items())) or "none"

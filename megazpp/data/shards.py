@@ -76,17 +76,31 @@ def options_fingerprint(tokenizer_model: Path, options: dict[str, object]) -> st
     return digest.hexdigest()
 
 
-@dataclass
-class ShardResult:
+@dataclass(kw_only=True)
+class DocumentCounts:
+    """What preprocessing counts, per output label or per rule: one shard's, or a whole run's
+    (the sum of its shards')."""
+
+    documents: Counter = field(default_factory=Counter)
+    tokens: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)  # reason -> documents
+    dropped: Counter = field(default_factory=Counter)  # filter rule -> documents
+    unevaluable: Counter = field(default_factory=Counter)  # filter rule -> documents missing a signal
+    damage: list[str] = field(default_factory=list)  # one line per damaged input file
+
+    def add_counts(self, other: "DocumentCounts") -> None:
+        for counts, more in ((self.documents, other.documents), (self.tokens, other.tokens),
+                             (self.skipped, other.skipped), (self.dropped, other.dropped),
+                             (self.unevaluable, other.unevaluable)):
+            counts.update(more)
+        self.damage.extend(other.damage)
+
+
+@dataclass(kw_only=True)
+class ShardResult(DocumentCounts):
     """What one shard produced; labels name outputs (`text`, or `<source>:text` split by source)."""
 
     outputs: dict[str, str] = field(default_factory=dict)
-    documents: Counter = field(default_factory=Counter)
-    tokens: Counter = field(default_factory=Counter)
-    skipped: Counter = field(default_factory=Counter)
-    dropped: Counter = field(default_factory=Counter)
-    unevaluable: Counter = field(default_factory=Counter)
-    damage: list[str] = field(default_factory=list)
 
 
 def marker_path(shard_dir: Path, shard: Shard) -> Path:
