@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Sequence, TextIO
+from typing import Sequence, Sized, TextIO
 
+from megazpp.config import Config
 from megazpp.model.flops import parameter_count
+from megazpp.parallel.topology import Topology
 from megazpp.training.engine import Engine
 from megazpp.training.startup import Startup
 
@@ -43,7 +45,7 @@ def configure_console_logging(rank: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _strategy(cfg: Any, engine: Engine) -> str:
+def _strategy(cfg: Config, engine: Engine) -> str:
     strategy = getattr(engine, "strategy", None)
     if strategy is None:
         return "none: one data-parallel replica (LocalEngine)"
@@ -62,7 +64,7 @@ def _strategy(cfg: Any, engine: Engine) -> str:
     return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}"
 
 
-def banner(cfg: Any, topology: Any, engine: Engine, datasets: Sequence[Any],
+def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[Sized | None],
            start: Startup) -> list[str]:
     m, t, ck = cfg.model, cfg.training, cfg.checkpoint
     precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
