@@ -37,10 +37,15 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from megazpp.cli import run_tool
 from megazpp.errors import CommunicationError, ConfigError
+
+if TYPE_CHECKING:  # torch is imported late: the launcher must answer fast on bad input
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+
+Report = Callable[[float], str]  # seconds waited -> the line saying what is awaited
 
 BACKEND = "megazpp-c10d"
 MULTI_NODE_DEFAULT_PORT = 29500  # every node must name the same port: no free-port choice
@@ -91,7 +96,7 @@ def check_port_free(addr: str, port: int) -> None:
 class _Reporter:
     """A thread that prints `what()` every `interval` seconds until stopped."""
 
-    def __init__(self, what: Any, interval: float) -> None:
+    def __init__(self, what: Report, interval: float) -> None:
         self._what, self._interval = what, interval
         self._done = threading.Event()
         self._started = time.monotonic()
@@ -135,13 +140,13 @@ def wait_reachable(addr: str, port: int, timeout: float, interval: float) -> Non
 class _WatchedRendezvous:
     """torchrun's c10d rendezvous handler, reporting while `next_rendezvous` waits."""
 
-    def __init__(self, inner: Any, what: Any, interval: float) -> None:
+    def __init__(self, inner: RendezvousHandler, what: Report, interval: float) -> None:
         self._inner, self._what, self._interval = inner, what, interval
 
     def get_backend(self) -> str:
         return BACKEND
 
-    def next_rendezvous(self) -> Any:
+    def next_rendezvous(self) -> RendezvousInfo:
         with _Reporter(self._what, self._interval):
             return self._inner.next_rendezvous()
 
