@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megazpp.analysis.event_reader import read_run
+from processes import finish_all
 
 REPO = Path(__file__).resolve().parents[1]
 NETLAB = REPO / "tools" / "netlab.sh"
@@ -79,25 +80,11 @@ def data_dir(tmp_path, tiny_corpus_dir, tiny_tokenizer_model, tiny_indexed_prefi
     return data
 
 
-def _finish(procs: list[subprocess.Popen], what: str) -> list[str]:
-    outputs = []
-    for i, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"{what} {i} did not finish within {RUN_TIMEOUT_S} s")
-        assert proc.returncode == 0, f"{what} {i} failed:\n{out[-4000:]}"
-        outputs.append(out)
-    return outputs
-
-
 def _on_each_node(env_for_node, args: list[str]) -> list[str]:
     procs = [subprocess.Popen(["bash", str(NETLAB), "run", str(n), "bash", "run.sh", *args], env=env_for_node(n),
                               cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for n in (0, 1)]
-    return _finish(procs, "node")
+    return finish_all(procs, "node", RUN_TIMEOUT_S)
 
 
 def _losses(tb: Path) -> list[float]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import finish_all
+
 REPO = Path(__file__).resolve().parents[1]
 NETLAB = REPO / "tools" / "netlab.sh"
 PREFIX = f"mzt{os.getpid() % 10000}"
@@ -55,24 +57,13 @@ def _rx_bytes() -> int:
     return total
 
 
-def _on_both_nodes(command_for_node, env: dict[str, str]) -> list[subprocess.CompletedProcess]:
-    """Start the command on both nodes at once (they rendezvous), wait for both."""
+def _on_both_nodes(command_for_node, env: dict[str, str]) -> list[str]:
+    """Start the command on both nodes at once (they rendezvous); both outputs once both exit 0."""
     base = {**os.environ, "NETLAB_PREFIX": PREFIX, "NETLAB_SUBNET": SUBNET, **env}
     procs = [subprocess.Popen(["bash", str(NETLAB), "run", str(node), *command_for_node(node)],
                               env=base, cwd=REPO, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for node in (0, 1)]
-    results = []
-    for node, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"node {node} did not finish within {RUN_TIMEOUT_S} s")
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    for node, res in enumerate(results):
-        assert res.returncode == 0, f"node {node} failed:\n{res.stdout[-4000:]}"
-    return results
+    return finish_all(procs, "node", RUN_TIMEOUT_S)
 
 
 def _torchrun(node: int, master: str, port: int) -> list[str]:
@@ -134,4 +125,4 @@ def test_two_node_training_through_run_sh(nodes, tmp_path, tiny_corpus_dir, tiny
     print(f"inter-node bytes: counted {counted}, kernel (veth rx, both nodes) {kernel}, "
           f"ratio {kernel / counted:.3f}")
     assert counted > 1_000_000, "the run moved too little across nodes to compare"
-    assert abs(kernel - counted) <= 0.25 * counted, (kernel, counted, runs[0].stdout[-2000:])
+    assert abs(kernel - counted) <= 0.25 * counted, (kernel, counted, runs[0][-2000:])

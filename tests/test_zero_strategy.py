@@ -39,8 +39,8 @@ def test_padding_and_tensors_tile_an_aligned_bucket():
     lay = BucketLayout.build(params, 2, 1, 0, align=8)
     tensors = [(off, off + shape.numel()) for off, shape in zip(lay.offsets, lay.shapes)]
     assert all(off % 8 == 0 for off, _ in tensors)
-    assert lay.padding_ranges() == [(21, 24), (42, 48), (53, 64)] and lay.padded == 64
-    assert sorted(tensors + lay.padding_ranges()) == [(0, 21), (21, 24), (24, 42), (42, 48), (48, 53), (53, 64)]
+    assert lay.padding_ranges == [(21, 24), (42, 48), (53, 64)] and lay.padded == 64
+    assert sorted(tensors + lay.padding_ranges) == [(0, 21), (21, 24), (24, 42), (42, 48), (48, 53), (53, 64)]
 
 
 def test_g_shard_nests_inside_i_shard_and_both_partition_the_buffer():

@@ -24,7 +24,7 @@ import operator
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, Iterable, NoReturn
 
 import yaml
 
@@ -142,18 +142,19 @@ class _Parser:
         return predicate
 
     def _or(self) -> Predicate:
-        terms = [self._and()]
-        while self._is("name", "or"):
-            self.pos += 1
-            terms.append(self._and())
-        return terms[0] if len(terms) == 1 else (lambda s: any(t(s) for t in terms))
+        return self._joined("or", self._and, any)
 
     def _and(self) -> Predicate:
-        terms = [self._not()]
-        while self._is("name", "and"):
+        return self._joined("and", self._not, all)
+
+    def _joined(self, word: str, term: Callable[[], Predicate],
+                combine: Callable[[Iterable[bool]], bool]) -> Predicate:
+        """`term (word term)*`, true when `combine` (any / all) of the terms is."""
+        terms = [term()]
+        while self._is("name", word):
             self.pos += 1
-            terms.append(self._not())
-        return terms[0] if len(terms) == 1 else (lambda s: all(t(s) for t in terms))
+            terms.append(term())
+        return terms[0] if len(terms) == 1 else (lambda s: combine(t(s) for t in terms))
 
     def _not(self) -> Predicate:
         if self._is("name", "not"):

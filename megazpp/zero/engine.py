@@ -283,7 +283,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
         and unused parameters' slices."""
         layout = b.layout
-        for lo, hi in layout.padding_ranges():
+        for lo, hi in layout.padding_ranges:
             b.staging[lo:hi].zero_()
         for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
             if i not in b.arrived:

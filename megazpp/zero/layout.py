@@ -21,6 +21,8 @@ tail.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,11 +97,12 @@ class BucketLayout:
                 out.append((a - lo, b - lo))
         return out
 
+    @functools.cached_property
     def padding_ranges(self) -> list[tuple[int, int]]:
         """Flat [start, end) of every stretch no tensor owns: the gaps ZeRO++'s per-tensor
         alignment leaves between tensors, and the tail. Gradients written tensor by tensor leave
         them untouched, so they must be zeroed explicitly (or they would feed the grad norm and
-        the blocks' scales)."""
+        the blocks' scales). Computed once: the engine zeroes them every micro-batch."""
         out, pos = [], 0
         for off, shape in zip(self.offsets, self.shapes):
             if off > pos:
