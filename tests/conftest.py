@@ -76,6 +76,19 @@ def tiny_indexed_prefix(tiny_corpus_dir, tiny_tokenizer_model, tmp_path_factory)
 
 
 @pytest.fixture
+def run_sh_data_dir(tmp_path, tiny_corpus_dir, tiny_tokenizer_model, tiny_indexed_prefix) -> Path:
+    """run.sh's `data/` layout (its DATA_DIR) pointing at the session's tiny fixtures, so a test
+    that launches run.sh rebuilds nothing."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "corpus").symlink_to(tiny_corpus_dir)
+    (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
+    for ext in ("bin", "idx"):
+        (data / f"corpus_text_document.{ext}").symlink_to(f"{tiny_indexed_prefix}.{ext}")
+    return data
+
+
+@pytest.fixture
 def write_token_dataset(tmp_path):
     """Factory: writes documents (lists of token ids) as an int32 indexed dataset, returns its prefix.
 

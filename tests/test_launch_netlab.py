@@ -68,18 +68,6 @@ def nodes():
         assert _netlab("down").returncode == 0
 
 
-@pytest.fixture
-def data_dir(tmp_path, tiny_corpus_dir, tiny_tokenizer_model, tiny_indexed_prefix) -> Path:
-    """run.sh's data layout pointing at the session's tiny fixtures (nothing is rebuilt)."""
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "corpus").symlink_to(tiny_corpus_dir)
-    (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
-    for ext in ("bin", "idx"):
-        (data / f"corpus_text_document.{ext}").symlink_to(f"{tiny_indexed_prefix}.{ext}")
-    return data
-
-
 def _on_each_node(env_for_node, args: list[str]) -> list[str]:
     procs = [subprocess.Popen(["bash", str(NETLAB), "run", str(n), "bash", "run.sh", *args], env=env_for_node(n),
                               cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -98,19 +86,19 @@ def _run_args(tmp_path: Path, name: str) -> list[str]:
 
 
 @pytest.fixture
-def by_hand(nodes, tmp_path, data_dir) -> list[float]:
+def by_hand(nodes, tmp_path, run_sh_data_dir) -> list[float]:
     port = str(random.randrange(20000, 30000))
     _on_each_node(lambda n: _env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=port,
-                                 NPROC_PER_NODE="1", DATA_DIR=str(data_dir)),
+                                 NPROC_PER_NODE="1", DATA_DIR=str(run_sh_data_dir)),
                   _run_args(tmp_path, "hand"))
     return _losses(tmp_path / "tb_hand")
 
 
-def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path, data_dir):
+def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path, run_sh_data_dir):
     job_id = random.randrange(100000, 999999)
     slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": f"{PREFIX}-node[0-1]",
              "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
-             "DATA_DIR": str(data_dir)}
+             "DATA_DIR": str(run_sh_data_dir)}
     outputs = _on_each_node(lambda n: _env(SLURM_NODEID=str(n), **slurm), _run_args(tmp_path, "slurm"))
     port = 10000 + job_id % 20000
     for n, out in enumerate(outputs):
@@ -124,7 +112,7 @@ def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path,
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
     launcher = subprocess.run(["bash", "tools/launch_hosts.sh", str(hostfile), *_run_args(tmp_path, "hosts")],
-                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(data_dir)), cwd=REPO, text=True,
+                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir)), cwd=REPO, text=True,
                               capture_output=True, timeout=RUN_TIMEOUT_S)
     assert launcher.returncode == 0, launcher.stdout[-3000:] + launcher.stderr[-2000:]
     assert f"2 hosts x 1 ranks, master {HOSTS[0]}:" in launcher.stderr
@@ -135,7 +123,7 @@ def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path,
     print(f"losses of all three launches: {by_hand}")
 
 
-def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, data_dir):
+def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, run_sh_data_dir):
     """mz23-node1 fails 20 s after its start; mz23-node0 runs the real run.sh, which waits in the
     rendezvous for its peer (up to torchrun's 15 minutes) until the launcher stops it."""
     rsh = tmp_path / "ssh"
@@ -146,7 +134,7 @@ def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, data_d
     started = time.monotonic()
     launcher = subprocess.run(["bash", "tools/launch_hosts.sh", "--stop-grace", "20", str(hostfile),
                                *_run_args(tmp_path, "fail")],
-                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(data_dir), FAIL_HOST=HOSTS[1],
+                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir), FAIL_HOST=HOSTS[1],
                                        FAIL_AFTER_S="20"),
                               cwd=REPO, text=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     assert launcher.returncode == 1, launcher.stdout[-3000:] + launcher.stderr[-2000:]

@@ -92,22 +92,10 @@ def test_collective_wire_bytes_per_operation(nodes, tmp_path):
         assert abs(measured - ratio) <= 0.05 * ratio, (name, measured, ratio)
 
 
-def _data_dir(tmp_path: Path, corpus: Path, tokenizer: Path, prefix: str) -> Path:
-    """run.sh's data layout, pointing at the session's tiny fixtures (nothing is rebuilt)."""
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "corpus").symlink_to(corpus)
-    (data / "tokenizer.model").symlink_to(tokenizer)
-    for ext in ("bin", "idx"):
-        (data / f"corpus_text_document.{ext}").symlink_to(f"{prefix}.{ext}")
-    return data
-
-
-def test_two_node_training_through_run_sh(nodes, tmp_path, tiny_corpus_dir, tiny_tokenizer_model,
-                                          tiny_indexed_prefix):
+def test_two_node_training_through_run_sh(nodes, tmp_path, run_sh_data_dir):
     """2 nodes x 2 ranks (TP=2 inside each node, DP=2 across): the run completes and the
     kernel's inter-node byte count agrees with the counted reports within 25%."""
-    data = _data_dir(tmp_path, Path(tiny_corpus_dir), Path(tiny_tokenizer_model), tiny_indexed_prefix)
+    data = run_sh_data_dir
     reports = tmp_path / "reports"
     port = 29900 + os.getpid() % 90
     flags = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--lr-warmup-iters", "1", "--seq-length", "64",
