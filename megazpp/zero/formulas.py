@@ -321,9 +321,9 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     fetch: under hpZ from the secondary shard, under qwZ without hpZ the quantized primary).
     Then one gradient reduction to g per micro-batch, and per step the boundary reduction to os
     (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
-    the micro-batch reduction take its sequences and formats; under qgZ, `exact_ranges` (per
-    bucket, the flat ranges of the tensors it sends exactly: `BucketLayout.vector_ranges`) add
-    their fp32 side payload (`qgz_exact_widths`).
+    the micro-batch reduction take its sequences and formats; `exact_ranges` (per bucket, the
+    flat ranges of the tensors qgZ and qwZ send exactly: `BucketLayout.vector_ranges`) add
+    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`).
     """
     k = shapes.k
     pp = zeropp or ZeroPP()
@@ -331,7 +331,13 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     again = tuple(n for i, n in enumerate(numels) if not (i < len(reused) and reused[i]))
     fetch = tuple(param_fetch_sequence(s, k, hier))
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
-    backward = (tuple(hpz_fetch_sequence()), param_bytes) if pp.hpz > 1 else (fetch, weights)
+    fetch_sides: tuple[tuple[int, ...], ...] = ()
+    if pp.qwz and exact_ranges:
+        fetch_sides = tuple(qwz_exact_sides(fetch, shapes, n, level_div(s.p, shapes.d, k), r, param_bytes)
+                            for n, r in zip(numels, exact_ranges))
+    again_sides = tuple(side for i, side in enumerate(fetch_sides) if not (i < len(reused) and reused[i]))
+    backward = ((tuple(hpz_fetch_sequence()), param_bytes, micro_batches, again) if pp.hpz > 1
+                else (fetch, weights, micro_batches, again, again_sides))
     sides: tuple[tuple[int, ...], ...] = ()
     if pp.qgz:
         qseq = qgz_sequence(s, shapes)
@@ -341,8 +347,8 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
                           for n, r in zip(numels, exact_ranges))
     else:
         micro = (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes)
-    return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels),
-            "fetch_backward": StepPart(*backward, micro_batches, again),
+    return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels, fetch_sides),
+            "fetch_backward": StepPart(*backward),
             "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
             "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, numels)}
@@ -474,12 +480,23 @@ def qgz_exact_widths(seq: Sequence[Collective], shapes: DPShapes, padded: int,
     exactly: each chunk of a stage carries its values of them as fp32, padded to the most
     any chunk of that granularity in the bucket holds, so every peer's chunk has one size
     (the all-to-all needs equal splits) and the width needs no rank's position."""
-    widths = []
-    for c in seq:
-        parts = c.numel_div * getattr(shapes, c.group).size
-        widths.append(max((sum(b - a for a, b in piece) for piece in chunk_ranges(exact, padded, parts)),
-                          default=0))
-    return widths
+    return [most_per_chunk(exact, padded, c.numel_div * getattr(shapes, c.group).size) for c in seq]
+
+
+def most_per_chunk(ranges: Sequence[tuple[int, int]], numel: int, parts: int) -> int:
+    """The most elements of `ranges` that any of `parts` equal chunks of `numel` holds."""
+    return max((sum(b - a for a, b in piece) for piece in chunk_ranges(ranges, numel, parts)), default=0)
+
+
+def qwz_exact_sides(seq: Sequence[Collective], shapes: DPShapes, padded: int, p_div: int,
+                    exact: Sequence[tuple[int, int]], param_bytes: int) -> tuple[int, ...]:
+    """Bytes each peer's chunk carries besides its int8 codes, per collective of qwZ's gather.
+
+    qwZ sends the tensors in `exact` exactly, like qgZ: each of the `p_div` p-level shards
+    carries its values of them in the model dtype, padded to the most any shard holds
+    (`most_per_chunk`), and a peer's chunk in a gather stage is whole shards."""
+    width = most_per_chunk(exact, padded, p_div) * param_bytes
+    return tuple(p_div // (c.numel_div * getattr(shapes, c.group).size) * width for c in seq)
 
 
 def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,

@@ -12,7 +12,9 @@ Both run their first collective asynchronously and the rest when waited on, like
 qgZ sends a bucket's 1-D tensors (norm gains, biases) exactly: each peer's chunk carries, after
 its scales, the fp32 values of those tensors that fall in it (`ExactPlan`, widths from
 `formulas.qgz_exact_widths`), and the receiver overwrites their dequantized sums with the exact
-ones. Their int4 codes still travel (the blocks stay uniform) but are never used.
+ones. Their int4 codes still travel (the blocks stay uniform) but are never used. qwZ does the
+same for parameters (`ExactGather`): each shard's blob carries its 1-D tensors' values in the
+model dtype, which overwrite their decoded int8 values, so a norm gain arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 import kernels
 from megazpp.parallel import comm
 from megazpp.zero.collectives import PendingSequence, ZeroGroups
-from megazpp.zero.formulas import Collective, chunk_ranges
+from megazpp.zero.formulas import Collective, chunk_ranges, most_per_chunk
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None) -> torch.Tensor:
     """One uint8 buffer of `parts` equal chunks, each: its codes, its scales' bytes, then its
-    row of `exact` ([parts, width] fp32), if any."""
+    row of `exact` ([parts, width]; qgZ: fp32, qwZ: the model dtype), if any."""
     rows = [codes.view(torch.uint8).view(parts, -1), scales.view(torch.uint8).view(parts, -1)]
     if exact is not None:
         rows.append(exact.view(torch.uint8).view(parts, -1))
@@ -39,14 +41,19 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Ten
 
 
 def unpack(buf: torch.Tensor, parts: int, code_bytes: int, code_dtype: torch.dtype,
-           exact_width: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `pack`: codes [parts, code_bytes], fp32 scales [parts, blocks] and the fp32
-    exact values [parts, exact_width]."""
+           exact_width: int = 0, exact_dtype: torch.dtype = torch.float32
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `pack`: codes [parts, code_bytes], fp32 scales [parts, blocks] and the
+    exact values [parts, exact_width] of `exact_dtype`."""
     rows = buf.view(parts, -1)
-    tail = rows.shape[1] - 4 * exact_width
+    tail = rows.shape[1] - exact_width * exact_dtype.itemsize
     codes = rows[:, :code_bytes].contiguous().view(code_dtype)
     return (codes, rows[:, code_bytes:tail].contiguous().view(torch.float32),
-            rows[:, tail:].contiguous().view(torch.float32))
+            rows[:, tail:].contiguous().view(exact_dtype))
+
+
+def _positions(pieces: Sequence[tuple[int, int]], offset: int = 0) -> torch.Tensor:
+    return torch.cat([torch.arange(offset + a, offset + b) for a, b in pieces] or [torch.zeros(0, dtype=torch.long)])
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,6 @@ class ExactPlan:
         index tensors live on `device` (the bucket's), so no reduction copies them there."""
         if not ranges:
             return None
-
-        def positions(pieces: Sequence[tuple[int, int]]) -> torch.Tensor:
-            return torch.cat([torch.arange(a, b) for a, b in pieces] or [torch.zeros(0, dtype=torch.long)])
-
         current, size, dests, keeps = list(ranges), numel, [], []
         for (parts, me), width in zip(stages, widths):
             chunks = chunk_ranges(current, size, parts)
@@ -82,27 +85,62 @@ class ExactPlan:
                                     for j, chunk in enumerate(chunks)]))
             current, size = chunks[me], size // parts
             keeps.append(sum(b - a for a, b in current))
-        return ExactPlan(positions(ranges).to(device), tuple(d.to(device) for d in dests), tuple(widths),
-                         tuple(keeps), positions(current).to(device))
+        return ExactPlan(_positions(ranges).to(device), tuple(d.to(device) for d in dests), tuple(widths),
+                         tuple(keeps), _positions(current).to(device))
+
+
+@dataclass(frozen=True)
+class ExactGather:
+    """qwZ's exactly sent values of one bucket, for one rank: `mine` are their positions in my
+    p-level shard; every shard's blob reserves `width` values for them (`formulas.most_per_chunk`:
+    the gather needs equal blobs); after the gather, entry `src[i]` of the [shards, width]
+    matrix of received values belongs at position `dst[i]` of the full buffer."""
+
+    mine: torch.Tensor
+    width: int
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    @staticmethod
+    def build(ranges: Sequence[tuple[int, int]], numel: int, shards: int, me: int,
+              device: torch.device | str = "cpu") -> "ExactGather | None":
+        """`ranges`: flat ranges sent exactly; the buffer of `numel` is `shards` equal shards,
+        mine the `me`-th."""
+        if not ranges:
+            return None
+        chunks, size = chunk_ranges(ranges, numel, shards), numel // shards
+        width = most_per_chunk(ranges, numel, shards)
+        src = torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk)) for j, chunk in enumerate(chunks)])
+        dst = torch.cat([_positions(chunk, j * size) for j, chunk in enumerate(chunks)])
+        return ExactGather(_positions(chunks[me]).to(device), width, src.to(device), dst.to(device))
 
 
 class PendingQuantizedGather:
-    """qwZ: quantize my parameter shard to int8, gather codes + scales along the strategy's
-    exact gather sequence, decode the whole buffer into the model dtype."""
+    """qwZ: quantize my parameter shard to int8, gather codes + scales (+ the `exact` values)
+    along the strategy's exact gather sequence, decode the whole buffer into the model dtype."""
 
     def __init__(self, seq: list[Collective], shard: torch.Tensor, groups: ZeroGroups, block: int,
-                 tag: str, ops: SimpleNamespace = kernels.kernel_set()) -> None:
+                 tag: str, ops: SimpleNamespace = kernels.kernel_set(), exact: ExactGather | None = None) -> None:
         codes, scales = ops.quantize(shard, 8, block)
-        self._ops, self._block, self._dtype = ops, block, shard.dtype
+        self._ops, self._block, self._dtype, self._exact = ops, block, shard.dtype, exact
         self._code_bytes = codes.numel()
-        self._blob = codes.numel() + scales.numel() * 4
-        self._pending = PendingSequence(seq, pack(codes, scales, 1), groups, tag)
+        values = None
+        if exact is not None:
+            values = shard.new_zeros(exact.width)
+            values[:exact.mine.numel()] = shard[exact.mine]
+        send = pack(codes, scales, 1, values)
+        self._blob = send.numel()
+        self._pending = PendingSequence(seq, send, groups, tag)
 
     def wait(self) -> torch.Tensor:
         gathered = self._pending.wait()
         parts = gathered.numel() // self._blob
-        codes, scales, _ = unpack(gathered, parts, self._code_bytes, torch.int8)
-        return self._ops.dequantize(codes.reshape(-1), scales.reshape(-1), 8, self._block, dtype=self._dtype)
+        width = self._exact.width if self._exact is not None else 0
+        codes, scales, values = unpack(gathered, parts, self._code_bytes, torch.int8, width, self._dtype)
+        full = self._ops.dequantize(codes.reshape(-1), scales.reshape(-1), 8, self._block, dtype=self._dtype)
+        if self._exact is not None:
+            full[self._exact.dst] = values.reshape(-1)[self._exact.src]
+        return full
 
 
 class PendingQuantizedReduce:

@@ -3,7 +3,8 @@
 What changes, per path of `CommPaths`:
 
 * parameter gather, forward (and backward without hpZ): qwZ gathers int8 codes + scales of
-  the primary shard along the exact gather sequence and decodes them into the unit's buffer;
+  the primary shard along the exact gather sequence and decodes them into the unit's buffer,
+  the bucket's 1-D tensors sent exactly alongside (`quantized.ExactGather`);
 * parameter gather, backward with hpZ: an all-gather of the secondary shard inside its group
   of `hpz` DP ranks on one node. The secondary shard is cut from the full buffer of the first
   forward gather after each step, so it costs no communication and backward computes with
@@ -27,7 +28,7 @@ from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
 from megazpp.zero.paths import CommPaths, Waitable
-from megazpp.zero.quantized import ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
+from megazpp.zero.quantized import ExactGather, ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
 
 
@@ -59,6 +60,7 @@ class ZeroPPPaths(CommPaths):
         self._stages = [(groups.get(c.group), size_of(groups, c.group)) for c in self._qgz_seq]
         self._shapes = shapes
         self._exact: dict[int, ExactPlan | None] = {}
+        self._exact_gather: dict[int, ExactGather | None] = {}
         self._hpz_index = hpz_index
         self._buckets: list[Bucket] = []
         self._secondary: dict[int, torch.Tensor] = {}
@@ -74,6 +76,11 @@ class ZeroPPPaths(CommPaths):
             self._secondary[id(b)] = b.param_store.new_zeros(b.layout.padded // self.zeropp.hpz)
         if self._loco is not None:
             self._loco.add_bucket(b)
+        if self._qwz:
+            lo, hi = b.layout.shard_range(self.strategy.p)
+            self._exact_gather[id(b)] = ExactGather.build(b.layout.vector_ranges(), b.layout.padded,
+                                                          b.layout.padded // (hi - lo), lo // (hi - lo),
+                                                          b.param_store.device)
         if self._stages:
             group, local = divmod(b.layout.dp_index, b.layout.k)
             mine = [(size, local if c.group == "intra" else group)
@@ -92,7 +99,8 @@ class ZeroPPPaths(CommPaths):
             return PendingSequence(formulas.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
         if self._qwz:
             pending: Waitable = PendingQuantizedGather(self._fetch, b.param_store, self.groups,
-                                                       self.zeropp.qwz_block, tag, self._ops)
+                                                       self.zeropp.qwz_block, tag, self._ops,
+                                                       self._exact_gather[id(b)])
         else:
             pending = super().start_param_gather(b, phase)
         if self.zeropp.hpz > 1 and id(b) not in self._fresh:
