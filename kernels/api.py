@@ -86,17 +86,8 @@ dequant_reduce_quantize = _DEFAULT.dequant_reduce_quantize
 dequant_reduce_loco_quantize = _DEFAULT.dequant_reduce_loco_quantize
 
 
-def new_error_buffer(
-    numel: int, block_size: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zero LoCo error buffer (int8 codes, fp32 scales) for a `numel`-value tensor.
-
-    All-zero codes with zero scales decode to exactly 0, which is also what a reset
-    (every reset_T steps) writes back.
-    """
+def new_error_buffer(numel: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero LoCo error buffer (fp32, whole blocks) for a `numel`-value tensor; zeros are also
+    what a reset (every reset_T steps) writes back."""
     check_block_size(block_size)
-    blocks = num_blocks(numel, block_size)
-    return (
-        torch.zeros(blocks * block_size, dtype=torch.int8, device=device),
-        torch.zeros(blocks, dtype=torch.float32, device=device),
-    )
+    return torch.zeros(num_blocks(numel, block_size) * block_size, dtype=torch.float32, device=device)

@@ -27,7 +27,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100
 _REDUCE_ARGS = {
     "in_codes_ptr": "*u8", "in_scales_ptr": "*fp32", "parts": "i32", "codes_stride": "i32",
     "scales_stride": "i32", "out_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
-    "err_codes_ptr": "*i8", "err_scales_ptr": "*fp32", "numel": "i32", "blocks": "i32",
+    "err_ptr": "*fp32", "numel": "i32", "blocks": "i32",
     "beta": "fp32", "keep": "fp32",
 }
 
@@ -50,7 +50,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
             args = {"x_ptr": f"*{src}", **quant, "codes_ptr": f"*{code}"}
             consts = {**_tile(block), "BITS": bits, "QMAX": triton_ops.QMAX[bits]}
             out.append((f"quantize {src} int{bits}", triton_ops._quantize_kernel, args, consts))
-            loco = {"x_ptr": f"*{src}", "err_codes_ptr": "*i8", "err_scales_ptr": "*fp32", **quant,
+            loco = {"x_ptr": f"*{src}", "err_ptr": "*fp32", **quant,
                     "codes_ptr": f"*{code}", "beta": "fp32", "keep": "fp32"}
             out.append((f"loco_quantize {src} int{bits}", triton_ops._loco_quantize_kernel, loco, consts))
     for dst in ("fp32", "bf16", "fp16"):

@@ -146,17 +146,18 @@ def check_stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_si
     return blocks
 
 
-def check_error_buffer(
-    err_codes: torch.Tensor, err_scales: torch.Tensor, blocks: int, block_size: int, device: torch.device
-) -> None:
-    """Raise ConfigError unless the LoCo buffer is flat int8 codes + scales for `blocks` blocks."""
-    have = check_codes("LoCo error buffer", err_codes, err_scales, 8, block_size)
-    if err_codes.device != device:
-        raise ConfigError(f"LoCo error buffer is on {err_codes.device} but the values it corrects are on {device}")
-    if err_codes.dim() != 1 or have != blocks:
+def check_error_buffer(err: torch.Tensor, blocks: int, block_size: int, device: torch.device) -> None:
+    """Raise ConfigError unless the LoCo buffer is a flat, contiguous fp32 tensor of `blocks`
+    whole blocks on `device` (it is updated in place)."""
+    if not isinstance(err, torch.Tensor) or err.dtype != torch.float32:
+        raise ConfigError(f"LoCo error buffer must be an fp32 tensor, got "
+                          f"{err.dtype if isinstance(err, torch.Tensor) else type(err).__name__}")
+    if err.device != device:
+        raise ConfigError(f"LoCo error buffer is on {err.device} but the values it corrects are on {device}")
+    if err.dim() != 1 or err.numel() != blocks * block_size or not err.is_contiguous():
         raise ConfigError(
-            f"LoCo error buffer holds {have} blocks (codes shape {tuple(err_codes.shape)}) but the "
-            f"quantized tensor has {blocks} blocks of {block_size}"
+            f"LoCo error buffer has shape {tuple(err.shape)} but the quantized tensor has {blocks} blocks "
+            f"of {block_size}: expected a contiguous 1-D buffer of {blocks * block_size} values"
         )
 
 

@@ -83,18 +83,16 @@ def _dequant_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_si
 
 
 def _loco_tile(
-    values: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Error-compensate, quantize, and fold the new error into the int8 buffer (LoCo)."""
+    values: torch.Tensor, err: torch.Tensor, err_beta: float, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error-compensate, quantize, and blend the new error into the fp32 buffer (LoCo)."""
     beta = torch.tensor(err_beta, dtype=torch.float32, device=values.device)
     keep = torch.tensor(1.0 - err_beta, dtype=torch.float32, device=values.device)
-    old_err = _dequant_tile(err_codes, err_scales, 8, values.shape[1])
+    old_err = err.view(values.shape)
     compensated = values + old_err
     codes, scales = quantize_tile(compensated, bits)
     new_err = compensated - codes * scales[:, None]
-    blended = beta * old_err + keep * new_err
-    err_q, err_s = quantize_tile(blended, 8)
-    return codes, scales, err_q, err_s
+    return codes, scales, beta * old_err + keep * new_err
 
 
 def _quantize_blocks(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +100,10 @@ def _quantize_blocks(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     return encode(codes, bits), scales
 
 
-def _loco_blocks(tile: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
-                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes, scales, err_q, err_s = _loco_tile(tile, err_codes, err_scales, err_beta, bits)
-    return encode(codes, bits), scales, encode(err_q, 8), err_s
+def _loco_blocks(tile: torch.Tensor, err: torch.Tensor, err_beta: float,
+                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scales, new_err = _loco_tile(tile, err, err_beta, bits)
+    return encode(codes, bits), scales, new_err.reshape(-1)
 
 
 def _reduce_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
@@ -121,9 +119,9 @@ def _reduce_quantize_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int
 
 
 def _reduce_loco_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                        err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
-                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _loco_blocks(_reduce_tile(codes, scales, bits, block_size), err_codes, err_scales, err_beta, out_bits)
+                        err: torch.Tensor, err_beta: float,
+                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _loco_blocks(_reduce_tile(codes, scales, bits, block_size), err, err_beta, out_bits)
 
 
 @dataclass(frozen=True)
@@ -178,23 +176,21 @@ def dequantize(
 
 def loco_quantize(
     grad: torch.Tensor,
-    err_codes: torch.Tensor,
-    err_scales: torch.Tensor,
+    err: torch.Tensor,
     err_beta: float,
     block_size: int,
     bits: int = 4,
     *,
     arith: Arithmetic = EAGER,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LoCo-quantize `grad`; returns (codes, scales, err_codes, err_scales), the error in place."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoCo-quantize `grad`; returns (codes, scales, err), the fp32 error buffer updated in place."""
     check_float_input("loco_quantize grad", grad)
     check_bits(bits)
     err_beta = check_err_beta(err_beta)
-    check_error_buffer(err_codes, err_scales, num_blocks(grad.numel(), block_size), block_size, grad.device)
-    codes, scales, err_q, err_s = arith.loco(_tile(grad, block_size), err_codes, err_scales, err_beta, bits)
-    err_codes.copy_(err_q)
-    err_scales.copy_(err_s)
-    return codes, scales, err_codes, err_scales
+    check_error_buffer(err, num_blocks(grad.numel(), block_size), block_size, grad.device)
+    codes, scales, new_err = arith.loco(_tile(grad, block_size), err, err_beta, bits)
+    err.copy_(new_err)
+    return codes, scales, err
 
 
 def dequant_reduce(
@@ -222,20 +218,17 @@ def dequant_reduce_loco_quantize(
     scales: torch.Tensor,
     bits: int,
     block_size: int,
-    err_codes: torch.Tensor,
-    err_scales: torch.Tensor,
+    err: torch.Tensor,
     err_beta: float,
     out_bits: int = 4,
     *,
     arith: Arithmetic = EAGER,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
     check_bits(out_bits)
     err_beta = check_err_beta(err_beta)
     blocks = check_stacked(codes, scales, bits, block_size)
-    check_error_buffer(err_codes, err_scales, blocks, block_size, codes.device)
-    q, s, err_q, err_s = arith.reduce_loco(codes, scales, bits, block_size, err_codes, err_scales, err_beta,
-                                           out_bits)
-    err_codes.copy_(err_q)
-    err_scales.copy_(err_s)
-    return q, s, err_codes, err_scales
+    check_error_buffer(err, blocks, block_size, codes.device)
+    q, s, new_err = arith.reduce_loco(codes, scales, bits, block_size, err, err_beta, out_bits)
+    err.copy_(new_err)
+    return q, s, err

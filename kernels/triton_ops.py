@@ -28,7 +28,6 @@ from kernels.format import (
 )
 from kernels.reference import all_finite  # noqa: F401 (one fused torch reduction on CUDA already)
 from kernels.triton_tiles import cast_rne, load_dequant, loco_tile, quantize_tile, store_codes, tile_rows
-from megazpp.errors import ConfigError
 
 # Elements per program: big enough to amortize the per-program overhead on a GPU and give
 # each thread several 16-byte accesses, small enough to stay in registers.
@@ -58,21 +57,19 @@ def _dequantize_kernel(
 
 @triton.jit
 def _loco_quantize_kernel(
-    x_ptr, err_codes_ptr, err_scales_ptr, codes_ptr, scales_ptr, numel, blocks, beta, keep,
+    x_ptr, err_ptr, codes_ptr, scales_ptr, numel, blocks, beta, keep,
     BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
 ):
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
-    codes, scale = loco_tile(
-        x, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, QMAX
-    )
+    codes, scale = loco_tile(x, err_ptr, offs, live, beta, keep, QMAX)
     store_codes(codes_ptr, scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, BITS)
 
 
 @triton.jit
 def _dequant_reduce_kernel(
     in_codes_ptr, in_scales_ptr, parts, codes_stride, scales_stride,
-    out_ptr, out_codes_ptr, out_scales_ptr, err_codes_ptr, err_scales_ptr, numel, blocks, beta, keep,
+    out_ptr, out_codes_ptr, out_scales_ptr, err_ptr, numel, blocks, beta, keep,
     BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
     OUT_BITS: tl.constexpr, OUT_QMAX: tl.constexpr, LOCO: tl.constexpr,
 ):
@@ -88,9 +85,7 @@ def _dequant_reduce_kernel(
         tl.store(out_ptr + offs, total, mask=live & (offs < numel))
     else:
         if LOCO:
-            codes, scale = loco_tile(
-                total, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep, BLOCK, BLOCK_P2, ROWS, OUT_QMAX
-            )
+            codes, scale = loco_tile(total, err_ptr, offs, live, beta, keep, OUT_QMAX)
         else:
             codes, scale = quantize_tile(total, OUT_QMAX)
         store_codes(out_codes_ptr, out_scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, OUT_BITS)
@@ -116,11 +111,6 @@ def _new_codes(blocks: int, bits: int, block_size: int, device: torch.device) ->
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).contiguous()
-
-
-def _check_inplace(err_codes: torch.Tensor, err_scales: torch.Tensor) -> None:
-    if not (err_codes.is_contiguous() and err_scales.is_contiguous()):
-        raise ConfigError("LoCo error buffer codes and scales must be contiguous (they are updated in place)")
 
 
 def _loco_weights(err_beta: float) -> tuple[float, float]:
@@ -165,28 +155,26 @@ def dequantize(
 
 def loco_quantize(
     grad: torch.Tensor,
-    err_codes: torch.Tensor,
-    err_scales: torch.Tensor,
+    err: torch.Tensor,
     err_beta: float,
     block_size: int,
     bits: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LoCo-quantize `grad`; returns (codes, scales, err_codes, err_scales), the error in place."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoCo-quantize `grad`; returns (codes, scales, err), the fp32 error buffer updated in place."""
     check_float_input("loco_quantize grad", grad)
     check_bits(bits)
     beta, keep = _loco_weights(err_beta)
     flat = _flat(grad)
     blocks = num_blocks(flat.numel(), block_size)
-    check_error_buffer(err_codes, err_scales, blocks, block_size, grad.device)
-    _check_inplace(err_codes, err_scales)
+    check_error_buffer(err, blocks, block_size, grad.device)
     codes, scales = _new_codes(blocks, bits, block_size, grad.device)
     if blocks:
         grid, opts = _tiling(block_size, blocks)
         _loco_quantize_kernel[grid](
-            flat, err_codes, err_scales, codes, scales, flat.numel(), blocks, beta, keep,
+            flat, err, codes, scales, flat.numel(), blocks, beta, keep,
             BITS=bits, QMAX=QMAX[bits], **opts,
         )
-    return codes, scales, err_codes, err_scales
+    return codes, scales, err
 
 
 def _launch_reduce(
@@ -200,13 +188,13 @@ def _launch_reduce(
     out_bits: int = 0,
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
-    err: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
+    err: tuple[torch.Tensor, float, float] | None = None,
 ) -> None:
     blocks = scales.shape[1]
     if not blocks:
         return
     codes, scales = codes.contiguous(), scales.contiguous()
-    err_codes, err_scales, beta, keep = err if err is not None else (scales, scales, 0.0, 0.0)
+    err_buf, beta, keep = err if err is not None else (scales, 0.0, 0.0)
     # Pointers a constexpr branch never touches still need a tensor; pass the input scales.
     out = scales if out is None else out
     out_codes = scales if out_codes is None else out_codes
@@ -214,7 +202,7 @@ def _launch_reduce(
     grid, opts = _tiling(block_size, blocks)
     _dequant_reduce_kernel[grid](
         codes, scales, codes.shape[0], codes.shape[1], scales.shape[1],
-        out, out_codes, out_scales, err_codes, err_scales, numel, blocks, beta, keep,
+        out, out_codes, out_scales, err_buf, numel, blocks, beta, keep,
         BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
     )
 
@@ -245,20 +233,18 @@ def dequant_reduce_loco_quantize(
     scales: torch.Tensor,
     bits: int,
     block_size: int,
-    err_codes: torch.Tensor,
-    err_scales: torch.Tensor,
+    err: torch.Tensor,
     err_beta: float,
     out_bits: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
     blocks = check_stacked(codes, scales, bits, block_size)
     check_bits(out_bits)
     beta, keep = _loco_weights(err_beta)
-    check_error_buffer(err_codes, err_scales, blocks, block_size, codes.device)
-    _check_inplace(err_codes, err_scales)
+    check_error_buffer(err, blocks, block_size, codes.device)
     out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
     _launch_reduce(
         codes, scales, bits, block_size, out_bits=out_bits, out_codes=out_codes, out_scales=out_scales,
-        err=(err_codes, err_scales, beta, keep),
+        err=(err, beta, keep),
     )
-    return out_codes, out_scales, err_codes, err_scales
+    return out_codes, out_scales, err

@@ -107,15 +107,12 @@ def load_dequant(
 
 @triton.jit
 def loco_tile(
-    values, err_codes_ptr, err_scales_ptr, rows, blocks, beta, keep,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, QMAX: tl.constexpr,
+    values, err_ptr, offs, live, beta, keep, QMAX: tl.constexpr,
 ):
-    """Add the int8 error buffer, quantize, blend the new error into the buffer (in place)."""
-    old_err = load_dequant(err_codes_ptr, err_scales_ptr, rows, blocks, BLOCK, BLOCK_P2, ROWS, 8)
+    """Add the fp32 error buffer, quantize, blend the new error into the buffer (in place)."""
+    old_err = tl.load(err_ptr + offs, mask=live, other=0.0)
     compensated = values + old_err
     codes, scale = quantize_tile(compensated, QMAX)
     new_err = compensated - codes * scale[:, None]
-    blended = beta * old_err + keep * new_err
-    err_codes, err_scale = quantize_tile(blended, 127)
-    store_codes(err_codes_ptr, err_scales_ptr, rows, blocks, err_codes, err_scale, BLOCK, BLOCK_P2, ROWS, 8)
+    tl.store(err_ptr + offs, beta * old_err + keep * new_err, mask=live)
     return codes, scale

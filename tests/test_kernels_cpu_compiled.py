@@ -60,9 +60,9 @@ def test_reductions_and_loco_match_reference():
         mine, theirs = kernels.new_error_buffer(numel, block), kernels.new_error_buffer(numel, block)
         for step in range(3):  # the error buffer carries over: later steps see a non-zero one
             grad = _values(numel, block, 100 + step)
-            _equal(COMPILED.loco_quantize(grad, *mine, 0.8, block), reference.loco_quantize(grad, *theirs, 0.8, block))
-            _equal(COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, *mine, 0.8),
-                   reference.dequant_reduce_loco_quantize(codes, scales, 4, block, *theirs, 0.8))
+            _equal(COMPILED.loco_quantize(grad, mine, 0.8, block), reference.loco_quantize(grad, theirs, 0.8, block))
+            _equal(COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, mine, 0.8),
+                   reference.dequant_reduce_loco_quantize(codes, scales, 4, block, theirs, 0.8))
 
 
 def test_all_finite_sees_every_nan_and_infinity():

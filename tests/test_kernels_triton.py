@@ -54,6 +54,12 @@ def _inputs(numel: int, block_size: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _error_buffer(numel: int, block_size: int, seed: int, scale: float) -> torch.Tensor:
+    """A non-zero fp32 LoCo buffer over the whole blocks of a `numel`-value tensor."""
+    blocks = -(-numel // block_size)
+    return torch.randn(blocks * block_size, generator=torch.Generator().manual_seed(seed)) * scale
+
+
 def _same(got, want):
     if isinstance(got, torch.Tensor):
         got, want = (got,), (want,)
@@ -90,15 +96,13 @@ def test_quantize_and_dequantize_bit_identical(numel, block_size, bits):
 @pytest.mark.parametrize("err_beta", [0.8, 0.0, 1.0])
 def test_loco_quantize_bit_identical(numel, block_size, bits, err_beta):
     grad = _inputs(numel, block_size, seed=7 * numel)
-    gen = torch.Generator().manual_seed(numel)
-    err = reference.quantize(torch.randn(numel, generator=gen), 8, block_size)
+    err = _error_buffer(numel, block_size, seed=numel, scale=1.0)
     for dtype in (torch.float32, torch.bfloat16):
-        mine = (err[0].clone(), err[1].clone())
-        theirs = (err[0].clone(), err[1].clone())
-        got = triton_ops.loco_quantize(grad.to(dtype), *mine, err_beta, block_size, bits)
-        want = reference.loco_quantize(grad.to(dtype), *theirs, err_beta, block_size, bits)
+        mine, theirs = err.clone(), err.clone()
+        got = triton_ops.loco_quantize(grad.to(dtype), mine, err_beta, block_size, bits)
+        want = reference.loco_quantize(grad.to(dtype), theirs, err_beta, block_size, bits)
         _same(got, want)
-        assert got[2] is mine[0] and got[3] is mine[1]  # the buffer is updated in place
+        assert got[2] is mine  # the buffer is updated in place
 
 
 @pytest.mark.parametrize("numel,block_size", [s for s in SHAPES if s[0] % s[1] == 0] + [(390, 6)])
@@ -118,11 +122,11 @@ def test_dequant_reduce_variants_bit_identical(numel, block_size, bits, parts):
             triton_ops.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
             reference.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
         )
-    err = reference.quantize(_inputs(padded, block_size, seed=99) * 1e-2, 8, block_size)
-    mine, theirs = (err[0].clone(), err[1].clone()), (err[0].clone(), err[1].clone())
+    mine = _inputs(padded, block_size, seed=99) * 1e-2
+    theirs = mine.clone()
     _same(
-        triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, *mine, 0.8),
-        reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, *theirs, 0.8),
+        triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, mine, 0.8),
+        reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, theirs, 0.8),
     )
 
 
@@ -144,11 +148,11 @@ def test_any_size_and_block_bit_identical(numel, half_block, bits, log_scale, se
         triton_ops.dequantize(*want, bits, block_size, numel),
         reference.dequantize(*want, bits, block_size, numel),
     )
-    err = reference.quantize(x * 0.1, 8, block_size)
-    mine, theirs = (err[0].clone(), err[1].clone()), (err[0].clone(), err[1].clone())
+    mine = _error_buffer(numel, block_size, seed=seed + 1, scale=0.1 * 10.0**log_scale)
+    theirs = mine.clone()
     _same(
-        triton_ops.loco_quantize(x, *mine, 0.8, block_size, bits),
-        reference.loco_quantize(x, *theirs, 0.8, block_size, bits),
+        triton_ops.loco_quantize(x, mine, 0.8, block_size, bits),
+        reference.loco_quantize(x, theirs, 0.8, block_size, bits),
     )
 
 
@@ -156,12 +160,12 @@ def test_loco_steps_stay_identical_over_a_run():
     """Errors compound through the buffer; ten chained steps must still agree bit for bit."""
     block, numel = 64, 64 * 5 + 9
     gen = torch.Generator().manual_seed(1)
-    mine = (torch.zeros(5 * 64 + 64, dtype=torch.int8), torch.zeros(6))
-    theirs = (mine[0].clone(), mine[1].clone())
+    mine = torch.zeros(6 * block)  # 6 whole blocks hold the 329 values
+    theirs = mine.clone()
     for _ in range(10):
         grad = torch.randn(numel, generator=gen)
-        got = triton_ops.loco_quantize(grad, *mine, 0.8, block)
-        _same(got, reference.loco_quantize(grad, *theirs, 0.8, block))
+        got = triton_ops.loco_quantize(grad, mine, 0.8, block)
+        _same(got, reference.loco_quantize(grad, theirs, 0.8, block))
 
 
 def test_triton_launchers_validate_like_the_reference():
@@ -174,6 +178,6 @@ def test_triton_launchers_validate_like_the_reference():
     codes, scales = reference.quantize(torch.randn(16), 4, 8)
     with pytest.raises(ConfigError, match="stacked"):
         triton_ops.dequant_reduce_quantize(codes, scales, 4, 8)
-    strided = torch.zeros(32, dtype=torch.int8)[::2]
+    strided = torch.zeros(32)[::2]
     with pytest.raises(ConfigError, match="contiguous"):
-        triton_ops.loco_quantize(torch.randn(16), strided, torch.zeros(2), 0.8, 8)
+        triton_ops.loco_quantize(torch.randn(16), strided, 0.8, 8)

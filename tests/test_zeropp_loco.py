@@ -33,13 +33,13 @@ def _loss(A: list[torch.Tensor], b: list[torch.Tensor], x: torch.Tensor) -> floa
     return float(sum(((a @ x - y) ** 2).sum() for a, y in zip(A, b)) / (2 * RANKS * ROWS))
 
 
-def _qgz(grads: torch.Tensor, loco: list[list[tuple[torch.Tensor, torch.Tensor]]] | None) -> torch.Tensor:
+def _qgz(grads: torch.Tensor, loco: list[list[torch.Tensor]] | None) -> torch.Tensor:
     """Sum over ranks of `grads` [RANKS, DIM] through two int4 all-to-all stages."""
     chunk, piece = DIM // LOCAL, DIM // RANKS
     sent = []
     for r in range(RANKS):
         if loco:
-            codes, scales, _, _ = kernels.loco_quantize(grads[r], *loco[r][0], ERR_BETA, BLOCK, bits=4)
+            codes, scales, _ = kernels.loco_quantize(grads[r], loco[r][0], ERR_BETA, BLOCK, bits=4)
         else:
             codes, scales = kernels.quantize(grads[r], 4, BLOCK)
         sent.append((codes.view(LOCAL, -1), scales.view(LOCAL, -1)))
@@ -50,8 +50,8 @@ def _qgz(grads: torch.Tensor, loco: list[list[tuple[torch.Tensor, torch.Tensor]]
             codes = torch.stack([sent[p][0][j] for p in peers])
             scales = torch.stack([sent[p][1][j] for p in peers])
             if loco:
-                q, s, _, _ = kernels.dequant_reduce_loco_quantize(codes, scales, 4, BLOCK,
-                                                                  *loco[n * LOCAL + j][1], ERR_BETA)
+                q, s, _ = kernels.dequant_reduce_loco_quantize(codes, scales, 4, BLOCK,
+                                                               loco[n * LOCAL + j][1], ERR_BETA)
             else:
                 q, s = kernels.dequant_reduce_quantize(codes, scales, 4, BLOCK)
             node_sums[n, j] = (q.view(NODES, -1), s.view(NODES, -1))

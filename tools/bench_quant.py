@@ -47,12 +47,13 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
     weight = grad.to(torch.bfloat16)
     w8 = kernels.quantize(weight, 8, int8_block)
     g4 = kernels.quantize(grad, 4, int4_block)
-    err = kernels.quantize(grad * 0.01, 8, int4_block)
+    err = kernels.new_error_buffer(numel, int4_block, device)  # LoCo's fp32 buffer, whole blocks
+    err[:numel] = grad * 0.01
     part_numel = numel // parts // int4_block * int4_block
     chunks = [kernels.quantize(grad[i * part_numel : (i + 1) * part_numel], 4, int4_block) for i in range(parts)]
     codes = torch.stack([c for c, _ in chunks])
     scales = torch.stack([s for _, s in chunks])
-    part_err = kernels.quantize(grad[:part_numel] * 0.01, 8, int4_block)
+    part_err = grad[:part_numel] * 0.01
     k = f"{parts} x {part_numel}"
     return [
         Case("quantize int8 (qwZ, bf16 in)", (weight,), lambda: ops.quantize(weight, 8, int8_block)),
@@ -64,9 +65,9 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
         Case("quantize int4 (qgZ, fp32 in)", (grad,), lambda: ops.quantize(grad, 4, int4_block)),
         Case("dequantize int4 -> fp32", g4, lambda: ops.dequantize(*g4, 4, int4_block, numel)),
         Case(
-            "LoCo quantize int4 + int8 error",
-            (grad, *err),
-            lambda: ops.loco_quantize(grad, *err, 0.8, int4_block),
+            "LoCo quantize int4 + fp32 error",
+            (grad, err),
+            lambda: ops.loco_quantize(grad, err, 0.8, int4_block),
         ),
         Case(
             f"dequant-reduce int4 {k} -> fp32",
@@ -80,8 +81,8 @@ def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str
         ),
         Case(
             f"dequant-reduce + LoCo int4 {k} -> int4",
-            (codes, scales, *part_err),
-            lambda: ops.dequant_reduce_loco_quantize(codes, scales, 4, int4_block, *part_err, 0.8),
+            (codes, scales, part_err),
+            lambda: ops.dequant_reduce_loco_quantize(codes, scales, 4, int4_block, part_err, 0.8),
         ),
     ]
 

@@ -502,15 +502,15 @@ def qwz_exact_sides(seq: Sequence[Collective], shapes: DPShapes, padded: int, p_
 def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,
                        param_bytes: int, strategy: Strategy) -> int:
     """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype) and LoCo's
-    error buffers (int8 codes + fp32 scales per stage), twice: the live buffers and the copy a
-    skipped step restores (`loco.LocoState`)."""
+    error buffers (fp32, one per stage), twice: the live buffers and the copy a skipped step
+    restores (`loco.LocoState`)."""
     total = 0
     for n in padded_numels:
         if zeropp.hpz > 1:
             total += n // zeropp.hpz * param_bytes
         if zeropp.loco:
             for c in qgz_sequence(strategy, shapes):
-                total += 2 * QuantFormat(8, zeropp.qgz_block).nbytes(n // c.numel_div)
+                total += 2 * 4 * (n // c.numel_div)
     return total
 
 

@@ -13,12 +13,18 @@ and the run does not recover), or a skipped step's residuals drained into the ne
   step keeps the buffer's decay by err_beta per optimizer step, as in the paper);
 * after a completed step every buffer is multiplied by the step's `rescale` (the clip
   coefficient times the loss scale's change), which turns the residual of what was sent into
-  the residual of what was applied, in the next step's gradient units. Buffers are int8 codes
-  with an fp32 scale per block, so only the scales are multiplied: one fused `_foreach_mul_`;
+  the residual of what was applied, in the next step's gradient units (one fused
+  `_foreach_mul_`);
 * a skipped step (non-finite norm on any rank, any precision) puts the buffers back to their
   values after the last completed step (a committed copy, refreshed by one fused
   `_foreach_copy_` per step), rescaled for the loss scale's change;
 * every `reset_t` completed steps they are zeroed (the paper's periodic reset).
+
+The buffers are fp32, one value per element (DeepSpeed keeps them in the gradient dtype), not
+the LoCo paper's 8-bit codes: with int8 codes per block, a coordinate whose per-step increment
+(1 - err_beta) g stays below half the buffer block's step (its largest residual / 127) is
+rounded back to the same code every step, so the small gradients int4 zeroes are never
+accumulated either (docs/benchmarks.md, the LoCo experiment).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 import kernels
 from megazpp.zero.bucket import Bucket
 
-Buffers = list[tuple[torch.Tensor, torch.Tensor]]  # (int8 codes, fp32 scales) per qgZ stage
+Buffers = list[torch.Tensor]  # one fp32 error buffer per qgZ stage
 
 
 class LocoState:
@@ -39,20 +45,17 @@ class LocoState:
         self._divs, self._block, self._reset_t = list(stage_divs), block, reset_t
         self._buffers: dict[int, Buffers] = {}
         self._live: list[torch.Tensor] = []
-        self._scales: list[torch.Tensor] = []
         self._saved: list[torch.Tensor] = []
         self._compensated: set[int] = set()
 
     def add_bucket(self, b: Bucket) -> None:
         buffers = []
         for i, div in enumerate(self._divs, start=1):
-            codes, scales = kernels.new_error_buffer(b.layout.padded // div, self._block, b.param_store.device)
-            b.extra_state[f"loco_stage{i}_codes"] = codes
-            b.extra_state[f"loco_stage{i}_scales"] = scales
-            buffers.append((codes, scales))
-            self._live += [codes, scales]
-            self._scales.append(scales)
-            self._saved += [codes.clone(), scales.clone()]
+            err = kernels.new_error_buffer(b.layout.padded // div, self._block, b.param_store.device)
+            b.extra_state[f"loco_stage{i}_error"] = err
+            buffers.append(err)
+            self._live.append(err)
+            self._saved.append(err.clone())
         self._buffers[id(b)] = buffers
 
     def for_reduction(self, b: Bucket) -> Buffers | None:
@@ -70,7 +73,7 @@ class LocoState:
         elif step_count % self._reset_t == 0:
             torch._foreach_zero_(self._live)
         if rescale != 1.0:
-            torch._foreach_mul_(self._scales, rescale)
+            torch._foreach_mul_(self._live, rescale)
         self.commit()
 
     def commit(self) -> None:

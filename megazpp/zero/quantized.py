@@ -155,7 +155,7 @@ class PendingQuantizedReduce:
     """
 
     def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
-                 loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0,
+                 loco: list[torch.Tensor] | None = None, err_beta: float = 0.0,
                  ops: SimpleNamespace = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
@@ -165,7 +165,7 @@ class PendingQuantizedReduce:
         self._exact = exact
         self._values = grad[exact.first].float() if exact is not None else None
         if loco:
-            codes, scales, _, _ = ops.loco_quantize(grad, *loco[0], err_beta, block, bits=4)
+            codes, scales, _ = ops.loco_quantize(grad, loco[0], err_beta, block, bits=4)
         else:
             codes, scales = ops.quantize(grad, 4, block)
         self._stage = 0
@@ -201,8 +201,8 @@ class PendingQuantizedReduce:
                 if self._exact is not None:
                     self._result[self._exact.last] = self._values
             elif self._loco:
-                q, s, _, _ = self._ops.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
-                                                                    *self._loco[self._stage], self._beta)
+                q, s, _ = self._ops.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
+                                                                 self._loco[self._stage], self._beta)
                 self._launch(q, s)
             else:
                 self._launch(*self._ops.dequant_reduce_quantize(codes, scales, 4, self._block))
