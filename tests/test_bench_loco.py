@@ -98,6 +98,25 @@ def test_gap_report_over_seeds(tmp_path, capsys):
     assert loco_gap_main([dirs["fp32"], dirs["int4"], str(tmp_path / "s0" / "loco")]) == 2  # seeds differ
 
 
+def test_train_window_estimate_beside_the_last_interval(tmp_path, capsys):
+    """--train-window 10: the mean of the points logged over the last 10 steps (15 and 20, not
+    10), as a third verdict line; the last-interval lines stay as they were."""
+    series = {"fp32": (6.0, 4.0, 4.2), "int4": (6.0, 4.6, 4.4), "loco": (6.0, 4.1, 4.3)}
+    for name, values in series.items():
+        writer = SummaryWriter(str(tmp_path / name))
+        for step, value in zip((10, 15, 20), values):
+            writer.add_scalar("train/loss", value, step)
+        writer.close()
+    dirs = [str(tmp_path / n) for n in series]
+    assert loco_gap_main(dirs + ["--train-window", "10"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("final train loss: fp32 4.2000, int4 4.4000, int4+LoCo 4.3000")
+    assert lines[2].startswith("train loss over the last 10 steps: fp32 4.1000, int4 4.5000, int4+LoCo 4.2000")
+    assert "LoCo closes 75% of the gap" in lines[2]
+    with pytest.raises(SystemExit):
+        loco_gap_main(dirs + ["--train-window", "0"])
+
+
 def test_script_refuses_unknown_arguments():
     done = subprocess.run(["bash", str(REPO / "tools" / "run_loco_experiment.sh"), "--full"],
                           capture_output=True, text=True)
