@@ -16,7 +16,7 @@ spread (sample standard deviation, min..max) and each seed's own closed fraction
 `--train-window N` adds a second training-loss estimate beside the first (which stays the
 verdict's first line): the mean of the logged interval means over the last N common steps. Why:
 one logged interval (10 steps at the experiment's log_interval, 16 x 128 tokens a step)
-scatters around its neighbours by 0.04-0.055 in the experiment, half of int4's gap, while the
+scatters around its neighbours by 0.038-0.055 in the experiment, half of int4's gap, while the
 runs of one seed read the same batches, so over the last 100 steps (lr near its minimum) their
 losses trend alike and a mean of 10 intervals compares them with a tenth of that variance.
 """
