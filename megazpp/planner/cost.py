@@ -28,6 +28,7 @@ sends are on the critical path; 1F1B adds (P - 1) micro-batch slots of bubble.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megazpp.errors import ConfigError
@@ -180,16 +181,50 @@ def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, worklo
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
+def fastest_hierarchy(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+                      cluster: Cluster, reused: tuple[bool, ...]) -> formulas.Hierarchy:
+    """`zero.hierarchical: auto` by predicted time: per kind of G-level collective (the fields
+    of `formulas.Hierarchy`: gather, reduce, all-reduce), two stages where the step's
+    collectives of that kind take less time in two stages than in one over all DP ranks.
+
+    Why time, not bytes: two stages carry 1/k of the inter-node bytes but make twice the calls;
+    on a slow link the bytes win, on a fast one (or on CPU ranks, where a call costs
+    milliseconds of host time whatever its size: `Cluster.collective_times`) the calls do.
+    The kinds are decided one by one: the others' collectives are the same in both candidates,
+    so the difference in step time is that kind's alone.
+    """
+    if lay.k in (1, lay.d):
+        return formulas.Hierarchy()
+    a = workload.micro_batches(cluster)
+
+    def seconds(hier: formulas.Hierarchy) -> float:
+        ph = phases(s, padded, dataclasses.replace(lay, hier=hier), zpp, workload, a, cluster, reused)
+        return sum(p.seconds * p.times for p in ph.values())
+
+    return formulas.Hierarchy(**{f.name: seconds(formulas.Hierarchy(**{f.name: True})) < seconds(formulas.Hierarchy())
+                                 for f in dataclasses.fields(formulas.Hierarchy)})
+
+
+def stage_padded(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape,
+                 lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Per fetch group (p sharded) or gradient bucket of `stage`: its padded size and tensor ranges."""
+    return [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+
+
 def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload,
                   cluster: Cluster, lay: Layout) -> StagePrediction:
+    """With `zero.hierarchical: auto`, under the hierarchy `fastest_hierarchy` picks for this
+    stage, as the engine runs it (the builder asks the same function)."""
     a = workload.micro_batches(cluster)
     pb, ab = workload.param_bytes, workload.accum_bytes
-    laid = [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+    laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
+    reused = reused_groups(s, workload, padded)
+    if workload.hierarchical == "auto":
+        lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused))
     plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
                                 formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s))
-    reused = reused_groups(s, workload, padded)
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
                                reused=reused, exact_ranges=[r for _, r in laid])

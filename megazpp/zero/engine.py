@@ -64,7 +64,8 @@ class ZeroOptions:
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
-    hierarchical: str = ZeroConfig.hierarchical
+    # a mode of formulas.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
+    hierarchical: str | formulas.Hierarchy = ZeroConfig.hierarchical
     overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
     zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo

@@ -206,15 +206,20 @@ def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemForma
 HIERARCHY_MODES = ("auto", "always", "never")  # config key zero.hierarchical
 
 
-def choose_hierarchy(shapes: DPShapes, mode: str = "auto") -> Hierarchy:
-    """Two-stage G-level collectives where they move fewer inter-node bytes (or as forced by
-    `mode`, one of HIERARCHY_MODES).
+def choose_hierarchy(shapes: DPShapes, mode: str | Hierarchy = "auto") -> Hierarchy:
+    """Which G-level collectives run in two stages: `mode` one of HIERARCHY_MODES, or a
+    Hierarchy decided above this layer (the planner's host model prices each kind of
+    collective, `planner.cost.fastest_hierarchy`), taken as given. "auto" here, with no
+    prices, is the byte rule: two stages where they move fewer inter-node bytes, decided on a
+    unit payload so the answer does not depend on bucket sizes.
 
-    Decided on a unit payload so the answer does not depend on bucket sizes; a degenerate
-    split (k = 1 or k = D) is never hierarchical since one of its stages would be a no-op.
+    A degenerate split (k = 1 or k = D) is never hierarchical since one of its stages would be
+    a no-op.
     """
     if shapes.k in (1, shapes.d) or mode == "never":
         return Hierarchy()
+    if isinstance(mode, Hierarchy):
+        return mode
     if mode == "always":
         return Hierarchy(True, True, True)
     unit = shapes.d * shapes.k * 8
