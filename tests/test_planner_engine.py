@@ -16,6 +16,7 @@ computed here from the same inputs; `build_zero_engine` runs it for `paro_strate
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -29,13 +30,14 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
+from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.factory import build_zero_engine
-from megazpp.zero.formulas import ZeroPP
+from megazpp.zero.formulas import Hierarchy, ZeroPP, choose_hierarchy
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -53,6 +55,10 @@ RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
     ("GGG", ZeroPP(), FP32, True, LIVE), ("IIG", ZeroPP(), FP32, True, LIVE),
     ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, True, 0),
     ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True, 0)]
+# a ring step inside a node dearer than three across: the latency model prices one stage over
+# DP (3 steps across) below two stages (1 step across + 1 inside) for these tiny groups
+SLOW_INTRA_STEP = PlannerSettings(intra_node_gbs=1.0, inter_node_gbit=10, intra_node_latency_us=3000,
+                                  inter_node_latency_us=100)
 GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
                         inter_node_gbit=0.1)
 
@@ -94,6 +100,15 @@ def _rank() -> dict:
     cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
     cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
     out["factory"] = build_zero_engine(GPTModel(ModelConfig(**LLAMA)), cfg, topo, MICRO).strategy.name
+    cfg = _config()  # `hierarchical: auto` priced on the section's links: the engine runs the planner's choice
+    cfg.zero.stage, cfg.planner = 3, SLOW_INTRA_STEP
+    model = GPTModel(ModelConfig(**LLAMA))
+    engine = build_zero_engine(model, cfg, topo, MICRO)
+    counted = _one_step(model, engine, topo)
+    calls = sum(r["calls"] for tag, r in counter.step_totals()["tags"].items()
+                if tag.startswith("zero/") or tag == "train/grad_norm")
+    out["hier"] = {"engine": engine.hier, "counted": (counted, calls),
+                   "formulas": (engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))}
     try:
         auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
         out["refused"] = ""
@@ -151,3 +166,25 @@ def test_auto_choice_is_identical_on_every_rank(results):
     assert all(len(points) == 3 for points in probed.collective_times.values())
     assert all(r["probed"].cluster.collective_times == probed.collective_times for r in results)  # rank 0's
     assert dataclasses.replace(probed, flops=1.0) != probed
+
+
+def test_hierarchical_auto_runs_the_planners_choice(results):
+    """The builder hands the engine the planner's per-kind choice (here one stage, where the
+    byte rule would take two); the engine's counted bytes and calls equal the formulas for it."""
+    cfg = _config()
+    cfg.zero.stage = 3
+    settings = SLOW_INTRA_STEP
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=math.inf, flops=math.inf,
+                      intra_bw=settings.intra_node_gbs * 1e9, inter_bw=settings.inter_node_gbit * 1e9 / 8,
+                      intra_latency=settings.intra_node_latency_us * 1e-6,
+                      inter_latency=settings.inter_node_latency_us * 1e-6, backend="gloo", overlap=False)
+    workload = workload_of_config(cfg)
+    ggg = parse_strategy("GGG")
+    lay = layout(workload, cluster)
+    padded = [n for n, _ in stage_padded(ggg, ZeroPP(), results[0]["runs"][0]["shape"], lay)]
+    expected = fastest_hierarchy(ggg, ZeroPP(), padded, lay, workload, cluster, reused_groups(ggg, workload, padded))
+    assert expected == Hierarchy() != choose_hierarchy(lay.shapes, "auto")
+    for rank, report in enumerate(results):
+        run = report["hier"]
+        assert run["engine"] == expected, (rank, run["engine"])
+        assert run["counted"] == run["formulas"], (rank, run)

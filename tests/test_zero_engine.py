@@ -1,7 +1,8 @@
 """The ZeRO engine end to end on 4 gloo ranks carved into 2 virtual nodes x 2.
 
 One spawn trains a small Llama under all 14 PaRO strategies (plus three forced single-stage
-variants and two with a PaRO group spanning both nodes) and checks, per strategy: losses
+variants, two with a per-kind mix of one- and two-stage collectives, and two with a PaRO group
+spanning both nodes) and checks, per strategy: losses
 against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
 held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
 `formulas.step_bytes` and counted collective calls against `formulas.step_calls`; and a save at
@@ -43,6 +44,8 @@ WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning bot
 REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse off), and checkpointed
 # GGG also runs with size-bounded fetch groups ("GGG/size"); the others group by layer, split at 4000
 NO_REUSE = {"stage3_max_live_parameters": 0}
+# a per-kind hierarchy as the planner hands it to the engine (zero.hierarchical: auto, priced)
+MIXED = {"GGG": formulas.Hierarchy(gather=False, reduce=True), "NNG": formulas.Hierarchy(gather=True, reduce=False)}
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +121,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
             [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT] +
             [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE] +
             [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF] +
-            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})])
+            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})] +
+            [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()])
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
     for label, name, options in runs:
         model = _model(LLAMA, topo)
@@ -152,7 +156,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
     labels = (list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE] +
-              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"])
+              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"] + [f"{n}/mixed" for n in MIXED])
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)
