@@ -22,7 +22,7 @@ from megazpp.config import Config
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
 from megazpp.planner.cluster import GIB, Cluster
-from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
+from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
@@ -195,8 +195,11 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Any,
     workload = _workload(cfg, topology)
     lay = layout(workload, cluster, zpp.hpz)
     padded = [n for n, _ in stage_padded(strategy, zpp, _stage_shape(model, cfg, topology), lay)]
-    hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster,
-                             reused_groups(strategy, workload, padded))
-    log.info("zero: hierarchical auto -> %s (planner's prices, %s)", hier,
-             "probed" if cluster.collective_times else "links of the planner section")
+    reused = reused_groups(strategy, workload, padded)
+    hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused)
+    seconds = hierarchy_seconds(strategy, zpp, padded, lay, workload, cluster, reused)
+    log.info("zero: hierarchical auto -> %s, from the planner's predicted collective seconds per step "
+             "(one stage, two stages) %s on %s", hier,
+             {kind: (round(flat, 4), round(two, 4)) for kind, (flat, two) in seconds.items()},
+             "probed collective times" if cluster.collective_times else "the planner section's links")
     return hier

@@ -195,14 +195,23 @@ def fastest_hierarchy(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay:
     """
     if lay.k in (1, lay.d):
         return formulas.Hierarchy()
+    return formulas.Hierarchy(**{kind: two < flat for kind, (flat, two) in
+                                 hierarchy_seconds(s, zpp, padded, lay, workload, cluster, reused).items()})
+
+
+def hierarchy_seconds(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+                      cluster: Cluster, reused: tuple[bool, ...]) -> dict[str, tuple[float, float]]:
+    """Per field of `formulas.Hierarchy`: the step's predicted collective seconds with that kind
+    in one stage and in two (the other kinds in one stage): what `fastest_hierarchy` compares."""
     a = workload.micro_batches(cluster)
 
     def seconds(hier: formulas.Hierarchy) -> float:
         ph = phases(s, padded, dataclasses.replace(lay, hier=hier), zpp, workload, a, cluster, reused)
         return sum(p.seconds * p.times for p in ph.values())
 
-    return formulas.Hierarchy(**{f.name: seconds(formulas.Hierarchy(**{f.name: True})) < seconds(formulas.Hierarchy())
-                                 for f in dataclasses.fields(formulas.Hierarchy)})
+    flat = seconds(formulas.Hierarchy())
+    return {f.name: (flat, seconds(formulas.Hierarchy(**{f.name: True})))
+            for f in dataclasses.fields(formulas.Hierarchy)}
 
 
 def stage_padded(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape,
