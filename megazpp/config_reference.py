@@ -121,6 +121,8 @@ HELP: dict[str, str] = {
     "zero.stage3_prefetch_bucket_size": "elements of fetch groups gathered ahead of use",
     "zero.stage3_max_live_parameters": "elements kept gathered from forward to backward (0: re-gather in backward)",
     "zero.stage3_max_reuse_distance": "keep a group for backward only if reused within this many elements",
+    "zero.stage3_param_persistence_threshold": "parameters of fewer elements stay whole on every rank, "
+                                               "refreshed after each step in one collective (0: none)",
     "zero.hierarchical": "two-stage (node, then across nodes) collectives: auto (the planner prices them), "
                          "always or never",
     "zero.cpu_quant_kernels": "reference or compiled (TorchInductor) quantizers on CPU",

@@ -46,6 +46,9 @@ REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse
 NO_REUSE = {"stage3_max_live_parameters": 0}
 # a per-kind hierarchy as the planner hands it to the engine (zero.hierarchical: auto, priced)
 MIXED = {"GGG": formulas.Hierarchy(gather=False, reduce=True), "NNG": formulas.Hierarchy(gather=True, reduce=False)}
+# the norm gains (32 elements) kept whole on every rank, refreshed in one bucket after each step
+PERSIST = {"stage3_param_persistence_threshold": 100}
+SHARDED_P = tuple(n for n in VALID_NAMES if n[0] != "N")  # where persistence applies (p = I, G)
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +125,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
             [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE] +
             [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF] +
             [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})] +
-            [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()])
+            [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()] +
+            [(f"{name}/persist", name, PERSIST) for name in SHARDED_P])
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
     for label, name, options in runs:
         model = _model(LLAMA, topo)
@@ -156,7 +160,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
     labels = (list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE] +
-              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"] + [f"{n}/mixed" for n in MIXED])
+              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"] + [f"{n}/mixed" for n in MIXED] +
+              [f"{n}/persist" for n in SHARDED_P])
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)

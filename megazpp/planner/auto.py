@@ -64,10 +64,12 @@ def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
 
 def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:
     """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
-    needs the whole accumulated gradient)."""
+    needs the whole accumulated gradient), and only p sharded with a persistence threshold
+    (`units.check_persistence`)."""
+    whole = cfg.zero.stage3_param_persistence_threshold == 0  # else p = N has nothing to keep whole
     if topology.pp > 1 and cfg.model.tie_embeddings:
-        return lambda s: s.g == Level.N
-    return lambda s: True
+        return lambda s: s.g == Level.N and (whole or s.p != Level.N)
+    return lambda s: whole or s.p != Level.N
 
 
 def _device_memory(settings: PlannerSettings) -> float:
@@ -124,7 +126,8 @@ def _stage_shape(model: nn.Module, cfg: Config, topology: Any) -> StageShape:
     return shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
                           threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
                           stage=topology.pp_rank, layers=len(range(*topology.layer_range(cfg.model.num_layers))),
-                          first=topology.is_first_stage, last=topology.is_last_stage)
+                          first=topology.is_first_stage, last=topology.is_last_stage,
+                          persistence=cfg.zero.stage3_param_persistence_threshold)
 
 
 def _cluster(settings: PlannerSettings, topology: Any, measured: list[float]) -> Cluster:
@@ -194,10 +197,11 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Any,
     zpp = _zeropp_of(cfg, topology)
     workload = _workload(cfg, topology)
     lay = layout(workload, cluster, zpp.hpz)
-    padded = [n for n, _ in stage_padded(strategy, zpp, _stage_shape(model, cfg, topology), lay)]
-    reused = reused_groups(strategy, workload, padded)
-    hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused)
-    seconds = hierarchy_seconds(strategy, zpp, padded, lay, workload, cluster, reused)
+    shape = _stage_shape(model, cfg, topology)
+    padded = [n for n, _ in stage_padded(strategy, zpp, shape, lay)]
+    reused = reused_groups(strategy, workload, padded, shape.persistent)
+    hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
+    seconds = hierarchy_seconds(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
     log.info("zero: hierarchical auto -> %s, from the planner's predicted collective seconds per step "
              "(one stage, two stages) %s on %s", hier,
              {kind: (round(flat, 4), round(two, 4)) for kind, (flat, two) in seconds.items()},

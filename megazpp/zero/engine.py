@@ -42,7 +42,7 @@ from megazpp.zero.paths import CommPaths
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import fetch_groups, gradient_buckets, parameter_units
+from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class ZeroOptions:
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
+    stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
     # a mode of formulas.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
     hierarchical: str | formulas.Hierarchy = ZeroConfig.hierarchical
     overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
@@ -119,9 +120,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
+        check_persistence(self.strategy, options.stage3_param_persistence_threshold)
         self.buckets = self._build_buckets()
-        self.reused = (formulas.reuse_mask(self.padded_numels(), options.stage3_max_live_parameters,
-                                           options.stage3_max_reuse_distance)
+        self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
+        self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
+        self.reused = (formulas.reuse_mask([b.layout.padded for b in self.fetched],
+                                           options.stage3_max_live_parameters, options.stage3_max_reuse_distance)
                        if self.strategy.p != Level.N else ())
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
@@ -133,9 +137,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
-            self.fetcher = ParamFetcher(self.buckets, self.paths, self._unit_modules(),
+            self.fetcher = ParamFetcher(self.fetched, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback,
-                                        {id(b): kept for b, kept in zip(self.buckets, self.reused)},
+                                        {id(b): kept for b, kept in zip(self.fetched, self.reused)},
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
@@ -161,20 +165,22 @@ class ZeroEngine(ScaledOptimizerEngine):
         # both of DeepSpeed's bounds hold for it
         bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
         if self.strategy.p == Level.N:
-            specs = gradient_buckets(self.model, bound)
+            specs, whole = gradient_buckets(self.model, bound), []
         else:
-            specs = fetch_groups(self.model, parameter_units(self.model, o.module_granularity_threshold),
-                                 o.fetch_groups, bound)
+            units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
+                                            o.stage3_param_persistence_threshold, bound)
+            specs = fetch_groups(self.model, units, o.fetch_groups, bound)
         dp_index = self.topology.dp_rank
         s = self.strategy
         buckets = []
-        for spec in specs:
+        for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
             layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index,
                                         self.zeropp.alignment())
             flat = layout.flatten(torch.float32)
-            lo, hi = layout.shard_range(s.p)
+            p_level = Level.N if persistent else s.p
+            lo, hi = layout.shard_range(p_level)
             store = flat[lo:hi].to(self.param_dtype, copy=True)
-            if s.p == Level.N:
+            if p_level == Level.N:
                 layout.view_params_into(store)
             os_lo, _ = layout.shard_range(s.os)
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
@@ -182,7 +188,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
             bucket = Bucket(spec.name, layout, spec.modules, store,
                             flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
-                            masters, layout.ranges_in_shard(s.os, keep))
+                            masters, layout.ranges_in_shard(s.os, keep), persistent)
             self.paths.init_bucket(bucket)
             buckets.append(bucket)
         return buckets
@@ -219,9 +225,9 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The group's unit roots plus any module elsewhere that registers one of its parameters
         (a tied output layer), so every user of a parameter gathers it first."""
-        owner = {id(p): b for b in self.buckets for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.buckets}
-        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.buckets}
+        owner = {id(p): b for b in self.fetched for p in b.layout.params}
+        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.fetched}
+        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.fetched}
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 b = owner.get(id(p))
@@ -231,7 +237,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
         """Modules whose direct children are unit roots, with those children and their groups."""
-        group_of = {id(m): b for b in self.buckets for m in b.modules}
+        group_of = {id(m): b for b in self.fetched for m in b.modules}
         out = []
         for module in self.model.modules():
             children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
@@ -277,7 +283,7 @@ class ZeroEngine(ScaledOptimizerEngine):
                 self._wait_micro(b)
         elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
-        if self.fetcher is not None:
+        if self.fetcher is not None and not b.persistent:
             self.fetcher.release(b)
 
     def _zero_unwritten(self, b: Bucket) -> None:
@@ -396,7 +402,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is None:
             yield
             return
-        for b in self.buckets:
+        for b in self.fetched:
             self.fetcher.fetch(b)
         try:
             yield
@@ -423,9 +429,9 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def expected_bytes(self) -> formulas.StateBytes:
         plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
-                                     self.param_dtype.itemsize, self.accum_dtype.itemsize)
+                                     self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
-                                            self.param_dtype.itemsize, self.strategy)
+                                            self.param_dtype.itemsize, self.strategy, self.persistent)
         return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
@@ -441,13 +447,13 @@ class ZeroEngine(ScaledOptimizerEngine):
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
                                    extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                   reused=self.reused,
+                                   reused=self.reused, persistent=self.persistent,
                                    exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
 
     def expected_step_calls(self, micro_batches: int) -> int:
         return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                   zeropp=self.zeropp, reused=self.reused)
+                                   zeropp=self.zeropp, reused=self.reused, persistent=self.persistent)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
@@ -473,7 +479,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         s = self.strategy
         os_lo, _ = b.layout.shard_range(s.os)
         return {"layout": b.layout.describe(),
-                "ranges": {"param_store": list(b.layout.shard_range(s.p)),
+                "ranges": {"param_store": list(b.layout.shard_range(Level.N if b.persistent else s.p)),
                            "grad_acc": list(b.layout.shard_range(s.g)),
                            "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
 
@@ -537,7 +543,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         reset = []
         with torch.no_grad():
             for b in self.buckets:
-                lo, hi = b.layout.shard_range(s.p)
+                lo, hi = b.layout.shard_range(Level.N if b.persistent else s.p)
                 b.param_store.copy_(self._flat(b, state["params"], "parameter", self.param_dtype)[lo:hi])
                 b.grad_acc.zero_()
                 os_lo, _ = b.layout.shard_range(s.os)
