@@ -6,6 +6,7 @@ and its per-step bytes equal what the comm counter recorded. The configuration i
 of tests/test_zero_engine.py (tiny Llama, reduce_bucket_size 4000, 2 micro-batches, fp32; one
 LoCo run in fp16, whose error buffers keep a copy for skipped steps); fetch groups are kept from
 forward to backward (the default budget) except in two runs with `stage3_max_live_parameters: 0`;
+two ZeRO++ runs keep parameters below `stage3_param_persistence_threshold` whole;
 four runs with activation checkpointing (GGG, IIG, ZeRO++ with hpZ, qwZ alone) check that the
 recompute fetches nothing.
 Auto: `auto_strategy` returns the same strategy on every rank, with probed bandwidths (which
@@ -59,6 +60,11 @@ RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
 # DP (3 steps across) below two stages (1 step across + 1 inside) for these tiny groups
 SLOW_INTRA_STEP = PlannerSettings(intra_node_gbs=1.0, inter_node_gbit=10, intra_node_latency_us=3000,
                                   inter_node_latency_us=100)
+# ZeRO++ with stage3_param_persistence_threshold: the norm gains (32 elements) kept whole
+PERSISTENCE = 100
+PERSIST_RUNS = [("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False, LIVE),
+                ("IGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, True, LIVE)]
+ALL_RUNS = [(run, 0) for run in RUNS] + [(run, PERSISTENCE) for run in PERSIST_RUNS]
 GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
                         inter_node_gbit=0.1)
 
@@ -86,12 +92,14 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
 def _rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     out = {"runs": []}
-    for name, zpp, precision, checkpointing, live in RUNS:
+    for (name, zpp, precision, checkpointing, live), persistence in ALL_RUNS:
         model = GPTModel(ModelConfig(**LLAMA, activation_checkpointing=checkpointing))
-        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"])
+        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"],
+                               persistence=persistence)
         engine = ZeroEngine(model, OptimizerConfig(lr=1e-2), precision,
                             ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=BUCKET,
-                                        stage3_max_live_parameters=live, zeropp=zpp), topo)
+                                        stage3_max_live_parameters=live, zeropp=zpp,
+                                        stage3_param_persistence_threshold=persistence), topo)
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**LLAMA))
@@ -122,19 +130,23 @@ def results():
     return run_ranks(_rank, 4, timeout_s=300)
 
 
-def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE) -> Workload:
+def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE, persistence: int = 0) -> Workload:
     return Workload(model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing), micro_batch=MICRO,
                     global_batch=MICRO * 4 * 2, param_bytes=2 if fp16 else 4, fp16=fp16, accum_bytes=4,
-                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live)
+                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live,
+                    persistence_threshold=persistence)
 
 
 def test_planner_memory_and_bytes_equal_the_engine(results):
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8)
-    from_config = shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET)
+    from_config = {p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0]
+                   for p in (0, PERSISTENCE)}
+    assert from_config[PERSISTENCE].persistent == 1 and len(from_config[0].fetch_groups) == 4
     for rank, report in enumerate(results):
-        for (name, zpp, precision, checkpointing, live), run in zip(RUNS, report["runs"]):
-            assert run["shape"] == from_config[0], (name, rank)  # the meta-device build sees the same groups
-            workload = _workload(precision.fp16, checkpointing, live)
+        for ((name, zpp, precision, checkpointing, live), persistence), run in zip(ALL_RUNS, report["runs"]):
+            # the meta-device build sees the same groups
+            assert run["shape"] == from_config[persistence], (name, rank)
+            workload = _workload(precision.fp16, checkpointing, live, persistence)
             stage = predict(Option(parse_strategy(name), zpp), [run["shape"]], workload, cluster).stages[0]
             assert stage.state == run["held"], (name, zpp, rank, stage.state, run["held"])
             assert stage.step_bytes == run["counted"], (name, zpp, rank, stage.step_bytes, run["counted"])

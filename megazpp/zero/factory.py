@@ -17,6 +17,7 @@ from megazpp.errors import ConfigError
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import resolve_strategy
+from megazpp.zero.units import check_persistence
 from megazpp.zero.zeropp import check_zeropp, zeropp_of
 
 
@@ -29,6 +30,7 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
                           "reduce-scatter to their shard level (set it to true)")
     zeropp = zeropp_of(z)
     check_zeropp(zeropp, strategy)
+    check_persistence(strategy, z.stage3_param_persistence_threshold)
     same = {f.name: getattr(z, f.name) for f in dataclasses.fields(ZeroOptions)
             if f.name not in ("strategy", "micro_batches_per_step", "zeropp")}
     return ZeroOptions(strategy=strategy.name, micro_batches_per_step=micro_batches_per_step, zeropp=zeropp,
