@@ -141,7 +141,9 @@ def test_planner_memory_and_bytes_equal_the_engine(results):
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8)
     from_config = {p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0]
                    for p in (0, PERSISTENCE)}
-    assert from_config[PERSISTENCE].persistent == 1 and len(from_config[0].fetch_groups) == 4
+    persisting, plain = from_config[PERSISTENCE], from_config[0]
+    assert persisting.persistent == 1 and persisting.fetch_groups[-1] == 5 * LLAMA["hidden_size"]  # 5 norm gains
+    assert sum(persisting.fetch_groups) == sum(plain.fetch_groups)
     for rank, report in enumerate(results):
         for ((name, zpp, precision, checkpointing, live), persistence), run in zip(ALL_RUNS, report["runs"]):
             # the meta-device build sees the same groups
