@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazpp.errors import CheckpointError, ConfigError
+from megazpp.errors import ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
@@ -36,6 +36,7 @@ from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -45,10 +46,6 @@ from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
 
 log = logging.getLogger(__name__)
-
-# `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, Adam
-# moments) rather than one rank's shards: what resharding across DP sizes / strategies feeds in
-FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 @dataclass
 class ZeroOptions:
@@ -462,110 +459,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         return {"fetch_hooks": self.fetcher.fetch_hook_calls,
                 "param_all_gathers": self.fetcher.all_gather_calls}
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (`engine_state`) ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, plus what a reader needs to place it without this engine: each
-        bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
-        the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
-        master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
-        return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
-                "dp_rank": self.topology.dp_rank, "step_count": self.step_count,
-                "buckets": [{**b.state_dict(), **self._placement(b)} for b in self.buckets],
-                "optimizer": self.optimizer.state_dict(),
-                "optimizer_slots": [list(slot) for slot in self._optimizer_slots()],
-                "loss_scaler": self.scaler.state_dict() if self.scaler else None}
-
-    def _placement(self, b: Bucket) -> dict[str, Any]:
-        s = self.strategy
-        os_lo, _ = b.layout.shard_range(s.os)
-        return {"layout": b.layout.describe(),
-                "ranges": {"param_store": list(b.layout.shard_range(Level.N if b.persistent else s.p)),
-                           "grad_acc": list(b.layout.shard_range(s.g)),
-                           "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
-
-    def _optimizer_slots(self) -> list[tuple[int, int]]:
-        """(bucket index, master index) of each AdamW parameter, in the optimizer's order."""
-        slots = {id(m.param): (i, j) for i, b in enumerate(self.buckets) for j, m in enumerate(b.masters)}
-        return [slots[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        return engine_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This rank's own saved state (same layout: restored bit for bit), or a full per-
-        parameter state (`FULL_STATE_FORMAT`, made by `megazpp.interop.reshard` from every rank
-        file of a checkpoint saved under another DP size or strategy), cut by this layout."""
-        if self.fetcher is not None:
-            self.fetcher.release_all()
-        if state.get("format") == FULL_STATE_FORMAT:
-            self._load_full_state(state)
-            return
-        mine = (self.strategy.name, self.groups.d, self.groups.k, self.topology.dp_rank)
-        theirs = (state.get("strategy"), state.get("dp"), state.get("k"), state.get("dp_rank"))
-        if mine != theirs:
-            raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
-                                  f"= {theirs}, this run is {mine}; a checkpoint of another layout "
-                                  f"resumes through megazpp.interop.reshard")
-        if len(state["buckets"]) != len(self.buckets):
-            raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
-                                  f"here has {len(self.buckets)}")
-        for b, saved in zip(self.buckets, state["buckets"]):
-            if "layout" in saved and saved["layout"] != b.layout.describe():
-                raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
-                                      f"(parameters, padding or ZeRO++ alignment); it resumes through "
-                                      f"megazpp.interop.reshard")
-            b.load_state_dict(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = state["step_count"]
-        self._load_scaler(state)
-        self.paths.params_replaced()
-
-    def _load_scaler(self, state: dict[str, Any]) -> None:
-        if (self.scaler is None) != (state.get("loss_scaler") is None):
-            raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
-
-    def _flat(self, b: Bucket, tensors: dict[str, torch.Tensor], what: str, dtype: torch.dtype) -> torch.Tensor:
-        """`tensors` (full, by parameter name) laid out as `b`'s padded flat buffer."""
-        flat = torch.zeros(b.layout.padded, dtype=dtype, device=b.param_store.device)
-        for name, off, shape in zip(b.layout.names, b.layout.offsets, b.layout.shapes):
-            t = tensors.get(name)
-            if t is None or tuple(t.shape) != tuple(shape):
-                raise CheckpointError(f"resharded state: {what} of {name!r} is "
-                                      f"{'missing' if t is None else tuple(t.shape)}, expected {tuple(shape)}")
-            flat[off:off + shape.numel()].copy_(t.reshape(-1))
-        return flat
-
-    def _load_full_state(self, state: dict[str, Any]) -> None:
-        """Cut full per-parameter tensors by this engine's layout. LoCo's error buffers are in
-        the coordinates of the layout that wrote them and are zeroed (see docs/arch/interop.md)."""
-        s = self.strategy
-        moments = [k for k in ("exp_avg", "exp_avg_sq") if state.get(k) is not None]
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        reset = []
-        with torch.no_grad():
-            for b in self.buckets:
-                lo, hi = b.layout.shard_range(Level.N if b.persistent else s.p)
-                b.param_store.copy_(self._flat(b, state["params"], "parameter", self.param_dtype)[lo:hi])
-                b.grad_acc.zero_()
-                os_lo, _ = b.layout.shard_range(s.os)
-                masters = self._flat(b, state["masters"], "fp32 master", torch.float32)
-                cut = {k: self._flat(b, state[k], k, torch.float32) for k in moments}
-                for m in b.masters:
-                    a, z = os_lo + m.start, os_lo + m.end
-                    m.param.copy_(masters[a:z])
-                    if moments:
-                        per_param[id(m.param)] = {"step": state["adam_step"].clone(),
-                                                  **{k: v[a:z].clone() for k, v in cut.items()}}
-                for v in b.extra_state.values():
-                    v.zero_()
-                if b.extra_state:
-                    reset.append(b.name)
-        if reset:
-            log.warning("zero: resharded from %s; LoCo error buffers of %d buckets start from zero "
-                        "(they are in the old layout's sender coordinates)", state.get("source"), len(reset))
-        template = self.optimizer.state_dict()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        template["state"] = {i: per_param[id(p)] for i, p in enumerate(params) if id(p) in per_param}
-        self.optimizer.load_state_dict(template)
-        self.step_count = int(state["step_count"])
-        self._load_scaler(state)
-        self.paths.params_replaced()
+        load_engine_state(self, state)
