@@ -205,21 +205,33 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
                     assert s["param_all_gathers"] == p["param_all_gathers"], (label, rank)
 
 
-def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
-    """GPT-2 (tied embedding split over the two stages) under 1F1B x ZeRO: per-step losses."""
-    cfg = ModelConfig(**GPT2)
+def _pipeline_steps(topo: Topology, cfg_dict: dict, strategy: str, **options) -> list[dict]:
+    """This stage of a model split over the two pipeline stages under 1F1B x ZeRO, 3 steps:
+    per step the loss, the engine's counted bytes and calls, and their formulas."""
+    cfg = ModelConfig(**cfg_dict)
     model = GPTModel(cfg, pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
                      layer_range=topo.layer_range(cfg.num_layers))
     engine = ZeroEngine(model, OPT, PrecisionConfig(),
-                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO), topo,
+                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, **options), topo,
                         counts_in_norm=counts_in_norm(model, topo))
-    losses = []
+    steps = []
     for _ in range(3):
+        counter.reset_step()
         micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
         step_losses = forward_backward_1f1b(model, micro, engine, topology=topo)
         engine.step()
-        losses.append(sum(loss.item() for loss in step_losses) / MICRO)
-    return losses
+        ours = [r for tag, r in counter.step_totals()["tags"].items()
+                if tag.startswith("zero/") or tag == "train/grad_norm"]
+        steps.append({"loss": sum(loss.item() for loss in step_losses) / MICRO,
+                      "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours),
+                                  sum(r["calls"] for r in ours)),
+                      "predicted": (*engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))})
+    return steps
+
+
+def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
+    """GPT-2 (tied embedding split over the two stages) under 1F1B x ZeRO: per-step losses."""
+    return [s["loss"] for s in _pipeline_steps(topo, GPT2, strategy)]
 
 
 def _model_parallel_and_moe_rank() -> dict:
@@ -228,6 +240,10 @@ def _model_parallel_and_moe_rank() -> dict:
     report["pp/reference"] = _reference_losses(GPT2, topo)[:3]
     for name in ("NNG", "GNG"):
         report[f"pp/{name}"] = _pipeline_losses(topo, name)
+    # untied Llama: every fetch counted; kept groups stay gathered across 1F1B's forwards
+    report["pp/llama/reference"] = _reference_losses(LLAMA, topo)[:3]
+    for label, options in (("GGG", {}), ("GGG/noreuse", NO_REUSE), ("GGG/persist", PERSIST)):
+        report[f"pp/llama/{label}"] = _pipeline_steps(topo, LLAMA, "GGG", **options)
     try:
         _pipeline_losses(topo, "NGG")
         report["pp/NGG refused"] = False
@@ -263,6 +279,14 @@ def test_tensor_and_pipeline_parallel_and_moe_threshold():
             diff = max(abs(a - b) for a, b in zip(report[f"pp/{name}"], report["pp/reference"]))
             assert diff < 1e-5, (name, rank, report[f"pp/{name}"], report["pp/reference"])
         assert report["pp/NGG refused"], rank
+        for label in ("GGG", "GGG/noreuse", "GGG/persist"):
+            steps = report[f"pp/llama/{label}"]
+            losses = [s["loss"] for s in steps]
+            assert max(abs(a - b) for a, b in zip(losses, report["pp/llama/reference"])) < 1e-5, (label, rank, losses)
+            for s in steps:
+                assert s["counted"] == s["predicted"], (label, rank, s)
+        kept, released = report["pp/llama/GGG"][1], report["pp/llama/GGG/noreuse"][1]
+        assert kept["counted"] < released["counted"], (rank, kept, released)
         base = [s["loss"] for s in report["tp/NNN"]["steps"]]
         for name in ("GGG", "IIG"):
             run = report[f"tp/{name}"]

@@ -261,3 +261,24 @@ def test_persistent_parameters_leave_their_units_for_buckets_of_their_own():
     assert len(bounded) > 1 and all(b.numel <= 100 for b in bounded)
     assert [id(p) for b in bounded for _, p in b.params] == order
     assert split_persistent(units, 0, 10**9) == (units, [])
+
+
+def test_kept_groups_are_fetched_once_per_step_under_1f1b_warmup():
+    """A pipeline stage that runs forwards ahead of its backwards (1F1B warmup) keeps a group
+    kept for backward gathered from the first forward to the last backward: one fetch per step;
+    groups not kept are fetched for every forward and backward, as without a pipeline."""
+    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    ggg, hier = parse_strategy("GGG"), formulas.Hierarchy(True, True, True)
+    numels, reused = [400, 800, 1200], (False, True, True)
+    plain = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+                                reused=reused)
+    ahead = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+                                reused=reused, warmup=1)
+    assert (plain["fetch_forward"].numels, plain["fetch_forward_once"].numels) == ((400, 800, 1200), ())
+    assert (ahead["fetch_forward"].numels, ahead["fetch_forward"].times) == ((400,), 4)
+    assert (ahead["fetch_forward_once"].numels, ahead["fetch_forward_once"].times) == ((800, 1200), 1)
+    assert ahead["fetch_backward"] == plain["fetch_backward"] and ahead["fetch_backward"].numels == (400,)
+    saved = 3 * 2 * 2  # (4 - 1) forward fetches of each of the 2 kept groups, 2 stages each
+    calls = {w: formulas.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=reused, warmup=w)
+             for w in (0, 1)}
+    assert calls[0] - calls[1] == saved

@@ -97,13 +97,14 @@ class Phase:
 
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
            micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = (),
-           persistent: int = 0) -> dict[str, Phase]:
+           persistent: int = 0, warmup: int = 0) -> dict[str, Phase]:
     """`formulas.step_parts` timed: one Phase per entry of `formulas.STEP_PHASES`.
     `reused`: per fetch group, kept gathered from forward to backward (`formulas.reuse_mask`);
-    `persistent`: the last buckets of `padded` are kept whole (never fetched)."""
+    `persistent`: the last buckets of `padded` are kept whole (never fetched); `warmup`: the
+    stage's 1F1B forwards before its first backward."""
     parts = formulas.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
                                 param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
-                                zeropp=zpp, reused=reused, persistent=persistent)
+                                zeropp=zpp, reused=reused, persistent=persistent, warmup=warmup)
     out = {}
     for name, part in parts.items():
         total = Phase(times=part.times)
@@ -181,7 +182,7 @@ def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, worklo
         held += sum(n // zpp.hpz * pb for n in fpadded)
     together = [p + f for p, f in zip(padded, fpadded)]  # a group is kept or not with its frozen part
     ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster, reused_groups(s, workload, together))
-    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward")}
+    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_forward_once", "fetch_backward")}
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
@@ -235,6 +236,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
     persistent = stage.persistent if s.p != Level.N else 0
+    warmup = min(workload.pp - stage.stage - 1, a)  # 1F1B
     reused = reused_groups(s, workload, padded, persistent)
     if workload.hierarchical == "auto":
         lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
@@ -244,7 +246,8 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
                                 formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent)
+                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent,
+                               warmup=warmup)
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
@@ -264,7 +267,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
-    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent)
+    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
     frozen_bytes = stage.frozen * pb
     if workload.shard_frozen and s.p != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
@@ -283,7 +286,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         return p.host + max(p.seconds - p.host - compute_s, 0.0)
 
     exposed = {
-        "fetch_forward": a * hidden(ph["fetch_forward"], t_f),
+        "fetch_forward": a * hidden(ph["fetch_forward"], t_f) + hidden(ph["fetch_forward_once"], t_f),
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,

@@ -281,7 +281,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
         if self.fetcher is not None and not b.persistent:
-            self.fetcher.release(b)
+            self.fetcher.gradients_done(b)
 
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
@@ -314,7 +314,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.launched = False
             b.arrived.clear()
         if self.fetcher is not None:
-            self.fetcher.release_all()
+            self.fetcher.backward_finished()
         self._micro_batches += 1
         self._callback_queued = False
 
@@ -445,12 +445,20 @@ class ZeroEngine(ScaledOptimizerEngine):
                                    accum_bytes=self.accum_dtype.itemsize,
                                    extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
                                    reused=self.reused, persistent=self.persistent,
+                                   warmup=self.pipeline_warmup(micro_batches),
                                    exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
 
     def expected_step_calls(self, micro_batches: int) -> int:
         return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                   zeropp=self.zeropp, reused=self.reused, persistent=self.persistent)
+                                   zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
+                                   warmup=self.pipeline_warmup(micro_batches))
+
+    def pipeline_warmup(self, micro_batches: int) -> int:
+        """Forward passes this stage runs before its first backward (1F1B, the schedule of every
+        run with pipeline stages): kept fetch groups are gathered once per step then."""
+        pp, stage = getattr(self.topology, "pp", 1), getattr(self.topology, "pp_rank", 0)
+        return min(pp - stage - 1, micro_batches)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
