@@ -130,13 +130,13 @@ def _stage_shape(model: nn.Module, cfg: Config, topology: Any) -> StageShape:
                           persistence=cfg.zero.stage3_param_persistence_threshold)
 
 
-def _cluster(settings: PlannerSettings, topology: Any, measured: list[float]) -> Cluster:
+def _cluster(settings: PlannerSettings, topology: Any, measured: list[float], optimizer: bool = True) -> Cluster:
     """The cluster from rank 0's `measured` [memory, flops, intra_bw, inter_bw, intra_latency,
-    inter_latency], with the host model (per-op collective times, AdamW rate) of CPU ranks
-    probed when `settings.probe`. Collective."""
+    inter_latency], with the host model (per-op collective times, and with `optimizer` the
+    AdamW rate) of CPU ranks probed when `settings.probe`. Collective."""
     memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measured)
     cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
-    fits, adam = probe_host(topology) if cpu and settings.probe else (None, None)
+    fits, adam = probe_host(topology, optimizer) if cpu and settings.probe else (None, None)
     return Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
                    flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
                    inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
@@ -192,7 +192,8 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Any,
                      "planner.inter_node_gbit and no planner.probe to price calls with)")
             return None
         # only the links are priced: memory and compute rate play no part in a collective's time
-        cluster = _cluster(settings, topology, [math.inf, math.inf, *measure_links(settings, topology)])
+        cluster = _cluster(settings, topology, [math.inf, math.inf, *measure_links(settings, topology)],
+                           optimizer=False)
     strategy = resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage)
     zpp = _zeropp_of(cfg, topology)
     workload = _workload(cfg, topology)
