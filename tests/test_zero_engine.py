@@ -74,11 +74,13 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
     for step in steps:
         counter.reset_step()
         total = 0.0
+        staging = []  # per micro-batch: where each bucket's gradient was staged for its reduction
         for micro in range(MICRO):
             inputs, labels = _batch(cfg, topo.dp_rank, micro)
             loss = model(inputs, labels).mean() / MICRO
             engine.scale_loss(loss).backward()
             total += loss.item()
+            staging.append([b.sent.data_ptr() for b in engine.buckets if b.sent is not None])
         stats = engine.stats()
         result = engine.step()
         totals = counter.step_totals()
@@ -88,7 +90,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
                     "all": (totals["intra"], totals["inter"]),
                     "predicted": engine.expected_step_bytes(MICRO),
                     "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
-                    **stats})
+                    "staging": staging, **stats})
     return out
 
 
@@ -177,6 +179,9 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
             assert run["resumed_losses"] == losses[SAVE_AT:], (label, rank)
             assert run["resumed_norms"] == [s["norm"] for s in run["steps"][SAVE_AT:]], (label, rank)
             assert run["resumed_equal"], (label, rank)
+            g_sharded = label.split("/")[0][1] != "N"
+            for s in run["steps"]:  # g sharded: one staging buffer per bucket, reused by every micro-batch
+                assert bool(s["staging"][0]) == g_sharded and s["staging"][0] == s["staging"][-1], (label, s)
     first = results[0]["runs"]
     # on 2 nodes x 2 the two-stage G collectives are chosen and move fewer inter-node bytes
     for name in FLAT:

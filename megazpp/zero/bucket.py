@@ -48,6 +48,7 @@ class Bucket:
     extra_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
+    sent: torch.Tensor | None = None  # staging of the reduction in flight, the next micro-batch's staging
     micro_pending: Any = None
     boundary_pending: Any = None
     full_params: torch.Tensor | None = None

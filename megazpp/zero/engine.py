@@ -257,7 +257,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.grad_acc[off:off + n].add_(grad)
         else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
-                b.staging = b.param_store.new_empty(b.layout.padded)
+                b.staging = self._staging(b)
             torch.mul(grad, 1.0 / self.groups.d, out=b.staging[off:off + n])
         p.grad = None
         b.arrived.add(i)
@@ -271,17 +271,25 @@ class ZeroEngine(ScaledOptimizerEngine):
         if s.g != Level.N:
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
-                b.staging = b.param_store.new_zeros(b.layout.padded)
+                b.staging = self._staging(b).zero_()
             else:
                 self._zero_unwritten(b)
             b.micro_pending = self.paths.start_grad_reduce(b, b.staging)
-            b.staging = None
+            b.sent, b.staging = b.staging, None
             if not self.options.overlap_comm:
                 self._wait_micro(b)
         elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
         if self.fetcher is not None and not b.persistent:
             self.fetcher.gradients_done(b)
+
+    def _staging(self, b: Bucket) -> torch.Tensor:
+        """A buffer for this micro-batch's gradient of `b`: the previous micro-batch's, once its
+        reduction is done (one forward and backward ago, so waiting here costs nothing), else a
+        new one; dropped at the end of the step, so nothing is held between steps."""
+        self._wait_micro(b)
+        buffer, b.sent = b.sent, None
+        return buffer if buffer is not None else b.param_store.new_empty(b.layout.padded)
 
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
@@ -385,6 +393,7 @@ class ZeroEngine(ScaledOptimizerEngine):
                 if b.boundary_pending is not None:
                     b.boundary_pending.wait()
                     b.boundary_pending = None
+            b.sent = None
             b.grad_acc.zero_()
             for m in b.masters:
                 m.param.grad = None
