@@ -99,8 +99,8 @@ def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_
     if runner == "megazpp":
         if len(comm) != world_size:
             raise DataError(f"{run_dir}: {len(comm)} comm_rank*.json reports for {world_size} ranks")
-        row.counted_inter_bytes_per_step = sum(r["run"]["inter"] - r["run"].get("tags", {}).get(PROBE_TAG, {}).get("inter", 0)
-                                               for r in comm) / steps
+        probe = [r["run"].get("tags", {}).get(PROBE_TAG, {}).get("inter", 0) for r in comm]
+        row.counted_inter_bytes_per_step = (sum(r["run"]["inter"] for r in comm) - sum(probe)) / steps
     rss = _read_json_files(os.path.join(run_dir, "rss_rank*.json"))
     if len(rss) != world_size:
         raise DataError(f"{run_dir}: {len(rss)} rss_rank*.json probes for {world_size} ranks")
