@@ -184,6 +184,8 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000  # elements of groups gathered ahead of use
     stage3_max_live_parameters: int = 1_000_000_000  # elements kept gathered forward -> backward
     stage3_max_reuse_distance: int = 1_000_000_000  # kept only if reused within this many elements
+    # parameters of fewer elements stay whole on every rank (p sharded); 0: none (DeepSpeed: 1e5)
+    stage3_param_persistence_threshold: int = 0
     hierarchical: str = "auto"  # megazpp's own: G-level collectives in two stages: auto / always / never
     cpu_quant_kernels: str = "reference"  # megazpp's own: "compiled" fuses the CPU quantizers
     qwz_block_size: int = 2048  # megazpp's own: values per int8 scale in qwZ's gathers

@@ -15,7 +15,7 @@ from kernels.format import check_block_size, check_err_beta
 from megazpp.errors import ConfigError
 from megazpp.zero.formulas import HIERARCHY_MODES
 from megazpp.zero.strategy import resolve_strategy
-from megazpp.zero.units import FETCH_GROUP_MODES
+from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
 
 if TYPE_CHECKING:
     from megazpp.config import Config, PrecisionConfig, ZeroConfig
@@ -144,14 +144,14 @@ def _validate_zero(z: ZeroConfig) -> None:
                 "loco_reset_t", "paro_group_size"):
         _require_positive(f"zero.{key}", getattr(z, key))
     for key in ("module_granularity_threshold", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                "stage3_max_reuse_distance"):
+                "stage3_max_reuse_distance", "stage3_param_persistence_threshold"):
         if getattr(z, key) < 0:
             raise ConfigError(f"zero.{key} = {getattr(z, key)}: expected a value >= 0")
     for key, allowed in (("fetch_groups", FETCH_GROUP_MODES), ("hierarchical", HIERARCHY_MODES)):
         if getattr(z, key) not in allowed:
             raise ConfigError(f"zero.{key} = {getattr(z, key)!r}: expected one of {', '.join(allowed)}")
     if str(z.paro_strategy).lower() != "auto":
-        resolve_strategy(z.paro_strategy, z.stage)
+        check_persistence(resolve_strategy(z.paro_strategy, z.stage), z.stage3_param_persistence_threshold)
     try:
         check_err_beta(z.loco_err_beta)
     except ConfigError as err:

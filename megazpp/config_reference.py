@@ -30,7 +30,7 @@ SECTION_HELP: dict[str, str] = {
     "logging": "console and TensorBoard",
     "parallel": "tensor / pipeline parallel layout and process groups",
     "zero": "the data-parallel optimizer: ZeRO stage or PaRO strategy, ZeRO++, LoCo",
-    "planner": "cluster facts for `zero.paro_strategy: auto`",
+    "planner": "cluster facts for `zero.paro_strategy: auto` and `zero.hierarchical: auto`",
 }
 
 HELP: dict[str, str] = {
@@ -121,7 +121,10 @@ HELP: dict[str, str] = {
     "zero.stage3_prefetch_bucket_size": "elements of fetch groups gathered ahead of use",
     "zero.stage3_max_live_parameters": "elements kept gathered from forward to backward (0: re-gather in backward)",
     "zero.stage3_max_reuse_distance": "keep a group for backward only if reused within this many elements",
-    "zero.hierarchical": "two-stage (node, then across nodes) collectives: auto, always or never",
+    "zero.stage3_param_persistence_threshold": "parameters of fewer elements stay whole on every rank, "
+                                               "refreshed after each step in one collective (0: none)",
+    "zero.hierarchical": "two-stage (node, then across nodes) collectives: auto (the planner prices them), "
+                         "always or never",
     "zero.cpu_quant_kernels": "reference or compiled (TorchInductor) quantizers on CPU",
     "zero.qwz_block_size": "values per int8 scale in qwZ",
     "zero.qgz_block_size": "values per int4 scale in qgZ",

@@ -89,14 +89,17 @@ def test_node_commands(monkeypatch):
     assert "10.78.0.1:29800" in lab  # the benchmark's own netlab subnet, not the tests' one
 
 
-def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4, calls=None) -> None:
+def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4, calls=None,
+              probe_inter=0) -> None:
+    """`probe_inter`: inter-node bytes each rank's planner probe moved at start-up (not a step's)."""
     writer = SummaryWriter(str(run_dir / "tb"))
     for step, (tps, loss) in enumerate(zip(tokens_per_sec, losses), start=1):
         writer.add_scalar("perf/tokens_per_sec", tps, step)
         writer.add_scalar("train/loss", loss, step)
     writer.close()
     for rank in range(world):
-        (run_dir / f"comm_rank{rank}.json").write_text(json.dumps({"run": {"inter": inter_per_rank[rank]}}))
+        run = {"inter": inter_per_rank[rank] + probe_inter, "tags": {"planner/probe": {"inter": probe_inter}}}
+        (run_dir / f"comm_rank{rank}.json").write_text(json.dumps({"run": run}))
         probe = {"rank": rank, "maxrss_bytes": rss[rank]}
         if calls is not None:
             probe["calls_at_steps"] = calls[rank]
@@ -106,13 +109,13 @@ def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, wor
 def test_row_from_a_run_directory(tmp_path):
     _fake_run(tmp_path, tokens_per_sec=[100.0, 400.0, 200.0, 250.0], losses=[5.0, 4.0, 3.5, 3.25],
               inter_per_rank=[400, 400, 800, 800], rss=[10, 30, 20, 5],
-              calls=[[50, 60, 70, 80], [50, 61, 72, 83], [50, 60, 70, 80], [50, 60, 70, 80]])
+              calls=[[50, 60, 70, 80], [50, 61, 72, 83], [50, 60, 70, 80], [50, 60, 70, 80]], probe_inter=1000)
     row = results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000,
                               world_size=4, wire_bytes=3000, wall_s=12.0)
     # steps 2..4 take 2.5, 5 and 4 s: median 4 s (step 1 is left out)
     assert row.step_time_s == pytest.approx(4.0)
     assert row.tokens_per_s == pytest.approx(250.0)
-    assert row.counted_inter_bytes_per_step == pytest.approx(2400 / 4)
+    assert row.counted_inter_bytes_per_step == pytest.approx(2400 / 4)  # the start-up probe left out
     assert row.wire_inter_bytes_per_step == pytest.approx(750.0)
     assert row.rss_per_rank == [10, 30, 20, 5] and row.peak_rss_bytes == 30
     # calls between optimizer steps 2..4 (the first step also holds the set-up): 10 / 11 per step

@@ -117,6 +117,11 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
     # flags still win over the DeepSpeed file
     cfg = load_config(["--deepspeed_config", ds, "--lr", "2e-3"])
     assert cfg.optimizer.lr == 2e-3
+    (tmp_path / "persist").mkdir()
+    persist = write_json(tmp_path / "persist", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1e5}})
+    z = load_config(["--config", base_yaml, "--deepspeed_config", persist]).validate(world_size=1).zero
+    assert (z.stage, z.stage3_param_persistence_threshold) == (3, 100_000)
 
 
 def test_bad_deepspeed_keys_rejected(tmp_path):

@@ -72,7 +72,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = warnings.append  # type: ignore[method-assign]
-    logging.getLogger("megazpp.zero.engine").addHandler(handler)
+    logging.getLogger("megazpp.zero").addHandler(handler)
     out: dict[str, Any] = {"changed": False}
     if reshard_from is not None:
         out["changed"] = needs_reshard(reshard_from, engine, topology)
@@ -82,7 +82,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     out["losses"] = trainer.train().losses
     with engine.gathered_parameters():
         out["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    logging.getLogger("megazpp.zero.engine").removeHandler(handler)
+    logging.getLogger("megazpp.zero").removeHandler(handler)
     out["warnings"] = [r.getMessage() for r in warnings if r.levelno >= logging.WARNING]
     return out
 

@@ -16,10 +16,12 @@ from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.activations import layer_bytes, stage_activation_bytes
 from megazpp.planner.cluster import Cluster
-from megazpp.planner.cost import ADAM_TRAFFIC_FP32, layout, phases, predict_stage
+from megazpp.config import load_config
+from megazpp.planner.cost import (ADAM_TRAFFIC_FP32, fastest_hierarchy, layout, phases, predict_stage,
+                                  reused_groups, stage_padded)
 from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
-from megazpp.planner.workload import Workload
+from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
 from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
 
@@ -236,12 +238,12 @@ def test_without_overlap_only_the_link_wait_hides():
     """overlap=False (CPU cores move the bytes): a collective's host part (its call plus its bytes
     at the intra-node rate) is always exposed; only the wait on the slower inter-node link hides
     behind compute."""
-    workload = Workload(model=TINY, micro_batch=1, global_batch=8)  # A = 2 on 2 x 2
+    # A = 2 on 2 x 2; flat: one call per unit
+    workload = Workload(model=TINY, micro_batch=1, global_batch=8, hierarchical="never")
     shape = StageShape(0, fetch_groups=(4000, 4000), buckets=(8000,), frozen=0, layers=2, first=True, last=True)
     ggg = parse_strategy("GGG")
     slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
     lay = layout(workload, slow_compute)
-    lay = dataclasses.replace(lay, hier=formulas.choose_hierarchy(lay.shapes, "never"))  # flat: one call per unit
     hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
     serial_cluster = dataclasses.replace(slow_compute, overlap=False)
     serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)
@@ -301,3 +303,54 @@ def test_planner_follows_zero_hierarchical():
     workload = Workload(model=TINY, micro_batch=1, global_batch=4)
     assert layout(workload, cluster).hier == formulas.Hierarchy(True, True, True)
     assert layout(dataclasses.replace(workload, hierarchical="never"), cluster).hier == formulas.Hierarchy()
+
+
+BENCH_YAML = str(Path(__file__).parents[1] / "configs" / "experiments" / "netlab" / "llama_comm_bound.yaml")
+CALL_S, COPY_BPS = 2e-3, 0.6e9  # the netlab calibration's gloo on shared cores (planner/timing.py)
+
+
+def _host_model(inter_gbit: float | None) -> Cluster:
+    """2 nodes x 2 CPU ranks as `probe_collectives` sees them: every op on every DP group costs
+    CALL_S whatever its size, plus its bytes (twice for gloo's reduce-scatter) at the cores'
+    copy rate, the inter-node share no faster than the node's link split over its 2 ranks
+    (None: loopback, the cores are the only limit)."""
+    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2, 2)
+    inter_rate = COPY_BPS if inter_gbit is None else min(COPY_BPS, inter_gbit * 1e9 / 8 / 2)
+    times = {}
+    for name in ("dp", "intra", "cross", "hpz"):
+        g = getattr(shapes, name)
+        share = g.inter_peers / (g.size - 1)
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            wire = 2 if op == "reduce_scatter" else 1
+            times[f"{op}/{name}"] = tuple((b, CALL_S + wire * b * ((1 - share) / COPY_BPS + share / inter_rate))
+                                          for b in (4e3, 4e6))
+    return _cluster(2, 2, backend="gloo", overlap=False, collective_times=times)
+
+
+@pytest.mark.parametrize("inter_gbit,two_stage", [(None, False), (10, False), (1, True)])
+def test_hierarchical_auto_is_priced_by_the_host_model(inter_gbit, two_stage):
+    """On the benchmark model's fetch groups (ZeRO-3, 4 micro-batches, 2 x 2 ranks): where a
+    call costs milliseconds and the link is fast, one stage over DP (half the calls) is faster;
+    at 1 Gbit/s two stages (half the inter-node bytes) are. Each kind is decided by the step's
+    predicted collective seconds, and the prediction prices the collectives so chosen."""
+    cfg = load_config(["--config", BENCH_YAML, "--vocab-size", "2048"])
+    workload = dataclasses.replace(workload_of_config(cfg), hierarchical="auto")
+    cluster = _host_model(inter_gbit)
+    ggg, zpp = parse_strategy("GGG"), formulas.ZeroPP()
+    shape = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)[0]
+    lay = layout(workload, cluster)
+    padded = [n for n, _ in stage_padded(ggg, zpp, shape, lay)]
+    assert len(padded) == 10  # embedding, 8 layers, final norm + output layer
+    reused = reused_groups(ggg, workload, padded)
+    hier = fastest_hierarchy(ggg, zpp, padded, lay, workload, cluster, reused)
+    assert (hier.gather, hier.reduce) == (two_stage, two_stage), (inter_gbit, hier)
+    seconds = {}
+    for h in (formulas.Hierarchy(), formulas.Hierarchy(True, True, True)):
+        ph = phases(ggg, padded, dataclasses.replace(lay, hier=h), zpp, workload, 4, cluster, reused)
+        seconds[h.gather] = sum(p.seconds * p.times for p in ph.values())
+    assert (seconds[True] < seconds[False]) == two_stage
+    predicted = predict_stage(ggg, zpp, shape, workload, cluster, lay)
+    assert predicted.calls == formulas.step_calls(ggg, padded, lay.shapes, hier, micro_batches=4,
+                                                  reused=reused) - 1  # the norm all-reduce is priced apart
+    assert predicted.step_bytes == formulas.step_bytes(ggg, padded, lay.shapes, hier, micro_batches=4,
+                                                       param_bytes=4, accum_bytes=4, reused=reused)

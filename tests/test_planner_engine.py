@@ -6,6 +6,7 @@ and its per-step bytes equal what the comm counter recorded. The configuration i
 of tests/test_zero_engine.py (tiny Llama, reduce_bucket_size 4000, 2 micro-batches, fp32; one
 LoCo run in fp16, whose error buffers keep a copy for skipped steps); fetch groups are kept from
 forward to backward (the default budget) except in two runs with `stage3_max_live_parameters: 0`;
+two ZeRO++ runs keep parameters below `stage3_param_persistence_threshold` whole;
 four runs with activation checkpointing (GGG, IIG, ZeRO++ with hpZ, qwZ alone) check that the
 recompute fetches nothing.
 Auto: `auto_strategy` returns the same strategy on every rank, with probed bandwidths (which
@@ -16,6 +17,7 @@ computed here from the same inputs; `build_zero_engine` runs it for `paro_strate
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -29,13 +31,14 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
+from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.factory import build_zero_engine
-from megazpp.zero.formulas import ZeroPP
+from megazpp.zero.formulas import Hierarchy, ZeroPP, choose_hierarchy
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -53,6 +56,15 @@ RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
     ("GGG", ZeroPP(), FP32, True, LIVE), ("IIG", ZeroPP(), FP32, True, LIVE),
     ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, True, 0),
     ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True, 0)]
+# a ring step inside a node dearer than three across: the latency model prices one stage over
+# DP (3 steps across) below two stages (1 step across + 1 inside) for these tiny groups
+SLOW_INTRA_STEP = PlannerSettings(intra_node_gbs=1.0, inter_node_gbit=10, intra_node_latency_us=3000,
+                                  inter_node_latency_us=100)
+# ZeRO++ with stage3_param_persistence_threshold: the norm gains (32 elements) kept whole
+PERSISTENCE = 100
+PERSIST_RUNS = [("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False, LIVE),
+                ("IGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, True, LIVE)]
+ALL_RUNS = [(run, 0) for run in RUNS] + [(run, PERSISTENCE) for run in PERSIST_RUNS]
 GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
                         inter_node_gbit=0.1)
 
@@ -80,12 +92,14 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
 def _rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     out = {"runs": []}
-    for name, zpp, precision, checkpointing, live in RUNS:
+    for (name, zpp, precision, checkpointing, live), persistence in ALL_RUNS:
         model = GPTModel(ModelConfig(**LLAMA, activation_checkpointing=checkpointing))
-        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"])
+        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"],
+                               persistence=persistence)
         engine = ZeroEngine(model, OptimizerConfig(lr=1e-2), precision,
                             ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=BUCKET,
-                                        stage3_max_live_parameters=live, zeropp=zpp), topo)
+                                        stage3_max_live_parameters=live, zeropp=zpp,
+                                        stage3_param_persistence_threshold=persistence), topo)
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**LLAMA))
@@ -94,6 +108,15 @@ def _rank() -> dict:
     cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
     cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
     out["factory"] = build_zero_engine(GPTModel(ModelConfig(**LLAMA)), cfg, topo, MICRO).strategy.name
+    cfg = _config()  # `hierarchical: auto` priced on the section's links: the engine runs the planner's choice
+    cfg.zero.stage, cfg.planner = 3, SLOW_INTRA_STEP
+    model = GPTModel(ModelConfig(**LLAMA))
+    engine = build_zero_engine(model, cfg, topo, MICRO)
+    counted = _one_step(model, engine, topo)
+    calls = sum(r["calls"] for tag, r in counter.step_totals()["tags"].items()
+                if tag.startswith("zero/") or tag == "train/grad_norm")
+    out["hier"] = {"engine": engine.hier, "counted": (counted, calls),
+                   "formulas": (engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))}
     try:
         auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
         out["refused"] = ""
@@ -107,19 +130,25 @@ def results():
     return run_ranks(_rank, 4, timeout_s=300)
 
 
-def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE) -> Workload:
+def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE, persistence: int = 0) -> Workload:
     return Workload(model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing), micro_batch=MICRO,
                     global_batch=MICRO * 4 * 2, param_bytes=2 if fp16 else 4, fp16=fp16, accum_bytes=4,
-                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live)
+                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live,
+                    persistence_threshold=persistence)
 
 
 def test_planner_memory_and_bytes_equal_the_engine(results):
     cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8)
-    from_config = shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET)
+    from_config = {p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0]
+                   for p in (0, PERSISTENCE)}
+    persisting, plain = from_config[PERSISTENCE], from_config[0]
+    assert persisting.persistent == 1 and persisting.fetch_groups[-1] == 5 * LLAMA["hidden_size"]  # 5 norm gains
+    assert sum(persisting.fetch_groups) == sum(plain.fetch_groups)
     for rank, report in enumerate(results):
-        for (name, zpp, precision, checkpointing, live), run in zip(RUNS, report["runs"]):
-            assert run["shape"] == from_config[0], (name, rank)  # the meta-device build sees the same groups
-            workload = _workload(precision.fp16, checkpointing, live)
+        for ((name, zpp, precision, checkpointing, live), persistence), run in zip(ALL_RUNS, report["runs"]):
+            # the meta-device build sees the same groups
+            assert run["shape"] == from_config[persistence], (name, rank)
+            workload = _workload(precision.fp16, checkpointing, live, persistence)
             stage = predict(Option(parse_strategy(name), zpp), [run["shape"]], workload, cluster).stages[0]
             assert stage.state == run["held"], (name, zpp, rank, stage.state, run["held"])
             assert stage.step_bytes == run["counted"], (name, zpp, rank, stage.step_bytes, run["counted"])
@@ -151,3 +180,25 @@ def test_auto_choice_is_identical_on_every_rank(results):
     assert all(len(points) == 3 for points in probed.collective_times.values())
     assert all(r["probed"].cluster.collective_times == probed.collective_times for r in results)  # rank 0's
     assert dataclasses.replace(probed, flops=1.0) != probed
+
+
+def test_hierarchical_auto_runs_the_planners_choice(results):
+    """The builder hands the engine the planner's per-kind choice (here one stage, where the
+    byte rule would take two); the engine's counted bytes and calls equal the formulas for it."""
+    cfg = _config()
+    cfg.zero.stage = 3
+    settings = SLOW_INTRA_STEP
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=math.inf, flops=math.inf,
+                      intra_bw=settings.intra_node_gbs * 1e9, inter_bw=settings.inter_node_gbit * 1e9 / 8,
+                      intra_latency=settings.intra_node_latency_us * 1e-6,
+                      inter_latency=settings.inter_node_latency_us * 1e-6, backend="gloo", overlap=False)
+    workload = workload_of_config(cfg)
+    ggg = parse_strategy("GGG")
+    lay = layout(workload, cluster)
+    padded = [n for n, _ in stage_padded(ggg, ZeroPP(), results[0]["runs"][0]["shape"], lay)]
+    expected = fastest_hierarchy(ggg, ZeroPP(), padded, lay, workload, cluster, reused_groups(ggg, workload, padded))
+    assert expected == Hierarchy() != choose_hierarchy(lay.shapes, "auto")
+    for rank, report in enumerate(results):
+        run = report["hier"]
+        assert run["engine"] == expected, (rank, run["engine"])
+        assert run["counted"] == run["formulas"], (rank, run)

@@ -1,7 +1,8 @@
 """The ZeRO engine end to end on 4 gloo ranks carved into 2 virtual nodes x 2.
 
 One spawn trains a small Llama under all 14 PaRO strategies (plus three forced single-stage
-variants and two with a PaRO group spanning both nodes) and checks, per strategy: losses
+variants, two with a per-kind mix of one- and two-stage collectives, and two with a PaRO group
+spanning both nodes) and checks, per strategy: losses
 against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
 held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
 `formulas.step_bytes` and counted collective calls against `formulas.step_calls`; and a save at
@@ -43,6 +44,11 @@ WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning bot
 REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse off), and checkpointed
 # GGG also runs with size-bounded fetch groups ("GGG/size"); the others group by layer, split at 4000
 NO_REUSE = {"stage3_max_live_parameters": 0}
+# a per-kind hierarchy as the planner hands it to the engine (zero.hierarchical: auto, priced)
+MIXED = {"GGG": formulas.Hierarchy(gather=False, reduce=True), "NNG": formulas.Hierarchy(gather=True, reduce=False)}
+# the norm gains (32 elements) kept whole on every rank, refreshed in one bucket after each step
+PERSIST = {"stage3_param_persistence_threshold": 100}
+SHARDED_P = tuple(n for n in VALID_NAMES if n[0] != "N")  # where persistence applies (p = I, G)
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,11 +74,13 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
     for step in steps:
         counter.reset_step()
         total = 0.0
+        staging = []  # per micro-batch: where each bucket's gradient was staged for its reduction
         for micro in range(MICRO):
             inputs, labels = _batch(cfg, topo.dp_rank, micro)
             loss = model(inputs, labels).mean() / MICRO
             engine.scale_loss(loss).backward()
             total += loss.item()
+            staging.append([b.sent.data_ptr() for b in engine.buckets if b.sent is not None])
         stats = engine.stats()
         result = engine.step()
         totals = counter.step_totals()
@@ -82,7 +90,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
                     "all": (totals["intra"], totals["inter"]),
                     "predicted": engine.expected_step_bytes(MICRO),
                     "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
-                    **stats})
+                    "staging": staging, **stats})
     return out
 
 
@@ -118,7 +126,9 @@ def _strategies_rank(ckpt_root: str) -> dict:
             [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT] +
             [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE] +
             [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF] +
-            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})])
+            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})] +
+            [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()] +
+            [(f"{name}/persist", name, PERSIST) for name in SHARDED_P])
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
     for label, name, options in runs:
         model = _model(LLAMA, topo)
@@ -152,7 +162,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
     labels = (list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE] +
-              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"])
+              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"] + [f"{n}/mixed" for n in MIXED] +
+              [f"{n}/persist" for n in SHARDED_P])
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)
@@ -168,6 +179,9 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
             assert run["resumed_losses"] == losses[SAVE_AT:], (label, rank)
             assert run["resumed_norms"] == [s["norm"] for s in run["steps"][SAVE_AT:]], (label, rank)
             assert run["resumed_equal"], (label, rank)
+            g_sharded = label.split("/")[0][1] != "N"
+            for s in run["steps"]:  # g sharded: one staging buffer per bucket, reused by every micro-batch
+                assert bool(s["staging"][0]) == g_sharded and s["staging"][0] == s["staging"][-1], (label, s)
     first = results[0]["runs"]
     # on 2 nodes x 2 the two-stage G collectives are chosen and move fewer inter-node bytes
     for name in FLAT:
@@ -196,21 +210,33 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
                     assert s["param_all_gathers"] == p["param_all_gathers"], (label, rank)
 
 
-def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
-    """GPT-2 (tied embedding split over the two stages) under 1F1B x ZeRO: per-step losses."""
-    cfg = ModelConfig(**GPT2)
+def _pipeline_steps(topo: Topology, cfg_dict: dict, strategy: str, **options) -> list[dict]:
+    """This stage of a model split over the two pipeline stages under 1F1B x ZeRO, 3 steps:
+    per step the loss, the engine's counted bytes and calls, and their formulas."""
+    cfg = ModelConfig(**cfg_dict)
     model = GPTModel(cfg, pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
                      layer_range=topo.layer_range(cfg.num_layers))
     engine = ZeroEngine(model, OPT, PrecisionConfig(),
-                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO), topo,
+                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, **options), topo,
                         counts_in_norm=counts_in_norm(model, topo))
-    losses = []
+    steps = []
     for _ in range(3):
+        counter.reset_step()
         micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
         step_losses = forward_backward_1f1b(model, micro, engine, topology=topo)
         engine.step()
-        losses.append(sum(loss.item() for loss in step_losses) / MICRO)
-    return losses
+        ours = [r for tag, r in counter.step_totals()["tags"].items()
+                if tag.startswith("zero/") or tag == "train/grad_norm"]
+        steps.append({"loss": sum(loss.item() for loss in step_losses) / MICRO,
+                      "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours),
+                                  sum(r["calls"] for r in ours)),
+                      "predicted": (*engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))})
+    return steps
+
+
+def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
+    """GPT-2 (tied embedding split over the two stages) under 1F1B x ZeRO: per-step losses."""
+    return [s["loss"] for s in _pipeline_steps(topo, GPT2, strategy)]
 
 
 def _model_parallel_and_moe_rank() -> dict:
@@ -219,6 +245,10 @@ def _model_parallel_and_moe_rank() -> dict:
     report["pp/reference"] = _reference_losses(GPT2, topo)[:3]
     for name in ("NNG", "GNG"):
         report[f"pp/{name}"] = _pipeline_losses(topo, name)
+    # untied Llama: every fetch counted; kept groups stay gathered across 1F1B's forwards
+    report["pp/llama/reference"] = _reference_losses(LLAMA, topo)[:3]
+    for label, options in (("GGG", {}), ("GGG/noreuse", NO_REUSE), ("GGG/persist", PERSIST)):
+        report[f"pp/llama/{label}"] = _pipeline_steps(topo, LLAMA, "GGG", **options)
     try:
         _pipeline_losses(topo, "NGG")
         report["pp/NGG refused"] = False
@@ -254,6 +284,14 @@ def test_tensor_and_pipeline_parallel_and_moe_threshold():
             diff = max(abs(a - b) for a, b in zip(report[f"pp/{name}"], report["pp/reference"]))
             assert diff < 1e-5, (name, rank, report[f"pp/{name}"], report["pp/reference"])
         assert report["pp/NGG refused"], rank
+        for label in ("GGG", "GGG/noreuse", "GGG/persist"):
+            steps = report[f"pp/llama/{label}"]
+            losses = [s["loss"] for s in steps]
+            assert max(abs(a - b) for a, b in zip(losses, report["pp/llama/reference"])) < 1e-5, (label, rank, losses)
+            for s in steps:
+                assert s["counted"] == s["predicted"], (label, rank, s)
+        kept, released = report["pp/llama/GGG"][1], report["pp/llama/GGG/noreuse"][1]
+        assert kept["counted"] < released["counted"], (rank, kept, released)
         base = [s["loss"] for s in report["tp/NNN"]["steps"]]
         for name in ("GGG", "IIG"):
             run = report[f"tp/{name}"]

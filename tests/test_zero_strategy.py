@@ -179,7 +179,8 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     for bad in (ZeroConfig(paro_strategy="NIG", stage=3), ZeroConfig(paro_strategy="GNN"),
                 ZeroConfig(stage=3, reduce_scatter=False),
                 ZeroConfig(stage=1, zero_quantized_weights=True), ZeroConfig(stage=2, zero_hpz_partition_size=2),
-                ZeroConfig(stage=1, zero_quantized_gradients=True), ZeroConfig(stage=3, loco=True)):
+                ZeroConfig(stage=1, zero_quantized_gradients=True), ZeroConfig(stage=3, loco=True),
+                ZeroConfig(stage=2, stage3_param_persistence_threshold=100)):
         with pytest.raises(ConfigError):
             zero_options(bad)
 
@@ -194,7 +195,11 @@ def test_config_validate_refuses_bad_zero_values_before_any_process_group():
                       (ZeroConfig(stage=3, loco_err_beta=1.5), "zero.loco_err_beta"),
                       (ZeroConfig(stage=3, fetch_groups="module"), "zero.fetch_groups"),
                       (ZeroConfig(stage=3, hierarchical="on"), "zero.hierarchical"),
-                      (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance")):
+                      (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance"),
+                      (ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
+                       "zero.stage3_param_persistence_threshold = 100: strategy NGG keeps every parameter"),
+                      (ZeroConfig(stage=3, stage3_param_persistence_threshold=-1),
+                       "zero.stage3_param_persistence_threshold")):
         with pytest.raises(ConfigError, match=key):
             Config(zero=zero).validate(1)
     Config(zero=ZeroConfig(paro_strategy="auto")).validate(1)  # the planner decides later
@@ -232,3 +237,48 @@ def test_fetch_groups_by_layer_or_by_size():
     # router and one expert linear; the other 23 expert linears, the norm and the head
     assert [g.numel for g in fetch_groups(model, units, "size", 4200)] == [40 + 4160, 224, 4160 + 32 + 8,
                                                                           23 * 8 + 128 + 640]
+
+
+def test_persistent_parameters_leave_their_units_for_buckets_of_their_own():
+    """stage3_param_persistence_threshold: parameters of fewer elements (here everything but the
+    attention weights and the head: embedding, routers, expert linears, biases, the norm) leave
+    their units before grouping; a unit left empty loses its hooks; the small ones are bucketed
+    last-registered first, within the bound."""
+    from megazpp.zero.units import fetch_groups, split_persistent
+
+    model = _Stack()
+    units = parameter_units(model, 0)
+    kept, whole = split_persistent(units, 100, 10**9)
+    small = [p for p in model.parameters() if p.numel() < 100]
+    order = [id(p) for p in reversed(small)]
+    assert [id(p) for b in whole for _, p in b.params] == order
+    assert len(whole) == 1 and whole[0].modules == []
+    assert [u.name for u in kept] == ["layers.0.attn", "layers.1.attn", "head"]
+    assert [n for u in kept for n, _ in u.params] == ["layers.0.attn.weight", "layers.1.attn.weight", "head.weight"]
+    groups = fetch_groups(model, kept, "layer", 10**9)
+    assert sum(g.numel for g in groups) + whole[0].numel == sum(p.numel() for p in model.parameters())
+    bounded = split_persistent(units, 100, 100)[1]
+    assert len(bounded) > 1 and all(b.numel <= 100 for b in bounded)
+    assert [id(p) for b in bounded for _, p in b.params] == order
+    assert split_persistent(units, 0, 10**9) == (units, [])
+
+
+def test_kept_groups_are_fetched_once_per_step_under_1f1b_warmup():
+    """A pipeline stage that runs forwards ahead of its backwards (1F1B warmup) keeps a group
+    kept for backward gathered from the first forward to the last backward: one fetch per step;
+    groups not kept are fetched for every forward and backward, as without a pipeline."""
+    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    ggg, hier = parse_strategy("GGG"), formulas.Hierarchy(True, True, True)
+    numels, reused = [400, 800, 1200], (False, True, True)
+    plain = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+                                reused=reused)
+    ahead = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+                                reused=reused, warmup=1)
+    assert (plain["fetch_forward"].numels, plain["fetch_forward_once"].numels) == ((400, 800, 1200), ())
+    assert (ahead["fetch_forward"].numels, ahead["fetch_forward"].times) == ((400,), 4)
+    assert (ahead["fetch_forward_once"].numels, ahead["fetch_forward_once"].times) == ((800, 1200), 1)
+    assert ahead["fetch_backward"] == plain["fetch_backward"] and ahead["fetch_backward"].numels == (400,)
+    saved = 3 * 2 * 2  # (4 - 1) forward fetches of each of the 2 kept groups, 2 stages each
+    calls = {w: formulas.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=reused, warmup=w)
+             for w in (0, 1)}
+    assert calls[0] - calls[1] == saved

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = _workload(a)
         shapes = shapes_of_config(workload.model, tp=workload.tp, pp=workload.pp, bucket_numel=workload.bucket_numel,
                                   threshold=workload.module_granularity_threshold, fetch_mode=workload.fetch_groups,
-                                  trainable_fraction=workload.trainable_fraction)
+                                  trainable_fraction=workload.trainable_fraction,
+                                  persistence=workload.persistence_threshold)
         result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP() if a.no_zeropp else None, tie=a.tie / 100)
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)

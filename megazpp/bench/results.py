@@ -13,7 +13,8 @@ Per-step numbers:
   with no step left: the last one;
 * counted inter-node bytes per step = sum over ranks of each rank's received inter-node
   bytes for the whole run / steps (the trainer moves no bytes outside steps when evaluation
-  and checkpoints are off, as in the benchmark's YAML);
+  and checkpoints are off, as in the benchmark's YAML), less the planner's start-up probe
+  (`PROBE_TAG`, with `--planner-probe`);
 * wire bytes per step = bytes received by all nodes' inter-node links / steps, i.e. including
   rendezvous, process-group set-up and TCP/IP overhead, amortised over the run;
 * collective calls per step = per rank, the median over the steps after the first `warmup`
@@ -36,6 +37,8 @@ from megazpp.errors import DataError
 from megazpp.parallel.counter import write_json_atomic
 
 REFERENCE = "zero3"
+
+PROBE_TAG = "planner/probe"  # the counter's tag of the planner's start-up measurements
 
 
 @dataclass
@@ -96,7 +99,8 @@ def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_
     if runner == "megazpp":
         if len(comm) != world_size:
             raise DataError(f"{run_dir}: {len(comm)} comm_rank*.json reports for {world_size} ranks")
-        row.counted_inter_bytes_per_step = sum(r["run"]["inter"] for r in comm) / steps
+        probe = [r["run"].get("tags", {}).get(PROBE_TAG, {}).get("inter", 0) for r in comm]
+        row.counted_inter_bytes_per_step = (sum(r["run"]["inter"] for r in comm) - sum(probe)) / steps
     rss = _read_json_files(os.path.join(run_dir, "rss_rank*.json"))
     if len(rss) != world_size:
         raise DataError(f"{run_dir}: {len(rss)} rss_rank*.json probes for {world_size} ranks")

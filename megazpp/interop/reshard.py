@@ -7,7 +7,7 @@ D, another PaRO group size k, p = N size-capped buckets instead of one bucket pe
 ZeRO++ block alignment). The only coordinates both layouts share are the parameters' global
 names, so every saved flat tensor is placed by the `[start, end)` ranges its rank recorded
 (`ZeroEngine.state_dict`), sliced into full tensors by name, and the new engine cuts those by
-its own layout (`ZeroEngine.load_state_dict` with `FULL_STATE_FORMAT`).
+its own layout (`ZeroEngine.load_state_dict` with `engine_state.FULL_STATE_FORMAT`).
 
 What is not carried: gradient accumulators (zero at a step boundary) and LoCo's error
 buffers, which are the quantization error of each *sender's* contribution in the sender's

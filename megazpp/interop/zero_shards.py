@@ -18,7 +18,7 @@ import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.model.gpt import EMBEDDING_WEIGHT
-from megazpp.zero.engine import FULL_STATE_FORMAT
+from megazpp.zero.engine_state import FULL_STATE_FORMAT
 
 
 class PartReader(Protocol):

@@ -22,6 +22,7 @@ from megazpp.config import Config
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
 from megazpp.planner.cluster import GIB, Cluster
+from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
@@ -29,7 +30,7 @@ from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
-from megazpp.zero.strategy import Level, Strategy, parse_strategy
+from megazpp.zero.strategy import Level, Strategy, parse_strategy, resolve_strategy
 from megazpp.zero.zeropp import zeropp_of
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,12 @@ def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
 
 def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:
     """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
-    needs the whole accumulated gradient)."""
+    needs the whole accumulated gradient), and only p sharded with a persistence threshold
+    (`units.check_persistence`)."""
+    whole = cfg.zero.stage3_param_persistence_threshold == 0  # else p = N has nothing to keep whole
     if topology.pp > 1 and cfg.model.tie_embeddings:
-        return lambda s: s.g == Level.N
-    return lambda s: True
+        return lambda s: s.g == Level.N and (whole or s.p != Level.N)
+    return lambda s: whole or s.p != Level.N
 
 
 def _device_memory(settings: PlannerSettings) -> float:
@@ -101,6 +104,12 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
         flops = probe_matmul_flops(device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     else:
         raise ConfigError("zero.paro_strategy = auto: set planner.achievable_tflops or planner.probe = true")
+    return [_device_memory(settings), flops, *measure_links(settings, topology)]
+
+
+def measure_links(settings: PlannerSettings, topology: Any) -> list[float]:
+    """[intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank: values from
+    `settings`, the rest probed. Collective when probing."""
     dp_intra = len(topology.dp_intra_ranks)
     intra_group, intra_size = ((topology.dp_intra_group, dp_intra) if dp_intra > 1
                                else (topology.tp_group, topology.tp))
@@ -110,30 +119,45 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
     inter = _link(settings.inter_node_gbit and settings.inter_node_gbit * 1e9 / 8 / topology.ranks_per_node,
                   "inter_node_gbit", topology.num_nodes > 1, topology.dp_inter_group, inter_size, settings,
                   settings.inter_node_latency_us)
-    return [_device_memory(settings), flops, intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
+    return [intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
+
+
+def _stage_shape(model: nn.Module, cfg: Config, topology: Any) -> StageShape:
+    return shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
+                          threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
+                          stage=topology.pp_rank, layers=len(range(*topology.layer_range(cfg.model.num_layers))),
+                          first=topology.is_first_stage, last=topology.is_last_stage,
+                          persistence=cfg.zero.stage3_param_persistence_threshold)
+
+
+def _cluster(settings: PlannerSettings, topology: Any, measured: list[float], optimizer: bool = True) -> Cluster:
+    """The cluster from rank 0's `measured` [memory, flops, intra_bw, inter_bw, intra_latency,
+    inter_latency], with the host model (per-op collective times, and with `optimizer` the
+    AdamW rate) of CPU ranks probed when `settings.probe`. Collective."""
+    memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measured)
+    cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
+    fits, adam = probe_host(topology, optimizer) if cpu and settings.probe else (None, None)
+    return Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
+                   flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
+                   inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
+                   usable_memory_fraction=settings.usable_memory_fraction,
+                   backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
+                   optimizer_rate=adam)
+
+
+def _workload(cfg: Config, topology: Any) -> Workload:
+    workload = workload_of_config(cfg)
+    if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
+        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
+    return workload
 
 
 def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
     settings.validate()
-    shape = shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
-                           threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
-                           stage=topology.pp_rank,
-                           layers=len(range(*topology.layer_range(cfg.model.num_layers))),
-                           first=topology.is_first_stage, last=topology.is_last_stage)
-    shapes = {s.stage: s for s in comm.all_gather_object(shape, tag="planner/shapes")}
-    memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measure_cluster(settings, topology))
-    cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
-    fits, adam = probe_host(topology) if cpu and settings.probe else (None, None)
-    cluster = Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
-                      flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
-                      inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
-                      usable_memory_fraction=settings.usable_memory_fraction,
-                      backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
-                      optimizer_rate=adam)
-    workload = workload_of_config(cfg)
-    if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
-        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
+    shapes = {s.stage: s for s in comm.all_gather_object(_stage_shape(model, cfg, topology), tag="planner/shapes")}
+    cluster = _cluster(settings, topology, measure_cluster(settings, topology))
+    workload = _workload(cfg, topology)
     choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
                              _allowed(cfg, topology))
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
@@ -146,3 +170,41 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                     choice.strategy.name, name)
         choice = Choice(parse_strategy(name), runner, choice.plan, cluster)
     return choice
+
+
+def auto_hierarchy(model: nn.Module, cfg: Config, topology: Any,
+                   cluster: Cluster | None = None) -> formulas.Hierarchy | None:
+    """`zero.hierarchical: auto` for the run's strategy on this rank's stage, priced by the
+    planner (`cost.fastest_hierarchy`) on `cluster` (the one `paro_strategy: auto` measured),
+    else on the links of the `planner` section: given bandwidths or, with `planner.probe`, the
+    probe (on CPU ranks the host model: each op timed on each DP group). None where it has
+    neither (the engine then takes the fewer inter-node bytes) or where the choice is moot (one
+    node, or a PaRO group of one rank or of all). Collective when probing; every rank gets the
+    same answer (rank 0's measurements, the same shapes in a DP group)."""
+    settings = cfg.planner
+    settings.validate()
+    d, k = topology.dp, cfg.zero.paro_group_size or len(topology.dp_intra_ranks)
+    if topology.num_nodes == 1 or k in (1, d):
+        return None
+    if cluster is None:
+        if not settings.probe and None in (settings.intra_node_gbs, settings.inter_node_gbit):
+            log.info("zero: hierarchical auto by inter-node bytes (no planner.intra_node_gbs / "
+                     "planner.inter_node_gbit and no planner.probe to price calls with)")
+            return None
+        # only the links are priced: memory and compute rate play no part in a collective's time
+        cluster = _cluster(settings, topology, [math.inf, math.inf, *measure_links(settings, topology)],
+                           optimizer=False)
+    strategy = resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage)
+    zpp = _zeropp_of(cfg, topology)
+    workload = _workload(cfg, topology)
+    lay = layout(workload, cluster, zpp.hpz)
+    shape = _stage_shape(model, cfg, topology)
+    padded = [n for n, _ in stage_padded(strategy, zpp, shape, lay)]
+    reused = reused_groups(strategy, workload, padded, shape.persistent)
+    hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
+    seconds = hierarchy_seconds(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
+    log.info("zero: hierarchical auto -> %s, from the planner's predicted collective seconds per step "
+             "(one stage, two stages) %s on %s", hier,
+             {kind: (round(flat, 4), round(two, 4)) for kind, (flat, two) in seconds.items()},
+             "probed collective times" if cluster.collective_times else "the planner section's links")
+    return hier

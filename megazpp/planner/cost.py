@@ -28,6 +28,7 @@ sends are on the critical path; 1F1B adds (P - 1) micro-batch slots of bubble.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megazpp.errors import ConfigError
@@ -95,12 +96,15 @@ class Phase:
 
 
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
-           micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = ()) -> dict[str, Phase]:
+           micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = (),
+           persistent: int = 0, warmup: int = 0) -> dict[str, Phase]:
     """`formulas.step_parts` timed: one Phase per entry of `formulas.STEP_PHASES`.
-    `reused`: per fetch group, kept gathered from forward to backward (`formulas.reuse_mask`)."""
+    `reused`: per fetch group, kept gathered from forward to backward (`formulas.reuse_mask`);
+    `persistent`: the last buckets of `padded` are kept whole (never fetched); `warmup`: the
+    stage's 1F1B forwards before its first backward."""
     parts = formulas.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
                                 param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
-                                zeropp=zpp, reused=reused)
+                                zeropp=zpp, reused=reused, persistent=persistent, warmup=warmup)
     out = {}
     for name, part in parts.items():
         total = Phase(times=part.times)
@@ -156,11 +160,13 @@ class StagePrediction:
         return self.compute_s + self.exposed_s
 
 
-def reused_groups(s: Strategy, workload: Workload, padded: list[int]) -> tuple[bool, ...]:
-    """Per fetch group: kept gathered from forward to backward, as the engine decides it."""
+def reused_groups(s: Strategy, workload: Workload, padded: list[int], persistent: int = 0) -> tuple[bool, ...]:
+    """Per fetch group (the buckets of `padded` before the last `persistent`): kept gathered
+    from forward to backward, as the engine decides it."""
     if s.p == Level.N:
         return ()
-    return formulas.reuse_mask(padded, workload.max_live_parameters, workload.max_reuse_distance)
+    return formulas.reuse_mask(padded[:len(padded) - persistent], workload.max_live_parameters,
+                               workload.max_reuse_distance)
 
 
 def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
@@ -176,23 +182,72 @@ def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, worklo
         held += sum(n // zpp.hpz * pb for n in fpadded)
     together = [p + f for p, f in zip(padded, fpadded)]  # a group is kept or not with its frozen part
     ph = phases(s, fpadded, lay, zpp, workload, micro_batches, cluster, reused_groups(s, workload, together))
-    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_backward")}
+    fetched = {name: ph[name] for name in ("fetch_forward", "fetch_forward_once", "fetch_backward")}
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
+
+
+def fastest_hierarchy(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+                      cluster: Cluster, reused: tuple[bool, ...], persistent: int = 0) -> formulas.Hierarchy:
+    """`zero.hierarchical: auto` by predicted time: per kind of G-level collective (the fields
+    of `formulas.Hierarchy`: gather, reduce, all-reduce), two stages where the step's
+    collectives of that kind take less time in two stages than in one over all DP ranks.
+
+    Why time, not bytes: two stages carry 1/k of the inter-node bytes but make twice the calls;
+    on a slow link the bytes win, on a fast one (or on CPU ranks, where a call costs
+    milliseconds of host time whatever its size: `Cluster.collective_times`) the calls do.
+    The kinds are decided one by one: the others' collectives are the same in both candidates,
+    so the difference in step time is that kind's alone.
+    """
+    if lay.k in (1, lay.d):
+        return formulas.Hierarchy()
+    return formulas.Hierarchy(**{kind: two < flat for kind, (flat, two) in
+                                 hierarchy_seconds(s, zpp, padded, lay, workload, cluster, reused,
+                                                   persistent).items()})
+
+
+def hierarchy_seconds(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+                      cluster: Cluster, reused: tuple[bool, ...],
+                      persistent: int = 0) -> dict[str, tuple[float, float]]:
+    """Per field of `formulas.Hierarchy`: the step's predicted collective seconds with that kind
+    in one stage and in two (the other kinds in one stage): what `fastest_hierarchy` compares."""
+    a = workload.micro_batches(cluster)
+
+    def seconds(hier: formulas.Hierarchy) -> float:
+        ph = phases(s, padded, dataclasses.replace(lay, hier=hier), zpp, workload, a, cluster, reused, persistent)
+        return sum(p.seconds * p.times for p in ph.values())
+
+    flat = seconds(formulas.Hierarchy())
+    return {f.name: (flat, seconds(formulas.Hierarchy(**{f.name: True})))
+            for f in dataclasses.fields(formulas.Hierarchy)}
+
+
+def stage_padded(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape,
+                 lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Per fetch group (p sharded) or gradient bucket of `stage`: its padded size and tensor ranges."""
+    return [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
 
 
 def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload,
                   cluster: Cluster, lay: Layout) -> StagePrediction:
+    """With `zero.hierarchical: auto`, under the hierarchy `fastest_hierarchy` picks for this
+    stage, as the engine runs it (the builder asks the same function)."""
     a = workload.micro_batches(cluster)
     pb, ab = workload.param_bytes, workload.accum_bytes
-    laid = [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+    laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
-    plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab)
+    persistent = stage.persistent if s.p != Level.N else 0
+    warmup = min(workload.pp - stage.stage - 1, a)  # 1F1B
+    reused = reused_groups(s, workload, padded, persistent)
+    if workload.hierarchical == "auto":
+        lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
+                                                              persistent))
+    plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab, persistent)
     state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s))
-    reused = reused_groups(s, workload, padded)
+                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
     step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               reused=reused, exact_ranges=[r for _, r in laid])
+                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent,
+                               warmup=warmup)
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
@@ -212,7 +267,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
-    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused)
+    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
     frozen_bytes = stage.frozen * pb
     if workload.shard_frozen and s.p != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
@@ -231,9 +286,9 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         return p.host + max(p.seconds - p.host - compute_s, 0.0)
 
     exposed = {
-        "fetch_forward": a * hidden(ph["fetch_forward"], t_f),
+        "fetch_forward": a * hidden(ph["fetch_forward"], t_f) + hidden(ph["fetch_forward_once"], t_f),
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
-        "refresh": ph["refresh"].seconds,
+        "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
         "optimizer": optimizer_time(sum(padded) // formulas.level_div(s.os, lay.d, lay.k), pb, cluster),
     }

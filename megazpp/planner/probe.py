@@ -81,16 +81,20 @@ def dp_groups(topology: Any) -> dict[str, tuple[Any, int]]:
             "cross": (topology.dp_inter_group, len(topology.dp_inter_ranks))}
 
 
-def probe_host(topology: Any) -> tuple[dict[str, tuple[tuple[float, float], ...]], float]:
-    """Rank 0's collective times and AdamW rate, on every rank: the host model's inputs
-    (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective."""
+def probe_host(topology: Any, optimizer: bool = True) -> tuple[dict[str, tuple[tuple[float, float], ...]],
+                                                                 float | None]:
+    """Rank 0's collective times and (with `optimizer`) AdamW rate, on every rank: the host
+    model's inputs (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective. Without
+    `optimizer` no optimizer steps (pricing collectives needs none, and a benchmark that counts
+    calls per optimizer step would count the probe's)."""
     times = probe_collectives(dp_groups(topology))
     keys = sorted(times)  # the same on every rank: the topology is symmetric
     comm.barrier(tag="planner/probe")  # every rank at once, as in a step: they share the cores
-    flat = broadcast_values([*(x for k in keys for point in times[k] for x in point), probe_optimizer_rate()])
+    flat = broadcast_values([*(x for k in keys for point in times[k] for x in point),
+                             probe_optimizer_rate() if optimizer else 0.0])
     per_key = len(flat[:-1]) // max(len(keys), 1)
     return ({k: tuple(zip(flat[i * per_key:(i + 1) * per_key:2], flat[i * per_key + 1:(i + 1) * per_key:2]))
-             for i, k in enumerate(keys)}, flat[-1])
+             for i, k in enumerate(keys)}, flat[-1] if optimizer else None)
 
 
 def _timed_calls(call: Any, group: Any, repeats: int, rounds: int = 4) -> float:
@@ -127,20 +131,23 @@ def probe_collectives(groups: dict[str, tuple[Any, int]], sizes: Sequence[int] =
     """Ascending (received bytes, seconds per call) points of each op in `COLLECTIVE_OPS` on each
     named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at
     `sizes` elements per member: 4 KiB (the call itself), 256 KiB and 4 MiB of fp32 (parameter
-    units and buckets). A time below the previous size's (noise on a loaded host) is raised to
-    it. Collective: every rank calls it with the same groups, so the groups of every node run
-    at once, as in a step."""
-    out = {}
+    units and buckets); a group under two names (the hpZ group is the node's) is timed once. A
+    time below the previous size's (noise on a loaded host) is raised to it. Collective: every
+    rank calls it with the same groups, so the groups of every node run at once, as in a step."""
+    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    timed: dict[tuple[int, str], tuple[tuple[float, float], ...]] = {}  # a group under two names: once
     for name, (group, size) in groups.items():
         if size < 2:
             continue
         for op in COLLECTIVE_OPS:
-            points: list[tuple[float, float]] = []
-            for numel in sorted(sizes):
-                call, received = _calls(op, numel, size, group)
-                seconds = _timed_calls(call, group, repeats)
-                points.append((received, max(seconds, points[-1][1] if points else 0.0)))
-            out[f"{op}/{name}"] = tuple(points)
+            if (id(group), op) not in timed:
+                points: list[tuple[float, float]] = []
+                for numel in sorted(sizes):
+                    call, received = _calls(op, numel, size, group)
+                    seconds = _timed_calls(call, group, repeats)
+                    points.append((received, max(seconds, points[-1][1] if points else 0.0)))
+                timed[(id(group), op)] = tuple(points)
+            out[f"{op}/{name}"] = timed[(id(group), op)]
     return out
 
 

@@ -24,7 +24,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megazpp.zero.layout import is_vector, layout_order
 from megazpp.zero.strategy import Level, Strategy
-from megazpp.zero.units import ParamGroupSpec, fetch_groups, gradient_buckets, parameter_units
+from megazpp.zero.units import ParamGroupSpec, fetch_groups, gradient_buckets, parameter_units, split_persistent
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class StageShape:
     engine's (it leaves frozen parameters whole on every rank). `frozen_groups` are the frozen
     elements of each fetch group under a modelled trainable fraction, for the PaRO paper's PEFT
     accounting, where frozen weights are sharded at level p like the trainable ones
-    (`Workload.shard_frozen`).
+    (`Workload.shard_frozen`). The last `persistent` fetch groups are the persistent buckets
+    (`units.split_persistent`): parameters kept whole, never fetched.
     `group_tensors` / `bucket_tensors`: per group, its tensors as (numel, is 1-D) in bucket
     layout order, which ZeRO++'s per-tensor block alignment and qgZ's exact 1-D values depend
     on (`formulas.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
@@ -53,6 +54,7 @@ class StageShape:
     frozen_groups: tuple[int, ...] = ()
     fetch_group_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
     bucket_tensors: tuple[tuple[tuple[int, bool], ...], ...] = ()
+    persistent: int = 0
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
         return self.buckets if strategy.p == Level.N else self.fetch_groups
@@ -104,10 +106,11 @@ def _tensors(specs: list[ParamGroupSpec], sizes: dict[int, int]) -> tuple[tuple[
 
 def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch_mode: str = "layer",
                    stage: int = 0, layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
-                   trainable_fraction: float = 1.0) -> StageShape:
+                   trainable_fraction: float = 1.0, persistence: int = 0) -> StageShape:
     """The exact grouping the engine builds for `model` (this rank's model): `bucket_numel`
     bounds every bucket and fetch group (the smaller of `zero.reduce_bucket_size` and
-    `zero.allgather_bucket_size`), `fetch_mode` is `zero.fetch_groups`.
+    `zero.allgather_bucket_size`), `fetch_mode` is `zero.fetch_groups`, `persistence` is
+    `zero.stage3_param_persistence_threshold` (compared with full, not TP-divided, sizes).
 
     `tp_divisor` > 1 only for a model built with TP = 1 standing in for a TP shard;
     `trainable_fraction` < 1 models PEFT as that fraction of every unit being trainable
@@ -117,15 +120,17 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch
         raise ConfigError(f"trainable_fraction = {trainable_fraction!r}: expected a fraction in (0, 1]")
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
-    specs = fetch_groups(model, parameter_units(model, threshold), fetch_mode, bucket_numel * tp_divisor)
-    bucket_specs = gradient_buckets(model, bucket_numel * tp_divisor)
+    bound = bucket_numel * tp_divisor
+    units, kept_whole = split_persistent(parameter_units(model, threshold), persistence, bound)
+    specs = fetch_groups(model, units, fetch_mode, bound) + kept_whole
+    bucket_specs = gradient_buckets(model, bound)
     groups, frozen_g = _numels(specs, sizes, trainable_fraction)
     buckets, _ = _numels(bucket_specs, sizes, trainable_fraction)
     frozen_groups = tuple(frozen_g) if any(frozen_g) else ()
     whole = trainable_fraction >= 1
     return StageShape(stage, tuple(groups), tuple(buckets), frozen_params + sum(frozen_g), layers, first, last,
                       frozen_groups, _tensors(specs, sizes) if whole else (),
-                      _tensors(bucket_specs, sizes) if whole else ())
+                      _tensors(bucket_specs, sizes) if whole else (), len(kept_whole))
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -135,7 +140,7 @@ def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
 
 def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel: int = 500_000_000,
                      threshold: int = 0, fetch_mode: str = "layer",
-                     trainable_fraction: float = 1.0) -> list[StageShape]:
+                     trainable_fraction: float = 1.0, persistence: int = 0) -> list[StageShape]:
     """One StageShape per pipeline stage, from models built on the meta device (no memory)."""
     cfg.validate()
     if cfg.num_layers % pp:
@@ -154,6 +159,6 @@ def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel
         shapes.append(shape_of_model(model, bucket_numel=bucket_numel, threshold=threshold, fetch_mode=fetch_mode,
                                      stage=stage,
                                      layers=cfg.num_layers // pp, first=first, last=last, tp_divisor=tp,
-                                     trainable_fraction=trainable_fraction))
+                                     trainable_fraction=trainable_fraction, persistence=persistence))
     return shapes
 

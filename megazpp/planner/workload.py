@@ -37,6 +37,7 @@ class Workload:
     max_live_parameters: int = 1_000_000_000  # zero.stage3_max_live_parameters
     max_reuse_distance: int = 1_000_000_000  # zero.stage3_max_reuse_distance
     hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
+    persistence_threshold: int = 0  # zero.stage3_param_persistence_threshold
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -76,4 +77,4 @@ def workload_of_config(cfg: Config) -> Workload:
         bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
         module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
         max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
-        hierarchical=z.hierarchical)
+        hierarchical=z.hierarchical, persistence_threshold=z.stage3_param_persistence_threshold)

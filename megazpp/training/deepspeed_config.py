@@ -36,6 +36,7 @@ _ZERO_DIRECT = {
     "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "stage3_max_live_parameters": "stage3_max_live_parameters",
     "stage3_max_reuse_distance": "stage3_max_reuse_distance",
+    "stage3_param_persistence_threshold": "stage3_param_persistence_threshold",
     # PaRO's proposed key (DeepSpeed issue 5607): any of the 14 strategies, or "auto"
     "paro_strategy": "paro_strategy",
     # the name module_granularity_threshold had in its DeepSpeed PR (6649) before the rename
@@ -50,7 +51,7 @@ _ZERO_UNSUPPORTED: dict[str, Any] = {
     "allgather_partitions": True, "ignore_unused_parameters": True,
     **{key: _OFF for key in (
         "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
-        "cpu_offload_use_pin_memory", "sub_group_size", "stage3_param_persistence_threshold",
+        "cpu_offload_use_pin_memory", "sub_group_size",
         "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
         "round_robin_gradients",
         "elastic_checkpoint", "zero_quantized_nontrainable_weights", "memory_efficient_linear",

@@ -42,10 +42,13 @@ class Bucket:
     grad_acc: torch.Tensor  # gradient accumulator at level g (accumulation dtype)
     masters: list[MasterPiece]
     norm_ranges: list[tuple[int, int]]  # parts of the os shard that count in the global norm
+    # parameters below stage3_param_persistence_threshold: whole on every rank (p = N), never fetched
+    persistent: bool = False
     # state a communication path keeps per bucket (e.g. error feedback); checkpointed
     extra_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
+    sent: torch.Tensor | None = None  # staging of the reduction in flight, the next micro-batch's staging
     micro_pending: Any = None
     boundary_pending: Any = None
     full_params: torch.Tensor | None = None

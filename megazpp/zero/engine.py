@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazpp.errors import CheckpointError, ConfigError
+from megazpp.errors import ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
@@ -36,19 +36,16 @@ from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import fetch_groups, gradient_buckets, parameter_units
+from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
 
 log = logging.getLogger(__name__)
-
-# `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, Adam
-# moments) rather than one rank's shards: what resharding across DP sizes / strategies feeds in
-FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 @dataclass
 class ZeroOptions:
@@ -64,7 +61,9 @@ class ZeroOptions:
     stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
     stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
-    hierarchical: str = ZeroConfig.hierarchical
+    stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
+    # a mode of formulas.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
+    hierarchical: str | formulas.Hierarchy = ZeroConfig.hierarchical
     overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
     zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
@@ -118,9 +117,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
+        check_persistence(self.strategy, options.stage3_param_persistence_threshold)
         self.buckets = self._build_buckets()
-        self.reused = (formulas.reuse_mask(self.padded_numels(), options.stage3_max_live_parameters,
-                                           options.stage3_max_reuse_distance)
+        self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
+        self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
+        self.reused = (formulas.reuse_mask([b.layout.padded for b in self.fetched],
+                                           options.stage3_max_live_parameters, options.stage3_max_reuse_distance)
                        if self.strategy.p != Level.N else ())
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
@@ -132,9 +134,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
-            self.fetcher = ParamFetcher(self.buckets, self.paths, self._unit_modules(),
+            self.fetcher = ParamFetcher(self.fetched, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback,
-                                        {id(b): kept for b, kept in zip(self.buckets, self.reused)},
+                                        {id(b): kept for b, kept in zip(self.fetched, self.reused)},
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
@@ -160,20 +162,22 @@ class ZeroEngine(ScaledOptimizerEngine):
         # both of DeepSpeed's bounds hold for it
         bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
         if self.strategy.p == Level.N:
-            specs = gradient_buckets(self.model, bound)
+            specs, whole = gradient_buckets(self.model, bound), []
         else:
-            specs = fetch_groups(self.model, parameter_units(self.model, o.module_granularity_threshold),
-                                 o.fetch_groups, bound)
+            units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
+                                            o.stage3_param_persistence_threshold, bound)
+            specs = fetch_groups(self.model, units, o.fetch_groups, bound)
         dp_index = self.topology.dp_rank
         s = self.strategy
         buckets = []
-        for spec in specs:
+        for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
             layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index,
                                         self.zeropp.alignment())
             flat = layout.flatten(torch.float32)
-            lo, hi = layout.shard_range(s.p)
+            p_level = Level.N if persistent else s.p
+            lo, hi = layout.shard_range(p_level)
             store = flat[lo:hi].to(self.param_dtype, copy=True)
-            if s.p == Level.N:
+            if p_level == Level.N:
                 layout.view_params_into(store)
             os_lo, _ = layout.shard_range(s.os)
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
@@ -181,7 +185,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
             bucket = Bucket(spec.name, layout, spec.modules, store,
                             flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
-                            masters, layout.ranges_in_shard(s.os, keep))
+                            masters, layout.ranges_in_shard(s.os, keep), persistent)
             self.paths.init_bucket(bucket)
             buckets.append(bucket)
         return buckets
@@ -218,9 +222,9 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The group's unit roots plus any module elsewhere that registers one of its parameters
         (a tied output layer), so every user of a parameter gathers it first."""
-        owner = {id(p): b for b in self.buckets for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.buckets}
-        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.buckets}
+        owner = {id(p): b for b in self.fetched for p in b.layout.params}
+        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.fetched}
+        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.fetched}
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 b = owner.get(id(p))
@@ -230,7 +234,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
         """Modules whose direct children are unit roots, with those children and their groups."""
-        group_of = {id(m): b for b in self.buckets for m in b.modules}
+        group_of = {id(m): b for b in self.fetched for m in b.modules}
         out = []
         for module in self.model.modules():
             children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
@@ -253,7 +257,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.grad_acc[off:off + n].add_(grad)
         else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
-                b.staging = b.param_store.new_empty(b.layout.padded)
+                b.staging = self._staging(b)
             torch.mul(grad, 1.0 / self.groups.d, out=b.staging[off:off + n])
         p.grad = None
         b.arrived.add(i)
@@ -267,17 +271,25 @@ class ZeroEngine(ScaledOptimizerEngine):
         if s.g != Level.N:
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
-                b.staging = b.param_store.new_zeros(b.layout.padded)
+                b.staging = self._staging(b).zero_()
             else:
                 self._zero_unwritten(b)
             b.micro_pending = self.paths.start_grad_reduce(b, b.staging)
-            b.staging = None
+            b.sent, b.staging = b.staging, None
             if not self.options.overlap_comm:
                 self._wait_micro(b)
         elif self._is_last_micro_batch() and not (self._tied is not None and self._holds(b, self._tied)):
             self._start_boundary(b)
-        if self.fetcher is not None:
-            self.fetcher.release(b)
+        if self.fetcher is not None and not b.persistent:
+            self.fetcher.gradients_done(b)
+
+    def _staging(self, b: Bucket) -> torch.Tensor:
+        """A buffer for this micro-batch's gradient of `b`: the previous micro-batch's, once its
+        reduction is done (one forward and backward ago, so waiting here costs nothing), else a
+        new one; dropped at the end of the step, so nothing is held between steps."""
+        self._wait_micro(b)
+        buffer, b.sent = b.sent, None
+        return buffer if buffer is not None else b.param_store.new_empty(b.layout.padded)
 
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
@@ -310,7 +322,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.launched = False
             b.arrived.clear()
         if self.fetcher is not None:
-            self.fetcher.release_all()
+            self.fetcher.backward_finished()
         self._micro_batches += 1
         self._callback_queued = False
 
@@ -381,6 +393,7 @@ class ZeroEngine(ScaledOptimizerEngine):
                 if b.boundary_pending is not None:
                     b.boundary_pending.wait()
                     b.boundary_pending = None
+            b.sent = None
             b.grad_acc.zero_()
             for m in b.masters:
                 m.param.grad = None
@@ -395,7 +408,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is None:
             yield
             return
-        for b in self.buckets:
+        for b in self.fetched:
             self.fetcher.fetch(b)
         try:
             yield
@@ -422,9 +435,9 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def expected_bytes(self) -> formulas.StateBytes:
         plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
-                                     self.param_dtype.itemsize, self.accum_dtype.itemsize)
+                                     self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
-                                            self.param_dtype.itemsize, self.strategy)
+                                            self.param_dtype.itemsize, self.strategy, self.persistent)
         return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
@@ -440,13 +453,21 @@ class ZeroEngine(ScaledOptimizerEngine):
                                    micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                    accum_bytes=self.accum_dtype.itemsize,
                                    extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                   reused=self.reused,
+                                   reused=self.reused, persistent=self.persistent,
+                                   warmup=self.pipeline_warmup(micro_batches),
                                    exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
 
     def expected_step_calls(self, micro_batches: int) -> int:
         return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                   zeropp=self.zeropp, reused=self.reused)
+                                   zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
+                                   warmup=self.pipeline_warmup(micro_batches))
+
+    def pipeline_warmup(self, micro_batches: int) -> int:
+        """Forward passes this stage runs before its first backward (1F1B, the schedule of every
+        run with pipeline stages): kept fetch groups are gathered once per step then."""
+        pp, stage = getattr(self.topology, "pp", 1), getattr(self.topology, "pp_rank", 0)
+        return min(pp - stage - 1, micro_batches)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
@@ -455,110 +476,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         return {"fetch_hooks": self.fetcher.fetch_hook_calls,
                 "param_all_gathers": self.fetcher.all_gather_calls}
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (`engine_state`) ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, plus what a reader needs to place it without this engine: each
-        bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
-        the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
-        master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
-        return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
-                "dp_rank": self.topology.dp_rank, "step_count": self.step_count,
-                "buckets": [{**b.state_dict(), **self._placement(b)} for b in self.buckets],
-                "optimizer": self.optimizer.state_dict(),
-                "optimizer_slots": [list(slot) for slot in self._optimizer_slots()],
-                "loss_scaler": self.scaler.state_dict() if self.scaler else None}
-
-    def _placement(self, b: Bucket) -> dict[str, Any]:
-        s = self.strategy
-        os_lo, _ = b.layout.shard_range(s.os)
-        return {"layout": b.layout.describe(),
-                "ranges": {"param_store": list(b.layout.shard_range(s.p)),
-                           "grad_acc": list(b.layout.shard_range(s.g)),
-                           "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
-
-    def _optimizer_slots(self) -> list[tuple[int, int]]:
-        """(bucket index, master index) of each AdamW parameter, in the optimizer's order."""
-        slots = {id(m.param): (i, j) for i, b in enumerate(self.buckets) for j, m in enumerate(b.masters)}
-        return [slots[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        return engine_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This rank's own saved state (same layout: restored bit for bit), or a full per-
-        parameter state (`FULL_STATE_FORMAT`, made by `megazpp.interop.reshard` from every rank
-        file of a checkpoint saved under another DP size or strategy), cut by this layout."""
-        if self.fetcher is not None:
-            self.fetcher.release_all()
-        if state.get("format") == FULL_STATE_FORMAT:
-            self._load_full_state(state)
-            return
-        mine = (self.strategy.name, self.groups.d, self.groups.k, self.topology.dp_rank)
-        theirs = (state.get("strategy"), state.get("dp"), state.get("k"), state.get("dp_rank"))
-        if mine != theirs:
-            raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
-                                  f"= {theirs}, this run is {mine}; a checkpoint of another layout "
-                                  f"resumes through megazpp.interop.reshard")
-        if len(state["buckets"]) != len(self.buckets):
-            raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
-                                  f"here has {len(self.buckets)}")
-        for b, saved in zip(self.buckets, state["buckets"]):
-            if "layout" in saved and saved["layout"] != b.layout.describe():
-                raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
-                                      f"(parameters, padding or ZeRO++ alignment); it resumes through "
-                                      f"megazpp.interop.reshard")
-            b.load_state_dict(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = state["step_count"]
-        self._load_scaler(state)
-        self.paths.params_replaced()
-
-    def _load_scaler(self, state: dict[str, Any]) -> None:
-        if (self.scaler is None) != (state.get("loss_scaler") is None):
-            raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
-
-    def _flat(self, b: Bucket, tensors: dict[str, torch.Tensor], what: str, dtype: torch.dtype) -> torch.Tensor:
-        """`tensors` (full, by parameter name) laid out as `b`'s padded flat buffer."""
-        flat = torch.zeros(b.layout.padded, dtype=dtype, device=b.param_store.device)
-        for name, off, shape in zip(b.layout.names, b.layout.offsets, b.layout.shapes):
-            t = tensors.get(name)
-            if t is None or tuple(t.shape) != tuple(shape):
-                raise CheckpointError(f"resharded state: {what} of {name!r} is "
-                                      f"{'missing' if t is None else tuple(t.shape)}, expected {tuple(shape)}")
-            flat[off:off + shape.numel()].copy_(t.reshape(-1))
-        return flat
-
-    def _load_full_state(self, state: dict[str, Any]) -> None:
-        """Cut full per-parameter tensors by this engine's layout. LoCo's error buffers are in
-        the coordinates of the layout that wrote them and are zeroed (see docs/arch/interop.md)."""
-        s = self.strategy
-        moments = [k for k in ("exp_avg", "exp_avg_sq") if state.get(k) is not None]
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        reset = []
-        with torch.no_grad():
-            for b in self.buckets:
-                lo, hi = b.layout.shard_range(s.p)
-                b.param_store.copy_(self._flat(b, state["params"], "parameter", self.param_dtype)[lo:hi])
-                b.grad_acc.zero_()
-                os_lo, _ = b.layout.shard_range(s.os)
-                masters = self._flat(b, state["masters"], "fp32 master", torch.float32)
-                cut = {k: self._flat(b, state[k], k, torch.float32) for k in moments}
-                for m in b.masters:
-                    a, z = os_lo + m.start, os_lo + m.end
-                    m.param.copy_(masters[a:z])
-                    if moments:
-                        per_param[id(m.param)] = {"step": state["adam_step"].clone(),
-                                                  **{k: v[a:z].clone() for k, v in cut.items()}}
-                for v in b.extra_state.values():
-                    v.zero_()
-                if b.extra_state:
-                    reset.append(b.name)
-        if reset:
-            log.warning("zero: resharded from %s; LoCo error buffers of %d buckets start from zero "
-                        "(they are in the old layout's sender coordinates)", state.get("source"), len(reset))
-        template = self.optimizer.state_dict()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        template["state"] = {i: per_param[id(p)] for i, p in enumerate(params) if id(p) in per_param}
-        self.optimizer.load_state_dict(template)
-        self.step_count = int(state["step_count"])
-        self._load_scaler(state)
-        self.paths.params_replaced()
+        load_engine_state(self, state)

@@ -14,9 +14,10 @@ from torch import nn
 
 from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
-from megazpp.planner.auto import auto_strategy
+from megazpp.planner.auto import auto_hierarchy, auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import resolve_strategy
+from megazpp.zero.units import check_persistence
 from megazpp.zero.zeropp import check_zeropp, zeropp_of
 
 
@@ -29,6 +30,7 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
                           "reduce-scatter to their shard level (set it to true)")
     zeropp = zeropp_of(z)
     check_zeropp(zeropp, strategy)
+    check_persistence(strategy, z.stage3_param_persistence_threshold)
     same = {f.name: getattr(z, f.name) for f in dataclasses.fields(ZeroOptions)
             if f.name not in ("strategy", "micro_batches_per_step", "zeropp")}
     return ZeroOptions(strategy=strategy.name, micro_batches_per_step=micro_batches_per_step, zeropp=zeropp,
@@ -40,9 +42,16 @@ def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
                       counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> ZeroEngine:
     """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`;
     `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate).
-    `paro_strategy: auto` asks the planner (collective: every rank gets rank 0's choice)."""
+    `paro_strategy: auto` asks the planner (collective: every rank gets rank 0's choice), and so
+    does `hierarchical: auto`: the engine gets the planner's per-kind decision as data."""
+    cluster = None
     if str(cfg.zero.paro_strategy).lower() == "auto":
-        chosen = auto_strategy(model, cfg, topology, cfg.planner).strategy.name
-        cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, paro_strategy=chosen, stage=0))
-    return ZeroEngine(model, cfg.optimizer, cfg.precision, zero_options(cfg.zero, micro_batches_per_step),
-                      topology, counts_in_norm=counts_in_norm)
+        choice = auto_strategy(model, cfg, topology, cfg.planner)
+        cluster = choice.cluster
+        cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, paro_strategy=choice.strategy.name,
+                                                                stage=0))
+    options = zero_options(cfg.zero, micro_batches_per_step)
+    if options.hierarchical == "auto":
+        hier = auto_hierarchy(model, cfg, topology, cluster)
+        options = dataclasses.replace(options, hierarchical=options.hierarchical if hier is None else hier)
+    return ZeroEngine(model, cfg.optimizer, cfg.precision, options, topology, counts_in_norm=counts_in_norm)

@@ -206,15 +206,20 @@ def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemForma
 HIERARCHY_MODES = ("auto", "always", "never")  # config key zero.hierarchical
 
 
-def choose_hierarchy(shapes: DPShapes, mode: str = "auto") -> Hierarchy:
-    """Two-stage G-level collectives where they move fewer inter-node bytes (or as forced by
-    `mode`, one of HIERARCHY_MODES).
+def choose_hierarchy(shapes: DPShapes, mode: str | Hierarchy = "auto") -> Hierarchy:
+    """Which G-level collectives run in two stages: `mode` one of HIERARCHY_MODES, or a
+    Hierarchy decided above this layer (the planner's host model prices each kind of
+    collective, `planner.cost.fastest_hierarchy`), taken as given. "auto" here, with no
+    prices, is the byte rule: two stages where they move fewer inter-node bytes, decided on a
+    unit payload so the answer does not depend on bucket sizes.
 
-    Decided on a unit payload so the answer does not depend on bucket sizes; a degenerate
-    split (k = 1 or k = D) is never hierarchical since one of its stages would be a no-op.
+    A degenerate split (k = 1 or k = D) is never hierarchical since one of its stages would be
+    a no-op.
     """
     if shapes.k in (1, shapes.d) or mode == "never":
         return Hierarchy()
+    if isinstance(mode, Hierarchy):
+        return mode
     if mode == "always":
         return Hierarchy(True, True, True)
     unit = shapes.d * shapes.k * 8
@@ -243,11 +248,13 @@ class StateBytes:
 
 
 def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int,
-                accum_bytes: int) -> StateBytes:
-    """Parameters at p (model dtype), gradient accumulators at g, fp32 master + Adam at os."""
+                accum_bytes: int, persistent: int = 0) -> StateBytes:
+    """Parameters at p (model dtype), gradient accumulators at g, fp32 master + Adam at os; the
+    last `persistent` buckets hold their parameters whole (`units.split_persistent`)."""
     params = grads = optim = 0
-    for n in padded_numels:
-        params += n // level_div(s.p, d, k) * param_bytes
+    numels = list(padded_numels)
+    for i, n in enumerate(numels):
+        params += n // level_div(Level.N if i >= len(numels) - persistent else s.p, d, k) * param_bytes
         grads += n // level_div(s.g, d, k) * accum_bytes
         optim += n // level_div(s.os, d, k) * ADAM_STATE_BYTES_PER_ELEMENT
     return StateBytes(params, grads, optim)
@@ -258,7 +265,8 @@ def norm_groups(s: Strategy) -> list[str]:
     return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.os]
 
 
-STEP_PHASES = ("fetch_forward", "fetch_backward", "micro_reduce", "boundary", "refresh")
+STEP_PHASES = ("fetch_forward", "fetch_forward_once", "fetch_backward", "micro_reduce", "boundary", "refresh",
+               "refresh_persistent")
 
 
 def reuse_mask(numels: Sequence[int], max_live: int, max_reuse_distance: int) -> tuple[bool, ...]:
@@ -309,8 +317,8 @@ class StepPart:
 
 def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: "ZeroPP | None" = None,
-               reused: Sequence[bool] = (),
-               exact_ranges: Sequence[Sequence[tuple[int, int]]] = ()) -> dict[str, StepPart]:
+               reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
+               persistent: int = 0, warmup: int = 0) -> dict[str, StepPart]:
     """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
     when the bytes move (the planner's overlap model).
 
@@ -323,19 +331,38 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
     the micro-batch reduction take its sequences and formats; `exact_ranges` (per bucket, the
     flat ranges of the tensors qgZ and qwZ send exactly: `BucketLayout.vector_ranges`) add
-    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`).
+    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`). The last `persistent` buckets (parameters
+    below `stage3_param_persistence_threshold`, whole on every rank) are never fetched; they are
+    reduced like the rest and refreshed from os to N (`refresh_persistent`), one collective per
+    stage each (`reused` covers the fetch groups before them).
+
+    `warmup`: forward passes this pipeline stage runs before its first backward under 1F1B
+    (`min(PP - stage - 1, A)`). With one or more, a group kept for backward stays gathered from
+    the first forward of the step to the last backward (each later forward finds it kept for a
+    backward still to come), so it is fetched once per step (`fetch_forward_once`) instead of
+    once per micro-batch.
     """
     k = shapes.k
     pp = zeropp or ZeroPP()
     numels = tuple(padded_numels)
-    again = tuple(n for i, n in enumerate(numels) if not (i < len(reused) and reused[i]))
+    fetched, whole = numels[:len(numels) - persistent], numels[len(numels) - persistent:]
+    kept = [i < len(reused) and reused[i] for i in range(len(fetched))]
+    again = tuple(n for n, keep in zip(fetched, kept) if not keep)
+    once = tuple(n for n, keep in zip(fetched, kept) if keep) if warmup > 0 else ()
+    every = again if warmup > 0 else fetched
     fetch = tuple(param_fetch_sequence(s, k, hier))
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     fetch_sides: tuple[tuple[int, ...], ...] = ()
     if pp.qwz and exact_ranges:
         fetch_sides = tuple(qwz_exact_sides(fetch, shapes, n, level_div(s.p, shapes.d, k), r, param_bytes)
-                            for n, r in zip(numels, exact_ranges))
-    again_sides = tuple(side for i, side in enumerate(fetch_sides) if not (i < len(reused) and reused[i]))
+                            for n, r in zip(fetched, exact_ranges))
+
+    def sides_where(keep: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
+        return tuple(side for side, yes in zip(fetch_sides, keep) if yes)
+
+    again_sides = sides_where([not keep for keep in kept])
+    once_sides = sides_where(kept) if warmup > 0 else ()
+    every_sides = again_sides if warmup > 0 else fetch_sides
     backward = ((tuple(hpz_fetch_sequence()), param_bytes, micro_batches, again) if pp.hpz > 1
                 else (fetch, weights, micro_batches, again, again_sides))
     sides: tuple[tuple[int, ...], ...] = ()
@@ -347,11 +374,13 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
                           for n, r in zip(numels, exact_ranges))
     else:
         micro = (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes)
-    return {"fetch_forward": StepPart(fetch, weights, micro_batches, numels, fetch_sides),
+    return {"fetch_forward": StepPart(fetch, weights, micro_batches, every, every_sides),
+            "fetch_forward_once": StepPart(fetch, weights, 1, once, once_sides),
             "fetch_backward": StepPart(*backward),
             "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
-            "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, numels)}
+            "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, fetched),
+            "refresh_persistent": StepPart(tuple(gather_sequence(s.os, Level.N, k, hier)), param_bytes, 1, whole)}
 
 
 def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[GroupShape] = ()) -> list[GroupShape]:
@@ -370,14 +399,15 @@ def all_reduce_bytes(nbytes: int, g: GroupShape) -> tuple[int, int]:
 def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int,
                extra_norm_groups: Sequence[GroupShape] = (), zeropp: "ZeroPP | None" = None,
-               reused: Sequence[bool] = (),
-               exact_ranges: Sequence[Sequence[tuple[int, int]]] = ()) -> tuple[int, int]:
+               reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
+               persistent: int = 0, warmup: int = 0) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
     phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
     and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
-                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused, exact_ranges=exact_ranges)
+                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused, exact_ranges=exact_ranges,
+                       persistent=persistent, warmup=warmup)
     for part in parts.values():
         a, b = part.bytes_once(shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -389,13 +419,14 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
 
 def step_calls(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, extra_norm_groups: Sequence[GroupShape] = (),
-               zeropp: "ZeroPP | None" = None, reused: Sequence[bool] = ()) -> int:
+               zeropp: "ZeroPP | None" = None, reused: Sequence[bool] = (), persistent: int = 0,
+               warmup: int = 0) -> int:
     """Collective calls one rank issues in one optimizer step: every collective of every phase
     of `step_parts` on every bucket, except those over a group of one (the engine skips them),
     plus one norm all-reduce per norm group of more than one rank. On CPU ranks each call costs
     a fixed host time whatever its size, which is why fetch groups exist (units.fetch_groups)."""
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=1,
-                       accum_bytes=1, zeropp=zeropp, reused=reused)
+                       accum_bytes=1, zeropp=zeropp, reused=reused, persistent=persistent, warmup=warmup)
     calls = sum(part.times * part.calls_once(shapes) for part in parts.values())
     return calls + sum(1 for g in norm_shapes(s, shapes, extra_norm_groups) if g.size > 1)
 
@@ -500,13 +531,14 @@ def qwz_exact_sides(seq: Sequence[Collective], shapes: DPShapes, padded: int, p_
 
 
 def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,
-                       param_bytes: int, strategy: Strategy) -> int:
-    """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype) and LoCo's
-    error buffers (fp32, one per stage), twice: the live buffers and the copy a skipped step
-    restores (`loco.LocoState`)."""
+                       param_bytes: int, strategy: Strategy, persistent: int = 0) -> int:
+    """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype; not for the last
+    `persistent` buckets, never fetched) and LoCo's error buffers (fp32, one per stage), twice:
+    the live buffers and the copy a skipped step restores (`loco.LocoState`)."""
     total = 0
-    for n in padded_numels:
-        if zeropp.hpz > 1:
+    numels = list(padded_numels)
+    for i, n in enumerate(numels):
+        if zeropp.hpz > 1 and i < len(numels) - persistent:
             total += n // zeropp.hpz * param_bytes
         if zeropp.loco:
             for c in qgz_sequence(strategy, shapes):

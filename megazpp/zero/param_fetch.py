@@ -56,6 +56,8 @@ class ParamFetcher:
         self._called: set[int] = set()  # unit roots whose own forward ran
         self._running: dict[int, int] = {}  # group -> its modules whose forward is running
         self._finished: dict[int, Bucket] = {}  # forward done, released when the forward moves on
+        self._kept_now: dict[int, Bucket] = {}  # kept for its backward by the forward running now
+        self._owed: dict[int, int] = {}  # group -> backward passes still to come that it was kept for
         self.backward_active = False
         for b in buckets:
             self.release(b)
@@ -98,6 +100,28 @@ class ParamFetcher:
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
+        self._owed.clear()
+        self._kept_now.clear()
+        self._running.clear()
+        self.backward_active = False
+
+    def gradients_done(self, b: Bucket) -> None:
+        """All of `b`'s gradients of one backward are in: that backward no longer needs it. It
+        stays gathered while a later micro-batch's forward kept it for its own backward (1F1B
+        runs forwards ahead of backwards)."""
+        owed = self._owed.get(id(b), 0) - 1
+        if owed > 0:
+            self._owed[id(b)] = owed
+        else:
+            self._owed.pop(id(b), None)
+            self.release(b)
+
+    def backward_finished(self) -> None:
+        """End of one backward: release what it gathered, except groups kept for backward
+        passes still to come."""
+        for b in self._buckets:
+            if id(b) not in self._owed:
+                self.release(b)
         self._running.clear()
         self.backward_active = False
 
@@ -132,8 +156,11 @@ class ParamFetcher:
         if self.backward_active:
             return
         self._running[id(b)] -= 1
-        if self._running[id(b)] == 0 and not (torch.is_grad_enabled() and self._keep[id(b)]):
-            self._finished[id(b)] = b
+        if self._running[id(b)] == 0:
+            if torch.is_grad_enabled() and self._keep[id(b)]:
+                self._kept_now[id(b)] = b
+            else:
+                self._finished[id(b)] = b
 
     # -- hooks -----------------------------------------------------------------------------
     def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
@@ -217,6 +244,9 @@ class ParamFetcher:
             return
         for b in list(self._finished.values()):
             self.release(b)
+        for key in self._kept_now:
+            self._owed[key] = self._owed.get(key, 0) + 1
+        self._kept_now.clear()
         if not self._order_done and self.order:
             self._order_done = True
             self._index = {id(b): i for i, b in enumerate(self.order)}

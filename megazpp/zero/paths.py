@@ -20,7 +20,7 @@ import torch
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
-from megazpp.zero.strategy import Strategy
+from megazpp.zero.strategy import Level, Strategy
 
 
 class Waitable(Protocol):
@@ -37,6 +37,7 @@ class CommPaths:
         self._micro = formulas.micro_batch_reduce_sequence(strategy, k, hier)
         self._boundary = formulas.boundary_sequence(strategy, k, hier)
         self._sync = formulas.param_sync_sequence(strategy, k, hier)
+        self._sync_whole = formulas.gather_sequence(strategy.os, Level.N, k, hier)  # persistent buckets
 
     def gather_calls(self, phase: str) -> int:
         """Collectives one parameter fetch issues (for the engine's statistics)."""
@@ -55,8 +56,9 @@ class CommPaths:
         return PendingSequence(self._boundary, b.grad_acc, self.groups, "zero/grad_boundary")
 
     def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
-        """Updated os-level parameters of `b` up to its p-level shard."""
-        return PendingSequence(self._sync, new_os, self.groups, "zero/param_sync")
+        """Updated os-level parameters of `b` up to its p-level shard (whole when persistent)."""
+        return PendingSequence(self._sync_whole if b.persistent else self._sync, new_os, self.groups,
+                               "zero/param_sync")
 
     def init_bucket(self, b: Bucket) -> None:
         """A bucket was built: create any per-bucket path state in `b.extra_state`."""

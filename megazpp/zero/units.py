@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from megazpp.errors import ConfigError
+from megazpp.zero.strategy import Level, Strategy
 
 FETCH_GROUP_MODES = ("layer", "size")
 
@@ -122,14 +124,45 @@ def gradient_buckets(model: nn.Module, bucket_numel: int) -> list[ParamGroupSpec
     Backward produces gradients roughly in reverse registration order, so filling buckets in
     that order lets the first bucket's reduction start while backward is still running.
     """
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return _buckets([(n, p) for n, p in model.named_parameters() if p.requires_grad], bucket_numel, "bucket")
+
+
+def _buckets(params: list[tuple[str, nn.Parameter]], bucket_numel: int, prefix: str) -> list[ParamGroupSpec]:
     buckets: list[ParamGroupSpec] = []
-    current = ParamGroupSpec("bucket0")
+    current = ParamGroupSpec(f"{prefix}0")
     for name, p in reversed(params):
         if current.params and current.numel + p.numel() > bucket_numel:
             buckets.append(current)
-            current = ParamGroupSpec(f"bucket{len(buckets)}")
+            current = ParamGroupSpec(f"{prefix}{len(buckets)}")
         current.params.append((name, p))
     if current.params:
         buckets.append(current)
     return buckets
+
+
+def check_persistence(strategy: Strategy, threshold: int) -> None:
+    """`stage3_param_persistence_threshold` acts only where parameters are sharded (p = I, G)."""
+    if threshold > 0 and strategy.p == Level.N:
+        raise ConfigError(f"zero.stage3_param_persistence_threshold = {threshold}: strategy {strategy} keeps "
+                          f"every parameter whole already (p = N); set it to 0 or shard parameters (p = I or G)")
+
+
+def split_persistent(units: list[ParamGroupSpec], threshold: int,
+                     bucket_numel: int) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+    """DeepSpeed's `stage3_param_persistence_threshold`: parameters of fewer than `threshold`
+    elements leave their units before units form fetch groups, and are kept whole on every
+    rank, in buckets of their own, last-registered first like gradient buckets (the order
+    backward produces them) and bounded by `bucket_numel`: one refresh collective per stage
+    after each step moves them all, and no fetch ever does. A unit left without parameters (a
+    norm) goes with its hooks: its module would otherwise gather its layer's group again for
+    its own backward, after the group's gradients were in."""
+    if threshold <= 0:
+        return units, []
+    persistent = [(n, p) for u in units for n, p in u.params if p.numel() < threshold]
+    small = {id(p) for _, p in persistent}
+    kept = []
+    for u in units:
+        params = [(n, p) for n, p in u.params if id(p) not in small]
+        if params:
+            kept.append(ParamGroupSpec(u.name, params, u.modules))
+    return kept, _buckets(persistent, bucket_numel, "persistent")

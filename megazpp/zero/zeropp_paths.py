@@ -72,7 +72,7 @@ class ZeroPPPaths(CommPaths):
     # -- per-bucket state ----------------------------------------------------------------------
     def init_bucket(self, b: Bucket) -> None:
         self._buckets.append(b)
-        if self.zeropp.hpz > 1:
+        if self.zeropp.hpz > 1 and not b.persistent:  # a persistent bucket is never fetched
             self._secondary[id(b)] = b.param_store.new_zeros(b.layout.padded // self.zeropp.hpz)
         if self._loco is not None:
             self._loco.add_bucket(b)
