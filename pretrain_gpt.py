@@ -43,7 +43,7 @@ from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
-from megazpp.zero.factory import build_zero_engine
+from megazpp.training.zero_factory import build_zero_engine
 
 
 def pick_device() -> torch.device:

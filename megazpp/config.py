@@ -158,7 +158,7 @@ class ZeroConfig:
     Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
     mean what they mean there; the defaults are DeepSpeed's except `overlap_comm` (on), and a
     value other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `megazpp.zero.factory` turns this section into the engine's `ZeroOptions` under the same
+    `megazpp.training.zero_factory` turns this section into the engine's `ZeroOptions` under the same
     names and defaults; `Config.validate` checks it whole (config_checks._validate_zero). With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).

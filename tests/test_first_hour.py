@@ -18,7 +18,7 @@ import pytest
 from megazpp.config import flag_table, load_config
 from megazpp.config_reference import DOC_PATH, HELP, render_markdown
 from megazpp.errors import ConfigError
-from megazpp.zero.factory import zero_options
+from megazpp.training.zero_factory import zero_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = ROOT.parent / "shared" / "seeds"

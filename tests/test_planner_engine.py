@@ -34,7 +34,7 @@ from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.factory import build_zero_engine
+from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 

@@ -161,7 +161,7 @@ def test_module_granularity_threshold_groups_fine_grained_subtrees():
 
 def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     from megazpp.config import ZeroConfig
-    from megazpp.zero.factory import zero_options
+    from megazpp.training.zero_factory import zero_options
 
     opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234,
                                    allgather_bucket_size=7, stage3_max_live_parameters=0, fetch_groups="size",

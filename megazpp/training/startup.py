@@ -31,7 +31,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
-from megazpp.zero.factory import zero_options
+from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait. Everything else shapes the run's state.
