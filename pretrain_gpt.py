@@ -37,7 +37,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
                                          check_save_dir, is_weights_only, load_checkpoint,
                                          load_model_weights)
-from megazpp.training.engine import Engine, LocalEngine
+from megazpp.optim.engine import Engine, LocalEngine
 from megazpp.training.banner import banner, configure_console_logging
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megazpp.config import flag_table, load_config
+from megazpp.config_checks import validate_config
 from megazpp.config_reference import DOC_PATH, HELP, render_markdown
 from megazpp.errors import ConfigError
 from megazpp.training.zero_factory import zero_options
@@ -205,7 +206,7 @@ def test_seed_configs_are_accepted_as_written(tmp_path):
         for i, text in enumerate(texts):
             path = tmp_path / f"{page}.{i}.json"
             path.write_text(text)
-            cfg = load_config(["--deepspeed_config", str(path)]).validate(world_size=4)
+            cfg = validate_config(load_config(["--deepspeed_config", str(path)]), 4)
             strategies[page] = zero_options(cfg.zero).strategy
     assert strategies == {"002_dd16a0f1a623b22e.txt": "NIG", "003_d3927bb956248845.txt": "GGG"}
     # the granularity PR's key, under both its draft and its merged name (seed 001's diff)
@@ -221,10 +222,10 @@ def test_seed_configs_are_accepted_as_written(tmp_path):
                  "GNG", "GIG", "GGG", "auto"):
         path = tmp_path / "p.json"
         path.write_text(json.dumps({"zero_optimization": {"paro_strategy": name}}))
-        assert load_config(["--deepspeed_config", str(path)]).validate(4).zero.paro_strategy == name
+        assert validate_config(load_config(["--deepspeed_config", str(path)]), 4).zero.paro_strategy == name
     path.write_text(json.dumps({"zero_optimization": {"paro_strategy": "GNN"}}))
     with pytest.raises(ConfigError, match="zero.paro_strategy='GNN': optimizer state must be"):
-        load_config(["--deepspeed_config", str(path)]).validate(4)
+        validate_config(load_config(["--deepspeed_config", str(path)]), 4)
 
 
 def test_help_and_flag_reference_follow_the_schema():
@@ -238,10 +239,10 @@ def test_help_and_flag_reference_follow_the_schema():
 
 
 def test_megatron_aliases_and_refusals():
-    cfg = load_config(["--max-position-embeddings", "256", "--init-method-std", "0.01",
-                       "--norm-epsilon=1e-6", "--rotary-base", "500000", "--recompute-activations",
-                       "--use-distributed-optimizer", "--lr-warmup-fraction", "0.1",
-                       "--train-iters", "50"]).validate()
+    cfg = validate_config(load_config(["--max-position-embeddings", "256", "--init-method-std", "0.01",
+                                       "--norm-epsilon=1e-6", "--rotary-base", "500000", "--recompute-activations",
+                                       "--use-distributed-optimizer", "--lr-warmup-fraction", "0.1",
+                                       "--train-iters", "50"]))
     m = cfg.model
     assert (m.seq_length, m.init_std, m.norm_eps, m.rope_theta, m.activation_checkpointing) == (
         256, 0.01, 1e-6, 500000.0, True)
@@ -255,7 +256,7 @@ def test_megatron_aliases_and_refusals():
             (["--rotary-bse", "3"], "unknown flag --rotary-bse (did you mean '--rotary-base'?)"),
             (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "give one")):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config(argv).validate()
+            validate_config(load_config(argv))
 
 
 def test_data_tools_print_no_carriage_returns_and_tokenizer_says_what_it_trained(tmp_path):

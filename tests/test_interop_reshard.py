@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import pretrain_gpt
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
@@ -56,7 +57,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     """pretrain_gpt's setup with the resharding hook: losses, the gathered weights right after
     the resume and at the end, whether the hook saw a layout change, the engine's warnings."""
     cfg = load_config(argv)
-    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    validate_config(cfg, int(os.environ["WORLD_SIZE"]))
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training

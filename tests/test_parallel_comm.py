@@ -97,7 +97,7 @@ def _rank_main(report_dir: str) -> dict:
         res["model_error"] = str(err)
     if rank == 0:
         comm.counter.write_report(f"{report_dir}/comm.json")
-    res["world"] = comm.counter.write_world_report(f"{report_dir}/world.json")
+    res["world"] = comm.write_world_report(f"{report_dir}/world.json")
     return res
 
 

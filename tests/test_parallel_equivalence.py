@@ -20,7 +20,7 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology
-from megazpp.training.engine import LocalEngine
+from megazpp.optim.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 

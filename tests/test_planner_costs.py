@@ -265,7 +265,7 @@ def test_without_overlap_only_the_link_wait_hides():
 
 
 def test_planner_settings_refuse_non_positive_values():
-    from megazpp.planner.settings import PlannerSettings
+    from megazpp.config_planner import PlannerSettings
 
     PlannerSettings(probe=True).validate()
     with pytest.raises(ConfigError, match="planner.inter_node_gbit = 0"):

@@ -30,7 +30,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.settings import PlannerSettings
+from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions

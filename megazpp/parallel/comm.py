@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megazpp.errors import CommunicationError, MegazppError, TopologyError
-from megazpp.parallel.counter import counter
+from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
 
 ReduceOp = dist.ReduceOp
 SUM = dist.ReduceOp.SUM
@@ -417,3 +417,18 @@ def barrier(group: Any = None, tag: str | None = None) -> None:
         return
     counter.record("barrier", tag or "barrier", 0, 0)
     dist.barrier(group=group)
+
+
+def write_world_report(path: str, group: Any = None) -> dict[str, Any]:
+    """Collective: gather every rank's run totals of `counter`; rank 0 writes them with world
+    sums. The totals are snapshotted before the gather, so the report does not count itself.
+    Returns the report on every rank."""
+    mine = counter.run_totals()
+    per_rank = all_gather_object(mine, group=group, tag="report/gather")
+    report = {"convention": CONVENTION, "steps": counter.steps,
+              "world": {"intra": sum(r["intra"] for r in per_rank),
+                        "inter": sum(r["inter"] for r in per_rank)},
+              "per_rank": per_rank}
+    if group_rank(group) == 0:
+        write_json_atomic(path, report)
+    return report

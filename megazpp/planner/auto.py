@@ -25,7 +25,7 @@ from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
-from megazpp.planner.settings import PlannerSettings
+from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
@@ -132,7 +132,7 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                       backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
                       optimizer_rate=adam)
     workload = workload_of_config(cfg)
-    if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
+    if workload.global_batch is None:  # validate_config not run: one micro-batch per DP rank
         workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
     choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
                              _allowed(cfg, topology))

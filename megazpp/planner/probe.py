@@ -20,7 +20,7 @@ import torch
 
 from megazpp.config import OptimizerConfig
 from megazpp.parallel import comm
-from megazpp.training.optimizer import build_adamw
+from megazpp.optim.optimizer import build_adamw
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
 

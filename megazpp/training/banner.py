@@ -15,7 +15,7 @@ from typing import Sequence, Sized, TextIO
 from megazpp.config import Config
 from megazpp.model.flops import parameter_count
 from megazpp.parallel.topology import Topology
-from megazpp.training.engine import Engine
+from megazpp.optim.engine import Engine
 from megazpp.training.startup import Startup
 
 

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
@@ -117,7 +118,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
-    cfg.validate(world_size)
+    validate_config(cfg, world_size)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
                             sequence_parallel=cfg.parallel.sequence_parallel)

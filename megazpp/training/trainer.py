@@ -38,7 +38,7 @@ from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedChe
                                          capture_rng_state,
                                          load_model_weights,
                                          restore_rng_state, save_checkpoint)
-from megazpp.training.engine import Engine, StepResult
+from megazpp.optim.engine import Engine, StepResult
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor

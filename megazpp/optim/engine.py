@@ -27,9 +27,9 @@ from torch import nn
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
-from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.training.loss_scaler import LossScaler, scaler_for
-from megazpp.training.optimizer import build_adamw, named_trainable, param_groups, set_lr
+from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
+from megazpp.optim.loss_scaler import LossScaler, scaler_for
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
