@@ -203,7 +203,8 @@ def _pipeline_losses(topo: Topology, strategy: str) -> list[float]:
                      layer_range=topo.layer_range(cfg.num_layers))
     engine = ZeroEngine(model, OPT, PrecisionConfig(),
                         ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO), topo,
-                        counts_in_norm=counts_in_norm(model, topo))
+                        counts_in_norm=counts_in_norm(model, topo), tied_embeddings=cfg.tie_embeddings,
+                        tied_weight=model.tied_embedding_weight())
     losses = []
     for _ in range(3):
         micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
