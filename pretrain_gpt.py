@@ -33,7 +33,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
                                          check_save_dir, is_weights_only, load_checkpoint,
                                          load_model_weights)
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
 def _train(start: Startup, device: torch.device) -> TrainHistory:
     cfg = start.cfg
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
-    topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
+    check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_console_logging(topology.rank)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
     ck = cfg.checkpoint

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
@@ -91,7 +92,7 @@ class LocalEngine(ScaledOptimizerEngine):
     """
 
     def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 *, norm_groups: Sequence[Any] = (),
+                 *, norm_groups: Sequence[ProcessGroup] = (),
                  counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         named = named_trainable(model)
         self.params = [p for _, p in named]

@@ -13,14 +13,16 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import Config
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
@@ -55,13 +57,13 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
     return Choice(result.choice.option.strategy, runner, result, cluster)
 
 
-def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
+def _zeropp_of(cfg: Config, topology: Topology) -> formulas.ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
     return dataclasses.replace(zeropp_of(cfg.zero),
                                hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
 
 
-def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:
+def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
     """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
     needs the whole accumulated gradient)."""
     if topology.pp > 1 and cfg.model.tie_embeddings:
@@ -78,7 +80,7 @@ def _device_memory(settings: PlannerSettings) -> float:
                       "to read it from)")
 
 
-def _link(given: float | None, key: str, needed: bool, group: Any, size: int, settings: PlannerSettings,
+def _link(given: float | None, key: str, needed: bool, group: ProcessGroup | None, size: int, settings: PlannerSettings,
           latency_us: float) -> tuple[float, float]:
     """(bytes/s, latency) of one link: from the settings, else probed, else unused (infinite)."""
     if not needed:
@@ -91,7 +93,7 @@ def _link(given: float | None, key: str, needed: bool, group: Any, size: int, se
     raise ConfigError(f"zero.paro_strategy = auto: set planner.{key} or planner.probe = true")
 
 
-def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
+def measure_cluster(settings: PlannerSettings, topology: Topology) -> list[float]:
     """[memory, flops, intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank:
     values from `settings`, the rest probed. Collective when probing: every rank must call it."""
     if settings.achievable_tflops is not None:
@@ -113,7 +115,7 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
     return [_device_memory(settings), flops, intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
 
 
-def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
+def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
     settings.validate()
     shape = shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),

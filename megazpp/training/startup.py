@@ -22,13 +22,12 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
 from megazpp.config_checks import validate_config
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
@@ -120,8 +119,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
-    Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
+    check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     check_inputs(cfg)

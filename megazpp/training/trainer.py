@@ -33,6 +33,7 @@ from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import CheckpointError, NumericalError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
+from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedCheckpoint,
                                          capture_rng_state,
@@ -69,7 +70,7 @@ def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Any,
+    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Topology,
                  train_ds: Any, valid_ds: Any, logger: TrainingLogger, device: torch.device,
                  *, forward_backward_fn: ForwardBackward = forward_backward) -> None:
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology

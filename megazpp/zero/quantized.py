@@ -18,7 +18,6 @@ ones. Their int4 codes still travel (the blocks stay uniform) but are never used
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -91,7 +90,7 @@ class PendingQuantizedGather:
     exact gather sequence, decode the whole buffer into the model dtype."""
 
     def __init__(self, seq: list[Collective], shard: torch.Tensor, groups: ZeroGroups, block: int,
-                 tag: str, ops: SimpleNamespace = kernels.kernel_set()) -> None:
+                 tag: str, ops: kernels.KernelOps = kernels.kernel_set()) -> None:
         codes, scales = ops.quantize(shard, 8, block)
         self._ops, self._block, self._dtype = ops, block, shard.dtype
         self._code_bytes = codes.numel()
@@ -118,7 +117,7 @@ class PendingQuantizedReduce:
 
     def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
                  loco: list[tuple[torch.Tensor, torch.Tensor]] | None = None, err_beta: float = 0.0,
-                 ops: SimpleNamespace = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
+                 ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
             grad = torch.zeros_like(grad)
