@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazpp.cli import run_tool
+from megazpp.cli import configure_logging, run_tool
 from megazpp.config import Config
 from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
@@ -38,7 +38,7 @@ from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_no
                                          check_save_dir, is_weights_only, load_checkpoint,
                                          load_model_weights)
 from megazpp.optim.engine import Engine, LocalEngine
-from megazpp.training.banner import banner, configure_console_logging
+from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
@@ -135,7 +135,7 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     cfg = start.cfg
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
-    configure_console_logging(topology.rank)
+    configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
     ck = cfg.checkpoint
     if ck.save:

@@ -126,7 +126,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     assert (tmp_path / "cmp" / "loss.png").stat().st_size > 0
 
     # export with no --config: the checkpoint knows its model and its tokenizer
-    out = tool("tools/export_checkpoint.py", "--load", str(ck), "--output",
+    out = tool("tools/export_checkpoint.py", "--load", str(ck), "--out",
                str(tmp_path / "model.safetensors")).stdout
     assert f"wrote {tmp_path / 'model.safetensors'}" in out
     hf = tool("tools/convert_hf.py", "export", "--load", str(ck), "--hf-dir",
@@ -134,7 +134,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     assert "(with " in hf and (tmp_path / "hf" / "tokenizer.model").is_file()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 32
     # one overwrite rule: neither export replaces what is there
-    for argv, what in ((["tools/export_checkpoint.py", "--load", str(ck), "--output",
+    for argv, what in ((["tools/export_checkpoint.py", "--load", str(ck), "--out",
                          str(tmp_path / "model.safetensors")], "already exists"),
                        (["tools/convert_hf.py", "export", "--load", str(ck), "--hf-dir",
                          str(tmp_path / "hf")], "already holds a model")):
@@ -263,7 +263,7 @@ def test_data_tools_print_no_carriage_returns_and_tokenizer_says_what_it_trained
     corpus = tool("tools/make_sample_corpus.py", "--out", str(tmp_path / "corpus"),
                   "--total-bytes", "60000")
     tok = tool("tools/train_tokenizer.py", "--input", str(tmp_path / "corpus"), "--vocab-size",
-               "50000", "--output", str(tmp_path / "tok"))
+               "50000", "--out", str(tmp_path / "tok"))
     trained = re.search(r"vocab (\d+) trained", tok.stdout)
     assert trained and int(trained[1]) < 50000
     assert (f"note: --vocab-size 50000 asked for more pieces than this corpus yields: trained "

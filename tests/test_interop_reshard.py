@@ -122,13 +122,13 @@ def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_mod
 
     export_checkpoint = _export_tool()
     out = tmp_path / "full.safetensors"
-    assert export_checkpoint.main(["--load", sharded, "--output", str(out)]) == 0
+    assert export_checkpoint.main(["--load", sharded, "--out", str(out)]) == 0
     exported = load_file(str(out))
     assert sorted(exported) == sorted(gathered)
     for name, tensor in gathered.items():
         assert torch.equal(exported[name], tensor), name
     masters = tmp_path / "masters.safetensors"
-    assert export_checkpoint.main(["--load", sharded, "--output", str(masters), "--masters"]) == 0
+    assert export_checkpoint.main(["--load", sharded, "--out", str(masters), "--masters"]) == 0
     for name, tensor in load_file(str(masters)).items():  # fp32 run: masters are the weights
         assert torch.equal(tensor, gathered[name]), name
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import graphlib
 import re
 from pathlib import Path
@@ -74,18 +75,27 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[int, str]]:
     return [(line, name) for line, name in found if name in modules]
 
 
+@functools.cache
+def import_graph() -> dict[Path, list[tuple[int, str]]]:
+    """Every project file's imports of project modules (parsed once for both tests)."""
+    files = project_files()
+    modules = {module_name(p) for p in files}
+    return {p: imports_of(p, modules) for p in files}
+
+
 def test_every_import_points_down_the_documented_layers():
     table = layer_table()
     names = [name for name, _ in table]
     assert len(names) >= 5 and names[0] == "errors", f"Layers table not found or reordered: {names}"
-    files = project_files()
+    graph = import_graph()
+    files = list(graph)
     by_module = {module_name(p): p for p in files}
     unplaced = [str(p.relative_to(ROOT)) for p in files if layer_of(p, table) is None]
     assert not unplaced, f"files no row of docs/architecture.md's Layers table covers: {unplaced}"
     upward: dict[str, None] = {}  # ordered, one line per import statement
     for path in files:
         mine = layer_of(path, table)
-        for line, target in imports_of(path, set(by_module)):
+        for line, target in graph[path]:
             theirs = layer_of(by_module[target], table)
             if theirs > mine:
                 upward[f"{path.relative_to(ROOT)}:{line} ({names[mine]}) imports "
@@ -94,9 +104,7 @@ def test_every_import_points_down_the_documented_layers():
 
 
 def test_no_import_cycles_between_modules():
-    files = project_files()
-    modules = {module_name(p) for p in files}
-    graph = {module_name(p): {t for _, t in imports_of(p, modules)} - {module_name(p)} for p in files}
+    graph = {module_name(p): {t for _, t in found} - {module_name(p)} for p, found in import_graph().items()}
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as err:

@@ -53,8 +53,8 @@ def test_collective_probe_fits_every_op_and_group():
 
 def test_calibration_tool_runs_locally():
     proc = subprocess.run(
-        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden", "32", "--layers", "2", "--steps", "2",
-         "--vocab", "256", "--seq", "32", "--strategies", "NNN", "GGG"],
+        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden-size", "32", "--num-layers", "2", "--steps", "2",
+         "--vocab-size", "256", "--seq-length", "32", "--strategies", "NNN", "GGG"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\| (NNN|GGG) \| ([0-9.]+) \| ([0-9.]+) \| ([-+][0-9.]+) % \|$", proc.stdout, re.M)

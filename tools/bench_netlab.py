@@ -27,7 +27,7 @@ import time
 from megazpp.bench import launch, results
 from megazpp.bench.plot import plot_settings
 from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
-from megazpp.cli import run_tool
+from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
 from megazpp.errors import DataError, MegazppError
@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the median step time")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the benchmark model's YAML")
     p.add_argument("--data-dir", default="data", help="holds corpus_text_document.* and tokenizer.model")
-    p.add_argument("--out", default="runs/bench_netlab", help="result directory")
+    add_out_flag(p, default="runs/bench_netlab", help="result directory")
     p.add_argument("--delay", default="0", help="netlab link delay (tc syntax; 0: none)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
