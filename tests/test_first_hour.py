@@ -79,6 +79,7 @@ def one_line_refusal(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     ck, tb = tmp_path / "ckpt", tmp_path / "runs"
     first = run_sh(data_dir, *TINY, "--train-iters", "6", "--save", str(ck),
@@ -148,6 +149,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
             in imported)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SEEDS.is_dir(), reason=f"no seed pages at {SEEDS}")
 def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
         tmp_path, data_dir):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megazpp.parallel.local_launch import run_ranks
@@ -51,6 +52,7 @@ def test_collective_probe_fits_every_op_and_group():
     assert result["adam"] > 1e5  # elements per second
 
 
+@pytest.mark.slow
 def test_calibration_tool_runs_locally():
     proc = subprocess.run(
         [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden-size", "32", "--num-layers", "2", "--steps", "2",

@@ -15,6 +15,7 @@ covers TP = 2 x DP = 2, PP = 2 x DP = 2 with GPT-2's embedding tied across the t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
@@ -293,6 +294,7 @@ def _accumulated_gradient_error(accum: str) -> float:
     return float((bucket.grad_acc.double() - reference).abs().max() / reference.abs().max())
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_under_bf16_is_10x_closer_to_fp64():
     fp32_err, bf16_err = _accumulated_gradient_error("fp32"), _accumulated_gradient_error("bf16")
     assert bf16_err > 0 and fp32_err * 10 <= bf16_err, (fp32_err, bf16_err)
