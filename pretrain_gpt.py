@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazpp.cli import run_tool
+from megazpp.cli import configure_logging, run_tool
 from megazpp.config import Config
 from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
@@ -33,17 +33,17 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
                                          check_save_dir, is_weights_only, load_checkpoint,
                                          load_model_weights)
-from megazpp.training.engine import Engine, LocalEngine
-from megazpp.training.banner import banner, configure_console_logging
+from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
-from megazpp.zero.factory import build_zero_engine
+from megazpp.training.zero_factory import build_zero_engine
 
 
 def pick_device() -> torch.device:
@@ -134,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
 def _train(start: Startup, device: torch.device) -> TrainHistory:
     cfg = start.cfg
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
-    topology.validate_model(cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
-    configure_console_logging(topology.rank)
+    check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
+    configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
     ck = cfg.checkpoint
     if ck.save:

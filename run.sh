@@ -51,7 +51,7 @@ if [ ! -d "$DATA_DIR/corpus" ]; then
 fi
 if [ ! -f "$DATA_DIR/tokenizer.model" ]; then
   "$PYTHON" tools/train_tokenizer.py --input "$DATA_DIR/corpus" --vocab-size "$VOCAB_SIZE" \
-    --output "$DATA_DIR/tokenizer.tmp"
+    --out "$DATA_DIR/tokenizer.tmp"
   mv "$DATA_DIR/tokenizer.tmp.vocab" "$DATA_DIR/tokenizer.vocab"
   mv "$DATA_DIR/tokenizer.tmp.model" "$DATA_DIR/tokenizer.model"
 fi

@@ -8,6 +8,7 @@ Formats are described in kernels/format.py and docs/arch/kernels.md.
 
 from kernels.api import (
     CPU_KERNELS,
+    KernelOps,
     all_finite,
     backend_for,
     dequant_reduce,
@@ -24,6 +25,7 @@ from kernels.format import DEFAULT_BLOCK_SIZE, QMAX
 
 __all__ = [
     "CPU_KERNELS",
+    "KernelOps",
     "all_finite",
     "DEFAULT_BLOCK_SIZE",
     "QMAX",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from types import ModuleType, SimpleNamespace
-from typing import Callable
+from typing import Callable, Protocol, cast
 
 import torch
 
@@ -60,12 +60,40 @@ def _dispatched(op: Callable, cpu: str) -> Callable:
     return run
 
 
+class KernelOps(Protocol):
+    """The ops every implementation provides (kernels/reference.py, triton_ops.py,
+    cpu_compiled.py), with the reference's parameters: the type of `kernel_set(...)`, so an
+    editor follows `ops.quantize` to a signature and the reference documents what it does."""
+
+    def all_finite(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def quantize(self, x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                   numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def loco_quantize(self, grad: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor,
+                      err_beta: float, block_size: int,
+                      bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def dequant_reduce(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                       numel: int | None = None) -> torch.Tensor: ...
+
+    def dequant_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                                out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def dequant_reduce_loco_quantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                                     err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
+                                     out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]: ...
+
+
 _OPS = (reference.all_finite, reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,
         reference.dequant_reduce_quantize, reference.dequant_reduce_loco_quantize)
 
 
 @functools.cache
-def kernel_set(cpu: str = "reference") -> SimpleNamespace:
+def kernel_set(cpu: str = "reference") -> KernelOps:
     """The ops as attributes (`.quantize`, `.all_finite`, ...), CPU tensors going to the `cpu`
     implementation."""
     check_cpu_kernels(cpu)
@@ -73,7 +101,7 @@ def kernel_set(cpu: str = "reference") -> SimpleNamespace:
         from kernels import cpu_compiled
 
         cpu_compiled.require_compiler()
-    return SimpleNamespace(**{op.__name__: _dispatched(op, cpu) for op in _OPS})
+    return cast(KernelOps, SimpleNamespace(**{op.__name__: _dispatched(op, cpu) for op in _OPS}))
 
 
 _DEFAULT = kernel_set("reference")

@@ -25,11 +25,9 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from megazpp.config_aliases import MEGATRON_ALIASES, translate_megatron_flags
-from megazpp.config_checks import (_refuse_not_implemented, _resolve_batch, _validate_parallel,
-                                    _validate_precision, _validate_schedule, _validate_zero)
+from megazpp.config_planner import PlannerSettings
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
-from megazpp.planner.settings import PlannerSettings
 from megazpp.unique_keys import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -158,8 +156,8 @@ class ZeroConfig:
     Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
     mean what they mean there; the defaults are DeepSpeed's except `overlap_comm` (on), and a
     value other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `megazpp.zero.factory` turns this section into the engine's `ZeroOptions` under the same
-    names and defaults; `Config.validate` checks it whole (config_checks._validate_zero). With stage 0 and no
+    `megazpp.training.zero_factory` turns this section into the engine's `ZeroOptions` under the same
+    names and defaults; `config_checks.validate_config` checks it whole. With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """
@@ -194,7 +192,7 @@ class ZeroConfig:
 
 @dataclass
 class Config:
-    """Everything one run needs; `validate(world_size)` checks it as a whole."""
+    """Everything one run needs; `config_checks.validate_config(cfg, world_size)` checks it as a whole."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -229,21 +227,30 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def validate(self, world_size: int = 1) -> "Config":
-        """Refuse the first inconsistent value; resolve the derived batch sizes; return self."""
-        _validate_types(self)
-        self.model.validate()
-        _validate_parallel(self, world_size)
-        _resolve_batch(self, world_size)
-        _validate_schedule(self)
-        _validate_precision(self.precision)
-        _validate_zero(self.zero)
-        self.planner.validate()
-        _refuse_not_implemented(self)
-        return self
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+# Features that are configured here but not executed yet. A field listed here with a value
+# other than its default is refused with "not implemented yet" (by the loader, naming where the
+# value came from, and by `config_checks.validate_config`); remove the entry in the same commit
+# that makes the feature work.
+NOT_IMPLEMENTED_YET: dict[str, str] = {
+    "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
+}
+
+
+def refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:
+    for dotted, feature in NOT_IMPLEMENTED_YET.items():
+        section, name = dotted.split(".")
+        obj = getattr(cfg, section)
+        default = next(f for f in dataclasses.fields(obj) if f.name == name).default
+        if getattr(obj, name) != default:
+            source = (origins or {}).get(dotted)
+            prefix = f"{source}: " if source else ""
+            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not "
+                              "implemented yet")
+
 
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
 FLAG_NAMES: dict[str, str] = {
@@ -267,7 +274,7 @@ def flag_table() -> dict[str, tuple[str, str]]:
 def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = None) -> Config:
     """Build the Config from `--config FILE`, `--deepspeed_config FILE` and flags in `argv`.
 
-    Validation against the world size happens separately (`Config.validate`), since the
+    Validation against the world size happens separately (`config_checks.validate_config`), since the
     launcher decides the world; everything that does not depend on it is checked here.
     Values the loader adjusted (see `_fit_warmup_to_run`) are described in `notes`.
     """
@@ -278,14 +285,14 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     if yaml_path is not None:
         _merge(values, origins, _read_yaml(yaml_path), source=f"config file {yaml_path}")
     if ds_path is not None:
-        from megazpp.training.deepspeed_config import read_deepspeed_config
+        from megazpp.config_deepspeed import read_deepspeed_config
 
         _merge(values, origins, read_deepspeed_config(ds_path),
                source=f"DeepSpeed config {ds_path}")
     from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
     cfg = _build(values)
-    _refuse_not_implemented(cfg, origins)
+    refuse_not_implemented(cfg, origins)
     _fit_warmup_to_run(cfg.training, from_files, origins, notes if notes is not None else [])
     _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
     return cfg
@@ -303,7 +310,7 @@ def _fit_warmup_to_run(t: TrainingConfig, from_files: dict[str, Any], origins: d
     file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters")
                      or TrainingConfig.train_iters)
     if t.lr_warmup_iters > file_decay:
-        return  # the file contradicts itself: Config.validate refuses it
+        return  # the file contradicts itself: config_checks.validate_config refuses it
     adjusted = t.lr_warmup_iters * decay // file_decay
     notes.append(f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is longer than "
                  f"this run's {decay} steps: using {adjusted}, the same share "
@@ -522,7 +529,7 @@ def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
     cfg.model.vocab_size = -(-tokenizer_vocab // multiple) * multiple
 
 
-def _validate_types(cfg: Config) -> None:
+def validate_types(cfg: Config) -> None:
     """Values set in code (tests, tools) get the same type checks as YAML and flags."""
     for section in SECTIONS:
         obj = getattr(cfg, section)

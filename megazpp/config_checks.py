@@ -1,31 +1,35 @@
-"""Whole-config consistency checks, run by `Config.validate` once every source is merged.
+"""Whole-config consistency checks, run by `validate_config` once every source is merged.
 
 Why apart from the schema and the loader: these rules read only the finished dataclass values
 (never YAML, flags or their origins), so they stay readable as one list of refusals, each a
 `ConfigError` naming the key, the value and what was expected, raised before any work starts.
+They also know the ZeRO engine's vocabulary (strategy names, fetch-group and hierarchy modes),
+so they sit above `megazpp.zero`, while the schema (`megazpp.config`) sits below it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
+from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
 from megazpp.errors import ConfigError
 from megazpp.zero.formulas import HIERARCHY_MODES
 from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
 
-if TYPE_CHECKING:
-    from megazpp.config import Config, PrecisionConfig, ZeroConfig
 
-# Features that are configured here but not executed yet. A field listed here with a value
-# other than its default is refused with "not implemented yet"; remove the entry in the same
-# commit that makes the feature work.
-NOT_IMPLEMENTED_YET: dict[str, str] = {
-    "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
-}
+def validate_config(cfg: Config, world_size: int = 1) -> Config:
+    """Refuse the first inconsistent value; resolve the derived batch sizes; return `cfg`."""
+    validate_types(cfg)
+    cfg.model.validate()
+    _validate_parallel(cfg, world_size)
+    _resolve_batch(cfg, world_size)
+    _validate_schedule(cfg)
+    _validate_precision(cfg.precision)
+    _validate_zero(cfg.zero)
+    cfg.planner.validate()
+    refuse_not_implemented(cfg)
+    return cfg
 
 
 def _require_positive(where: str, value: int | float | None) -> None:
@@ -163,14 +167,3 @@ def _validate_zero(z: ZeroConfig) -> None:
         except ConfigError as err:
             raise ConfigError(f"zero.{key}: {err}") from None
 
-
-def _refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:
-    for dotted, feature in NOT_IMPLEMENTED_YET.items():
-        section, name = dotted.split(".")
-        obj = getattr(cfg, section)
-        default = next(f for f in dataclasses.fields(obj) if f.name == name).default
-        if getattr(obj, name) != default:
-            source = (origins or {}).get(dotted)
-            prefix = f"{source}: " if source else ""
-            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not "
-                              "implemented yet")

@@ -14,6 +14,8 @@ import os
 # with it removed.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import ast  # noqa: E402
+import functools  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -36,14 +38,45 @@ def netlab_unavailable() -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "netlab: runs nodes on tools/netlab.sh; skipped, with the reason, "
                                        "where netlab cannot run")
+    config.addinivalue_line("markers", "multirank: spawns gloo ranks (megazpp.parallel.local_launch.run_ranks); "
+                                       "set by conftest on every test that reaches run_ranks")
+    config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 loaded cores (launches run.sh, "
+                                       "torchrun or many subprocesses); the fast tier leaves it out")
+
+
+# what spawns ranks: the local launcher, called by a test, its fixtures or helpers
+SPAWNERS = frozenset({"run_ranks"})
+
+
+@functools.cache
+def spawning_functions(path: Path) -> frozenset[str]:
+    """Names of the functions of a test module that reach a SPAWNERS call, directly or through
+    other functions of the module or helpers imported from sibling test modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    reaching = set(SPAWNERS)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and (path.parent / f"{node.module}.py").is_file():
+            helpers = spawning_functions(path.parent / f"{node.module}.py")
+            reaching |= {alias.asname or alias.name for alias in node.names if alias.name in helpers}
+    calls = {node.name: {c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+                         for c in ast.walk(node) if isinstance(c, ast.Call)
+                         and isinstance(c.func, (ast.Name, ast.Attribute))}
+             for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    while True:
+        more = {name for name, called in calls.items() if called & reaching} - reaching
+        if not more:
+            return frozenset(reaching - SPAWNERS)
+        reaching |= more
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = netlab_unavailable()
-    if reason is not None:
-        for item in items:
-            if item.get_closest_marker("netlab") is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
+    for item in items:
+        if reason is not None and item.get_closest_marker("netlab") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        if isinstance(item, pytest.Function) and ({item.function.__name__, *item.fixturenames}
+                                                  & spawning_functions(Path(item.fspath))):
+            item.add_marker(pytest.mark.multirank)
 
 
 TINY_CORPUS_BYTES = 200_000

@@ -12,6 +12,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench.loco_gap import closed_fraction, describe, main as loco_gap_main
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 LOCO = REPO / "configs" / "experiments" / "loco"
@@ -28,7 +29,7 @@ def test_the_three_runs_differ_only_in_gradient_reduction(tiny_tokenizer_model):
     tokenizer = ["--tokenizer-model", str(tiny_tokenizer_model)]
     cfgs = {run: load_config(["--config", str(LOCO / f"{run}.yaml"), *tokenizer]) for run in RUNS}
     for cfg in cfgs.values():
-        cfg.validate(4)
+        validate_config(cfg, 4)
         assert cfg.parallel.ranks_per_node == 2  # 4 ranks = 2 virtual nodes x 2: both qgZ stages
         assert cfg.zero.stage == 2
     base = _flat(cfgs["fp32"])

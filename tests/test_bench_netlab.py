@@ -19,6 +19,7 @@ from megazpp.bench import launch, results
 from megazpp.bench.deepspeed_peer import deepspeed_config, parse_args as peer_args
 from megazpp.bench.suite import DEEPSPEED, MEGAZPP, all_configs, select
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError, DataError
 from megazpp.zero.strategy import VALID_NAMES
 
@@ -67,10 +68,9 @@ def test_configuration_list():
 def test_every_megazpp_configuration_is_accepted_by_the_config_loader():
     for c in all_configs(ranks_per_node=2):
         if c.runner == MEGAZPP:
-            cfg = load_config(["--config", NETLAB_YAML, *c.flags])
-            cfg.validate(4)
+            validate_config(load_config(["--config", NETLAB_YAML, *c.flags]), 4)
     # the second shape: Llama 4 x 512, 8 heads, seq 128, micro-batch 2, one micro-batch per step
-    cfg = load_config(["--config", COMPUTE_YAML]).validate(4)
+    cfg = validate_config(load_config(["--config", COMPUTE_YAML]), 4)
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (4, 512, 8, 128)
     assert cfg.training.micro_batch_size == 2 and cfg.num_micro_batches(4) == 1
@@ -185,6 +185,7 @@ def test_deepspeed_peer_config():
         deepspeed_config(load_config([*rest, "--bf16"]), 4, {})
 
 
+@pytest.mark.slow
 def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
     script = tmp_path / "job.py"
     # three optimizer steps around collectives of a one-rank gloo group: 3 calls in the first

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from megazpp.config import load_config
-from megazpp.config_checks import NOT_IMPLEMENTED_YET
+from megazpp.config import NOT_IMPLEMENTED_YET, load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError
 
 BASE_YAML = """\
@@ -32,9 +32,9 @@ def write_json(tmp_path, obj) -> str:
 
 
 def test_yaml_then_flags_precedence_and_types(base_yaml):
-    cfg = load_config(["--config", base_yaml, "--lr", "1e-3", "--hidden-size", "128",
-                       "--bf16", "--data-path", "0.3", "A", "0.7", "B", "--activation-checkpointing", "--no-activation-checkpointing",
-                       "--split", "90,10,0"]).validate(world_size=1)
+    cfg = validate_config(load_config(["--config", base_yaml, "--lr", "1e-3", "--hidden-size", "128",
+                                       "--bf16", "--data-path", "0.3", "A", "0.7", "B", "--activation-checkpointing", "--no-activation-checkpointing",
+                                       "--split", "90,10,0"]), 1)
     assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.min_lr == 3e-5  # "3e-4" string parsed
     assert cfg.model.hidden_size == 128 and cfg.model.num_query_groups == 2
     assert cfg.precision.bf16 is True and cfg.precision.fp16 is False
@@ -70,23 +70,23 @@ def test_unknown_flag_suggests():
 def test_inconsistent_values_rejected(base_yaml):
     with pytest.raises(ConfigError, match=r"global_batch_size = 10 is not divisible by "
                                           r"micro_batch_size 4 x data-parallel size 2 = 8"):
-        load_config(["--config", base_yaml, "--micro-batch-size", "4",
-                     "--global-batch-size", "10"]).validate(world_size=2)
+        validate_config(load_config(["--config", base_yaml, "--micro-batch-size", "4",
+                                     "--global-batch-size", "10"]), 2)
     with pytest.raises(ConfigError, match=r"hidden_size = 66 is not divisible by "
                                           r"model\.num_attention_heads = 4"):
-        load_config(["--config", base_yaml, "--hidden-size", "66"]).validate()
+        validate_config(load_config(["--config", base_yaml, "--hidden-size", "66"]))
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
-        load_config(["--config", base_yaml, "--tensor-model-parallel-size", "2"]).validate(3)
+        validate_config(load_config(["--config", base_yaml, "--tensor-model-parallel-size", "2"]), 3)
     with pytest.raises(ConfigError, match="bf16 and precision.fp16 are both set"):
-        load_config(["--config", base_yaml, "--bf16", "--fp16"]).validate()
+        validate_config(load_config(["--config", base_yaml, "--bf16", "--fp16"]))
     with pytest.raises(ConfigError, match=r"min_lr = 0\.5 must lie in \[0, optimizer\.lr"):
-        load_config(["--config", base_yaml, "--min-lr", "0.5"]).validate()
+        validate_config(load_config(["--config", base_yaml, "--min-lr", "0.5"]))
     with pytest.raises(ConfigError, match=r"lr_decay_style = 'cosin'.*did you mean 'cosine'"):
         load_config(["--config", base_yaml, "--lr-decay-style", "cosin"])
     with pytest.raises(ConfigError, match=r"zero\.qgz_block_size: quantization block_size=7 is invalid"):
-        load_config(["--config", base_yaml, "--qgz-block-size", "7"]).validate()
+        validate_config(load_config(["--config", base_yaml, "--qgz-block-size", "7"]))
     with pytest.raises(ConfigError, match=r"zero\.cpu_quant_kernels = 'fast': expected one of 'reference', 'compiled'"):
-        load_config(["--config", base_yaml, "--cpu-quant-kernels", "fast"]).validate()
+        validate_config(load_config(["--config", base_yaml, "--cpu-quant-kernels", "fast"]))
 
 
 def test_deepspeed_config_mapping(tmp_path, base_yaml):
@@ -103,7 +103,7 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
                               "stage3_module_granularity_threshold": 1000, "stage3_max_live_parameters": 3e8,
                               "stage3_max_reuse_distance": 2e8, "stage3_prefetch_bucket_size": 1e7},
     })
-    cfg = load_config(["--config", base_yaml, "--deepspeed_config", ds]).validate(world_size=1)
+    cfg = validate_config(load_config(["--config", base_yaml, "--deepspeed_config", ds]), 1)
     o, p, t = cfg.optimizer, cfg.precision, cfg.training
     assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == \
         (1e-3, 0.8, 0.9, 1e-6, 0.05, 0.5)
@@ -149,7 +149,7 @@ def test_not_implemented_features_refused_from_flags(base_yaml):
     assert load_config(["--no-overlap-comm"]).zero.overlap_comm is False  # acts: no prefetch, reductions waited
     with pytest.raises(ConfigError, match=r"sequence_parallel = true needs "
                                           r"parallel\.tensor_model_parallel_size > 1"):
-        load_config(["--config", base_yaml, "--sequence-parallel"]).validate(world_size=1)
+        validate_config(load_config(["--config", base_yaml, "--sequence-parallel"]), 1)
 
 
 def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
@@ -166,8 +166,8 @@ def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
 def test_zeropp_keys_reach_the_engine_settings(base_yaml):
     from megazpp.zero.zeropp import zeropp_of
 
-    z = load_config(["--config", base_yaml, "--zero-quantized-gradients", "--qgz-block-size", "4096",
-                     "--qwz-block-size", "512", "--cpu-quant-kernels", "compiled"]).validate().zero
+    z = validate_config(load_config(["--config", base_yaml, "--zero-quantized-gradients", "--qgz-block-size", "4096",
+                                     "--qwz-block-size", "512", "--cpu-quant-kernels", "compiled"])).zero
     settings = zeropp_of(z)
     assert (settings.qgz, settings.qgz_block, settings.qwz_block, settings.cpu_kernels) == (True, 4096, 512, "compiled")
     assert settings.grads.block == 4096 and settings.alignment() == 4096

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from megazpp.data.sample_corpus import CODE_SOURCE, DOCS_SOURCE, build_sample_corpus
 
 
+@pytest.mark.slow
 def test_default_corpus_is_redpajama_v1_and_byte_identical(tmp_path):
     first = build_sample_corpus(tmp_path / "a")
     second = build_sample_corpus(tmp_path / "b")

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from megazpp.config import flag_table, load_config
+from megazpp.config_checks import validate_config
 from megazpp.config_reference import DOC_PATH, HELP, render_markdown
 from megazpp.errors import ConfigError
-from megazpp.zero.factory import zero_options
+from megazpp.training.zero_factory import zero_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = ROOT.parent / "shared" / "seeds"
@@ -78,6 +79,7 @@ def one_line_refusal(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     ck, tb = tmp_path / "ckpt", tmp_path / "runs"
     first = run_sh(data_dir, *TINY, "--train-iters", "6", "--save", str(ck),
@@ -125,7 +127,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     assert (tmp_path / "cmp" / "loss.png").stat().st_size > 0
 
     # export with no --config: the checkpoint knows its model and its tokenizer
-    out = tool("tools/export_checkpoint.py", "--load", str(ck), "--output",
+    out = tool("tools/export_checkpoint.py", "--load", str(ck), "--out",
                str(tmp_path / "model.safetensors")).stdout
     assert f"wrote {tmp_path / 'model.safetensors'}" in out
     hf = tool("tools/convert_hf.py", "export", "--load", str(ck), "--hf-dir",
@@ -133,7 +135,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
     assert "(with " in hf and (tmp_path / "hf" / "tokenizer.model").is_file()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 32
     # one overwrite rule: neither export replaces what is there
-    for argv, what in ((["tools/export_checkpoint.py", "--load", str(ck), "--output",
+    for argv, what in ((["tools/export_checkpoint.py", "--load", str(ck), "--out",
                          str(tmp_path / "model.safetensors")], "already exists"),
                        (["tools/convert_hf.py", "export", "--load", str(ck), "--hf-dir",
                          str(tmp_path / "hf")], "already holds a model")):
@@ -147,6 +149,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
             in imported)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SEEDS.is_dir(), reason=f"no seed pages at {SEEDS}")
 def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
         tmp_path, data_dir):
@@ -205,7 +208,7 @@ def test_seed_configs_are_accepted_as_written(tmp_path):
         for i, text in enumerate(texts):
             path = tmp_path / f"{page}.{i}.json"
             path.write_text(text)
-            cfg = load_config(["--deepspeed_config", str(path)]).validate(world_size=4)
+            cfg = validate_config(load_config(["--deepspeed_config", str(path)]), 4)
             strategies[page] = zero_options(cfg.zero).strategy
     assert strategies == {"002_dd16a0f1a623b22e.txt": "NIG", "003_d3927bb956248845.txt": "GGG"}
     # the granularity PR's key, under both its draft and its merged name (seed 001's diff)
@@ -221,10 +224,10 @@ def test_seed_configs_are_accepted_as_written(tmp_path):
                  "GNG", "GIG", "GGG", "auto"):
         path = tmp_path / "p.json"
         path.write_text(json.dumps({"zero_optimization": {"paro_strategy": name}}))
-        assert load_config(["--deepspeed_config", str(path)]).validate(4).zero.paro_strategy == name
+        assert validate_config(load_config(["--deepspeed_config", str(path)]), 4).zero.paro_strategy == name
     path.write_text(json.dumps({"zero_optimization": {"paro_strategy": "GNN"}}))
     with pytest.raises(ConfigError, match="zero.paro_strategy='GNN': optimizer state must be"):
-        load_config(["--deepspeed_config", str(path)]).validate(4)
+        validate_config(load_config(["--deepspeed_config", str(path)]), 4)
 
 
 def test_help_and_flag_reference_follow_the_schema():
@@ -238,10 +241,10 @@ def test_help_and_flag_reference_follow_the_schema():
 
 
 def test_megatron_aliases_and_refusals():
-    cfg = load_config(["--max-position-embeddings", "256", "--init-method-std", "0.01",
-                       "--norm-epsilon=1e-6", "--rotary-base", "500000", "--recompute-activations",
-                       "--use-distributed-optimizer", "--lr-warmup-fraction", "0.1",
-                       "--train-iters", "50"]).validate()
+    cfg = validate_config(load_config(["--max-position-embeddings", "256", "--init-method-std", "0.01",
+                                       "--norm-epsilon=1e-6", "--rotary-base", "500000", "--recompute-activations",
+                                       "--use-distributed-optimizer", "--lr-warmup-fraction", "0.1",
+                                       "--train-iters", "50"]))
     m = cfg.model
     assert (m.seq_length, m.init_std, m.norm_eps, m.rope_theta, m.activation_checkpointing) == (
         256, 0.01, 1e-6, 500000.0, True)
@@ -255,14 +258,14 @@ def test_megatron_aliases_and_refusals():
             (["--rotary-bse", "3"], "unknown flag --rotary-bse (did you mean '--rotary-base'?)"),
             (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "give one")):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config(argv).validate()
+            validate_config(load_config(argv))
 
 
 def test_data_tools_print_no_carriage_returns_and_tokenizer_says_what_it_trained(tmp_path):
     corpus = tool("tools/make_sample_corpus.py", "--out", str(tmp_path / "corpus"),
                   "--total-bytes", "60000")
     tok = tool("tools/train_tokenizer.py", "--input", str(tmp_path / "corpus"), "--vocab-size",
-               "50000", "--output", str(tmp_path / "tok"))
+               "50000", "--out", str(tmp_path / "tok"))
     trained = re.search(r"vocab (\d+) trained", tok.stdout)
     assert trained and int(trained[1]) < 50000
     assert (f"note: --vocab-size 50000 asked for more pieces than this corpus yields: trained "

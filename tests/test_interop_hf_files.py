@@ -123,7 +123,7 @@ def test_consolidated_export_holds_full_weights_and_config(tmp_path):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     out = tmp_path / "full.safetensors"
-    assert tool.main(["--load", str(tmp_path / "mz"), "--output", str(out), "--dtype", "fp32"]) == 0
+    assert tool.main(["--load", str(tmp_path / "mz"), "--out", str(out), "--dtype", "fp32"]) == 0
     with safe_open(str(out), framework="pt") as f:
         assert sorted(f.keys()) == sorted(full)
         for name, tensor in full.items():

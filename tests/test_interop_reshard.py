@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import pretrain_gpt
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
@@ -56,7 +57,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     """pretrain_gpt's setup with the resharding hook: losses, the gathered weights right after
     the resume and at the end, whether the hook saw a layout change, the engine's warnings."""
     cfg = load_config(argv)
-    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    validate_config(cfg, int(os.environ["WORLD_SIZE"]))
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training
@@ -121,13 +122,13 @@ def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_mod
 
     export_checkpoint = _export_tool()
     out = tmp_path / "full.safetensors"
-    assert export_checkpoint.main(["--load", sharded, "--output", str(out)]) == 0
+    assert export_checkpoint.main(["--load", sharded, "--out", str(out)]) == 0
     exported = load_file(str(out))
     assert sorted(exported) == sorted(gathered)
     for name, tensor in gathered.items():
         assert torch.equal(exported[name], tensor), name
     masters = tmp_path / "masters.safetensors"
-    assert export_checkpoint.main(["--load", sharded, "--output", str(masters), "--masters"]) == 0
+    assert export_checkpoint.main(["--load", sharded, "--out", str(masters), "--masters"]) == 0
     for name, tensor in load_file(str(masters)).items():  # fp32 run: masters are the weights
         assert torch.equal(tensor, gathered[name]), name
 

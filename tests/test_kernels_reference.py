@@ -6,6 +6,8 @@ These pin the semantics the Triton kernels are then required to reproduce bit fo
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -259,3 +261,15 @@ def test_empty_tensor():
     codes, scales = kernels.quantize(torch.zeros(0), 4, 8)
     assert codes.numel() == 0 and scales.numel() == 0
     assert kernels.dequantize(codes, scales, 4, 8, numel=0).numel() == 0
+
+
+def test_kernel_ops_protocol_names_the_reference_parameters():
+    """`kernels.KernelOps` (the type of `kernel_set`) declares every dispatched op with the
+    reference's public parameters, so the type an editor follows is the one that runs."""
+    declared = {name for name in vars(kernels.KernelOps) if not name.startswith("_")}
+    ops = kernels.kernel_set()
+    assert declared == set(vars(ops))
+    for name in declared:
+        ref = [p for p in inspect.signature(getattr(reference, name)).parameters.values() if p.name != "arith"]
+        proto = list(inspect.signature(getattr(kernels.KernelOps, name)).parameters.values())[1:]
+        assert [(p.name, p.default) for p in proto] == [(p.name, p.default) for p in ref], name

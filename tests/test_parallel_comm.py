@@ -14,7 +14,7 @@ from megazpp.errors import TopologyError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import CommCounter
 from megazpp.parallel.local_launch import run_ranks
-from megazpp.parallel.topology import Topology, check_shape
+from megazpp.parallel.topology import Topology, check_model_split, check_shape
 
 ELEMS = 24  # fp32 elements of the "known size" tensors: N = 96 bytes
 N = ELEMS * 4
@@ -90,14 +90,14 @@ def _rank_main(report_dir: str) -> dict:
             errors[name] = str(err)
     res["errors"] = errors
     sizes = SimpleNamespace(num_attention_heads=6, num_query_groups=2, vocab_size=512, ffn_hidden_size=64,
-                            num_layers=3, seq_length=16, num_experts=0)
+                            num_layers=3, seq_length=16, num_experts=0, moe_ffn_hidden_size=None)
     try:
-        t22.validate_model(sizes)
+        check_model_split(sizes, t22.tp, t22.pp)
     except TopologyError as err:
         res["model_error"] = str(err)
     if rank == 0:
         comm.counter.write_report(f"{report_dir}/comm.json")
-    res["world"] = comm.counter.write_world_report(f"{report_dir}/world.json")
+    res["world"] = comm.write_world_report(f"{report_dir}/world.json")
     return res
 
 

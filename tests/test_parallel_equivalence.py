@@ -19,8 +19,8 @@ from megazpp.parallel import comm
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import tp_partition_dim
-from megazpp.parallel.topology import Topology
-from megazpp.training.engine import LocalEngine
+from megazpp.parallel.topology import Topology, check_model_split
+from megazpp.optim.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 
@@ -57,7 +57,7 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
     `sp`: sequence parallelism (pipeline boundaries then carry [b, s / tp, h])."""
     topo = Topology.from_env(tp=tp, pp=pp)
     cfg = _cfg(arch)
-    topo.validate_model(cfg, sequence_parallel=sp)
+    check_model_split(cfg, tp, pp, sequence_parallel=sp)
     model = GPTModel(cfg, tp_group=topo.tp_group, sequence_parallel=sp, pre_process=topo.is_first_stage,
                      post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
     mp = [topo.model_parallel_group] if tp * pp > 1 else []

@@ -59,7 +59,8 @@ def _rx_bytes() -> int:
 
 def _on_both_nodes(command_for_node, env: dict[str, str]) -> list[str]:
     """Start the command on both nodes at once (they rendezvous); both outputs once both exit 0."""
-    base = {**os.environ, "NETLAB_PREFIX": PREFIX, "NETLAB_SUBNET": SUBNET, **env}
+    base = {**os.environ, "NETLAB_PREFIX": PREFIX, "NETLAB_SUBNET": SUBNET, "PYTHON": sys.executable,
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), **env}
     procs = [subprocess.Popen(["bash", str(NETLAB), "run", str(node), *command_for_node(node)],
                               env=base, cwd=REPO, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for node in (0, 1)]

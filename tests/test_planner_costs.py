@@ -196,8 +196,8 @@ def test_bad_cluster_and_batch_are_config_errors():
 
 def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
     args = ["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--memory-gib", "1", "--tflops", "0.05",
-            "--intra-gbs", "5", "--memory-bw-gbs", "10", "--backend", "gloo", "--layers", "2", "--hidden", "64",
-            "--heads", "4", "--vocab", "512", "--seq", "64", "--micro-batch", "2", "--global-batch", "8",
+            "--intra-gbs", "5", "--memory-bw-gbs", "10", "--backend", "gloo", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--vocab-size", "512", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--dtype", "fp32"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
@@ -205,7 +205,7 @@ def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
     assert len({r.split("|")[2].split("+")[0].strip(" *<-") for r in rows}) == 14
     times = [float(r.split("|")[-2]) for r in rows]
     assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out
-    assert plan_cli.main(["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--layers", "2"]) == 2
+    assert plan_cli.main(["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--num-layers", "2"]) == 2
     assert "--memory-gib" in capsys.readouterr().err
 
 
@@ -267,7 +267,7 @@ def test_without_overlap_only_the_link_wait_hides():
 
 
 def test_planner_settings_refuse_non_positive_values():
-    from megazpp.planner.settings import PlannerSettings
+    from megazpp.config_planner import PlannerSettings
 
     PlannerSettings(probe=True).validate()
     with pytest.raises(ConfigError, match="planner.inter_node_gbit = 0"):

@@ -33,11 +33,11 @@ from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.settings import PlannerSettings
+from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.factory import build_zero_engine
+from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.formulas import Hierarchy, ZeroPP, choose_hierarchy
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 

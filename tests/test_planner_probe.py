@@ -9,11 +9,13 @@ call reproduces within a loose factor (timings on a shared 2-core machine are no
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megazpp.parallel.local_launch import run_ranks
@@ -51,11 +53,12 @@ def test_collective_probe_fits_every_op_and_group():
     assert result["adam"] > 1e5  # elements per second
 
 
+@pytest.mark.slow
 def test_calibration_tool_runs_locally():
     proc = subprocess.run(
-        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden", "32", "--layers", "2", "--steps", "2",
-         "--vocab", "256", "--seq", "32", "--strategies", "NNN", "GGG"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden-size", "32", "--num-layers", "2", "--steps", "2",
+         "--vocab-size", "256", "--seq-length", "32", "--strategies", "NNN", "GGG"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\| (NNN|GGG) \| ([0-9.]+) \| ([0-9.]+) \| ([-+][0-9.]+) % \|$", proc.stdout, re.M)
     assert [r[0] for r in rows] == ["NNN", "GGG"]

@@ -23,12 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megazpp.config import SECTIONS, flag_table, load_config
+from megazpp.config_checks import validate_config
 from megazpp.data.indexed_dataset import MAGIC, IndexedDataset
 from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import MegazppError
 from megazpp.interop.hf_llama import model_config_from_hf
 from megazpp.interop.safetensors_io import read_json
-from megazpp.training.deepspeed_config import map_deepspeed_config, read_deepspeed_config
+from megazpp.config_deepspeed import map_deepspeed_config, read_deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5
@@ -155,7 +156,7 @@ def config_mappings(draw: Any) -> Any:
 
 
 def _load_and_validate(argv: list[str], world_size: int) -> Any:
-    return load_config(argv).validate(world_size)
+    return validate_config(load_config(argv), world_size)
 
 
 @FEW

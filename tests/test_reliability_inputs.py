@@ -62,6 +62,7 @@ def test_a_section_given_twice_is_refused(tmp_path):
         load_config(["--deepspeed_config", str(ds)])
 
 
+@pytest.mark.slow
 def test_empty_datasets_splits_and_foreign_token_ids_are_refused(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     empty = write_dataset(tmp_path / "empty", [])

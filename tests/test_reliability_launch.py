@@ -54,6 +54,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_a_node_that_never_comes_and_an_unreachable_master(tmp_path, tiny_indexed_prefix,
                                                             tiny_tokenizer_model):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
@@ -74,6 +75,7 @@ def test_a_node_that_never_comes_and_an_unreachable_master(tmp_path, tiny_indexe
     assert len(proc.stderr.strip().splitlines()) == 1 and took < 120
 
 
+@pytest.mark.slow
 def test_waiting_is_reported_while_it_lasts():
     def launcher(node_rank: int, port: int) -> list[str]:
         proc = subprocess.run(
@@ -103,6 +105,7 @@ def listening(port: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_prefix,
                                                         tiny_tokenizer_model):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)

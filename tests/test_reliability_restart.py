@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +55,7 @@ def launch(tmp: Path, data_dir: Path, name: str, env_extra: dict[str, str]) -> s
     return output
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_reproduces_the_uninterrupted_losses(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     data = tmp_path / "data"  # what run.sh expects, pointing at the shared tiny dataset

@@ -53,6 +53,7 @@ def read_only(directory: Path) -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix,
                                                  tiny_tokenizer_model):
     args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "2",
@@ -70,6 +71,7 @@ def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix,
                              f"in {mount / 'ckpt'} (Read-only file system)")
 
 
+@pytest.mark.slow
 def test_a_mistyped_load_is_refused_and_latest_never_moves_back(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     real, typo = tmp_path / "checkpoints" / "llama_tiny", tmp_path / "checkpoints" / "llama_tyni"
@@ -118,6 +120,7 @@ def flip_exponent_bit(rank_file: Path) -> None:
         f.write(bytes([byte ^ 0x40]))
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
                                                   tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
@@ -145,6 +148,7 @@ def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
     assert fallback.resumed_from == 2
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_leaves_no_partial_and_latest_as_it_was(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0",

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from test_reliability_restart import ROOT
 from test_training_pretrain import tiny_args
 
@@ -75,6 +77,7 @@ def stopped_at(output: str, why: str, ckpt: Path) -> int:
     return int(match[1])
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix,
                                             tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
@@ -98,6 +101,7 @@ def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix,
     assert stopped_at(output, "SIGINT", ckpt) >= first + 2
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once_and_exit_duration_stops(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
@@ -145,6 +149,7 @@ def run_sh_data(tmp_path: Path, prefix: str, tokenizer: Path) -> Path:
     return data
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(
         tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)

@@ -13,9 +13,9 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import run_ranks
-from megazpp.training.engine import LocalEngine
+from megazpp.optim.engine import LocalEngine
 from megazpp.training.lr_schedule import LRSchedule
-from megazpp.training.optimizer import param_groups
+from megazpp.optim.optimizer import param_groups
 from megazpp.training.schedule import forward_backward
 
 
@@ -180,7 +180,7 @@ def test_weight_decay_skips_norms_and_biases():
 def _norm_on_rank() -> tuple[float, float]:
     import torch.distributed as dist
 
-    from megazpp.training.grad_norm import global_grad_norm
+    from megazpp.optim.grad_norm import global_grad_norm
 
     rank = dist.get_rank()
     grads = [torch.full((3,), float(rank + 1)), torch.tensor([2.0 * rank])]

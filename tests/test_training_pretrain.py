@@ -25,6 +25,7 @@ def tiny_args(prefix, tokenizer, *extra: str) -> list[str]:
             "--lr-warmup-iters", "2", "--eval-iters", "2", "--seed", "3", *extra]
 
 
+@pytest.mark.slow
 def test_pretrain_writes_tensorboard_and_loss_falls(tmp_path, tiny_indexed_prefix,
                                                     tiny_tokenizer_model, capsys):
     tb = tmp_path / "tb"

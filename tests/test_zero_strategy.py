@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError
 from megazpp.zero import formulas
 from megazpp.zero.layout import BucketLayout, from_dp_order, to_dp_order
@@ -161,7 +162,7 @@ def test_module_granularity_threshold_groups_fine_grained_subtrees():
 
 def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     from megazpp.config import ZeroConfig
-    from megazpp.zero.factory import zero_options
+    from megazpp.training.zero_factory import zero_options
 
     opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234,
                                    allgather_bucket_size=7, stage3_max_live_parameters=0, fetch_groups="size",
@@ -201,8 +202,8 @@ def test_config_validate_refuses_bad_zero_values_before_any_process_group():
                       (ZeroConfig(stage=3, stage3_param_persistence_threshold=-1),
                        "zero.stage3_param_persistence_threshold")):
         with pytest.raises(ConfigError, match=key):
-            Config(zero=zero).validate(1)
-    Config(zero=ZeroConfig(paro_strategy="auto")).validate(1)  # the planner decides later
+            validate_config(Config(zero=zero), 1)
+    validate_config(Config(zero=ZeroConfig(paro_strategy="auto")), 1)  # the planner decides later
 
 
 class _Stack(nn.Module):

@@ -44,7 +44,6 @@ from megazpp.parallel.topology import Topology
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.strategy import Level
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zeropp_tutorial.json"
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,

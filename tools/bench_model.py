@@ -22,6 +22,7 @@ from megazpp.cli import run_tool
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.tool_flags import add_shape_flags, model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -64,14 +65,9 @@ def training_tokens_per_second(cfg: ModelConfig, micro_batch: int, dtype: torch.
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama")
-    parser.add_argument("--num-layers", type=int, default=6)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-query-groups", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
+    add_shape_flags(parser, {"arch": "llama", "num_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
+                             "num_query_groups": None, "vocab_size": 32000, "seq_length": 512,
+                             "micro_batch_size": 4})
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
@@ -83,11 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = ModelConfig(arch=args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads,
-                      num_query_groups=args.num_query_groups, vocab_size=args.vocab_size,
-                      seq_length=args.seq_length,
-                      activation_checkpointing=args.activation_checkpointing).validate()
+    cfg = model_config(args, activation_checkpointing=args.activation_checkpointing)
     dtype = DTYPES[args.dtype]
     peak = matmul_peak_flops(args.peak_size, dtype, args.peak_repeats)
     tokens_per_s = training_tokens_per_second(cfg, args.micro_batch_size, dtype, args.warmup,

@@ -27,8 +27,9 @@ import time
 from megazpp.bench import launch, results
 from megazpp.bench.plot import plot_settings
 from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
-from megazpp.cli import run_tool
+from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import DataError, MegazppError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the median step time")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the benchmark model's YAML")
     p.add_argument("--data-dir", default="data", help="holds corpus_text_document.* and tokenizer.model")
-    p.add_argument("--out", default="runs/bench_netlab", help="result directory")
+    add_out_flag(p, default="runs/bench_netlab", help="result directory")
     p.add_argument("--delay", default="0", help="netlab link delay (tc syntax; 0: none)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
               "--train-iters", str(ns.steps), "--ranks-per-node", str(layout.ranks_per_node), *ns.extra]
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
-    cfg.validate(layout.world_size)
+    validate_config(cfg, layout.world_size)
     tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
     command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

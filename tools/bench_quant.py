@@ -18,7 +18,6 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -41,7 +40,7 @@ def _tensors(result: object) -> list[torch.Tensor]:
 
 
 def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str,
-           ops: SimpleNamespace) -> list[Case]:
+           ops: kernels.KernelOps) -> list[Case]:
     gen = torch.Generator(device=device).manual_seed(0)
     grad = torch.randn(numel, device=device, generator=gen)
     weight = grad.to(torch.bfloat16)

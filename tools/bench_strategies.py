@@ -8,7 +8,7 @@ second table compares a Qwen2-MoE-like model under ZeRO-3 with module_granularit
 parameter all-gathers per step, and host (CPU) time per step.
 
     python tools/bench_strategies.py                      # default size
-    python tools/bench_strategies.py --hidden 64 --layers 2 --steps 2 --experts 8   # smoke
+    python tools/bench_strategies.py --hidden-size 64 --num-layers 2 --steps 2 --experts 8   # smoke
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
+from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained
@@ -34,10 +35,9 @@ WORLD, RANKS_PER_NODE = 4, 2
 
 
 def _model_cfg(args: argparse.Namespace, experts: int = 0) -> ModelConfig:
-    return ModelConfig(arch="llama", num_layers=args.layers, hidden_size=args.hidden,
-                       num_attention_heads=max(1, args.hidden // 16), vocab_size=args.vocab,
-                       seq_length=args.seq, num_experts=experts, moe_top_k=2,
-                       moe_ffn_hidden_size=max(1, args.hidden // 4) if experts else None)
+    return model_config(args, arch="llama", num_attention_heads=max(1, args.hidden_size // 16),
+                        num_experts=experts, moe_top_k=2,
+                        moe_ffn_hidden_size=max(1, args.hidden_size // 4) if experts else None)
 
 
 def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.Namespace) -> dict:
@@ -88,7 +88,7 @@ def _mib(n: int) -> str:
 
 
 def _table(results: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch "
+    lines = [f"Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, micro-batch "
              f"{args.micro_batch_size} x {args.micro_batches}, fp32; 4 ranks = 2 virtual nodes x 2; "
              f"times: median of {args.steps} steps, slowest rank.", "",
              "| strategy | params MiB | grads MiB | optimizer MiB | total MiB | intra MiB/step | "
@@ -118,11 +118,8 @@ def _table(results: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    add_shape_flags(parser, {"num_layers": 4, "hidden_size": 256, "seq_length": 128, "vocab_size": 4096,
+                             "micro_batch_size": 2})
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)

@@ -15,7 +15,7 @@ On netlab (2 nodes x 2 ranks, the link shaped to 1 Gbit/s), as root:
 
 On one machine, 4 ranks carved into 2 virtual nodes over loopback (a smoke test):
 
-    python tools/calibrate_planner.py --local --hidden 32 --layers 2 --steps 2
+    python tools/calibrate_planner.py --local --hidden-size 32 --num-layers 2 --steps 2
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
+from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import parse_strategy
 
@@ -49,13 +50,12 @@ DEFAULT_STRATEGIES = ["NNN", "NNG", "NGG", "GGG", "III", "IIG", "NIG", "GIG"]
 
 
 def _model_cfg(a: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(arch="llama", num_layers=a.layers, hidden_size=a.hidden,
-                       num_attention_heads=max(1, a.hidden // 32), vocab_size=a.vocab, seq_length=a.seq)
+    return model_config(a, arch="llama", num_attention_heads=max(1, a.hidden_size // 32))
 
 
 def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (a.micro_batches, a.micro_batch, cfg.seq_length + 1), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (a.micro_batches, a.micro_batch_size, cfg.seq_length + 1), generator=g)
     return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
@@ -74,7 +74,7 @@ def _compute_rate(cfg: ModelConfig, a: argparse.Namespace, topo: Topology) -> fl
         comm.barrier(tag="calibrate")
         if i >= 2 * len(batches):  # two warm-up rounds: allocator growth, first-touch pages
             times.append(time.perf_counter() - start)
-    return training_flops_per_token(cfg) * a.micro_batch * cfg.seq_length / statistics.fmean(times)
+    return training_flops_per_token(cfg) * a.micro_batch_size * cfg.seq_length / statistics.fmean(times)
 
 
 def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
@@ -113,7 +113,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
                       intra_bw=values[2], inter_bw=inter_bw, intra_latency=values[4], inter_latency=values[5],
                       memory_bw=values[1], backend="gloo", overlap=a.overlap == "on",
                       optimizer_rate=adam, collective_times=fits if a.collective_probe else None)
-    workload = Workload(model=cfg, micro_batch=a.micro_batch, global_batch=a.micro_batch * a.micro_batches * topo.dp,
+    workload = Workload(model=cfg, micro_batch=a.micro_batch_size, global_batch=a.micro_batch_size * a.micro_batches * topo.dp,
                         param_bytes=4, accum_bytes=4, bucket_numel=a.bucket_numel)
     rows = []
     for name in a.strategies:
@@ -150,7 +150,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def report(result: dict, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
-    lines = [f"Llama {a.layers} layers, hidden {a.hidden}, seq {a.seq}, vocab {a.vocab}, micro-batch {a.micro_batch} "
+    lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, micro-batch {a.micro_batch_size} "
              f"x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. Measured inputs: "
              f"{c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
              f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
@@ -188,11 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also print each prediction's terms")
     p.add_argument("--no-collective-probe", dest="collective_probe", action="store_false",
                    help="time collectives by latency and link bandwidth instead of each op's probed line")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=1)
+    add_shape_flags(p, {"num_layers": 4, "hidden_size": 256, "seq_length": 64, "vocab_size": 8192,
+                        "micro_batch_size": 1})
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--bucket-numel", type=int, default=1 << 20)
     p.add_argument("--warmup", type=int, default=1)

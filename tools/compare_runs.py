@@ -16,7 +16,7 @@ import sys
 from typing import Sequence
 
 from megazpp.analysis.compare_dirs import closing_line, compare_directories
-from megazpp.cli import run_tool
+from megazpp.cli import add_out_flag, run_tool
 from megazpp.errors import MegazppError
 
 
@@ -25,7 +25,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="a run's TensorBoard directory (or a directory holding exactly one); "
                              "the first run is the reference for the gap column")
-    parser.add_argument("--out", required=True, help="directory for the PNGs and summary.md")
+    add_out_flag(parser, required=True, help="directory for the PNGs and summary.md")
     parser.add_argument("--smoothing", type=float, default=None,
                         help="TensorBoard-style EMA weight in [0, 1) for the smoothed curves "
                              "(default: adapted to the run length, up to 0.9, none for 10 "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes one safetensors file of full weights from any megazpp checkpoint.
 
-  export_checkpoint.py --load CKPT --output FILE.safetensors [--dtype D] [--masters]
+  export_checkpoint.py --load CKPT --out FILE.safetensors [--dtype D] [--masters]
                        [--config FILE [flags...]]
 
 The tensor- and pipeline-parallel pieces are glued back into the single-process model's
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from megazpp.cli import run_tool
+from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.interop.consolidate import DTYPES, parse_dtype
 from megazpp.interop.convert import export_safetensors
@@ -25,14 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="save directory (its latest) or iter_N dir")
-    parser.add_argument("--output", required=True,
-                        help="the .safetensors file to write (must not exist)")
+    add_out_flag(parser, required=True, help="the .safetensors file to write (must not exist)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
     parser.add_argument("--masters", action="store_true",
                         help="export the fp32 master weights of a bf16/fp16 run")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(rest).model if rest else None
-    out = export_safetensors(args.load, args.output, cfg=cfg, dtype=parse_dtype(args.dtype),
+    out = export_safetensors(args.load, args.out, cfg=cfg, dtype=parse_dtype(args.dtype),
                              masters=args.masters)
     print(f"wrote {out}")
     return 0

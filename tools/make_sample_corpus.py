@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from megazpp.cli import add_progress_flag, run_tool, wants_progress
+from megazpp.cli import add_out_flag, add_progress_flag, run_tool, wants_progress
 from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    add_out_flag(parser, required=True, help="output directory (created if missing)")
     parser.add_argument("--total-bytes", type=int, default=DEFAULT_TOTAL_BYTES,
                         help=f"approximate corpus size in bytes (default {DEFAULT_TOTAL_BYTES})")
     add_progress_flag(parser)

@@ -1,15 +1,16 @@
 """Predict memory and step time of every PaRO strategy / ZeRO++ combination before launch.
 
 The model comes from a megazpp config (`--config`, with batch, precision and parallel sizes
-from the same file unless overridden) or from its dimensions (`--arch --layers --hidden
---heads ...`; `--params` picks the FFN width that gives that parameter count). The cluster is
+from the same file unless overridden) or from its dimensions (`--arch --num-layers
+--hidden-size --num-attention-heads ...`, the training job's flags; `--params` picks the FFN width that gives that parameter count). The cluster is
 described by flags, with `--accelerator` filling in typical memory, compute and NVLink values.
 Memory and byte terms are `megazpp.zero.formulas` (what the engine's tests assert); the
 planner adds activations, timing and the fit test (docs/planning.md).
 
     python tools/plan.py --accelerator h100-80gb --nodes 8 --gpus-per-node 8 --inter-gbit 400 \\
-        --arch llama --layers 32 --hidden 4096 --heads 32 --ffn 11008 --vocab 32000 --seq 4096 \\
-        --micro-batch 1 --global-batch 1024 --dtype bf16 --activation-checkpointing
+        --arch llama --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \\
+        --vocab-size 32000 --seq-length 4096 --micro-batch-size 1 --global-batch-size 1024 --dtype bf16 \\
+        --activation-checkpointing
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megazpp.planner.plan import plan
 from megazpp.planner.report import summary, table
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
+from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.formulas import ZeroPP
 
 
@@ -35,18 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model (or --config)")
     m.add_argument("--config", help="megazpp YAML config (model, training, precision, parallel, zero)")
-    m.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--hidden", type=int)
-    m.add_argument("--heads", type=int)
-    m.add_argument("--query-groups", type=int)
-    m.add_argument("--ffn", type=int)
+    add_shape_flags(m, {"arch": "llama", "num_layers": None, "hidden_size": None, "num_attention_heads": None,
+                        "num_query_groups": None, "ffn_hidden_size": None, "vocab_size": None, "seq_length": None})
     m.add_argument("--params", type=float, help="total parameters (e.g. 7e9): sets the FFN width")
-    m.add_argument("--vocab", type=int)
-    m.add_argument("--seq", type=int)
     j = p.add_argument_group("job (override --config)")
-    j.add_argument("--micro-batch", type=int)
-    j.add_argument("--global-batch", type=int)
+    add_shape_flags(j, {"micro_batch_size": None, "global_batch_size": None})
     j.add_argument("--tp", type=int)
     j.add_argument("--pp", type=int)
     j.add_argument("--sequence-parallel", action="store_true", default=None)
@@ -114,16 +109,14 @@ def _ffn_for(params: float, base: ModelConfig) -> int:
 def _model(a: argparse.Namespace, base: Config | None) -> ModelConfig:
     if base is not None:
         return base.model
-    need = {"--layers": a.layers, "--hidden": a.hidden, "--heads": a.heads, "--vocab": a.vocab, "--seq": a.seq}
-    missing = [k for k, v in need.items() if v is None]
+    need = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+    missing = ["--" + k.replace("_", "-") for k in need if getattr(a, k) is None]
     if missing:
         raise ConfigError(f"model: give --config or {', '.join(missing)}")
-    cfg = ModelConfig(arch=a.arch, num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                      num_query_groups=a.query_groups, ffn_hidden_size=a.ffn, vocab_size=a.vocab,
-                      seq_length=a.seq)
+    cfg = model_config(a)
     if a.params is not None:
-        if a.ffn is not None:
-            raise ConfigError("give --params or --ffn, not both (--params sets the FFN width)")
+        if a.ffn_hidden_size is not None:
+            raise ConfigError("give --params or --ffn-hidden-size, not both (--params sets the FFN width)")
         cfg = dataclasses.replace(cfg, ffn_hidden_size=_ffn_for(a.params, cfg), moe_ffn_hidden_size=None)
     return cfg
 
@@ -132,9 +125,9 @@ def _workload(a: argparse.Namespace) -> Workload:
     """The config's job (if any) with every flag given on the command line taking precedence."""
     base = load_config(["--config", a.config]) if a.config else None
     model = _model(a, base)
-    job = workload_of_config(base) if base else Workload(model=model, micro_batch=a.micro_batch,
-                                                        global_batch=a.global_batch)
-    flags = {"micro_batch": a.micro_batch, "global_batch": a.global_batch, "tp": a.tp, "pp": a.pp,
+    job = workload_of_config(base) if base else Workload(model=model, micro_batch=a.micro_batch_size,
+                                                        global_batch=a.global_batch_size)
+    flags = {"micro_batch": a.micro_batch_size, "global_batch": a.global_batch_size, "tp": a.tp, "pp": a.pp,
              "param_bytes": a.dtype and DTYPE_BYTES[a.dtype], "fp16": a.dtype and a.dtype == "fp16",
              "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
              "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
@@ -143,7 +136,7 @@ def _workload(a: argparse.Namespace) -> Workload:
                               trainable_fraction=a.trainable_fraction, shard_frozen=a.shard_frozen,
                               **{k: v for k, v in flags.items() if v is not None})
     if job.micro_batch is None or job.global_batch is None:
-        raise ConfigError("job: give --micro-batch and --global-batch (or a --config that sets "
+        raise ConfigError("job: give --micro-batch-size and --global-batch-size (or a --config that sets "
                           "training.micro_batch_size and training.global_batch_size)")
     return job
 

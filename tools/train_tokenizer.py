@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megazpp.cli import add_progress_flag, run_tool, wants_progress
+from megazpp.cli import add_out_flag, add_progress_flag, run_tool, wants_progress
 from megazpp.data.jsonl import resolve_inputs
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", nargs="+", required=True,
                         help="JSONL / plain-text files, directories of JSONL files, or globs")
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (default 8192)")
-    parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    add_out_flag(parser, required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--json-key", default="text", help="record key holding the document (default text)")
     parser.add_argument("--input-sentence-size", type=int, default=DEFAULT_INPUT_SENTENCE_SIZE,
                         help="lines sampled for training; bounds training time "
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(f"training a SentencePiece BPE tokenizer (vocab {args.vocab_size}) on {len(files)} "
           f"files, sampling up to {args.input_sentence_size} lines", flush=True)
-    model, skipped = train_tokenizer(files, args.vocab_size, args.output, key=args.json_key,
+    model, skipped = train_tokenizer(files, args.vocab_size, args.out, key=args.json_key,
                                      input_sentence_size=args.input_sentence_size, seed=args.seed,
                                      progress=wants_progress(args),
                                      log=lambda line: print(line, flush=True))

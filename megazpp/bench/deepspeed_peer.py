@@ -29,13 +29,14 @@ import torch.distributed as dist
 
 from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
+from megazpp.config_checks import validate_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError
 from megazpp.model.gpt import GPTModel
 from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
-from megazpp.training.optimizer import build_adamw, named_trainable, param_groups, set_lr
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.training.trainer import make_micro_batch
 
 
@@ -135,7 +136,7 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     zero, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_config(rest)
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     train(cfg, zero)
 
 

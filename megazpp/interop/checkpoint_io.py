@@ -106,7 +106,7 @@ class CheckpointReader:
 
     def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Path:
         topo = layout_topology(self.tp, self.pp, tp_rank, pp_rank, dp=self.dp, dp_rank=dp_rank)
-        return self.path / rank_file_name(topo)
+        return self.path / rank_file_name(topo.tp_rank, topo.pp_rank, topo.dp_rank)
 
     def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
@@ -179,7 +179,7 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
         for tp_rank in range(tp):
             part = shard_for_rank(full, stage, cfg, tp, tp_rank)
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
-            file_name = rank_file_name(layout_topology(tp, pp, tp_rank, stage.pp_rank))
+            file_name = rank_file_name(tp_rank, stage.pp_rank, 0)
             checksums[file_name] = write_atomically(tmp / file_name,
                                                        lambda f: torch.save(state, f))
     meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),

@@ -25,7 +25,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
 from megazpp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding)
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import Topology, check_model_split
 
 TIED_OUTPUT_WEIGHT = "output_layer.weight"
 
@@ -75,7 +75,7 @@ def layout_topology(tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0, *, dp:
 
 def stage_layouts(cfg: ModelConfig, tp: int, pp: int) -> list[StageLayout]:
     """Every pipeline stage's layout; checks first that the model divides into tp x pp."""
-    layout_topology(tp, pp).validate_model(cfg)
+    check_model_split(cfg, tp, pp)
     stages = []
     for pp_rank in range(pp):
         topo = layout_topology(tp, pp, pp_rank=pp_rank)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,12 +30,14 @@ from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.zero_shards import full_part_state
 from megazpp.model.gpt import EMBEDDING_WEIGHT
+from megazpp.optim.engine import Engine
 from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
 from megazpp.zero.engine import ZeroEngine
 
 
-def _reader(path: str | os.PathLike, topology: Any) -> CheckpointReader:
+def _reader(path: str | os.PathLike, topology: Topology) -> CheckpointReader:
     reader = CheckpointReader(path)
     if (reader.tp, reader.pp) != (topology.tp, topology.pp):
         raise CheckpointError(f"{reader.path}: saved with tp {reader.tp}, pp {reader.pp}; this run has "
@@ -45,7 +46,7 @@ def _reader(path: str | os.PathLike, topology: Any) -> CheckpointReader:
     return reader
 
 
-def _layout_differs(path: str | os.PathLike, engine: Any, topology: Any) -> bool:
+def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology) -> bool:
     reader = _reader(path, topology)
     if reader.meta.get(WEIGHTS_ONLY_KEY):
         return False  # an import: starts any DP size through the weights-only path
@@ -62,7 +63,7 @@ def _layout_differs(path: str | os.PathLike, engine: Any, topology: Any) -> bool
             [b.get("layout") for b in saved.get("buckets", [])]) != mine
 
 
-def needs_reshard(path: str | os.PathLike, engine: Any, topology: Any) -> bool:
+def needs_reshard(path: str | os.PathLike, engine: Engine, topology: Topology) -> bool:
     """Collectively: whether checkpoint `path` (an iter_N dir or a save dir) was written under
     another DP size, PaRO strategy, group size or bucket layout than `engine` has (tp and pp
     must match). Every rank gets the same answer, or the same CheckpointError."""
@@ -77,7 +78,7 @@ def needs_reshard(path: str | os.PathLike, engine: Any, topology: Any) -> bool:
     return any(a for a, _ in answers)
 
 
-def load_resharded(path: str | os.PathLike, topology: Any, model: torch.nn.Module,
+def load_resharded(path: str | os.PathLike, topology: Topology, model: torch.nn.Module,
                    engine: ZeroEngine) -> LoadedCheckpoint:
     """Collectively read checkpoint `path` for this rank of a run with another DP layout: the
     returned state resumes through `Trainer.resume` like one of this run's own checkpoints.

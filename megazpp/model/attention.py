@@ -9,13 +9,12 @@ The output projection is row-parallel and sums the ranks' partial results.
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
@@ -25,7 +24,7 @@ from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: Any,
+    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         tp = 1 if tp_group is None else comm.group_size(tp_group)

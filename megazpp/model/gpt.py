@@ -27,14 +27,13 @@ coefficient is 0.
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.distributed import ProcessGroup
 
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
@@ -107,7 +106,7 @@ class Embedding(nn.Module):
     for the whole sequence and keeps its chunk, exactly the single-process mask.
     """
 
-    def __init__(self, cfg: ModelConfig, init: Initializer, *, tp_group: Any,
+    def __init__(self, cfg: ModelConfig, init: Initializer, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool) -> None:
         super().__init__()
         self.tp_group = tp_group
@@ -133,7 +132,7 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group: Any = None, sequence_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None) -> None:
         super().__init__()

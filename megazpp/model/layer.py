@@ -7,13 +7,12 @@ layers whether or not a layer runs under activation checkpointing.
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.model.attention import SelfAttention
 from megazpp.model.config import ModelConfig
@@ -27,7 +26,7 @@ from megazpp.parallel.tensor_parallel import get_rng_tracker
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: Any,
+    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout

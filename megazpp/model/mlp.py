@@ -9,11 +9,10 @@ expert, whose three linears are what Qwen2-MoE-like models look like.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.model.init import Initializer
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -22,7 +21,7 @@ from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 class GeluMLP(nn.Module):
     """GPT-2: fc1 -> GELU (tanh approximation, as GPT-2 was trained) -> fc2, with biases."""
 
-    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: Any,
+    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(hidden, ffn, bias=True, tp_group=tp_group,
@@ -39,7 +38,7 @@ class GeluMLP(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama / one MoE expert: down(silu(gate(x)) * up(x)), no biases."""
 
-    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: Any,
+    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool) -> None:
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, ffn, bias=False, tp_group=tp_group,

@@ -18,10 +18,9 @@ beside its output and GPTModel adds it into the loss (see gpt.py).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
@@ -43,7 +42,7 @@ class Router(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: Any) -> None:
+    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: ProcessGroup | None) -> None:
         super().__init__()
         self.top_k = cfg.moe_top_k
         self.router = Router(cfg.hidden_size, cfg.num_experts, f"{name}.router", init)

@@ -10,18 +10,17 @@ same tokens and already holds the full gradient).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.model.config import ModelConfig
 from megazpp.parallel.tensor_parallel import copy_to_tp_region
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group: Any = None, sequence_parallel: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.rms = cfg.is_llama
         self.eps = cfg.norm_eps

@@ -34,9 +34,10 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from megazpp.errors import CommunicationError, MegazppError, TopologyError
-from megazpp.parallel.counter import counter
+from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
 
 ReduceOp = dist.ReduceOp
 SUM = dist.ReduceOp.SUM
@@ -152,7 +153,7 @@ def node_of(global_rank: int) -> int:
     return global_rank // ranks_per_node()
 
 
-def group_ranks(group: Any = None) -> list[int]:
+def group_ranks(group: ProcessGroup | None = None) -> list[int]:
     """Global ranks of `group` in group-rank order (cached: groups live as long as the run)."""
     if group is None:
         return list(range(dist.get_world_size()))
@@ -161,13 +162,13 @@ def group_ranks(group: Any = None) -> list[int]:
     return _group_ranks[group]
 
 
-def group_size(group: Any = None) -> int:
+def group_size(group: ProcessGroup | None = None) -> int:
     if not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def group_rank(group: Any = None) -> int:
+def group_rank(group: ProcessGroup | None = None) -> int:
     if not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -177,7 +178,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _record_from_peers(op: str, tag: str | None, group: Any, per_peer: Sequence[int] | int) -> None:
+def _record_from_peers(op: str, tag: str | None, group: ProcessGroup | None, per_peer: Sequence[int] | int) -> None:
     """Record `per_peer` bytes received from each member (an int means the same from each)."""
     ranks = group_ranks(group)
     me = dist.get_rank()
@@ -195,7 +196,7 @@ def _record_from_peers(op: str, tag: str | None, group: Any, per_peer: Sequence[
     counter.record(op, tag or op, intra, inter)
 
 
-def _record_all_reduce(tag: str | None, group: Any, nbytes: int) -> None:
+def _record_all_reduce(tag: str | None, group: ProcessGroup | None, nbytes: int) -> None:
     """2N/k from each other member, summed per link class before the division so it is exact."""
     ranks = group_ranks(group)
     k, me = len(ranks), dist.get_rank()
@@ -222,7 +223,7 @@ def _native(name: str, call: Any) -> Any:
 
 
 @_named_failures("all_reduce")
-def all_reduce(t: torch.Tensor, op: Any = SUM, group: Any = None, async_op: bool = False,
+def all_reduce(t: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False,
                tag: str | None = None) -> Any:
     if not dist.is_initialized():
         return _Done() if async_op else None
@@ -230,12 +231,12 @@ def all_reduce(t: torch.Tensor, op: Any = SUM, group: Any = None, async_op: bool
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
-def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=async_op)
 
 
-def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool) -> Any:
     """all_gather into a list of views of `out`: same wire bytes as the native operation."""
     parts = list(out.view(-1).chunk(group_size(group)))
     work = dist.all_gather(parts, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
@@ -243,7 +244,7 @@ def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Any, async
 
 
 @_named_failures("all_gather_into_tensor")
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False, tag: str | None = None) -> Any:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
     if not dist.is_initialized():
@@ -260,13 +261,13 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Any = No
     return _all_gather_emulated(out, inp, group, async_op)
 
 
-def _reduce_scatter_native(out: torch.Tensor, inp: torch.Tensor, op: Any, group: Any,
+def _reduce_scatter_native(out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None,
                            async_op: bool) -> Any:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, inp, op=op, group=group, async_op=async_op)
 
 
-def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, group: Any,
+def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None,
                              async_op: bool) -> Any:
     """All-reduce a copy of the input, keep this rank's chunk: twice the native wire bytes."""
     full = inp.detach().clone()
@@ -283,7 +284,7 @@ def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, grou
 
 
 @_named_failures("reduce_scatter_tensor")
-def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: Any = None,
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None,
                           async_op: bool = False, tag: str | None = None) -> Any:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
     if not dist.is_initialized():
@@ -301,7 +302,7 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, g
 
 
 def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-                         in_splits: list[int], group: Any, async_op: bool) -> Any:
+                         in_splits: list[int], group: ProcessGroup | None, async_op: bool) -> Any:
     """One batched isend/irecv per peer: the same wire bytes as the native operation."""
     ranks, mine = group_ranks(group), group_rank(group)
     outs = out.split(out_splits)
@@ -322,7 +323,7 @@ def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[
 
 @_named_failures("all_to_all_single")
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: Any = None,
+                      input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False, tag: str | None = None) -> Any:
     """Member j receives slice j (along dim 0) of every member's `inp`, in member order."""
     if not dist.is_initialized():
@@ -348,7 +349,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
 
 
 @_named_failures("broadcast")
-def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False,
               tag: str | None = None) -> Any:
     """`src` is a global rank, as in torch.distributed."""
     if not dist.is_initialized():
@@ -369,23 +370,23 @@ def _record_recv(tag: str | None, src: int, nbytes: int) -> None:
 
 
 @_named_failures("send")
-def send(t: torch.Tensor, dst: int, group: Any = None, tag: str | None = None) -> None:
+def send(t: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking send to global rank `dst`; the receiver does the counting."""
     dist.send(t, dst, group=group)
 
 
 @_named_failures("recv")
-def recv(t: torch.Tensor, src: int, group: Any = None, tag: str | None = None) -> None:
+def recv(t: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking receive from global rank `src`."""
     _record_recv(tag, src, _nbytes(t))
     dist.recv(t, src, group=group)
 
 
-def send_op(t: torch.Tensor, dst: int, group: Any = None) -> P2POp:
+def send_op(t: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> P2POp:
     return dist.P2POp(dist.isend, t, dst, group)
 
 
-def recv_op(t: torch.Tensor, src: int, group: Any = None) -> P2POp:
+def recv_op(t: torch.Tensor, src: int, group: ProcessGroup | None = None) -> P2POp:
     return dist.P2POp(dist.irecv, t, src, group)
 
 
@@ -401,7 +402,7 @@ def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
 
 
 @_named_failures("all_gather_object")
-def all_gather_object(obj: Any, group: Any = None, tag: str | None = None) -> list[Any]:
+def all_gather_object(obj: Any, group: ProcessGroup | None = None, tag: str | None = None) -> list[Any]:
     """Every member's picklable `obj`, in group-rank order (counted as its pickled size)."""
     if not dist.is_initialized():
         return [obj]
@@ -412,8 +413,23 @@ def all_gather_object(obj: Any, group: Any = None, tag: str | None = None) -> li
 
 
 @_named_failures("barrier")
-def barrier(group: Any = None, tag: str | None = None) -> None:
+def barrier(group: ProcessGroup | None = None, tag: str | None = None) -> None:
     if not dist.is_initialized():
         return
     counter.record("barrier", tag or "barrier", 0, 0)
     dist.barrier(group=group)
+
+
+def write_world_report(path: str, group: ProcessGroup | None = None) -> dict[str, Any]:
+    """Collective: gather every rank's run totals of `counter`; rank 0 writes them with world
+    sums. The totals are snapshotted before the gather, so the report does not count itself.
+    Returns the report on every rank."""
+    mine = counter.run_totals()
+    per_rank = all_gather_object(mine, group=group, tag="report/gather")
+    report = {"convention": CONVENTION, "steps": counter.steps,
+              "world": {"intra": sum(r["intra"] for r in per_rank),
+                        "inter": sum(r["inter"] for r in per_rank)},
+              "per_rank": per_rank}
+    if group_rank(group) == 0:
+        write_json_atomic(path, report)
+    return report

@@ -93,24 +93,6 @@ class CommCounter:
         write_json_atomic(path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(),
                            **(extra or {})})
 
-    def write_world_report(self, path: str, group: Any = None) -> dict[str, Any]:
-        """Collective: gather every rank's run totals; rank 0 writes them with world sums.
-
-        The totals are snapshotted before the gather, so the report does not count itself.
-        Returns the report on every rank.
-        """
-        from megazpp.parallel import comm
-
-        mine = self.run_totals()
-        per_rank = comm.all_gather_object(mine, group=group, tag="report/gather")
-        report = {"convention": CONVENTION, "steps": self.steps,
-                  "world": {"intra": sum(r["intra"] for r in per_rank),
-                            "inter": sum(r["inter"] for r in per_rank)},
-                  "per_rank": per_rank}
-        if comm.group_rank(group) == 0:
-            write_json_atomic(path, report)
-        return report
-
 
 CONVENTION = ("bytes each rank RECEIVES from each peer of a collective (logical payload), "
               "classed intra/inter by the peer's node; world sums count every transfer once")

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from megazpp.errors import TopologyError
 from megazpp.parallel import comm
@@ -71,14 +72,14 @@ class Topology:
     dp_inter_ranks: list[int] = field(default_factory=list)
     embedding_ranks: list[int] = field(default_factory=list)
     model_parallel_ranks: list[int] = field(default_factory=list)
-    tp_group: Any = None
-    dp_group: Any = None
-    pp_group: Any = None
-    dp_intra_group: Any = None
-    dp_inter_group: Any = None
-    embedding_group: Any = None
-    model_parallel_group: Any = None
-    _subgroups: dict[tuple[str, int], tuple[list[int], Any]] = field(default_factory=dict, repr=False)
+    tp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    dp_intra_group: ProcessGroup | None = None
+    dp_inter_group: ProcessGroup | None = None
+    embedding_group: ProcessGroup | None = None
+    model_parallel_group: ProcessGroup | None = None
+    _subgroups: dict[tuple[str, int], tuple[list[int], ProcessGroup | None]] = field(default_factory=dict, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -181,19 +182,19 @@ class Topology:
             self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
                             "model_parallel_group")
 
-    def dp_subgroup(self, size: int) -> tuple[list[int], Any]:
+    def dp_subgroup(self, size: int) -> tuple[list[int], ProcessGroup | None]:
         """(ranks, group) of this rank's block of `size` consecutive DP ranks (e.g. PaRO's
         I-level group). Collective on first use per size: every rank must call it, in the
         same order of sizes."""
         return self._dp_partition("block", size)
 
-    def dp_cross_subgroup(self, size: int) -> tuple[list[int], Any]:
+    def dp_cross_subgroup(self, size: int) -> tuple[list[int], ProcessGroup | None]:
         """(ranks, group) of the DP ranks holding my position inside their own block of `size`
         (one per block): the group that completes a block-level collective to the whole DP
         group. Collective on first use per size, like `dp_subgroup`."""
         return self._dp_partition("cross", size)
 
-    def _dp_partition(self, kind: str, size: int) -> tuple[list[int], Any]:
+    def _dp_partition(self, kind: str, size: int) -> tuple[list[int], ProcessGroup | None]:
         if not isinstance(size, int) or size < 1 or self.dp % size:
             raise TopologyError(f"data-parallel sub-group size {size!r} must be a positive divisor of "
                                 f"the data-parallel size {self.dp}")
@@ -220,21 +221,35 @@ class Topology:
         per_stage = num_layers // self.pp
         return self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage
 
-    def validate_model(self, cfg: Any, *, sequence_parallel: bool = False) -> None:
-        """Reject a model that cannot be split this way (reads ModelConfig-like attributes)."""
-        tp, pp = self.tp, self.pp
 
-        def need(name: str, divisor: int, what: str) -> None:
-            value = getattr(cfg, name, None)
-            if value is not None and value % divisor:
-                raise TopologyError(f"model {name} = {value} is not divisible by {what} = {divisor}")
+class ModelShape(Protocol):
+    """The sizes a tp x pp split must divide: a `ModelConfig` is one (parallel sits below
+    model, so it names the attributes instead of importing the class)."""
 
-        need("num_attention_heads", tp, "tensor_model_parallel_size")
-        need("num_query_groups", tp, "tensor_model_parallel_size")
-        need("vocab_size", tp, "tensor_model_parallel_size (pad the vocabulary)")
-        need("ffn_hidden_size", tp, "tensor_model_parallel_size")
-        need("num_layers", pp, "pipeline_model_parallel_size")
-        if getattr(cfg, "num_experts", 0):
-            need("moe_ffn_hidden_size", tp, "tensor_model_parallel_size")
-        if sequence_parallel:
-            need("seq_length", tp, "tensor_model_parallel_size (sequence parallelism)")
+    num_attention_heads: int
+    num_query_groups: int | None
+    vocab_size: int
+    ffn_hidden_size: int | None
+    num_layers: int
+    seq_length: int
+    num_experts: int
+    moe_ffn_hidden_size: int | None
+
+
+def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel: bool = False) -> None:
+    """Reject a model that cannot be split over `tp` x `pp` ranks; needs no process group."""
+
+    def need(name: str, divisor: int, what: str) -> None:
+        value = getattr(model, name)
+        if value is not None and value % divisor:
+            raise TopologyError(f"model {name} = {value} is not divisible by {what} = {divisor}")
+
+    need("num_attention_heads", tp, "tensor_model_parallel_size")
+    need("num_query_groups", tp, "tensor_model_parallel_size")
+    need("vocab_size", tp, "tensor_model_parallel_size (pad the vocabulary)")
+    need("ffn_hidden_size", tp, "tensor_model_parallel_size")
+    need("num_layers", pp, "pipeline_model_parallel_size")
+    if model.num_experts:
+        need("moe_ffn_hidden_size", tp, "tensor_model_parallel_size")
+    if sequence_parallel:
+        need("seq_length", tp, "tensor_model_parallel_size (sequence parallelism)")

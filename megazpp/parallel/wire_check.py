@@ -15,7 +15,6 @@ sum) and the bytes the kernel saw received on the nodes' links (sum over nodes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from datetime import timedelta
 from typing import Callable

@@ -3,5 +3,5 @@
 Why a separate package: the planner only adds timing, activation memory and the fit test on
 top of `megazpp.zero.formulas`, the module whose byte and memory terms the engine's tests
 assert. Keeping it out of `megazpp.zero` lets the engine stay free of performance guesses,
-and nothing is imported here so `megazpp.config` can import `planner.settings` cheaply.
+and nothing is imported here, so importing one planner module stays cheap.
 """

@@ -13,20 +13,22 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import Config
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
-from megazpp.planner.settings import PlannerSettings
+from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
@@ -56,13 +58,13 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
     return Choice(result.choice.option.strategy, runner, result, cluster)
 
 
-def _zeropp_of(cfg: Config, topology: Any) -> formulas.ZeroPP:
+def _zeropp_of(cfg: Config, topology: Topology) -> formulas.ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
     return dataclasses.replace(zeropp_of(cfg.zero),
                                hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
 
 
-def _allowed(cfg: Config, topology: Any) -> Callable[[Strategy], bool]:
+def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
     """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
     needs the whole accumulated gradient), and only p sharded with a persistence threshold
     (`units.check_persistence`)."""
@@ -81,7 +83,7 @@ def _device_memory(settings: PlannerSettings) -> float:
                       "to read it from)")
 
 
-def _link(given: float | None, key: str, needed: bool, group: Any, size: int, settings: PlannerSettings,
+def _link(given: float | None, key: str, needed: bool, group: ProcessGroup | None, size: int, settings: PlannerSettings,
           latency_us: float) -> tuple[float, float]:
     """(bytes/s, latency) of one link: from the settings, else probed, else unused (infinite)."""
     if not needed:
@@ -94,7 +96,7 @@ def _link(given: float | None, key: str, needed: bool, group: Any, size: int, se
     raise ConfigError(f"zero.paro_strategy = auto: set planner.{key} or planner.probe = true")
 
 
-def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
+def measure_cluster(settings: PlannerSettings, topology: Topology) -> list[float]:
     """[memory, flops, intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank:
     values from `settings`, the rest probed. Collective when probing: every rank must call it."""
     if settings.achievable_tflops is not None:
@@ -107,7 +109,7 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
     return [_device_memory(settings), flops, *measure_links(settings, topology)]
 
 
-def measure_links(settings: PlannerSettings, topology: Any) -> list[float]:
+def measure_links(settings: PlannerSettings, topology: Topology) -> list[float]:
     """[intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank: values from
     `settings`, the rest probed. Collective when probing."""
     dp_intra = len(topology.dp_intra_ranks)
@@ -122,7 +124,7 @@ def measure_links(settings: PlannerSettings, topology: Any) -> list[float]:
     return [intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
 
 
-def _stage_shape(model: nn.Module, cfg: Config, topology: Any) -> StageShape:
+def _stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape:
     return shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
                           threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
                           stage=topology.pp_rank, layers=len(range(*topology.layer_range(cfg.model.num_layers))),
@@ -130,7 +132,7 @@ def _stage_shape(model: nn.Module, cfg: Config, topology: Any) -> StageShape:
                           persistence=cfg.zero.stage3_param_persistence_threshold)
 
 
-def _cluster(settings: PlannerSettings, topology: Any, measured: list[float], optimizer: bool = True) -> Cluster:
+def _cluster(settings: PlannerSettings, topology: Topology, measured: list[float], optimizer: bool = True) -> Cluster:
     """The cluster from rank 0's `measured` [memory, flops, intra_bw, inter_bw, intra_latency,
     inter_latency], with the host model (per-op collective times, and with `optimizer` the
     AdamW rate) of CPU ranks probed when `settings.probe`. Collective."""
@@ -145,14 +147,14 @@ def _cluster(settings: PlannerSettings, topology: Any, measured: list[float], op
                    optimizer_rate=adam)
 
 
-def _workload(cfg: Config, topology: Any) -> Workload:
+def _workload(cfg: Config, topology: Topology) -> Workload:
     workload = workload_of_config(cfg)
-    if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
+    if workload.global_batch is None:  # validate_config not run: one micro-batch per DP rank
         workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
     return workload
 
 
-def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
+def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
     settings.validate()
     shapes = {s.stage: s for s in comm.all_gather_object(_stage_shape(model, cfg, topology), tag="planner/shapes")}
@@ -172,7 +174,7 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
     return choice
 
 
-def auto_hierarchy(model: nn.Module, cfg: Config, topology: Any,
+def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
                    cluster: Cluster | None = None) -> formulas.Hierarchy | None:
     """`zero.hierarchical: auto` for the run's strategy on this rank's stage, priced by the
     planner (`cost.fastest_hierarchy`) on `cluster` (the one `paro_strategy: auto` measured),

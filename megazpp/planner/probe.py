@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig
 from megazpp.parallel import comm
-from megazpp.training.optimizer import build_adamw
+from megazpp.parallel.topology import Topology
+from megazpp.optim.optimizer import build_adamw
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
 
@@ -31,7 +33,7 @@ class LinkProbe:
     latency: float  # seconds per ring step
 
 
-def _timed_all_reduce(numel: int, group: Any, repeats: int) -> float:
+def _timed_all_reduce(numel: int, group: ProcessGroup | None, repeats: int) -> float:
     t = torch.ones(numel)
     comm.all_reduce(t, group=group, tag="planner/probe")  # warm-up: connections, buffers
     times = []
@@ -43,7 +45,7 @@ def _timed_all_reduce(numel: int, group: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe_link(group: Any, size: int, repeats: int = 5) -> LinkProbe:
+def probe_link(group: ProcessGroup | None, size: int, repeats: int = 5) -> LinkProbe:
     """Bandwidth and latency of `group` (`size` members) from two timed all-reduce sizes."""
     small = _timed_all_reduce(SMALL, group, repeats)
     large = _timed_all_reduce(LARGE, group, repeats)
@@ -73,7 +75,7 @@ def probe_matmul_flops(n: int = 1024, repeats: int = 5, device: str | torch.devi
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def dp_groups(topology: Any) -> dict[str, tuple[Any, int]]:
+def dp_groups(topology: Topology) -> dict[str, tuple[ProcessGroup | None, int]]:
     """The launcher's data-parallel groups under the names `formulas.DPShapes` gives them (the
     PaRO group and the hpZ group default to the node's DP ranks)."""
     node = (topology.dp_intra_group, len(topology.dp_intra_ranks))
@@ -81,8 +83,8 @@ def dp_groups(topology: Any) -> dict[str, tuple[Any, int]]:
             "cross": (topology.dp_inter_group, len(topology.dp_inter_ranks))}
 
 
-def probe_host(topology: Any, optimizer: bool = True) -> tuple[dict[str, tuple[tuple[float, float], ...]],
-                                                                 float | None]:
+def probe_host(topology: Topology, optimizer: bool = True) -> tuple[dict[str, tuple[tuple[float, float], ...]],
+                                                                      float | None]:
     """Rank 0's collective times and (with `optimizer`) AdamW rate, on every rank: the host
     model's inputs (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective. Without
     `optimizer` no optimizer steps (pricing collectives needs none, and a benchmark that counts
@@ -97,7 +99,7 @@ def probe_host(topology: Any, optimizer: bool = True) -> tuple[dict[str, tuple[t
              for i, k in enumerate(keys)}, flat[-1] if optimizer else None)
 
 
-def _timed_calls(call: Any, group: Any, repeats: int, rounds: int = 4) -> float:
+def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: int = 4) -> float:
     """Mean seconds per call over `rounds` of `repeats` calls issued back to back, as a step
     issues them. Not a barrier before each call: it would line the ranks up and hide the time a
     call waits for a peer the scheduler has not run yet, most of a call's cost when ranks
@@ -113,7 +115,7 @@ def _timed_calls(call: Any, group: Any, repeats: int, rounds: int = 4) -> float:
     return total / (rounds * repeats)
 
 
-def _calls(op: str, numel: int, size: int, group: Any) -> tuple[Any, float]:
+def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> tuple[Any, float]:
     """A call of `op` moving `numel` elements per member, and the bytes one rank receives by the
     convention of `formulas.collective_bytes`."""
     shard, whole = torch.ones(numel), torch.ones(numel * size)
@@ -126,7 +128,7 @@ def _calls(op: str, numel: int, size: int, group: Any) -> tuple[Any, float]:
     return lambda: comm.all_reduce(whole, group=group, tag="planner/probe"), 2.0 * 4 * numel * (size - 1)
 
 
-def probe_collectives(groups: dict[str, tuple[Any, int]], sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
+def probe_collectives(groups: dict[str, tuple[ProcessGroup | None, int]], sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
                       repeats: int = 5) -> dict[str, tuple[tuple[float, float], ...]]:
     """Ascending (received bytes, seconds per call) points of each op in `COLLECTIVE_OPS` on each
     named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at

@@ -64,7 +64,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def workload_of_config(cfg: Config) -> Workload:
     """The job a run's Config describes (global batch: as given, or one micro-batch per DP rank
-    once `Config.validate` resolved it; None is left for the caller to fill)."""
+    once `config_checks.validate_config` resolved it; None is left for the caller to fill)."""
     prec, par, z, t = cfg.precision, cfg.parallel, cfg.zero, cfg.training
     dtype = "bf16" if prec.bf16 else "fp16" if prec.fp16 else "fp32"
     return Workload(

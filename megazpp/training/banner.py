@@ -8,41 +8,13 @@ checkpoint the run started from and why, and what the config loader adjusted.
 
 from __future__ import annotations
 
-import logging
-import sys
-from typing import Sequence, Sized, TextIO
+from typing import Sequence, Sized
 
 from megazpp.config import Config
 from megazpp.model.flops import parameter_count
 from megazpp.parallel.topology import Topology
-from megazpp.training.engine import Engine
+from megazpp.optim.engine import Engine
 from megazpp.training.startup import Startup
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever sys.stdout is when a record comes (a run inside a test or a tool
-    that redirects stdout gets its lines where its prints go)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    @property  # type: ignore[override]
-    def stream(self) -> TextIO:
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value: object) -> None:
-        pass
-
-
-def configure_console_logging(rank: int) -> None:
-    """Rank 0 prints megazpp's INFO records (the ZeRO engine's strategy line, the planner's
-    reason for `paro_strategy: auto`) to stdout; other ranks only warnings."""
-    root = logging.getLogger("megazpp")
-    if not any(isinstance(h, _StdoutHandler) for h in root.handlers):
-        root.addHandler(_StdoutHandler())
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:

@@ -40,7 +40,6 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, BinaryIO, Callable
 
 import numpy as np
@@ -49,6 +48,7 @@ import torch
 from megazpp.errors import CheckpointError
 from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import get_rng_tracker
+from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 
 FORMAT_VERSION = 1
@@ -65,11 +65,11 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def rank_file_name(topology: Any) -> str:
-    return f"rank_tp{topology.tp_rank:02d}_pp{topology.pp_rank:03d}_dp{topology.dp_rank:04d}.pt"
+def rank_file_name(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"rank_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:04d}.pt"
 
 
-def layout_of(topology: Any) -> dict[str, int]:
+def layout_of(topology: Topology) -> dict[str, int]:
     return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp,
             "dp": topology.dp}
 
@@ -165,12 +165,12 @@ def _barrier() -> None:
 
 def expected_rank_files(layout: dict[str, Any]) -> list[str]:
     """Every rank file a complete checkpoint of `layout` (tp, pp, dp) holds."""
-    return [rank_file_name(SimpleNamespace(tp_rank=t, pp_rank=p, dp_rank=d))
+    return [rank_file_name(t, p, d)
             for p in range(layout["pp"]) for d in range(layout["dp"]) for t in range(layout["tp"])]
 
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str, Any],
-                    topology: Any, extra_metadata: dict[str, Any] | None = None) -> Path:
+                    topology: Topology, extra_metadata: dict[str, Any] | None = None) -> Path:
     """Collectively save this rank's `state` as checkpoint `iteration`; return its directory.
 
     Each rank file is stamped with the layout it was written under, so a loader can tell a
@@ -190,7 +190,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
         raise CheckpointError(f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
                               "--save must be a directory on storage every node shares")
     stamped = {**state, "layout": layout_of(topology)}
-    file_name = rank_file_name(topology)
+    file_name = rank_file_name(topology.tp_rank, topology.pp_rank, topology.dp_rank)
     try:
         checksum, failure = write_atomically(tmp / file_name, lambda f: torch.save(stamped, f)), ""
     except CheckpointError as exc:
@@ -245,7 +245,7 @@ def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str],
                           + "; ".join(failures) + f"; {root / LATEST_FILE} is unchanged")
 
 
-def check_save_dir(save_dir: str | os.PathLike, topology: Any) -> None:
+def check_save_dir(save_dir: str | os.PathLike, topology: Topology) -> None:
     """Collective, before step 1: every rank creates, writes and removes a probe file in
     `save_dir` (every rank writes its own file at each save), so an unwritable `--save` (a
     file, a read-only mount, no permission) stops the run before any step is computed rather
@@ -366,7 +366,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_verified(path: Path, topology: Topology) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metadata, this rank's state) of checkpoint `path`, or CheckpointError saying why not.
 
     A weights-only checkpoint must match in tp and pp only: every DP rank reads DP rank 0's
@@ -384,9 +384,7 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing rank files {missing[:4]}"
                               f"{' ...' if len(missing) > 4 else ''}")
-    reader = SimpleNamespace(tp_rank=topology.tp_rank, pp_rank=topology.pp_rank,
-                             dp_rank=0 if weights_only else topology.dp_rank)
-    file = path / rank_file_name(reader)
+    file = path / rank_file_name(topology.tp_rank, topology.pp_rank, 0 if weights_only else topology.dp_rank)
     verify_checksum(file, meta)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -398,9 +396,10 @@ def _read_verified(path: Path, topology: Any) -> tuple[dict[str, Any], dict[str,
                               f"{state.get('iteration') if isinstance(state, dict) else '?'}, "
                               f"but {METADATA_FILE} says {meta['iteration']}")
     stamp = state.get("layout")
-    if stamp is not None and stamp != {k: meta[k] for k in layout_of(topology)}:
+    described = {k: meta[k] for k in layout_of(topology)}
+    if stamp is not None and stamp != described:
         raise CheckpointError(f"{file}: written under parallel layout {stamp}, but "
-                              f"{METADATA_FILE} describes {layout_of(SimpleNamespace(**meta))}")
+                              f"{METADATA_FILE} describes {described}")
     return meta, state
 
 
@@ -432,7 +431,7 @@ def _candidates(root: Path, fallback: bool) -> list[Path]:
     return ([named] if named is not None else []) + older
 
 
-def load_checkpoint(load_dir: str | os.PathLike, topology: Any, *,
+def load_checkpoint(load_dir: str | os.PathLike, topology: Topology, *,
                     fallback: bool = False) -> LoadedCheckpoint | None:
     """Collectively load the checkpoint `latest` names (None when `latest` does not exist).
 

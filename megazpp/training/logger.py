@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from megazpp.training.engine import StepResult
+from megazpp.optim.engine import StepResult
 
 TAGS = ("train/loss", "val/loss", "train/lr", "train/grad_norm", "train/loss_scale",
         "train/skipped_steps", "perf/tokens_per_sec", "perf/tflops", "mem/peak_bytes")

@@ -17,7 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from megazpp.training.engine import StepResult
+from megazpp.optim.engine import StepResult
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megazpp.training.engine import Engine
+from megazpp.optim.engine import Engine
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input token ids [b, s], labels [b, s])
 

@@ -22,16 +22,16 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
-from megazpp.zero.factory import zero_options
+from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait. Everything else shapes the run's state.
@@ -117,10 +117,9 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
-    cfg.validate(world_size)
+    validate_config(cfg, world_size)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
-    Topology.validate_model(SimpleNamespace(tp=cfg.tp, pp=cfg.pp), cfg.model,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
+    check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     check_inputs(cfg)

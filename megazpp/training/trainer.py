@@ -33,12 +33,13 @@ from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import CheckpointError, NumericalError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
+from megazpp.parallel.topology import Topology
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedCheckpoint,
                                          capture_rng_state,
                                          load_model_weights,
                                          restore_rng_state, save_checkpoint)
-from megazpp.training.engine import Engine, StepResult
+from megazpp.optim.engine import Engine, StepResult
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
@@ -69,7 +70,7 @@ def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Any,
+    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Topology,
                  train_ds: Any, valid_ds: Any, logger: TrainingLogger, device: torch.device,
                  *, forward_backward_fn: ForwardBackward = forward_backward) -> None:
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
@@ -161,7 +162,7 @@ class Trainer:
             return self._train(stop)
 
     def _train(self, stop: StopRequests) -> TrainHistory:
-        cfg, t, ck = self.cfg, self.cfg.training, self.cfg.checkpoint
+        t, ck = self.cfg.training, self.cfg.checkpoint
         history = TrainHistory(resumed_from=self.iteration or None)
         samples = iter(self._sampler(self.train_ds, self.consumed_samples))
         self.model.train()

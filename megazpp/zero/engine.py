@@ -29,10 +29,11 @@ from torch import nn
 from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-from megazpp.training.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
-from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.training.loss_scaler import scaler_for
-from megazpp.training.optimizer import build_adamw
+from megazpp.parallel.topology import Topology
+from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
+from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
+from megazpp.optim.loss_scaler import scaler_for
+from megazpp.optim.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
@@ -83,12 +84,16 @@ class ZeroEngine(ScaledOptimizerEngine):
     """The optimizer-engine protocol (scale_loss, step, zero_grad, state_dict) over DP ranks."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 options: ZeroOptions, topology: Any, *,
-                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
+                 options: ZeroOptions, topology: Topology, *,
+                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
+                 tied_embeddings: bool = False, tied_weight: nn.Parameter | None = None) -> None:
         """`model` is built in fp32 (as for LocalEngine); masters are taken from it before the
         parameters are cast to the precision's model dtype. `counts_in_norm(name, param)`
         says whether this rank counts a parameter in the gradient norm (default: TP-sharded
-        parameters everywhere, TP-replicated ones on TP rank 0), as for LocalEngine."""
+        parameters everywhere, TP-replicated ones on TP rank 0), as for LocalEngine.
+        `tied_embeddings`: the model ties its embedding and output weights; `tied_weight`: this
+        stage's copy of that weight, if any. The caller says both: the engine knows the model
+        only as a module tree."""
         self.model = model
         self.topology = topology
         self._counts_in_norm = counts_in_norm or (
@@ -113,7 +118,7 @@ class ZeroEngine(ScaledOptimizerEngine):
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
                  self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
-        self._tied = self._pipeline_tied_weight()
+        self._tied = self._pipeline_tied_weight(tied_embeddings, tied_weight)
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
@@ -190,22 +195,20 @@ class ZeroEngine(ScaledOptimizerEngine):
             buckets.append(bucket)
         return buckets
 
-    def _pipeline_tied_weight(self) -> nn.Parameter | None:
+    def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
 
         The pipeline sums the copies' gradients through `grad_for` between the last backward
         and `step()`, which needs this rank's whole accumulated gradient of the weight: only a
         strategy with g = N keeps it, and its bucket's boundary reduction must wait for step().
         """
-        if getattr(self.topology, "pp", 1) == 1:
+        if self.topology.pp == 1:
             return None
-        tied_model = bool(getattr(getattr(self.model, "cfg", None), "tie_embeddings", False))
-        if tied_model and self.strategy.g != Level.N:  # refused on every stage alike
+        if tied_embeddings and self.strategy.g != Level.N:  # refused on every stage alike
             raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.g.name}) "
                               f"cannot be combined with tied embeddings split over pipeline stages; "
                               f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
-        getter = getattr(self.model, "tied_embedding_weight", None)
-        return getter() if getter is not None else None
+        return weight
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may

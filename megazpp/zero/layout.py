@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazpp.training.optimizer import is_decayed
+from megazpp.optim.optimizer import is_decayed
 from megazpp.zero.formulas import level_div, padded_numel, tensor_offsets
 from megazpp.zero.strategy import Level
 

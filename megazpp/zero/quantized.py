@@ -20,10 +20,10 @@ model dtype, which overwrite their decoded int8 values, so a norm gain arrives b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 import kernels
 from megazpp.parallel import comm
@@ -120,7 +120,7 @@ class PendingQuantizedGather:
     along the strategy's exact gather sequence, decode the whole buffer into the model dtype."""
 
     def __init__(self, seq: list[Collective], shard: torch.Tensor, groups: ZeroGroups, block: int,
-                 tag: str, ops: SimpleNamespace = kernels.kernel_set(), exact: ExactGather | None = None) -> None:
+                 tag: str, ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactGather | None = None) -> None:
         codes, scales = ops.quantize(shard, 8, block)
         self._ops, self._block, self._dtype, self._exact = ops, block, shard.dtype, exact
         self._code_bytes = codes.numel()
@@ -154,9 +154,9 @@ class PendingQuantizedReduce:
     and every rank skips it.
     """
 
-    def __init__(self, grad: torch.Tensor, stages: list[tuple[Any, int]], block: int, tag: str,
+    def __init__(self, grad: torch.Tensor, stages: list[tuple[ProcessGroup | None, int]], block: int, tag: str,
                  loco: list[torch.Tensor] | None = None, err_beta: float = 0.0,
-                 ops: SimpleNamespace = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
+                 ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
             grad = torch.zeros_like(grad)

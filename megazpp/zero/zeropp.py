@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import ZeroConfig
 from megazpp.errors import ConfigError
+from megazpp.parallel.topology import Topology
 from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import Level, Strategy
 
@@ -51,7 +51,7 @@ def zeropp_of(z: ZeroConfig) -> ZeroPP:
                   reset_t=z.loco_reset_t, cpu_kernels=z.cpu_quant_kernels)
 
 
-def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Any) -> ZeroPP:
+def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Topology) -> ZeroPP:
     """The ZeRO++ settings this engine runs with (after `check_zeropp`).
 
     hpZ's group is `zeropp.hpz` consecutive DP ranks that must share a node (its point is an
@@ -70,7 +70,7 @@ def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Any) -> ZeroPP:
     return dataclasses.replace(zeropp, hpz=_hpz_size(zeropp.hpz, topology))
 
 
-def _hpz_size(requested: int, topology: Any) -> int:
+def _hpz_size(requested: int, topology: Topology) -> int:
     if requested <= 1:
         return 1
     dp_ranks = list(topology.dp_ranks)

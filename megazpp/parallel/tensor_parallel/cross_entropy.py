@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 
 
-def _tp(group: Any) -> tuple[int, int]:
+def _tp(group: ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
     return comm.group_size(group), comm.group_rank(group)
@@ -22,7 +23,7 @@ def _tp(group: Any) -> tuple[int, int]:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local_logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, local_logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         size, rank = _tp(group)
         logits = local_logits.float()
         logits_max = logits.max(dim=-1).values
@@ -59,6 +60,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor,
-                                 tp_group: Any = None) -> torch.Tensor:
+                                 tp_group: ProcessGroup | None = None) -> torch.Tensor:
     """Per-token fp32 loss for `local_logits` [..., vocab / tp] and `target` [...] (global ids)."""
     return _VocabParallelCrossEntropy.apply(local_logits, target, tp_group)

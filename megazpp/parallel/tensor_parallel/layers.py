@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import mappings
@@ -22,7 +23,7 @@ from megazpp.parallel.tensor_parallel.registry import mark_tp_sharded
 InitMethod = Callable[[torch.Tensor], Any]
 
 
-def _tp_size_rank(group: Any) -> tuple[int, int]:
+def _tp_size_rank(group: ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
     return comm.group_size(group), comm.group_rank(group)
@@ -32,7 +33,7 @@ def _default_linear_init(w: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
-def _sharded_parameter(full_shape: tuple[int, ...], dim: int, group: Any,
+def _sharded_parameter(full_shape: tuple[int, ...], dim: int, group: ProcessGroup | None,
                        init_method: InitMethod, what: str) -> nn.Parameter:
     size, rank = _tp_size_rank(group)
     if full_shape[dim] % size:
@@ -56,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 gather_output: bool = False, tp_group: Any = None, sequence_parallel: bool = False,
+                 gather_output: bool = False, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
@@ -88,7 +89,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 input_is_parallel: bool = True, tp_group: Any = None, sequence_parallel: bool = False,
+                 input_is_parallel: bool = True, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -119,7 +120,7 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; each rank looks up the ids it owns, zeros the
     rest, and the partial rows are summed over TP (so the output is replicated)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Any = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None = None,
                  init_method: InitMethod | None = None) -> None:
         super().__init__()
         size, rank = _tp_size_rank(tp_group)

@@ -15,24 +15,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 
 SEQUENCE_DIM = 1
 
 
-def _world(group: Any) -> int:
+def _world(group: ProcessGroup | None) -> int:
     return 1 if group is None else comm.group_size(group)
 
 
-def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     k = _world(group)
     if x.shape[dim] % k:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide by tensor-parallel size {k}")
     return x.chunk(k, dim=dim)[comm.group_rank(group)].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: Any, tag: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None, tag: str) -> torch.Tensor:
     k = _world(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((k * front.shape[0],) + tuple(front.shape[1:]))
@@ -40,7 +41,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any, tag: str) -> torch.Tensor
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any, tag: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None, tag: str) -> torch.Tensor:
     k = _world(group)
     front = x.movedim(dim, 0).contiguous()
     if front.shape[0] % k:
@@ -50,7 +51,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any, tag: str) -> torch.Te
     return out.movedim(0, dim).contiguous()
 
 
-def _all_reduce(x: torch.Tensor, group: Any, tag: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, tag: str) -> torch.Tensor:
     x = x.contiguous().clone()
     comm.all_reduce(x, group=group, tag=tag)
     return x
@@ -58,7 +59,7 @@ def _all_reduce(x: torch.Tensor, group: Any, tag: str) -> torch.Tensor:
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -69,7 +70,7 @@ class _Copy(torch.autograd.Function):
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x, group, "tp/reduce")
 
     @staticmethod
@@ -79,7 +80,7 @@ class _Reduce(torch.autograd.Function):
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _split(x, dim, group)
 
@@ -90,7 +91,7 @@ class _Scatter(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _all_gather(x, dim, group, "tp/gather")
 
@@ -104,7 +105,7 @@ class _GatherReduceScatterGrad(torch.autograd.Function):
     gathered tensor is only its partial sum (it fed a column shard of the next layer)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _all_gather(x, dim, group, "sp/gather")
 
@@ -115,7 +116,7 @@ class _GatherReduceScatterGrad(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _reduce_scatter(x, dim, group, "sp/reduce_scatter")
 
@@ -124,32 +125,32 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(g, ctx.dim, ctx.group, "sp/reduce_scatter_grad"), None, None
 
 
-def copy_to_tp_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient (input replicated, consumers sharded)."""
     return x if _world(group) == 1 else _Copy.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce forward (sum of partial results); identity backward."""
     return x if _world(group) == 1 else _Reduce.apply(x, group)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; all-gather the gradient."""
     return x if _world(group) == 1 else _Scatter.apply(x, group, -1)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-gather the last dimension; backward keeps this rank's slice."""
     return x if _world(group) == 1 else _Gather.apply(x, group, -1)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's chunk of the sequence; all-gather the gradient."""
     return x if _world(group) == 1 else _Scatter.apply(x, group, SEQUENCE_DIM)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Any = None,
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None,
                                          grad_is_partial: bool = True) -> torch.Tensor:
     """All-gather the sequence. Backward reduce-scatters (the default: the gathered tensor
     feeds a column-parallel layer, so each rank holds a partial gradient) or, with
@@ -161,6 +162,6 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Any = None,
     return _Gather.apply(x, group, SEQUENCE_DIM)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk; all-gather the gradient."""
     return x if _world(group) == 1 else _ReduceScatter.apply(x, group, SEQUENCE_DIM)

@@ -24,12 +24,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
-from megazpp.training.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.training.loss_scaler import LossScaler, scaler_for
-from megazpp.training.optimizer import build_adamw, named_trainable, param_groups, set_lr
+from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
+from megazpp.optim.loss_scaler import LossScaler, scaler_for
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,7 +92,7 @@ class LocalEngine(ScaledOptimizerEngine):
     """
 
     def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 *, norm_groups: Sequence[Any] = (),
+                 *, norm_groups: Sequence[ProcessGroup] = (),
                  counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         named = named_trainable(model)
         self.params = [p for _, p in named]

@@ -9,12 +9,13 @@ process groups to sum over; with no groups the norm is local.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[Any] = (),
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[ProcessGroup] = (),
                      device: torch.device | str = "cpu") -> torch.Tensor:
     """L2 norm (fp32 scalar tensor) over `grads` on all ranks of `groups`; inf/NaN propagate.
 

@@ -8,12 +8,14 @@ honour must be refused here, naming the key, rather than silently ignored.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from torch import nn
 
 from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
+from megazpp.model.gpt import GPTModel
+from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import resolve_strategy
@@ -37,7 +39,7 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
                        **same)
 
 
-def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
+def build_zero_engine(model: GPTModel, cfg: Config, topology: Topology,
                       micro_batches_per_step: int | None = None,
                       counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> ZeroEngine:
     """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`;
@@ -54,4 +56,5 @@ def build_zero_engine(model: nn.Module, cfg: Config, topology: Any,
     if options.hierarchical == "auto":
         hier = auto_hierarchy(model, cfg, topology, cluster)
         options = dataclasses.replace(options, hierarchical=options.hierarchical if hier is None else hier)
-    return ZeroEngine(model, cfg.optimizer, cfg.precision, options, topology, counts_in_norm=counts_in_norm)
+    return ZeroEngine(model, cfg.optimizer, cfg.precision, options, topology, counts_in_norm=counts_in_norm,
+                      tied_embeddings=cfg.model.tie_embeddings, tied_weight=model.tied_embedding_weight())
