@@ -72,9 +72,8 @@ class KernelOps(Protocol):
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
                    numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
-    def loco_quantize(self, grad: torch.Tensor, err_codes: torch.Tensor, err_scales: torch.Tensor,
-                      err_beta: float, block_size: int,
-                      bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def loco_quantize(self, grad: torch.Tensor, err: torch.Tensor, err_beta: float, block_size: int,
+                      bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def dequant_reduce(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
                        numel: int | None = None) -> torch.Tensor: ...
@@ -83,9 +82,8 @@ class KernelOps(Protocol):
                                 out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def dequant_reduce_loco_quantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                                     err_codes: torch.Tensor, err_scales: torch.Tensor, err_beta: float,
-                                     out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]: ...
+                                     err: torch.Tensor, err_beta: float,
+                                     out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 _OPS = (reference.all_finite, reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,

@@ -8,25 +8,43 @@ and AdamW moments are laid out on disk and how a reader places them without an e
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from megazpp.errors import CheckpointError
+from megazpp.optim.loss_scaler import LossScaler
+from megazpp.parallel.topology import Topology
 from megazpp.zero.bucket import Bucket
-from megazpp.zero.strategy import Level
-
-if TYPE_CHECKING:
-    from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.param_fetch import ParamFetcher
+from megazpp.zero.paths import CommPaths
+from megazpp.zero.strategy import Level, Strategy
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointedEngine(Protocol):
+    """What of a `zero.engine.ZeroEngine` its checkpoint state reads and restores (a Protocol,
+    so the engine can import this file without this file importing the engine)."""
+
+    strategy: Strategy
+    groups: ZeroGroups
+    topology: Topology
+    step_count: int
+    buckets: list[Bucket]
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler | None
+    fetcher: ParamFetcher | None
+    param_dtype: torch.dtype
+    paths: CommPaths
 
 # `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, Adam
 # moments) rather than one rank's shards: what resharding across DP sizes / strategies feeds in
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 
-def engine_state_dict(engine: ZeroEngine) -> dict[str, Any]:
+def engine_state_dict(engine: CheckpointedEngine) -> dict[str, Any]:
     """This rank's state, plus what a reader needs to place it without this engine: each
     bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
     the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
@@ -39,7 +57,7 @@ def engine_state_dict(engine: ZeroEngine) -> dict[str, Any]:
             "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
 
 
-def _placement(engine: ZeroEngine, b: Bucket) -> dict[str, Any]:
+def _placement(engine: CheckpointedEngine, b: Bucket) -> dict[str, Any]:
     s = engine.strategy
     os_lo, _ = b.layout.shard_range(s.os)
     return {"layout": b.layout.describe(),
@@ -48,13 +66,13 @@ def _placement(engine: ZeroEngine, b: Bucket) -> dict[str, Any]:
                        "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
 
 
-def _optimizer_slots(engine: ZeroEngine) -> list[tuple[int, int]]:
+def _optimizer_slots(engine: CheckpointedEngine) -> list[tuple[int, int]]:
     """(bucket index, master index) of each AdamW parameter, in the optimizer's order."""
     slots = {id(m.param): (i, j) for i, b in enumerate(engine.buckets) for j, m in enumerate(b.masters)}
     return [slots[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
 
 
-def load_engine_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
     """This rank's own saved state (same layout: restored bit for bit), or a full per-
     parameter state (`FULL_STATE_FORMAT`, made by `megazpp.interop.reshard` from every rank
     file of a checkpoint saved under another DP size or strategy), cut by this layout."""
@@ -84,7 +102,7 @@ def load_engine_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
     engine.paths.params_replaced()
 
 
-def _load_scaler(engine: ZeroEngine, state: dict[str, Any]) -> None:
+def _load_scaler(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
     if (engine.scaler is None) != (state.get("loss_scaler") is None):
         raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
     if engine.scaler is not None:
@@ -103,7 +121,7 @@ def _flat(b: Bucket, tensors: dict[str, torch.Tensor], what: str, dtype: torch.d
     return flat
 
 
-def _load_full_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+def _load_full_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
     """Cut full per-parameter tensors by this engine's layout. LoCo's error buffers are in
     the coordinates of the layout that wrote them and are zeroed (see docs/arch/interop.md)."""
     s = engine.strategy
