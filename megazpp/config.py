@@ -88,6 +88,9 @@ class TrainingConfig:
     # a spike (TensorBoard `train/loss_spike`); 0 turns spike detection off.
     loss_spike_factor: float = 3.0
     loss_spike_window: int = 50
+    # What trains (megazpp.model.trainable): name globs or last:N; empty: everything, or only
+    # the adapters when model.lora_rank > 0 (patterns then add to the adapters)
+    trainable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -237,6 +240,10 @@ class Config:
         _validate_precision(self.precision)
         _validate_zero(self.zero)
         self.planner.validate()
+        if self.training.trainable:
+            from megazpp.model.trainable import trainable_predicate  # builds a meta-device model
+
+            trainable_predicate(self.training.trainable, self.model)
         _refuse_not_implemented(self)
         return self
 
