@@ -16,7 +16,11 @@ from torch import nn
 
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
 from megazpp.model.lora import is_adapter
+
+# the last stage's copy of a tied embedding (pipeline) trains exactly when the embedding does
+TIED_COPY = "output_layer.weight"
 
 
 def _expand(pattern: str, num_layers: int) -> list[str]:
@@ -31,8 +35,6 @@ def _expand(pattern: str, num_layers: int) -> list[str]:
 
 def whole_model_names(cfg: ModelConfig) -> list[str]:
     """Parameter names of the whole model (every stage), from a model on the meta device."""
-    from megazpp.model.gpt import GPTModel  # gpt imports this package's siblings
-
     with torch.device("meta"):
         return [n for n, _ in GPTModel(cfg).named_parameters()]
 
@@ -45,22 +47,20 @@ def trainable_predicate(patterns: list[str], cfg: ModelConfig) -> "TrainableRule
         if not any(fnmatch.fnmatchcase(n, g) for g in _expand(pattern, cfg.num_layers) for n in names):
             raise ConfigError(f"training.trainable = {pattern!r}: matches no parameter of the model "
                               f"(names look like {names[0]!r}, {names[-1]!r})")
-    return TrainableRule(globs, cfg.lora_rank > 0)
+    return TrainableRule(globs, cfg.lora_rank > 0, bool(cfg.tie_embeddings))
 
 
 class TrainableRule:
     """Adapters (when LoRA is on) and parameters matching a glob train; with neither,
     everything trains."""
 
-    def __init__(self, globs: list[str], adapters: bool) -> None:
-        self.globs, self.adapters = globs, adapters
-
-    @property
-    def everything(self) -> bool:
-        return not self.globs and not self.adapters
+    def __init__(self, globs: list[str], adapters: bool, tied: bool) -> None:
+        self.globs, self.adapters, self.tied = globs, adapters, tied
 
     def trains(self, name: str) -> bool:
-        return (self.everything or (self.adapters and is_adapter(name))
+        if self.tied and name == TIED_COPY:
+            name = EMBEDDING_WEIGHT
+        return ((not self.globs and not self.adapters) or (self.adapters and is_adapter(name))
                 or any(fnmatch.fnmatchcase(name, g) for g in self.globs))
 
 

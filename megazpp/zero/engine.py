@@ -36,6 +36,7 @@ from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -119,9 +120,10 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._micro_batches = 0
         self._callback_queued = False
         self.buckets = self._build_buckets()
-        self.reused = (formulas.reuse_mask(self.padded_numels(), options.stage3_max_live_parameters,
-                                           options.stage3_max_reuse_distance)
-                       if self.strategy.p != Level.N else ())
+        self.frozen = self._build_frozen()
+        keep = (execution_keep(self.buckets, self.frozen, model, options.stage3_max_live_parameters,
+                               options.stage3_max_reuse_distance) if self.strategy.p != Level.N else {})
+        self.reused = tuple(keep[id(b)] for b in self.buckets) if keep else ()
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
                    "weight_decay": optimizer.weight_decay},
@@ -132,9 +134,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
-            self.fetcher = ParamFetcher(self.buckets, self.paths, self._unit_modules(),
-                                        self._unit_parents(), self._queue_backward_callback,
-                                        {id(b): kept for b, kept in zip(self.buckets, self.reused)},
+            self.fetcher = ParamFetcher(self.buckets + self.frozen, self.paths, self._unit_modules(),
+                                        self._unit_parents(), self._queue_backward_callback, keep,
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
@@ -186,6 +187,19 @@ class ZeroEngine(ScaledOptimizerEngine):
             buckets.append(bucket)
         return buckets
 
+    def _build_frozen(self) -> list[Bucket]:
+        """Buckets of the frozen parameters (`frozen.py`), held at level p."""
+        if all(p.requires_grad for p in self.model.parameters()):
+            return []
+        if self.strategy.p != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
+            raise ConfigError(f"zero strategy {self.strategy} with qwZ / hpZ and frozen parameters "
+                              f"(training.trainable, LoRA) is not implemented: turn off "
+                              f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
+        o = self.options
+        return frozen_buckets(self.model, self.strategy, self.groups.d, self.groups.k, self.topology.dp_rank,
+                              self.param_dtype, o.module_granularity_threshold, o.fetch_groups,
+                              min(o.allgather_bucket_size, o.reduce_bucket_size))
+
     def _pipeline_tied_weight(self) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
 
@@ -201,7 +215,8 @@ class ZeroEngine(ScaledOptimizerEngine):
                               f"cannot be combined with tied embeddings split over pipeline stages; "
                               f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
         getter = getattr(self.model, "tied_embedding_weight", None)
-        return getter() if getter is not None else None
+        weight = getter() if getter is not None else None
+        return weight if weight is not None and weight.requires_grad else None
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
@@ -218,9 +233,10 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The group's unit roots plus any module elsewhere that registers one of its parameters
         (a tied output layer), so every user of a parameter gathers it first."""
-        owner = {id(p): b for b in self.buckets for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.buckets}
-        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.buckets}
+        fetched = self.buckets + self.frozen
+        owner = {id(p): b for b in fetched for p in b.layout.params}
+        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in fetched}
+        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in fetched}
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 b = owner.get(id(p))
@@ -230,7 +246,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
         """Modules whose direct children are unit roots, with those children and their groups."""
-        group_of = {id(m): b for b in self.buckets for m in b.modules}
+        group_of = {id(m): b for b in self.buckets + self.frozen for m in b.modules}
         out = []
         for module in self.model.modules():
             children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
@@ -395,7 +411,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is None:
             yield
             return
-        for b in self.buckets:
+        for b in self.buckets + self.frozen:
             self.fetcher.fetch(b)
         try:
             yield
@@ -410,7 +426,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Model-state bytes this rank holds, counted from the engine's own tensors."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
-        params = sum(nbytes(b.param_store) for b in self.buckets)
+        params = sum(nbytes(b.param_store) for b in self.buckets + self.frozen)
         grads = sum(nbytes(b.grad_acc) for b in self.buckets)
         optim = 0
         for b in self.buckets:
@@ -425,7 +441,9 @@ class ZeroEngine(ScaledOptimizerEngine):
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy)
-        return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
+        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.d,
+                                    self.groups.k, self.param_dtype.itemsize)
+        return formulas.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
         extra = []
@@ -463,7 +481,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
         return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
                 "dp_rank": self.topology.dp_rank, "step_count": self.step_count,
-                "buckets": [{**b.state_dict(), **self._placement(b)} for b in self.buckets],
+                "buckets": [{**b.state_dict(), **self._placement(b)} for b in self.buckets + self.frozen],
                 "optimizer": self.optimizer.state_dict(),
                 "optimizer_slots": [list(slot) for slot in self._optimizer_slots()],
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None}
@@ -496,10 +514,11 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
                                   f"= {theirs}, this run is {mine}; a checkpoint of another layout "
                                   f"resumes through megazpp.interop.reshard")
-        if len(state["buckets"]) != len(self.buckets):
+        held = self.buckets + self.frozen
+        if len(state["buckets"]) != len(held):
             raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
-                                  f"here has {len(self.buckets)}")
-        for b, saved in zip(self.buckets, state["buckets"]):
+                                  f"here has {len(held)} (trainable and frozen)")
+        for b, saved in zip(held, state["buckets"]):
             if "layout" in saved and saved["layout"] != b.layout.describe():
                 raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
                                       f"(parameters, padding or ZeRO++ alignment); it resumes through "
@@ -535,9 +554,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         reset = []
         with torch.no_grad():
-            for b in self.buckets:
+            for b in self.buckets + self.frozen:
                 lo, hi = b.layout.shard_range(s.p)
                 b.param_store.copy_(self._flat(b, state["params"], "parameter", self.param_dtype)[lo:hi])
+                if not b.masters:  # a frozen bucket holds parameters only
+                    continue
                 b.grad_acc.zero_()
                 os_lo, _ = b.layout.shard_range(s.os)
                 masters = self._flat(b, state["masters"], "fp32 master", torch.float32)
