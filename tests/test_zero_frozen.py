@@ -2,7 +2,9 @@
 (2 virtual nodes x 2), one spawn for all of it.
 
 Per strategy and model: the losses of NNN (everything replicated) within 1e-6 over 3 steps;
-frozen weights bitwise unchanged after training (gathered); model-state bytes held per rank
+frozen weights bitwise unchanged after training (gathered); the engine's state saved
+after step 1 and loaded into a fresh model + engine gives the next steps' losses bitwise
+(frozen shards are part of the state); model-state bytes held per rank
 equal to the formulas, with the parameter term over trainable and frozen buckets and the
 gradient / optimizer terms over the trainable ones only. NNN itself matches a single-process
 LocalEngine fed the global batch, and a second spawn checks LoRA under TP = 2 x DP = 2 and
@@ -10,6 +12,8 @@ PP = 2 x DP = 2 (1F1B) against the same reference.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -69,6 +73,19 @@ def _reference(cfg: ModelConfig, patterns: list[str], dp: int, dp_rank: int) -> 
     return losses
 
 
+def _train(model: GPTModel, engine: ZeroEngine, cfg: ModelConfig, topo: Topology, steps: range) -> list[float]:
+    losses = []
+    for _ in steps:
+        total = 0.0
+        for micro in range(MICRO):
+            loss = model(*_batch(cfg, topo.dp_rank, micro)).mean() / MICRO
+            engine.scale_loss(loss).backward()
+            total += loss.item()
+        engine.step()
+        losses.append(total)
+    return losses
+
+
 def _strategies_rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     report: dict = {}
@@ -81,18 +98,18 @@ def _strategies_rank() -> dict:
             engine = ZeroEngine(model, OPT, PrecisionConfig(),
                                 ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                                 topo)
-            losses = []
-            for _ in range(STEPS):
-                total = 0.0
-                for micro in range(MICRO):
-                    loss = model(*_batch(cfg, topo.dp_rank, micro)).mean() / MICRO
-                    engine.scale_loss(loss).backward()
-                    total += loss.item()
-                engine.step()
-                losses.append(total)
+            losses = _train(model, engine, cfg, topo, range(1))
+            saved = copy.deepcopy(engine.state_dict())
+            losses += _train(model, engine, cfg, topo, range(1, STEPS))
             with engine.gathered_parameters():
                 after = _frozen(model)
+            resumed_model = _model(cfg, patterns, topo)
+            resumed = ZeroEngine(resumed_model, OPT, PrecisionConfig(),
+                                 ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                                 topo)
+            resumed.load_state_dict(saved)
             report[f"{kind}/{name}"] = {
+                "resumed_losses": _train(resumed_model, resumed, cfg, topo, range(1, STEPS)),
                 "losses": losses, "held": engine.held_bytes(), "expected": engine.expected_bytes(),
                 "frozen_unchanged": before.keys() == after.keys() and all(
                     torch.equal(before[n], after[n]) for n in before),
@@ -112,6 +129,7 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 run = report[f"{kind}/{name}"]
                 assert max(abs(a - b) for a, b in zip(run["losses"], base)) < 1e-6, (kind, name, rank, run["losses"])
                 assert run["frozen_unchanged"], (kind, name, rank)
+                assert run["resumed_losses"] == run["losses"][1:], (kind, name, rank)  # bitwise
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])
                 # the formulas spelled out: parameters over both, gradients / Adam over trainable only
                 s = parse_strategy(name)
