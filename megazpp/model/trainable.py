@@ -79,3 +79,11 @@ def apply_trainable(model: nn.Module, patterns: list[str], cfg: ModelConfig) -> 
         raise ConfigError(f"training.trainable = {patterns!r}: selects no parameter of this pipeline "
                           f"stage ({where}); every stage needs one (or use fewer stages)")
     return count
+
+
+def trainable_fraction(cfg: ModelConfig, patterns: list[str]) -> float:
+    """Trainable share of the whole model's parameter elements (the planner's PEFT input)."""
+    rule = trainable_predicate(patterns, cfg)
+    with torch.device("meta"):
+        sizes = [(n, p.numel()) for n, p in GPTModel(cfg).named_parameters()]
+    return sum(n for name, n in sizes if rule.trains(name)) / sum(n for _, n in sizes)

@@ -26,7 +26,7 @@ from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
 from megazpp.planner.settings import PlannerSettings
-from megazpp.planner.shape import StageShape, shape_of_model
+from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
@@ -116,11 +116,17 @@ def measure_cluster(settings: PlannerSettings, topology: Any) -> list[float]:
 def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: PlannerSettings) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
     settings.validate()
-    shape = shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
-                           threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
-                           stage=topology.pp_rank,
-                           layers=len(range(*topology.layer_range(cfg.model.num_layers))),
-                           first=topology.is_first_stage, last=topology.is_last_stage)
+    workload = workload_of_config(cfg)
+    bucket_numel = min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
+    if workload.trainable_fraction < 1:  # frozen weights: that share of every group, as tools/plan.py models it
+        shape = shapes_of_config(cfg.model, tp=topology.tp, pp=topology.pp, bucket_numel=bucket_numel,
+                                 threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
+                                 trainable_fraction=workload.trainable_fraction)[topology.pp_rank]
+    else:
+        shape = shape_of_model(model, bucket_numel=bucket_numel, threshold=cfg.zero.module_granularity_threshold,
+                               fetch_mode=cfg.zero.fetch_groups, stage=topology.pp_rank,
+                               layers=len(range(*topology.layer_range(cfg.model.num_layers))),
+                               first=topology.is_first_stage, last=topology.is_last_stage)
     shapes = {s.stage: s for s in comm.all_gather_object(shape, tag="planner/shapes")}
     memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measure_cluster(settings, topology))
     cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
@@ -131,7 +137,6 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Any, settings: Planne
                       usable_memory_fraction=settings.usable_memory_fraction,
                       backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
                       optimizer_rate=adam)
-    workload = workload_of_config(cfg)
     if workload.global_batch is None:  # Config.validate not run: one micro-batch per DP rank
         workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
     choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
