@@ -6,7 +6,8 @@ frozen weights bitwise unchanged after training (gathered); the engine's state s
 after step 1 and loaded into a fresh model + engine gives the next steps' losses bitwise
 (frozen shards are part of the state); model-state bytes held per rank
 equal to the formulas, with the parameter term over trainable and frozen buckets and the
-gradient / optimizer terms over the trainable ones only. NNN itself matches a single-process
+gradient / optimizer terms over the trainable ones only; counted bytes and calls of every step
+equal to the formulas (the frozen groups' gathers included). NNN itself matches a single-process
 LocalEngine fed the global batch, and a second spawn checks LoRA under TP = 2 x DP = 2 and
 PP = 2 x DP = 2 (1F1B) against the same reference.
 """
@@ -21,6 +22,7 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.trainable import apply_trainable
+from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
@@ -73,17 +75,23 @@ def _reference(cfg: ModelConfig, patterns: list[str], dp: int, dp_rank: int) -> 
     return losses
 
 
-def _train(model: GPTModel, engine: ZeroEngine, cfg: ModelConfig, topo: Topology, steps: range) -> list[float]:
-    losses = []
+def _train(model: GPTModel, engine: ZeroEngine, cfg: ModelConfig, topo: Topology, steps: range) -> list[dict]:
+    """Per step: the loss, the engine's counted (intra, inter) bytes and calls, the formulas'."""
+    out = []
     for _ in steps:
+        counter.reset_step()
         total = 0.0
         for micro in range(MICRO):
             loss = model(*_batch(cfg, topo.dp_rank, micro)).mean() / MICRO
             engine.scale_loss(loss).backward()
             total += loss.item()
         engine.step()
-        losses.append(total)
-    return losses
+        rows = [r for tag, r in counter.step_totals()["tags"].items()
+                if tag.startswith("zero/") or tag == "train/grad_norm"]
+        out.append({"loss": total, "counted": (sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)),
+                    "calls": sum(r["calls"] for r in rows), "predicted": engine.expected_step_bytes(MICRO),
+                    "predicted_calls": engine.expected_step_calls(MICRO)})
+    return out
 
 
 def _strategies_rank() -> dict:
@@ -98,9 +106,9 @@ def _strategies_rank() -> dict:
             engine = ZeroEngine(model, OPT, PrecisionConfig(),
                                 ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                                 topo)
-            losses = _train(model, engine, cfg, topo, range(1))
+            steps = _train(model, engine, cfg, topo, range(1))
             saved = copy.deepcopy(engine.state_dict())
-            losses += _train(model, engine, cfg, topo, range(1, STEPS))
+            steps += _train(model, engine, cfg, topo, range(1, STEPS))
             with engine.gathered_parameters():
                 after = _frozen(model)
             resumed_model = _model(cfg, patterns, topo)
@@ -109,8 +117,9 @@ def _strategies_rank() -> dict:
                                  topo)
             resumed.load_state_dict(saved)
             report[f"{kind}/{name}"] = {
-                "resumed_losses": _train(resumed_model, resumed, cfg, topo, range(1, STEPS)),
-                "losses": losses, "held": engine.held_bytes(), "expected": engine.expected_bytes(),
+                "resumed_losses": [s["loss"] for s in _train(resumed_model, resumed, cfg, topo, range(1, STEPS))],
+                "losses": [s["loss"] for s in steps], "steps": steps,
+                "held": engine.held_bytes(), "expected": engine.expected_bytes(),
                 "frozen_unchanged": before.keys() == after.keys() and all(
                     torch.equal(before[n], after[n]) for n in before),
                 "trainable_padded": [b.layout.padded for b in engine.buckets],
@@ -130,6 +139,8 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert max(abs(a - b) for a, b in zip(run["losses"], base)) < 1e-6, (kind, name, rank, run["losses"])
                 assert run["frozen_unchanged"], (kind, name, rank)
                 assert run["resumed_losses"] == run["losses"][1:], (kind, name, rank)  # bitwise
+                for s in run["steps"]:  # frozen groups' gathers included
+                    assert s["counted"] == s["predicted"] and s["calls"] == s["predicted_calls"], (kind, name, rank, s)
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])
                 # the formulas spelled out: parameters over both, gradients / Adam over trainable only
                 s = parse_strategy(name)

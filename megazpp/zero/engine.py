@@ -36,7 +36,7 @@ from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
-from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_param_bytes
+from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -124,6 +124,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         keep = (execution_keep(self.buckets, self.frozen, model, options.stage3_max_live_parameters,
                                options.stage3_max_reuse_distance) if self.strategy.p != Level.N else {})
         self.reused = tuple(keep[id(b)] for b in self.buckets) if keep else ()
+        self._frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
                    "weight_decay": optimizer.weight_decay},
@@ -453,18 +454,28 @@ class ZeroEngine(ScaledOptimizerEngine):
                                                     self.topology.ranks_per_node))
         return extra
 
+    def _frozen_fetches(self, micro_batches: int) -> list[formulas.StepPart]:
+        return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
+                                  micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
+                                  reused=self._frozen_reused)
+
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
-        return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
-                                   accum_bytes=self.accum_dtype.itemsize,
-                                   extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                   reused=self.reused,
-                                   exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
+        intra, inter = formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                           micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
+                                           accum_bytes=self.accum_dtype.itemsize,
+                                           extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
+                                           reused=self.reused,
+                                           exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
+        for part in self._frozen_fetches(micro_batches):
+            a, b = part.bytes_once(self.shapes)
+            intra, inter = intra + part.times * a, inter + part.times * b
+        return intra, inter
 
     def expected_step_calls(self, micro_batches: int) -> int:
-        return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                   micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                   zeropp=self.zeropp, reused=self.reused)
+        calls = formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
+                                    zeropp=self.zeropp, reused=self.reused)
+        return calls + sum(part.times * part.calls_once(self.shapes) for part in self._frozen_fetches(micro_batches))
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""

@@ -57,3 +57,20 @@ def execution_keep(trainable: list[Bucket], frozen: list[Bucket], model: nn.Modu
     ordered = sorted(trainable + frozen, key=lambda b: position[id(b.modules[0])])
     mask = formulas.reuse_mask([b.layout.padded for b in ordered], max_live, max_reuse_distance)
     return {id(b): kept for b, kept in zip(ordered, mask)}
+
+
+FETCH_PHASES = ("fetch_forward", "fetch_backward")
+
+
+def frozen_fetch_parts(strategy: Strategy, padded_numels: list[int], shapes: formulas.DPShapes,
+                       hier: formulas.Hierarchy, *, micro_batches: int, param_bytes: int,
+                       reused: tuple[bool, ...]) -> list[formulas.StepPart]:
+    """The fetch phases of `formulas.step_parts` on the frozen groups (none with p = N): the
+    forward gather of each group per micro-batch, and a backward gather of each group not kept,
+    counted as if the backward passed through every frozen group (one that lies before the
+    first trainable parameter, such as a frozen embedding, is not gathered in backward)."""
+    if strategy.p == Level.N or not padded_numels:
+        return []
+    parts = formulas.step_parts(strategy, padded_numels, shapes, hier, micro_batches=micro_batches,
+                                param_bytes=param_bytes, accum_bytes=0, reused=reused)
+    return [parts[name] for name in FETCH_PHASES]
