@@ -241,9 +241,9 @@ class Config:
         _validate_zero(self.zero)
         self.planner.validate()
         if self.training.trainable:
-            from megazpp.model.trainable import trainable_predicate  # builds a meta-device model
+            from megazpp.model.trainable import trainable_rule  # builds a meta-device model
 
-            trainable_predicate(self.training.trainable, self.model)
+            trainable_rule(self.training.trainable, self.model)
         _refuse_not_implemented(self)
         return self
 

@@ -39,7 +39,7 @@ def whole_model_names(cfg: ModelConfig) -> list[str]:
         return [n for n, _ in GPTModel(cfg).named_parameters()]
 
 
-def trainable_predicate(patterns: list[str], cfg: ModelConfig) -> "TrainableRule":
+def trainable_rule(patterns: list[str], cfg: ModelConfig) -> "TrainableRule":
     """Check `patterns` against the whole model and return the rule they make."""
     globs = [g for p in patterns for g in _expand(p, cfg.num_layers)]
     names = whole_model_names(cfg) if patterns else []
@@ -68,7 +68,7 @@ def apply_trainable(model: nn.Module, patterns: list[str], cfg: ModelConfig) -> 
     """Freeze what `patterns` (and LoRA) leave out; return this stage's trainable elements.
     A stage left with nothing to train is refused (its engine would have no optimizer state
     and the pipeline's gradient-norm reduction would wait for it)."""
-    rule = trainable_predicate(patterns, cfg)
+    rule = trainable_rule(patterns, cfg)
     count = 0
     for name, p in model.named_parameters():
         p.requires_grad_(rule.trains(name))
@@ -83,7 +83,7 @@ def apply_trainable(model: nn.Module, patterns: list[str], cfg: ModelConfig) -> 
 
 def trainable_fraction(cfg: ModelConfig, patterns: list[str]) -> float:
     """Trainable share of the whole model's parameter elements (the planner's PEFT input)."""
-    rule = trainable_predicate(patterns, cfg)
+    rule = trainable_rule(patterns, cfg)
     with torch.device("meta"):
         sizes = [(n, p.numel()) for n, p in GPTModel(cfg).named_parameters()]
     return sum(n for name, n in sizes if rule.trains(name)) / sum(n for _, n in sizes)
