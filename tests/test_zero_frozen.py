@@ -8,7 +8,8 @@ after step 1 and loaded into a fresh model + engine gives the next steps' losses
 equal to the formulas, with the parameter term over trainable and frozen buckets and the
 gradient / optimizer terms over the trainable ones only; counted bytes and calls of every step
 equal to the formulas (the frozen groups' gathers included). NNN itself matches a single-process
-LocalEngine fed the global batch, and a second spawn checks LoRA under TP = 2 x DP = 2 and
+LocalEngine fed the global batch; LoRA with activation checkpointing (GGG, ING) gives the same
+losses and gathers nothing more. A second spawn checks LoRA under TP = 2 x DP = 2 and
 PP = 2 x DP = 2 (1F1B) against the same reference.
 """
 
@@ -37,6 +38,7 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, 
 LORA = dict(LLAMA, lora_rank=4, lora_alpha=8.0)
 # (model, training.trainable): adapters only; the last layer and every norm of a plain model
 RUNS = {"lora": (LORA, []), "subset": (LLAMA, ["last:1", "*norm*"])}
+CHECKPOINTED = ("GGG", "ING")  # LoRA with activation checkpointing: recompute inside backward
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 
 
@@ -124,6 +126,12 @@ def _strategies_rank() -> dict:
                     torch.equal(before[n], after[n]) for n in before),
                 "trainable_padded": [b.layout.padded for b in engine.buckets],
                 "frozen_padded": [b.layout.padded for b in engine.frozen]}
+    cfg = ModelConfig(**LORA, activation_checkpointing=True)
+    for name in CHECKPOINTED:
+        model = _model(cfg, [], topo)
+        engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name, micro_batches_per_step=MICRO),
+                            topo)
+        report[f"lora/{name}/ckpt"] = _train(model, engine, cfg, topo, range(STEPS))
     return report
 
 
@@ -149,6 +157,11 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.p], (kind, name)
                 assert run["held"].grads == trainable * 4 // div[s.g], (kind, name)
                 assert run["held"].optimizer == trainable * 12 // div[s.os], (kind, name)
+    for rank, report in enumerate(results):
+        for name in CHECKPOINTED:
+            for s, plain in zip(report[f"lora/{name}/ckpt"], report["lora/NNN"]["losses"]):
+                assert abs(s["loss"] - plain) < 1e-6, (name, rank, s["loss"], plain)
+                assert s["counted"] == s["predicted"] and s["calls"] == s["predicted_calls"], (name, rank, s)
     lora = results[0]
     # frozen weights are sharded by p: ZeRO-3 holds a quarter of DDP's parameter bytes
     assert lora["lora/GGG"]["held"].params * 4 == lora["lora/NNN"]["held"].params
