@@ -565,10 +565,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         reset = []
         with torch.no_grad():
+            frozen = {id(b) for b in self.frozen}
             for b in self.buckets + self.frozen:
                 lo, hi = b.layout.shard_range(s.p)
                 b.param_store.copy_(self._flat(b, state["params"], "parameter", self.param_dtype)[lo:hi])
-                if not b.masters:  # a frozen bucket holds parameters only
+                if id(b) in frozen:  # parameters only
                     continue
                 b.grad_acc.zero_()
                 os_lo, _ = b.layout.shard_range(s.os)
