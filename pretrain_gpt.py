@@ -30,6 +30,8 @@ from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.model.lora import is_adapter
+from megazpp.model.trainable import apply_trainable
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -112,6 +114,7 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
                      sequence_parallel=cfg.parallel.sequence_parallel,
                      pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
                      layer_range=topology.layer_range(cfg.model.num_layers))
+    apply_trainable(model, cfg.training.trainable, cfg.model)
     return model.to(device)
 
 
@@ -154,7 +157,7 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     model = build_model(cfg, topology, device)
     if loaded is not None:
         # before the engine exists: it copies the weights into its fp32 masters and shards
-        load_model_weights(model, loaded.state["model"])
+        load_model_weights(model, loaded.state["model"], keep_own=is_adapter)
     engine = build_engine(cfg, model, topology)
     if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)

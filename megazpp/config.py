@@ -86,6 +86,9 @@ class TrainingConfig:
     # a spike (TensorBoard `train/loss_spike`); 0 turns spike detection off.
     loss_spike_factor: float = 3.0
     loss_spike_window: int = 50
+    # What trains (megazpp.model.trainable): name globs or last:N; empty: everything, or only
+    # the adapters when model.lora_rank > 0 (patterns then add to the adapters)
+    trainable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -226,7 +229,6 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

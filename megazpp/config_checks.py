@@ -13,6 +13,7 @@ from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
 from megazpp.errors import ConfigError
+from megazpp.model.trainable import trainable_rule
 from megazpp.zero.formulas import HIERARCHY_MODES
 from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
@@ -28,6 +29,8 @@ def validate_config(cfg: Config, world_size: int = 1) -> Config:
     _validate_precision(cfg.precision)
     _validate_zero(cfg.zero)
     cfg.planner.validate()
+    if cfg.training.trainable:
+        trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
     refuse_not_implemented(cfg)
     return cfg
 

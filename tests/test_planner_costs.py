@@ -209,29 +209,30 @@ def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
     assert "--memory-gib" in capsys.readouterr().err
 
 
-def test_peft_frozen_weights_engine_versus_paper_accounting():
-    """Engine accounting: frozen weights whole on every rank, no traffic. PaRO's accounting
-    (`shard_frozen`): frozen weights held at p and gathered with their unit, never reduced."""
+def test_peft_frozen_weights_sharded_at_p():
+    """Frozen weights of a fetch group (`frozen_groups`) are held at p and gathered with their
+    group, never reduced (as the engine does, and the PaRO paper counts); frozen elements in no
+    group stay whole on every rank, with no traffic."""
     cluster = _cluster(2, 2)
-    shape = StageShape(0, fetch_groups=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True, last=True,
-                       frozen_groups=(2400, 7200))
+    paper_shape = StageShape(0, fetch_groups=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True,
+                             last=True, frozen_groups=(2400, 7200))
+    shape = dataclasses.replace(paper_shape, frozen_groups=())
     engine_view = Workload(model=TINY, micro_batch=1, global_batch=12, trainable_fraction=0.04)  # A = 3
-    paper_view = dataclasses.replace(engine_view, shard_frozen=True)
     iig = parse_strategy("IIG")
     lay = layout(engine_view, cluster)
     plain = predict_stage(iig, formulas.ZeroPP(), shape, engine_view, cluster, lay)
-    paper = predict_stage(iig, formulas.ZeroPP(), shape, paper_view, cluster, lay)
+    paper = predict_stage(iig, formulas.ZeroPP(), paper_shape, engine_view, cluster, lay)
     assert plain.frozen_bytes == 9600 * 2 and paper.frozen_bytes == 9600 * 2 // 2  # k = 2
     assert plain.state == paper.state
     fetch = formulas.sequence_bytes(formulas.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
     # fetched in each of the 3 forwards; the default reuse budget keeps the groups for backward
     assert paper.step_bytes == (plain.step_bytes[0] + 3 * fetch[0], plain.step_bytes[1] + 3 * fetch[1])
-    plain_off, paper_off = (predict_stage(iig, formulas.ZeroPP(), shape, dataclasses.replace(w, max_live_parameters=0),
-                                          cluster, lay) for w in (engine_view, paper_view))
+    plain_off, paper_off = (predict_stage(iig, formulas.ZeroPP(), sh, dataclasses.replace(engine_view, max_live_parameters=0),
+                                          cluster, lay) for sh in (shape, paper_shape))
     assert paper_off.step_bytes == (plain_off.step_bytes[0] + 2 * 3 * fetch[0],
                                     plain_off.step_bytes[1] + 2 * 3 * fetch[1])
-    nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), shape, paper_view, cluster, lay)
-    assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole in both accountings
+    nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), paper_shape, engine_view, cluster, lay)
+    assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole
 
 
 def test_without_overlap_only_the_link_wait_hides():

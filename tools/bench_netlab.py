@@ -7,10 +7,14 @@ of them all (OUT/netlab.png).
     sudo python tools/bench_netlab.py                                   # the full sweep
     sudo python tools/bench_netlab.py --rates 1gbit --only zero3,zeropp,ds-zero3 --steps 5
     sudo python tools/bench_netlab.py --rates loopback --steps 3 -- --hidden-size 64 --num-layers 2
+    sudo python tools/bench_netlab.py --rates 1gbit --lora-rank 16 --out runs/bench_netlab_lora
 
 Settings: a tc rate (`1gbit`, `10gbit`, ...: netlab up, per-node link shaped) or `loopback`
 (no netlab: both node launchers on 127.0.0.1; no link counters). Arguments after `--` go to
-every run (pretrain_gpt.py flags, understood by the DeepSpeed peer too). Needs root for
+every run (pretrain_gpt.py flags, understood by the DeepSpeed peer too). `--lora-rank R` puts
+rank-R LoRA adapters on every linear of every run (only they train), runs the configurations
+that work with frozen weights (`megazpp.bench.peft`) and prints the PaRO paper's PEFT verdict
+(`--pick`, by default ING, against ZeRO-3). Needs root for
 netlab, and the sample data that `run.sh` builds (data/). netlab is taken down on any exit.
 """
 
@@ -25,6 +29,7 @@ import sys
 import time
 
 from megazpp.bench import launch, results
+from megazpp.bench.peft import peft_configs, verdict
 from megazpp.bench.plot import plot_settings
 from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
 from megazpp.cli import add_out_flag, run_tool
@@ -60,6 +65,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="python that can import deepspeed (the `bench` extra)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank on every linear (0: full training)")
+    p.add_argument("--pick", default="paro-ING",
+                   help="with --lora-rank: the configuration the verdict compares with zero3")
     p.add_argument("--plot-only", action="store_true",
                    help="only redraw OUT/netlab.png from the <setting>.json files already in --out")
     ns = p.parse_args(argv)
@@ -72,6 +81,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--warmup {ns.warmup}: expected 0 <= warmup < --steps ({ns.steps})")
     if not ns.rates:
         p.error("--rates is empty")
+    if ns.lora_rank < 0:
+        p.error(f"--lora-rank {ns.lora_rank}: expected 0 (full training) or a positive rank")
+    if ns.lora_rank:
+        ns.extra = ["--lora-rank", str(ns.lora_rank), *ns.extra]
     return ns
 
 
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_settings(ns.out, os.path.join(ns.out, PNG)))
         return 0
     layout = launch.Layout(ns.nodes, ns.ranks_per_node)
-    configs = select(all_configs(layout.ranks_per_node), ns.only)
+    offered = all_configs(layout.ranks_per_node)
+    configs = select(peft_configs(offered) if ns.lora_rank else offered, ns.only)
     if ns.list:
         print("\n".join(c.name for c in configs))
         return 0
@@ -150,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if setting != launch.LOOPBACK:
                 launch.netlab_down()
+        if ns.lora_rank:
+            print(f"[{setting}] {verdict(rows, ns.pick)}", flush=True)
     return 0
 
 

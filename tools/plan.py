@@ -50,11 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--activation-checkpointing", action="store_true", default=None)
     j.add_argument("--no-flash-attention", action="store_true",
                    help="count the attention score matrix in activations (no fused attention kernel)")
-    j.add_argument("--trainable-fraction", type=float, default=1.0,
-                   help="PEFT: fraction of the weights that is trained (the rest frozen)")
-    j.add_argument("--shard-frozen", action="store_true",
-                   help="PEFT as the PaRO paper counts it: frozen weights sharded at level p and gathered "
-                        "like trainable ones (megazpp's engine keeps frozen weights whole on every rank)")
+    j.add_argument("--trainable-fraction", type=float,
+                   help="PEFT: fraction of the weights that is trained; the frozen rest is held at level p "
+                        "and gathered like trainable weights, never reduced (default: from --config's "
+                        "model.lora_rank / training.trainable, else 1)")
     j.add_argument("--paro-group-size", type=int)
     j.add_argument("--hpz", type=int, help="hpZ partition size (default: DP ranks per node)")
     c = p.add_argument_group("cluster")
@@ -133,7 +132,7 @@ def _workload(a: argparse.Namespace) -> Workload:
              "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
              "paro_group_size": a.paro_group_size, "hpz_size": a.hpz}
     job = dataclasses.replace(job, model=model, flash_attention=not a.no_flash_attention,
-                              trainable_fraction=a.trainable_fraction, shard_frozen=a.shard_frozen,
+                              **({"trainable_fraction": a.trainable_fraction} if a.trainable_fraction is not None else {}),
                               **{k: v for k, v in flags.items() if v is not None})
     if job.micro_batch is None or job.global_batch is None:
         raise ConfigError("job: give --micro-batch-size and --global-batch-size (or a --config that sets "

@@ -4,8 +4,9 @@ Why two launchers even on loopback: each node is its own `torch.distributed.run`
 rendezvous, LOCAL_WORLD_SIZE = ranks per node), exactly as on netlab and on a real cluster,
 so the only thing that changes between link settings is the link.
 
-netlab runs under its own prefix and subnet (`NETLAB_PREFIX`, `NETLAB_SUBNET`), so the
-benchmark never touches a netlab somebody else (a test) has up.
+netlab runs under its own prefix and subnet (`NETLAB_PREFIX`, `NETLAB_SUBNET`; `mzbench` /
+`10.78.0` unless the environment names others, so two benchmarks on one machine can run
+apart), so the benchmark never touches a netlab somebody else (a test) has up.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 NETLAB = "tools/netlab.sh"
-NETLAB_ENV = {"NETLAB_PREFIX": "mzbench", "NETLAB_SUBNET": "10.78.0"}
+NETLAB_ENV = {"NETLAB_PREFIX": os.environ.get("NETLAB_PREFIX", "mzbench"),
+              "NETLAB_SUBNET": os.environ.get("NETLAB_SUBNET", "10.78.0")}
 LOOPBACK = "loopback"
 # Every CPU rank of every runner (megazpp and DeepSpeed alike) starts with these, as run.sh
 # starts its CPU ranks: one intra-op thread per rank (4 ranks share 2 cores), and glibc's

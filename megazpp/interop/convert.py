@@ -5,6 +5,9 @@
 - `export_safetensors`: megazpp checkpoint -> one safetensors file of full weights under
   megazpp's own names, with the model config in the file's metadata.
 
+Both exports write a plain model: LoRA adapters are merged into their base weights
+(W + alpha / r B A) and the exported config has no adapters.
+
 A SentencePiece `tokenizer.model` travels along when given (or, on import, when the HF
 directory has one): it is checked against the model first, then copied.
 """
@@ -29,6 +32,7 @@ from megazpp.interop.safetensors_io import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES
                                             write_safetensors)
 from megazpp.interop.tokenizer_check import check_tokenizer
 from megazpp.model.config import ModelConfig
+from megazpp.model.lora import merge_adapters
 
 TOKENIZER_FILE = "tokenizer.model"
 SAFETENSORS_CONFIG_KEY = "megazpp_model_config"
@@ -62,7 +66,11 @@ def _full_weights(load: str | os.PathLike, cfg: ModelConfig | None, masters: boo
                   dtype: torch.dtype | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = CheckpointReader(load)
     model_cfg = reader.model_config(cfg)
-    return model_cfg, cast(consolidated_weights(reader, model_cfg, masters=masters), dtype)
+    full = consolidated_weights(reader, model_cfg, masters=masters)
+    if model_cfg.lora_rank:  # exports are plain models: adapters folded into their weights
+        full = merge_adapters(full, model_cfg)
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=0, lora_targets=None).validate()
+    return model_cfg, cast(full, dtype)
 
 
 def export_hf(load: str | os.PathLike, out_dir: str | os.PathLike, *,

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from megazpp.errors import ConfigError
 
 ARCHITECTURES = ("llama", "gpt2")
+# the linears of a layer that can carry a LoRA adapter, per architecture (attribute names)
+LORA_TARGETS = {"llama": ("qkv", "out", "gate_proj", "up_proj", "down_proj"),
+                "gpt2": ("qkv", "out", "fc1", "fc2")}
 
 
 def _llama_ffn_size(hidden_size: int) -> int:
@@ -48,6 +51,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size // moe_top_k
     moe_aux_loss_coeff: float = 0.01
     activation_checkpointing: bool = False
+    lora_rank: int = 0  # 0: no adapters; r > 0: LoRA of rank r on every linear named in lora_targets
+    lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_targets: list[str] | None = None  # None: every attention and MLP linear of the arch
     init_std: float = 0.02
     init_seed: int = 1234
 
@@ -64,6 +70,8 @@ class ModelConfig:
             self.tie_embeddings = self.arch == "gpt2"
         if self.moe_ffn_hidden_size is None and isinstance(self.ffn_hidden_size, int):
             self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // max(1, self.moe_top_k))
+        if self.lora_targets is None:
+            self.lora_targets = list(LORA_TARGETS[self.arch])
 
     @property
     def is_llama(self) -> bool:
@@ -107,7 +115,23 @@ class ModelConfig:
         if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool):
             raise ConfigError(f"model.init_seed = {self.init_seed!r}: expected an integer")
         self._validate_moe()
+        self._validate_lora()
         return self
+
+    def _validate_lora(self) -> None:
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"model.lora_rank = {self.lora_rank!r}: expected 0 (no adapters) or a "
+                              "positive integer")
+        if self.lora_rank == 0:
+            return
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"model.lora_alpha = {self.lora_alpha!r}: expected a value > 0")
+        valid = LORA_TARGETS[self.arch]
+        unknown = [t for t in self.lora_targets if t not in valid]
+        if unknown or not self.lora_targets:
+            raise ConfigError(f"model.lora_targets = {self.lora_targets!r}: "
+                              f"{'unknown module ' + repr(unknown[0]) if unknown else 'empty'}; "
+                              f"expected names among {list(valid)} (arch {self.arch})")
 
     def _validate_moe(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:

@@ -39,6 +39,7 @@ from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.layer import TransformerLayer
+from megazpp.model.lora import add_adapters
 from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
 from megazpp.parallel import comm
@@ -179,6 +180,7 @@ class GPTModel(nn.Module):
                 init_method=init.normal(head_name))
             if cfg.tie_embeddings and pre_process:
                 self.output_layer.weight = self.embedding.word_embeddings.weight
+        add_adapters(self, cfg)
 
     def tied_embedding_weight(self) -> nn.Parameter | None:
         """This stage's copy of the tied embedding/output weight, or None (untied, or a middle

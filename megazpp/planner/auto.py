@@ -29,7 +29,7 @@ from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import table
 from megazpp.config_planner import PlannerSettings
-from megazpp.planner.shape import StageShape, shape_of_model
+from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import formulas
 from megazpp.zero.strategy import Level, Strategy, parse_strategy, resolve_strategy
@@ -125,9 +125,15 @@ def measure_links(settings: PlannerSettings, topology: Topology) -> list[float]:
 
 
 def _stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape:
-    return shape_of_model(model, bucket_numel=min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size),
-                          threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
-                          stage=topology.pp_rank, layers=len(range(*topology.layer_range(cfg.model.num_layers))),
+    bucket_numel = min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
+    fraction = workload_of_config(cfg).trainable_fraction
+    if fraction < 1:  # frozen weights: that share of every group, as tools/plan.py models it
+        return shapes_of_config(cfg.model, tp=topology.tp, pp=topology.pp, bucket_numel=bucket_numel,
+                                threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
+                                trainable_fraction=fraction)[topology.pp_rank]
+    return shape_of_model(model, bucket_numel=bucket_numel, threshold=cfg.zero.module_granularity_threshold,
+                          fetch_mode=cfg.zero.fetch_groups, stage=topology.pp_rank,
+                          layers=len(range(*topology.layer_range(cfg.model.num_layers))),
                           first=topology.is_first_stage, last=topology.is_last_stage,
                           persistence=cfg.zero.stage3_param_persistence_threshold)
 

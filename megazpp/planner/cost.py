@@ -171,9 +171,10 @@ def reused_groups(s: Strategy, workload: Workload, padded: list[int], persistent
 
 def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
                     padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
-    """The PaRO paper's PEFT accounting: frozen weights of each fetch group sharded at p and
-    gathered with it (forward, backward unless kept), never reduced or updated. Returns (frozen bytes held, the
-    extra fetch phases, the largest gathered unit). megazpp's engine does not do this."""
+    """Frozen weights of each fetch group sharded at p and gathered with it (forward, backward
+    unless kept), never reduced or updated, as the engine holds them (`zero/frozen.py`; the PaRO
+    paper's PEFT accounting). Returns (frozen bytes held, the extra fetch phases, the largest
+    gathered unit)."""
     pb = workload.param_bytes
     fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_groups]
     held = formulas.state_bytes(s, fpadded, lay.d, lay.k, pb, workload.accum_bytes).params
@@ -269,7 +270,7 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
 
     ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
     frozen_bytes = stage.frozen * pb
-    if workload.shard_frozen and s.p != Level.N and stage.frozen_groups:
+    if s.p != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
         for name, extra in fetched.items():
             ph[name] = ph[name] + extra

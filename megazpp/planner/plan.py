@@ -134,7 +134,7 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
                  "buffers": m.transient_bytes}
         largest = max(parts, key=parts.get)
         remedy = {"model state": "raise TP / PP (or add nodes)",
-                  "frozen weights": "raise TP / PP (the engine shards only trainable weights)",
+                  "frozen weights": "raise TP / PP or shard parameters (p = I or G)",
                   "activations": "turn on activation checkpointing, shrink the micro-batch or raise TP "
                                  "(with sequence parallelism)",
                   "buffers": "use smaller gradient buckets (zero.reduce_bucket_size) or parameter units "

@@ -41,4 +41,4 @@ def summary(p: Plan, workload: Workload, cluster: Cluster) -> str:
             f"{workload.param_bytes}-byte weights, {workload.accum_bytes}-byte gradient accumulation"
             f"{', activation checkpointing' if workload.activation_checkpointing else ''}"
             f"{f', trainable fraction {workload.trainable_fraction:g}' if workload.trainable_fraction < 1 else ''}"
-            f"{' (frozen weights sharded at p, the PaRO paper accounting)' if workload.shard_frozen else ''}")
+            f"{' (frozen weights sharded at p)' if workload.trainable_fraction < 1 else ''}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from megazpp.config import Config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
+from megazpp.model.trainable import trainable_fraction
 from megazpp.planner.cluster import Cluster
 
 
@@ -27,8 +28,7 @@ class Workload:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     flash_attention: bool = True
-    trainable_fraction: float = 1.0  # PEFT: the rest of the weights is frozen
-    shard_frozen: bool = False  # PaRO paper's PEFT accounting: frozen weights sharded at p (not megazpp's engine)
+    trainable_fraction: float = 1.0  # PEFT: the rest of the weights is frozen (held at p, never reduced)
     paro_group_size: int | None = None  # None: the DP ranks of one node (the engine's default)
     hpz_size: int | None = None  # None: the DP ranks of one node (ZeRO++'s recommendation)
     bucket_numel: int = 500_000_000  # min(zero.reduce_bucket_size, zero.allgather_bucket_size)
@@ -77,4 +77,5 @@ def workload_of_config(cfg: Config) -> Workload:
         bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
         module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
         max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
-        hierarchical=z.hierarchical, persistence_threshold=z.stage3_param_persistence_threshold)
+        hierarchical=z.hierarchical, persistence_threshold=z.stage3_param_persistence_threshold,
+        trainable_fraction=trainable_fraction(cfg.model, t.trainable))

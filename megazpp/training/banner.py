@@ -12,6 +12,7 @@ from typing import Sequence, Sized
 
 from megazpp.config import Config
 from megazpp.model.flops import parameter_count
+from megazpp.model.trainable import trainable_fraction
 from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import Engine
 from megazpp.training.startup import Startup
@@ -36,6 +37,16 @@ def _strategy(cfg: Config, engine: Engine) -> str:
     return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}"
 
 
+def _trains(cfg: Config) -> str:
+    """What trains when not everything does (LoRA adapters, `training.trainable`)."""
+    fraction = trainable_fraction(cfg.model, cfg.training.trainable)
+    if fraction == 1.0:
+        return ""
+    what = [f"LoRA rank {cfg.model.lora_rank} adapters"] if cfg.model.lora_rank else []
+    what += cfg.training.trainable
+    return f"; training {fraction:.2%} of the weights ({', '.join(what)}), the rest frozen"
+
+
 def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[Sized | None],
            start: Startup) -> list[str]:
     m, t, ck = cfg.model, cfg.training, cfg.checkpoint
@@ -48,7 +59,7 @@ def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[S
     lines = [
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
         f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_count(m) / 1e6:.2f}M "
-        f"parameters, {precision}",
+        f"parameters, {precision}{_trains(cfg)}",
         f"layout: world {topology.world_size} = tp {topology.tp} x pp {topology.pp} x dp "
         f"{topology.dp}; {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks",
         f"data-parallel optimizer: {_strategy(cfg, engine)}",

@@ -465,9 +465,15 @@ def load_checkpoint(load_dir: str | os.PathLike, topology: Topology, *,
     raise CheckpointError(f"{root}: no loadable checkpoint: " + " | ".join(refused) + hint)
 
 
-def load_model_weights(model: torch.nn.Module, weights: dict[str, Any]) -> None:
+def load_model_weights(model: torch.nn.Module, weights: dict[str, Any],
+                       keep_own: Callable[[str], bool] | None = None) -> None:
     """`model.load_state_dict(weights)`, with a mismatch (another model shape or layout)
-    reported as a CheckpointError naming the first differing tensors."""
+    reported as a CheckpointError naming the first differing tensors. Tensors the checkpoint
+    lacks and `keep_own(name)` accepts keep the model's values (the LoRA adapters a fine-tune
+    adds to imported base weights)."""
+    if keep_own is not None:
+        own = {k: v for k, v in model.state_dict().items() if k not in weights and keep_own(k)}
+        weights = {**weights, **own}
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError) as exc:

@@ -38,6 +38,7 @@ from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
+from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -126,9 +127,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.buckets = self._build_buckets()
         self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
-        self.reused = (formulas.reuse_mask([b.layout.padded for b in self.fetched],
-                                           options.stage3_max_live_parameters, options.stage3_max_reuse_distance)
-                       if self.strategy.p != Level.N else ())
+        self.frozen = self._build_frozen()
+        keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
+                               options.stage3_max_reuse_distance) if self.strategy.p != Level.N else {})
+        self.reused = tuple(keep[id(b)] for b in self.fetched) if keep else ()
+        self._frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
                    "weight_decay": optimizer.weight_decay},
@@ -139,9 +142,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.p != Level.N:
-            self.fetcher = ParamFetcher(self.fetched, self.paths, self._unit_modules(),
-                                        self._unit_parents(), self._queue_backward_callback,
-                                        {id(b): kept for b, kept in zip(self.fetched, self.reused)},
+            self.fetcher = ParamFetcher(self.fetched + self.frozen, self.paths, self._unit_modules(),
+                                        self._unit_parents(), self._queue_backward_callback, keep,
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
@@ -195,6 +197,23 @@ class ZeroEngine(ScaledOptimizerEngine):
             buckets.append(bucket)
         return buckets
 
+    def _build_frozen(self) -> list[Bucket]:
+        """Buckets of the frozen parameters (`frozen.py`), held at level p."""
+        if all(p.requires_grad for p in self.model.parameters()):
+            return []
+        if self.strategy.p != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
+            raise ConfigError(f"zero strategy {self.strategy} with qwZ / hpZ and frozen parameters "
+                              f"(training.trainable, LoRA) is not implemented: turn off "
+                              f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
+        o = self.options
+        if self.strategy.p != Level.N and o.stage3_param_persistence_threshold > 0:
+            raise ConfigError(f"zero strategy {self.strategy} with zero.stage3_param_persistence_threshold "
+                              f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
+                              f"threshold to 0")
+        return frozen_buckets(self.model, self.strategy, self.groups.d, self.groups.k, self.topology.dp_rank,
+                              self.param_dtype, o.module_granularity_threshold, o.fetch_groups,
+                              min(o.allgather_bucket_size, o.reduce_bucket_size))
+
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
 
@@ -208,7 +227,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.g.name}) "
                               f"cannot be combined with tied embeddings split over pipeline stages; "
                               f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
-        return weight
+        return weight if weight is not None and weight.requires_grad else None
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
@@ -225,9 +244,10 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The group's unit roots plus any module elsewhere that registers one of its parameters
         (a tied output layer), so every user of a parameter gathers it first."""
-        owner = {id(p): b for b in self.fetched for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in self.fetched}
-        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in self.fetched}
+        fetched = self.fetched + self.frozen
+        owner = {id(p): b for b in fetched for p in b.layout.params}
+        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in fetched}
+        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in fetched}
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 b = owner.get(id(p))
@@ -237,7 +257,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
         """Modules whose direct children are unit roots, with those children and their groups."""
-        group_of = {id(m): b for b in self.fetched for m in b.modules}
+        group_of = {id(m): b for b in self.fetched + self.frozen for m in b.modules}
         out = []
         for module in self.model.modules():
             children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
@@ -411,7 +431,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is None:
             yield
             return
-        for b in self.fetched:
+        for b in self.fetched + self.frozen:
             self.fetcher.fetch(b)
         try:
             yield
@@ -426,7 +446,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Model-state bytes this rank holds, counted from the engine's own tensors."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
-        params = sum(nbytes(b.param_store) for b in self.buckets)
+        params = sum(nbytes(b.param_store) for b in self.buckets + self.frozen)
         grads = sum(nbytes(b.grad_acc) for b in self.buckets)
         optim = 0
         for b in self.buckets:
@@ -441,7 +461,9 @@ class ZeroEngine(ScaledOptimizerEngine):
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
         extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy, self.persistent)
-        return formulas.StateBytes(plain.params, plain.grads, plain.optimizer, extra)
+        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.d,
+                                    self.groups.k, self.param_dtype.itemsize)
+        return formulas.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
         extra = []
@@ -451,26 +473,35 @@ class ZeroEngine(ScaledOptimizerEngine):
                                                     self.topology.ranks_per_node))
         return extra
 
+    def _frozen_fetches(self, micro_batches: int) -> list[formulas.StepPart]:
+        return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
+                                  micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
+                                  reused=self._frozen_reused, warmup=self.pipeline_warmup(micro_batches))
+
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
-        return formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
-                                   accum_bytes=self.accum_dtype.itemsize,
-                                   extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                   reused=self.reused, persistent=self.persistent,
-                                   warmup=self.pipeline_warmup(micro_batches),
-                                   exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
+        intra, inter = formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                           micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
+                                           accum_bytes=self.accum_dtype.itemsize,
+                                           extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
+                                           reused=self.reused, persistent=self.persistent,
+                                           warmup=self.pipeline_warmup(micro_batches),
+                                           exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
+        for part in self._frozen_fetches(micro_batches):
+            a, b = part.bytes_once(self.shapes)
+            intra, inter = intra + part.times * a, inter + part.times * b
+        return intra, inter
 
     def expected_step_calls(self, micro_batches: int) -> int:
-        return formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                   micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                   zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
-                                   warmup=self.pipeline_warmup(micro_batches))
+        calls = formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
+                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
+                                    zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
+                                    warmup=self.pipeline_warmup(micro_batches))
+        return calls + sum(part.times * part.calls_once(self.shapes) for part in self._frozen_fetches(micro_batches))
 
     def pipeline_warmup(self, micro_batches: int) -> int:
         """Forward passes this stage runs before its first backward (1F1B, the schedule of every
         run with pipeline stages): kept fetch groups are gathered once per step then."""
-        pp, stage = getattr(self.topology, "pp", 1), getattr(self.topology, "pp_rank", 0)
-        return min(pp - stage - 1, micro_batches)
+        return min(self.topology.pp - self.topology.pp_rank - 1, micro_batches)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""

@@ -33,6 +33,7 @@ class CheckpointedEngine(Protocol):
     topology: Topology
     step_count: int
     buckets: list[Bucket]
+    frozen: list[Bucket]
     optimizer: torch.optim.Optimizer
     scaler: LossScaler | None
     fetcher: ParamFetcher | None
@@ -51,7 +52,7 @@ def engine_state_dict(engine: CheckpointedEngine) -> dict[str, Any]:
     master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
     return {"strategy": engine.strategy.name, "dp": engine.groups.d, "k": engine.groups.k,
             "dp_rank": engine.topology.dp_rank, "step_count": engine.step_count,
-            "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in engine.buckets],
+            "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in engine.buckets + engine.frozen],
             "optimizer": engine.optimizer.state_dict(),
             "optimizer_slots": [list(slot) for slot in _optimizer_slots(engine)],
             "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
@@ -87,10 +88,11 @@ def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None
         raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
                               f"= {theirs}, this run is {mine}; a checkpoint of another layout "
                               f"resumes through megazpp.interop.reshard")
-    if len(state["buckets"]) != len(engine.buckets):
+    held = engine.buckets + engine.frozen
+    if len(state["buckets"]) != len(held):
         raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
-                              f"here has {len(engine.buckets)}")
-    for b, saved in zip(engine.buckets, state["buckets"]):
+                              f"here has {len(held)} (trainable and frozen)")
+    for b, saved in zip(held, state["buckets"]):
         if "layout" in saved and saved["layout"] != b.layout.describe():
             raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
                                   f"(parameters, padding or ZeRO++ alignment); it resumes through "
@@ -129,9 +131,12 @@ def _load_full_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     reset = []
     with torch.no_grad():
-        for b in engine.buckets:
+        frozen = {id(b) for b in engine.frozen}
+        for b in engine.buckets + engine.frozen:
             lo, hi = b.layout.shard_range(Level.N if b.persistent else s.p)
             b.param_store.copy_(_flat(b, state["params"], "parameter", engine.param_dtype)[lo:hi])
+            if id(b) in frozen:  # parameters only
+                continue
             b.grad_acc.zero_()
             os_lo, _ = b.layout.shard_range(s.os)
             masters = _flat(b, state["masters"], "fp32 master", torch.float32)

@@ -46,28 +46,29 @@ class ParamGroupSpec:
         return sum(p.numel() for _, p in self.params)
 
 
-def _subtree_stats(module: nn.Module) -> tuple[int, int]:
-    """(trainable parameter elements in the subtree, number of descendant modules)."""
-    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+def _subtree_stats(module: nn.Module, trainable: bool = True) -> tuple[int, int]:
+    """(trainable (or frozen) parameter elements in the subtree, number of descendant modules)."""
+    numel = sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)
     descendants = sum(1 for _ in module.modules()) - 1
     return numel, descendants
 
 
-def is_fine_grained(module: nn.Module, threshold: int) -> bool:
-    numel, descendants = _subtree_stats(module)
+def is_fine_grained(module: nn.Module, threshold: int, trainable: bool = True) -> bool:
+    numel, descendants = _subtree_stats(module, trainable)
     return numel > 0 and numel / (1 + descendants) < threshold
 
 
-def parameter_units(model: nn.Module, threshold: int) -> list[ParamGroupSpec]:
-    """Units in module-registration order (the recorded execution order refines prefetch)."""
+def parameter_units(model: nn.Module, threshold: int, trainable: bool = True) -> list[ParamGroupSpec]:
+    """Units in module-registration order (the recorded execution order refines prefetch), of
+    the trainable parameters, or of the frozen ones (`trainable=False`)."""
     units: list[ParamGroupSpec] = []
     seen: set[int] = set()
 
     def visit(name: str, module: nn.Module) -> None:
-        if is_fine_grained(module, threshold):
+        if is_fine_grained(module, threshold, trainable):
             unit = ParamGroupSpec(name or "<root>", modules=[module])
             for pname, p in module.named_parameters(prefix=name):
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad == trainable and id(p) not in seen:
                     seen.add(id(p))
                     unit.params.append((pname, p))
             if unit.params:
@@ -75,7 +76,7 @@ def parameter_units(model: nn.Module, threshold: int) -> list[ParamGroupSpec]:
             return
         own = ParamGroupSpec(name or "<root>", modules=[module])
         for pname, p in module.named_parameters(prefix=name, recurse=False):
-            if p.requires_grad and id(p) not in seen:
+            if p.requires_grad == trainable and id(p) not in seen:
                 seen.add(id(p))
                 own.params.append((pname, p))
         if own.params:

@@ -43,7 +43,7 @@ def sync_tied_embedding_grads(model: nn.Module, topo: Topology, engine: Any) -> 
     if topo.pp == 1 or not (topo.is_first_stage or topo.is_last_stage):
         return
     weight = _stage_copy(model)
-    if weight is None:
+    if weight is None or not weight.requires_grad:  # frozen (training.trainable): nothing to sync
         return
     grad = _accumulated_grad(engine, weight)
     if grad is None:

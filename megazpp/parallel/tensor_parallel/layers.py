@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import mappings
+from megazpp.parallel.tensor_parallel.lora import LowRankAdapter
 from megazpp.parallel.tensor_parallel.registry import mark_tp_sharded
 
 InitMethod = Callable[[torch.Tensor], Any]
@@ -71,6 +72,12 @@ class ColumnParallelLinear(nn.Module):
                                            "ColumnParallelLinear bias")
         else:
             self.register_parameter("bias", None)
+        self.lora: LowRankAdapter | None = None
+
+    def add_adapter(self, rank: int, alpha: float, a_values: torch.Tensor) -> None:
+        """A LoRA adapter of rank `rank` (`a_values`: the full r x in A, from the caller's init)."""
+        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "column",
+                                   self.tp_group, a_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -78,6 +85,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tp_region(x, self.tp_group)
         y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return mappings.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -102,11 +111,19 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features))
         else:
             self.register_parameter("bias", None)
+        self.lora: LowRankAdapter | None = None
+
+    def add_adapter(self, rank: int, alpha: float, a_values: torch.Tensor) -> None:
+        """A LoRA adapter of rank `rank` (`a_values`: the full r x in A, from the caller's init)."""
+        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "row",
+                                   self.tp_group, a_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp_region(x, self.tp_group)
         y = F.linear(x, self.weight)
+        if self.lora is not None:  # a partial sum like y: reduced with it
+            y = y + self.lora(x)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
             bias = None if self.bias is None else mappings.copy_to_tp_region(self.bias, self.tp_group)

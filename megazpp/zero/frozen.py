@@ -1,0 +1,76 @@
+"""Frozen parameters under a PaRO strategy: held at level p like the trainable ones, gathered
+by the same hooks, never reduced or updated.
+
+Why: with few trainable parameters (LoRA, a few layers) the frozen weights are most of the
+memory, and the PaRO paper's point for PEFT is to shard them by the strategy's p level (ING:
+parameters inside the node, gradients whole, optimizer state over everyone). Frozen weights
+get their own buckets (fetch groups of the frozen units, `units.parameter_units(trainable=
+False)`) with a parameter shard only: no gradient accumulator, no fp32 master, no Adam moments,
+so gradient and optimizer memory follow the trainable elements alone. With p = N the bucket is
+the replicated flat buffer the parameters are views of.
+
+A frozen group is fetched before the forward of its modules and, when the backward passes
+through them (a LoRA adapter after a frozen weight needs the weight for the input gradient),
+again before their backward unless kept from forward, exactly like a trainable group; having
+no gradients to wait for, it is released at the end of the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megazpp.zero import formulas
+from megazpp.zero.bucket import Bucket
+from megazpp.zero.layout import BucketLayout
+from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.units import fetch_groups, parameter_units
+
+FROZEN_PREFIX = "frozen/"
+
+
+def frozen_buckets(model: nn.Module, strategy: Strategy, d: int, k: int, dp_index: int, dtype: torch.dtype,
+                   threshold: int, mode: str, max_numel: int) -> list[Bucket]:
+    """One parameter-only bucket per fetch group of the model's frozen parameters."""
+    specs = fetch_groups(model, parameter_units(model, threshold, trainable=False), mode, max_numel)
+    buckets = []
+    for spec in specs:
+        layout = BucketLayout.build(spec.params, d, k, dp_index)
+        lo, hi = layout.shard_range(strategy.p)
+        store = layout.flatten(dtype)[lo:hi].clone()
+        if strategy.p == Level.N:
+            layout.view_params_into(store)
+        buckets.append(Bucket(FROZEN_PREFIX + spec.name, layout, spec.modules, store, store.new_zeros(0), [], []))
+    return buckets
+
+
+def frozen_param_bytes(strategy: Strategy, padded_numels: list[int], d: int, k: int, param_bytes: int) -> int:
+    """Bytes of frozen parameters one rank holds: formulas.state_bytes' parameter term alone."""
+    return formulas.state_bytes(strategy, padded_numels, d, k, param_bytes, 0).params
+
+
+def execution_keep(trainable: list[Bucket], frozen: list[Bucket], model: nn.Module, max_live: int,
+                   max_reuse_distance: int) -> dict[int, bool]:
+    """Which groups stay gathered from forward to backward (`formulas.reuse_mask`), over the
+    trainable and frozen groups together in the order their modules are registered."""
+    position = {id(m): i for i, m in enumerate(model.modules())}
+    ordered = sorted(trainable + frozen, key=lambda b: position[id(b.modules[0])])
+    mask = formulas.reuse_mask([b.layout.padded for b in ordered], max_live, max_reuse_distance)
+    return {id(b): kept for b, kept in zip(ordered, mask)}
+
+
+FETCH_PHASES = ("fetch_forward", "fetch_forward_once", "fetch_backward")
+
+
+def frozen_fetch_parts(strategy: Strategy, padded_numels: list[int], shapes: formulas.DPShapes,
+                       hier: formulas.Hierarchy, *, micro_batches: int, param_bytes: int,
+                       reused: tuple[bool, ...], warmup: int = 0) -> list[formulas.StepPart]:
+    """The fetch phases of `formulas.step_parts` on the frozen groups (none with p = N): the
+    forward gather of each group per micro-batch, and a backward gather of each group not kept,
+    counted as if the backward passed through every frozen group (one that lies before the
+    first trainable parameter, such as a frozen embedding, is not gathered in backward)."""
+    if strategy.p == Level.N or not padded_numels:
+        return []
+    parts = formulas.step_parts(strategy, padded_numels, shapes, hier, micro_batches=micro_batches,
+                                param_bytes=param_bytes, accum_bytes=0, reused=reused, warmup=warmup)
+    return [parts[name] for name in FETCH_PHASES]
