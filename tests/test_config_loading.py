@@ -120,7 +120,7 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
     (tmp_path / "persist").mkdir()
     persist = write_json(tmp_path / "persist", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 1e5}})
-    z = load_config(["--config", base_yaml, "--deepspeed_config", persist]).validate(world_size=1).zero
+    z = validate_config(load_config(["--config", base_yaml, "--deepspeed_config", persist]), world_size=1).zero
     assert (z.stage, z.stage3_param_persistence_threshold) == (3, 100_000)
 
 
