@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megazpp.config import load_config
+from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
@@ -48,7 +49,7 @@ def test_what_trains():
 def test_bad_settings_are_refused_in_one_line(flags, message):
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64", *flags]
     with pytest.raises(ConfigError) as info:
-        load_config(args).validate()
+        validate_config(load_config(args))
     assert message in str(info.value) and "\n" not in str(info.value)
 
 

@@ -60,6 +60,11 @@ class Bucket:
     def num_params(self) -> int:
         return len(self.layout.params)
 
+    @property
+    def frozen(self) -> bool:
+        """A group of frozen parameters (`zero/frozen.py`): a parameter shard and no gradients."""
+        return self.grad_acc.numel() == 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "padded": self.layout.padded,
                 "param_store": self.param_store.clone(), "grad_acc": self.grad_acc.clone(),

@@ -118,9 +118,12 @@ class ParamFetcher:
 
     def backward_finished(self) -> None:
         """End of one backward: release what it gathered, except groups kept for backward
-        passes still to come."""
+        passes still to come. A frozen group has no gradients to report, so the end of the
+        backward is where one backward it was kept for has passed."""
         for b in self._buckets:
-            if id(b) not in self._owed:
+            if b.frozen:
+                self.gradients_done(b)
+            elif id(b) not in self._owed:
                 self.release(b)
         self._running.clear()
         self.backward_active = False
