@@ -135,6 +135,9 @@ class CheckpointConfig:
     load_optional: bool = False
     # Allow a run that starts below the newest checkpoint in `save` to move `latest` back.
     overwrite_newer_checkpoints: bool = False
+    # Save only the trainable parameters (LoRA adapters, `training.trainable`) and their state;
+    # the frozen base is reloaded from the import or init the run started from (frozen_base.py).
+    save_adapters_only: bool = False
 
 
 @dataclass
@@ -244,6 +247,9 @@ class Config:
             from megazpp.model.trainable import trainable_rule  # builds a meta-device model
 
             trainable_rule(self.training.trainable, self.model)
+        if self.checkpoint.save_adapters_only and not (self.model.lora_rank or self.training.trainable):
+            raise ConfigError("checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
+                              "and training.trainable is empty), so there is no frozen base to leave out")
         _refuse_not_implemented(self)
         return self
 

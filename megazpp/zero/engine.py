@@ -36,7 +36,7 @@ from megazpp.training.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
-from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
+from megazpp.zero.frozen import FROZEN_SAVED_KEY, execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -485,14 +485,16 @@ class ZeroEngine(ScaledOptimizerEngine):
                 "param_all_gathers": self.fetcher.all_gather_calls}
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
         """This rank's state, plus what a reader needs to place it without this engine: each
         bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
         the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
-        master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
+        master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen`
+        the frozen buckets are left out (an adapters-only checkpoint)."""
+        held = self.buckets + self.frozen if frozen else self.buckets
         return {"strategy": self.strategy.name, "dp": self.groups.d, "k": self.groups.k,
-                "dp_rank": self.topology.dp_rank, "step_count": self.step_count,
-                "buckets": [{**b.state_dict(), **self._placement(b)} for b in self.buckets + self.frozen],
+                "dp_rank": self.topology.dp_rank, "step_count": self.step_count, FROZEN_SAVED_KEY: frozen,
+                "buckets": [{**b.state_dict(), **self._placement(b)} for b in held],
                 "optimizer": self.optimizer.state_dict(),
                 "optimizer_slots": [list(slot) for slot in self._optimizer_slots()],
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None}
@@ -525,7 +527,8 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
                                   f"= {theirs}, this run is {mine}; a checkpoint of another layout "
                                   f"resumes through megazpp.interop.reshard")
-        held = self.buckets + self.frozen
+        # without its frozen buckets: they hold the base the model was built with, never updated
+        held = self.buckets + self.frozen if state.get(FROZEN_SAVED_KEY, True) else self.buckets
         if len(state["buckets"]) != len(held):
             raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
                                   f"here has {len(held)} (trainable and frozen)")
