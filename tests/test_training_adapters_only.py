@@ -6,7 +6,7 @@ gives the uninterrupted run's losses bit for bit; a moved, edited or other base 
 one line at start-up; the export merges with the recorded base into transformers-equal logits.
 Two ranks from the init, the last layer under ZeRO-3 (GGG: frozen weights sharded) and LoRA
 over two pipeline stages: no frozen bucket or weight is written, resume is bitwise, another
-init seed is refused.
+init seed is refused (and, under ZeRO, resuming with another strategy, which would reshard).
 """
 
 from __future__ import annotations
@@ -177,3 +177,7 @@ def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tin
                                               r"expected its base the model init \(init_seed=1234\); the model's "
                                               r"init_seed is 7"):
         prepare([*run, "--load", str(tmp_path / "half"), "--init-seed", "7"], 2)
+    if kind == "zero3_last_layer":  # another strategy would reshard: it needs the frozen weights left out
+        with pytest.raises(RuntimeError, match=r"half/iter_0000002: an adapters-only checkpoint resumes only "
+                                               r"under the data-parallel size and PaRO strategy that saved it"):
+            run_ranks(_pretrain, 2, [*run, "--load", str(tmp_path / "half"), "--paro-strategy", "NNG"], timeout_s=300)
