@@ -2,10 +2,10 @@
 
 The two exporters (Hugging Face directory, one safetensors file) share this path: read every
 (tp, pp) part, glue the TP shards along their split dimension, join the pipeline stages,
-optionally cast. An adapters-only checkpoint's frozen weights come from the base it records
-(an import, or the model's init), checked unchanged. Reading goes through CheckpointReader, the one place that knows which rank
+optionally cast. Reading goes through CheckpointReader, the one place that knows which rank
 files and which engine state hold a part's weights, so supporting ZeRO-sharded checkpoints
-there makes both exports work for them.
+there makes both exports work for them. An adapters-only checkpoint's frozen weights come from
+the base it records (an import, or the model's init), checked unchanged.
 """
 
 from __future__ import annotations

@@ -44,7 +44,9 @@ class FrozenBase:
         return {"load": self.load, "digest": self.digest}
 
     def describe(self) -> str:
-        return f"the import {self.load} ({self.digest[:19]}...)" if self.load else f"the model init ({self.digest})"
+        if self.load is None:
+            return f"the model init ({self.digest})"
+        return f"the import {self.load} ({self.digest[:19]}...)"
 
 
 def import_base(load_dir: str) -> FrozenBase:
