@@ -4,7 +4,7 @@ One process (LocalEngine), LoRA from a Hugging Face import: the rank files hold 
 and nothing frozen, metadata.json records the import; a run resumed from its step-2 checkpoint
 gives the uninterrupted run's losses bit for bit; a moved, edited or other base is refused in
 one line at start-up; the export merges with the recorded base into transformers-equal logits.
-Two ranks from the init, the last layer under ZeRO-3 (GGG: frozen weights sharded) and LoRA
+Two ranks from the init, the last layer in bf16 under ZeRO-3 (GGG: frozen weights sharded) and LoRA
 over two pipeline stages: no frozen bucket or weight is written, resume is bitwise, another
 init seed is refused (and, under ZeRO, resuming with another strategy, which would reshard).
 """
@@ -143,7 +143,7 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
 
 
 RANK_RUNS = {  # (model, training.trainable, flags, what a rank file's model state may hold)
-    "zero3_last_layer": (LLAMA, ["last:1"], ["--paro-strategy", "GGG", "--global-batch-size", "4"],
+    "zero3_last_layer_bf16": (LLAMA, ["last:1"], ["--paro-strategy", "GGG", "--global-batch-size", "4", "--bf16"],
                          lambda k: k.startswith("layers.1.")),
     "pp2_lora": (LORA, [], ["--pipeline-model-parallel-size", "2"], is_adapter),
 }
@@ -177,7 +177,7 @@ def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tin
                                               r"expected its base the model init \(init_seed=1234\); the model's "
                                               r"init_seed is 7"):
         prepare([*run, "--load", str(tmp_path / "half"), "--init-seed", "7"], 2)
-    if kind == "zero3_last_layer":  # another strategy would reshard: it needs the frozen weights left out
+    if kind == "zero3_last_layer_bf16":  # another strategy would reshard: it needs the frozen weights left out
         with pytest.raises(RuntimeError, match=r"half/iter_0000002: an adapters-only checkpoint resumes only "
                                                r"under the data-parallel size and PaRO strategy that saved it"):
             run_ranks(_pretrain, 2, [*run, "--load", str(tmp_path / "half"), "--paro-strategy", "NNG"], timeout_s=300)
