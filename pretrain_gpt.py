@@ -37,9 +37,10 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
-                                         check_save_dir, is_weights_only, load_checkpoint,
-                                         load_model_weights)
+                                         check_save_dir, is_weights_only, latest_checkpoint,
+                                         load_checkpoint, load_model_weights, read_metadata)
 from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
@@ -105,6 +106,11 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
         # unreadable newest checkpoint: the loader names the damage, or falls back when asked
         reshard = False
     if reshard:
+        path = latest_checkpoint(load_dir)
+        if path is not None and BASE_KEY in read_metadata(path):
+            raise CheckpointError(f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
+                                  "size and PaRO strategy that saved it (resharding needs the frozen weights "
+                                  "it leaves out)")
         return load_resharded(load_dir, topology, model, engine)
     return load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
 
@@ -152,13 +158,16 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
         vocab_size=cfg.model.vocab_size)
     load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
-    loaded = (load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
-              if imported else None)
+    # the import the run starts from, or the one an adapters-only checkpoint's frozen weights are in
+    base_dir = start.base.load if start.base is not None else None
+    base = (load_checkpoint(base_dir, topology, fallback=imported and cfg.checkpoint.load_fallback)
+            if base_dir is not None else None)
     model = build_model(cfg, topology, device)
-    if loaded is not None:
+    if base is not None:
         # before the engine exists: it copies the weights into its fp32 masters and shards
-        load_model_weights(model, loaded.state["model"], keep_own=is_adapter)
+        load_model_weights(model, base.state["model"], keep_own=is_adapter)
     engine = build_engine(cfg, model, topology)
+    loaded = base if imported else None
     if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
     if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
@@ -175,7 +184,7 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     for line in banner(cfg, topology, engine, (train_ds, valid_ds), start):
         logger.info(line)
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
-                      forward_backward_fn=pick_schedule(cfg, topology))
+                      forward_backward_fn=pick_schedule(cfg, topology), base=start.base)
     if loaded is None:
         where = f" in {load_dir}" if load_dir else " (no --load or --save)"
         logger.info(f"no checkpoint to load{where}: starting from scratch")

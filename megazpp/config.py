@@ -133,6 +133,9 @@ class CheckpointConfig:
     load_optional: bool = False
     # Allow a run that starts below the newest checkpoint in `save` to move `latest` back.
     overwrite_newer_checkpoints: bool = False
+    # Save only the trainable parameters (LoRA adapters, `training.trainable`) and their state;
+    # the frozen base is reloaded from the import or init the run started from (frozen_base.py).
+    save_adapters_only: bool = False
 
 
 @dataclass

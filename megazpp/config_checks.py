@@ -31,6 +31,9 @@ def validate_config(cfg: Config, world_size: int = 1) -> Config:
     cfg.planner.validate()
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
+    if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
+        raise ConfigError("checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
+                          "and training.trainable is empty), so there is no frozen base to leave out")
     refuse_not_implemented(cfg)
     return cfg
 

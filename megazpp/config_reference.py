@@ -99,6 +99,7 @@ HELP: dict[str, str] = {
     "checkpoint.load_fallback": "load the previous complete checkpoint if the newest is refused",
     "checkpoint.load_optional": "a --load holding no checkpoint starts from scratch instead of being refused",
     "checkpoint.overwrite_newer_checkpoints": "allow a run starting below --save's newest checkpoint to move latest back",
+    "checkpoint.save_adapters_only": "save only what trains (LoRA adapters, training.trainable) and its state; resuming reloads the recorded frozen base",
     "logging.tensorboard_dir": "TensorBoard event directory (none: console only)",
     "logging.log_interval": "console line and TensorBoard points every N steps",
     "parallel.tensor_model_parallel_size": "tensor-parallel ranks",

@@ -4,7 +4,8 @@
 Per strategy and model: the losses of NNN (everything replicated) within 1e-6 over 3 steps;
 frozen weights bitwise unchanged after training (gathered); the engine's state saved
 after step 1 and loaded into a fresh model + engine gives the next steps' losses bitwise
-(frozen shards are part of the state); model-state bytes held per rank
+(the frozen subset's shards are part of the state; LoRA's state leaves its frozen buckets out,
+as an adapters-only checkpoint does, and the fresh model's init is their base); model-state bytes held per rank
 equal to the formulas, with the parameter term over trainable and frozen buckets and the
 gradient / optimizer terms over the trainable ones only; counted bytes and calls of every step
 equal to the formulas (the frozen groups' gathers included). NNN itself matches a single-process
@@ -30,6 +31,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import LocalEngine
 from megazpp.zero import formulas
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.frozen import FROZEN_PREFIX
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
 STEPS, MICRO = 3, 2
@@ -109,7 +111,9 @@ def _strategies_rank() -> dict:
                                 ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                                 topo)
             steps = _train(model, engine, cfg, topo, range(1))
-            saved = copy.deepcopy(engine.state_dict())
+            # LoRA resumes adapters-only (frozen buckets left out: the fresh model's init is the
+            # base), the subset from the whole state
+            saved = copy.deepcopy(engine.state_dict(frozen=kind != "lora"))
             steps += _train(model, engine, cfg, topo, range(1, STEPS))
             with engine.gathered_parameters():
                 after = _frozen(model)
@@ -120,6 +124,7 @@ def _strategies_rank() -> dict:
             resumed.load_state_dict(saved)
             report[f"{kind}/{name}"] = {
                 "resumed_losses": [s["loss"] for s in _train(resumed_model, resumed, cfg, topo, range(1, STEPS))],
+                "saved_buckets": [b["name"] for b in saved["buckets"]],
                 "losses": [s["loss"] for s in steps], "steps": steps,
                 "held": engine.held_bytes(), "expected": engine.expected_bytes(),
                 "frozen_unchanged": before.keys() == after.keys() and all(
@@ -147,6 +152,8 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert max(abs(a - b) for a, b in zip(run["losses"], base)) < 1e-6, (kind, name, rank, run["losses"])
                 assert run["frozen_unchanged"], (kind, name, rank)
                 assert run["resumed_losses"] == run["losses"][1:], (kind, name, rank)  # bitwise
+                saved_frozen = [b for b in run["saved_buckets"] if b.startswith(FROZEN_PREFIX)]
+                assert len(saved_frozen) == (0 if kind == "lora" else len(run["frozen_padded"])), (kind, name)
                 for s in run["steps"]:  # frozen groups' gathers included
                     assert s["counted"] == s["predicted"] and s["calls"] == s["predicted_calls"], (kind, name, rank, s)
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])

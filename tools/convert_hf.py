@@ -11,8 +11,10 @@ a tokenizer.model in the HF directory is checked against the model and copied to
 config.json + model.safetensors (sharded above --max-shard-gb) loadable by transformers'
 LlamaForCausalLM, with the run's tokenizer.model when the checkpoint's saved config names one
 that exists (or --tokenizer-model). The model config comes from the checkpoint (training and
-imports record it); a --config given after the export options must agree with it. Neither
-command overwrites: an existing --save checkpoint or --hf-dir model is refused.
+imports record it); a --config given after the export options must agree with it. LoRA
+adapters are folded into their weights; an adapters-only checkpoint (--save-adapters-only)
+takes its frozen weights from the base it records, refused when that base is gone or changed.
+Neither command overwrites: an existing --save checkpoint or --hf-dir model is refused.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ The tensor- and pipeline-parallel pieces are glued back into the single-process 
 tensors, keyed by megazpp's parameter names; the model config is stored in the file's
 metadata (key "megazpp_model_config", JSON). The model config comes from the checkpoint
 (training and imports record it); a --config given after the options must agree with it.
+An adapters-only checkpoint's frozen weights come from the base it records (checked unchanged).
 An existing FILE is never overwritten (the same rule as convert_hf.py export).
 """
 

@@ -4,7 +4,8 @@ The two exporters (Hugging Face directory, one safetensors file) share this path
 (tp, pp) part, glue the TP shards along their split dimension, join the pipeline stages,
 optionally cast. Reading goes through CheckpointReader, the one place that knows which rank
 files and which engine state hold a part's weights, so supporting ZeRO-sharded checkpoints
-there makes both exports work for them.
+there makes both exports work for them. An adapters-only checkpoint's frozen weights come from
+the base it records (an import, or the model's init), checked unchanged.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 
 from megazpp.errors import ConfigError
 from megazpp.interop.checkpoint_io import CheckpointReader
-from megazpp.interop.model_layout import merge_stages, merge_tp_shards, stage_layouts
+from megazpp.interop.model_layout import merge_stages, merge_tp_shards, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.training.frozen_base import check_base, recorded_base
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,16 +37,35 @@ def cast(weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict
     return {k: v if dtype is None else v.to(dtype) for k, v in weights.items()}
 
 
+def base_weights(reader: CheckpointReader, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The full weights of the base an adapters-only checkpoint records (refused when missing
+    or changed); None for a checkpoint that holds every weight."""
+    base = recorded_base(reader.path, reader.meta)
+    if base is None:
+        return None
+    check_base(reader.path, base, cfg.init_seed)
+    if base.load is None:  # the init, seeded per parameter name whatever the layout
+        return dict(GPTModel(cfg).state_dict())
+    imported = CheckpointReader(base.load)
+    return consolidated_weights(imported, imported.model_config())
+
+
 def consolidated_weights(reader: CheckpointReader, cfg: ModelConfig, *,
                          masters: bool = False) -> dict[str, torch.Tensor]:
     """Full weights keyed like the single-process model's parameters. `masters` takes the
     fp32 master copies of a bf16/fp16 run (the precise values the optimizer updates) instead
     of the rounded model weights."""
     stages = stage_layouts(cfg, reader.tp, reader.pp)
+    base = base_weights(reader, cfg)
     merged = []
     for stage in stages:
-        parts = [reader.part_weights(tp_rank, stage.pp_rank, stage, masters)
-                 for tp_rank in range(reader.tp)]
+        parts = []
+        for tp_rank in range(reader.tp):
+            part = reader.part_weights(tp_rank, stage.pp_rank, stage, masters)
+            if base is not None:  # an adapters-only checkpoint: the frozen weights are the base's
+                absent = [k for k in stage.keys if k not in part]
+                part = {**shard_for_rank(base, stage, cfg, reader.tp, tp_rank, absent), **part}
+            parts.append(part)
         merged.append(merge_tp_shards(parts, stage, f"{reader.path} (pipeline stage "
                                                     f"{stage.pp_rank})"))
     return merge_stages(merged, cfg, str(reader.path))

@@ -15,7 +15,7 @@ stage without the embedding holds its own copy under `output_layer.weight`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -103,10 +103,11 @@ def _full_source(key: str, cfg: ModelConfig) -> str:
 
 
 def shard_for_rank(full: Mapping[str, torch.Tensor], stage: StageLayout, cfg: ModelConfig,
-                   tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
-    """The state dict of the model part on (tp_rank, stage), cut from full weights."""
+                   tp: int, tp_rank: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of the model part on (tp_rank, stage), cut from full weights (only its
+    `keys` when given)."""
     out = {}
-    for key in stage.keys:
+    for key in stage.keys if keys is None else keys:
         source = _full_source(key, cfg)
         if source not in full:
             raise CheckpointError(f"full weights lack {source!r}")

@@ -60,7 +60,7 @@ class Engine(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -182,7 +182,9 @@ class LocalEngine(ScaledOptimizerEngine):
             g.zero_()
         self._touched = [False] * len(self._touched)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+        """Optimizer, fp32 masters and loss scale of the trainable parameters; the frozen
+        ones live in the model only, so `frozen` leaves nothing out here."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [m.detach().clone() for m in self.masters] if self._mixed else None,

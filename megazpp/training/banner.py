@@ -56,6 +56,8 @@ def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[S
         f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation")
     saving = (f"{ck.save} every {ck.save_interval} steps and at the last" if ck.save and
               ck.save_interval else f"{ck.save} at the last step" if ck.save else "not saved")
+    if ck.save and ck.save_adapters_only and start.base is not None:
+        saving += f", adapters only (frozen base: {start.base.describe()})"
     lines = [
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
         f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_count(m) / 1e6:.2f}M "

@@ -31,6 +31,7 @@ from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
+from megazpp.training.frozen_base import FrozenBase, run_base
 from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
@@ -46,6 +47,7 @@ class Startup:
     load_dir: str | None  # the checkpoint directory to start from; None: from scratch
     why: str  # why that directory (or why none), for the start-up banner
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
+    base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
 
 
 def torchrun_restart_count() -> int:
@@ -113,8 +115,8 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
 
 def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
-    included), check inputs and fault specs, choose the checkpoint; a MegazppError before any
-    work otherwise."""
+    included), check inputs and fault specs, choose the checkpoint and check the frozen base
+    an adapters-only one needs; a MegazppError before any work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
@@ -125,7 +127,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
-    return Startup(cfg, load_dir, why, notes)
+    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedChe
                                          load_model_weights,
                                          restore_rng_state, save_checkpoint)
 from megazpp.optim.engine import Engine, StepResult
+from megazpp.training.frozen_base import BASE_KEY, FrozenBase, frozen_names, without_frozen
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
@@ -72,8 +73,12 @@ def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device)
 class Trainer:
     def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Topology,
                  train_ds: Any, valid_ds: Any, logger: TrainingLogger, device: torch.device,
-                 *, forward_backward_fn: ForwardBackward = forward_backward) -> None:
+                 *, forward_backward_fn: ForwardBackward = forward_backward,
+                 base: FrozenBase | None = None) -> None:
+        """`base`: where the frozen weights came from (`frozen_base.run_base`), recorded by
+        adapters-only saves."""
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
+        self.base = base
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
@@ -90,17 +95,24 @@ class Trainer:
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs; with `checkpoint.save_adapters_only`, less the frozen
+        parameters and their engine buckets (the recorded base has them)."""
+        whole = not self.cfg.checkpoint.save_adapters_only
+        model = self.model.state_dict()
         return {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
-            "model": self.model.state_dict(),
-            "engine": self.engine.state_dict(),
+            "model": model if whole else without_frozen(model, self.model),
+            "engine": self.engine.state_dict(frozen=whole),
             "lr_schedule": self.lr_schedule.state_dict(),
             "rng": capture_rng_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_model_weights(self.model, state["model"])
+    def load_state_dict(self, state: dict[str, Any], *, adapters_only: bool = False) -> None:
+        """`adapters_only`: the state lacks the frozen parameters; the model keeps its own (the
+        base loaded before the engine was built)."""
+        keep_own = frozen_names(self.model).__contains__ if adapters_only else None
+        load_model_weights(self.model, state["model"], keep_own=keep_own)
         self.engine.load_state_dict(state["engine"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         restore_rng_state(state["rng"])
@@ -114,7 +126,7 @@ class Trainer:
         if missing:
             raise CheckpointError(f"{loaded.path}: this rank's file lacks {missing} (not a "
                                   "training checkpoint?)")
-        self.load_state_dict(loaded.state)
+        self.load_state_dict(loaded.state, adapters_only=BASE_KEY in loaded.metadata)
         self.last_checkpoint = loaded.path
         return self.iteration
 
@@ -132,9 +144,18 @@ class Trainer:
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
             extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
-                            CONFIG_KEY: self.cfg.to_dict()})
+                            CONFIG_KEY: self.cfg.to_dict(), **self._base_record()})
         self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved "
                          f"checkpoint {self.last_checkpoint}")
+
+    def _base_record(self) -> dict[str, Any]:
+        """metadata.json's record of the base an adapters-only checkpoint needs."""
+        if not self.cfg.checkpoint.save_adapters_only:
+            return {}
+        if self.base is None:
+            raise CheckpointError("checkpoint.save_adapters_only: the trainer was given no base "
+                                  "(frozen_base.run_base) to record")
+        return {BASE_KEY: self.base.record()}
 
     # -- the loop -----------------------------------------------------------------------------
     def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:

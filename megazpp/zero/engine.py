@@ -511,8 +511,9 @@ class ZeroEngine(ScaledOptimizerEngine):
                 "param_all_gathers": self.fetcher.all_gather_calls}
 
     # -- checkpoints (`engine_state`) ----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return engine_state_dict(self)
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+        """Without `frozen` the frozen buckets are left out (an adapters-only checkpoint)."""
+        return engine_state_dict(self, frozen=frozen)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_engine_state(self, state)

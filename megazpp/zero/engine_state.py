@@ -17,6 +17,7 @@ from megazpp.optim.loss_scaler import LossScaler
 from megazpp.parallel.topology import Topology
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.frozen import FROZEN_SAVED_KEY
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.strategy import Level, Strategy
@@ -45,14 +46,17 @@ class CheckpointedEngine(Protocol):
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 
-def engine_state_dict(engine: CheckpointedEngine) -> dict[str, Any]:
+def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[str, Any]:
     """This rank's state, plus what a reader needs to place it without this engine: each
     bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
     the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
-    master piece) each AdamW state entry belongs to (`optimizer_slots`)."""
+    master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen` the
+    frozen buckets are left out (an adapters-only checkpoint)."""
+    held = engine.buckets + engine.frozen if frozen else engine.buckets
     return {"strategy": engine.strategy.name, "dp": engine.groups.d, "k": engine.groups.k,
             "dp_rank": engine.topology.dp_rank, "step_count": engine.step_count,
-            "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in engine.buckets + engine.frozen],
+            FROZEN_SAVED_KEY: frozen,
+            "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in held],
             "optimizer": engine.optimizer.state_dict(),
             "optimizer_slots": [list(slot) for slot in _optimizer_slots(engine)],
             "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
@@ -88,7 +92,8 @@ def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None
         raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
                               f"= {theirs}, this run is {mine}; a checkpoint of another layout "
                               f"resumes through megazpp.interop.reshard")
-    held = engine.buckets + engine.frozen
+    # without its frozen buckets: they hold the base the model was built with, never updated
+    held = engine.buckets + engine.frozen if state.get(FROZEN_SAVED_KEY, True) else engine.buckets
     if len(state["buckets"]) != len(held):
         raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
                               f"here has {len(held)} (trainable and frozen)")

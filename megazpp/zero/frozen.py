@@ -27,6 +27,8 @@ from megazpp.zero.strategy import Level, Strategy
 from megazpp.zero.units import fetch_groups, parameter_units
 
 FROZEN_PREFIX = "frozen/"
+# an engine state without its frozen buckets (an adapters-only checkpoint: the base is reloaded)
+FROZEN_SAVED_KEY = "frozen_saved"
 
 
 def frozen_buckets(model: nn.Module, strategy: Strategy, d: int, k: int, dp_index: int, dtype: torch.dtype,
