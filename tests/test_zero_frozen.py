@@ -28,9 +28,8 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.engine import LocalEngine
-from megazpp.zero import formulas
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 
 STEPS, MICRO = 3, 2
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -152,7 +151,7 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])
                 # the formulas spelled out: parameters over both, gradients / Adam over trainable only
                 s = parse_strategy(name)
-                div = {lvl: formulas.level_div(lvl, 4, 2) for lvl in (s.p, s.g, s.os)}
+                div = {lvl: level_div(lvl, 4, 2) for lvl in (s.p, s.g, s.os)}
                 trainable, frozen = sum(run["trainable_padded"]), sum(run["frozen_padded"])
                 assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.p], (kind, name)
                 assert run["held"].grads == trainable * 4 // div[s.g], (kind, name)

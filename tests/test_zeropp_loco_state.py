@@ -23,8 +23,8 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.layout import BucketLayout
+from megazpp.zero.zeropp import ZeroPP
 
 BLOCK = 64
 LOCO = ZeroPP(qgz=True, loco=True, qgz_block=BLOCK, err_beta=0.8, reset_t=1000)

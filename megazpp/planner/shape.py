@@ -40,7 +40,7 @@ class StageShape:
     (`units.split_persistent`): parameters kept whole, never fetched.
     `group_tensors` / `bucket_tensors`: per group, its tensors as (numel, is 1-D) in bucket
     layout order, which ZeRO++'s per-tensor block alignment and qgZ's exact 1-D values depend
-    on (`formulas.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
+    on (`layout.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
     group counts as one tensor).
     """
 

@@ -1,4 +1,4 @@
-"""Run a strategy's collective sequence (from `formulas`) on a bucket's tensors.
+"""Run a strategy's collective sequence (from `sequences`) on a bucket's tensors.
 
 Why an interpreter: the sequence the engine runs is the same list of `Collective`s that the
 byte formulas price, so what is predicted is what is executed. A multi-stage sequence
@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from megazpp.parallel import comm
-from megazpp.zero.formulas import Collective
 from megazpp.zero.layout import from_dp_order, to_dp_order
+from megazpp.zero.sequences import Collective
 
 
 @dataclass
@@ -52,7 +52,7 @@ class _Local:
 
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t`; returns (work, result tensor, finisher run after wait).
-    Over a group of one the result is `t` itself and no call is made (`formulas.step_calls`)."""
+    Over a group of one the result is `t` itself and no call is made (`traffic.step_calls`)."""
     size = size_of(groups, c.group)
     if size == 1:
         return _Local(), t, lambda: None

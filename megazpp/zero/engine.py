@@ -5,12 +5,12 @@ One step, top to bottom:
    bucket (added into the accumulator when g = N, copied into a staging buffer otherwise);
    when a bucket is complete its reduction to level g starts asynchronously;
 2. `step()`: finish the reductions, take every bucket from level g to the full sum at level
-   os (`formulas.boundary_sequence`), compute the global gradient norm over the os shards,
+   os (`sequences.boundary_sequence`), compute the global gradient norm over the os shards,
    unscale (fp16) and clip, run AdamW on the fp32 master pieces, and refresh parameters at
-   level p from the updated os shard (`formulas.param_sync_sequence`).
+   level p from the updated os shard (`sequences.param_sync_sequence`).
 With p sharded, `param_fetch.ParamFetcher` gathers and releases parameter units around each
-module's forward and backward. Every collective comes from `formulas`, so the bytes the
-comm counter records are the bytes `formulas.step_bytes` predicts. ZeRO++ (qwZ, hpZ, qgZ)
+module's forward and backward. Every collective comes from `sequences`, so the bytes the
+comm counter records are the bytes `traffic.step_bytes` predicts. ZeRO++ (qwZ, hpZ, qgZ)
 and LoCo swap the gather and micro-batch reduction paths (`zeropp_paths.ZeroPPPaths`); the
 engine only tells the paths when buckets are built and steps end.
 """
@@ -34,7 +34,7 @@ from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, mode
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
-from megazpp.zero import formulas
+from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
@@ -42,10 +42,10 @@ from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_par
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.zeropp import resolve_zeropp
-from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
+from megazpp.zero.zeropp import ZeroPP, resolve_zeropp
+from megazpp.zero.zeropp_paths import ZeroPPPaths
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ class ZeroOptions:
     stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
-    # a mode of formulas.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
-    hierarchical: str | formulas.Hierarchy = ZeroConfig.hierarchical
+    # a mode of traffic.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
+    hierarchical: str | sequences.Hierarchy = ZeroConfig.hierarchical
     overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
-    zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
+    zeropp: ZeroPP = field(default_factory=ZeroPP)  # qwZ, hpZ, qgZ, LoCo
 
 
 class _Finished:
@@ -113,7 +113,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
-        self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
+        self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
                                   topology.dp_rank % self.zeropp.hpz)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
@@ -148,7 +148,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
-    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, formulas.DPShapes]:
+    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, sequences.DPShapes]:
         topo = self.topology
         d = topo.dp
         if k is None:
@@ -160,7 +160,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         cross_ranks, cross = topo.dp_cross_subgroup(k)
         h = self.zeropp.hpz
         hpz = topo.dp_subgroup(h)[1] if h > 1 else None
-        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
+        shapes = sequences.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
         return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h), shapes
 
     def _build_buckets(self) -> list[Bucket]:
@@ -370,7 +370,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _norm_groups(self) -> list[Any]:
         """Groups whose ranks' os shards together hold each gradient element exactly once."""
-        groups = [self.groups.get(n) for n in formulas.norm_groups(self.strategy)
+        groups = [self.groups.get(n) for n in sequences.norm_groups(self.strategy)
                   if getattr(self.shapes, n).size > 1]
         for attr, size in (("tp_group", "tp"), ("pp_group", "pp")):
             if getattr(self.topology, size, 1) > 1:
@@ -442,7 +442,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def padded_numels(self) -> list[int]:
         return [b.layout.padded for b in self.buckets]
 
-    def held_bytes(self) -> formulas.StateBytes:
+    def held_bytes(self) -> memory.StateBytes:
         """Model-state bytes this rank holds, counted from the engine's own tensors."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
@@ -454,32 +454,32 @@ class ZeroEngine(ScaledOptimizerEngine):
                 moments = self.optimizer.state.get(m.param, {})
                 optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
                                                if k in moments)
-        return formulas.StateBytes(params, grads, optim, self.paths.state_nbytes())
+        return memory.StateBytes(params, grads, optim, self.paths.state_nbytes())
 
-    def expected_bytes(self) -> formulas.StateBytes:
-        plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
+    def expected_bytes(self) -> memory.StateBytes:
+        plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
-        extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
+        extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy, self.persistent)
         frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.d,
                                     self.groups.k, self.param_dtype.itemsize)
-        return formulas.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
+        return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
-    def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
+    def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:
         extra = []
         for attr, size in (("tp_ranks", "tp"), ("pp_ranks", "pp")):
             if getattr(self.topology, size, 1) > 1:
-                extra.append(formulas.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
+                extra.append(sequences.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
                                                     self.topology.ranks_per_node))
         return extra
 
-    def _frozen_fetches(self, micro_batches: int) -> list[formulas.StepPart]:
+    def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:
         return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                   reused=self._frozen_reused, warmup=self.pipeline_warmup(micro_batches))
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
-        intra, inter = formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
+        intra, inter = traffic.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                            micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                            accum_bytes=self.accum_dtype.itemsize,
                                            extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
@@ -492,7 +492,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         return intra, inter
 
     def expected_step_calls(self, micro_batches: int) -> int:
-        calls = formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
+        calls = traffic.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                     micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
                                     zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
                                     warmup=self.pipeline_warmup(micro_batches))

@@ -24,14 +24,13 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from megazpp.optim.optimizer import is_decayed
-from megazpp.zero.formulas import level_div, padded_numel, tensor_offsets
-from megazpp.zero.strategy import Level
+from megazpp.zero.strategy import Level, level_div
 
 
 @dataclass
@@ -156,3 +155,28 @@ def to_dp_order(flat: torch.Tensor, k: int, m: int) -> torch.Tensor:
 def from_dp_order(gathered: torch.Tensor, out: torch.Tensor, k: int, m: int) -> None:
     """Inverse of `to_dp_order`, written into `out`."""
     out.view(k, m, -1).copy_(gathered.view(m, k, -1).transpose(0, 1))
+
+
+def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:
+    """Flat offsets of tensors laid out in order, each starting at a multiple of `align`
+    (ZeRO++: no quantization block holds values of two tensors), and the end of the last."""
+    offsets, pos = [], 0
+    for n in numels:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def tensor_layout(tensors: Sequence[tuple[int, bool]], d: int, align: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """A bucket of `tensors` ((numel, is 1-D) in layout order): its padded size and the flat
+    ranges of its 1-D tensors (what qgZ sends exactly), as `BucketLayout` lays it out."""
+    offsets, end = tensor_offsets([n for n, _ in tensors], align)
+    return padded_numel(end, d, align), [(o, o + n) for o, (n, vector) in zip(offsets, tensors) if vector]
+
+
+def padded_numel(numel: int, d: int, align: int = 1) -> int:
+    """Round a bucket up to a multiple of the DP size (times ZeRO++'s block `align`) so every
+    level divides it evenly and every quantized chunk is whole blocks."""
+    unit = d * align
+    return -(-numel // unit) * unit

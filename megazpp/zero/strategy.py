@@ -43,6 +43,11 @@ class Strategy:
         return self.name
 
 
+def level_div(level: Level, d: int, k: int) -> int:
+    """Into how many shards `level` cuts a buffer over D = `d` DP ranks in PaRO groups of `k`."""
+    return {Level.N: 1, Level.I: k, Level.G: d}[level]
+
+
 def _is_valid(p: Level, g: Level, os_: Level) -> bool:
     return os_ >= p and os_ >= g
 
