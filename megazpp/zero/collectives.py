@@ -9,9 +9,10 @@ bucket's reduction overlaps the remaining backward pass without a thread of our 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 from megazpp.zero.layout import from_dp_order, to_dp_order
@@ -23,24 +24,30 @@ class ZeroGroups:
     """The process groups of a strategy: all DP ranks, my PaRO group, my column across groups
     (and, with hpZ, my secondary-partition group inside the node)."""
 
-    dp: Any
-    intra: Any
-    cross: Any
+    dp: ProcessGroup | None
+    intra: ProcessGroup | None
+    cross: ProcessGroup | None
     d: int
     k: int
-    hpz: Any = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
+    hpz: ProcessGroup | None = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
     h: int = 1
 
     @property
     def m(self) -> int:
         return self.d // self.k
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> ProcessGroup | None:
         return getattr(self, name)
 
 
 def size_of(groups: ZeroGroups, name: str) -> int:
     return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
+
+
+class Work(Protocol):
+    """An asynchronous collective's handle (`megazpp.parallel.comm` with `async_op=True`)."""
+
+    def wait(self) -> object: ...
 
 
 class _Local:
@@ -50,7 +57,7 @@ class _Local:
         return True
 
 
-def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
+def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Work, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t`; returns (work, result tensor, finisher run after wait).
     Over a group of one the result is `t` itself and no call is made (`traffic.step_calls`)."""
     size = size_of(groups, c.group)
@@ -79,7 +86,7 @@ class PendingSequence:
         self._rest = list(seq)
         self._groups, self._tag = groups, tag
         self._result = t
-        self._work: Any = None
+        self._work: Work | None = None
         self._finish: Callable[[], None] = lambda: None
         self._launch_next()
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazpp.errors import ConfigError
@@ -98,7 +99,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.model = model
         self.topology = topology
         self._counts_in_norm = counts_in_norm or (
-            lambda name, p: param_is_tp_sharded(p) or getattr(topology, "tp_rank", 0) == 0)
+            lambda name, p: param_is_tp_sharded(p) or topology.tp_rank == 0)
         self.strategy: Strategy = parse_strategy(options.strategy)
         self.options = options
         self.clip_grad = optimizer.clip_grad
@@ -368,14 +369,12 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.boundary_pending = None
         return grads
 
-    def _norm_groups(self) -> list[Any]:
-        """Groups whose ranks' os shards together hold each gradient element exactly once."""
-        groups = [self.groups.get(n) for n in sequences.norm_groups(self.strategy)
-                  if getattr(self.shapes, n).size > 1]
-        for attr, size in (("tp_group", "tp"), ("pp_group", "pp")):
-            if getattr(self.topology, size, 1) > 1:
-                groups.append(getattr(self.topology, attr))
-        return groups
+    def _norm_groups(self) -> list[ProcessGroup | None]:
+        """Groups whose ranks' os shards together hold each gradient element exactly once, then
+        the tensor / pipeline groups (as `_model_parallel_norm_groups`)."""
+        topo = self.topology
+        return ([self.groups.get(n) for n in sequences.norm_groups(self.strategy) if getattr(self.shapes, n).size > 1]
+                + [group for group, size in ((topo.tp_group, topo.tp), (topo.pp_group, topo.pp)) if size > 1])
 
     def step(self) -> StepResult:
         if self.fetcher is not None:
@@ -466,12 +465,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:
-        extra = []
-        for attr, size in (("tp_ranks", "tp"), ("pp_ranks", "pp")):
-            if getattr(self.topology, size, 1) > 1:
-                extra.append(sequences.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
-                                                    self.topology.ranks_per_node))
-        return extra
+        topo = self.topology
+        return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node)
+                for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp)) if size > 1]
 
     def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:
         return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,

@@ -13,18 +13,12 @@ the exact paths keep no state, so they have nothing to do there.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from megazpp.zero import sequences
-from megazpp.zero.bucket import Bucket
+from megazpp.zero.bucket import Bucket, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.strategy import Level, Strategy
-
-
-class Waitable(Protocol):
-    def wait(self) -> torch.Tensor: ...
 
 
 class CommPaths:

@@ -24,10 +24,10 @@ import torch
 
 import kernels
 from megazpp.zero import sequences, traffic
-from megazpp.zero.bucket import Bucket
+from megazpp.zero.bucket import Bucket, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
-from megazpp.zero.paths import CommPaths, Waitable
+from megazpp.zero.paths import CommPaths
 from megazpp.zero.quantized import ExactGather, ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
 from megazpp.zero.zeropp import ZeroPP
