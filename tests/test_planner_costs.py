@@ -49,7 +49,7 @@ def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
     numels = [1000, 4096, 77]
     for opt in options(workload, cluster):
         lay = layout(workload, cluster, opt.zeropp.hpz)
-        padded = [padded_numel(n, lay.d, opt.zeropp.alignment()) for n in numels]
+        padded = [padded_numel(n, lay.dp_size, opt.zeropp.alignment()) for n in numels]
         reused = (True, False, True)  # groups kept from forward to backward skip the backward fetch
         ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, reused)
         norm = traffic.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
@@ -70,7 +70,7 @@ def test_zeropp_options_only_where_they_act():
     assert not any(n.startswith("NN") and "+" in n for n in names)  # nothing to compress
     assert not any("hpZ" in n and not n.startswith("G") for n in names)
     tied_pp = options(Workload(model=TINY, micro_batch=1, global_batch=4), _cluster(2, 2), ZeroPP(),
-                      allowed=lambda s: s.g.name == "N")
+                      allowed=lambda s: s.grads.name == "N")
     assert sorted(o.name for o in tied_pp) == ["GNG", "ING", "INI", "NNG", "NNI", "NNN"]
     one_rank = options(Workload(model=TINY, micro_batch=1, global_batch=1), _cluster(1, 1))
     assert [o.name for o in one_rank] == [s.name for s in VALID_STRATEGIES]

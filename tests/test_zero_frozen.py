@@ -151,11 +151,11 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])
                 # the formulas spelled out: parameters over both, gradients / Adam over trainable only
                 s = parse_strategy(name)
-                div = {lvl: level_div(lvl, 4, 2) for lvl in (s.p, s.g, s.os)}
+                div = {lvl: level_div(lvl, 4, 2) for lvl in (s.params, s.grads, s.optimizer_state)}
                 trainable, frozen = sum(run["trainable_padded"]), sum(run["frozen_padded"])
-                assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.p], (kind, name)
-                assert run["held"].grads == trainable * 4 // div[s.g], (kind, name)
-                assert run["held"].optimizer == trainable * 12 // div[s.os], (kind, name)
+                assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.params], (kind, name)
+                assert run["held"].grads == trainable * 4 // div[s.grads], (kind, name)
+                assert run["held"].optimizer == trainable * 12 // div[s.optimizer_state], (kind, name)
     for rank, report in enumerate(results):
         for name in CHECKPOINTED:
             for s, plain in zip(report[f"lora/{name}/ckpt"], report["lora/NNN"]["losses"]):

@@ -22,7 +22,7 @@ def test_fourteen_strategies_aliases_and_rejection():
     assert len(VALID_NAMES) == 14 and len(set(VALID_NAMES)) == 14
     for name in VALID_NAMES:
         s = parse_strategy(name.lower())
-        assert s.os >= s.p and s.os >= s.g and s.name == name
+        assert s.optimizer_state >= s.params and s.optimizer_state >= s.grads and s.name == name
     assert [parse_strategy(i).name for i in range(4)] == ["NNN", "NNG", "NGG", "GGG"]
     assert parse_strategy("MiCS").name == "III" and parse_strategy("ing").name == "ING"
     with pytest.raises(ConfigError) as err:

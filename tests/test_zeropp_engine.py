@@ -148,12 +148,12 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
         if zeropp.qgz:
             got = engine.paths.start_grad_reduce(b, mine.clone()).wait()
             want = exact.start_grad_reduce(b, mine.clone()).wait()
-            lo, hi = b.layout.shard_range(engine.strategy.g)
+            lo, hi = b.layout.shard_range(engine.strategy.grads)
             bound = kernels.qgz_error_bound(grads, PP["qgz_block"])[lo:hi]
             out["qgz_excess"].append(float(((got - want).abs() - bound).max()))
             out["qgz_err"].append(float((got - want).abs().max()))
         if zeropp.qwz:
-            lo, hi = b.layout.shard_range(engine.strategy.p)
+            lo, hi = b.layout.shard_range(engine.strategy.params)
             b.param_store.copy_(grads[topo.dp_rank, lo:hi] * d)  # values over six decades, gains included
             full_exact = exact.start_param_gather(b, "forward").wait()
             full_q = engine.paths.start_param_gather(b, "forward").wait()

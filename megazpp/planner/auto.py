@@ -70,8 +70,8 @@ def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
     (`units.check_persistence`)."""
     whole = cfg.zero.stage3_param_persistence_threshold == 0  # else p = N has nothing to keep whole
     if topology.pp > 1 and cfg.model.tie_embeddings:
-        return lambda s: s.g == Level.N and (whole or s.p != Level.N)
-    return lambda s: whole or s.p != Level.N
+        return lambda s: s.grads == Level.N and (whole or s.params != Level.N)
+    return lambda s: whole or s.params != Level.N
 
 
 def _device_memory(settings: PlannerSettings) -> float:

@@ -50,8 +50,8 @@ ADAM_TRAFFIC_FP32 = 28  # read master, grad, exp_avg, exp_avg_sq; write master, 
 class Layout:
     """The representative rank (global rank 0) and its groups; every rank is alike by symmetry."""
 
-    d: int
-    k: int
+    dp_size: int
+    group_size: int
     shapes: sequences.DPShapes
     hier: sequences.Hierarchy
     extra_norm_groups: tuple[sequences.GroupShape, ...]
@@ -165,7 +165,7 @@ class StagePrediction:
 def reused_groups(s: Strategy, workload: Workload, padded: list[int], persistent: int = 0) -> tuple[bool, ...]:
     """Per fetch group (the buckets of `padded` before the last `persistent`): kept gathered
     from forward to backward, as the engine decides it."""
-    if s.p == Level.N:
+    if s.params == Level.N:
         return ()
     return traffic.reuse_mask(padded[:len(padded) - persistent], workload.max_live_parameters,
                                workload.max_reuse_distance)
@@ -178,8 +178,8 @@ def _sharded_frozen(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workl
     paper's PEFT accounting). Returns (frozen bytes held, the extra fetch phases, the largest
     gathered unit)."""
     pb = workload.param_bytes
-    fpadded = [padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_groups]
-    held = memory.state_bytes(s, fpadded, lay.d, lay.k, pb, workload.accum_bytes).params
+    fpadded = [padded_numel(n, lay.dp_size, zpp.alignment()) for n in stage.frozen_groups]
+    held = memory.state_bytes(s, fpadded, lay.dp_size, lay.group_size, pb, workload.accum_bytes).params
     held += (stage.frozen - sum(stage.frozen_groups)) * pb
     if zpp.hpz > 1:
         held += sum(n // zpp.hpz * pb for n in fpadded)
@@ -201,7 +201,7 @@ def fastest_hierarchy(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, 
     The kinds are decided one by one: the others' collectives are the same in both candidates,
     so the difference in step time is that kind's alone.
     """
-    if lay.k in (1, lay.d):
+    if lay.group_size in (1, lay.dp_size):
         return sequences.Hierarchy()
     return sequences.Hierarchy(**{kind: two < flat for kind, (flat, two) in
                                  hierarchy_seconds(s, zpp, padded, lay, workload, cluster, reused,
@@ -227,7 +227,7 @@ def hierarchy_seconds(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, 
 def stage_padded(s: Strategy, zpp: ZeroPP, stage: StageShape,
                  lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
     """Per fetch group (p sharded) or gradient bucket of `stage`: its padded size and tensor ranges."""
-    return [tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+    return [tensor_layout(t, lay.dp_size, zpp.alignment()) for t in stage.group_tensors(s)]
 
 
 def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload,
@@ -238,13 +238,13 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     pb, ab = workload.param_bytes, workload.accum_bytes
     laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
-    persistent = stage.persistent if s.p != Level.N else 0
+    persistent = stage.persistent if s.params != Level.N else 0
     warmup = min(workload.pp - stage.stage - 1, a)  # 1F1B
     reused = reused_groups(s, workload, padded, persistent)
     if workload.hierarchical == "auto":
         lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
                                                               persistent))
-    plain = memory.state_bytes(s, padded, lay.d, lay.k, pb, ab, persistent)
+    plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent)
     state = memory.StateBytes(plain.params, plain.grads, plain.optimizer,
                                 memory.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
     step = traffic.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
@@ -258,7 +258,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
         flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
     biggest = max(padded, default=0)
     kept = sum(n for n, again in zip(padded, reused) if again) * pb  # gathered from forward into backward
-    transient = (2 * biggest * pb + kept if s.p != Level.N else 0) + (2 * biggest * pb if s.g != Level.N else 0)
+    transient = (2 * biggest * pb + kept if s.params != Level.N else 0) + (2 * biggest * pb if s.grads != Level.N else 0)
 
     tokens = workload.micro_batch * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
@@ -266,18 +266,18 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     t_b = forward_flops * (1 + workload.trainable_fraction) / cluster.flops
     if workload.activation_checkpointing:
         t_b += t_f
-    g_elems = sum(padded) // level_div(s.g, lay.d, lay.k)
+    g_elems = sum(padded) // level_div(s.grads, lay.dp_size, lay.group_size)
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
     ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
     frozen_bytes = stage.frozen * pb
-    if s.p != Level.N and stage.frozen_groups:
+    if s.params != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
         for name, extra in fetched.items():
             ph[name] = ph[name] + extra
             step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
-        transient = 2 * biggest * pb + kept + (2 * biggest * pb if s.g != Level.N else 0)
+        transient = 2 * biggest * pb + kept + (2 * biggest * pb if s.grads != Level.N else 0)
     n = max(1, len(padded))
     backward = ph["fetch_backward"] + ph["micro_reduce"]
     last = backward + ph["boundary"]
@@ -293,7 +293,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
-        "optimizer": optimizer_time(sum(padded) // level_div(s.os, lay.d, lay.k), pb, cluster),
+        "optimizer": optimizer_time(sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb, cluster),
     }
     act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
     if workload.tp > 1:

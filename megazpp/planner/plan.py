@@ -36,9 +36,9 @@ class Option:
 
 def applies(zpp: ZeroPP, s: Strategy) -> bool:
     """Whether each ZeRO++ switch that is on has a collective to act on (`zeropp.check_zeropp`'s rule)."""
-    if (zpp.qwz or zpp.hpz > 1) and s.p == Level.N:
+    if (zpp.qwz or zpp.hpz > 1) and s.params == Level.N:
         return False
-    return not (zpp.qgz and s.g == Level.N)
+    return not (zpp.qgz and s.grads == Level.N)
 
 
 def options(workload: Workload, cluster: Cluster, fixed: ZeroPP | None = None,
@@ -63,10 +63,10 @@ def options(workload: Workload, cluster: Cluster, fixed: ZeroPP | None = None,
         if d == 1:
             out.append(Option(s))
             continue
-        for qwz in (False, True) if s.p != Level.N else (False,):
-            hpzs = (1, hpz) if s.p == Level.G and spans_nodes and hpz > 1 and d % hpz == 0 else (1,)
+        for qwz in (False, True) if s.params != Level.N else (False,):
+            hpzs = (1, hpz) if s.params == Level.G and spans_nodes and hpz > 1 and d % hpz == 0 else (1,)
             for h in hpzs:
-                for qgz in (False, True) if s.g != Level.N else (False,):
+                for qgz in (False, True) if s.grads != Level.N else (False,):
                     out.append(Option(s, ZeroPP(qwz=qwz, hpz=h, qgz=qgz)))
     return out
 

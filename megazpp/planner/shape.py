@@ -57,12 +57,12 @@ class StageShape:
     persistent: int = 0
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
-        return self.buckets if strategy.p == Level.N else self.fetch_groups
+        return self.buckets if strategy.params == Level.N else self.fetch_groups
 
     def group_tensors(self, strategy: Strategy) -> tuple[tuple[tuple[int, bool], ...], ...]:
         """Per group of `groups(strategy)`: its tensors (numel, is 1-D); one whole-group
         tensor each when unknown."""
-        tensors = self.bucket_tensors if strategy.p == Level.N else self.fetch_group_tensors
+        tensors = self.bucket_tensors if strategy.params == Level.N else self.fetch_group_tensors
         return tensors or tuple(((n, False),) for n in self.groups(strategy))
 
     @property

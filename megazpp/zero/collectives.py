@@ -27,21 +27,21 @@ class ZeroGroups:
     dp: ProcessGroup | None
     intra: ProcessGroup | None
     cross: ProcessGroup | None
-    d: int
-    k: int
+    dp_size: int
+    group_size: int
     hpz: ProcessGroup | None = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
-    h: int = 1
+    hpz_size: int = 1
 
     @property
-    def m(self) -> int:
-        return self.d // self.k
+    def num_groups(self) -> int:
+        return self.dp_size // self.group_size
 
     def get(self, name: str) -> ProcessGroup | None:
         return getattr(self, name)
 
 
 def size_of(groups: ZeroGroups, name: str) -> int:
-    return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
+    return {"dp": groups.dp_size, "intra": groups.group_size, "cross": groups.num_groups, "hpz": groups.hpz_size}[name]
 
 
 class Work(Protocol):
@@ -64,7 +64,7 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tupl
     if size == 1:
         return _Local(), t, lambda: None
     group = groups.get(c.group)
-    permute = c.group == "dp" and groups.k not in (1, groups.d)
+    permute = c.group == "dp" and groups.group_size not in (1, groups.dp_size)
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
     if c.op == "all_gather":
@@ -73,9 +73,9 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tupl
             return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
         staged = torch.empty_like(out)
         work = comm.all_gather_into_tensor(staged, t, group=group, async_op=True, tag=tag)
-        return work, out, lambda: from_dp_order(staged, out, groups.k, groups.m)
+        return work, out, lambda: from_dp_order(staged, out, groups.group_size, groups.num_groups)
     out = torch.empty(t.numel() // size, dtype=t.dtype, device=t.device)
-    src = to_dp_order(t, groups.k, groups.m).contiguous() if permute else t
+    src = to_dp_order(t, groups.group_size, groups.num_groups).contiguous() if permute else t
     return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
 
 

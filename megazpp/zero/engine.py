@@ -119,7 +119,7 @@ class ZeroEngine(ScaledOptimizerEngine):
                                   topology.dp_rank % self.zeropp.hpz)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
-                 self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
+                 self.strategy, self.groups.dp_size, self.groups.group_size, self.hier, self.zeropp)
         self._tied = self._pipeline_tied_weight(tied_embeddings, tied_weight)
         self.step_count = 0
         self._micro_batches = 0
@@ -130,7 +130,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
         self.frozen = self._build_frozen()
         keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
-                               options.stage3_max_reuse_distance) if self.strategy.p != Level.N else {})
+                               options.stage3_max_reuse_distance) if self.strategy.params != Level.N else {})
         self.reused = tuple(keep[id(b)] for b in self.fetched) if keep else ()
         self._frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
@@ -142,7 +142,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
-        if self.strategy.p != Level.N:
+        if self.strategy.params != Level.N:
             self.fetcher = ParamFetcher(self.fetched + self.frozen, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback, keep,
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
@@ -169,7 +169,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
         # both of DeepSpeed's bounds hold for it
         bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
-        if self.strategy.p == Level.N:
+        if self.strategy.params == Level.N:
             specs, whole = gradient_buckets(self.model, bound), []
         else:
             units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
@@ -179,21 +179,21 @@ class ZeroEngine(ScaledOptimizerEngine):
         s = self.strategy
         buckets = []
         for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
-            layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index,
+            layout = BucketLayout.build(spec.params, self.groups.dp_size, self.groups.group_size, dp_index,
                                         self.zeropp.alignment())
             flat = layout.flatten(torch.float32)
-            p_level = Level.N if persistent else s.p
+            p_level = Level.N if persistent else s.params
             lo, hi = layout.shard_range(p_level)
             store = flat[lo:hi].to(self.param_dtype, copy=True)
             if p_level == Level.N:
                 layout.view_params_into(store)
-            os_lo, _ = layout.shard_range(s.os)
+            os_lo, _ = layout.shard_range(s.optimizer_state)
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
-                       for a, b, decays in layout.decay_split(s.os)]
+                       for a, b, decays in layout.decay_split(s.optimizer_state)]
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
             bucket = Bucket(spec.name, layout, spec.modules, store,
-                            flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
-                            masters, layout.ranges_in_shard(s.os, keep), persistent)
+                            flat.new_zeros(layout.shard_size(s.grads), dtype=self.accum_dtype),
+                            masters, layout.ranges_in_shard(s.optimizer_state, keep), persistent)
             self.paths.init_bucket(bucket)
             buckets.append(bucket)
         return buckets
@@ -202,16 +202,16 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Buckets of the frozen parameters (`frozen.py`), held at level p."""
         if all(p.requires_grad for p in self.model.parameters()):
             return []
-        if self.strategy.p != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
+        if self.strategy.params != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
             raise ConfigError(f"zero strategy {self.strategy} with qwZ / hpZ and frozen parameters "
                               f"(training.trainable, LoRA) is not implemented: turn off "
                               f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
         o = self.options
-        if self.strategy.p != Level.N and o.stage3_param_persistence_threshold > 0:
+        if self.strategy.params != Level.N and o.stage3_param_persistence_threshold > 0:
             raise ConfigError(f"zero strategy {self.strategy} with zero.stage3_param_persistence_threshold "
                               f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
                               f"threshold to 0")
-        return frozen_buckets(self.model, self.strategy, self.groups.d, self.groups.k, self.topology.dp_rank,
+        return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size, self.topology.dp_rank,
                               self.param_dtype, o.module_granularity_threshold, o.fetch_groups,
                               min(o.allgather_bucket_size, o.reduce_bucket_size))
 
@@ -224,8 +224,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         """
         if self.topology.pp == 1:
             return None
-        if tied_embeddings and self.strategy.g != Level.N:  # refused on every stage alike
-            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.g.name}) "
+        if tied_embeddings and self.strategy.grads != Level.N:  # refused on every stage alike
+            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.grads.name}) "
                               f"cannot be combined with tied embeddings split over pipeline stages; "
                               f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
         return weight if weight is not None and weight.requires_grad else None
@@ -233,7 +233,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
         modify in place before `step()`); only for g = N, where it exists whole."""
-        if self.strategy.g != Level.N:
+        if self.strategy.grads != Level.N:
             raise ConfigError(f"zero strategy {self.strategy}: gradients are sharded, there is no whole "
                               f"accumulated gradient of a parameter to hand out")
         b, i = self._bucket_of[id(param)]
@@ -277,12 +277,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         b, i = self._bucket_of[id(p)]
         off, n = b.layout.offsets[i], b.layout.shapes[i].numel()
         grad = p.grad.reshape(-1)
-        if self.strategy.g == Level.N:
+        if self.strategy.grads == Level.N:
             b.grad_acc[off:off + n].add_(grad)
         else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
                 b.staging = self._staging(b)
-            torch.mul(grad, 1.0 / self.groups.d, out=b.staging[off:off + n])
+            torch.mul(grad, 1.0 / self.groups.dp_size, out=b.staging[off:off + n])
         p.grad = None
         b.arrived.add(i)
         if len(b.arrived) == b.num_params:
@@ -292,7 +292,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """All of this micro-batch's gradients of `b` are in: start its reduction, free params."""
         b.launched = True
         s = self.strategy
-        if s.g != Level.N:
+        if s.grads != Level.N:
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
                 b.staging = self._staging(b).zero_()
@@ -351,8 +351,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._callback_queued = False
 
     def _start_boundary(self, b: Bucket) -> None:
-        if self.strategy.g == Level.N:
-            b.grad_acc.mul_(1.0 / self.groups.d)
+        if self.strategy.grads == Level.N:
+            b.grad_acc.mul_(1.0 / self.groups.dp_size)
         b.boundary_pending = self.paths.start_boundary(b)
         if not self.options.overlap_comm:
             b.boundary_pending = _Finished(b.boundary_pending.wait())
@@ -456,12 +456,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         return memory.StateBytes(params, grads, optim, self.paths.state_nbytes())
 
     def expected_bytes(self) -> memory.StateBytes:
-        plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
+        plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.dp_size, self.groups.group_size,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
         extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy, self.persistent)
-        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.d,
-                                    self.groups.k, self.param_dtype.itemsize)
+        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.dp_size,
+                                    self.groups.group_size, self.param_dtype.itemsize)
         return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
     def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:

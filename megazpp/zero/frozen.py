@@ -36,9 +36,9 @@ def frozen_buckets(model: nn.Module, strategy: Strategy, d: int, k: int, dp_inde
     buckets = []
     for spec in specs:
         layout = BucketLayout.build(spec.params, d, k, dp_index)
-        lo, hi = layout.shard_range(strategy.p)
+        lo, hi = layout.shard_range(strategy.params)
         store = layout.flatten(dtype)[lo:hi].clone()
-        if strategy.p == Level.N:
+        if strategy.params == Level.N:
             layout.view_params_into(store)
         buckets.append(Bucket(FROZEN_PREFIX + spec.name, layout, spec.modules, store, store.new_zeros(0), [], []))
     return buckets
@@ -69,7 +69,7 @@ def frozen_fetch_parts(strategy: Strategy, padded_numels: list[int], shapes: seq
     forward gather of each group per micro-batch, and a backward gather of each group not kept,
     counted as if the backward passed through every frozen group (one that lies before the
     first trainable parameter, such as a frozen embedding, is not gathered in backward)."""
-    if strategy.p == Level.N or not padded_numels:
+    if strategy.params == Level.N or not padded_numels:
         return []
     parts = traffic.step_parts(strategy, padded_numels, shapes, hier, micro_batches=micro_batches,
                                 param_bytes=param_bytes, accum_bytes=0, reused=reused, warmup=warmup)

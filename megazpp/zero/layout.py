@@ -42,8 +42,8 @@ class BucketLayout:
     decay_numel: int
     numel: int
     padded: int
-    d: int
-    k: int
+    dp_size: int
+    group_size: int
     dp_index: int
 
     @staticmethod
@@ -59,22 +59,22 @@ class BucketLayout:
                             padded_numel(end, d, align), d, k, dp_index)
 
     @property
-    def m(self) -> int:
-        return self.d // self.k
+    def num_groups(self) -> int:
+        return self.dp_size // self.group_size
 
     def shard_range(self, level: Level) -> tuple[int, int]:
         """[start, end) of this rank's shard at `level` in the flat buffer."""
-        size = self.padded // level_div(level, self.d, self.k)
-        group, local = divmod(self.dp_index, self.k)
+        size = self.padded // level_div(level, self.dp_size, self.group_size)
+        group, local = divmod(self.dp_index, self.group_size)
         if level == Level.N:
             return 0, self.padded
         if level == Level.I:
             return local * size, (local + 1) * size
-        index = local * self.m + group
+        index = local * self.num_groups + group
         return index * size, (index + 1) * size
 
     def shard_size(self, level: Level) -> int:
-        return self.padded // level_div(level, self.d, self.k)
+        return self.padded // level_div(level, self.dp_size, self.group_size)
 
     def decay_split(self, level: Level) -> list[tuple[int, int, bool]]:
         """Pieces (start, end, decays) of the `level` shard, relative to the shard's start."""
@@ -122,7 +122,7 @@ class BucketLayout:
         the model or re-deriving the nested I/G order."""
         return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
                 "offsets": list(self.offsets), "decay_numel": self.decay_numel, "numel": self.numel,
-                "padded": self.padded, "d": self.d, "k": self.k, "dp_index": self.dp_index}
+                "padded": self.padded, "d": self.dp_size, "k": self.group_size, "dp_index": self.dp_index}
 
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)

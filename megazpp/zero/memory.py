@@ -39,9 +39,9 @@ def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param
     params = grads = optim = 0
     numels = list(padded_numels)
     for i, n in enumerate(numels):
-        params += n // level_div(Level.N if i >= len(numels) - persistent else s.p, d, k) * param_bytes
-        grads += n // level_div(s.g, d, k) * accum_bytes
-        optim += n // level_div(s.os, d, k) * ADAM_STATE_BYTES_PER_ELEMENT
+        params += n // level_div(Level.N if i >= len(numels) - persistent else s.params, d, k) * param_bytes
+        grads += n // level_div(s.grads, d, k) * accum_bytes
+        optim += n // level_div(s.optimizer_state, d, k) * ADAM_STATE_BYTES_PER_ELEMENT
     return StateBytes(params, grads, optim)
 
 

@@ -26,12 +26,12 @@ class CommPaths:
 
     def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: sequences.Hierarchy) -> None:
         self.strategy, self.groups, self.hier = strategy, groups, hier
-        k = groups.k
+        k = groups.group_size
         self._fetch = sequences.param_fetch_sequence(strategy, k, hier)
         self._micro = sequences.micro_batch_reduce_sequence(strategy, k, hier)
         self._boundary = sequences.boundary_sequence(strategy, k, hier)
         self._sync = sequences.param_sync_sequence(strategy, k, hier)
-        self._sync_whole = sequences.gather_sequence(strategy.os, Level.N, k, hier)  # persistent buckets
+        self._sync_whole = sequences.gather_sequence(strategy.optimizer_state, Level.N, k, hier)  # persistent buckets
 
     def gather_calls(self, phase: str) -> int:
         """Collectives one parameter fetch issues (for the engine's statistics)."""

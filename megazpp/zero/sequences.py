@@ -46,11 +46,11 @@ class DPShapes:
     hpz: GroupShape = GroupShape(1, 0, 0)  # ZeRO++ hpZ's secondary group (size 1: hpZ off)
 
     @property
-    def k(self) -> int:
+    def group_size(self) -> int:
         return self.intra.size
 
     @property
-    def d(self) -> int:
+    def dp_size(self) -> int:
         return self.dp.size
 
 
@@ -124,31 +124,31 @@ def reduce_sequence(src: Level, dst: Level, k: int, hier: Hierarchy) -> list[Col
 
 def boundary_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
     """Once per step: take the accumulated gradient from level g to the full sum at level os."""
-    if s.os == Level.N:  # NNN: plain data parallelism
+    if s.optimizer_state == Level.N:  # NNN: plain data parallelism
         if hier.all_reduce:
             return [Collective("reduce_scatter", "intra", 1), Collective("all_reduce", "cross", k),
                     Collective("all_gather", "intra", 1)]
         return [Collective("all_reduce", "dp", 1)]
-    seq = reduce_sequence(s.g, s.os, k, hier)
-    if s.os == Level.I:  # the group sum of the I-chunk still lacks the other groups
+    seq = reduce_sequence(s.grads, s.optimizer_state, k, hier)
+    if s.optimizer_state == Level.I:  # the group sum of the I-chunk still lacks the other groups
         seq.append(Collective("all_reduce", "cross", k))
     return seq
 
 
 def micro_batch_reduce_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
     """After each micro-batch's backward: bring the fresh gradient down to level g."""
-    return reduce_sequence(Level.N, s.g, k, hier)
+    return reduce_sequence(Level.N, s.grads, k, hier)
 
 
 def param_fetch_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
     """Before a fetch group's forward and (unless it is kept) its backward: rebuild full
     parameters."""
-    return gather_sequence(s.p, Level.N, k, hier)
+    return gather_sequence(s.params, Level.N, k, hier)
 
 
 def param_sync_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
     """After the optimizer updated the os shard: refresh the parameter shard at level p."""
-    return gather_sequence(s.os, s.p, k, hier)
+    return gather_sequence(s.optimizer_state, s.params, k, hier)
 
 
 def hpz_fetch_sequence() -> list[Collective]:
@@ -161,13 +161,13 @@ def qgz_sequence(s: Strategy, shapes: DPShapes) -> list[Collective]:
     I-chunk it reduces), then, for g = G, across the cross group (each gets its G-piece of the
     reduced I-chunk). A stage over a group of one moves nothing and is left out."""
     seq = []
-    if shapes.k > 1:
+    if shapes.group_size > 1:
         seq.append(Collective("all_to_all", "intra", 1))
-    if s.g == Level.G and shapes.cross.size > 1:
-        seq.append(Collective("all_to_all", "cross", shapes.k))
+    if s.grads == Level.G and shapes.cross.size > 1:
+        seq.append(Collective("all_to_all", "cross", shapes.group_size))
     return seq
 
 
 def norm_groups(s: Strategy) -> list[str]:
     """DP groups the squared-gradient-norm scalar is summed over (the os shard's owners)."""
-    return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.os]
+    return {Level.N: [], Level.I: ["intra"], Level.G: ["dp"]}[s.optimizer_state]

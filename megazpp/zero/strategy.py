@@ -31,13 +31,13 @@ class Level(enum.IntEnum):
 class Strategy:
     """Sharding level of parameters (p), gradients (g) and optimizer state (os)."""
 
-    p: Level
-    g: Level
-    os: Level
+    params: Level
+    grads: Level
+    optimizer_state: Level
 
     @property
     def name(self) -> str:
-        return f"{self.p.name}{self.g.name}{self.os.name}"
+        return f"{self.params.name}{self.grads.name}{self.optimizer_state.name}"
 
     def __str__(self) -> str:
         return self.name

@@ -71,19 +71,19 @@ def choose_hierarchy(shapes: DPShapes, mode: str | Hierarchy = "auto") -> Hierar
     A degenerate split (k = 1 or k = D) is never hierarchical since one of its stages would be
     a no-op.
     """
-    if shapes.k in (1, shapes.d) or mode == "never":
+    if shapes.group_size in (1, shapes.dp_size) or mode == "never":
         return Hierarchy()
     if isinstance(mode, Hierarchy):
         return mode
     if mode == "always":
         return Hierarchy(True, True, True)
-    unit = shapes.d * shapes.k * 8
+    unit = shapes.dp_size * shapes.group_size * 8
     flat, hier = Hierarchy(), Hierarchy(True, True, True)
     pick = {}
-    for name, seq_of in (("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.k, h)),
-                         ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.k, h)),
+    for name, seq_of in (("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.group_size, h)),
+                         ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.group_size, h)),
                          ("all_reduce", lambda h: boundary_sequence(Strategy(Level.N, Level.N, Level.N),
-                                                                    shapes.k, h))):
+                                                                    shapes.group_size, h))):
         pick[name] = sequence_bytes(seq_of(hier), unit, 1, shapes)[1] < sequence_bytes(seq_of(flat), unit, 1, shapes)[1]
     return Hierarchy(**pick)
 
@@ -165,7 +165,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     backward still to come), so it is fetched once per step (`fetch_forward_once`) instead of
     once per micro-batch.
     """
-    k = shapes.k
+    k = shapes.group_size
     pp = zeropp or ZeroPP()
     numels = tuple(padded_numels)
     fetched, whole = numels[:len(numels) - persistent], numels[len(numels) - persistent:]
@@ -177,7 +177,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     fetch_sides: tuple[tuple[int, ...], ...] = ()
     if pp.qwz and exact_ranges:
-        fetch_sides = tuple(qwz_exact_sides(fetch, shapes, n, level_div(s.p, shapes.d, k), r, param_bytes)
+        fetch_sides = tuple(qwz_exact_sides(fetch, shapes, n, level_div(s.params, shapes.dp_size, k), r, param_bytes)
                             for n, r in zip(fetched, exact_ranges))
 
     def sides_where(keep: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
@@ -203,7 +203,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
             "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
             "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, fetched),
-            "refresh_persistent": StepPart(tuple(gather_sequence(s.os, Level.N, k, hier)), param_bytes, 1, whole)}
+            "refresh_persistent": StepPart(tuple(gather_sequence(s.optimizer_state, Level.N, k, hier)), param_bytes, 1, whole)}
 
 
 def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[GroupShape] = ()) -> list[GroupShape]:

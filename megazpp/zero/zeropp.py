@@ -81,11 +81,11 @@ def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
         raise ConfigError("zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
                           "it needs zero.zero_quantized_gradients = true")
     where = f"zero strategy {strategy}"
-    if (zeropp.qwz or zeropp.hpz > 1) and strategy.p == Level.N:
+    if (zeropp.qwz or zeropp.hpz > 1) and strategy.params == Level.N:
         raise ConfigError(f"{where}: zero_quantized_weights / zero_hpz_partition_size act on parameter "
                           f"all-gathers, and p = N keeps parameters whole on every rank (nothing is "
                           f"gathered); use a strategy with p in {{I, G}}, e.g. stage 3")
-    if zeropp.qgz and strategy.g == Level.N:
+    if zeropp.qgz and strategy.grads == Level.N:
         raise ConfigError(f"{where}: zero_quantized_gradients quantizes the per-micro-batch gradient "
                           f"reduction, and g = N has none (gradients are reduced once per step in the "
                           f"accumulation dtype); use a strategy with g in {{I, G}}, e.g. stage 2 or 3")

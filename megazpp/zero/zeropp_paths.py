@@ -78,12 +78,12 @@ class ZeroPPPaths(CommPaths):
         if self._loco is not None:
             self._loco.add_bucket(b)
         if self._qwz:
-            lo, hi = b.layout.shard_range(self.strategy.p)
+            lo, hi = b.layout.shard_range(self.strategy.params)
             self._exact_gather[id(b)] = ExactGather.build(b.layout.vector_ranges(), b.layout.padded,
                                                           b.layout.padded // (hi - lo), lo // (hi - lo),
                                                           b.param_store.device)
         if self._stages:
-            group, local = divmod(b.layout.dp_index, b.layout.k)
+            group, local = divmod(b.layout.dp_index, b.layout.group_size)
             mine = [(size, local if c.group == "intra" else group)
                     for c, (_, size) in zip(self._qgz_seq, self._stages)]
             ranges = b.layout.vector_ranges()
