@@ -109,7 +109,7 @@ def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tin
     assert len(adapters) == 2 * 5 * 2 and any(trained[k].abs().sum() > 0 for k in adapters if k.endswith(".b"))
 
     export = _load("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
-    assert export.main(["--load", str(tmp_path / "full"), "--output", str(tmp_path / "merged.safetensors")]) == 0
+    assert export.main(["--load", str(tmp_path / "full"), "--out", str(tmp_path / "merged.safetensors")]) == 0
     with safe_open(str(tmp_path / "merged.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if is_adapter(k)]
         assert '"lora_rank": 0' in f.metadata()["megazpp_model_config"]
