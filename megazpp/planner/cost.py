@@ -258,7 +258,8 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
         flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
     biggest = max(padded, default=0)
     kept = sum(n for n, again in zip(padded, reused) if again) * pb  # gathered from forward into backward
-    transient = (2 * biggest * pb + kept if s.params != Level.N else 0) + (2 * biggest * pb if s.grads != Level.N else 0)
+    transient = ((2 * biggest * pb + kept if s.params != Level.N else 0)
+                 + (2 * biggest * pb if s.grads != Level.N else 0))
 
     tokens = workload.micro_batch * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
@@ -293,7 +294,8 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
-        "optimizer": optimizer_time(sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb, cluster),
+        "optimizer": optimizer_time(sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb,
+                                    cluster),
     }
     act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
     if workload.tp > 1:

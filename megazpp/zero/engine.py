@@ -211,9 +211,9 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise ConfigError(f"zero strategy {self.strategy} with zero.stage3_param_persistence_threshold "
                               f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
                               f"threshold to 0")
-        return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size, self.topology.dp_rank,
-                              self.param_dtype, o.module_granularity_threshold, o.fetch_groups,
-                              min(o.allgather_bucket_size, o.reduce_bucket_size))
+        return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size,
+                              self.topology.dp_rank, self.param_dtype, o.module_granularity_threshold,
+                              o.fetch_groups, min(o.allgather_bucket_size, o.reduce_bucket_size))
 
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.

@@ -203,7 +203,8 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
             "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
             "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, fetched),
-            "refresh_persistent": StepPart(tuple(gather_sequence(s.optimizer_state, Level.N, k, hier)), param_bytes, 1, whole)}
+            "refresh_persistent": StepPart(tuple(gather_sequence(s.optimizer_state, Level.N, k, hier)), param_bytes, 1,
+                                           whole)}
 
 
 def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[GroupShape] = ()) -> list[GroupShape]:
