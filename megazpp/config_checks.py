@@ -14,8 +14,8 @@ from kernels.format import check_block_size, check_err_beta
 from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
 from megazpp.errors import ConfigError
 from megazpp.model.trainable import trainable_rule
-from megazpp.zero.formulas import HIERARCHY_MODES
 from megazpp.zero.strategy import resolve_strategy
+from megazpp.zero.traffic import HIERARCHY_MODES
 from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
 
 

@@ -1,4 +1,4 @@
-"""Planner cost model: byte phases = formulas.step_bytes, hand-computed memory / time / fit, sorting.
+"""Planner cost model: byte phases = traffic.step_bytes, hand-computed memory / time / fit, sorting.
 
 Everything here is single-process arithmetic; the comparison with a real engine on 4 gloo
 ranks is tests/test_planner_engine.py.
@@ -22,8 +22,10 @@ from megazpp.planner.cost import (ADAM_TRAFFIC_FP32, fastest_hierarchy, layout, 
 from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
-from megazpp.zero import formulas
+from megazpp.zero import memory, sequences, traffic
+from megazpp.zero.layout import padded_numel
 from megazpp.zero.strategy import VALID_STRATEGIES, parse_strategy
+from megazpp.zero.zeropp import ZeroPP
 
 _spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -41,20 +43,20 @@ def _cluster(nodes: int, gpus: int, **kw) -> Cluster:
 
 @pytest.mark.parametrize("nodes,gpus,tp", [(2, 2, 1), (2, 4, 1), (4, 4, 2), (1, 4, 1), (4, 1, 1)])
 def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
-    """The planner's per-phase bytes (for overlap) are exactly what formulas.step_bytes sums."""
+    """The planner's per-phase bytes (for overlap) are exactly what traffic.step_bytes sums."""
     cluster = _cluster(nodes, gpus)
     workload = Workload(model=TINY, micro_batch=1, global_batch=3 * nodes * gpus // tp, tp=tp)
     numels = [1000, 4096, 77]
     for opt in options(workload, cluster):
         lay = layout(workload, cluster, opt.zeropp.hpz)
-        padded = [formulas.padded_numel(n, lay.d, opt.zeropp.alignment()) for n in numels]
+        padded = [padded_numel(n, lay.dp_size, opt.zeropp.alignment()) for n in numels]
         reused = (True, False, True)  # groups kept from forward to backward skip the backward fetch
         ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, reused)
-        norm = formulas.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
+        norm = traffic.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
                                    accum_bytes=4, extra_norm_groups=lay.extra_norm_groups)
         ours = (sum(p.intra * p.times for p in ph.values()) + norm[0],
                 sum(p.inter * p.times for p in ph.values()) + norm[1])
-        assert ours == formulas.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
+        assert ours == traffic.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
                                            param_bytes=2, accum_bytes=4, extra_norm_groups=lay.extra_norm_groups,
                                            zeropp=opt.zeropp, reused=reused), (opt.name, nodes, gpus)
         if opt.zeropp.hpz == 1:  # one of the three groups is fetched again for backward
@@ -67,8 +69,8 @@ def test_zeropp_options_only_where_they_act():
     assert "GGG+qwZ+hpZ2+qgZ" in names and "NGG+qgZ" in names and "IIG+qwZ" in names
     assert not any(n.startswith("NN") and "+" in n for n in names)  # nothing to compress
     assert not any("hpZ" in n and not n.startswith("G") for n in names)
-    tied_pp = options(Workload(model=TINY, micro_batch=1, global_batch=4), _cluster(2, 2), formulas.ZeroPP(),
-                      allowed=lambda s: s.g.name == "N")
+    tied_pp = options(Workload(model=TINY, micro_batch=1, global_batch=4), _cluster(2, 2), ZeroPP(),
+                      allowed=lambda s: s.grads.name == "N")
     assert sorted(o.name for o in tied_pp) == ["GNG", "ING", "INI", "NNG", "NNI", "NNN"]
     one_rank = options(Workload(model=TINY, micro_batch=1, global_batch=1), _cluster(1, 1))
     assert [o.name for o in one_rank] == [s.name for s in VALID_STRATEGIES]
@@ -94,9 +96,9 @@ def test_ddp_on_two_single_gpu_nodes_by_hand():
     workload = Workload(model=TINY, micro_batch=2, global_batch=8, param_bytes=2, accum_bytes=4)  # A = 2
     shape = StageShape(0, fetch_groups=(1000,), buckets=(1000,), frozen=0, layers=2, first=True, last=True)
     nnn = parse_strategy("NNN")
-    p = predict_stage(nnn, formulas.ZeroPP(), shape, workload, cluster, layout(workload, cluster))
+    p = predict_stage(nnn, ZeroPP(), shape, workload, cluster, layout(workload, cluster))
     psi = 1000  # already a multiple of D = 2
-    assert p.state == formulas.StateBytes(2 * psi, 4 * psi, 12 * psi)
+    assert p.state == memory.StateBytes(2 * psi, 4 * psi, 12 * psi)
     assert p.step_bytes == (0, 4 * psi)  # all-reduce of 4-byte grads over 2 ranks: 2 N / 2 from the peer
     t_f = TINY.seq_length * 2 * (6 * (2 * (32 * 64 + 32 * 32 + 3 * 32 * 40) + 96 * 32)
                                  + 12 * 2 * 8 * 4 * 8) / 3 / 1e12
@@ -122,10 +124,10 @@ def test_fit_sorting_and_recommendation():
     workload = Workload(model=TINY, micro_batch=1, global_batch=4)
     shapes = _shape(4_000_000)
     base = _cluster(2, 2)
-    rows = {o.name: predict(o, shapes, workload, base) for o in options(workload, base, formulas.ZeroPP())}
+    rows = {o.name: predict(o, shapes, workload, base) for o in options(workload, base, ZeroPP())}
     limit = (rows["GGG"].memory_bytes + rows["NNN"].memory_bytes) / 2
     cluster = dataclasses.replace(base, memory_bytes=limit, usable_memory_fraction=1.0)
-    result = plan(shapes, workload, cluster, fixed_zeropp=formulas.ZeroPP(), tie=0.0)
+    result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP(), tie=0.0)
     fits = [r.fits for r in result.rows]
     assert fits == sorted(fits, reverse=True) and "NNN" not in [r.name for r in result.rows if r.fits]
     fitting = [r for r in result.rows if r.fits]
@@ -134,7 +136,7 @@ def test_fit_sorting_and_recommendation():
     assert all(r.fits == (r.memory_bytes <= limit) for r in result.rows)
     assert result.choice.name in result.reason and result.runner_up.name in result.reason
     tiny = dataclasses.replace(cluster, memory_bytes=rows["GGG"].memory_bytes / 2)
-    none = plan(shapes, workload, tiny, fixed_zeropp=formulas.ZeroPP())
+    none = plan(shapes, workload, tiny, fixed_zeropp=ZeroPP())
     assert none.choice is None and "nothing fits" in none.reason
 
 
@@ -145,15 +147,15 @@ def test_near_tie_prefers_the_smaller_footprint():
     workload = Workload(model=TINY, micro_batch=1, global_batch=4)
     fast = _cluster(2, 2, intra_bw=1e15, inter_bw=1e15, intra_latency=0, inter_latency=0, flops=1e6)
     shapes = _shape(100_000)
-    loose = plan(shapes, workload, fast, fixed_zeropp=formulas.ZeroPP(), tie=0.02)
+    loose = plan(shapes, workload, fast, fixed_zeropp=ZeroPP(), tie=0.02)
     limit = max(r.memory_bytes for r in loose.rows)
     cluster = dataclasses.replace(fast, memory_bytes=limit, usable_memory_fraction=1.0)
-    tied = plan(shapes, workload, cluster, fixed_zeropp=formulas.ZeroPP(), tie=0.02)
+    tied = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP(), tie=0.02)
     least = min(r.memory_bytes for r in tied.rows)
     small = [r for r in tied.rows if r.memory_bytes <= least + 0.05 * limit]
     assert tied.choice is small[0] and len(small) < len(tied.rows)
     assert loose.choice is loose.rows[0]  # a huge memory: every saving is below 5 %, the fastest wins
-    strict = plan(shapes, workload, cluster, fixed_zeropp=formulas.ZeroPP(), tie=0.0)
+    strict = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP(), tie=0.0)
     assert strict.choice is strict.rows[0]
 
 
@@ -163,7 +165,7 @@ def test_slow_inter_node_link_prefers_intra_group_sharding():
     micro-batches reducing gradients inside the node (NIG) beats reducing them globally (NGG)."""
     workload = Workload(model=TINY, micro_batch=1, global_batch=512)
     cluster = _cluster(4, 8, inter_bw=1.25e8, intra_bw=3e11, flops=1e14)
-    rows = {r.name: r for r in plan(_shape(50_000_000), workload, cluster, fixed_zeropp=formulas.ZeroPP()).rows}
+    rows = {r.name: r for r in plan(_shape(50_000_000), workload, cluster, fixed_zeropp=ZeroPP()).rows}
     assert rows["IIG"].step_s < rows["GGG"].step_s and rows["NIG"].step_s < rows["NGG"].step_s
 
 
@@ -220,18 +222,18 @@ def test_peft_frozen_weights_sharded_at_p():
     engine_view = Workload(model=TINY, micro_batch=1, global_batch=12, trainable_fraction=0.04)  # A = 3
     iig = parse_strategy("IIG")
     lay = layout(engine_view, cluster)
-    plain = predict_stage(iig, formulas.ZeroPP(), shape, engine_view, cluster, lay)
-    paper = predict_stage(iig, formulas.ZeroPP(), paper_shape, engine_view, cluster, lay)
+    plain = predict_stage(iig, ZeroPP(), shape, engine_view, cluster, lay)
+    paper = predict_stage(iig, ZeroPP(), paper_shape, engine_view, cluster, lay)
     assert plain.frozen_bytes == 9600 * 2 and paper.frozen_bytes == 9600 * 2 // 2  # k = 2
     assert plain.state == paper.state
-    fetch = formulas.sequence_bytes(formulas.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
+    fetch = traffic.sequence_bytes(sequences.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
     # fetched in each of the 3 forwards; the default reuse budget keeps the groups for backward
     assert paper.step_bytes == (plain.step_bytes[0] + 3 * fetch[0], plain.step_bytes[1] + 3 * fetch[1])
-    plain_off, paper_off = (predict_stage(iig, formulas.ZeroPP(), sh, dataclasses.replace(engine_view, max_live_parameters=0),
+    plain_off, paper_off = (predict_stage(iig, ZeroPP(), sh, dataclasses.replace(engine_view, max_live_parameters=0),
                                           cluster, lay) for sh in (shape, paper_shape))
     assert paper_off.step_bytes == (plain_off.step_bytes[0] + 2 * 3 * fetch[0],
                                     plain_off.step_bytes[1] + 2 * 3 * fetch[1])
-    nng = predict_stage(parse_strategy("NNG"), formulas.ZeroPP(), paper_shape, engine_view, cluster, lay)
+    nng = predict_stage(parse_strategy("NNG"), ZeroPP(), paper_shape, engine_view, cluster, lay)
     assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole
 
 
@@ -245,13 +247,13 @@ def test_without_overlap_only_the_link_wait_hides():
     ggg = parse_strategy("GGG")
     slow_compute = _cluster(2, 2, flops=1e3)  # compute far longer than any collective
     lay = layout(workload, slow_compute)
-    hidden = predict_stage(ggg, formulas.ZeroPP(), shape, workload, slow_compute, lay)
+    hidden = predict_stage(ggg, ZeroPP(), shape, workload, slow_compute, lay)
     serial_cluster = dataclasses.replace(slow_compute, overlap=False)
-    serial = predict_stage(ggg, formulas.ZeroPP(), shape, workload, serial_cluster, lay)
-    overlapped = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, slow_compute)
+    serial = predict_stage(ggg, ZeroPP(), shape, workload, serial_cluster, lay)
+    overlapped = phases(ggg, [4000, 4000], lay, ZeroPP(), workload, 2, slow_compute)
     assert hidden.exposed["fetch_forward"] == pytest.approx(2 * overlapped["fetch_forward"].seconds / 2)  # first unit
     # the default reuse budget keeps both groups from forward to backward (no backward fetch)
-    ph = phases(ggg, [4000, 4000], lay, formulas.ZeroPP(), workload, 2, serial_cluster, (True, True))
+    ph = phases(ggg, [4000, 4000], lay, ZeroPP(), workload, 2, serial_cluster, (True, True))
     assert ph["fetch_backward"].seconds == 0
     fetch = ph["fetch_forward"]
     # two units, each a flat 4-rank all-gather: 3 ring steps at the inter latency, and the bytes
@@ -262,7 +264,7 @@ def test_without_overlap_only_the_link_wait_hides():
     back = ph["fetch_backward"] + ph["micro_reduce"]
     assert serial.exposed["backward_comm"] == pytest.approx(2 * back.host + ph["boundary"].host)
     fast = dataclasses.replace(serial_cluster, flops=1e30)  # nothing to hide behind
-    exposed = predict_stage(ggg, formulas.ZeroPP(), shape, workload, fast, lay).exposed
+    exposed = predict_stage(ggg, ZeroPP(), shape, workload, fast, lay).exposed
     assert exposed["fetch_forward"] == pytest.approx(2 * fetch.seconds)
     assert exposed["backward_comm"] == pytest.approx(2 * back.seconds + ph["boundary"].seconds)
 
@@ -286,15 +288,15 @@ def test_probed_collective_times_replace_latency_and_bandwidth():
     assert measured_time(points, 2e6) == pytest.approx(5e-2 + (5e-2 - 3e-3) / 99e4 * 1e6)  # last segment
     base = _cluster(2, 2, backend="gloo", overlap=False)
     probed = dataclasses.replace(base, collective_times={"all_gather/dp": points})
-    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
-    gather = formulas.Collective("all_gather", "dp", 1)
+    shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    gather = sequences.Collective("all_gather", "dp", 1)
     intra, inter, seconds = collective_time(gather, 4000, 4, shapes, probed)
     assert (intra, inter) == (4000, 8000)  # 1000 fp32 from the node peer, 2000 from the other node
     assert seconds == pytest.approx(3e-3 + (5e-2 - 3e-3) * 2000 / 99e4)  # 12000 bytes: on the second segment
     assert host_time(gather, intra, inter, seconds, shapes, probed) == pytest.approx(min(seconds, 2e-3 + 12000 / 1e10))
     _, _, by_link = collective_time(gather, 4000, 4, shapes, base)  # not probed: latency + links in turn
     assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
-    rs = formulas.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
+    rs = sequences.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
     assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (4000 / 1e10 + 8000 / 5e8))
 
 
@@ -302,8 +304,8 @@ def test_planner_follows_zero_hierarchical():
     """The planner prices the collectives the engine will run: zero.hierarchical reaches it."""
     cluster = _cluster(2, 2)
     workload = Workload(model=TINY, micro_batch=1, global_batch=4)
-    assert layout(workload, cluster).hier == formulas.Hierarchy(True, True, True)
-    assert layout(dataclasses.replace(workload, hierarchical="never"), cluster).hier == formulas.Hierarchy()
+    assert layout(workload, cluster).hier == sequences.Hierarchy(True, True, True)
+    assert layout(dataclasses.replace(workload, hierarchical="never"), cluster).hier == sequences.Hierarchy()
 
 
 BENCH_YAML = str(Path(__file__).parents[1] / "configs" / "experiments" / "netlab" / "llama_comm_bound.yaml")
@@ -315,7 +317,7 @@ def _host_model(inter_gbit: float | None) -> Cluster:
     CALL_S whatever its size, plus its bytes (twice for gloo's reduce-scatter) at the cores'
     copy rate, the inter-node share no faster than the node's link split over its 2 ranks
     (None: loopback, the cores are the only limit)."""
-    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2, 2)
+    shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2, 2)
     inter_rate = COPY_BPS if inter_gbit is None else min(COPY_BPS, inter_gbit * 1e9 / 8 / 2)
     times = {}
     for name in ("dp", "intra", "cross", "hpz"):
@@ -337,7 +339,7 @@ def test_hierarchical_auto_is_priced_by_the_host_model(inter_gbit, two_stage):
     cfg = load_config(["--config", BENCH_YAML, "--vocab-size", "2048"])
     workload = dataclasses.replace(workload_of_config(cfg), hierarchical="auto")
     cluster = _host_model(inter_gbit)
-    ggg, zpp = parse_strategy("GGG"), formulas.ZeroPP()
+    ggg, zpp = parse_strategy("GGG"), ZeroPP()
     shape = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)[0]
     lay = layout(workload, cluster)
     padded = [n for n, _ in stage_padded(ggg, zpp, shape, lay)]
@@ -346,12 +348,12 @@ def test_hierarchical_auto_is_priced_by_the_host_model(inter_gbit, two_stage):
     hier = fastest_hierarchy(ggg, zpp, padded, lay, workload, cluster, reused)
     assert (hier.gather, hier.reduce) == (two_stage, two_stage), (inter_gbit, hier)
     seconds = {}
-    for h in (formulas.Hierarchy(), formulas.Hierarchy(True, True, True)):
+    for h in (sequences.Hierarchy(), sequences.Hierarchy(True, True, True)):
         ph = phases(ggg, padded, dataclasses.replace(lay, hier=h), zpp, workload, 4, cluster, reused)
         seconds[h.gather] = sum(p.seconds * p.times for p in ph.values())
     assert (seconds[True] < seconds[False]) == two_stage
     predicted = predict_stage(ggg, zpp, shape, workload, cluster, lay)
-    assert predicted.calls == formulas.step_calls(ggg, padded, lay.shapes, hier, micro_batches=4,
+    assert predicted.calls == traffic.step_calls(ggg, padded, lay.shapes, hier, micro_batches=4,
                                                   reused=reused) - 1  # the norm all-reduce is priced apart
-    assert predicted.step_bytes == formulas.step_bytes(ggg, padded, lay.shapes, hier, micro_batches=4,
+    assert predicted.step_bytes == traffic.step_bytes(ggg, padded, lay.shapes, hier, micro_batches=4,
                                                        param_bytes=4, accum_bytes=4, reused=reused)

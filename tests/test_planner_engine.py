@@ -38,7 +38,9 @@ from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.training.zero_factory import build_zero_engine
-from megazpp.zero.formulas import Hierarchy, ZeroPP, choose_hierarchy
+from megazpp.zero.sequences import Hierarchy
+from megazpp.zero.traffic import choose_hierarchy
+from megazpp.zero.zeropp import ZeroPP
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,

@@ -4,8 +4,8 @@ One spawn trains a small Llama under all 14 PaRO strategies (plus three forced s
 variants, two with a per-kind mix of one- and two-stage collectives, and two with a PaRO group
 spanning both nodes) and checks, per strategy: losses
 against NNN and against a LocalEngine reference fed the whole global batch; model-state bytes
-held per rank against `formulas.state_bytes`; counted intra/inter bytes of every step against
-`formulas.step_bytes` and counted collective calls against `formulas.step_calls`; and a save at
+held per rank against `memory.state_bytes`; counted intra/inter bytes of every step against
+`traffic.step_bytes` and counted collective calls against `traffic.step_calls`; and a save at
 step 2 resumed in a fresh model + engine, bitwise equal to the uninterrupted run. Fetch groups
 are kept from forward to backward by default (DeepSpeed's reuse budget); GGG and IIG also run
 with reuse off (`stage3_max_live_parameters: 0`), and checkpointed in both modes: the same
@@ -29,7 +29,7 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
 from megazpp.optim.engine import LocalEngine
-from megazpp.zero import formulas
+from megazpp.zero import sequences
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained, parameter_units
@@ -46,7 +46,7 @@ REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse
 # GGG also runs with size-bounded fetch groups ("GGG/size"); the others group by layer, split at 4000
 NO_REUSE = {"stage3_max_live_parameters": 0}
 # a per-kind hierarchy as the planner hands it to the engine (zero.hierarchical: auto, priced)
-MIXED = {"GGG": formulas.Hierarchy(gather=False, reduce=True), "NNG": formulas.Hierarchy(gather=True, reduce=False)}
+MIXED = {"GGG": sequences.Hierarchy(gather=False, reduce=True), "NNG": sequences.Hierarchy(gather=True, reduce=False)}
 # the norm gains (32 elements) kept whole on every rank, refreshed in one bucket after each step
 PERSIST = {"stage3_param_persistence_threshold": 100}
 SHARDED_P = tuple(n for n in VALID_NAMES if n[0] != "N")  # where persistence applies (p = I, G)
@@ -186,7 +186,7 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
     first = results[0]["runs"]
     # on 2 nodes x 2 the two-stage G collectives are chosen and move fewer inter-node bytes
     for name in FLAT:
-        assert first[name]["hier"] != formulas.Hierarchy()
+        assert first[name]["hier"] != sequences.Hierarchy()
         assert first[name]["steps"][0]["counted"][1] < first[f"{name}/flat"]["steps"][0]["counted"][1]
     # a PaRO group of the whole DP world makes I the same sharding as G
     assert first["III/k4"]["held"] == first["GGG"]["held"]

@@ -29,10 +29,9 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import LocalEngine
-from megazpp.zero import formulas
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.frozen import FROZEN_PREFIX
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 
 STEPS, MICRO = 3, 2
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -159,11 +158,11 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
                 assert run["held"] == run["expected"], (kind, name, rank, run["held"], run["expected"])
                 # the formulas spelled out: parameters over both, gradients / Adam over trainable only
                 s = parse_strategy(name)
-                div = {lvl: formulas.level_div(lvl, 4, 2) for lvl in (s.p, s.g, s.os)}
+                div = {lvl: level_div(lvl, 4, 2) for lvl in (s.params, s.grads, s.optimizer_state)}
                 trainable, frozen = sum(run["trainable_padded"]), sum(run["frozen_padded"])
-                assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.p], (kind, name)
-                assert run["held"].grads == trainable * 4 // div[s.g], (kind, name)
-                assert run["held"].optimizer == trainable * 12 // div[s.os], (kind, name)
+                assert frozen > 0 and run["held"].params == (trainable + frozen) * 4 // div[s.params], (kind, name)
+                assert run["held"].grads == trainable * 4 // div[s.grads], (kind, name)
+                assert run["held"].optimizer == trainable * 12 // div[s.optimizer_state], (kind, name)
     for rank, report in enumerate(results):
         for name in CHECKPOINTED:
             for s, plain in zip(report[f"lora/{name}/ckpt"], report["lora/NNN"]["losses"]):

@@ -11,17 +11,18 @@ from torch import nn
 
 from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError
-from megazpp.zero import formulas
-from megazpp.zero.layout import BucketLayout, from_dp_order, to_dp_order
+from megazpp.zero import memory, sequences, traffic
+from megazpp.zero.layout import BucketLayout, from_dp_order, padded_numel, to_dp_order
 from megazpp.zero.strategy import VALID_NAMES, Level, parse_strategy
 from megazpp.zero.units import is_fine_grained, parameter_units
+from megazpp.zero.zeropp import ZeroPP
 
 
 def test_fourteen_strategies_aliases_and_rejection():
     assert len(VALID_NAMES) == 14 and len(set(VALID_NAMES)) == 14
     for name in VALID_NAMES:
         s = parse_strategy(name.lower())
-        assert s.os >= s.p and s.os >= s.g and s.name == name
+        assert s.optimizer_state >= s.params and s.optimizer_state >= s.grads and s.name == name
     assert [parse_strategy(i).name for i in range(4)] == ["NNN", "NNG", "NGG", "GGG"]
     assert parse_strategy("MiCS").name == "III" and parse_strategy("ing").name == "ING"
     with pytest.raises(ConfigError) as err:
@@ -72,59 +73,59 @@ def test_g_shard_nests_inside_i_shard_and_both_partition_the_buffer():
         assert torch.equal(reordered[r], flat[lo:hi])
 
 
-def _two_nodes_of_two() -> formulas.DPShapes:
-    return formulas.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2)
+def _two_nodes_of_two() -> sequences.DPShapes:
+    return sequences.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2)
 
 
 def test_step_bytes_worked_by_hand_for_ggg_and_nig():
     shapes = _two_nodes_of_two()
-    hier = formulas.choose_hierarchy(shapes)
-    assert hier == formulas.Hierarchy(True, True, True)
+    hier = traffic.choose_hierarchy(shapes)
+    assert hier == sequences.Hierarchy(True, True, True)
     ggg = parse_strategy("GGG")
     # P = 8 fp32 elements (32 bytes), one micro-batch.
     # fetch x2: cross all-gather of 16 B (8 B from the other node) + intra all-gather of 32 B
     #           (16 B from the node peer) -> (16, 8) each;
     # reduce: intra reduce-scatter of 32 B (16 B) + cross reduce-scatter of 16 B (8 B);
     # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
-    assert formulas.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
+    assert traffic.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
                                accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
     # two groups of 8, the second kept from forward to backward: per micro-batch each group's
     # forward fetch + reduce as above, and one backward fetch (the first group's); calls: per
     # micro-batch 3 two-stage sequences (6 calls) + 2 reduce sequences (4), plus the norm
-    assert formulas.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
+    assert traffic.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
                                reused=[False, True]) == (2 * (3 * 16 + 2 * 16) + 2, 2 * (3 * 8 + 2 * 8) + 4)
-    assert formulas.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (6 + 4) + 1
-    assert formulas.step_calls(ggg, [8, 8], shapes, formulas.Hierarchy(), micro_batches=2) == 2 * (4 + 2) + 1
+    assert traffic.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (6 + 4) + 1
+    assert traffic.step_calls(ggg, [8, 8], shapes, sequences.Hierarchy(), micro_batches=2) == 2 * (4 + 2) + 1
     # under hpZ over the node pair the backward fetch is one intra-node call (16 B from the peer)
-    hpz = formulas.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
-    parts = formulas.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                                zeropp=formulas.ZeroPP(hpz=2))
-    assert list(parts) == list(formulas.STEP_PHASES)
+    hpz = sequences.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
+    parts = traffic.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
+                                zeropp=ZeroPP(hpz=2))
+    assert list(parts) == list(traffic.STEP_PHASES)
     assert parts["fetch_backward"].bytes_once(hpz) == (16, 0) and parts["fetch_backward"].calls_once(hpz) == 1
     nig = parse_strategy("NIG")
     # per micro-batch: intra reduce-scatter of 32 B -> 16 intra; boundary: cross reduce-scatter
     # of the 16 B I-chunk -> 8 inter; refresh p=N from G: cross + intra all-gather (8 inter, 16
     # intra); norm over all DP ranks. Three micro-batches.
-    assert formulas.step_bytes(nig, [8], shapes, hier, micro_batches=3, param_bytes=4,
+    assert traffic.step_bytes(nig, [8], shapes, hier, micro_batches=3, param_bytes=4,
                                accum_bytes=4) == (3 * 16 + 16 + 2, 8 + 8 + 4)
-    flat = formulas.Hierarchy()
+    flat = sequences.Hierarchy()
     # single-stage all-gather over 4 ranks: 8 B from each peer, 2 peers on the other node
-    assert formulas.sequence_bytes(formulas.gather_sequence(Level.G, Level.N, 2, flat), 8, 4,
+    assert traffic.sequence_bytes(sequences.gather_sequence(Level.G, Level.N, 2, flat), 8, 4,
                                    shapes) == (8, 16)
 
 
 def test_state_bytes_per_level():
     nig = parse_strategy("NIG")
-    got = formulas.state_bytes(nig, [8, 16], d=4, k=2, param_bytes=2, accum_bytes=4)
-    assert got == formulas.StateBytes(params=2 * 24, grads=4 * 12, optimizer=12 * 6)
-    assert formulas.padded_numel(13, 4) == 16 and formulas.padded_numel(16, 4) == 16
+    got = memory.state_bytes(nig, [8, 16], d=4, k=2, param_bytes=2, accum_bytes=4)
+    assert got == memory.StateBytes(params=2 * 24, grads=4 * 12, optimizer=12 * 6)
+    assert padded_numel(13, 4) == 16 and padded_numel(16, 4) == 16
 
 
 def test_degenerate_groups_are_never_hierarchical():
-    one_node = formulas.dp_shapes([0, 1, 2, 3], 4, me=1, ranks_per_node=4)
-    assert formulas.choose_hierarchy(one_node) == formulas.Hierarchy()
-    singles = formulas.dp_shapes([0, 1, 2, 3], 1, me=1, ranks_per_node=2)
-    assert formulas.choose_hierarchy(singles) == formulas.Hierarchy()
+    one_node = sequences.dp_shapes([0, 1, 2, 3], 4, me=1, ranks_per_node=4)
+    assert traffic.choose_hierarchy(one_node) == sequences.Hierarchy()
+    singles = sequences.dp_shapes([0, 1, 2, 3], 1, me=1, ranks_per_node=2)
+    assert traffic.choose_hierarchy(singles) == sequences.Hierarchy()
 
 
 class _Expert(nn.Module):
@@ -268,18 +269,18 @@ def test_kept_groups_are_fetched_once_per_step_under_1f1b_warmup():
     """A pipeline stage that runs forwards ahead of its backwards (1F1B warmup) keeps a group
     kept for backward gathered from the first forward to the last backward: one fetch per step;
     groups not kept are fetched for every forward and backward, as without a pipeline."""
-    shapes = formulas.dp_shapes([0, 1, 2, 3], 2, 0, 2)
-    ggg, hier = parse_strategy("GGG"), formulas.Hierarchy(True, True, True)
+    shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    ggg, hier = parse_strategy("GGG"), sequences.Hierarchy(True, True, True)
     numels, reused = [400, 800, 1200], (False, True, True)
-    plain = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+    plain = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
                                 reused=reused)
-    ahead = formulas.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+    ahead = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
                                 reused=reused, warmup=1)
     assert (plain["fetch_forward"].numels, plain["fetch_forward_once"].numels) == ((400, 800, 1200), ())
     assert (ahead["fetch_forward"].numels, ahead["fetch_forward"].times) == ((400,), 4)
     assert (ahead["fetch_forward_once"].numels, ahead["fetch_forward_once"].times) == ((800, 1200), 1)
     assert ahead["fetch_backward"] == plain["fetch_backward"] and ahead["fetch_backward"].numels == (400,)
     saved = 3 * 2 * 2  # (4 - 1) forward fetches of each of the 2 kept groups, 2 stages each
-    calls = {w: formulas.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=reused, warmup=w)
+    calls = {w: traffic.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=reused, warmup=w)
              for w in (0, 1)}
     assert calls[0] - calls[1] == saved

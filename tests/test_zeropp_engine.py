@@ -12,7 +12,7 @@ check one claim on it:
   except the 1-D tensors (norm gains), which arrive bit for bit;
 * counted inter-node bytes per step with all three on <= 0.27 x plain ZeRO-3 on the same bf16
   model with groups released after forward (the ZeRO++ paper's setting; `stage3_max_live_parameters:
-  0`), each equal to `formulas.step_bytes` and the calls to `formulas.step_calls`; with hpZ the
+  0`), each equal to `traffic.step_bytes` and the calls to `traffic.step_calls`; with hpZ the
   backward gathers record 0 inter-node bytes; with groups kept (the default) there are none;
 * 30 steps of a small Llama with ZeRO++ (and with LoCo too) stay within MAX_GAP / MEAN_GAP of
   ZeRO-3's losses;
@@ -42,8 +42,8 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.zeropp import ZeroPP
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zeropp_tutorial.json"
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -148,12 +148,12 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
         if zeropp.qgz:
             got = engine.paths.start_grad_reduce(b, mine.clone()).wait()
             want = exact.start_grad_reduce(b, mine.clone()).wait()
-            lo, hi = b.layout.shard_range(engine.strategy.g)
+            lo, hi = b.layout.shard_range(engine.strategy.grads)
             bound = kernels.qgz_error_bound(grads, PP["qgz_block"])[lo:hi]
             out["qgz_excess"].append(float(((got - want).abs() - bound).max()))
             out["qgz_err"].append(float((got - want).abs().max()))
         if zeropp.qwz:
-            lo, hi = b.layout.shard_range(engine.strategy.p)
+            lo, hi = b.layout.shard_range(engine.strategy.params)
             b.param_store.copy_(grads[topo.dp_rank, lo:hi] * d)  # values over six decades, gains included
             full_exact = exact.start_param_gather(b, "forward").wait()
             full_q = engine.paths.start_param_gather(b, "forward").wait()

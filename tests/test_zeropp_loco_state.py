@@ -23,8 +23,8 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
-from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.layout import BucketLayout
+from megazpp.zero.zeropp import ZeroPP
 
 BLOCK = 64
 LOCO = ZeroPP(qgz=True, loco=True, qgz_block=BLOCK, err_beta=0.8, reset_t=1000)
@@ -66,12 +66,12 @@ def _exact_os(engine: ZeroEngine, step: int, micro: int, scale: float) -> list[t
     b = engine.buckets[0]
     flat = torch.zeros(b.layout.padded)
     for m in range(micro):
-        for r in range(engine.groups.d):
+        for r in range(engine.groups.dp_size):
             tw, tb = _targets(step, m, r)
             grads = {"w": tw * scale, "b": tb * scale}
             for name, off, shape in zip(b.layout.names, b.layout.offsets, b.layout.shapes):
-                flat[off:off + shape.numel()] += grads[name].reshape(-1) / engine.groups.d
-    lo, _ = b.layout.shard_range(engine.strategy.os)
+                flat[off:off + shape.numel()] += grads[name].reshape(-1) / engine.groups.dp_size
+    lo, _ = b.layout.shard_range(engine.strategy.optimizer_state)
     return [flat[lo + p.start:lo + p.end] for p in b.masters]
 
 
@@ -115,7 +115,7 @@ def _spike_run(topo: Topology) -> dict:
 def _vector_error(engine: ZeroEngine, applied: list[torch.Tensor], exact: list[torch.Tensor]) -> tuple:
     """(max |applied - exact| over my shard's 1-D-tensor elements, over the rest, count of the former)."""
     b = engine.buckets[0]
-    lo, hi = b.layout.shard_range(engine.strategy.os)
+    lo, hi = b.layout.shard_range(engine.strategy.optimizer_state)
     vector = torch.zeros(hi - lo, dtype=torch.bool)
     for a, z in b.layout.vector_ranges():
         if max(a, lo) < min(z, hi):

@@ -2,7 +2,7 @@
 
 Prints a Markdown table: per strategy the model-state bytes one rank holds (parameters,
 gradients, optimizer state), the intra-/inter-node bytes one rank receives per step (counted
-by megazpp.parallel.comm, next to the `formulas` prediction), and the median step time. A
+by megazpp.parallel.comm, next to the `traffic.step_bytes` prediction), and the median step time. A
 second table compares a Qwen2-MoE-like model under ZeRO-3 with module_granularity_threshold
 0 and with a threshold that makes each MoE layer one parameter unit: fetch hooks and
 parameter all-gathers per step, and host (CPU) time per step.

@@ -4,7 +4,7 @@ The model comes from a megazpp config (`--config`, with batch, precision and par
 from the same file unless overridden) or from its dimensions (`--arch --num-layers
 --hidden-size --num-attention-heads ...`, the training job's flags; `--params` picks the FFN width that gives that parameter count). The cluster is
 described by flags, with `--accelerator` filling in typical memory, compute and NVLink values.
-Memory and byte terms are `megazpp.zero.formulas` (what the engine's tests assert); the
+Memory and byte terms are `megazpp.zero.memory` and `traffic` (what the engine's tests assert); the
 planner adds activations, timing and the fit test (docs/planning.md).
 
     python tools/plan.py --accelerator h100-80gb --nodes 8 --gpus-per-node 8 --inter-gbit 400 \\
@@ -30,7 +30,7 @@ from megazpp.planner.report import summary, table
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
 from megazpp.tool_flags import add_shape_flags, model_config
-from megazpp.zero.formulas import ZeroPP
+from megazpp.zero.zeropp import ZeroPP
 
 
 def _parser() -> argparse.ArgumentParser:

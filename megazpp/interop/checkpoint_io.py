@@ -52,10 +52,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found
 
 
-def _zero_strategy(engine: Any) -> str | None:
-    """The PaRO strategy of a ZeRO engine's state, None for LocalEngine state."""
-    if isinstance(engine, dict) and "strategy" in engine:
-        return str(engine["strategy"])
+def _zero_strategy(engine_state: object) -> str | None:
+    """The PaRO strategy of a ZeRO engine's saved state, None for LocalEngine state."""
+    if isinstance(engine_state, dict) and "strategy" in engine_state:
+        return str(engine_state["strategy"])
     return None
 
 

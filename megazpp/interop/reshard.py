@@ -57,7 +57,7 @@ def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology)
         return isinstance(saved, dict) and "strategy" in saved
     if not isinstance(saved, dict) or "strategy" not in saved:
         return True
-    mine = (engine.strategy.name, engine.groups.d, engine.groups.k,
+    mine = (engine.strategy.name, engine.groups.dp_size, engine.groups.group_size,
             [b.layout.describe() for b in engine.buckets])
     return (saved["strategy"], saved.get("dp"), saved.get("k"),
             [b.get("layout") for b in saved.get("buckets", [])]) != mine

@@ -4,6 +4,8 @@ Why a protocol: the trainer's loop must not care whether gradients are reduced o
 parallel ranks, sharded (ZeRO/PaRO), quantized on the wire or kept whole. It only scales the
 loss, asks for a step and checkpoints the engine's state; each engine owns everything else
 (masters, moments, accumulators, the loss scaler) and saves it in its own state dict.
+`grad_for` hands the pipeline the accumulated tied-embedding gradient to sum across stages
+(`parallel.pipeline.PipelineEngine`, the part of this protocol the pipeline may name).
 
 `LocalEngine` is one data-parallel rank holding whole gradients:
 - fp32: AdamW directly on the model's parameters.
@@ -63,6 +65,8 @@ class Engine(Protocol):
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def grad_for(self, param: nn.Parameter) -> torch.Tensor | None: ...
 
 
 class ScaledOptimizerEngine:

@@ -15,7 +15,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[ProcessGroup] = (),
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[ProcessGroup | None] = (),
                      device: torch.device | str = "cpu") -> torch.Tensor:
     """L2 norm (fp32 scalar tensor) over `grads` on all ranks of `groups`; inf/NaN propagate.
 

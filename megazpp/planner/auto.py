@@ -31,9 +31,9 @@ from megazpp.planner.report import table
 from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
-from megazpp.zero import formulas
+from megazpp.zero import sequences
 from megazpp.zero.strategy import Level, Strategy, parse_strategy, resolve_strategy
-from megazpp.zero.zeropp import zeropp_of
+from megazpp.zero.zeropp import ZeroPP, zeropp_of
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Choice:
 
 
 def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Cluster,
-                    zeropp: formulas.ZeroPP = formulas.ZeroPP(),
+                    zeropp: ZeroPP = ZeroPP(),
                     allowed: Callable[[Strategy], bool] = lambda s: True) -> Choice:
     """The recommended strategy among those the run's ZeRO++ switches apply to and `allowed`
     accepts (pure, local)."""
@@ -58,7 +58,7 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
     return Choice(result.choice.option.strategy, runner, result, cluster)
 
 
-def _zeropp_of(cfg: Config, topology: Topology) -> formulas.ZeroPP:
+def _zeropp_of(cfg: Config, topology: Topology) -> ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
     return dataclasses.replace(zeropp_of(cfg.zero),
                                hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
@@ -70,8 +70,8 @@ def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
     (`units.check_persistence`)."""
     whole = cfg.zero.stage3_param_persistence_threshold == 0  # else p = N has nothing to keep whole
     if topology.pp > 1 and cfg.model.tie_embeddings:
-        return lambda s: s.g == Level.N and (whole or s.p != Level.N)
-    return lambda s: whole or s.p != Level.N
+        return lambda s: s.grads == Level.N and (whole or s.params != Level.N)
+    return lambda s: whole or s.params != Level.N
 
 
 def _device_memory(settings: PlannerSettings) -> float:
@@ -181,7 +181,7 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: P
 
 
 def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
-                   cluster: Cluster | None = None) -> formulas.Hierarchy | None:
+                   cluster: Cluster | None = None) -> sequences.Hierarchy | None:
     """`zero.hierarchical: auto` for the run's strategy on this rank's stage, priced by the
     planner (`cost.fastest_hierarchy`) on `cluster` (the one `paro_strategy: auto` measured),
     else on the links of the `planner` section: given bandwidths or, with `planner.probe`, the

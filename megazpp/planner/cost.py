@@ -3,7 +3,7 @@
 Why the terms are split into phases: the overlap model needs to know WHEN bytes move
 (forward fetch, backward fetch of the groups not kept from forward, per-micro-batch
 reduction, step boundary, refresh), while the byte totals must stay exactly
-`formulas.step_bytes`. The phases are `formulas.step_parts`, the very terms `step_bytes` sums,
+`traffic.step_bytes`. The phases are `traffic.step_parts`, the very terms `step_bytes` sums,
 timed here; tests/test_planner_costs.py asserts that they add up to it for every strategy and
 combination.
 
@@ -38,8 +38,10 @@ from megazpp.planner.cluster import Cluster
 from megazpp.planner.shape import StageShape
 from megazpp.planner.timing import collective_time, group_all_reduce_time, host_time, link_time
 from megazpp.planner.workload import Workload
-from megazpp.zero import formulas
-from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero import memory, sequences, traffic
+from megazpp.zero.layout import padded_numel, tensor_layout
+from megazpp.zero.strategy import Level, Strategy, level_div
+from megazpp.zero.zeropp import ZeroPP
 
 ADAM_TRAFFIC_FP32 = 28  # read master, grad, exp_avg, exp_avg_sq; write master, exp_avg, exp_avg_sq
 
@@ -48,12 +50,12 @@ ADAM_TRAFFIC_FP32 = 28  # read master, grad, exp_avg, exp_avg_sq; write master, 
 class Layout:
     """The representative rank (global rank 0) and its groups; every rank is alike by symmetry."""
 
-    d: int
-    k: int
-    shapes: formulas.DPShapes
-    hier: formulas.Hierarchy
-    extra_norm_groups: tuple[formulas.GroupShape, ...]
-    tp_group: formulas.GroupShape
+    dp_size: int
+    group_size: int
+    shapes: sequences.DPShapes
+    hier: sequences.Hierarchy
+    extra_norm_groups: tuple[sequences.GroupShape, ...]
+    tp_group: sequences.GroupShape
     pp_neighbor_inter: bool
 
 
@@ -69,13 +71,13 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     if k < 1 or d % k:
         raise ConfigError(f"paro_group_size = {k}: expected a positive divisor of the data-parallel size {d}")
     dp_ranks = [workload.tp * j for j in range(d)]
-    shapes = formulas.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz)
+    shapes = sequences.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz)
     rpn = cluster.gpus_per_node
-    tp_group = formulas.GroupShape.of(list(range(workload.tp)), 0, rpn)
+    tp_group = sequences.GroupShape.of(list(range(workload.tp)), 0, rpn)
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
     extra = tuple(g for g, size in ((tp_group, workload.tp),
-                                    (formulas.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
-    return Layout(d, k, shapes, formulas.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
+                                    (sequences.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
+    return Layout(d, k, shapes, traffic.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
                   workload.pp > 1 and pp_ranks[1] // rpn != 0)
 
 
@@ -95,14 +97,14 @@ class Phase:
                      self.calls + other.calls, self.times, self.host + other.host)
 
 
-def phases(s: Strategy, padded: list[int], lay: Layout, zpp: formulas.ZeroPP, workload: Workload,
+def phases(s: Strategy, padded: list[int], lay: Layout, zpp: ZeroPP, workload: Workload,
            micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = (),
            persistent: int = 0, warmup: int = 0) -> dict[str, Phase]:
-    """`formulas.step_parts` timed: one Phase per entry of `formulas.STEP_PHASES`.
-    `reused`: per fetch group, kept gathered from forward to backward (`formulas.reuse_mask`);
+    """`traffic.step_parts` timed: one Phase per entry of `traffic.STEP_PHASES`.
+    `reused`: per fetch group, kept gathered from forward to backward (`traffic.reuse_mask`);
     `persistent`: the last buckets of `padded` are kept whole (never fetched); `warmup`: the
     stage's 1F1B forwards before its first backward."""
-    parts = formulas.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
+    parts = traffic.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
                                 param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
                                 zeropp=zpp, reused=reused, persistent=persistent, warmup=warmup)
     out = {}
@@ -127,9 +129,9 @@ def optimizer_time(os_elements: int, param_bytes: int, cluster: Cluster) -> floa
 def norm_phase(s: Strategy, lay: Layout, cluster: Cluster) -> Phase:
     """The fp32 squared-norm all-reduce over the os owners and the TP / PP groups."""
     total = Phase()
-    for g in formulas.norm_shapes(s, lay.shapes, lay.extra_norm_groups):
+    for g in traffic.norm_shapes(s, lay.shapes, lay.extra_norm_groups):
         if g.size > 1:
-            total = total + Phase(*formulas.all_reduce_bytes(4, g), group_all_reduce_time(4, g, cluster), 1)
+            total = total + Phase(*traffic.all_reduce_bytes(4, g), group_all_reduce_time(4, g, cluster), 1)
     return total
 
 
@@ -138,11 +140,11 @@ class StagePrediction:
     """Everything predicted for one rank of one pipeline stage."""
 
     stage: int
-    state: formulas.StateBytes
+    state: memory.StateBytes
     frozen_bytes: int
     activation_bytes: float
     transient_bytes: int
-    step_bytes: tuple[int, int]  # (intra, inter) per step: formulas.step_bytes (+ frozen fetches if sharded)
+    step_bytes: tuple[int, int]  # (intra, inter) per step: traffic.step_bytes (+ frozen fetches if sharded)
     compute_s: float
     calls: int  # DP collective calls per step (each pays a latency)
     exposed: dict[str, float] = field(default_factory=dict)
@@ -163,21 +165,21 @@ class StagePrediction:
 def reused_groups(s: Strategy, workload: Workload, padded: list[int], persistent: int = 0) -> tuple[bool, ...]:
     """Per fetch group (the buckets of `padded` before the last `persistent`): kept gathered
     from forward to backward, as the engine decides it."""
-    if s.p == Level.N:
+    if s.params == Level.N:
         return ()
-    return formulas.reuse_mask(padded[:len(padded) - persistent], workload.max_live_parameters,
+    return traffic.reuse_mask(padded[:len(padded) - persistent], workload.max_live_parameters,
                                workload.max_reuse_distance)
 
 
-def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
+def _sharded_frozen(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
                     padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
     """Frozen weights of each fetch group sharded at p and gathered with it (forward, backward
     unless kept), never reduced or updated, as the engine holds them (`zero/frozen.py`; the PaRO
     paper's PEFT accounting). Returns (frozen bytes held, the extra fetch phases, the largest
     gathered unit)."""
     pb = workload.param_bytes
-    fpadded = [formulas.padded_numel(n, lay.d, zpp.alignment()) for n in stage.frozen_groups]
-    held = formulas.state_bytes(s, fpadded, lay.d, lay.k, pb, workload.accum_bytes).params
+    fpadded = [padded_numel(n, lay.dp_size, zpp.alignment()) for n in stage.frozen_groups]
+    held = memory.state_bytes(s, fpadded, lay.dp_size, lay.group_size, pb, workload.accum_bytes).params
     held += (stage.frozen - sum(stage.frozen_groups)) * pb
     if zpp.hpz > 1:
         held += sum(n // zpp.hpz * pb for n in fpadded)
@@ -187,10 +189,10 @@ def _sharded_frozen(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, worklo
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
-def fastest_hierarchy(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
-                      cluster: Cluster, reused: tuple[bool, ...], persistent: int = 0) -> formulas.Hierarchy:
+def fastest_hierarchy(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+                      cluster: Cluster, reused: tuple[bool, ...], persistent: int = 0) -> sequences.Hierarchy:
     """`zero.hierarchical: auto` by predicted time: per kind of G-level collective (the fields
-    of `formulas.Hierarchy`: gather, reduce, all-reduce), two stages where the step's
+    of `sequences.Hierarchy`: gather, reduce, all-reduce), two stages where the step's
     collectives of that kind take less time in two stages than in one over all DP ranks.
 
     Why time, not bytes: two stages carry 1/k of the inter-node bytes but make twice the calls;
@@ -199,36 +201,36 @@ def fastest_hierarchy(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay:
     The kinds are decided one by one: the others' collectives are the same in both candidates,
     so the difference in step time is that kind's alone.
     """
-    if lay.k in (1, lay.d):
-        return formulas.Hierarchy()
-    return formulas.Hierarchy(**{kind: two < flat for kind, (flat, two) in
+    if lay.group_size in (1, lay.dp_size):
+        return sequences.Hierarchy()
+    return sequences.Hierarchy(**{kind: two < flat for kind, (flat, two) in
                                  hierarchy_seconds(s, zpp, padded, lay, workload, cluster, reused,
                                                    persistent).items()})
 
 
-def hierarchy_seconds(s: Strategy, zpp: formulas.ZeroPP, padded: list[int], lay: Layout, workload: Workload,
+def hierarchy_seconds(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, workload: Workload,
                       cluster: Cluster, reused: tuple[bool, ...],
                       persistent: int = 0) -> dict[str, tuple[float, float]]:
-    """Per field of `formulas.Hierarchy`: the step's predicted collective seconds with that kind
+    """Per field of `sequences.Hierarchy`: the step's predicted collective seconds with that kind
     in one stage and in two (the other kinds in one stage): what `fastest_hierarchy` compares."""
     a = workload.micro_batches(cluster)
 
-    def seconds(hier: formulas.Hierarchy) -> float:
+    def seconds(hier: sequences.Hierarchy) -> float:
         ph = phases(s, padded, dataclasses.replace(lay, hier=hier), zpp, workload, a, cluster, reused, persistent)
         return sum(p.seconds * p.times for p in ph.values())
 
-    flat = seconds(formulas.Hierarchy())
-    return {f.name: (flat, seconds(formulas.Hierarchy(**{f.name: True})))
-            for f in dataclasses.fields(formulas.Hierarchy)}
+    flat = seconds(sequences.Hierarchy())
+    return {f.name: (flat, seconds(sequences.Hierarchy(**{f.name: True})))
+            for f in dataclasses.fields(sequences.Hierarchy)}
 
 
-def stage_padded(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape,
+def stage_padded(s: Strategy, zpp: ZeroPP, stage: StageShape,
                  lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
     """Per fetch group (p sharded) or gradient bucket of `stage`: its padded size and tensor ranges."""
-    return [formulas.tensor_layout(t, lay.d, zpp.alignment()) for t in stage.group_tensors(s)]
+    return [tensor_layout(t, lay.dp_size, zpp.alignment()) for t in stage.group_tensors(s)]
 
 
-def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload: Workload,
+def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload,
                   cluster: Cluster, lay: Layout) -> StagePrediction:
     """With `zero.hierarchical: auto`, under the hierarchy `fastest_hierarchy` picks for this
     stage, as the engine runs it (the builder asks the same function)."""
@@ -236,16 +238,16 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     pb, ab = workload.param_bytes, workload.accum_bytes
     laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
-    persistent = stage.persistent if s.p != Level.N else 0
+    persistent = stage.persistent if s.params != Level.N else 0
     warmup = min(workload.pp - stage.stage - 1, a)  # 1F1B
     reused = reused_groups(s, workload, padded, persistent)
     if workload.hierarchical == "auto":
         lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
                                                               persistent))
-    plain = formulas.state_bytes(s, padded, lay.d, lay.k, pb, ab, persistent)
-    state = formulas.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                formulas.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
-    step = formulas.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
+    plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent)
+    state = memory.StateBytes(plain.params, plain.grads, plain.optimizer,
+                                memory.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
+    step = traffic.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
                                reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent,
                                warmup=warmup)
@@ -256,7 +258,8 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
     biggest = max(padded, default=0)
     kept = sum(n for n, again in zip(padded, reused) if again) * pb  # gathered from forward into backward
-    transient = (2 * biggest * pb + kept if s.p != Level.N else 0) + (2 * biggest * pb if s.g != Level.N else 0)
+    transient = ((2 * biggest * pb + kept if s.params != Level.N else 0)
+                 + (2 * biggest * pb if s.grads != Level.N else 0))
 
     tokens = workload.micro_batch * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
@@ -264,18 +267,18 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
     t_b = forward_flops * (1 + workload.trainable_fraction) / cluster.flops
     if workload.activation_checkpointing:
         t_b += t_f
-    g_elems = sum(padded) // formulas.level_div(s.g, lay.d, lay.k)
+    g_elems = sum(padded) // level_div(s.grads, lay.dp_size, lay.group_size)
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
     ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
     frozen_bytes = stage.frozen * pb
-    if s.p != Level.N and stage.frozen_groups:
+    if s.params != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)
         for name, extra in fetched.items():
             ph[name] = ph[name] + extra
             step = (step[0] + extra.intra * extra.times, step[1] + extra.inter * extra.times)
-        transient = 2 * biggest * pb + kept + (2 * biggest * pb if s.g != Level.N else 0)
+        transient = 2 * biggest * pb + kept + (2 * biggest * pb if s.grads != Level.N else 0)
     n = max(1, len(padded))
     backward = ph["fetch_backward"] + ph["micro_reduce"]
     last = backward + ph["boundary"]
@@ -291,7 +294,8 @@ def predict_stage(s: Strategy, zpp: formulas.ZeroPP, stage: StageShape, workload
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
-        "optimizer": optimizer_time(sum(padded) // formulas.level_div(s.os, lay.d, lay.k), pb, cluster),
+        "optimizer": optimizer_time(sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb,
+                                    cluster),
     }
     act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
     if workload.tp > 1:

@@ -15,8 +15,8 @@ from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, predict_stage
 from megazpp.planner.shape import StageShape
 from megazpp.planner.workload import Workload
-from megazpp.zero import formulas
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, Strategy
+from megazpp.zero.zeropp import ZeroPP
 
 TIE = 0.02
 SAME_MEMORY = 0.05  # of the usable memory: smaller savings are not worth a slower option
@@ -25,7 +25,7 @@ SAME_MEMORY = 0.05  # of the usable memory: smaller savings are not worth a slow
 @dataclass(frozen=True)
 class Option:
     strategy: Strategy
-    zeropp: formulas.ZeroPP = formulas.ZeroPP()
+    zeropp: ZeroPP = ZeroPP()
 
     @property
     def name(self) -> str:
@@ -34,14 +34,14 @@ class Option:
         return "+".join([self.strategy.name] + tags)
 
 
-def applies(zpp: formulas.ZeroPP, s: Strategy) -> bool:
+def applies(zpp: ZeroPP, s: Strategy) -> bool:
     """Whether each ZeRO++ switch that is on has a collective to act on (`zeropp.check_zeropp`'s rule)."""
-    if (zpp.qwz or zpp.hpz > 1) and s.p == Level.N:
+    if (zpp.qwz or zpp.hpz > 1) and s.params == Level.N:
         return False
-    return not (zpp.qgz and s.g == Level.N)
+    return not (zpp.qgz and s.grads == Level.N)
 
 
-def options(workload: Workload, cluster: Cluster, fixed: formulas.ZeroPP | None = None,
+def options(workload: Workload, cluster: Cluster, fixed: ZeroPP | None = None,
             allowed: Callable[[Strategy], bool] = lambda s: True) -> list[Option]:
     """All 14 strategies, each with every useful ZeRO++ combination (or only `fixed`).
 
@@ -54,7 +54,7 @@ def options(workload: Workload, cluster: Cluster, fixed: formulas.ZeroPP | None 
     d = workload.dp(cluster)
     strategies = [s for s in VALID_STRATEGIES if allowed(s)]
     if fixed is not None:
-        return [Option(s, fixed if d > 1 else formulas.ZeroPP()) for s in strategies if applies(fixed, s)]
+        return [Option(s, fixed if d > 1 else ZeroPP()) for s in strategies if applies(fixed, s)]
     on_node = dp_ranks_on_node(workload, cluster)
     hpz = min(workload.hpz_size or on_node, on_node)
     spans_nodes = layout(workload, cluster).shapes.dp.inter_peers > 0
@@ -63,11 +63,11 @@ def options(workload: Workload, cluster: Cluster, fixed: formulas.ZeroPP | None 
         if d == 1:
             out.append(Option(s))
             continue
-        for qwz in (False, True) if s.p != Level.N else (False,):
-            hpzs = (1, hpz) if s.p == Level.G and spans_nodes and hpz > 1 and d % hpz == 0 else (1,)
+        for qwz in (False, True) if s.params != Level.N else (False,):
+            hpzs = (1, hpz) if s.params == Level.G and spans_nodes and hpz > 1 and d % hpz == 0 else (1,)
             for h in hpzs:
-                for qgz in (False, True) if s.g != Level.N else (False,):
-                    out.append(Option(s, formulas.ZeroPP(qwz=qwz, hpz=h, qgz=qgz)))
+                for qgz in (False, True) if s.grads != Level.N else (False,):
+                    out.append(Option(s, ZeroPP(qwz=qwz, hpz=h, qgz=qgz)))
     return out
 
 
@@ -165,7 +165,7 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
 
 
 def plan(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
-         fixed_zeropp: formulas.ZeroPP | None = None, tie: float = TIE,
+         fixed_zeropp: ZeroPP | None = None, tie: float = TIE,
          allowed: Callable[[Strategy], bool] = lambda s: True) -> Plan:
     """Predict every option, sort (fitting, fastest, smallest) and pick the recommendation."""
     rows = sorted((predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp, allowed)),

@@ -76,7 +76,7 @@ COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def dp_groups(topology: Topology) -> dict[str, tuple[ProcessGroup | None, int]]:
-    """The launcher's data-parallel groups under the names `formulas.DPShapes` gives them (the
+    """The launcher's data-parallel groups under the names `sequences.DPShapes` gives them (the
     PaRO group and the hpZ group default to the node's DP ranks)."""
     node = (topology.dp_intra_group, len(topology.dp_intra_ranks))
     return {"dp": (topology.dp_group, topology.dp), "intra": node, "hpz": node,
@@ -117,7 +117,7 @@ def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: in
 
 def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> tuple[Any, float]:
     """A call of `op` moving `numel` elements per member, and the bytes one rank receives by the
-    convention of `formulas.collective_bytes`."""
+    convention of `traffic.collective_bytes`."""
     shard, whole = torch.ones(numel), torch.ones(numel * size)
     if op == "all_gather":
         return lambda: comm.all_gather_into_tensor(whole, shard, group=group, tag="planner/probe"), \

@@ -40,7 +40,7 @@ class StageShape:
     (`units.split_persistent`): parameters kept whole, never fetched.
     `group_tensors` / `bucket_tensors`: per group, its tensors as (numel, is 1-D) in bucket
     layout order, which ZeRO++'s per-tensor block alignment and qgZ's exact 1-D values depend
-    on (`formulas.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
+    on (`layout.tensor_layout`); empty when a trainable fraction < 1 is modelled (then each
     group counts as one tensor).
     """
 
@@ -57,12 +57,12 @@ class StageShape:
     persistent: int = 0
 
     def groups(self, strategy: Strategy) -> tuple[int, ...]:
-        return self.buckets if strategy.p == Level.N else self.fetch_groups
+        return self.buckets if strategy.params == Level.N else self.fetch_groups
 
     def group_tensors(self, strategy: Strategy) -> tuple[tuple[tuple[int, bool], ...], ...]:
         """Per group of `groups(strategy)`: its tensors (numel, is 1-D); one whole-group
         tensor each when unknown."""
-        tensors = self.bucket_tensors if strategy.p == Level.N else self.fetch_group_tensors
+        tensors = self.bucket_tensors if strategy.params == Level.N else self.fetch_group_tensors
         return tensors or tuple(((n, False),) for n in self.groups(strategy))
 
     @property

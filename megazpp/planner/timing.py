@@ -2,7 +2,7 @@
 
 Why this simple form: step times at cluster scale are dominated by bandwidth (bytes over the
 slower of the two links) and, for many small buckets, by per-call latency; both are
-first-order terms a user can check by hand. The bytes come from `megazpp.zero.formulas`.
+first-order terms a user can check by hand. The bytes come from `megazpp.zero.traffic`.
 
 A collective over a group of g ranks takes
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megazpp.planner.cluster import Cluster
-from megazpp.zero import formulas
+from megazpp.zero import sequences, traffic
 
 
 def link_time(intra: float, inter: float, cluster: Cluster) -> float:
@@ -37,16 +37,16 @@ def link_time(intra: float, inter: float, cluster: Cluster) -> float:
     return max(times) if cluster.overlap else sum(times)
 
 
-def _wire(c: formulas.Collective, cluster: Cluster) -> int:
+def _wire(c: sequences.Collective, cluster: Cluster) -> int:
     """Times a collective's bytes cross the wire: gloo runs a reduce-scatter as an all-reduce."""
     return 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
 
 
-def _probed(c: formulas.Collective, cluster: Cluster) -> Sequence[tuple[float, float]] | None:
+def _probed(c: sequences.Collective, cluster: Cluster) -> Sequence[tuple[float, float]] | None:
     return (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
 
 
-def _call_time(c: formulas.Collective, group: formulas.GroupShape, cluster: Cluster) -> float:
+def _call_time(c: sequences.Collective, group: sequences.GroupShape, cluster: Cluster) -> float:
     """Seconds a call costs besides its bytes: the probed smallest message's time, else the
     latency of each ring step (an all-reduce, and gloo's reduce-scatter, take twice the steps)."""
     points = _probed(c, cluster)
@@ -56,11 +56,11 @@ def _call_time(c: formulas.Collective, group: formulas.GroupShape, cluster: Clus
     return steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
 
 
-def collective_time(c: formulas.Collective, numel: int, elem: formulas.ElemFormat,
-                    shapes: formulas.DPShapes, cluster: Cluster) -> tuple[int, int, float]:
+def collective_time(c: sequences.Collective, numel: int, elem: traffic.ElemFormat,
+                    shapes: sequences.DPShapes, cluster: Cluster) -> tuple[int, int, float]:
     """(intra bytes, inter bytes, seconds) of one call of collective `c` on `numel` elements."""
-    intra, inter = formulas.collective_bytes(c, numel, elem, shapes)
-    group: formulas.GroupShape = getattr(shapes, c.group)
+    intra, inter = traffic.collective_bytes(c, numel, elem, shapes)
+    group: sequences.GroupShape = getattr(shapes, c.group)
     if group.size == 1:
         return 0, 0, 0.0
     points = _probed(c, cluster)
@@ -83,7 +83,7 @@ def measured_time(points: Sequence[tuple[float, float]], received: float) -> flo
     return t1 + (t1 - t0) * (received - b1) / (b1 - b0)
 
 
-def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, shapes: formulas.DPShapes,
+def host_time(c: sequences.Collective, intra: int, inter: int, seconds: float, shapes: sequences.DPShapes,
               cluster: Cluster) -> float:
     """Of a collective's `seconds`, the part the host's own cores are busy with: the call itself
     plus every byte at the intra-node rate, the fastest the cores move bytes; the remainder is
@@ -92,7 +92,7 @@ def host_time(c: formulas.Collective, intra: int, inter: int, seconds: float, sh
     return min(seconds, call + _wire(c, cluster) * (intra + inter) / cluster.intra_bw)
 
 
-def group_all_reduce_time(nbytes: float, group: formulas.GroupShape, cluster: Cluster) -> float:
+def group_all_reduce_time(nbytes: float, group: sequences.GroupShape, cluster: Cluster) -> float:
     """A ring all-reduce of `nbytes` over `group` (tensor-parallel activations, norm scalars)."""
     if group.size == 1:
         return 0.0

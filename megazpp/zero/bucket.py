@@ -10,13 +10,19 @@ their own per-bucket tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from megazpp.errors import CheckpointError
 from megazpp.zero.layout import BucketLayout
+
+
+class Waitable(Protocol):
+    """Work in flight (a collective sequence, quantized or exact): `wait()` gives its result."""
+
+    def wait(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -49,10 +55,10 @@ class Bucket:
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
     sent: torch.Tensor | None = None  # staging of the reduction in flight, the next micro-batch's staging
-    micro_pending: Any = None
-    boundary_pending: Any = None
+    micro_pending: Waitable | None = None
+    boundary_pending: Waitable | None = None
     full_params: torch.Tensor | None = None
-    fetch_pending: Any = None
+    fetch_pending: Waitable | None = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False
 

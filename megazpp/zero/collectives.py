@@ -1,4 +1,4 @@
-"""Run a strategy's collective sequence (from `formulas`) on a bucket's tensors.
+"""Run a strategy's collective sequence (from `sequences`) on a bucket's tensors.
 
 Why an interpreter: the sequence the engine runs is the same list of `Collective`s that the
 byte formulas price, so what is predicted is what is executed. A multi-stage sequence
@@ -9,13 +9,14 @@ bucket's reduction overlaps the remaining backward pass without a thread of our 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
-from megazpp.zero.formulas import Collective
 from megazpp.zero.layout import from_dp_order, to_dp_order
+from megazpp.zero.sequences import Collective
 
 
 @dataclass
@@ -23,24 +24,30 @@ class ZeroGroups:
     """The process groups of a strategy: all DP ranks, my PaRO group, my column across groups
     (and, with hpZ, my secondary-partition group inside the node)."""
 
-    dp: Any
-    intra: Any
-    cross: Any
-    d: int
-    k: int
-    hpz: Any = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
-    h: int = 1
+    dp: ProcessGroup | None
+    intra: ProcessGroup | None
+    cross: ProcessGroup | None
+    dp_size: int
+    group_size: int
+    hpz: ProcessGroup | None = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
+    hpz_size: int = 1
 
     @property
-    def m(self) -> int:
-        return self.d // self.k
+    def num_groups(self) -> int:
+        return self.dp_size // self.group_size
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> ProcessGroup | None:
         return getattr(self, name)
 
 
 def size_of(groups: ZeroGroups, name: str) -> int:
-    return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
+    return {"dp": groups.dp_size, "intra": groups.group_size, "cross": groups.num_groups, "hpz": groups.hpz_size}[name]
+
+
+class Work(Protocol):
+    """An asynchronous collective's handle (`megazpp.parallel.comm` with `async_op=True`)."""
+
+    def wait(self) -> object: ...
 
 
 class _Local:
@@ -50,14 +57,14 @@ class _Local:
         return True
 
 
-def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
+def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Work, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t`; returns (work, result tensor, finisher run after wait).
-    Over a group of one the result is `t` itself and no call is made (`formulas.step_calls`)."""
+    Over a group of one the result is `t` itself and no call is made (`traffic.step_calls`)."""
     size = size_of(groups, c.group)
     if size == 1:
         return _Local(), t, lambda: None
     group = groups.get(c.group)
-    permute = c.group == "dp" and groups.k not in (1, groups.d)
+    permute = c.group == "dp" and groups.group_size not in (1, groups.dp_size)
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
     if c.op == "all_gather":
@@ -66,9 +73,9 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tupl
             return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
         staged = torch.empty_like(out)
         work = comm.all_gather_into_tensor(staged, t, group=group, async_op=True, tag=tag)
-        return work, out, lambda: from_dp_order(staged, out, groups.k, groups.m)
+        return work, out, lambda: from_dp_order(staged, out, groups.group_size, groups.num_groups)
     out = torch.empty(t.numel() // size, dtype=t.dtype, device=t.device)
-    src = to_dp_order(t, groups.k, groups.m).contiguous() if permute else t
+    src = to_dp_order(t, groups.group_size, groups.num_groups).contiguous() if permute else t
     return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
 
 
@@ -79,7 +86,7 @@ class PendingSequence:
         self._rest = list(seq)
         self._groups, self._tag = groups, tag
         self._result = t
-        self._work: Any = None
+        self._work: Work | None = None
         self._finish: Callable[[], None] = lambda: None
         self._launch_next()
 

@@ -5,12 +5,12 @@ One step, top to bottom:
    bucket (added into the accumulator when g = N, copied into a staging buffer otherwise);
    when a bucket is complete its reduction to level g starts asynchronously;
 2. `step()`: finish the reductions, take every bucket from level g to the full sum at level
-   os (`formulas.boundary_sequence`), compute the global gradient norm over the os shards,
+   os (`sequences.boundary_sequence`), compute the global gradient norm over the os shards,
    unscale (fp16) and clip, run AdamW on the fp32 master pieces, and refresh parameters at
-   level p from the updated os shard (`formulas.param_sync_sequence`).
+   level p from the updated os shard (`sequences.param_sync_sequence`).
 With p sharded, `param_fetch.ParamFetcher` gathers and releases parameter units around each
-module's forward and backward. Every collective comes from `formulas`, so the bytes the
-comm counter records are the bytes `formulas.step_bytes` predicts. ZeRO++ (qwZ, hpZ, qgZ)
+module's forward and backward. Every collective comes from `sequences`, so the bytes the
+comm counter records are the bytes `traffic.step_bytes` predicts. ZeRO++ (qwZ, hpZ, qgZ)
 and LoCo swap the gather and micro-batch reduction paths (`zeropp_paths.ZeroPPPaths`); the
 engine only tells the paths when buckets are built and steps end.
 """
@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazpp.errors import ConfigError
@@ -34,7 +35,7 @@ from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, mode
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
-from megazpp.zero import formulas
+from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
@@ -42,10 +43,10 @@ from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_par
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.zeropp import resolve_zeropp
-from megazpp.zero.zeropp_paths import ZeroPPPaths
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
+from megazpp.zero.zeropp import ZeroPP, resolve_zeropp
+from megazpp.zero.zeropp_paths import ZeroPPPaths
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,11 @@ class ZeroOptions:
     stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
     stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
-    # a mode of formulas.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
-    hierarchical: str | formulas.Hierarchy = ZeroConfig.hierarchical
+    # a mode of traffic.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
+    hierarchical: str | sequences.Hierarchy = ZeroConfig.hierarchical
     overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
     micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
-    zeropp: formulas.ZeroPP = field(default_factory=formulas.ZeroPP)  # qwZ, hpZ, qgZ, LoCo
+    zeropp: ZeroPP = field(default_factory=ZeroPP)  # qwZ, hpZ, qgZ, LoCo
 
 
 class _Finished:
@@ -98,7 +99,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.model = model
         self.topology = topology
         self._counts_in_norm = counts_in_norm or (
-            lambda name, p: param_is_tp_sharded(p) or getattr(topology, "tp_rank", 0) == 0)
+            lambda name, p: param_is_tp_sharded(p) or topology.tp_rank == 0)
         self.strategy: Strategy = parse_strategy(options.strategy)
         self.options = options
         self.clip_grad = optimizer.clip_grad
@@ -113,12 +114,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
         self.groups, self.shapes = self._build_groups(options.paro_group_size)
-        self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
+        self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
                                   topology.dp_rank % self.zeropp.hpz)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
         log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
-                 self.strategy, self.groups.d, self.groups.k, self.hier, self.zeropp)
+                 self.strategy, self.groups.dp_size, self.groups.group_size, self.hier, self.zeropp)
         self._tied = self._pipeline_tied_weight(tied_embeddings, tied_weight)
         self.step_count = 0
         self._micro_batches = 0
@@ -129,7 +130,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
         self.frozen = self._build_frozen()
         keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
-                               options.stage3_max_reuse_distance) if self.strategy.p != Level.N else {})
+                               options.stage3_max_reuse_distance) if self.strategy.params != Level.N else {})
         self.reused = tuple(keep[id(b)] for b in self.fetched) if keep else ()
         self._frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
@@ -141,14 +142,14 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
-        if self.strategy.p != Level.N:
+        if self.strategy.params != Level.N:
             self.fetcher = ParamFetcher(self.fetched + self.frozen, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback, keep,
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
-    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, formulas.DPShapes]:
+    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, sequences.DPShapes]:
         topo = self.topology
         d = topo.dp
         if k is None:
@@ -160,7 +161,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         cross_ranks, cross = topo.dp_cross_subgroup(k)
         h = self.zeropp.hpz
         hpz = topo.dp_subgroup(h)[1] if h > 1 else None
-        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
+        shapes = sequences.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
         return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h), shapes
 
     def _build_buckets(self) -> list[Bucket]:
@@ -168,7 +169,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
         # both of DeepSpeed's bounds hold for it
         bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
-        if self.strategy.p == Level.N:
+        if self.strategy.params == Level.N:
             specs, whole = gradient_buckets(self.model, bound), []
         else:
             units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
@@ -178,21 +179,21 @@ class ZeroEngine(ScaledOptimizerEngine):
         s = self.strategy
         buckets = []
         for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
-            layout = BucketLayout.build(spec.params, self.groups.d, self.groups.k, dp_index,
+            layout = BucketLayout.build(spec.params, self.groups.dp_size, self.groups.group_size, dp_index,
                                         self.zeropp.alignment())
             flat = layout.flatten(torch.float32)
-            p_level = Level.N if persistent else s.p
+            p_level = Level.N if persistent else s.params
             lo, hi = layout.shard_range(p_level)
             store = flat[lo:hi].to(self.param_dtype, copy=True)
             if p_level == Level.N:
                 layout.view_params_into(store)
-            os_lo, _ = layout.shard_range(s.os)
+            os_lo, _ = layout.shard_range(s.optimizer_state)
             masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
-                       for a, b, decays in layout.decay_split(s.os)]
+                       for a, b, decays in layout.decay_split(s.optimizer_state)]
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
             bucket = Bucket(spec.name, layout, spec.modules, store,
-                            flat.new_zeros(layout.shard_size(s.g), dtype=self.accum_dtype),
-                            masters, layout.ranges_in_shard(s.os, keep), persistent)
+                            flat.new_zeros(layout.shard_size(s.grads), dtype=self.accum_dtype),
+                            masters, layout.ranges_in_shard(s.optimizer_state, keep), persistent)
             self.paths.init_bucket(bucket)
             buckets.append(bucket)
         return buckets
@@ -201,18 +202,18 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Buckets of the frozen parameters (`frozen.py`), held at level p."""
         if all(p.requires_grad for p in self.model.parameters()):
             return []
-        if self.strategy.p != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
+        if self.strategy.params != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
             raise ConfigError(f"zero strategy {self.strategy} with qwZ / hpZ and frozen parameters "
                               f"(training.trainable, LoRA) is not implemented: turn off "
                               f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
         o = self.options
-        if self.strategy.p != Level.N and o.stage3_param_persistence_threshold > 0:
+        if self.strategy.params != Level.N and o.stage3_param_persistence_threshold > 0:
             raise ConfigError(f"zero strategy {self.strategy} with zero.stage3_param_persistence_threshold "
                               f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
                               f"threshold to 0")
-        return frozen_buckets(self.model, self.strategy, self.groups.d, self.groups.k, self.topology.dp_rank,
-                              self.param_dtype, o.module_granularity_threshold, o.fetch_groups,
-                              min(o.allgather_bucket_size, o.reduce_bucket_size))
+        return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size,
+                              self.topology.dp_rank, self.param_dtype, o.module_granularity_threshold,
+                              o.fetch_groups, min(o.allgather_bucket_size, o.reduce_bucket_size))
 
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
@@ -223,8 +224,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         """
         if self.topology.pp == 1:
             return None
-        if tied_embeddings and self.strategy.g != Level.N:  # refused on every stage alike
-            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.g.name}) "
+        if tied_embeddings and self.strategy.grads != Level.N:  # refused on every stage alike
+            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.grads.name}) "
                               f"cannot be combined with tied embeddings split over pipeline stages; "
                               f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
         return weight if weight is not None and weight.requires_grad else None
@@ -232,7 +233,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
         modify in place before `step()`); only for g = N, where it exists whole."""
-        if self.strategy.g != Level.N:
+        if self.strategy.grads != Level.N:
             raise ConfigError(f"zero strategy {self.strategy}: gradients are sharded, there is no whole "
                               f"accumulated gradient of a parameter to hand out")
         b, i = self._bucket_of[id(param)]
@@ -276,12 +277,12 @@ class ZeroEngine(ScaledOptimizerEngine):
         b, i = self._bucket_of[id(p)]
         off, n = b.layout.offsets[i], b.layout.shapes[i].numel()
         grad = p.grad.reshape(-1)
-        if self.strategy.g == Level.N:
+        if self.strategy.grads == Level.N:
             b.grad_acc[off:off + n].add_(grad)
         else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
                 b.staging = self._staging(b)
-            torch.mul(grad, 1.0 / self.groups.d, out=b.staging[off:off + n])
+            torch.mul(grad, 1.0 / self.groups.dp_size, out=b.staging[off:off + n])
         p.grad = None
         b.arrived.add(i)
         if len(b.arrived) == b.num_params:
@@ -291,7 +292,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """All of this micro-batch's gradients of `b` are in: start its reduction, free params."""
         b.launched = True
         s = self.strategy
-        if s.g != Level.N:
+        if s.grads != Level.N:
             self._wait_micro(b)
             if b.staging is None:  # no parameter of the bucket was used in this backward
                 b.staging = self._staging(b).zero_()
@@ -350,8 +351,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._callback_queued = False
 
     def _start_boundary(self, b: Bucket) -> None:
-        if self.strategy.g == Level.N:
-            b.grad_acc.mul_(1.0 / self.groups.d)
+        if self.strategy.grads == Level.N:
+            b.grad_acc.mul_(1.0 / self.groups.dp_size)
         b.boundary_pending = self.paths.start_boundary(b)
         if not self.options.overlap_comm:
             b.boundary_pending = _Finished(b.boundary_pending.wait())
@@ -368,14 +369,12 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.boundary_pending = None
         return grads
 
-    def _norm_groups(self) -> list[Any]:
-        """Groups whose ranks' os shards together hold each gradient element exactly once."""
-        groups = [self.groups.get(n) for n in formulas.norm_groups(self.strategy)
-                  if getattr(self.shapes, n).size > 1]
-        for attr, size in (("tp_group", "tp"), ("pp_group", "pp")):
-            if getattr(self.topology, size, 1) > 1:
-                groups.append(getattr(self.topology, attr))
-        return groups
+    def _norm_groups(self) -> list[ProcessGroup | None]:
+        """Groups whose ranks' os shards together hold each gradient element exactly once, then
+        the tensor / pipeline groups (as `_model_parallel_norm_groups`)."""
+        topo = self.topology
+        return ([self.groups.get(n) for n in sequences.norm_groups(self.strategy) if getattr(self.shapes, n).size > 1]
+                + [group for group, size in ((topo.tp_group, topo.tp), (topo.pp_group, topo.pp)) if size > 1])
 
     def step(self) -> StepResult:
         if self.fetcher is not None:
@@ -442,7 +441,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def padded_numels(self) -> list[int]:
         return [b.layout.padded for b in self.buckets]
 
-    def held_bytes(self) -> formulas.StateBytes:
+    def held_bytes(self) -> memory.StateBytes:
         """Model-state bytes this rank holds, counted from the engine's own tensors."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
@@ -454,32 +453,29 @@ class ZeroEngine(ScaledOptimizerEngine):
                 moments = self.optimizer.state.get(m.param, {})
                 optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
                                                if k in moments)
-        return formulas.StateBytes(params, grads, optim, self.paths.state_nbytes())
+        return memory.StateBytes(params, grads, optim, self.paths.state_nbytes())
 
-    def expected_bytes(self) -> formulas.StateBytes:
-        plain = formulas.state_bytes(self.strategy, self.padded_numels(), self.groups.d, self.groups.k,
+    def expected_bytes(self) -> memory.StateBytes:
+        plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.dp_size, self.groups.group_size,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
-        extra = formulas.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
+        extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy, self.persistent)
-        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.d,
-                                    self.groups.k, self.param_dtype.itemsize)
-        return formulas.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
+        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.dp_size,
+                                    self.groups.group_size, self.param_dtype.itemsize)
+        return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
-    def _model_parallel_norm_groups(self) -> list[formulas.GroupShape]:
-        extra = []
-        for attr, size in (("tp_ranks", "tp"), ("pp_ranks", "pp")):
-            if getattr(self.topology, size, 1) > 1:
-                extra.append(formulas.GroupShape.of(getattr(self.topology, attr), self.topology.rank,
-                                                    self.topology.ranks_per_node))
-        return extra
+    def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:
+        topo = self.topology
+        return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node)
+                for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp)) if size > 1]
 
-    def _frozen_fetches(self, micro_batches: int) -> list[formulas.StepPart]:
+    def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:
         return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                   reused=self._frozen_reused, warmup=self.pipeline_warmup(micro_batches))
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
-        intra, inter = formulas.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
+        intra, inter = traffic.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                            micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
                                            accum_bytes=self.accum_dtype.itemsize,
                                            extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
@@ -492,7 +488,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         return intra, inter
 
     def expected_step_calls(self, micro_batches: int) -> int:
-        calls = formulas.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
+        calls = traffic.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                     micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
                                     zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
                                     warmup=self.pipeline_warmup(micro_batches))

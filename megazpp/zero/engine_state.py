@@ -53,7 +53,7 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[s
     master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen` the
     frozen buckets are left out (an adapters-only checkpoint)."""
     held = engine.buckets + engine.frozen if frozen else engine.buckets
-    return {"strategy": engine.strategy.name, "dp": engine.groups.d, "k": engine.groups.k,
+    return {"strategy": engine.strategy.name, "dp": engine.groups.dp_size, "k": engine.groups.group_size,
             "dp_rank": engine.topology.dp_rank, "step_count": engine.step_count,
             FROZEN_SAVED_KEY: frozen,
             "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in held],
@@ -64,10 +64,10 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[s
 
 def _placement(engine: CheckpointedEngine, b: Bucket) -> dict[str, Any]:
     s = engine.strategy
-    os_lo, _ = b.layout.shard_range(s.os)
+    os_lo, _ = b.layout.shard_range(s.optimizer_state)
     return {"layout": b.layout.describe(),
-            "ranges": {"param_store": list(b.layout.shard_range(Level.N if b.persistent else s.p)),
-                       "grad_acc": list(b.layout.shard_range(s.g)),
+            "ranges": {"param_store": list(b.layout.shard_range(Level.N if b.persistent else s.params)),
+                       "grad_acc": list(b.layout.shard_range(s.grads)),
                        "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
 
 
@@ -86,7 +86,7 @@ def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None
     if state.get("format") == FULL_STATE_FORMAT:
         _load_full_state(engine, state)
         return
-    mine = (engine.strategy.name, engine.groups.d, engine.groups.k, engine.topology.dp_rank)
+    mine = (engine.strategy.name, engine.groups.dp_size, engine.groups.group_size, engine.topology.dp_rank)
     theirs = (state.get("strategy"), state.get("dp"), state.get("k"), state.get("dp_rank"))
     if mine != theirs:
         raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
@@ -138,12 +138,12 @@ def _load_full_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
     with torch.no_grad():
         frozen = {id(b) for b in engine.frozen}
         for b in engine.buckets + engine.frozen:
-            lo, hi = b.layout.shard_range(Level.N if b.persistent else s.p)
+            lo, hi = b.layout.shard_range(Level.N if b.persistent else s.params)
             b.param_store.copy_(_flat(b, state["params"], "parameter", engine.param_dtype)[lo:hi])
             if id(b) in frozen:  # parameters only
                 continue
             b.grad_acc.zero_()
-            os_lo, _ = b.layout.shard_range(s.os)
+            os_lo, _ = b.layout.shard_range(s.optimizer_state)
             masters = _flat(b, state["masters"], "fp32 master", torch.float32)
             cut = {k: _flat(b, state[k], k, torch.float32) for k in moments}
             for m in b.masters:

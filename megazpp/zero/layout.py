@@ -24,14 +24,13 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from megazpp.optim.optimizer import is_decayed
-from megazpp.zero.formulas import level_div, padded_numel, tensor_offsets
-from megazpp.zero.strategy import Level
+from megazpp.zero.strategy import Level, level_div
 
 
 @dataclass
@@ -43,8 +42,8 @@ class BucketLayout:
     decay_numel: int
     numel: int
     padded: int
-    d: int
-    k: int
+    dp_size: int
+    group_size: int
     dp_index: int
 
     @staticmethod
@@ -60,22 +59,22 @@ class BucketLayout:
                             padded_numel(end, d, align), d, k, dp_index)
 
     @property
-    def m(self) -> int:
-        return self.d // self.k
+    def num_groups(self) -> int:
+        return self.dp_size // self.group_size
 
     def shard_range(self, level: Level) -> tuple[int, int]:
         """[start, end) of this rank's shard at `level` in the flat buffer."""
-        size = self.padded // level_div(level, self.d, self.k)
-        group, local = divmod(self.dp_index, self.k)
+        size = self.padded // level_div(level, self.dp_size, self.group_size)
+        group, local = divmod(self.dp_index, self.group_size)
         if level == Level.N:
             return 0, self.padded
         if level == Level.I:
             return local * size, (local + 1) * size
-        index = local * self.m + group
+        index = local * self.num_groups + group
         return index * size, (index + 1) * size
 
     def shard_size(self, level: Level) -> int:
-        return self.padded // level_div(level, self.d, self.k)
+        return self.padded // level_div(level, self.dp_size, self.group_size)
 
     def decay_split(self, level: Level) -> list[tuple[int, int, bool]]:
         """Pieces (start, end, decays) of the `level` shard, relative to the shard's start."""
@@ -123,7 +122,7 @@ class BucketLayout:
         the model or re-deriving the nested I/G order."""
         return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
                 "offsets": list(self.offsets), "decay_numel": self.decay_numel, "numel": self.numel,
-                "padded": self.padded, "d": self.d, "k": self.k, "dp_index": self.dp_index}
+                "padded": self.padded, "d": self.dp_size, "k": self.group_size, "dp_index": self.dp_index}
 
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
@@ -156,3 +155,28 @@ def to_dp_order(flat: torch.Tensor, k: int, m: int) -> torch.Tensor:
 def from_dp_order(gathered: torch.Tensor, out: torch.Tensor, k: int, m: int) -> None:
     """Inverse of `to_dp_order`, written into `out`."""
     out.view(k, m, -1).copy_(gathered.view(m, k, -1).transpose(0, 1))
+
+
+def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:
+    """Flat offsets of tensors laid out in order, each starting at a multiple of `align`
+    (ZeRO++: no quantization block holds values of two tensors), and the end of the last."""
+    offsets, pos = [], 0
+    for n in numels:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def tensor_layout(tensors: Sequence[tuple[int, bool]], d: int, align: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """A bucket of `tensors` ((numel, is 1-D) in layout order): its padded size and the flat
+    ranges of its 1-D tensors (what qgZ sends exactly), as `BucketLayout` lays it out."""
+    offsets, end = tensor_offsets([n for n, _ in tensors], align)
+    return padded_numel(end, d, align), [(o, o + n) for o, (n, vector) in zip(offsets, tensors) if vector]
+
+
+def padded_numel(numel: int, d: int, align: int = 1) -> int:
+    """Round a bucket up to a multiple of the DP size (times ZeRO++'s block `align`) so every
+    level divides it evenly and every quantized chunk is whole blocks."""
+    unit = d * align
+    return -(-numel // unit) * unit

@@ -5,7 +5,7 @@ the full tensors must exist while a module computes with them. A fetch group (on
 `units.fetch_groups`) is gathered by one collective per stage when the first of its units'
 modules starts; it has finished its forward when none of its modules is running any more, and
 is released when the forward moves on to another group (or ends), unless it is kept for its
-backward (`formulas.reuse_mask`: DeepSpeed's `stage3_max_live_parameters` /
+backward (`traffic.reuse_mask`: DeepSpeed's `stage3_max_live_parameters` /
 `stage3_max_reuse_distance`). A hook on each unit's outputs gathers the group again before its
 backward if it was released; the gradient hooks release it once every gradient of the group has
 arrived. A forward that runs inside backward (the recompute of a checkpointed layer) never

@@ -3,7 +3,7 @@
 Why objects: ZeRO++ (quantized weights, hierarchical secondary partitions, quantized
 gradients) and LoCo change HOW a bucket's parameters are gathered and its gradients reduced,
 not WHEN. The engine and the fetcher only call these four methods; the exact paths here run
-the `formulas` sequences unchanged, and a compressed path replaces one of them (it may keep
+the `sequences` unchanged, and a compressed path replaces one of them (it may keep
 per-bucket state, such as error-feedback buffers, in `Bucket.extra_state`).
 
 Every `start_*` returns a waitable whose `wait()` gives the resulting tensor. The remaining
@@ -13,31 +13,25 @@ the exact paths keep no state, so they have nothing to do there.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from megazpp.zero import formulas
-from megazpp.zero.bucket import Bucket
+from megazpp.zero import sequences
+from megazpp.zero.bucket import Bucket, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.strategy import Level, Strategy
-
-
-class Waitable(Protocol):
-    def wait(self) -> torch.Tensor: ...
 
 
 class CommPaths:
     """Exact (uncompressed) paths of a strategy; `hier` picks the two-stage G collectives."""
 
-    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy) -> None:
+    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: sequences.Hierarchy) -> None:
         self.strategy, self.groups, self.hier = strategy, groups, hier
-        k = groups.k
-        self._fetch = formulas.param_fetch_sequence(strategy, k, hier)
-        self._micro = formulas.micro_batch_reduce_sequence(strategy, k, hier)
-        self._boundary = formulas.boundary_sequence(strategy, k, hier)
-        self._sync = formulas.param_sync_sequence(strategy, k, hier)
-        self._sync_whole = formulas.gather_sequence(strategy.os, Level.N, k, hier)  # persistent buckets
+        k = groups.group_size
+        self._fetch = sequences.param_fetch_sequence(strategy, k, hier)
+        self._micro = sequences.micro_batch_reduce_sequence(strategy, k, hier)
+        self._boundary = sequences.boundary_sequence(strategy, k, hier)
+        self._sync = sequences.param_sync_sequence(strategy, k, hier)
+        self._sync_whole = sequences.gather_sequence(strategy.optimizer_state, Level.N, k, hier)  # persistent buckets
 
     def gather_calls(self, phase: str) -> int:
         """Collectives one parameter fetch issues (for the engine's statistics)."""

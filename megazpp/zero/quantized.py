@@ -11,7 +11,7 @@ Both run their first collective asynchronously and the rest when waited on, like
 
 qgZ sends a bucket's 1-D tensors (norm gains, biases) exactly: each peer's chunk carries, after
 its scales, the fp32 values of those tensors that fall in it (`ExactPlan`, widths from
-`formulas.qgz_exact_widths`), and the receiver overwrites their dequantized sums with the exact
+`traffic.qgz_exact_widths`), and the receiver overwrites their dequantized sums with the exact
 ones. Their int4 codes still travel (the blocks stay uniform) but are never used. qwZ does the
 same for parameters (`ExactGather`): each shard's blob carries its 1-D tensors' values in the
 model dtype, which overwrite their decoded int8 values, so a norm gain arrives bit for bit.
@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 import kernels
 from megazpp.parallel import comm
 from megazpp.zero.collectives import PendingSequence, ZeroGroups
-from megazpp.zero.formulas import Collective, chunk_ranges, most_per_chunk
+from megazpp.zero.sequences import Collective
+from megazpp.zero.traffic import chunk_ranges, most_per_chunk
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +93,7 @@ class ExactPlan:
 @dataclass(frozen=True)
 class ExactGather:
     """qwZ's exactly sent values of one bucket, for one rank: `mine` are their positions in my
-    p-level shard; every shard's blob reserves `width` values for them (`formulas.most_per_chunk`:
+    p-level shard; every shard's blob reserves `width` values for them (`traffic.most_per_chunk`:
     the gather needs equal blobs); after the gather, entry `src[i]` of the [shards, width]
     matrix of received values belongs at position `dst[i]` of the full buffer."""
 

@@ -31,16 +31,21 @@ class Level(enum.IntEnum):
 class Strategy:
     """Sharding level of parameters (p), gradients (g) and optimizer state (os)."""
 
-    p: Level
-    g: Level
-    os: Level
+    params: Level
+    grads: Level
+    optimizer_state: Level
 
     @property
     def name(self) -> str:
-        return f"{self.p.name}{self.g.name}{self.os.name}"
+        return f"{self.params.name}{self.grads.name}{self.optimizer_state.name}"
 
     def __str__(self) -> str:
         return self.name
+
+
+def level_div(level: Level, d: int, k: int) -> int:
+    """Into how many shards `level` cuts a buffer over D = `d` DP ranks in PaRO groups of `k`."""
+    return {Level.N: 1, Level.I: k, Level.G: d}[level]
 
 
 def _is_valid(p: Level, g: Level, os_: Level) -> bool:

@@ -143,7 +143,7 @@ def _buckets(params: list[tuple[str, nn.Parameter]], bucket_numel: int, prefix: 
 
 def check_persistence(strategy: Strategy, threshold: int) -> None:
     """`stage3_param_persistence_threshold` acts only where parameters are sharded (p = I, G)."""
-    if threshold > 0 and strategy.p == Level.N:
+    if threshold > 0 and strategy.params == Level.N:
         raise ConfigError(f"zero.stage3_param_persistence_threshold = {threshold}: strategy {strategy} keeps "
                           f"every parameter whole already (p = N); set it to 0 or shard parameters (p = I or G)")
 

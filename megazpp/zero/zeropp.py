@@ -1,4 +1,5 @@
-"""Check a ZeRO++ request against the strategy and the topology, and settle hpZ's group size.
+"""The ZeRO++ settings (`ZeroPP`, its wire formats), checked against the strategy and the
+topology, with hpZ's group size settled.
 
 Why refusals here: each ZeRO++ path replaces one collective of the strategy, so it only means
 something where that collective exists. qwZ and hpZ act on parameter gathers (p in {I, G});
@@ -10,16 +11,68 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.topology import Topology
-from megazpp.zero.formulas import ZeroPP
 from megazpp.zero.strategy import Level, Strategy
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """A block-quantized wire format (ZeRO++): `bits`-bit codes plus one fp32 scale per `block`."""
+
+    bits: int
+    block: int
+
+    def nbytes(self, numel: int) -> int:
+        """Wire bytes of `numel` elements; exact because every chunk is block-aligned."""
+        return numel * self.bits // 8 + numel // self.block * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPP:
+    """Which ZeRO++ paths are on, their quantization blocks, and which CPU kernels run them.
+
+    qwZ: parameter gathers from the primary shard move int8 codes + scales (`weights`).
+    hpZ: `hpz` > 1 keeps a secondary copy of the parameters split over `hpz` DP ranks of one
+    node, filled from the forward gather; backward gathers only from it (`hpz_fetch_sequence`).
+    qgZ: the per-micro-batch gradient reduction is one int4 all-to-all per stage
+    (`qgz_sequence`, `grads`); `loco` adds LoCo error feedback to both stages.
+    """
+
+    qwz: bool = False
+    hpz: int = 1
+    qgz: bool = False
+    loco: bool = False
+    qwz_block: int = 2048
+    qgz_block: int = 256
+    err_beta: float = 0.8  # LoCo: weight of the old error in the blended buffer
+    reset_t: int = 1024  # LoCo: buffers are zeroed after every reset_t optimizer steps
+    cpu_kernels: str = "reference"  # kernels.CPU_KERNELS: eager torch, or compiled by TorchInductor
+
+    @property
+    def enabled(self) -> bool:
+        return self.qwz or self.hpz > 1 or self.qgz
+
+    @property
+    def weights(self) -> QuantFormat:
+        return QuantFormat(8, self.qwz_block)
+
+    @property
+    def grads(self) -> QuantFormat:
+        return QuantFormat(4, self.qgz_block)
+
+    def alignment(self) -> int:
+        """Elements every DP shard of a bucket must be a multiple of, so that each chunk of
+        every quantized all-gather / all-to-all is whole blocks (no unquantized fallback)."""
+        blocks = [b for on, b in ((self.qwz, self.qwz_block), (self.qgz, self.qgz_block)) if on]
+        return math.lcm(*blocks) if blocks else 1
 
 
 def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
@@ -28,11 +81,11 @@ def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
         raise ConfigError("zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
                           "it needs zero.zero_quantized_gradients = true")
     where = f"zero strategy {strategy}"
-    if (zeropp.qwz or zeropp.hpz > 1) and strategy.p == Level.N:
+    if (zeropp.qwz or zeropp.hpz > 1) and strategy.params == Level.N:
         raise ConfigError(f"{where}: zero_quantized_weights / zero_hpz_partition_size act on parameter "
                           f"all-gathers, and p = N keeps parameters whole on every rank (nothing is "
                           f"gathered); use a strategy with p in {{I, G}}, e.g. stage 3")
-    if zeropp.qgz and strategy.g == Level.N:
+    if zeropp.qgz and strategy.grads == Level.N:
         raise ConfigError(f"{where}: zero_quantized_gradients quantizes the per-micro-batch gradient "
                           f"reduction, and g = N has none (gradients are reduced once per step in the "
                           f"accumulation dtype); use a strategy with g in {{I, G}}, e.g. stage 2 or 3")

@@ -9,7 +9,7 @@ What changes, per path of `CommPaths`:
   of `hpz` DP ranks on one node. The secondary shard is cut from the full buffer of the first
   forward gather after each step, so it costs no communication and backward computes with
   exactly the weights forward used (quantized ones under qwZ);
-* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`formulas.qgz_sequence`),
+* micro-batch gradient reduction: qgZ's int4 all-to-all stages (`sequences.qgz_sequence`),
   the bucket's 1-D tensors sent exactly alongside (`quantized.ExactPlan`);
   LoCo keeps one error buffer per stage per bucket in `Bucket.extra_state` (checkpointed),
   managed across steps by `loco.LocoState` (compensation once per step, rescaled by the clip
@@ -23,13 +23,14 @@ from typing import Callable
 import torch
 
 import kernels
-from megazpp.zero import formulas
-from megazpp.zero.bucket import Bucket
+from megazpp.zero import sequences, traffic
+from megazpp.zero.bucket import Bucket, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
-from megazpp.zero.paths import CommPaths, Waitable
+from megazpp.zero.paths import CommPaths
 from megazpp.zero.quantized import ExactGather, ExactPlan, PendingQuantizedGather, PendingQuantizedReduce
 from megazpp.zero.strategy import Strategy
+from megazpp.zero.zeropp import ZeroPP
 
 
 class _FillSecondary:
@@ -49,14 +50,14 @@ class _FillSecondary:
 class ZeroPPPaths(CommPaths):
     """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group."""
 
-    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: formulas.Hierarchy,
-                 shapes: formulas.DPShapes, zeropp: formulas.ZeroPP, hpz_index: int) -> None:
+    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: sequences.Hierarchy,
+                 shapes: sequences.DPShapes, zeropp: ZeroPP, hpz_index: int) -> None:
         super().__init__(strategy, groups, hier)
         self.zeropp = zeropp
         self._ops = kernels.kernel_set(zeropp.cpu_kernels)
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
-        self._qgz_seq = formulas.qgz_sequence(strategy, shapes) if zeropp.qgz else []
+        self._qgz_seq = sequences.qgz_sequence(strategy, shapes) if zeropp.qgz else []
         self._stages = [(groups.get(c.group), size_of(groups, c.group)) for c in self._qgz_seq]
         self._shapes = shapes
         self._exact: dict[int, ExactPlan | None] = {}
@@ -77,16 +78,16 @@ class ZeroPPPaths(CommPaths):
         if self._loco is not None:
             self._loco.add_bucket(b)
         if self._qwz:
-            lo, hi = b.layout.shard_range(self.strategy.p)
+            lo, hi = b.layout.shard_range(self.strategy.params)
             self._exact_gather[id(b)] = ExactGather.build(b.layout.vector_ranges(), b.layout.padded,
                                                           b.layout.padded // (hi - lo), lo // (hi - lo),
                                                           b.param_store.device)
         if self._stages:
-            group, local = divmod(b.layout.dp_index, b.layout.k)
+            group, local = divmod(b.layout.dp_index, b.layout.group_size)
             mine = [(size, local if c.group == "intra" else group)
                     for c, (_, size) in zip(self._qgz_seq, self._stages)]
             ranges = b.layout.vector_ranges()
-            widths = formulas.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
+            widths = traffic.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
             self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths, b.param_store.device)
 
     # -- the paths -----------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class ZeroPPPaths(CommPaths):
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
         tag = f"zero/param_gather/{phase}"
         if phase == "backward" and id(b) in self._fresh:
-            return PendingSequence(formulas.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
+            return PendingSequence(sequences.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
         if self._qwz:
             pending: Waitable = PendingQuantizedGather(self._fetch, b.param_store, self.groups,
                                                        self.zeropp.qwz_block, tag, self._ops,

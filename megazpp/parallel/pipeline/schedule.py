@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megazpp.parallel import comm
+from megazpp.parallel.pipeline.engine import PipelineEngine
 from megazpp.parallel.pipeline.p2p import exchange
 from megazpp.parallel.pipeline.tied import sync_tied_embedding_grads
 from megazpp.parallel.topology import Topology
@@ -28,7 +29,7 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 class _Stage:
     """One stage's forward/backward steps over micro-batches, with its boundary shapes."""
 
-    def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Any,
+    def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch], engine: PipelineEngine,
                  topo: Topology, sequence_parallel: bool) -> None:
         if not micro_batches:
             raise ValueError("forward_backward_1f1b: no micro-batches to run")
@@ -61,7 +62,7 @@ class _Stage:
         return exchange(self.topo, shape=self.shape, dtype=self.dtype, device=self.device, **kwargs)
 
 
-def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Any, *,
+def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch], engine: PipelineEngine, *,
                           topology: Topology, sequence_parallel: bool = False,
                           forward_only: bool = False) -> list[torch.Tensor]:
     """Run one step's micro-batches through this pipeline stage; see module docstring."""

@@ -9,12 +9,12 @@ equal. The copy on the last stage is a duplicate for gradient-norm purposes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
-import torch
 from torch import nn
 
 from megazpp.parallel import comm
+from megazpp.parallel.pipeline.engine import PipelineEngine
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
 
@@ -31,26 +31,19 @@ def tied_duplicate(model: nn.Module, topo: Topology) -> nn.Parameter | None:
     return _stage_copy(model)
 
 
-def _accumulated_grad(engine: Any, param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient `engine.step()` will apply: engines that keep gradients outside
-    `param.grad` (fp32 accumulation buffers, ZeRO buckets) expose it via `grad_for(param)`."""
-    grad_for = getattr(engine, "grad_for", None)
-    return grad_for(param) if grad_for is not None else param.grad
-
-
-def sync_tied_embedding_grads(model: nn.Module, topo: Topology, engine: Any) -> None:
+def sync_tied_embedding_grads(model: nn.Module, topo: Topology, engine: PipelineEngine) -> None:
     """All-reduce the tied weight's gradient between the first and last stage (pp > 1)."""
     if topo.pp == 1 or not (topo.is_first_stage or topo.is_last_stage):
         return
     weight = _stage_copy(model)
     if weight is None or not weight.requires_grad:  # frozen (training.trainable): nothing to sync
         return
-    grad = _accumulated_grad(engine, weight)
+    grad = engine.grad_for(weight)
     if grad is None:
         raise RuntimeError(
-            f"tied embedding on pipeline stage {topo.pp_rank} has no gradient to synchronise: the "
-            f"engine {type(engine).__name__} keeps gradients outside param.grad and must provide "
-            f"grad_for(param) returning the accumulated gradient it will apply")
+            f"tied embedding on pipeline stage {topo.pp_rank} has no gradient to synchronise: "
+            f"{type(engine).__name__}.grad_for returned None (no backward reached the tied weight "
+            f"this step)")
     comm.all_reduce(grad, group=topo.embedding_group, tag="pp/tied_embedding_grad")
 
 
