@@ -27,7 +27,7 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
-from megazpp.training.engine import LocalEngine
+from megazpp.optim.engine import LocalEngine
 from megazpp.zero import formulas
 from megazpp.zero.engine import ZeroEngine, ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy

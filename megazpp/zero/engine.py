@@ -36,7 +36,7 @@ from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
 from megazpp.zero import formulas
 from megazpp.zero.bucket import Bucket, MasterPiece
-from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
@@ -112,7 +112,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise ConfigError("the model has no trainable parameters for the ZeRO engine")
         self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
-        self.groups, self.shapes = self._build_groups(options.paro_group_size)
+        self.groups, self.shapes = zero_groups(topology, options.paro_group_size, self.zeropp.hpz)
         self.hier = formulas.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
                                   topology.dp_rank % self.zeropp.hpz)
@@ -148,21 +148,6 @@ class ZeroEngine(ScaledOptimizerEngine):
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
-    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, formulas.DPShapes]:
-        topo = self.topology
-        d = topo.dp
-        if k is None:
-            k = max(1, sum(1 for r in topo.dp_ranks if topo.node_of(r) == topo.node))
-        if k < 1 or d % k:
-            raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the "
-                              f"data-parallel size {d}")
-        intra_ranks, intra = topo.dp_subgroup(k)
-        cross_ranks, cross = topo.dp_cross_subgroup(k)
-        h = self.zeropp.hpz
-        hpz = topo.dp_subgroup(h)[1] if h > 1 else None
-        shapes = formulas.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
-        return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h), shapes
-
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
         # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
@@ -305,6 +290,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._start_boundary(b)
         if self.fetcher is not None and not b.persistent:
             self.fetcher.gradients_done(b)
+        self.groups.order.progress()  # a progress point: later stages of earlier reductions start
 
     def _staging(self, b: Bucket) -> torch.Tensor:
         """A buffer for this micro-batch's gradient of `b`: the previous micro-batch's, once its

@@ -21,7 +21,9 @@ Released parameters keep their `nn.Parameter` object (autograd saved it) but poi
 empty tensor; re-gathering points them at fresh views of the group's full buffer, which the
 saved references then see. The first forward records the order groups run in; afterwards the
 next groups (forward) or the previous ones (backward) are gathered asynchronously ahead of use,
-as many as fit `stage3_prefetch_bucket_size` elements.
+as many as fit `stage3_prefetch_bucket_size` elements. Each unit's hook is also a progress
+point: the later stages of collectives whose earlier stage has completed start there
+(`collectives.StageOrder`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class ParamFetcher:
     def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.fetch_hook_calls += 1
+            self.paths.groups.order.progress()
             if not self._order_done:
                 self._called.add(id(module))
                 if all(u is not b for u in self.order):
@@ -192,6 +195,7 @@ class ParamFetcher:
             self._on_backward_start()
             self.backward_active = True
             self.fetch_hook_calls += 1
+            self.paths.groups.order.progress()
             self.fetch(b, "backward")
             self._prefetch(b, -1)
         return hook
