@@ -52,6 +52,8 @@ class Bucket:
     micro_pending: Any = None
     boundary_pending: Any = None
     full_params: torch.Tensor | None = None
+    # a kept group's released gather output: the next gather's output buffer (dropped at the step)
+    spare: torch.Tensor | None = None
     fetch_pending: Any = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False

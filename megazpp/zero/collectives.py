@@ -165,16 +165,17 @@ def size_of(groups: ZeroGroups, name: str) -> int:
     return {"dp": groups.d, "intra": groups.k, "cross": groups.m, "hpz": groups.h}[name]
 
 
-def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None,
-           tag: str) -> tuple[Any, torch.Tensor, Callable[[], None]]:
+def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
+           out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
-    result tensor, finisher run after wait)."""
+    result tensor, finisher run after wait). An all-gather writes into `out` when given."""
     size = size_of(groups, c.group)
     permute = c.group == "dp" and groups.k not in (1, groups.d)
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
     if c.op == "all_gather":
-        out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
         if not permute:
             return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
         staged = torch.empty_like(out)
@@ -188,18 +189,21 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGro
 class PendingSequence(StagedWork):
     """A sequence in flight: stage 1 launched, later stages as soon as a progress point sees
     their predecessor done (or on `wait()`), which returns the result. A collective over a
-    group of one is skipped: no call, its input is its result (`formulas.step_calls`)."""
+    group of one is skipped: no call, its input is its result (`formulas.step_calls`). `out`: a
+    buffer for the result of a sequence that ends in an all-gather (reused, not allocated)."""
 
-    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> None:
+    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str,
+                 out: torch.Tensor | None = None) -> None:
         self._seq = [c for c in seq if size_of(groups, c.group) > 1]
         super().__init__(groups, [c.group for c in self._seq])
-        self._tag = tag
+        self._tag, self._out = tag, out
         self._result = t
         self._finish: Callable[[], None] = lambda: None
         self._begin()
 
     def _issue(self, j: int, group: ProcessGroup | None) -> Any:
-        work, self._result, self._finish = _start(self._seq[j], self._result, self._groups, group, self._tag)
+        out = self._out if j == len(self._seq) - 1 else None
+        work, self._result, self._finish = _start(self._seq[j], self._result, self._groups, group, self._tag, out)
         return work
 
     def _complete(self, j: int) -> None:

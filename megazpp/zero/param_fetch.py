@@ -89,9 +89,14 @@ class ParamFetcher:
         b.layout.view_params_into(full)
 
     def release(self, b: Bucket) -> None:
+        """Drop `b`'s full parameters. A group kept for backward keeps the buffer (`spare`) for
+        its next gather in this step: it is gathered again at the next micro-batch's forward,
+        and holding it costs no more than the start of backward, which holds every kept group."""
         if b.fetch_pending is not None:  # a prefetch nobody used: finish it so ranks stay in step
             b.fetch_pending.wait()
             b.fetch_pending = None
+        if b.full_params is not None and self._keep[id(b)]:
+            b.spare = b.full_params
         b.full_params = None
         self._finished.pop(id(b), None)
         for p in b.layout.params:
@@ -102,6 +107,7 @@ class ParamFetcher:
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
+            b.spare = None  # the optimizer step changes the shards: nothing is kept between steps
         self._owed.clear()
         self._kept_now.clear()
         self._running.clear()
