@@ -79,7 +79,8 @@ class Topology:
     dp_inter_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
     model_parallel_group: ProcessGroup | None = None
-    _subgroups: dict[tuple[str, int, int], tuple[list[int], ProcessGroup | None]] = field(default_factory=dict, repr=False)
+    _subgroups: dict[tuple[str, int, int], tuple[list[int], ProcessGroup | None]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def tp_rank(self) -> int:

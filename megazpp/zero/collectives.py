@@ -20,16 +20,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 
-from megazpp.parallel import comm
 from megazpp.errors import ConfigError
+from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.zero.formulas import Collective, DPShapes, dp_shapes
 from megazpp.zero.layout import from_dp_order, to_dp_order
+
+
+class Work(Protocol):
+    """What `comm` returns for an asynchronous collective."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class StagedWork(ABC):
@@ -42,12 +50,12 @@ class StagedWork(ABC):
     def __init__(self, groups: "ZeroGroups", names: list[str]) -> None:
         self._groups, self._names = groups, names
         self._next = 0
-        self._work: Any = None
+        self._work: Work | None = None
         for name in names[1:]:
             groups.order.reserve(self, name)
 
     @abstractmethod
-    def _issue(self, j: int, group: ProcessGroup | None) -> Any: ...
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work: ...
 
     @abstractmethod
     def _complete(self, j: int) -> None: ...
@@ -166,7 +174,7 @@ def size_of(groups: ZeroGroups, name: str) -> int:
 
 
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
-           out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor, Callable[[], None]]:
+           out: torch.Tensor | None = None) -> tuple[Work, torch.Tensor, Callable[[], None]]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
     result tensor, finisher run after wait). An all-gather writes into `out` when given."""
     size = size_of(groups, c.group)
@@ -201,7 +209,7 @@ class PendingSequence(StagedWork):
         self._finish: Callable[[], None] = lambda: None
         self._begin()
 
-    def _issue(self, j: int, group: ProcessGroup | None) -> Any:
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
         out = self._out if j == len(self._seq) - 1 else None
         work, self._result, self._finish = _start(self._seq[j], self._result, self._groups, group, self._tag, out)
         return work

@@ -20,14 +20,14 @@ model dtype, which overwrite their decoded int8 values, so a norm gain arrives b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 import kernels
 from megazpp.parallel import comm
-from megazpp.zero.collectives import PendingSequence, StagedWork, ZeroGroups, size_of
+from megazpp.zero.collectives import PendingSequence, StagedWork, Work, ZeroGroups, size_of
 from megazpp.zero.formulas import Collective, chunk_ranges, most_per_chunk
 
 
@@ -175,7 +175,7 @@ class PendingQuantizedReduce(StagedWork):
         self._result: torch.Tensor | None = None
         self._begin()
 
-    def _issue(self, j: int, group: ProcessGroup | None) -> Any:
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
         size = self._sizes[j]
         self._code_bytes = self._codes.numel() // size
         rows = None
