@@ -304,11 +304,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
         and unused parameters' slices."""
         layout = b.layout
-        for lo, hi in layout.padding_ranges:
-            b.staging[lo:hi].zero_()
-        for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
-            if i not in b.arrived:
-                b.staging[off:off + shape.numel()].zero_()
+        unwritten = [b.staging[lo:hi] for lo, hi in layout.padding_ranges]
+        unwritten += [b.staging[off:off + shape.numel()]
+                      for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)) if i not in b.arrived]
+        if unwritten:
+            torch._foreach_zero_(unwritten)  # one fused call, not one per range
 
     def _holds(self, b: Bucket, param: nn.Parameter) -> bool:
         return self._bucket_of[id(param)][0] is b
@@ -403,9 +403,9 @@ class ZeroEngine(ScaledOptimizerEngine):
                     b.boundary_pending.wait()
                     b.boundary_pending = None
             b.sent = None
-            b.grad_acc.zero_()
             for m in b.masters:
                 m.param.grad = None
+        torch._foreach_zero_([b.grad_acc for b in self.buckets])
         self._micro_batches = 0
         if self.fetcher is not None:
             self.fetcher.reset_stats()
