@@ -76,7 +76,8 @@ class _Then:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        """Whether `wait()` would not block (the finishing step itself is cheap and local)."""
+        return self._done or self._work.is_completed()
 
 
 def _failure(op: str, tag: str | None, exc: BaseException) -> CommunicationError:

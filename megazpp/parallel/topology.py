@@ -79,7 +79,8 @@ class Topology:
     dp_inter_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
     model_parallel_group: ProcessGroup | None = None
-    _subgroups: dict[tuple[str, int], tuple[list[int], ProcessGroup | None]] = field(default_factory=dict, repr=False)
+    _subgroups: dict[tuple[str, int, int], tuple[list[int], ProcessGroup | None]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -182,23 +183,24 @@ class Topology:
             self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
                             "model_parallel_group")
 
-    def dp_subgroup(self, size: int) -> tuple[list[int], ProcessGroup | None]:
+    def dp_subgroup(self, size: int, copy: int = 0) -> tuple[list[int], ProcessGroup | None]:
         """(ranks, group) of this rank's block of `size` consecutive DP ranks (e.g. PaRO's
         I-level group). Collective on first use per size: every rank must call it, in the
-        same order of sizes."""
-        return self._dp_partition("block", size)
+        same order of sizes. `copy` > 0: another group over the same ranks, whose collectives
+        are ordered independently of the first's (ZeRO's later stages)."""
+        return self._dp_partition("block", size, copy)
 
-    def dp_cross_subgroup(self, size: int) -> tuple[list[int], ProcessGroup | None]:
+    def dp_cross_subgroup(self, size: int, copy: int = 0) -> tuple[list[int], ProcessGroup | None]:
         """(ranks, group) of the DP ranks holding my position inside their own block of `size`
         (one per block): the group that completes a block-level collective to the whole DP
-        group. Collective on first use per size, like `dp_subgroup`."""
-        return self._dp_partition("cross", size)
+        group. Collective on first use per size, like `dp_subgroup`; `copy` as there."""
+        return self._dp_partition("cross", size, copy)
 
-    def _dp_partition(self, kind: str, size: int) -> tuple[list[int], ProcessGroup | None]:
+    def _dp_partition(self, kind: str, size: int, copy: int) -> tuple[list[int], ProcessGroup | None]:
         if not isinstance(size, int) or size < 1 or self.dp % size:
             raise TopologyError(f"data-parallel sub-group size {size!r} must be a positive divisor of "
                                 f"the data-parallel size {self.dp}")
-        key = (kind, size)
+        key = (kind, size, copy)
         if key not in self._subgroups:
             if not dist.is_initialized():
                 self._subgroups[key] = ([self.rank], None)

@@ -58,6 +58,8 @@ class Bucket:
     micro_pending: Waitable | None = None
     boundary_pending: Waitable | None = None
     full_params: torch.Tensor | None = None
+    # a kept group's released gather output: the next gather's output buffer (dropped at the step)
+    spare: torch.Tensor | None = None
     fetch_pending: Waitable | None = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False

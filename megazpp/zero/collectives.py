@@ -1,22 +1,129 @@
 """Run a strategy's collective sequence (from `sequences`) on a bucket's tensors.
 
 Why an interpreter: the sequence the engine runs is the same list of `Collective`s that the
-byte formulas price, so what is predicted is what is executed. A multi-stage sequence
-(hierarchical) runs its first stage asynchronously and the rest when waited on, so a
-bucket's reduction overlaps the remaining backward pass without a thread of our own.
+byte formulas price, so what is predicted is what is executed.
+
+Why `StageOrder`: a multi-stage sequence (hierarchical) launches its first stage
+asynchronously; each later stage needs the previous one's result, and should start as soon as
+that result is there, not when someone waits for the whole sequence. gloo matches collectives
+on a group by the order ranks issue them, and "the previous stage has completed" is seen at
+different moments on different ranks, so later stages run on groups of their own
+(`ZeroGroups.later`: the same ranks, never used for a first stage) and, on each such group, in
+the order their sequences were launched (reserved at launch, which every rank does in the same
+order). Whoever looks first issues them: the engine's progress points (`StageOrder.progress`,
+called from the module and gradient hooks) for stages whose predecessor has completed, or a
+`wait()`, which first issues what is queued ahead of it on the same group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 
+from megazpp.errors import ConfigError
 from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
 from megazpp.zero.layout import from_dp_order, to_dp_order
-from megazpp.zero.sequences import Collective
+from megazpp.zero.sequences import Collective, DPShapes, dp_shapes
+
+
+class Work(Protocol):
+    """An asynchronous collective's handle (`megazpp.parallel.comm` with `async_op=True`)."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class StagedWork(ABC):
+    """A chain of collectives, stage j + 1 computed from stage j's result; stage 0 is issued on
+    construction (`_begin`), later ones through the `StageOrder` on `ZeroGroups.later` groups.
+
+    A subclass says how a stage is issued (`_issue(j, group)` -> the work) and what follows its
+    completion (`_complete(j)`: unpack, reduce, prepare the next stage's input)."""
+
+    def __init__(self, groups: "ZeroGroups", names: list[str]) -> None:
+        self._groups, self._names = groups, names
+        self._next = 0
+        self._work: Work | None = None
+        for name in names[1:]:
+            groups.order.reserve(self, name)
+
+    @abstractmethod
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work: ...
+
+    @abstractmethod
+    def _complete(self, j: int) -> None: ...
+
+    def _begin(self) -> None:
+        if self._names:
+            self._work = self._issue(0, self._groups.get(self._names[0]))
+            self._next = 1
+
+    def next_group(self) -> str | None:
+        """The group name of the stage to issue next (None: every stage is issued)."""
+        return self._names[self._next] if self._next < len(self._names) else None
+
+    def current_done(self) -> bool:
+        """Whether the stage in flight has completed (a local look: differs between ranks)."""
+        return self._work is not None and self._work.is_completed()
+
+    def step(self) -> None:
+        """Finish the stage in flight and issue the next, after whatever is queued ahead of it
+        on that stage's group."""
+        name = self._names[self._next]
+        self._groups.order.clear_way(self, name)
+        self._work.wait()
+        self._complete(self._next - 1)
+        self._work = self._issue(self._next, self._groups.later[name])
+        self._next += 1
+        self._groups.order.issued(self, name)
+
+    def _finish_all(self) -> None:
+        while self.next_group() is not None:
+            self.step()
+        if self._work is not None:
+            self._work.wait()
+            self._complete(self._next - 1)
+            self._work = None
+
+
+class StageOrder:
+    """The later stages of staged works, queued per group in launch order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[StagedWork]] = {}
+
+    def reserve(self, work: StagedWork, name: str) -> None:
+        self._queues.setdefault(name, deque()).append(work)
+
+    def clear_way(self, work: StagedWork, name: str) -> None:
+        """Issue every stage queued on `name` ahead of `work`'s (waiting for what each follows).
+        Everything ahead was launched earlier, so this never comes back to `work`."""
+        queue = self._queues[name]
+        while queue[0] is not work:
+            queue[0].step()
+
+    def issued(self, work: StagedWork, name: str) -> None:
+        first = self._queues[name].popleft()
+        assert first is work, "a later stage was issued out of its group's launch order"
+
+    def progress(self) -> int:
+        """Issue each queued stage whose predecessor has completed and nothing is ahead of it;
+        returns how many were issued. Cheap when nothing is queued (a progress point)."""
+        issued, moved = 0, True
+        while moved:
+            moved = False
+            for name, queue in self._queues.items():
+                while queue and queue[0].next_group() == name and queue[0].current_done():
+                    queue[0].step()
+                    issued, moved = issued + 1, True
+        return issued
 
 
 @dataclass
@@ -31,6 +138,9 @@ class ZeroGroups:
     group_size: int
     hpz: ProcessGroup | None = None  # ZeRO++ hpZ's secondary group (None: hpZ off)
     hpz_size: int = 1
+    # groups over the same ranks as "intra" / "cross" that carry only later stages (StageOrder)
+    later: dict[str, ProcessGroup | None] = field(default_factory=dict)
+    order: StageOrder = field(default_factory=StageOrder)
 
     @property
     def num_groups(self) -> int:
@@ -40,35 +150,40 @@ class ZeroGroups:
         return getattr(self, name)
 
 
+def zero_groups(topo: Topology, k: int | None, h: int) -> tuple[ZeroGroups, DPShapes]:
+    """The groups of PaRO group size `k` (None: the DP ranks on this node) and hpZ group size
+    `h`, with their shapes. Collective: every rank calls it with the same sizes."""
+    d = topo.dp
+    if k is None:
+        k = max(1, sum(1 for r in topo.dp_ranks if topo.node_of(r) == topo.node))
+    if k < 1 or d % k:
+        raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the "
+                          f"data-parallel size {d}")
+    intra = topo.dp_subgroup(k)[1]
+    cross = topo.dp_cross_subgroup(k)[1]
+    hpz = topo.dp_subgroup(h)[1] if h > 1 else None
+    later = {}  # the groups of later stages (StageOrder), where there are two stages
+    if 1 < k < d:
+        later = {"intra": topo.dp_subgroup(k, copy=1)[1], "cross": topo.dp_cross_subgroup(k, copy=1)[1]}
+    shapes = dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
+    return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h, later), shapes
+
+
 def size_of(groups: ZeroGroups, name: str) -> int:
     return {"dp": groups.dp_size, "intra": groups.group_size, "cross": groups.num_groups, "hpz": groups.hpz_size}[name]
 
 
-class Work(Protocol):
-    """An asynchronous collective's handle (`megazpp.parallel.comm` with `async_op=True`)."""
-
-    def wait(self) -> object: ...
-
-
-class _Local:
-    """The work of a collective over a group of one: nothing to wait for."""
-
-    def wait(self) -> bool:
-        return True
-
-
-def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tuple[Work, torch.Tensor, Callable[[], None]]:
-    """Launch one collective on `t`; returns (work, result tensor, finisher run after wait).
-    Over a group of one the result is `t` itself and no call is made (`traffic.step_calls`)."""
+def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
+           out: torch.Tensor | None = None) -> tuple[Work, torch.Tensor, Callable[[], None]]:
+    """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
+    result tensor, finisher run after wait). An all-gather writes into `out` when given."""
     size = size_of(groups, c.group)
-    if size == 1:
-        return _Local(), t, lambda: None
-    group = groups.get(c.group)
     permute = c.group == "dp" and groups.group_size not in (1, groups.dp_size)
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
     if c.op == "all_gather":
-        out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
         if not permute:
             return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
         staged = torch.empty_like(out)
@@ -79,26 +194,29 @@ def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, tag: str) -> tupl
     return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
 
 
-class PendingSequence:
-    """A sequence in flight: stage 1 launched; `wait()` finishes every stage, returns the result."""
+class PendingSequence(StagedWork):
+    """A sequence in flight: stage 1 launched, later stages as soon as a progress point sees
+    their predecessor done (or on `wait()`), which returns the result. A collective over a
+    group of one is skipped: no call, its input is its result (`traffic.step_calls`). `out`: a
+    buffer for the result of a sequence that ends in an all-gather (reused, not allocated)."""
 
-    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> None:
-        self._rest = list(seq)
-        self._groups, self._tag = groups, tag
+    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str,
+                 out: torch.Tensor | None = None) -> None:
+        self._seq = [c for c in seq if size_of(groups, c.group) > 1]
+        super().__init__(groups, [c.group for c in self._seq])
+        self._tag, self._out = tag, out
         self._result = t
-        self._work: Work | None = None
         self._finish: Callable[[], None] = lambda: None
-        self._launch_next()
+        self._begin()
 
-    def _launch_next(self) -> None:
-        if self._rest:
-            c = self._rest.pop(0)
-            self._work, self._result, self._finish = _start(c, self._result, self._groups, self._tag)
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
+        out = self._out if j == len(self._seq) - 1 else None
+        work, self._result, self._finish = _start(self._seq[j], self._result, self._groups, group, self._tag, out)
+        return work
+
+    def _complete(self, j: int) -> None:
+        self._finish()
 
     def wait(self) -> torch.Tensor:
-        while self._work is not None:
-            self._work.wait()
-            self._finish()
-            self._work = None
-            self._launch_next()
+        self._finish_all()
         return self._result

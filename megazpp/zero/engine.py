@@ -37,7 +37,7 @@ from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
-from megazpp.zero.collectives import ZeroGroups
+from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
@@ -113,7 +113,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise ConfigError("the model has no trainable parameters for the ZeRO engine")
         self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
-        self.groups, self.shapes = self._build_groups(options.paro_group_size)
+        self.groups, self.shapes = zero_groups(topology, options.paro_group_size, self.zeropp.hpz)
         self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
                                   topology.dp_rank % self.zeropp.hpz)
@@ -149,21 +149,6 @@ class ZeroEngine(ScaledOptimizerEngine):
             model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
 
     # -- construction ------------------------------------------------------------------------
-    def _build_groups(self, k: int | None) -> tuple[ZeroGroups, sequences.DPShapes]:
-        topo = self.topology
-        d = topo.dp
-        if k is None:
-            k = max(1, sum(1 for r in topo.dp_ranks if topo.node_of(r) == topo.node))
-        if k < 1 or d % k:
-            raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the "
-                              f"data-parallel size {d}")
-        intra_ranks, intra = topo.dp_subgroup(k)
-        cross_ranks, cross = topo.dp_cross_subgroup(k)
-        h = self.zeropp.hpz
-        hpz = topo.dp_subgroup(h)[1] if h > 1 else None
-        shapes = sequences.dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
-        return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h), shapes
-
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
         # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
@@ -306,6 +291,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._start_boundary(b)
         if self.fetcher is not None and not b.persistent:
             self.fetcher.gradients_done(b)
+        self.groups.order.progress()  # a progress point: later stages of earlier reductions start
 
     def _staging(self, b: Bucket) -> torch.Tensor:
         """A buffer for this micro-batch's gradient of `b`: the previous micro-batch's, once its
@@ -319,11 +305,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
         and unused parameters' slices."""
         layout = b.layout
-        for lo, hi in layout.padding_ranges:
-            b.staging[lo:hi].zero_()
-        for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
-            if i not in b.arrived:
-                b.staging[off:off + shape.numel()].zero_()
+        unwritten = [b.staging[lo:hi] for lo, hi in layout.padding_ranges]
+        unwritten += [b.staging[off:off + shape.numel()]
+                      for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)) if i not in b.arrived]
+        if unwritten:
+            torch._foreach_zero_(unwritten)  # one fused call, not one per range
 
     def _holds(self, b: Bucket, param: nn.Parameter) -> bool:
         return self._bucket_of[id(param)][0] is b
@@ -416,9 +402,9 @@ class ZeroEngine(ScaledOptimizerEngine):
                     b.boundary_pending.wait()
                     b.boundary_pending = None
             b.sent = None
-            b.grad_acc.zero_()
             for m in b.masters:
                 m.param.grad = None
+        torch._foreach_zero_([b.grad_acc for b in self.buckets])
         self._micro_batches = 0
         if self.fetcher is not None:
             self.fetcher.reset_stats()

@@ -21,7 +21,9 @@ Released parameters keep their `nn.Parameter` object (autograd saved it) but poi
 empty tensor; re-gathering points them at fresh views of the group's full buffer, which the
 saved references then see. The first forward records the order groups run in; afterwards the
 next groups (forward) or the previous ones (backward) are gathered asynchronously ahead of use,
-as many as fit `stage3_prefetch_bucket_size` elements.
+as many as fit `stage3_prefetch_bucket_size` elements. Each unit's hook is also a progress
+point: the later stages of collectives whose earlier stage has completed start there
+(`collectives.StageOrder`).
 """
 
 from __future__ import annotations
@@ -87,9 +89,14 @@ class ParamFetcher:
         b.layout.view_params_into(full)
 
     def release(self, b: Bucket) -> None:
+        """Drop `b`'s full parameters. A group kept for backward keeps the buffer (`spare`) for
+        its next gather in this step: it is gathered again at the next micro-batch's forward,
+        and holding it costs no more than the start of backward, which holds every kept group."""
         if b.fetch_pending is not None:  # a prefetch nobody used: finish it so ranks stay in step
             b.fetch_pending.wait()
             b.fetch_pending = None
+        if b.full_params is not None and self._keep[id(b)]:
+            b.spare = b.full_params
         b.full_params = None
         self._finished.pop(id(b), None)
         for p in b.layout.params:
@@ -100,6 +107,7 @@ class ParamFetcher:
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
+            b.spare = None  # the optimizer step changes the shards: nothing is kept between steps
         self._owed.clear()
         self._kept_now.clear()
         self._running.clear()
@@ -169,6 +177,7 @@ class ParamFetcher:
     def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.fetch_hook_calls += 1
+            self.paths.groups.order.progress()
             if not self._order_done:
                 self._called.add(id(module))
                 if all(u is not b for u in self.order):
@@ -195,6 +204,7 @@ class ParamFetcher:
             self._on_backward_start()
             self.backward_active = True
             self.fetch_hook_calls += 1
+            self.paths.groups.order.progress()
             self.fetch(b, "backward")
             self._prefetch(b, -1)
         return hook

@@ -38,8 +38,10 @@ class CommPaths:
         return sum(1 for c in self._fetch if size_of(self.groups, c.group) > 1)
 
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
-        """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward"."""
-        return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}")
+        """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward".
+        Gathered into the group's previous buffer when it kept one (`Bucket.spare`)."""
+        out, b.spare = b.spare, None
+        return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}", out)
 
     def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
         """One micro-batch's full gradient of `b` (already divided by D) down to level g."""

@@ -6,8 +6,8 @@ chunk for one peer is "its codes, then its scales" and a single all-gather or al
 both. Every chunk is whole blocks because the engine pads buckets to `ZeroPP.alignment()`
 times the DP size: no size ever takes an unquantized fallback.
 
-Both run their first collective asynchronously and the rest when waited on, like
-`collectives.PendingSequence`, so a reduction overlaps the rest of backward.
+Both run their first collective asynchronously and the later ones as soon as a progress point
+sees the earlier done (`collectives.StageOrder`), so a reduction overlaps the rest of backward.
 
 qgZ sends a bucket's 1-D tensors (norm gains, biases) exactly: each peer's chunk carries, after
 its scales, the fp32 values of those tensors that fall in it (`ExactPlan`, widths from
@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 import kernels
 from megazpp.parallel import comm
-from megazpp.zero.collectives import PendingSequence, ZeroGroups
+from megazpp.zero.collectives import PendingSequence, StagedWork, Work, ZeroGroups, size_of
 from megazpp.zero.sequences import Collective
 from megazpp.zero.traffic import chunk_ranges, most_per_chunk
 
@@ -144,69 +144,70 @@ class PendingQuantizedGather:
         return full
 
 
-class PendingQuantizedReduce:
-    """qgZ: int4 all-to-all per stage, each receiver dequantizing and summing its chunks.
+class PendingQuantizedReduce(StagedWork):
+    """qgZ: int4 all-to-all per stage (`stages`: the groups' names), each receiver
+    dequantizing and summing its chunks.
 
     Stage 1 quantizes the whole bucket (LoCo: `loco_quantize` with the stage-1 error buffer);
     a middle stage re-quantizes its fp32 sum (LoCo: `dequant_reduce_loco_quantize` with the
-    stage-2 buffer); the last stage's sum is the result, fp32. A non-finite local gradient is
-    never quantized (its codes would be meaningless and a NaN block max decodes to zeros): the
-    rank sends zeros, raises `overflow`, and returns NaN so the step's norm turns non-finite
-    and every rank skips it.
+    stage-2 buffer), as soon as a progress point sees stage 1 done (`collectives.StageOrder`);
+    the last stage's sum is the result, fp32. A non-finite local gradient is never quantized
+    (its codes would be meaningless and a NaN block max decodes to zeros): the rank sends
+    zeros, raises `overflow`, and returns NaN so the step's norm turns non-finite and every
+    rank skips it.
     """
 
-    def __init__(self, grad: torch.Tensor, stages: list[tuple[ProcessGroup | None, int]], block: int, tag: str,
+    def __init__(self, grad: torch.Tensor, groups: ZeroGroups, stages: list[str], block: int, tag: str,
                  loco: list[torch.Tensor] | None = None, err_beta: float = 0.0,
                  ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
+        super().__init__(groups, stages)
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
             grad = torch.zeros_like(grad)
-        self._stages, self._block, self._tag = list(stages), block, tag
+        self._sizes = [size_of(groups, name) for name in stages]
+        self._block, self._tag = block, tag
         self._loco, self._beta, self._ops = loco, err_beta, ops
         self._exact = exact
         self._values = grad[exact.first].float() if exact is not None else None
         if loco:
-            codes, scales, _ = ops.loco_quantize(grad, loco[0], err_beta, block, bits=4)
+            self._codes, self._scales, _ = ops.loco_quantize(grad, loco[0], err_beta, block, bits=4)
         else:
-            codes, scales = ops.quantize(grad, 4, block)
-        self._stage = 0
+            self._codes, self._scales = ops.quantize(grad, 4, block)
         self._result: torch.Tensor | None = None
-        self._launch(codes, scales)
+        self._begin()
 
-    def _launch(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        group, size = self._stages[self._stage]
-        self._code_bytes = codes.numel() // size
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
+        size = self._sizes[j]
+        self._code_bytes = self._codes.numel() // size
         rows = None
         if self._exact is not None:
-            width = self._exact.widths[self._stage]
+            width = self._exact.widths[j]
             rows = self._values.new_zeros(size * width)
-            rows[self._exact.dests[self._stage]] = self._values
-        send = pack(codes, scales, size, rows)
+            rows[self._exact.dests[j]] = self._values
+        send = pack(self._codes, self._scales, size, rows)
         self._recv = torch.empty_like(send)
-        self._work = comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
+        return comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
+
+    def _complete(self, j: int) -> None:
+        width = self._exact.widths[j] if self._exact is not None else 0
+        codes, scales, exact = unpack(self._recv, self._sizes[j], self._code_bytes, torch.uint8, width)
+        if self._exact is not None:  # summed in sender order, like dequant_reduce
+            total = exact[0].clone()
+            for row in exact[1:]:
+                total += row
+            self._values = total[:self._exact.keeps[j]]
+        if j + 1 == len(self._sizes):
+            self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
+            if self._exact is not None:
+                self._result[self._exact.last] = self._values
+        elif self._loco:
+            self._codes, self._scales, _ = self._ops.dequant_reduce_loco_quantize(
+                codes, scales, 4, self._block, self._loco[j + 1], self._beta)
+        else:
+            self._codes, self._scales = self._ops.dequant_reduce_quantize(codes, scales, 4, self._block)
 
     def wait(self) -> torch.Tensor:
-        while self._result is None:
-            self._work.wait()
-            _, size = self._stages[self._stage]
-            width = self._exact.widths[self._stage] if self._exact is not None else 0
-            codes, scales, exact = unpack(self._recv, size, self._code_bytes, torch.uint8, width)
-            if self._exact is not None:  # summed in sender order, like dequant_reduce
-                total = exact[0].clone()
-                for row in exact[1:]:
-                    total += row
-                self._values = total[:self._exact.keeps[self._stage]]
-            self._stage += 1
-            if self._stage == len(self._stages):
-                self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
-                if self._exact is not None:
-                    self._result[self._exact.last] = self._values
-            elif self._loco:
-                q, s, _ = self._ops.dequant_reduce_loco_quantize(codes, scales, 4, self._block,
-                                                                 self._loco[self._stage], self._beta)
-                self._launch(q, s)
-            else:
-                self._launch(*self._ops.dequant_reduce_quantize(codes, scales, 4, self._block))
+        self._finish_all()
         if self.overflow:
             self._result.fill_(float("nan"))
         return self._result

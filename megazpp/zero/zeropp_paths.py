@@ -58,7 +58,7 @@ class ZeroPPPaths(CommPaths):
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
         self._qgz_seq = sequences.qgz_sequence(strategy, shapes) if zeropp.qgz else []
-        self._stages = [(groups.get(c.group), size_of(groups, c.group)) for c in self._qgz_seq]
+        self._stages = [c.group for c in self._qgz_seq]
         self._shapes = shapes
         self._exact: dict[int, ExactPlan | None] = {}
         self._exact_gather: dict[int, ExactGather | None] = {}
@@ -84,8 +84,8 @@ class ZeroPPPaths(CommPaths):
                                                           b.param_store.device)
         if self._stages:
             group, local = divmod(b.layout.dp_index, b.layout.group_size)
-            mine = [(size, local if c.group == "intra" else group)
-                    for c, (_, size) in zip(self._qgz_seq, self._stages)]
+            mine = [(size_of(self.groups, c.group), local if c.group == "intra" else group)
+                    for c in self._qgz_seq]
             ranges = b.layout.vector_ranges()
             widths = traffic.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
             self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths, b.param_store.device)
@@ -114,7 +114,7 @@ class ZeroPPPaths(CommPaths):
         if not self._stages:
             return super().start_grad_reduce(b, grad)
         loco = self._loco.for_reduction(b) if self._loco is not None else None
-        pending = PendingQuantizedReduce(grad, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
+        pending = PendingQuantizedReduce(grad, self.groups, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
                                          loco, self.zeropp.err_beta, self._ops, self._exact[id(b)])
         self._overflow |= pending.overflow
         return pending
