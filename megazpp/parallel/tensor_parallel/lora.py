@@ -20,11 +20,12 @@ the base model computes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
 from megazpp.parallel.tensor_parallel import mappings
@@ -33,7 +34,7 @@ from megazpp.parallel.tensor_parallel.registry import mark_tp_sharded
 Split = Literal["column", "row"]
 
 
-def _cut(full: torch.Tensor, dim: int, group: Any) -> nn.Parameter:
+def _cut(full: torch.Tensor, dim: int, group: ProcessGroup | None) -> nn.Parameter:
     size = 1 if group is None else comm.group_size(group)
     rank = 0 if group is None else comm.group_rank(group)
     p = nn.Parameter(full.chunk(size, dim=dim)[rank].clone())
@@ -47,7 +48,7 @@ class LowRankAdapter(nn.Module):
     (column: its output slice; row: its partial sum, to be reduced with the layer's)."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, split: Split,
-                 tp_group: Any, a_values: torch.Tensor) -> None:
+                 tp_group: ProcessGroup | None, a_values: torch.Tensor) -> None:
         super().__init__()
         self.split, self.tp_group = split, tp_group
         self.scale = alpha / rank
