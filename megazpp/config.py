@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +23,7 @@ import yaml
 
 from megazpp.config_aliases import MEGATRON_ALIASES, translate_megatron_flags
 from megazpp.config_planner import PlannerSettings
+from megazpp.config_values import coerce, suggest
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
 from megazpp.unique_keys import load_yaml
@@ -357,7 +355,7 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
     for name, body in raw.items():
         if name not in SECTIONS:
             raise ConfigError(f"config file {path}: unknown section {name!r}"
-                              f"{_suggest(str(name), SECTIONS)}")
+                              f"{suggest(str(name), SECTIONS)}")
         if body is None:
             continue
         if not isinstance(body, dict):
@@ -378,100 +376,15 @@ def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
             if key not in hints:
                 raise ConfigError(f"{source}: unknown key {section}.{key}"
                                   f"{_suggest_key(section, str(key))}")
-            values[section][key] = _coerce(value, hints[key], f"{source}: {section}.{key}")
+            values[section][key] = coerce(value, hints[key], f"{source}: {section}.{key}")
             origins[f"{section}.{key}"] = source
-
-
-def _suggest(name: str, candidates: Any) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _suggest_key(section: str, key: str) -> str:
     for other, cls in SECTIONS.items():
         if other != section and key in {f.name for f in dataclasses.fields(cls)}:
             return f" (it belongs in section {other!r})"
-    return _suggest(key, [f.name for f in dataclasses.fields(SECTIONS[section])])
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check `value` against a field's type hint; accept the string spellings YAML and flags
-    produce (YAML reads `3e-4` as a string, flags are all strings)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in options:
-                return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where} = {value!r}: invalid")
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{where} = {value!r}: expected one of {list(choices)}"
-                              f"{_suggest(str(value), choices)}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        items = value if isinstance(value, list) else [value]
-        return [_coerce(v, item, where) for v in items]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{where} = {value!r}: expected true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r}: expected an integer")
-        number = value if isinstance(value, int) else _parse_number(value, where, "an integer")
-        if isinstance(number, float) and not number.is_integer():
-            raise ConfigError(f"{where} = {value!r}: expected an integer")
-        if not -_INT64_LIMIT < number < _INT64_LIMIT:
-            raise ConfigError(f"{where} = {_short(value)}: integer out of range")
-        return int(number)
-    if hint is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r}: expected a number")
-        number = _parse_number(value, where, "a number")
-        try:
-            number = float(number)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise ConfigError(f"{where} = {_short(value)}: expected a finite number")
-        return number
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where} = {value!r}: expected a string")
-    raise ConfigError(f"{where}: unsupported config type {hint!r}")
-
-
-_INT64_LIMIT = 2 ** 63
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _parse_number(value: Any, where: str, expected: str) -> float:
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{where} = {value!r}: expected {expected}")
+    return suggest(key, [f.name for f in dataclasses.fields(SECTIONS[section])])
 
 
 def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -496,7 +409,7 @@ def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
             flags = list(table) + list(MEGATRON_ALIASES) + [
                 f"--no-{f[2:]}" for f, (s, n) in table.items()
                 if typing.get_type_hints(SECTIONS[s])[n] is bool]
-            raise ConfigError(f"command line: unknown flag {name}{_suggest(name, flags)}")
+            raise ConfigError(f"command line: unknown flag {name}{suggest(name, flags)}")
         raise ConfigError(f"command line: unexpected argument {bad!r}")
     update: dict[str, dict[str, Any]] = {}
     for dest, value in vars(known).items():
@@ -540,4 +453,4 @@ def validate_types(cfg: Config) -> None:
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
-            _coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}")
+            coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}")

@@ -11,11 +11,11 @@ The result is `{section: {field: value}}`; `megazpp.config` type-checks it like 
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any, Callable
 
+from megazpp.config_values import suggest
 from megazpp.errors import ConfigError
 from megazpp.unique_keys import DuplicateKeyError, load_json
 
@@ -116,13 +116,8 @@ def map_deepspeed_config(raw: dict[str, Any], source: str) -> Sections:
             _refuse_unless_accepted(value, _TOP_UNSUPPORTED[key], where)
         else:
             raise ConfigError(f"DeepSpeed config {source}: unknown key {key!r}"
-                              f"{_suggest(key, list(handlers) + sorted(_TOP_UNSUPPORTED))}")
+                              f"{suggest(key, list(handlers) + sorted(_TOP_UNSUPPORTED))}")
     return out
-
-
-def _suggest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _is_off(value: Any) -> bool:
@@ -142,7 +137,7 @@ def _require_mapping(value: Any, where: str, allowed: set[str]) -> dict[str, Any
         raise ConfigError(f"{where}: expected a JSON object, got {value!r}")
     for key in value:
         if key not in allowed:
-            raise ConfigError(f"{where}: unknown key {key!r}{_suggest(key, sorted(allowed))}")
+            raise ConfigError(f"{where}: unknown key {key!r}{suggest(key, sorted(allowed))}")
     return value
 
 
