@@ -44,17 +44,18 @@ class ZeroPP:
     node, filled from the forward gather; backward gathers only from it (`hpz_fetch_sequence`).
     qgZ: the per-micro-batch gradient reduction is one int4 all-to-all per stage
     (`qgz_sequence`, `grads`); `loco` adds LoCo error feedback to both stages.
+    Defaults are the `zero` section's (`zeropp_of` maps the keys), so the two never disagree.
     """
 
-    qwz: bool = False
-    hpz: int = 1
-    qgz: bool = False
-    loco: bool = False
-    qwz_block: int = 2048
-    qgz_block: int = 256
-    err_beta: float = 0.8  # LoCo: weight of the old error in the blended buffer
-    reset_t: int = 1024  # LoCo: buffers are zeroed after every reset_t optimizer steps
-    cpu_kernels: str = "reference"  # kernels.CPU_KERNELS: eager torch, or compiled by TorchInductor
+    qwz: bool = ZeroConfig.zero_quantized_weights
+    hpz: int = ZeroConfig.zero_hpz_partition_size
+    qgz: bool = ZeroConfig.zero_quantized_gradients
+    loco: bool = ZeroConfig.loco
+    qwz_block: int = ZeroConfig.qwz_block_size
+    qgz_block: int = ZeroConfig.qgz_block_size
+    err_beta: float = ZeroConfig.loco_err_beta  # LoCo: weight of the old error in the blended buffer
+    reset_t: int = ZeroConfig.loco_reset_t  # LoCo: buffers are zeroed after every reset_t optimizer steps
+    cpu_kernels: str = ZeroConfig.cpu_quant_kernels  # kernels.CPU_KERNELS: eager torch, or compiled
 
     @property
     def enabled(self) -> bool:
