@@ -13,7 +13,8 @@ from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
 from megazpp.errors import ConfigError
-from megazpp.model.trainable import trainable_rule
+from megazpp.model.trainable import trainable_fraction, trainable_rule
+from megazpp.zero.frozen import check_frozen_support
 from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.traffic import HIERARCHY_MODES
 from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
@@ -31,6 +32,11 @@ def validate_config(cfg: Config, world_size: int = 1) -> Config:
     cfg.planner.validate()
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
+    z = cfg.zero
+    if str(z.paro_strategy).lower() != "auto" and (cfg.model.lora_rank or cfg.training.trainable) \
+            and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
+        check_frozen_support(resolve_strategy(z.paro_strategy, z.stage), z.zero_quantized_weights,
+                             z.zero_hpz_partition_size, z.stage3_param_persistence_threshold)
     if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
         raise ConfigError("checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
                           "and training.trainable is empty), so there is no frozen base to leave out")

@@ -39,7 +39,7 @@ from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
-from megazpp.zero.frozen import execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
+from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -187,15 +187,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Buckets of the frozen parameters (`frozen.py`), held at level p."""
         if all(p.requires_grad for p in self.model.parameters()):
             return []
-        if self.strategy.params != Level.N and (self.zeropp.qwz or self.zeropp.hpz > 1):
-            raise ConfigError(f"zero strategy {self.strategy} with qwZ / hpZ and frozen parameters "
-                              f"(training.trainable, LoRA) is not implemented: turn off "
-                              f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
         o = self.options
-        if self.strategy.params != Level.N and o.stage3_param_persistence_threshold > 0:
-            raise ConfigError(f"zero strategy {self.strategy} with zero.stage3_param_persistence_threshold "
-                              f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
-                              f"threshold to 0")
+        check_frozen_support(self.strategy, self.zeropp.qwz, self.zeropp.hpz, o.stage3_param_persistence_threshold)
         return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size,
                               self.topology.dp_rank, self.param_dtype, o.module_granularity_threshold,
                               o.fetch_groups, min(o.allgather_bucket_size, o.reduce_bucket_size))

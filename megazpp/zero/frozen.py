@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megazpp.errors import ConfigError
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.layout import BucketLayout
@@ -29,6 +30,22 @@ from megazpp.zero.units import fetch_groups, parameter_units
 FROZEN_PREFIX = "frozen/"
 # an engine state without its frozen buckets (an adapters-only checkpoint: the base is reloaded)
 FROZEN_SAVED_KEY = "frozen_saved"
+
+
+def check_frozen_support(strategy: Strategy, qwz: bool, hpz: int, persistence_threshold: int) -> None:
+    """Refuse what frozen groups do not implement when parameters are sharded: qwZ / hpZ
+    gathers and persistent parameters (they would be silently left out for frozen weights).
+    Run by the engine and, before any process group exists, by `config_checks`."""
+    if strategy.params == Level.N:
+        return
+    if qwz or hpz > 1:
+        raise ConfigError(f"zero strategy {strategy} with qwZ / hpZ and frozen parameters "
+                          f"(training.trainable, LoRA) is not implemented: turn off "
+                          f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
+    if persistence_threshold > 0:
+        raise ConfigError(f"zero strategy {strategy} with zero.stage3_param_persistence_threshold "
+                          f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
+                          f"threshold to 0")
 
 
 def frozen_buckets(model: nn.Module, strategy: Strategy, d: int, k: int, dp_index: int, dtype: torch.dtype,
