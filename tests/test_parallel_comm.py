@@ -64,6 +64,25 @@ def _collectives(tag: str) -> dict:
     return out
 
 
+def _parts_collectives() -> dict:
+    """The ZeRO engine's forms: pieces named by member (here in reverse order), reductions in
+    place on the caller's buffer."""
+    rank = dist.get_rank()
+    comm.counter.reset_step()
+    out = {}
+    gathered = torch.empty(ELEMS)
+    comm.all_gather_into_parts(list(gathered.chunk(4))[::-1], torch.full((ELEMS // 4,), float(rank)),
+                               tag="parts", async_op=True).wait()
+    out["all_gather"] = gathered.tolist()
+    full = torch.arange(ELEMS, dtype=torch.float) * (rank + 1)
+    work = comm.reduce_scatter_parts(full, list(full.chunk(4))[::-1], tag="parts")
+    work.wait()
+    out["reduce_scatter"] = work.result.tolist()
+    out["in_place"] = work.result.data_ptr() == full.data_ptr() + (3 - rank) * (ELEMS // 4) * 4
+    out["counts"] = comm.counter.step_totals()
+    return out
+
+
 def _rank_main(report_dir: str) -> dict:
     rank = dist.get_rank()
     topo = Topology.from_env(ranks_per_node=2)
@@ -71,6 +90,7 @@ def _rank_main(report_dir: str) -> dict:
     comm._EMULATED.update({"all_gather", "reduce_scatter", "all_to_all"})
     res["emulated"] = _collectives("emulated")
     comm._EMULATED.clear()
+    res["parts"] = _parts_collectives()
     res["topo"] = dict(dp=topo.dp, node=topo.node, num_nodes=topo.num_nodes, dp_ranks=topo.dp_ranks,
                        intra=topo.dp_intra_ranks, inter=topo.dp_inter_ranks, sub2=topo.dp_subgroup(2)[0],
                        sub4=topo.dp_subgroup(4)[0], cross2=topo.dp_cross_subgroup(2)[0],
@@ -136,6 +156,13 @@ def test_collectives_count_bytes_by_formula(tmp_path):
             assert got["counts"]["intra"] == sum(v[0] for v in expected.values())
             assert got["counts"]["inter"] == sum(v[1] for v in expected.values())
             assert got["counts"]["tags"][path]["calls"] == len(ops)
+        parts = res["parts"]  # member r's piece in chunk 3 - r; counted as the plain operations
+        assert parts["all_gather"] == [float(3 - c) for c in range(4) for _ in range(ELEMS // 4)]
+        chunk = 3 - rank
+        assert parts["reduce_scatter"] == full_sum[chunk * 6:(chunk + 1) * 6] and parts["in_place"]
+        expected = _expected_counts(rank)
+        assert {op: (row["intra"], row["inter"]) for op, row in parts["counts"]["ops"].items()} == \
+            {op: expected[op] for op in ("all_gather", "reduce_scatter")}
     topo = [r["topo"] for r in results]
     assert [t["node"] for t in topo] == [0, 0, 1, 1]
     assert topo[0]["intra"] == [0, 1] and topo[3]["intra"] == [2, 3]
@@ -159,10 +186,10 @@ def test_collectives_count_bytes_by_formula(tmp_path):
     assert results[0]["model_error"] == "model num_layers = 3 is not divisible by pipeline_model_parallel_size = 2"
     world = json.loads((tmp_path / "world.json").read_text())
     assert world == results[1]["world"]
-    assert world["world"]["inter"] == sum(r["native"]["counts"]["inter"] + r["emulated"]["counts"]["inter"]
-                                          for r in results)
+    assert world["world"]["inter"] == sum(r[path]["counts"]["inter"] for r in results
+                                          for path in ("native", "emulated", "parts"))
     report = json.loads((tmp_path / "comm.json").read_text())
-    assert report["run"]["inter"] == results[0]["native"]["counts"]["inter"] + results[0]["emulated"]["counts"]["inter"]
+    assert report["run"]["inter"] == sum(results[0][path]["counts"]["inter"] for path in ("native", "emulated", "parts"))
 
 
 def test_shape_checks_without_ranks():

@@ -75,15 +75,11 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
     for step in steps:
         counter.reset_step()
         total = 0.0
-        staging = []  # per micro-batch: where each bucket's gradient was staged for its reduction
-        gathered = []  # per micro-batch: the gather output buffers kept for the next micro-batch
         for micro in range(MICRO):
             inputs, labels = _batch(cfg, topo.dp_rank, micro)
             loss = model(inputs, labels).mean() / MICRO
             engine.scale_loss(loss).backward()
             total += loss.item()
-            staging.append([b.sent.data_ptr() for b in engine.buckets if b.sent is not None])
-            gathered.append([b.spare.data_ptr() for b in engine.buckets if b.spare is not None])
         stats = engine.stats()
         result = engine.step()
         totals = counter.step_totals()
@@ -93,7 +89,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
                     "all": (totals["intra"], totals["inter"]),
                     "predicted": engine.expected_step_bytes(MICRO),
                     "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
-                    "staging": staging, "gathered": gathered, **stats})
+                    "allocations": engine.groups.buffers.allocations, **stats})
     return out
 
 
@@ -182,12 +178,15 @@ def test_all_strategies_losses_bytes_and_resume(tmp_path):
             assert run["resumed_losses"] == losses[SAVE_AT:], (label, rank)
             assert run["resumed_norms"] == [s["norm"] for s in run["steps"][SAVE_AT:]], (label, rank)
             assert run["resumed_equal"], (label, rank)
-            g_sharded = label.split("/")[0][1] != "N"
-            for s in run["steps"]:  # g sharded: one staging buffer per bucket, reused by every micro-batch
-                assert bool(s["staging"][0]) == g_sharded and s["staging"][0] == s["staging"][-1], (label, s)
-            kept = label.split("/")[0][0] != "N" and "noreuse" not in label
-            for s in run["steps"]:  # groups kept for backward: one gather buffer each, every micro-batch
-                assert bool(s["gathered"][0]) == kept and s["gathered"][0] == s["gathered"][-1], (label, s)
+            # staging (g sharded) and gather outputs (p sharded, hierarchical all-reduce) come from
+            # the engine's pool, which stops allocating once the steps repeat (the first step
+            # records the order, prefetch starts in the second). Slack of one: a buffer handed
+            # back while gloo's thread still holds its finished gather waits (`BufferPool.give`),
+            # and a take in that instant allocates once more (seen at most once a run); a buffer
+            # lost per step would add 3.
+            allocations = [s["allocations"] for s in run["steps"]]
+            assert allocations[-1] - allocations[1] <= 2, (label, allocations)
+            assert allocations[0] > 0 or label.startswith("NN"), (label, allocations)
     first = results[0]["runs"]
     # on 2 nodes x 2 the two-stage G collectives are chosen and move fewer inter-node bytes
     for name in FLAT:

@@ -12,7 +12,7 @@ from torch import nn
 from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError
 from megazpp.zero import memory, sequences, traffic
-from megazpp.zero.layout import BucketLayout, from_dp_order, padded_numel, to_dp_order
+from megazpp.zero.layout import BucketLayout, dp_pieces, padded_numel
 from megazpp.zero.strategy import VALID_NAMES, Level, parse_strategy
 from megazpp.zero.units import is_fine_grained, parameter_units
 from megazpp.zero.zeropp import ZeroPP
@@ -62,15 +62,12 @@ def test_g_shard_nests_inside_i_shard_and_both_partition_the_buffer():
     # whose decay split straddles the boundary at 21
     assert layouts[6].shard_range(Level.G) == (20, 24)
     assert layouts[6].decay_split(Level.G) == [(0, 1, True), (1, 4, False)]
+    # a single-stage collective over all DP ranks names DP rank r's piece: its G shard
     flat = torch.arange(32.0)
-    out = torch.empty(32)
-    from_dp_order(to_dp_order(flat, k, d // k), out, k, d // k)
-    assert torch.equal(out, flat)
-    # DP rank r receives, from a single-stage reduce-scatter of the reordered buffer, its G piece
-    reordered = to_dp_order(flat, k, d // k).view(d, -1)
+    pieces = dp_pieces(flat, k, d // k)
     for r, lay in enumerate(layouts):
         lo, hi = lay.shard_range(Level.G)
-        assert torch.equal(reordered[r], flat[lo:hi])
+        assert torch.equal(pieces[r], flat[lo:hi]) and pieces[r].data_ptr() == flat[lo:hi].data_ptr()
 
 
 def _two_nodes_of_two() -> sequences.DPShapes:

@@ -245,6 +245,25 @@ def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
 
 
 @_named_failures("all_gather_into_tensor")
+def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, group: ProcessGroup | None = None,
+                          async_op: bool = False, tag: str | None = None) -> Any:
+    """Member r's `inp` into `parts[r]`, counted as `all_gather_into_tensor` (the same bytes).
+
+    Why: a caller whose buffer is not in group-rank order (ZeRO's flat DP gather, whose layout
+    is PaRO-group-major) names where each member's piece goes, and saves the staged copy and the
+    permuting copy after it; the backend writes each piece in place of its own chunking."""
+    if not dist.is_initialized():
+        parts[0].copy_(inp.reshape(parts[0].shape))
+        return _Done() if async_op else None
+    if len(parts) != group_size(group) or any(p.numel() != inp.numel() for p in parts):
+        raise ValueError(f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
+                         f"elements, expected {group_size(group)} of {inp.numel()}")
+    _record_from_peers("all_gather", tag, group, _nbytes(inp))
+    work = dist.all_gather(list(parts), inp.reshape(-1).contiguous(), group=group, async_op=async_op)
+    return work if async_op else None
+
+
+@_named_failures("all_gather_into_tensor")
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False, tag: str | None = None) -> Any:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
@@ -300,6 +319,47 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, g
         if "reduce_scatter" not in _EMULATED:
             return work
     return _reduce_scatter_emulated(out, inp, op, group, async_op)
+
+
+class _Kept:
+    """The work of `reduce_scatter_parts` with its result: `wait()` gives the reduced part."""
+
+    def __init__(self, work: Any, result: torch.Tensor) -> None:
+        self._work, self.result = work, result
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+@_named_failures("reduce_scatter_tensor")
+def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any = SUM,
+                         group: ProcessGroup | None = None, tag: str | None = None) -> "_Kept":
+    """Reduce `t` over the group, asynchronously; member r keeps `parts[r]` (views of `t` that
+    tile it), reduced in place. Counted as `reduce_scatter_tensor`. The caller gives `t` up:
+    what lies outside its own part is left undefined.
+
+    Why: gloo has no reduce-scatter of its own; its `reduce_scatter_tensor` clones the input,
+    all-reduces the clone and copies a chunk out, and its work never reports completion. Given
+    a buffer the caller no longer needs, the all-reduce runs on it in place: the same bytes on
+    the wire, no clone, no copy, no fresh pages to fault in, and a completion a progress point
+    can see. Other backends reduce-scatter natively, in place when the parts are in group
+    order (NCCL's in-place form: the output is the member's own chunk of the input)."""
+    k = group_size(group)
+    if len(parts) != k or sum(p.numel() for p in parts) != t.numel():
+        raise ValueError(f"reduce_scatter_parts: {len(parts)} parts covering {sum(p.numel() for p in parts)} "
+                         f"elements, expected {k} covering {t.numel()}")
+    if not dist.is_initialized():
+        return _Kept(_Done(), parts[0])
+    mine = parts[group_rank(group)]
+    _record_from_peers("reduce_scatter", tag, group, _nbytes(mine))
+    if dist.get_backend(group) == "gloo":
+        return _Kept(dist.all_reduce(t, op=op, group=group, async_op=True), mine)
+    in_order = all(p.data_ptr() == t.data_ptr() + i * mine.numel() * t.element_size() for i, p in enumerate(parts))
+    src = t.view(-1) if in_order else torch.cat([p.reshape(-1) for p in parts])
+    return _Kept(_reduce_scatter_native(mine.view(-1), src, op, group, async_op=True), mine)
 
 
 def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],

@@ -116,14 +116,16 @@ def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: in
 
 
 def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> tuple[Any, float]:
-    """A call of `op` moving `numel` elements per member, and the bytes one rank receives by the
-    convention of `traffic.collective_bytes`."""
+    """A call of `op` moving `numel` elements per member, made as the ZeRO engine makes it
+    (`zero.collectives`: into / in place on views of one flat buffer), and the bytes one rank
+    receives by the convention of `traffic.collective_bytes`."""
     shard, whole = torch.ones(numel), torch.ones(numel * size)
+    parts = list(whole.chunk(size))
     if op == "all_gather":
-        return lambda: comm.all_gather_into_tensor(whole, shard, group=group, tag="planner/probe"), \
+        return lambda: comm.all_gather_into_parts(parts, shard, group=group, tag="planner/probe"), \
             4.0 * numel * (size - 1)
     if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter_tensor(shard, whole, group=group, tag="planner/probe"), \
+        return lambda: comm.reduce_scatter_parts(whole, parts, group=group, tag="planner/probe").wait(), \
             4.0 * numel * (size - 1)
     return lambda: comm.all_reduce(whole, group=group, tag="planner/probe"), 2.0 * 4 * numel * (size - 1)
 

@@ -54,12 +54,10 @@ class Bucket:
     extra_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
-    sent: torch.Tensor | None = None  # staging of the reduction in flight, the next micro-batch's staging
+    sent: torch.Tensor | None = None  # staging the reduction in flight runs in (back to the pool after it)
     micro_pending: Waitable | None = None
     boundary_pending: Waitable | None = None
     full_params: torch.Tensor | None = None
-    # a kept group's released gather output: the next gather's output buffer (dropped at the step)
-    spare: torch.Tensor | None = None
     fetch_pending: Waitable | None = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False

@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
-from megazpp.zero.layout import from_dp_order, to_dp_order
+from megazpp.zero.buffers import BufferPool
+from megazpp.zero.layout import dp_pieces
 from megazpp.zero.sequences import Collective, DPShapes, dp_shapes
 
 
@@ -141,6 +142,7 @@ class ZeroGroups:
     # groups over the same ranks as "intra" / "cross" that carry only later stages (StageOrder)
     later: dict[str, ProcessGroup | None] = field(default_factory=dict)
     order: StageOrder = field(default_factory=StageOrder)
+    buffers: BufferPool = field(default_factory=BufferPool)  # gather outputs, staging: kept for reuse
 
     @property
     def num_groups(self) -> int:
@@ -173,49 +175,59 @@ def size_of(groups: ZeroGroups, name: str) -> int:
     return {"dp": groups.dp_size, "intra": groups.group_size, "cross": groups.num_groups, "hpz": groups.hpz_size}[name]
 
 
+def _parts(flat: torch.Tensor, groups: ZeroGroups, name: str) -> list[torch.Tensor]:
+    """Views of `flat` by member of group `name`, in group-rank order: on the whole DP group
+    (with 1 < k < D) out of buffer order (`layout.dp_pieces`), else its chunks."""
+    if name == "dp" and groups.group_size not in (1, groups.dp_size):
+        return dp_pieces(flat, groups.group_size, groups.num_groups)
+    return list(flat.view(-1).chunk(size_of(groups, name)))
+
+
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
-           out: torch.Tensor | None = None) -> tuple[Work, torch.Tensor, Callable[[], None]]:
+           out: torch.Tensor) -> tuple[Work, torch.Tensor]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
-    result tensor, finisher run after wait). An all-gather writes into `out` when given."""
-    size = size_of(groups, c.group)
-    permute = c.group == "dp" and groups.group_size not in (1, groups.dp_size)
+    result). An all-gather writes into `out`; a reduce-scatter or all-reduce works in place, so
+    `t` is given up (its result is a view of it)."""
     if c.op == "all_reduce":
-        return comm.all_reduce(t, group=group, async_op=True, tag=tag), t, lambda: None
+        return comm.all_reduce(t, group=group, async_op=True, tag=tag), t
     if c.op == "all_gather":
-        if out is None:
-            out = torch.empty(t.numel() * size, dtype=t.dtype, device=t.device)
-        if not permute:
-            return comm.all_gather_into_tensor(out, t, group=group, async_op=True, tag=tag), out, lambda: None
-        staged = torch.empty_like(out)
-        work = comm.all_gather_into_tensor(staged, t, group=group, async_op=True, tag=tag)
-        return work, out, lambda: from_dp_order(staged, out, groups.group_size, groups.num_groups)
-    out = torch.empty(t.numel() // size, dtype=t.dtype, device=t.device)
-    src = to_dp_order(t, groups.group_size, groups.num_groups).contiguous() if permute else t
-    return comm.reduce_scatter_tensor(out, src, group=group, async_op=True, tag=tag), out, lambda: None
+        return comm.all_gather_into_parts(_parts(out, groups, c.group), t, group=group, async_op=True, tag=tag), out
+    work = comm.reduce_scatter_parts(t, _parts(t, groups, c.group), group=group, tag=tag)
+    return work, work.result
 
 
 class PendingSequence(StagedWork):
     """A sequence in flight: stage 1 launched, later stages as soon as a progress point sees
     their predecessor done (or on `wait()`), which returns the result. A collective over a
-    group of one is skipped: no call, its input is its result (`traffic.step_calls`). `out`: a
-    buffer for the result of a sequence that ends in an all-gather (reused, not allocated)."""
+    group of one is skipped: no call, its input is its result (`traffic.step_calls`).
 
-    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str,
-                 out: torch.Tensor | None = None) -> None:
+    The sequence consumes its input: reductions run in place on it (the result of a sequence
+    of reductions is a view of `t`). Every all-gather's output comes from `groups.buffers`; an
+    intermediate one goes back there once the stage reading it has completed, the final one is
+    the caller's (to hand back to the pool when done with it)."""
+
+    def __init__(self, seq: list[Collective], t: torch.Tensor, groups: ZeroGroups, tag: str) -> None:
         self._seq = [c for c in seq if size_of(groups, c.group) > 1]
         super().__init__(groups, [c.group for c in self._seq])
-        self._tag, self._out = tag, out
+        self._tag = tag
         self._result = t
-        self._finish: Callable[[], None] = lambda: None
+        self._reads: torch.Tensor | None = None  # an earlier gather's output the stage in flight reads
         self._begin()
 
     def _issue(self, j: int, group: ProcessGroup | None) -> Work:
-        out = self._out if j == len(self._seq) - 1 else None
-        work, self._result, self._finish = _start(self._seq[j], self._result, self._groups, group, self._tag, out)
+        c, inp = self._seq[j], self._result
+        out = inp
+        if c.op == "all_gather":
+            out = self._groups.buffers.take(inp.numel() * size_of(self._groups, c.group), inp)
+            self._reads = inp if j > 0 and self._seq[j - 1].op == "all_gather" else None
+        work, self._result = _start(c, inp, self._groups, group, self._tag, out)
         return work
 
     def _complete(self, j: int) -> None:
-        self._finish()
+        """Stage j is done: the intermediate gather output it read is free again."""
+        if self._reads is not None:
+            self._groups.buffers.give(self._reads)
+            self._reads = None
 
     def wait(self) -> torch.Tensor:
         self._finish_all()

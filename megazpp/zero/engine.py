@@ -287,12 +287,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.groups.order.progress()  # a progress point: later stages of earlier reductions start
 
     def _staging(self, b: Bucket) -> torch.Tensor:
-        """A buffer for this micro-batch's gradient of `b`: the previous micro-batch's, once its
-        reduction is done (one forward and backward ago, so waiting here costs nothing), else a
-        new one; dropped at the end of the step, so nothing is held between steps."""
+        """A buffer for this micro-batch's gradient of `b`, from the pool (`buffers.BufferPool`),
+        after the previous micro-batch's reduction of `b` has handed its own back (one forward and
+        backward ago, so waiting here costs nothing)."""
         self._wait_micro(b)
-        buffer, b.sent = b.sent, None
-        return buffer if buffer is not None else b.param_store.new_empty(b.layout.padded)
+        return self.groups.buffers.take(b.layout.padded, b.param_store)
 
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
@@ -308,9 +307,14 @@ class ZeroEngine(ScaledOptimizerEngine):
         return self._bucket_of[id(param)][0] is b
 
     def _wait_micro(self, b: Bucket) -> None:
+        """Finish `b`'s micro-batch reduction: add its result (a view of the staging buffer it
+        ran in) to the accumulator, then hand the buffer back."""
         if b.micro_pending is not None:
             b.grad_acc.add_(b.micro_pending.wait())
             b.micro_pending = None
+        if b.sent is not None:
+            self.groups.buffers.give(b.sent)
+            b.sent = None
 
     def _is_last_micro_batch(self) -> bool:
         n = self.options.micro_batches_per_step
@@ -359,33 +363,44 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is not None:
             self.fetcher.release_all()
         grads = self._os_gradients()
-        if self.scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
-        if self.paths.take_overflow():  # a non-finite gradient that qgZ never quantized
-            counted.append(torch.full((1,), float("nan"), device=grads[0].device))
         scale_before = self.loss_scale
-        norm = float(global_grad_norm(counted, self._norm_groups()))
+        norm, clip = self._update(grads)
         finite = math.isfinite(norm)
-        clip = 1.0
-        if finite:
-            pieces = [(m, g[m.start:m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
-            for m, g in pieces:
-                m.param.grad = g
-            clip = clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
-            self.optimizer.step()
-            for b in self.buckets:
-                self._refresh_params(b)
-            self.step_count += 1
         self.zero_grad()
+        for g in grads:  # a boundary ending in an all-gather (hierarchical all-reduce) used the pool
+            self.groups.buffers.give(g)
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
         self.paths.after_step(not finite, self.step_count, clip * self.loss_scale / scale_before)
         return StepResult(grad_norm=norm, skipped=not finite, loss_scale=self.loss_scale)
 
+    def _update(self, grads: list[torch.Tensor]) -> tuple[float, float]:
+        """Unscale, take the global norm, clip and update from the os-level gradients (skipped
+        when the norm is not finite); returns the norm and the clip coefficient applied. The
+        views of `grads` made here end with it, so the step can hand their buffers back."""
+        if self.scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
+        if self.paths.take_overflow():  # a non-finite gradient that qgZ never quantized
+            counted.append(torch.full((1,), float("nan"), device=grads[0].device))
+        norm = float(global_grad_norm(counted, self._norm_groups()))
+        if not math.isfinite(norm):
+            return norm, 1.0
+        pieces = [(m, g[m.start:m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
+        for m, g in pieces:
+            m.param.grad = g
+        clip = clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
+        self.optimizer.step()
+        for b in self.buckets:
+            self._refresh_params(b)
+        self.step_count += 1
+        return norm, clip
+
     def _refresh_params(self, b: Bucket) -> None:
         new_os = torch.cat([piece.param for piece in b.masters]).to(self.param_dtype)
-        b.param_store.copy_(self.paths.start_param_sync(b, new_os).wait())
+        synced = self.paths.start_param_sync(b, new_os).wait()
+        b.param_store.copy_(synced)
+        self.groups.buffers.give(synced)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -394,7 +409,6 @@ class ZeroEngine(ScaledOptimizerEngine):
                 if b.boundary_pending is not None:
                     b.boundary_pending.wait()
                     b.boundary_pending = None
-            b.sent = None
             for m in b.masters:
                 m.param.grad = None
         torch._foreach_zero_([b.grad_acc for b in self.buckets])

@@ -5,8 +5,8 @@ cut into k I-chunks (PaRO group size k), and each I-chunk into m = D / k G-piece
 at position `local` of PaRO group `group` owns I-chunk `local` and, inside it, G-piece
 `group`. So a rank's G shard lies inside its I shard, and the two-stage collectives (reduce-
 scatter inside the group, then across the column of equal positions) land exactly on the G
-shard with no reshuffle; only a single-stage collective over all DP ranks needs the
-permutation in `to_dp_order` / `from_dp_order`.
+shard with no reshuffle; a single-stage collective over all DP ranks takes its members'
+pieces out of order (`dp_pieces`).
 
 Decay parameters come first, so the optimizer shard of a bucket splits into at most two
 contiguous pieces (weight decay on, off) that AdamW can take as plain tensors. Padding is
@@ -147,14 +147,12 @@ def layout_order(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str
             [np for np in named_params if not is_decayed(*np)])
 
 
-def to_dp_order(flat: torch.Tensor, k: int, m: int) -> torch.Tensor:
-    """Reorder G-pieces from layout order (chunk-major) to DP-rank order (group-major)."""
-    return flat.view(k, m, -1).transpose(0, 1).reshape(-1)
-
-
-def from_dp_order(gathered: torch.Tensor, out: torch.Tensor, k: int, m: int) -> None:
-    """Inverse of `to_dp_order`, written into `out`."""
-    out.view(k, m, -1).copy_(gathered.view(m, k, -1).transpose(0, 1))
+def dp_pieces(flat: torch.Tensor, k: int, m: int) -> list[torch.Tensor]:
+    """Views of the G-pieces of `flat` (k I-chunks of m pieces each) by DP rank: DP rank
+    j * k + i (position i of PaRO group j) owns piece (i, j). A single-stage collective over all
+    DP ranks names these as its members' pieces, so it needs no reordering copy."""
+    grid = flat.view(k, m, -1)
+    return [grid[r % k, r // k] for r in range(k * m)]
 
 
 def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:

@@ -89,25 +89,23 @@ class ParamFetcher:
         b.layout.view_params_into(full)
 
     def release(self, b: Bucket) -> None:
-        """Drop `b`'s full parameters. A group kept for backward keeps the buffer (`spare`) for
-        its next gather in this step: it is gathered again at the next micro-batch's forward,
-        and holding it costs no more than the start of backward, which holds every kept group."""
+        """Drop `b`'s full parameters; their buffer goes back to the pool for the next gather
+        when nothing else holds it (`buffers.BufferPool.give`)."""
         if b.fetch_pending is not None:  # a prefetch nobody used: finish it so ranks stay in step
-            b.fetch_pending.wait()
+            self.paths.groups.buffers.give(b.fetch_pending.wait())
             b.fetch_pending = None
-        if b.full_params is not None and self._keep[id(b)]:
-            b.spare = b.full_params
-        b.full_params = None
+        full, b.full_params = b.full_params, None
         self._finished.pop(id(b), None)
         for p in b.layout.params:
             p.data = b.param_store.new_empty(0)
+        if full is not None:
+            self.paths.groups.buffers.give(full)
 
     def release_all(self) -> None:
         """Release every group, dropping unused prefetches: a gather still in flight when the
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
-            b.spare = None  # the optimizer step changes the shards: nothing is kept between steps
         self._owed.clear()
         self._kept_now.clear()
         self._running.clear()

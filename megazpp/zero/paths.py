@@ -39,16 +39,17 @@ class CommPaths:
 
     def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
         """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward".
-        Gathered into the group's previous buffer when it kept one (`Bucket.spare`)."""
-        out, b.spare = b.spare, None
-        return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}", out)
+        The result is a buffer of `groups.buffers`, for the fetcher to hand back."""
+        return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}")
 
     def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
-        """One micro-batch's full gradient of `b` (already divided by D) down to level g."""
+        """One micro-batch's full gradient of `b` (already divided by D) down to level g; the
+        reduction runs in place on `grad`."""
         return PendingSequence(self._micro, grad, self.groups, "zero/grad_reduce")
 
     def start_boundary(self, b: Bucket) -> Waitable:
-        """The accumulated g-level gradient of `b` to its full sum at level os."""
+        """The accumulated g-level gradient of `b` to its full sum at level os, in place on
+        `b.grad_acc` (zeroed after the step)."""
         return PendingSequence(self._boundary, b.grad_acc, self.groups, "zero/grad_boundary")
 
     def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
