@@ -86,12 +86,13 @@ def test_step_bytes_worked_by_hand_for_ggg_and_nig():
     # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
     assert traffic.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
                                accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
-    # two groups of 8, the second kept from forward to backward: per micro-batch each group's
-    # forward fetch + reduce as above, and one backward fetch (the first group's); calls: per
-    # micro-batch 3 two-stage sequences (6 calls) + 2 reduce sequences (4), plus the norm
+    # two groups of 8, the second kept (gathered once, before its first forward, to the step):
+    # per micro-batch the first group's forward and backward fetches and both reductions, as
+    # above, plus the kept group's one fetch; calls: per micro-batch 2 two-stage fetches (4
+    # calls) + 2 reduce sequences (4), the kept fetch (2), the norm
     assert traffic.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                               reused=[False, True]) == (2 * (3 * 16 + 2 * 16) + 2, 2 * (3 * 8 + 2 * 8) + 4)
-    assert traffic.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (6 + 4) + 1
+                               reused=[False, True]) == (2 * (2 * 16 + 2 * 16) + 16 + 2, 2 * (2 * 8 + 2 * 8) + 8 + 4)
+    assert traffic.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (4 + 4) + 2 + 1
     assert traffic.step_calls(ggg, [8, 8], shapes, sequences.Hierarchy(), micro_batches=2) == 2 * (4 + 2) + 1
     # under hpZ over the node pair the backward fetch is one intra-node call (16 B from the peer)
     hpz = sequences.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
@@ -262,22 +263,19 @@ def test_persistent_parameters_leave_their_units_for_buckets_of_their_own():
     assert split_persistent(units, 0, 10**9) == (units, [])
 
 
-def test_kept_groups_are_fetched_once_per_step_under_1f1b_warmup():
-    """A pipeline stage that runs forwards ahead of its backwards (1F1B warmup) keeps a group
-    kept for backward gathered from the first forward to the last backward: one fetch per step;
-    groups not kept are fetched for every forward and backward, as without a pipeline."""
+def test_kept_groups_are_fetched_once_per_step():
+    """A group kept (within the reuse budget) is gathered before its first forward of a step and
+    stays to the optimizer step: one fetch per step whatever the micro-batches (and 1F1B's
+    forwards ahead of backwards); groups not kept are fetched for every forward and backward."""
     shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2)
     ggg, hier = parse_strategy("GGG"), sequences.Hierarchy(True, True, True)
     numels, reused = [400, 800, 1200], (False, True, True)
-    plain = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
+    parts = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
                                 reused=reused)
-    ahead = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
-                                reused=reused, warmup=1)
-    assert (plain["fetch_forward"].numels, plain["fetch_forward_once"].numels) == ((400, 800, 1200), ())
-    assert (ahead["fetch_forward"].numels, ahead["fetch_forward"].times) == ((400,), 4)
-    assert (ahead["fetch_forward_once"].numels, ahead["fetch_forward_once"].times) == ((800, 1200), 1)
-    assert ahead["fetch_backward"] == plain["fetch_backward"] and ahead["fetch_backward"].numels == (400,)
-    saved = 3 * 2 * 2  # (4 - 1) forward fetches of each of the 2 kept groups, 2 stages each
-    calls = {w: traffic.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=reused, warmup=w)
-             for w in (0, 1)}
-    assert calls[0] - calls[1] == saved
+    assert (parts["fetch_forward"].numels, parts["fetch_forward"].times) == ((400,), 4)
+    assert (parts["fetch_forward_once"].numels, parts["fetch_forward_once"].times) == ((800, 1200), 1)
+    assert (parts["fetch_backward"].numels, parts["fetch_backward"].times) == ((400,), 4)
+    none_kept = traffic.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=(False,) * 3)
+    all_kept = traffic.step_calls(ggg, numels, shapes, hier, micro_batches=4, reused=(True,) * 3)
+    # 3 groups x 2 stages: 4 forward and 4 backward fetches each against one
+    assert none_kept - all_kept == 3 * 2 * (8 - 1)

@@ -99,14 +99,13 @@ class Phase:
 
 def phases(s: Strategy, padded: list[int], lay: Layout, zpp: ZeroPP, workload: Workload,
            micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = (),
-           persistent: int = 0, warmup: int = 0) -> dict[str, Phase]:
+           persistent: int = 0) -> dict[str, Phase]:
     """`traffic.step_parts` timed: one Phase per entry of `traffic.STEP_PHASES`.
     `reused`: per fetch group, kept gathered from forward to backward (`traffic.reuse_mask`);
-    `persistent`: the last buckets of `padded` are kept whole (never fetched); `warmup`: the
-    stage's 1F1B forwards before its first backward."""
+    `persistent`: the last buckets of `padded` are kept whole (never fetched)."""
     parts = traffic.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
                                 param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
-                                zeropp=zpp, reused=reused, persistent=persistent, warmup=warmup)
+                                zeropp=zpp, reused=reused, persistent=persistent)
     out = {}
     for name, part in parts.items():
         total = Phase(times=part.times)
@@ -239,7 +238,6 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     laid = stage_padded(s, zpp, stage, lay)
     padded = [n for n, _ in laid]
     persistent = stage.persistent if s.params != Level.N else 0
-    warmup = min(workload.pp - stage.stage - 1, a)  # 1F1B
     reused = reused_groups(s, workload, padded, persistent)
     if workload.hierarchical == "auto":
         lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
@@ -249,8 +247,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
                                 memory.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
     step = traffic.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent,
-                               warmup=warmup)
+                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent)
     cfg = workload.model
     activations = stage_activation_bytes(
         cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
@@ -271,7 +268,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     t_accumulate = g_elems * (pb + 2 * ab) / cluster.memory_bw
     compute = (a + workload.pp - 1) * (t_f + t_b) + a * t_accumulate
 
-    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent, warmup)
+    ph = phases(s, padded, lay, zpp, workload, a, cluster, reused, persistent)
     frozen_bytes = stage.frozen * pb
     if s.params != Level.N and stage.frozen_groups:
         frozen_bytes, fetched, biggest = _sharded_frozen(s, zpp, stage, workload, lay, padded, a, cluster)

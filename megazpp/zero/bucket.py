@@ -25,6 +25,14 @@ class Waitable(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+class Reduction(Waitable, Protocol):
+    """A micro-batch's gradient reduction in flight (`collectives.StagedWork`)."""
+
+    def completed(self) -> bool:
+        """Whether every stage has been issued and the last has completed (`wait()` won't block)."""
+        ...
+
+
 @dataclass
 class MasterPiece:
     """A contiguous part of the bucket's os shard with one weight-decay setting.
@@ -55,7 +63,7 @@ class Bucket:
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
     sent: torch.Tensor | None = None  # staging the reduction in flight runs in (back to the pool after it)
-    micro_pending: Waitable | None = None
+    micro_pending: Reduction | None = None
     boundary_pending: Waitable | None = None
     full_params: torch.Tensor | None = None
     fetch_pending: Waitable | None = None

@@ -74,6 +74,10 @@ class StagedWork(ABC):
         """Whether the stage in flight has completed (a local look: differs between ranks)."""
         return self._work is not None and self._work.is_completed()
 
+    def completed(self) -> bool:
+        """Every stage issued and the last one complete (a local look, as `current_done`)."""
+        return self.next_group() is None and (self._work is None or self._work.is_completed())
+
     def step(self) -> None:
         """Finish the stage in flight and issue the next, after whatever is queued ahead of it
         on that stage's group."""

@@ -285,6 +285,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.fetcher is not None and not b.persistent:
             self.fetcher.gradients_done(b)
         self.groups.order.progress()  # a progress point: later stages of earlier reductions start
+        for other in self.buckets:  # finished reductions hand their staging back now, not at the
+            if other.micro_pending is not None and other.micro_pending.completed():  # next use
+                self._wait_micro(other)
 
     def _staging(self, b: Bucket) -> torch.Tensor:
         """A buffer for this micro-batch's gradient of `b`, from the pool (`buffers.BufferPool`),
@@ -465,7 +468,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:
         return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
                                   micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
-                                  reused=self._frozen_reused, warmup=self.pipeline_warmup(micro_batches))
+                                  reused=self._frozen_reused)
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
         intra, inter = traffic.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
@@ -473,7 +476,6 @@ class ZeroEngine(ScaledOptimizerEngine):
                                            accum_bytes=self.accum_dtype.itemsize,
                                            extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
                                            reused=self.reused, persistent=self.persistent,
-                                           warmup=self.pipeline_warmup(micro_batches),
                                            exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
         for part in self._frozen_fetches(micro_batches):
             a, b = part.bytes_once(self.shapes)
@@ -483,14 +485,8 @@ class ZeroEngine(ScaledOptimizerEngine):
     def expected_step_calls(self, micro_batches: int) -> int:
         calls = traffic.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
                                     micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                    zeropp=self.zeropp, reused=self.reused, persistent=self.persistent,
-                                    warmup=self.pipeline_warmup(micro_batches))
+                                    zeropp=self.zeropp, reused=self.reused, persistent=self.persistent)
         return calls + sum(part.times * part.calls_once(self.shapes) for part in self._frozen_fetches(micro_batches))
-
-    def pipeline_warmup(self, micro_batches: int) -> int:
-        """Forward passes this stage runs before its first backward (1F1B, the schedule of every
-        run with pipeline stages): kept fetch groups are gathered once per step then."""
-        return min(self.topology.pp - self.topology.pp_rank - 1, micro_batches)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""

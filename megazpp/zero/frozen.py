@@ -11,8 +11,9 @@ the replicated flat buffer the parameters are views of.
 
 A frozen group is fetched before the forward of its modules and, when the backward passes
 through them (a LoRA adapter after a frozen weight needs the weight for the input gradient),
-again before their backward unless kept from forward, exactly like a trainable group; having
-no gradients to wait for, it is released at the end of the backward.
+again before their backward unless kept (then it stays gathered to the step), exactly like a
+trainable group; having no gradients to wait for, one not kept is released at the end of the
+backward.
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ FETCH_PHASES = ("fetch_forward", "fetch_forward_once", "fetch_backward")
 
 def frozen_fetch_parts(strategy: Strategy, padded_numels: list[int], shapes: sequences.DPShapes,
                        hier: sequences.Hierarchy, *, micro_batches: int, param_bytes: int,
-                       reused: tuple[bool, ...], warmup: int = 0) -> list[traffic.StepPart]:
-    """The fetch phases of `traffic.step_parts` on the frozen groups (none with p = N): the
-    forward gather of each group per micro-batch, and a backward gather of each group not kept,
+                       reused: tuple[bool, ...]) -> list[traffic.StepPart]:
+    """The fetch phases of `traffic.step_parts` on the frozen groups (none with p = N): a kept
+    group's one gather per step, a forward and a backward gather per micro-batch of each other,
     counted as if the backward passed through every frozen group (one that lies before the
     first trainable parameter, such as a frozen embedding, is not gathered in backward)."""
     if strategy.params == Level.N or not padded_numels:
         return []
     parts = traffic.step_parts(strategy, padded_numels, shapes, hier, micro_batches=micro_batches,
-                                param_bytes=param_bytes, accum_bytes=0, reused=reused, warmup=warmup)
+                                param_bytes=param_bytes, accum_bytes=0, reused=reused)
     return [parts[name] for name in FETCH_PHASES]

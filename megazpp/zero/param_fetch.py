@@ -4,13 +4,16 @@ Why hooks on modules: with parameters sharded (p in {I, G}) a rank holds only it
 the full tensors must exist while a module computes with them. A fetch group (one flat buffer,
 `units.fetch_groups`) is gathered by one collective per stage when the first of its units'
 modules starts; it has finished its forward when none of its modules is running any more, and
-is released when the forward moves on to another group (or ends), unless it is kept for its
-backward (`traffic.reuse_mask`: DeepSpeed's `stage3_max_live_parameters` /
-`stage3_max_reuse_distance`). A hook on each unit's outputs gathers the group again before its
-backward if it was released; the gradient hooks release it once every gradient of the group has
-arrived. A forward that runs inside backward (the recompute of a checkpointed layer) never
-releases: its group's backward comes next, so the recompute reuses what is gathered and a
-group is fetched at most twice per micro-batch, checkpointed or not.
+is released when the forward moves on to another group (or ends), unless it is kept
+(`traffic.reuse_mask`: DeepSpeed's `stage3_max_live_parameters` / `stage3_max_reuse_distance`).
+A kept group stays gathered from its first forward of a step to the optimizer step: its
+backward, and every later micro-batch's forward and backward, find it gathered. That holds no
+more than the start of each backward already does, where every kept group is gathered (and it
+covers 1F1B, whose forwards run ahead of their backwards). A hook on each unit's outputs
+gathers a group not kept again before its backward; the gradient hooks release it once every
+gradient of the group has arrived. A forward that runs inside backward (the recompute of a
+checkpointed layer) never releases: its group's backward comes next, so the recompute reuses
+what is gathered and a group is fetched at most twice per micro-batch, checkpointed or not.
 
 A parent module may read a child's parameters without calling the child (GPT-2's position
 table is `self.position_embeddings.weight[:s]`), so every module with unit children also gets
@@ -58,8 +61,6 @@ class ParamFetcher:
         self._called: set[int] = set()  # unit roots whose own forward ran
         self._running: dict[int, int] = {}  # group -> its modules whose forward is running
         self._finished: dict[int, Bucket] = {}  # forward done, released when the forward moves on
-        self._kept_now: dict[int, Bucket] = {}  # kept for its backward by the forward running now
-        self._owed: dict[int, int] = {}  # group -> backward passes still to come that it was kept for
         self.backward_active = False
         for b in buckets:
             self.release(b)
@@ -106,30 +107,20 @@ class ParamFetcher:
         optimizer rewrites the shards would otherwise deliver pre-update values."""
         for b in self._buckets:
             self.release(b)
-        self._owed.clear()
-        self._kept_now.clear()
         self._running.clear()
         self.backward_active = False
 
     def gradients_done(self, b: Bucket) -> None:
-        """All of `b`'s gradients of one backward are in: that backward no longer needs it. It
-        stays gathered while a later micro-batch's forward kept it for its own backward (1F1B
-        runs forwards ahead of backwards)."""
-        owed = self._owed.get(id(b), 0) - 1
-        if owed > 0:
-            self._owed[id(b)] = owed
-        else:
-            self._owed.pop(id(b), None)
+        """All of `b`'s gradients of one backward are in: that backward no longer needs it. A
+        kept group stays gathered for the next micro-batch's forward and backward, to the step."""
+        if not self._keep[id(b)]:
             self.release(b)
 
     def backward_finished(self) -> None:
-        """End of one backward: release what it gathered, except groups kept for backward
-        passes still to come. A frozen group has no gradients to report, so the end of the
-        backward is where one backward it was kept for has passed."""
+        """End of one backward: release what it gathered, except kept groups (frozen ones too:
+        having no gradients to report, they would otherwise be released only here)."""
         for b in self._buckets:
-            if b.frozen:
-                self.gradients_done(b)
-            elif id(b) not in self._owed:
+            if not self._keep[id(b)]:
                 self.release(b)
         self._running.clear()
         self.backward_active = False
@@ -166,9 +157,7 @@ class ParamFetcher:
             return
         self._running[id(b)] -= 1
         if self._running[id(b)] == 0:
-            if torch.is_grad_enabled() and self._keep[id(b)]:
-                self._kept_now[id(b)] = b
-            else:
+            if not (torch.is_grad_enabled() and self._keep[id(b)]):  # a kept group stays to the step
                 self._finished[id(b)] = b
 
     # -- hooks -----------------------------------------------------------------------------
@@ -255,9 +244,6 @@ class ParamFetcher:
             return
         for b in list(self._finished.values()):
             self.release(b)
-        for key in self._kept_now:
-            self._owed[key] = self._owed.get(key, 0) + 1
-        self._kept_now.clear()
         if not self._order_done and self.order:
             self._order_done = True
             self._index = {id(b): i for i, b in enumerate(self.order)}

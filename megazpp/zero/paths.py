@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from megazpp.zero import sequences
-from megazpp.zero.bucket import Bucket, Waitable
+from megazpp.zero.bucket import Bucket, Reduction, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.strategy import Level, Strategy
 
@@ -42,7 +42,7 @@ class CommPaths:
         The result is a buffer of `groups.buffers`, for the fetcher to hand back."""
         return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}")
 
-    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
+    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Reduction:
         """One micro-batch's full gradient of `b` (already divided by D) down to level g; the
         reduction runs in place on `grad`."""
         return PendingSequence(self._micro, grad, self.groups, "zero/grad_reduce")

@@ -141,13 +141,15 @@ class StepPart:
 def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: ZeroPP | None = None,
                reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
-               persistent: int = 0, warmup: int = 0) -> dict[str, StepPart]:
+               persistent: int = 0) -> dict[str, StepPart]:
     """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
     when the bytes move (the planner's overlap model).
 
-    Per micro-batch, when p is sharded: a fetch of each group before its forward, and one before
-    its backward unless `reused[i]` says group i stays gathered from forward to backward
-    (`reuse_mask`). Activation checkpointing adds no fetch: the recompute runs inside backward,
+    When p is sharded: a group kept (`reused[i]`, `reuse_mask`) is fetched once per step, before
+    its first forward, and stays gathered to the optimizer step (`fetch_forward_once`): holding
+    it between micro-batches holds no more than the start of every backward, where each kept
+    group is gathered. Each other group is fetched per micro-batch before its forward and again
+    before its backward. Activation checkpointing adds no fetch: the recompute runs inside backward,
     right before the group's backward, and finds it gathered (or gathers it as the backward
     fetch: under hpZ from the secondary shard, under qwZ without hpZ the quantized primary).
     Then one gradient reduction to g per micro-batch, and per step the boundary reduction to os
@@ -158,12 +160,6 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     below `stage3_param_persistence_threshold`, whole on every rank) are never fetched; they are
     reduced like the rest and refreshed from os to N (`refresh_persistent`), one collective per
     stage each (`reused` covers the fetch groups before them).
-
-    `warmup`: forward passes this pipeline stage runs before its first backward under 1F1B
-    (`min(PP - stage - 1, A)`). With one or more, a group kept for backward stays gathered from
-    the first forward of the step to the last backward (each later forward finds it kept for a
-    backward still to come), so it is fetched once per step (`fetch_forward_once`) instead of
-    once per micro-batch.
     """
     k = shapes.group_size
     pp = zeropp or ZeroPP()
@@ -171,8 +167,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     fetched, whole = numels[:len(numels) - persistent], numels[len(numels) - persistent:]
     kept = [i < len(reused) and reused[i] for i in range(len(fetched))]
     again = tuple(n for n, keep in zip(fetched, kept) if not keep)
-    once = tuple(n for n, keep in zip(fetched, kept) if keep) if warmup > 0 else ()
-    every = again if warmup > 0 else fetched
+    once = tuple(n for n, keep in zip(fetched, kept) if keep)
     fetch = tuple(param_fetch_sequence(s, k, hier))
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     fetch_sides: tuple[tuple[int, ...], ...] = ()
@@ -184,8 +179,6 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
         return tuple(side for side, yes in zip(fetch_sides, keep) if yes)
 
     again_sides = sides_where([not keep for keep in kept])
-    once_sides = sides_where(kept) if warmup > 0 else ()
-    every_sides = again_sides if warmup > 0 else fetch_sides
     backward = ((tuple(hpz_fetch_sequence()), param_bytes, micro_batches, again) if pp.hpz > 1
                 else (fetch, weights, micro_batches, again, again_sides))
     sides: tuple[tuple[int, ...], ...] = ()
@@ -197,8 +190,8 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
                           for n, r in zip(numels, exact_ranges))
     else:
         micro = (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes)
-    return {"fetch_forward": StepPart(fetch, weights, micro_batches, every, every_sides),
-            "fetch_forward_once": StepPart(fetch, weights, 1, once, once_sides),
+    return {"fetch_forward": StepPart(fetch, weights, micro_batches, again, again_sides),
+            "fetch_forward_once": StepPart(fetch, weights, 1, once, sides_where(kept)),
             "fetch_backward": StepPart(*backward),
             "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
             "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
@@ -217,14 +210,14 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
                micro_batches: int, param_bytes: int, accum_bytes: int,
                extra_norm_groups: Sequence[GroupShape] = (), zeropp: ZeroPP | None = None,
                reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
-               persistent: int = 0, warmup: int = 0) -> tuple[int, int]:
+               persistent: int = 0) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
     phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
     and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
                        accum_bytes=accum_bytes, zeropp=zeropp, reused=reused, exact_ranges=exact_ranges,
-                       persistent=persistent, warmup=warmup)
+                       persistent=persistent)
     for part in parts.values():
         a, b = part.bytes_once(shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -236,14 +229,13 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
 
 def step_calls(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
                micro_batches: int, extra_norm_groups: Sequence[GroupShape] = (),
-               zeropp: ZeroPP | None = None, reused: Sequence[bool] = (), persistent: int = 0,
-               warmup: int = 0) -> int:
+               zeropp: ZeroPP | None = None, reused: Sequence[bool] = (), persistent: int = 0) -> int:
     """Collective calls one rank issues in one optimizer step: every collective of every phase
     of `step_parts` on every bucket, except those over a group of one (the engine skips them),
     plus one norm all-reduce per norm group of more than one rank. On CPU ranks each call costs
     a fixed host time whatever its size, which is why fetch groups exist (units.fetch_groups)."""
     parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=1,
-                       accum_bytes=1, zeropp=zeropp, reused=reused, persistent=persistent, warmup=warmup)
+                       accum_bytes=1, zeropp=zeropp, reused=reused, persistent=persistent)
     calls = sum(part.times * part.calls_once(shapes) for part in parts.values())
     return calls + sum(1 for g in norm_shapes(s, shapes, extra_norm_groups) if g.size > 1)
 

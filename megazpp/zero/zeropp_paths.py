@@ -24,7 +24,7 @@ import torch
 
 import kernels
 from megazpp.zero import sequences, traffic
-from megazpp.zero.bucket import Bucket, Waitable
+from megazpp.zero.bucket import Bucket, Reduction, Waitable
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
 from megazpp.zero.paths import CommPaths
@@ -110,7 +110,7 @@ class ZeroPPPaths(CommPaths):
                                   lambda: self._fresh.add(id(b)))
         return pending
 
-    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Waitable:
+    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Reduction:
         if not self._stages:
             return super().start_grad_reduce(b, grad)
         loco = self._loco.for_reduction(b) if self._loco is not None else None
