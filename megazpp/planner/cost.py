@@ -244,7 +244,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
                                                               persistent))
     plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent)
     state = memory.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                memory.zeropp_state_bytes(padded, lay.shapes, zpp, pb, s, persistent))
+                                memory.zeropp_state_bytes(padded, lay.shapes, lay.hier, zpp, pb, s, persistent))
     step = traffic.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
                                accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
                                reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent)

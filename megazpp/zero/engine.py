@@ -454,7 +454,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def expected_bytes(self) -> memory.StateBytes:
         plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.dp_size, self.groups.group_size,
                                      self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
-        extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.zeropp,
+        extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.hier, self.zeropp,
                                             self.param_dtype.itemsize, self.strategy, self.persistent)
         frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.dp_size,
                                     self.groups.group_size, self.param_dtype.itemsize)

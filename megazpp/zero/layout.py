@@ -147,12 +147,17 @@ def layout_order(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str
             [np for np in named_params if not is_decayed(*np)])
 
 
+def dp_piece_order(k: int, m: int) -> list[int]:
+    """The G-piece (in buffer order: k I-chunks of m pieces each) of each DP rank: DP rank
+    j * k + i (position i of PaRO group j) owns piece i * m + j."""
+    return [(r % k) * m + r // k for r in range(k * m)]
+
+
 def dp_pieces(flat: torch.Tensor, k: int, m: int) -> list[torch.Tensor]:
-    """Views of the G-pieces of `flat` (k I-chunks of m pieces each) by DP rank: DP rank
-    j * k + i (position i of PaRO group j) owns piece (i, j). A single-stage collective over all
-    DP ranks names these as its members' pieces, so it needs no reordering copy."""
-    grid = flat.view(k, m, -1)
-    return [grid[r % k, r // k] for r in range(k * m)]
+    """Views of the G-pieces of `flat` by DP rank (`dp_piece_order`). A single-stage collective
+    over all DP ranks names these as its members' pieces, so it needs no reordering copy."""
+    pieces = flat.view(k * m, -1)
+    return [pieces[i] for i in dp_piece_order(k, m)]
 
 
 def tensor_offsets(numels: Sequence[int], align: int = 1) -> tuple[list[int], int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from megazpp.zero.sequences import DPShapes, qgz_sequence
+from megazpp.zero.sequences import DPShapes, Hierarchy, qgz_sequence
 from megazpp.zero.strategy import Level, Strategy, level_div
 from megazpp.zero.zeropp import ZeroPP
 
@@ -45,10 +45,10 @@ def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param
     return StateBytes(params, grads, optim)
 
 
-def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: ZeroPP,
+def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, zeropp: ZeroPP,
                        param_bytes: int, strategy: Strategy, persistent: int = 0) -> int:
     """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype; not for the last
-    `persistent` buckets, never fetched) and LoCo's error buffers (fp32, one per stage), twice:
+    `persistent` buckets, never fetched) and LoCo's error buffers (fp32, one per qgZ stage), twice:
     the live buffers and the copy a skipped step restores (`loco.LocoState`)."""
     total = 0
     numels = list(padded_numels)
@@ -56,6 +56,6 @@ def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, zeropp: Z
         if zeropp.hpz > 1 and i < len(numels) - persistent:
             total += n // zeropp.hpz * param_bytes
         if zeropp.loco:
-            for c in qgz_sequence(strategy, shapes):
+            for c in qgz_sequence(strategy, shapes, hier):
                 total += 2 * 4 * (n // c.numel_div)
     return total

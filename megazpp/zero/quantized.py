@@ -28,16 +28,21 @@ from torch.distributed import ProcessGroup
 import kernels
 from megazpp.parallel import comm
 from megazpp.zero.collectives import PendingSequence, StagedWork, Work, ZeroGroups, size_of
+from megazpp.zero.layout import dp_piece_order
 from megazpp.zero.sequences import Collective
 from megazpp.zero.traffic import chunk_ranges, most_per_chunk
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None) -> torch.Tensor:
+def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None,
+         order: list[int] | None = None) -> torch.Tensor:
     """One uint8 buffer of `parts` equal chunks, each: its codes, its scales' bytes, then its
-    row of `exact` ([parts, width]; qgZ: fp32, qwZ: the model dtype), if any."""
+    row of `exact` ([parts, width]; qgZ: fp32, qwZ: the model dtype), if any. `order`: the
+    chunk of the input each output chunk takes (default: in order)."""
     rows = [codes.view(torch.uint8).view(parts, -1), scales.view(torch.uint8).view(parts, -1)]
     if exact is not None:
         rows.append(exact.view(torch.uint8).view(parts, -1))
+    if order is not None:
+        rows = [r[order] for r in rows]
     return torch.cat(rows, dim=1).reshape(-1)
 
 
@@ -165,6 +170,10 @@ class PendingQuantizedReduce(StagedWork):
         if self.overflow:
             grad = torch.zeros_like(grad)
         self._sizes = [size_of(groups, name) for name in stages]
+        # over all DP ranks the buffer's pieces go out in member order (`layout.dp_piece_order`)
+        k, m = groups.group_size, groups.num_groups
+        self._orders = [dp_piece_order(k, m) if name == "dp" and 1 < k < groups.dp_size else None
+                        for name in stages]
         self._block, self._tag = block, tag
         self._loco, self._beta, self._ops = loco, err_beta, ops
         self._exact = exact
@@ -184,7 +193,7 @@ class PendingQuantizedReduce(StagedWork):
             width = self._exact.widths[j]
             rows = self._values.new_zeros(size * width)
             rows[self._exact.dests[j]] = self._values
-        send = pack(self._codes, self._scales, size, rows)
+        send = pack(self._codes, self._scales, size, rows, self._orders[j])
         self._recv = torch.empty_like(send)
         return comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
 

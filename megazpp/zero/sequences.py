@@ -156,10 +156,15 @@ def hpz_fetch_sequence() -> list[Collective]:
     return [Collective("all_gather", "hpz", 1)]
 
 
-def qgz_sequence(s: Strategy, shapes: DPShapes) -> list[Collective]:
+def qgz_sequence(s: Strategy, shapes: DPShapes, hier: Hierarchy) -> list[Collective]:
     """qgZ's reduction N -> g as int4 all-to-alls: inside the PaRO group (each member gets the
     I-chunk it reduces), then, for g = G, across the cross group (each gets its G-piece of the
-    reduced I-chunk). A stage over a group of one moves nothing and is left out."""
+    reduced I-chunk). A stage over a group of one moves nothing and is left out. With the
+    reductions single-stage (`hier.reduce` false) g = G takes one all-to-all over all DP ranks
+    instead: one call and one dequantize-sum where the two hops take two calls and a
+    requantization between them, for k times the inter-node bytes of the second hop."""
+    if s.grads == Level.G and not hier.reduce and 1 < shapes.group_size < shapes.dp.size:
+        return [Collective("all_to_all", "dp", 1)]
     seq = []
     if shapes.group_size > 1:
         seq.append(Collective("all_to_all", "intra", 1))

@@ -183,7 +183,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
                 else (fetch, weights, micro_batches, again, again_sides))
     sides: tuple[tuple[int, ...], ...] = ()
     if pp.qgz:
-        qseq = qgz_sequence(s, shapes)
+        qseq = qgz_sequence(s, shapes, hier)
         micro = (tuple(qseq), pp.grads)
         if exact_ranges:
             sides = tuple(tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r))

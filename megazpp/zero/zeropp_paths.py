@@ -57,7 +57,7 @@ class ZeroPPPaths(CommPaths):
         self._ops = kernels.kernel_set(zeropp.cpu_kernels)
         # a gather whose every stage is a group of one moves nothing: nothing to compress
         self._qwz = zeropp.qwz and any(size_of(groups, c.group) > 1 for c in self._fetch)
-        self._qgz_seq = sequences.qgz_sequence(strategy, shapes) if zeropp.qgz else []
+        self._qgz_seq = sequences.qgz_sequence(strategy, shapes, hier) if zeropp.qgz else []
         self._stages = [c.group for c in self._qgz_seq]
         self._shapes = shapes
         self._exact: dict[int, ExactPlan | None] = {}
@@ -84,8 +84,8 @@ class ZeroPPPaths(CommPaths):
                                                           b.param_store.device)
         if self._stages:
             group, local = divmod(b.layout.dp_index, b.layout.group_size)
-            mine = [(size_of(self.groups, c.group), local if c.group == "intra" else group)
-                    for c in self._qgz_seq]
+            position = {"intra": local, "cross": group, "dp": local * self.groups.num_groups + group}
+            mine = [(size_of(self.groups, c.group), position[c.group]) for c in self._qgz_seq]
             ranges = b.layout.vector_ranges()
             widths = traffic.qgz_exact_widths(self._qgz_seq, self._shapes, b.layout.padded, ranges)
             self._exact[id(b)] = ExactPlan.build(ranges, b.layout.padded, mine, widths, b.param_store.device)
