@@ -22,7 +22,8 @@ from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.optim.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 
 STEPS, MICRO, MICRO_BATCH, SEQ = 5, 2, 2, 8
 GRAD_STEPS = (0, STEPS - 1)

@@ -36,7 +36,8 @@ from megazpp.planner.plan import Option, predict
 from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.sequences import Hierarchy
 from megazpp.zero.traffic import choose_hierarchy

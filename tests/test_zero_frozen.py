@@ -29,7 +29,8 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import LocalEngine
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.frozen import FROZEN_PREFIX
 from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 

@@ -41,7 +41,8 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.zeropp import ZeroPP
 

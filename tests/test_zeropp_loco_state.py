@@ -22,7 +22,8 @@ import kernels
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.zeropp import ZeroPP
 

@@ -27,7 +27,8 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.tool_flags import add_shape_flags, model_config
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained
 

@@ -43,7 +43,8 @@ from megazpp.planner.probe import LinkProbe, broadcast_values, probe_host, probe
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.tool_flags import add_shape_flags, model_config
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import parse_strategy
 
 DEFAULT_STRATEGIES = ["NNN", "NNG", "NGG", "GGG", "III", "IIG", "NIG", "GIG"]

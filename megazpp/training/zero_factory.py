@@ -17,7 +17,8 @@ from megazpp.errors import ConfigError
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
-from megazpp.zero.engine import ZeroEngine, ZeroOptions
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.units import check_persistence
 from megazpp.zero.zeropp import check_zeropp, zeropp_of

@@ -188,13 +188,14 @@ def _parts(flat: torch.Tensor, groups: ZeroGroups, name: str) -> list[torch.Tens
 
 
 def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
-           out: torch.Tensor) -> tuple[Work, torch.Tensor]:
+           out: torch.Tensor | None) -> tuple[Work, torch.Tensor]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
-    result). An all-gather writes into `out`; a reduce-scatter or all-reduce works in place, so
-    `t` is given up (its result is a view of it)."""
+    result). An all-gather writes into `out` (required); a reduce-scatter or all-reduce works in
+    place, so `t` is given up (its result is a view of it)."""
     if c.op == "all_reduce":
         return comm.all_reduce(t, group=group, async_op=True, tag=tag), t
     if c.op == "all_gather":
+        assert out is not None, "an all-gather needs its output buffer"
         return comm.all_gather_into_parts(_parts(out, groups, c.group), t, group=group, async_op=True, tag=tag), out
     work = comm.reduce_scatter_parts(t, _parts(t, groups, c.group), group=group, tag=tag)
     return work, work.result
@@ -220,7 +221,7 @@ class PendingSequence(StagedWork):
 
     def _issue(self, j: int, group: ProcessGroup | None) -> Work:
         c, inp = self._seq[j], self._result
-        out = inp
+        out = None
         if c.op == "all_gather":
             out = self._groups.buffers.take(inp.numel() * size_of(self._groups, c.group), inp)
             self._reads = inp if j > 0 and self._seq[j - 1].op == "all_gather" else None

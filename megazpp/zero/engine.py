@@ -20,14 +20,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from megazpp.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
@@ -43,34 +42,13 @@ from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buc
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
-from megazpp.zero.zeropp import ZeroPP, resolve_zeropp
+from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class ZeroOptions:
-    """How the engine partitions and moves state: the `zero` config section resolved (strategy
-    parsed, ZeRO++ settings checked), under the section's own names and defaults."""
-
-    strategy: str | int = "NNN"
-    paro_group_size: int | None = ZeroConfig.paro_group_size  # None: the DP ranks on one node
-    reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
-    allgather_bucket_size: int = ZeroConfig.allgather_bucket_size
-    module_granularity_threshold: int = ZeroConfig.module_granularity_threshold
-    fetch_groups: str = ZeroConfig.fetch_groups
-    stage3_prefetch_bucket_size: int = ZeroConfig.stage3_prefetch_bucket_size
-    stage3_max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
-    stage3_max_reuse_distance: int = ZeroConfig.stage3_max_reuse_distance
-    stage3_param_persistence_threshold: int = ZeroConfig.stage3_param_persistence_threshold
-    # a mode of traffic.HIERARCHY_MODES, or the per-kind choice made above zero (the planner)
-    hierarchical: str | sequences.Hierarchy = ZeroConfig.hierarchical
-    overlap_comm: bool = ZeroConfig.overlap_comm  # False: no prefetch, each reduction waited at once
-    micro_batches_per_step: int | None = None  # known: start the boundary reduction in backward
-    zeropp: ZeroPP = field(default_factory=ZeroPP)  # qwZ, hpZ, qgZ, LoCo
-
 
 class _Finished:
     """A reduction already waited for (overlap_comm = false), kept until step() takes it."""
