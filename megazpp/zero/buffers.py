@@ -5,7 +5,8 @@ costs a page fault per 4 KiB page. On the machines we measure (virtual machines)
 cost more than the copy into the buffer, so a gather or a staging buffer allocated anew every
 micro-batch spends most of its time faulting pages in. A buffer handed back is handed out again
 to the next request of the same size, dtype and device. Only buffers the pool handed out are
-taken back, so it never holds more than was in use at once.
+taken back, so it holds what was in use at once, plus one for each take that came while a
+returned buffer was still held by a finished collective's thread.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class BufferPool:
         # id -> buffer handed out and not yet back; weak, so a buffer its user drops is not kept
         self._out: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._shared: list[torch.Tensor] = []  # handed back while other tensors still share them
-        self.allocations = 0  # buffers made, not reused: constant once the steps repeat
+        self.allocations = 0  # buffers made, not reused
 
     def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer of `numel` elements of `like`'s dtype and device (contents undefined)."""
@@ -58,10 +59,10 @@ class BufferPool:
                 still.append(buffer)
         self._shared = still
 
-    def free_bytes(self) -> int:
-        """Bytes held for reuse now (working memory between uses, not model state)."""
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts) + \
-            sum(t.numel() * t.element_size() for t in self._shared)
+    def held(self) -> int:
+        """Buffers back in the pool, free or waiting for their sharers (between steps, every
+        buffer the engine took: one fewer than `allocations` is a buffer it never gave back)."""
+        return sum(len(ts) for ts in self._free.values()) + len(self._shared)
 
 
 def _sharers(t: torch.Tensor) -> int:
