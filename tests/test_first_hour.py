@@ -43,7 +43,7 @@ def data_dir(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model) -> Path:
     data = tmp_path / "data"
     (data / "corpus").mkdir(parents=True)
     (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
-    for suffix in (".bin", ".idx"):
+    for suffix in (".bin", ".idx", ".tokenizer.json"):
         (data / f"corpus_text_document{suffix}").symlink_to(f"{tiny_indexed_prefix}{suffix}")
     return data
 
