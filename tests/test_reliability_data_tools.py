@@ -80,7 +80,7 @@ def test_data_of_another_tokenizer_is_refused_once_per_job_unless_accepted(
     assert record is not None and record.sha256 == model_sha256(tiny_tokenizer_model)
     before = snapshot(run_sh_data_dir)
     args = tiny_args(tiny_indexed_prefix, other_tokenizer, "--train-iters", "2", "--eval-iters", "0",
-                     "--tensorboard-dir", str(tmp_path / "tb"))
+                     "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "ckpt"))
     proc = run_sh(run_sh_data_dir, *args)
     line = one_line(proc, "pretrain_gpt.py")
     assert line.endswith(
@@ -109,6 +109,7 @@ def test_data_of_another_tokenizer_is_refused_once_per_job_unless_accepted(
     assert snapshot(run_sh_data_dir) == before
 
 
+@pytest.mark.slow
 def test_run_sh_never_builds_among_other_data(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
