@@ -119,8 +119,7 @@ def test_run_sh_never_builds_among_other_data(tmp_path):
     line = one_line(run_sh(mine, "--train-iters", "1", nproc=1), "run.sh")
     assert line == (f"run.sh: error: DATA_DIR={mine} holds files that are not run.sh's sample data (web.jsonl): "
                     "run.sh builds and trains on its sample data only in an empty directory or one it built; "
-                    "give another DATA_DIR, or train on your own data with pretrain_gpt.py --data-path PREFIX "
-                    "--tokenizer-model FILE")
+                    "give another DATA_DIR (your own data goes in with --data-path PREFIX --tokenizer-model FILE)")
     assert snapshot(mine) == before and sorted(p.name for p in mine.iterdir()) == ["tokenizer.model", "web.jsonl"]
     line = one_line(run_sh(mine / "web.jsonl", nproc=1), "run.sh")
     assert line.endswith(f"DATA_DIR={mine / 'web.jsonl'} is not a directory: give run.sh a directory for its "

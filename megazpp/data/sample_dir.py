@@ -74,8 +74,7 @@ def _holds(root: Path) -> str:
         shown = ", ".join(foreign[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else "")
         raise DataError(f"DATA_DIR={root} holds files that are not run.sh's sample data ({shown}): run.sh builds "
                         "and trains on its sample data only in an empty directory or one it built; give another "
-                        "DATA_DIR, or train on your own data with pretrain_gpt.py --data-path PREFIX "
-                        "--tokenizer-model FILE")
+                        "DATA_DIR (your own data goes in with --data-path PREFIX --tokenizer-model FILE)")
     done = tokenizer.is_file() and Path(f"{dataset}.idx").is_file() and Path(f"{dataset}.bin").is_file()
     if done:
         return f"DATA_DIR={root} holds run.sh's sample data: training on {dataset} with the tokenizer {tokenizer}"
