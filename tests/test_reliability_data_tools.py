@@ -251,7 +251,7 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_the_rerun_resumes(tmp_path,
     resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"; {len(done)} files were done by an earlier run" in resumed.stdout
-    reference = preprocess(many_files / "in", tiny_tokenizer_model, tmp_path / "ref", progress=False)
+    reference = preprocess(many_files / "in", tiny_tokenizer_model, tmp_path / "ref", workers=2, progress=False)
     for suffix in (".bin", ".idx"):
         assert Path(f"{tmp_path}/out_text_document{suffix}").read_bytes() == \
             Path(reference.outputs["text"] + suffix).read_bytes()
