@@ -42,6 +42,9 @@ class DataConfig:
     # The embedding is padded to a multiple of this (times TP) so matmuls stay aligned, as in
     # Megatron; the model's vocab_size is derived from the tokenizer unless set explicitly.
     make_vocab_size_divisible_by: int = 128
+    # Preprocessing records which tokenizer made a dataset (data/tokenizer_record.py); a dataset
+    # made by another one than tokenizer_model is refused before any rank starts unless this is set.
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass

@@ -61,6 +61,7 @@ HELP: dict[str, str] = {
     "data.split": "train,valid,test weights of the documents",
     "data.tokenizer_model": "SentencePiece .model file",
     "data.make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x TP",
+    "data.allow_tokenizer_mismatch": "train on data whose recorded tokenizer (PREFIX.tokenizer.json) is not --tokenizer-model",
     "optimizer.lr": "peak learning rate",
     "optimizer.min_lr": "learning rate at the end of the decay",
     "optimizer.weight_decay": "AdamW decoupled weight decay (not on norms and biases)",

@@ -39,7 +39,7 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
                         continue
                     yield from (line for line in text.split("\n") if line.strip())
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM is no text
                 yield from (line.rstrip("\n") for line in f if line.strip())
 
 
@@ -95,8 +95,11 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
             num_threads=max(1, min(os.cpu_count() or 1, 8)),
             minloglevel=2,
         )
-        for suffix in (".model", ".vocab"):
+        for suffix in (".vocab", ".model"):  # the .model last: its presence means a finished build
             os.replace(f"{tmp_prefix}{suffix}", f"{prefix}{suffix}")
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{prefix}.model and {prefix}.vocab were not written (the partial files were "
+                                "removed)") from None
     except RuntimeError as e:  # SentencePiece reports bad settings for this corpus this way
         raise DataError(f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} "
                         f"failed: {e}") from e

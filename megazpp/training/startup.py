@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
 from megazpp.config_checks import validate_config
+from megazpp.data.builder import parse_data_path
+from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
@@ -35,8 +37,9 @@ from megazpp.training.frozen_base import FrozenBase, run_base
 from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
-# stop, how long a collective may wait. Everything else shapes the run's state.
-RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes")
+# stop, how long a collective may wait, whether a tokenizer mismatch is accepted. Everything else shapes the run's state.
+RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
+                 "data.allow_tokenizer_mismatch")
 
 
 @dataclass
@@ -54,12 +57,16 @@ def torchrun_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config) -> list[str]:
+    """Refuse missing data settings, and data made by another tokenizer than --tokenizer-model
+    (unless --allow-tokenizer-mismatch); notes for what could not be checked."""
     if not cfg.data.data_path:
         raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
                           "'..._text_document' prefix) or set it in the config file")
     if not cfg.data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    return check_tokenizer_records(prefixes, cfg.data.tokenizer_model, cfg.data.allow_tokenizer_mismatch)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +131,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
-    check_inputs(cfg)
+    notes += check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
     return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir))
