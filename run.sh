@@ -54,6 +54,7 @@ if [ ! -d "$DATA_DIR/corpus" ]; then
   mv "$DATA_DIR/corpus.tmp" "$DATA_DIR/corpus"
 fi
 if [ ! -f "$DATA_DIR/tokenizer.model" ]; then
+  rm -f "$DATA_DIR"/tokenizer.tmp.{model,vocab}  # an interrupted rename's leftovers
   "$PYTHON" tools/train_tokenizer.py --input "$DATA_DIR/corpus" --vocab-size "$VOCAB_SIZE" \
     --out "$DATA_DIR/tokenizer.tmp"
   mv "$DATA_DIR/tokenizer.tmp.vocab" "$DATA_DIR/tokenizer.vocab"

@@ -261,7 +261,7 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_the_rerun_resumes(tmp_path,
 
 @pytest.mark.slow
 def test_ctrl_c_during_the_tokenizer_build_is_one_line(tmp_path, many_files):
-    (tmp_path / "tok.model").write_bytes(b"an earlier model")  # what was there stays
+    (tmp_path / "earlier.model").write_bytes(b"an earlier model")  # what was there stays
     cmd = [sys.executable, str(ROOT / "tools" / "train_tokenizer.py"), "--input", str(many_files / "in"),
            "--vocab-size", "4000", "--out", str(tmp_path / "tok"), "--no-progress"]
     proc = interrupt_when(cmd, training_started, tmp_path)
@@ -269,5 +269,17 @@ def test_ctrl_c_during_the_tokenizer_build_is_one_line(tmp_path, many_files):
     assert line == (f"train_tokenizer.py: interrupted (SIGINT): {tmp_path}/tok.model and {tmp_path}/tok.vocab "
                     "were not written (the partial files were removed)")
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.model"]
-    assert (tmp_path / "tok.model").read_bytes() == b"an earlier model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.model"]
+    assert (tmp_path / "earlier.model").read_bytes() == b"an earlier model"
+
+
+def test_the_tokenizer_build_never_overwrites_a_model(tmp_path, tiny_corpus_dir):
+    (tmp_path / "tok.vocab").write_text("an earlier vocabulary")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_tokenizer.py"), "--input",
+                           str(tiny_corpus_dir), "--vocab-size", "300", "--out", str(tmp_path / "tok")],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    line = one_line(proc, "train_tokenizer.py")
+    assert line == (f"train_tokenizer.py: error: {tmp_path}/tok.vocab: already exists; give another --out prefix "
+                    "or remove it (outputs are never overwritten)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.vocab"]
+    assert (tmp_path / "tok.vocab").read_text() == "an earlier vocabulary"

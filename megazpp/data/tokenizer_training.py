@@ -19,7 +19,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from megazpp.data.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
-from megazpp.errors import DataError
+from megazpp.errors import DataError, refuse_existing
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_INPUT_SENTENCE_SIZE = 200_000
@@ -67,6 +67,8 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
     if vocab_size < 260:
         raise DataError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 + 4 special ids")
     prefix = Path(output_prefix)
+    for suffix in (".model", ".vocab"):  # the rule of every tool that writes a result
+        refuse_existing(f"{prefix}{suffix}", DataError, instead="give another --out prefix or remove it")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     skipped: Counter = Counter()
     tmp_prefix = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
