@@ -5,6 +5,8 @@
 # 2. builds the sample corpus, the tokenizer and the indexed dataset under data/ if absent
 #    (each into a temporary name, renamed when complete, so an interrupted build is redone);
 # 3. launches pretrain_gpt.py with torchrun on every GPU of this node, or one CPU rank.
+#    NPROC_PER_NODE larger than the GPUs with --distributed-backend gloo puts several ranks on
+#    each GPU (round robin); NCCL is refused there, before any rank starts.
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
@@ -91,7 +93,8 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 # Check the whole configuration (and which checkpoint it would resume) once for this job,
 # before torchrun starts any rank: a refused input is then one line, not an error and a
 # launcher traceback per rank.
-"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) "${TRAIN_ARGS[@]}"
+"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
+  --local-world-size "$NPROC_PER_NODE" "${TRAIN_ARGS[@]}"
 
 # torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,

@@ -151,6 +151,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ranks_per_node: int | None = None  # None: from the launcher (LOCAL_WORLD_SIZE)
     distributed_timeout_minutes: int = 10
+    # auto: NCCL on CUDA ranks (one GPU each), gloo on CPU ranks; gloo on CUDA lets several
+    # ranks share a GPU (megazpp.parallel.device)
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
 @dataclass

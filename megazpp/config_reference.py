@@ -107,6 +107,8 @@ HELP: dict[str, str] = {
     "parallel.sequence_parallel": "split norms and dropout over the tensor-parallel ranks",
     "parallel.ranks_per_node": "ranks per (virtual) node; none: the launcher's",
     "parallel.distributed_timeout_minutes": "a collective waiting longer fails",
+    "parallel.distributed_backend": "auto (nccl on GPUs, gloo on CPUs), nccl, or gloo (also on CUDA: several "
+                                    "ranks may then share one GPU, round robin)",
     "zero.stage": "ZeRO stage 0-3 (aliases of PaRO NNN, NNG, NGG, GGG)",
     "zero.paro_strategy": "PaRO triple (e.g. NIG, III) or auto (the planner picks)",
     "zero.paro_group_size": "ranks of a PaRO I group; none: the node",
