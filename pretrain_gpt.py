@@ -29,6 +29,7 @@ from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.flops import training_flops_per_token
+from megazpp.model.compile import compile_layers
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
@@ -121,7 +122,10 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
                      pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
                      layer_range=topology.layer_range(cfg.model.num_layers))
     apply_trainable(model, cfg.training.trainable, cfg.model)
-    return model.to(device)
+    model = model.to(device)
+    if cfg.training.compile:
+        compile_layers(model.layers)
+    return model
 
 
 def main(argv: Sequence[str] | None = None) -> TrainHistory | int:

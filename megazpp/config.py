@@ -87,6 +87,8 @@ class TrainingConfig:
     # What trains (megazpp.model.trainable): name globs or last:N; empty: everything, or only
     # the adapters when model.lora_rank > 0 (patterns then add to the adapters)
     trainable: list[str] = field(default_factory=list)
+    # torch.compile each transformer layer (megazpp.model.compile); the first steps pay for it
+    compile: bool = False
 
 
 @dataclass

@@ -38,7 +38,7 @@ from megazpp.training.zero_factory import zero_options
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait. Everything else shapes the run's state.
 RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
-                 "parallel.distributed_backend")
+                 "parallel.distributed_backend", "training.compile")
 
 
 @dataclass
