@@ -217,3 +217,15 @@ def test_int4_quantizers_on_ragged_tails(numel, block_size):
     theirs = mine.clone()
     _same(triton_ops.loco_quantize(x.to(torch.bfloat16), mine, 0.8, block_size),
           reference.loco_quantize(x.to(torch.bfloat16), theirs, 0.8, block_size))
+
+
+def test_gpu_bitwise_check_passes_under_the_interpreter(monkeypatch):
+    """kernels/cuda_bitwise_check.py (run on the GPU by tools/gpu_check.sh) with `.cuda()` as the
+    identity: its cases hold under the interpreter, so a FAIL on a GPU is the compiled code's."""
+    from kernels import cuda_bitwise_check
+
+    assert cuda_bitwise_check.triton_ops is triton_ops  # the interpreted module
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    cases = [(label, run) for label, run in cuda_bitwise_check.cases() if "block 8192" not in label]
+    assert len(cases) > 80
+    assert [(label, problem) for label, run in cases if (problem := run())] == []
