@@ -200,6 +200,8 @@ def _run_sh(ctx: Context, name: str, flags: list[str], *, ranks: int, gpu: bool,
     """`bash run.sh FLAGS` on `ranks` ranks of this node, on the GPU or (CUDA hidden) on CPU
     ranks, data under OUT/data, TensorBoard under OUT/tb/NAME, no checkpoints."""
     env = ctx.env(DATA_DIR=str(ctx.out / "data"), NPROC_PER_NODE=str(ranks))
+    if ranks > 1:  # eight jobs share the machine's cores (run.sh sets 1 for CPU ranks itself)
+        env["OMP_NUM_THREADS"] = "1"
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = ["bash", "run.sh", *flags, "--tensorboard-dir", str(ctx.out / "tb" / name), "--save", "none"]
