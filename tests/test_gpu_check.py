@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,9 +21,9 @@ def _gpu_check():
     return module
 
 
-def _sh(*args: str) -> subprocess.CompletedProcess:
+def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHON"] = sys.executable
+    env["PYTHON"] = python
     return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -41,13 +39,18 @@ def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
     assert total <= 480  # the issue's 8 minutes (estimates; the report records the real times)
 
 
-def test_wheels_option_refuses_a_missing_directory(tmp_path):
-    import importlib.util as util
-
-    if util.find_spec("zstandard") is not None:
-        pytest.skip("zstandard is installed: the wheel directory is not consulted")
-    proc = _sh("--out", str(tmp_path), "--wheels", str(tmp_path / "absent"))
-    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
+    """As on the GPU machine: a Python without zstandard (here: without site-packages) stops
+    the script with the way on, before anything runs; a --wheels path that is no directory is
+    named."""
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    proc = _sh("--out", str(tmp_path / "out"), python=str(bare))
+    assert proc.returncode == 2 and "carry its wheel and pass --wheels DIR" in proc.stderr
+    proc = _sh("--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "absent"), python=str(bare))
+    assert proc.returncode == 2 and f"--wheels {tmp_path / 'absent'} is not a directory" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_parsers_read_the_tools_output():

@@ -37,7 +37,7 @@ def test_real_rotary_matches_complex_within_rounding(dtype):
     assert ((real_form.float() - complex_form.float()).abs() <= bound).all()
 
 
-def test_compiled_model_reads_the_rotary_cache():
+def test_real_rotary_tables_are_cached_and_match_the_complex_ones():
     """The tables are cached per length and device; the real form's fill uses no complex op,
     so a compiled layer may fill it inside its graph."""
     rope = RotaryEmbedding(8, 10000.0)
