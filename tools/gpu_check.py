@@ -226,12 +226,15 @@ def step_engine(ctx: Context) -> Outcome:
                                    timeout=min(300, ctx.left()))
     results = {label: job.collect() for label, job in procs.items()}
     lines = ["| job | ranks | CUDA losses | CPU losses | max relative gap | bound |", "|---|---:|---|---|---:|---:|"]
-    status, worst = "ok", []
+    status, worst, failures = "ok", [], []
     for name, ranks, _ in ENGINE_JOBS:
         cuda, cpu = results[f"engine-{name}-cuda"], results[f"engine-{name}-cpu"]
         if cuda[0] != 0 or cpu[0] != 0:
             status = "FAILED"
             lines.append(f"| {name} | {ranks} | exit {cuda[0]} | exit {cpu[0]} | | |")
+            failures += [f"{label}, exit {rc}:" for label, (rc, _) in
+                         ((f"{name} on CUDA", cuda), (f"{name} on CPU", cpu)) if rc != 0]
+            failures += [line for rc, text in (cuda, cpu) if rc != 0 for line in tail(text, 12)]
             continue
         a = tb_losses(ctx.out / "tb" / f"engine-{name}-cuda")
         b = tb_losses(ctx.out / "tb" / f"engine-{name}-cpu")
@@ -243,7 +246,7 @@ def step_engine(ctx: Context) -> Outcome:
                      f"| {gap:.2e} | {ENGINE_BOUND[name]:.0e} |")
     summary = f"{len(ENGINE_JOBS)} jobs on CUDA ranks sharing the GPU vs CPU ranks" + (
         f"; outside the bound: {', '.join(worst)}" if worst else "")
-    return Outcome(status, summary, lines)
+    return Outcome(status, summary, lines + ([""] + failures if failures else []))
 
 
 def step_model(ctx: Context) -> Outcome:
