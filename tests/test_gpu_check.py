@@ -79,3 +79,27 @@ def test_planned_peak_from_the_planners_table():
     assert plan.returncode == 0, plan.stderr
     peak = _gpu_check().planned_peak_gib(plan.stdout)
     assert 20 < peak < 60  # 1.1 B parameters in bf16 with fp32 masters and Adam, plus activations
+
+
+def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
+    """Steps stubbed (no GPU here): a mismatch or a failing step gives exit 1, every step lands
+    in OUT/report.md with its targets, and a step starts only with a minute (or its estimate)
+    of the budget left."""
+    import torch
+
+    g = _gpu_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a stub GPU")
+    ok = g.Outcome("ok", "fine", ["detail"], [("a target", False, "80%")])
+    steps = [("first", "", 1, lambda ctx: ok), ("second", "", 1, lambda ctx: 1 / 0),
+             ("third", "", 10_000, lambda ctx: ok)]
+    monkeypatch.setattr(g, "STEPS", steps)
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "| first | ok | fine |" in report and "| a target | no | 80% |" in report
+    assert "| second | FAILED | ZeroDivisionError: division by zero |" in report
+    assert "| third | skipped |" in report
+    monkeypatch.setattr(g, "STEPS", [steps[0], steps[2]])
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 3  # only skipped: incomplete
+    monkeypatch.setattr(g, "STEPS", [steps[0]])
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 0  # a missed target is no failure
