@@ -6,6 +6,8 @@
 #    the indexed dataset there if absent (each into a temporary name, renamed when complete, so
 #    an interrupted build is redone); a DATA_DIR holding other data is refused, never written;
 # 3. launches pretrain_gpt.py with torchrun on every GPU of this node, or one CPU rank.
+#    NPROC_PER_NODE larger than the GPUs with --distributed-backend gloo puts several ranks on
+#    each GPU (round robin); NCCL is refused there, before any rank starts.
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
@@ -99,7 +101,8 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 # Check the whole configuration (and which checkpoint it would resume) once for this job,
 # before torchrun starts any rank: a refused input is then one line, not an error and a
 # launcher traceback per rank.
-"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) "${TRAIN_ARGS[@]}"
+"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
+  --local-world-size "$NPROC_PER_NODE" "${TRAIN_ARGS[@]}"
 
 # torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,

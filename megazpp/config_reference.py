@@ -84,6 +84,7 @@ HELP: dict[str, str] = {
     "training.loss_spike_factor": "log a spike above this x the recent mean loss (0: off)",
     "training.loss_spike_window": "good steps in the recent mean",
     "training.trainable": "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)",
+    "training.compile": "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs whole parameters (zero.stage <= 2 or PaRO N**)",
     "precision.bf16": "bf16 model with fp32 master weights",
     "precision.fp16": "fp16 model with fp32 masters and a loss scaler",
     "precision.grad_accum_dtype": "dtype micro-batch gradients are summed in (fp32 or the model's)",
@@ -108,6 +109,8 @@ HELP: dict[str, str] = {
     "parallel.sequence_parallel": "split norms and dropout over the tensor-parallel ranks",
     "parallel.ranks_per_node": "ranks per (virtual) node; none: the launcher's",
     "parallel.distributed_timeout_minutes": "a collective waiting longer fails",
+    "parallel.distributed_backend": "auto (nccl on GPUs, gloo on CPUs), nccl, or gloo (also on CUDA: several "
+                                    "ranks may then share one GPU, round robin)",
     "zero.stage": "ZeRO stage 0-3 (aliases of PaRO NNN, NNG, NGG, GGG)",
     "zero.paro_strategy": "PaRO triple (e.g. NIG, III) or auto (the planner picks)",
     "zero.paro_group_size": "ranks of a PaRO I group; none: the node",

@@ -253,7 +253,7 @@ def test_megatron_aliases_and_refusals():
             (["--seq-length", "128", "--max-position-embeddings", "1024"],
              "--seq-length 128 and --max-position-embeddings 1024 both set --seq-length"),
             (["--zero-stage", "3", "--use-distributed-optimizer"], "both set --zero-stage"),
-            (["--distributed-backend", "nccl"], "picks the backend from the device"),
+            (["--distributed-backend", "mpi"], "parallel.distributed_backend"),
             (["--no-load-optim"], "--no-load-optim: not implemented"),
             (["--rotary-bse", "3"], "unknown flag --rotary-bse (did you mean '--rotary-base'?)"),
             (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "give one")):
