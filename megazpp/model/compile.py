@@ -14,9 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu_compiled import separate_cache_per_isa
+
 
 def compile_layers(layers: nn.ModuleDict) -> int:
-    """Compile the forward of every layer in `layers` (in place); returns how many."""
+    """Compile the forward of every layer in `layers` (in place); returns how many. Inductor's
+    disk cache is kept per vector ISA first (a CPU kernel of another ISA read back is wrong)."""
+    separate_cache_per_isa()
     for layer in layers.values():
         layer.forward = torch.compile(layer.forward)
     return len(layers)
