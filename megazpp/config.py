@@ -87,6 +87,9 @@ class TrainingConfig:
     # What trains (megazpp.model.trainable): name globs or last:N; empty: everything, or only
     # the adapters when model.lora_rank > 0 (patterns then add to the adapters)
     trainable: list[str] = field(default_factory=list)
+    # Start even when the planner's memory estimate per rank exceeds the free memory
+    # (megazpp.training.memory_check); a launch guard, not a setting of the run's state.
+    skip_memory_check: bool = False
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -32,11 +33,15 @@ from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
 from megazpp.training.frozen_base import FrozenBase, run_base
+from megazpp.training.memory_check import check_memory
+from megazpp.training.resume_check import check_resumable
+from megazpp.training.save_lock import check_save_lock
 from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait. Everything else shapes the run's state.
-RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes")
+RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
+                 "training.skip_memory_check")
 
 
 @dataclass
@@ -60,6 +65,27 @@ def check_inputs(cfg: Config) -> None:
                           "'..._text_document' prefix) or set it in the config file")
     if not cfg.data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """Refuse a directory path that names a file, or lies under one: the run would fail when
+    it first writes there (the TensorBoard writer at start, with a 49-line traceback per rank;
+    a save possibly after the whole run)."""
+    target = Path(path)
+    for ancestor in (target, *target.parents):
+        if ancestor.exists():
+            if ancestor.is_dir():
+                return
+            where = "" if ancestor == target else f" lies under {ancestor}, which"
+            raise ConfigError(f"{flag} {path}{where} exists and is not a directory: give a "
+                              "directory (it is created when missing)")
+
+
+def check_outputs(cfg: Config) -> None:
+    for flag, path in (("--save", cfg.checkpoint.save),
+                       ("--tensorboard-dir", cfg.logging.tensorboard_dir)):
+        if path:
+            check_output_dir(flag, path)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -113,10 +139,13 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
     return ck.save, f"--save {ck.save} (same settings)"
 
 
-def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
+def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
+            ranks_on_node: int | None = None) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
-    included), check inputs and fault specs, choose the checkpoint and check the frozen base
-    an adapters-only one needs; a MegazppError before any work otherwise."""
+    included), check inputs, output paths and fault specs, choose the checkpoint and check
+    that it can start this run (`resume_check`) and the frozen base an adapters-only one needs;
+    with `ranks_on_node` (the job's check, not each rank's) the estimated memory per rank
+    against the free memory of this node; a MegazppError before any work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
@@ -125,17 +154,32 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     check_inputs(cfg)
+    check_outputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
+    if load_dir is not None:
+        check_resumable(cfg, load_dir, world_size)
+    if ranks_on_node is not None:
+        check_memory(cfg, world_size, ranks_on_node)
     return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """run.sh's check: `--world-size N` then pretrain_gpt.py's arguments; silent when fine."""
+    """run.sh's check, once per node before torchrun starts any rank: `--world-size N
+    --ranks-on-node R --node-rank K` then pretrain_gpt.py's arguments; silent when fine.
+    Node 0 also checks that no other job writes the `--save` directory (its rank 0 then
+    takes the lock: `save_lock`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--ranks-on-node", type=int, required=True)
+    parser.add_argument("--node-rank", type=int, required=True)
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    prepare(rest, known.world_size)
+    if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
+        raise ConfigError(f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
+                          f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0")
+    start = prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node)
+    if known.node_rank == 0 and start.cfg.checkpoint.save:
+        check_save_lock(start.cfg.checkpoint.save)
     return 0
 
 
