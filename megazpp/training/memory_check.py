@@ -8,16 +8,21 @@ first). The planner already predicts a rank's memory for every strategy (`planne
 model state by `zero.memory`, activations by `planner.activations`, the transient gather and
 reduce buffers); this module asks it for the run's own strategy and compares.
 
-The estimate per rank = the planner's prediction for the fullest pipeline stage + the memory
-this process holds now (the interpreter, torch and the project imported: what each rank holds
-before its first tensor). Measured on this project's 2-core CPU machine (fp32, flash
-attention through torch's SDPA; tests/test_reliability_startup.py checks the bound): a
-llama of 2 layers, hidden 32, micro-batch 2, at --seq-length 8192 peaked at 0.77 GiB RSS
-against an estimate of 0.99 GiB (~1.3x); the default tiny runs (seq 32-128) peak within a
-few MB of the runtime term, their model and activations being a few MB. The planner counts
-16-bit activations, so an fp32 run's activations are underestimated by up to 2x; the kept
-masks and the runtime term cover that at these sizes, and the check only has to catch runs
-off by far more (the 1e6-token sequence asks for ~100x the memory there is).
+The estimate per rank = the planner's prediction for the fullest pipeline stage, its
+activations scaled from the planner's 16-bit count to the model's dtype (an fp32 model keeps
+4-byte activations), + the memory this process holds now (the interpreter, torch and the
+project imported: what each rank holds before its first tensor).
+
+The margin, measured on this project's 2-core CPU machine (fp32, one rank, SDPA's fused CPU
+attention, micro-batch 2, 2 steps; peak RSS of the process against the estimate):
+    llama 2 layers, hidden 128, seq 8192     peak 0.94 GiB, estimate 0.76 GiB (1.23x)
+    llama 2 layers, hidden 64, seq 32768     peak 1.68 GiB, estimate 1.40 GiB (1.20x)
+    llama 4 layers, hidden 256, seq 4096     peak 1.38 GiB, estimate 1.02 GiB (1.35x)
+    llama 2 layers, hidden 32, seq 32        peak 0.38 GiB, estimate 0.37 GiB (the runtime)
+So the estimate is a little low, never pessimistic: the check refuses only runs that cannot
+fit (the 1e6-token sequence asks for about 80 GiB against 22 GiB free), and a run estimated
+just under the free memory may still not fit. tests/test_reliability_startup.py bounds the
+ratio for an activation-dominated run.
 `--skip-memory-check` runs anyway.
 """
 
@@ -50,15 +55,18 @@ class Available:
     where: str  # how it was found, for the message
 
 
-def available_memory(ranks_on_node: int) -> Available | None:
-    """Free device memory per rank of this node: the smallest free GPU memory where CUDA is
-    available (ranks sharing a GPU share it), else MemAvailable divided among the node's
-    ranks; None where neither can be read."""
+def available_memory(ranks_on_node: int, usable_fraction: float) -> Available | None:
+    """Free device memory per rank of this node: where CUDA is available, the smallest free
+    GPU memory (ranks sharing a GPU share it) times the planner's `usable_memory_fraction`
+    (the rest: the rank's CUDA context, allocator fragmentation, workspaces); else
+    MemAvailable divided among the node's ranks; None where neither can be read."""
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(count))
         share = -(-ranks_on_node // count)
-        return Available(free / share, f"{free / GIB:.1f} GiB free on the fullest GPU"
+        return Available(free * usable_fraction / share,
+                         f"{free / GIB:.1f} GiB free on the fullest GPU x planner."
+                         f"usable_memory_fraction {usable_fraction}"
                          + (f" / {share} ranks on it" if share > 1 else ""))
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
@@ -72,7 +80,11 @@ def available_memory(ranks_on_node: int) -> Available | None:
 
 
 def runtime_bytes() -> float:
-    """This process's peak resident memory: the interpreter, torch and the project imported."""
+    """On CPU ranks, this process's peak resident memory: the interpreter, torch and the
+    project imported, which every rank holds too. GPU ranks hold it on the host, not on the
+    device (their CUDA context is in `available_memory`'s reserve)."""
+    if torch.cuda.is_available():
+        return 0.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
@@ -127,7 +139,7 @@ def check_memory(cfg: Config, world_size: int, ranks_on_node: int) -> None:
         return
     rpn = cfg.parallel.ranks_per_node or ranks_on_node
     estimate = estimate_peak(cfg, world_size, rpn)
-    available = available_memory(ranks_on_node)
+    available = available_memory(ranks_on_node, cfg.planner.usable_memory_fraction)
     if estimate is None or available is None or estimate.total <= available.bytes_per_rank:
         return
     m, t = cfg.model, cfg.training

@@ -60,12 +60,20 @@ def _model_diff(saved: dict[str, Any], current: ModelConfig) -> list[str]:
         old.validate()
     except (TypeError, ConfigError):
         return []  # not a model config this version reads: the loader names it
-    if _tensor_shapes(old) == _tensor_shapes(current):
+    shapes = _tensor_shapes(current)
+    if _tensor_shapes(old) == shapes:
         return []
     new = dataclasses.asdict(current)
+
+    def shapes_differ(key: str) -> bool:
+        """Whether the saved value of `key` alone changes a tensor (or makes no valid model)."""
+        try:
+            return _tensor_shapes(dataclasses.replace(current, **{key: saved[key]})) != shapes
+        except ConfigError:
+            return True
+
     keys = [k for k in saved if k in new and saved[k] != new[k]]
-    shaping = [k for k in keys if _tensor_shapes(dataclasses.replace(current, **{k: saved[k]}))
-               != _tensor_shapes(current)] or keys
+    shaping = [k for k in keys if shapes_differ(k)] or keys
     return [f"model.{k} {saved[k]} -> {new[k]}" for k in shaping]
 
 

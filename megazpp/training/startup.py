@@ -140,12 +140,13 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
 
 
 def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
-            ranks_on_node: int | None = None) -> Startup:
+            ranks_on_node: int | None = None, check_lock: bool = False) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
     included), check inputs, output paths and fault specs, choose the checkpoint and check
     that it can start this run (`resume_check`) and the frozen base an adapters-only one needs;
     with `ranks_on_node` (the job's check, not each rank's) the estimated memory per rank
-    against the free memory of this node; a MegazppError before any work otherwise."""
+    against the free memory of this node; with `check_lock` (node 0's check) that no other
+    job writes `--save`; a MegazppError before any work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
@@ -155,6 +156,8 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     check_inputs(cfg)
     check_outputs(cfg)
+    if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
+        check_save_lock(cfg.checkpoint.save)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
     if load_dir is not None:
@@ -177,9 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
         raise ConfigError(f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
                           f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0")
-    start = prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node)
-    if known.node_rank == 0 and start.cfg.checkpoint.save:
-        check_save_lock(start.cfg.checkpoint.save)
+    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node,
+            check_lock=known.node_rank == 0)
     return 0
 
 
