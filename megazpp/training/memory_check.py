@@ -111,6 +111,8 @@ def estimate_peak(cfg: Config, world_size: int, ranks_per_node: int) -> Estimate
     strategy = resolve_strategy(z.paro_strategy, z.stage) if zero else parse_strategy("NNN")
     workload = workload_of_config(cfg)
     rpn = min(ranks_per_node, world_size)
+    if world_size % rpn or rpn % cfg.tp:  # the planner lays out whole nodes of whole TP groups;
+        rpn = world_size  # the node split changes only the default PaRO / hpZ group sizes
     dp_on_node = max(1, min(dp, rpn // cfg.tp))
     # ZeRO++ as the engine runs it: hpZ lowered to the DP ranks of a node, off with one DP rank
     zeropp = (dataclasses.replace(zeropp_of(z), hpz=min(z.zero_hpz_partition_size, dp_on_node))

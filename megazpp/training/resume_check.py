@@ -17,7 +17,10 @@ What a checkpoint can start:
     reassembles ZeRO shards at another data-parallel size or PaRO strategy, but the
     single-replica engine (LocalEngine: one data-parallel rank, no zero stage or strategy)
     neither writes nor reads ZeRO shards; and an adapters-only checkpoint resumes only under
-    the layout that saved it (resharding needs the frozen weights it leaves out).
+    the layout that saved it (resharding needs the frozen weights it leaves out);
+  - a run's checkpoint: the precision whose engine state it holds (fp16's loss scaler;
+    LocalEngine's fp32 masters of a 16-bit model; the ZeRO engine keeps fp32 masters in
+    every precision, so it resumes fp32 as bf16 and back).
 Anything else (dropout, sequence length, the optimizer, ...) a `--load` may change.
 """
 
@@ -77,6 +80,13 @@ def _model_diff(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     return [f"model.{k} {saved[k]} -> {new[k]}" for k in shaping]
 
 
+_PRECISION_FLAGS = {"fp32": "neither --bf16 nor --fp16", "bf16": "--bf16", "fp16": "--fp16"}
+
+
+def _precision(bf16: bool | None, fp16: bool | None) -> str:
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
 def _convert_hint(arch: str, load_dir: str) -> str:
     if arch == "llama":
         return (f"convert it: python tools/convert_hf.py export --load {load_dir} --hf-dir HF, then "
@@ -131,6 +141,17 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
             f"{where} was saved by {engine[was_zero]} over {meta['dp']} data-parallel rank(s); "
             f"this run uses {engine[now_zero]} over {dp}, and resharding converts only between "
             f"ZeRO layouts: {back}, or " + _convert_hint(cfg.model.arch, load_dir))
+    precision = saved.get("precision", {})
+    was, now = _precision(precision.get("bf16"), precision.get("fp16")), _precision(
+        cfg.precision.bf16, cfg.precision.fp16)
+    # the fp16 loss scaler's state, and LocalEngine's fp32 masters of a 16-bit model, are
+    # saved only by runs that have them (`optim.engine`, `zero.engine_state`)
+    if was != now and ("fp16" in (was, now) or not now_zero):
+        raise CheckpointError(
+            f"{where} was saved in {was}; this run is in {now}, and its engine state (fp32 "
+            f"masters, fp16 loss scaler) resumes only under {was}"
+            f"{' or, with the ZeRO engine, the other of fp32 / bf16' if was != 'fp16' else ''}: "
+            f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir))
     if BASE_KEY in meta and meta["dp"] != dp:
         raise CheckpointError(
             f"{where} is adapters-only (--save-adapters-only) and was saved over {meta['dp']} "
