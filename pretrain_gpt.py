@@ -45,6 +45,8 @@ from megazpp.optim.engine import Engine, LocalEngine
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
+from megazpp.training.resume_check import uses_zero_engine
+from megazpp.training.save_lock import hold_save_dir
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
@@ -81,7 +83,7 @@ def seed_everything(seed: int, topology: Topology) -> None:
 def build_engine(cfg: Config, model: GPTModel, topology: Topology) -> Engine:
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP)."""
-    if topology.dp > 1 or cfg.zero.stage != 0 or cfg.zero.paro_strategy is not None:
+    if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
         return build_zero_engine(model, cfg, topology,
                                  micro_batches_per_step=cfg.num_micro_batches(topology.world_size),
                                  counts_in_norm=counts_in_norm(model, topology))
@@ -134,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
         print(render_help(), end="")
         return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    start = prepare(args, world_size, torchrun_restart_count())
+    # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
+    # estimate with the node's; ranks starting side by side would each see another share
+    alone = "LOCAL_WORLD_SIZE" not in os.environ
+    start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()
     started = init_distributed(start.cfg, world_size, start.backend)
     try:
@@ -150,9 +155,15 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
+    if cfg.checkpoint.save:
+        check_save_dir(cfg.checkpoint.save, topology)
+    with hold_save_dir(cfg.checkpoint.save, topology):
+        return _train_holding_save(start, device, topology)
+
+
+def _train_holding_save(start: Startup, device: torch.device, topology: Topology) -> TrainHistory:
+    cfg = start.cfg
     ck = cfg.checkpoint
-    if ck.save:
-        check_save_dir(ck.save, topology)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size

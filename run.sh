@@ -46,6 +46,28 @@ for arg in "$@"; do
   case "$arg" in -h|--help) exec "$PYTHON" pretrain_gpt.py --help ;; esac
 done
 
+# The node variables, checked before anything is built or started: one line each, not bash's
+# "unbound variable" (NPROC_PER_NODE=abc) or a ZeroDivisionError traceback (0).
+need_count() {  # NAME MIN WHAT: $NAME is a whole number >= MIN
+  local value=${!1}
+  if ! [[ $value =~ ^[0-9]+$ ]] || (( 10#$value < $2 )); then
+    echo "run.sh: error: $1 = '$value': expected a whole number >= $2 ($3)" >&2
+    exit 2
+  fi
+  printf -v "$1" '%d' "$((10#$value))"
+}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+need_count NNODES 1 "the number of nodes of the job"
+need_count NODE_RANK 0 "this node's index, 0 on the first node"
+if (( NODE_RANK >= NNODES )); then
+  echo "run.sh: error: NODE_RANK = $NODE_RANK: expected 0..$((NNODES - 1)) (NNODES = $NNODES)" >&2
+  exit 2
+fi
+if [ -n "${NPROC_PER_NODE:-}" ]; then
+  need_count NPROC_PER_NODE 1 "ranks on this node: GPUs, or CPU processes"
+fi
+
 # What DATA_DIR holds and what the job uses; run.sh builds its sample data only into an absent
 # or empty directory or its own earlier build (megazpp/data/sample_dir.py), never among other data.
 "$PYTHON" -m megazpp.data.sample_dir "$DATA_DIR" "$@"
@@ -90,19 +112,18 @@ fi
 # a restart: a restarted rank can then read a dead peer's address left by the failed attempt
 # and fail with "connectFullMesh ... Connection refused". A fresh store per attempt avoids it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$DEFAULT_NPROC}
 
 TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
             --tokenizer-model "$DATA_DIR/tokenizer.model" "$@")
 
-# Check the whole configuration (and which checkpoint it would resume) once for this job,
-# before torchrun starts any rank: a refused input is then one line, not an error and a
-# launcher traceback per rank.
+# Check the whole configuration (which checkpoint it would resume and whether that can start
+# it, the memory per rank it needs against this node's, on node 0 that no other job writes
+# --save) once per node, before torchrun starts any rank: a refused input is then one line,
+# not an error and a launcher traceback per rank.
 "$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
-  --local-world-size "$NPROC_PER_NODE" "${TRAIN_ARGS[@]}"
+  --ranks-on-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK" "${TRAIN_ARGS[@]}"
 
 # torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,

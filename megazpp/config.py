@@ -92,6 +92,9 @@ class TrainingConfig:
     trainable: list[str] = field(default_factory=list)
     # torch.compile each transformer layer (megazpp.model.compile); the first steps pay for it
     compile: bool = False
+    # Start even when the planner's memory estimate per rank exceeds the free memory
+    # (megazpp.training.memory_check); a launch guard, not a setting of the run's state.
+    skip_memory_check: bool = False
 
 
 @dataclass

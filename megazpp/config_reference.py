@@ -85,6 +85,7 @@ HELP: dict[str, str] = {
     "training.loss_spike_window": "good steps in the recent mean",
     "training.trainable": "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)",
     "training.compile": "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs whole parameters (zero.stage <= 2 or PaRO N**)",
+    "training.skip_memory_check": "start even when the estimated memory per rank exceeds the free memory",
     "precision.bf16": "bf16 model with fp32 master weights",
     "precision.fp16": "fp16 model with fp32 masters and a loss scaler",
     "precision.grad_accum_dtype": "dtype micro-batch gradients are summed in (fp32 or the model's)",

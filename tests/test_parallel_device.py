@@ -51,11 +51,11 @@ def _startup(*args: str) -> subprocess.CompletedProcess:
 
 def test_run_sh_check_refuses_nccl_on_a_cpu_machine_in_one_line():
     """run.sh runs this check once per job, before torchrun starts a rank."""
-    proc = _startup("--world-size", "2", "--local-world-size", "2", "--distributed-backend", "nccl")
+    proc = _startup("--world-size", "2", "--ranks-on-node", "2", "--node-rank", "0", "--distributed-backend", "nccl")
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert "parallel.distributed_backend = nccl: NCCL needs CUDA ranks" in lines[0]
     # gloo passes the backend check and the run stops at the next one (no data given here)
-    ok = _startup("--world-size", "2", "--local-world-size", "2", "--distributed-backend", "gloo")
+    ok = _startup("--world-size", "2", "--ranks-on-node", "2", "--node-rank", "0", "--distributed-backend", "gloo")
     assert "data.data_path is empty" in ok.stderr and "distributed_backend" not in ok.stderr, ok.stderr
