@@ -22,6 +22,7 @@ from megazpp.planner.two_level import (LINK_BUDGET, OuterChoice, fragment_numels
                                        predict_two_level, recommend)
 from megazpp.planner.workload import Workload
 from megazpp.zero.strategy import level_div
+from megazpp.zero.zeropp import ZeroPP
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(arch="llama", num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
@@ -138,3 +139,14 @@ def test_plan_tool_lists_two_level_options_apart():
     quiet = subprocess.run(args + ["--no-two-level"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                            check=True).stdout
     assert "Two-level" not in quiet
+
+
+def test_auto_logs_the_two_level_options_beside_its_choice():
+    from megazpp.planner.auto import choose_strategy, two_level_note
+
+    cluster, workload = _cluster(1.0), _job()
+    shapes = shapes_of_config(SMALL, bucket_numel=workload.bucket_numel)
+    choice = choose_strategy(shapes, workload, cluster)
+    note = two_level_note(shapes, workload, cluster, choice.plan, ZeroPP())
+    assert note.startswith("Two-level recommendation (changes the optimisation)")
+    assert "CHANGE THE OPTIMISATION" in note and "--outer-sync-every" in note
