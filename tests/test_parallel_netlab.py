@@ -91,7 +91,8 @@ def test_collective_wire_bytes_per_operation(nodes, tmp_path):
 
 def test_two_node_training_through_run_sh(nodes, tmp_path, run_sh_data_dir):
     """2 nodes x 2 ranks (TP=2 inside each node, DP=2 across): the run completes and the
-    kernel's inter-node byte count agrees with the counted reports within 25%."""
+    kernel's inter-node byte count agrees with the counted reports within 2 % (measured 1.006:
+    TCP/IP framing, ACKs and the rendezvous, which no counter sees)."""
     data = run_sh_data_dir
     reports = tmp_path / "reports"
     port = 29900 + os.getpid() % 90
@@ -110,4 +111,4 @@ def test_two_node_training_through_run_sh(nodes, tmp_path, run_sh_data_dir):
     print(f"inter-node bytes: counted {counted}, kernel (veth rx, both nodes) {kernel}, "
           f"ratio {kernel / counted:.3f}")
     assert counted > 1_000_000, "the run moved too little across nodes to compare"
-    assert abs(kernel - counted) <= 0.25 * counted, (kernel, counted, runs[0][-2000:])
+    assert counted <= kernel <= 1.02 * counted, (kernel, counted, runs[0][-2000:])
