@@ -150,3 +150,26 @@ def test_auto_logs_the_two_level_options_beside_its_choice():
     note = two_level_note(shapes, workload, cluster, choice.plan, ZeroPP())
     assert note.startswith("Two-level recommendation (changes the optimisation)")
     assert "CHANGE THE OPTIMISATION" in note and "--outer-sync-every" in note
+
+
+@pytest.mark.parametrize("inter_gbit", [1.0, 100.0])  # the sync longer than a step; hidden in one
+def test_overlap_hides_only_the_link_wait_where_the_cores_move_the_bytes(inter_gbit):
+    cluster, workload = _cluster(inter_gbit), _job()
+    shapes = shapes_of_config(SMALL, bucket_numel=workload.bucket_numel)
+    job, island, islands = island_job(workload, cluster, 1)
+    inner = plan(shapes, job, island).choice
+    choice = OuterChoice(1, 10, 1, 1, "none")
+    gpu = predict_two_level(choice, inner, shapes, workload, cluster).stages[0]
+    cpu = predict_two_level(choice, inner, shapes, workload, dataclasses.replace(cluster, overlap=False)).stages[0]
+    (t,) = gpu.sync_s
+    host = 2 * (islands - 1) * cluster.inter_latency + gpu.traffic.mean_inter * 10 / cluster.intra_bw
+    stage = inner.stages[0]
+    free = stage.step_s - stage.step_bytes[1] / (cluster.inter_bw / cluster.gpus_per_node)
+    republish = stage.exposed["refresh"] / 10
+    assert gpu.exposed_s == pytest.approx(max(max(0.0, t - free) / 10, t / 10 - free) + republish)
+    assert cpu.exposed_s == pytest.approx(host / 10 + max(max(0.0, t - host - free) / 10, (t - host) / 10 - free)
+                                          + republish)
+    assert cpu.exposed_s >= gpu.exposed_s
+    assert (t < free) == (inter_gbit == 100.0)
+    if t < free:  # the link wait hides entirely: only the cores' share stays
+        assert gpu.exposed_s == pytest.approx(republish) and cpu.exposed_s == pytest.approx(host / 10 + republish)

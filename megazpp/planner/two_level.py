@@ -18,8 +18,10 @@ What a row costs, per inner step, on the slowest pipeline stage:
 * overlap (`overlap_steps` tau >= 1, Streaming DiLoCo): a fragment's sync runs while tau inner
   steps compute, on the link time the inner step leaves free, so what is exposed per step is
   max(sum_f max(0, t_f - tau free) / H, sum_f t_f / H - free): a fragment longer than tau
-  steps waits, and the link cannot carry more than it has time for; without overlap every
-  sync blocks its step (sum_f t_f / H);
+  steps waits, and the link cannot carry more than it has time for; where the cores move the
+  bytes (`Cluster.overlap` false: CPU ranks) their share of t_f (the calls, the bytes at the
+  host's copy rate) is exposed whatever tau; without overlap every sync blocks its step
+  (sum_f t_f / H);
 * memory: the outer state (fp32 snapshot and momentum, + the error buffer under int4),
   sharded like the optimizer state (`zero.memory.outer_state_bytes`), on top of the island's.
 
@@ -159,8 +161,14 @@ def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], 
     republish = inner.exposed.get("refresh", 0.0)
     h = choice.sync_every
     if choice.overlap_steps:
+        # where the cores move the bytes (`Cluster.overlap` false), their share (the calls, the
+        # bytes at the host's copy rate) hides nothing, as in the synchronous model
+        host = [0.0 if cluster.overlap else min(t, calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1]
+                                                / cluster.intra_bw) for t, n in zip(sync_s, frags)]
+        wait = [t - c for t, c in zip(sync_s, host)]
         free = max(0.0, inner.step_s - inner.step_bytes[1] / cluster.inter_bw_per_rank)
-        link = max(sum(max(0.0, t - choice.overlap_steps * free) for t in sync_s) / h, sum(sync_s) / h - free)
+        link = sum(host) / h + max(sum(max(0.0, w - choice.overlap_steps * free) for w in wait) / h,
+                                   sum(wait) / h - free)
     else:
         link = sum(sync_s) / h
     state = memory.outer_state_bytes(strategy, padded, dp_size, group_size, STATE_COPIES[choice.quantize])
