@@ -29,9 +29,11 @@ from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.flops import training_flops_per_token
+from megazpp.model.compile import compile_layers
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
+from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -50,21 +52,20 @@ from megazpp.training.zero_factory import build_zero_engine
 
 
 def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """GPU LOCAL_RANK mod (GPUs), shared round robin when ranks outnumber GPUs (gloo only:
+    `startup.prepare` refused NCCL there), or the CPU."""
+    device = rank_device(int(os.environ.get("LOCAL_RANK", "0")), visible_gpus())
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    return device
 
 
-def init_distributed(cfg: Config, world_size: int, device: torch.device) -> bool:
-    """Start the process group torchrun describes; False when there is nothing to start (one
-    rank, or a caller such as a test launcher already started it and will end it)."""
+def init_distributed(cfg: Config, world_size: int, backend: str) -> bool:
+    """Start the process group torchrun describes on `backend`; False when there is nothing to
+    start (one rank, or a caller such as a test launcher already started it and will end it)."""
     if world_size <= 1 or dist.is_initialized():
         return False
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     return True
 
 
@@ -121,7 +122,10 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
                      pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
                      layer_range=topology.layer_range(cfg.model.num_layers))
     apply_trainable(model, cfg.training.trainable, cfg.model)
-    return model.to(device)
+    model = model.to(device)
+    if cfg.training.compile:
+        compile_layers(model.layers)
+    return model
 
 
 def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
@@ -132,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     start = prepare(args, world_size, torchrun_restart_count())
     device = pick_device()
-    started = init_distributed(start.cfg, world_size, device)
+    started = init_distributed(start.cfg, world_size, start.backend)
     try:
         return _train(start, device)
     finally:

@@ -52,7 +52,9 @@ def test_collective_probe_fits_every_op_and_group():
     assert received == 4 * (1 << 12) * 3  # fp32, a gloo ring of 4: each hop carries 3 chunks
     assert scatter == 2 * received  # gloo's reduce-scatter is the ring all-reduce of the whole buffer
     assert fits["all_gather/dp"][1][0] == received
-    assert timed / 5 < fits["all_gather/dp"][1][1] < timed * 5
+    # the probe times the call it names, in seconds: a unit slip (ms, us) or another call is off
+    # by 1000x or more, while two timings of one call on 2 loaded cores were seen 5.5x apart
+    assert timed / 50 < fits["all_gather/dp"][1][1] < timed * 50
     assert result["adam"] > 1e5  # elements per second
 
 

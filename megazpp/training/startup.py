@@ -26,7 +26,10 @@ from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
 from megazpp.config_checks import validate_config
+from megazpp.data.builder import parse_data_path
+from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
+from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
@@ -35,8 +38,10 @@ from megazpp.training.frozen_base import FrozenBase, run_base
 from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
-# stop, how long a collective may wait. Everything else shapes the run's state.
-RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes")
+# stop, how long a collective may wait, the transport and compilation, whether a tokenizer
+# mismatch is accepted. Everything else shapes the run's state.
+RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
+                 "parallel.distributed_backend", "training.compile", "data.allow_tokenizer_mismatch")
 
 
 @dataclass
@@ -48,18 +53,23 @@ class Startup:
     why: str  # why that directory (or why none), for the start-up banner
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
+    backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
 
 
 def torchrun_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config) -> list[str]:
+    """Refuse missing data settings, and data made by another tokenizer than --tokenizer-model
+    (unless --allow-tokenizer-mismatch); notes for what could not be checked."""
     if not cfg.data.data_path:
         raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
                           "'..._text_document' prefix) or set it in the config file")
     if not cfg.data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    return check_tokenizer_records(prefixes, cfg.data.tokenizer_model, cfg.data.allow_tokenizer_mismatch)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -113,29 +123,36 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
     return ck.save, f"--save {ck.save} (same settings)"
 
 
-def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
-    """Load and validate the config for `world_size` ranks (the model's tp x pp split
-    included), check inputs and fault specs, choose the checkpoint and check the frozen base
+def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
+            local_world_size: int | None = None) -> Startup:
+    """Load and validate the config for `world_size` ranks (`local_world_size` of them on each
+    node: LOCAL_WORLD_SIZE by default) with the model's tp x pp split, the backend for this
+    node's GPUs, check inputs and fault specs, choose the checkpoint and check the frozen base
     an adapters-only one needs; a MegazppError before any work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = resolve_backend(cfg.parallel.distributed_backend, local_world_size, visible_gpus())
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
-    check_inputs(cfg)
+    notes += check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
-    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir))
+    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """run.sh's check: `--world-size N` then pretrain_gpt.py's arguments; silent when fine."""
+    """run.sh's check: `--world-size N [--local-world-size R]` then pretrain_gpt.py's
+    arguments; silent when fine."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--local-world-size", type=int, default=None)
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    prepare(rest, known.world_size)
+    prepare(rest, known.world_size, local_world_size=known.local_world_size)
     return 0
 
 
