@@ -205,7 +205,9 @@ def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
             "--dtype", "fp32"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    synchronous, two_level = out.split("Two-level options")  # the synchronous table, then the two-level one
+    assert "CHANGE THE OPTIMISATION" in two_level
+    rows = [line for line in synchronous.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len({r.split("|")[2].split("+")[0].strip(" *<-") for r in rows}) == 14
     times = [float(r.split("|")[-2]) for r in rows]
     assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out

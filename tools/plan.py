@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                   persistence=workload.persistence_threshold)
         fixed = ZeroPP() if a.no_zeropp else None
         result = plan(shapes, workload, cluster, fixed_zeropp=fixed, tie=a.tie / 100)
-        two_level = None if a.no_two_level else plan_two_level(shapes, workload, cluster, fixed_zeropp=fixed)
+        two_level = (None if a.no_two_level or cluster.nodes < 2
+                     else plan_two_level(shapes, workload, cluster, fixed_zeropp=fixed))
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
