@@ -73,8 +73,9 @@ def _torchrun(node: int, master: str, port: int) -> list[str]:
 
 
 def test_collective_wire_bytes_per_operation(nodes, tmp_path):
-    """Direct-exchange operations put exactly the counted bytes on the link; ring-based ones
-    differ by the factor their algorithm implies (printed; see docs/arch/parallel.md)."""
+    """Every operation puts the counted bytes on the link (megazpp.parallel.wire's gloo model:
+    rings by their cross-node hops, reduce-scatter as gloo's all-reduce), within 2 %: TCP/IP
+    framing and ACKs, which the counter does not see (docs/arch/parallel.md)."""
     out = tmp_path / "wire.json"
     port = 29700 + os.getpid() % 200
     _on_both_nodes(lambda n: [*_torchrun(n, nodes, port), "-m", "megazpp.parallel.wire_check",
@@ -83,19 +84,15 @@ def test_collective_wire_bytes_per_operation(nodes, tmp_path):
     for name, row in sorted(ops.items()):
         print(f"{name:15s} counted {row['counted_inter_bytes']:>10d}  kernel {row['kernel_rx_bytes']:>10d}  "
               f"ratio {row['kernel_rx_bytes'] / row['counted_inter_bytes']:.3f}")
-    # Direct exchanges move exactly the counted payload (+ TCP/IP framing). The ring-based
-    # ones differ by what gloo's algorithms imply on 2 nodes x 2 ranks (docs/arch/parallel.md):
-    # a ring crosses nodes on 2 of its 4 hops (0.75x); reduce_scatter runs as a full all-reduce.
-    expected = {"all_to_all": 1.0, "broadcast": 1.0, "all_gather": 0.75, "all_reduce": 0.75,
-                "reduce_scatter": 1.5}
-    for name, ratio in expected.items():
+    for name in ("all_to_all", "broadcast", "all_gather", "all_reduce", "reduce_scatter"):
         measured = ops[name]["kernel_rx_bytes"] / ops[name]["counted_inter_bytes"]
-        assert abs(measured - ratio) <= 0.05 * ratio, (name, measured, ratio)
+        assert 1.0 <= measured <= 1.02, (name, measured)
 
 
 def test_two_node_training_through_run_sh(nodes, tmp_path, run_sh_data_dir):
     """2 nodes x 2 ranks (TP=2 inside each node, DP=2 across): the run completes and the
-    kernel's inter-node byte count agrees with the counted reports within 25%."""
+    kernel's inter-node byte count agrees with the counted reports within 2 % (measured 1.006:
+    TCP/IP framing, ACKs and the rendezvous, which no counter sees)."""
     data = run_sh_data_dir
     reports = tmp_path / "reports"
     port = 29900 + os.getpid() % 90
@@ -114,4 +111,4 @@ def test_two_node_training_through_run_sh(nodes, tmp_path, run_sh_data_dir):
     print(f"inter-node bytes: counted {counted}, kernel (veth rx, both nodes) {kernel}, "
           f"ratio {kernel / counted:.3f}")
     assert counted > 1_000_000, "the run moved too little across nodes to compare"
-    assert abs(kernel - counted) <= 0.25 * counted, (kernel, counted, runs[0][-2000:])
+    assert counted <= kernel <= 1.02 * counted, (kernel, counted, runs[0][-2000:])

@@ -205,7 +205,9 @@ def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
             "--dtype", "fp32"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    synchronous, two_level = out.split("Two-level options")  # the synchronous table, then the two-level one
+    assert "CHANGE THE OPTIMISATION" in two_level
+    rows = [line for line in synchronous.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len({r.split("|")[2].split("+")[0].strip(" *<-") for r in rows}) == 14
     times = [float(r.split("|")[-2]) for r in rows]
     assert times == sorted(times) and "Recommendation:" in out and "**<-**" in out
@@ -290,16 +292,16 @@ def test_probed_collective_times_replace_latency_and_bandwidth():
     assert measured_time(points, 2e6) == pytest.approx(5e-2 + (5e-2 - 3e-3) / 99e4 * 1e6)  # last segment
     base = _cluster(2, 2, backend="gloo", overlap=False)
     probed = dataclasses.replace(base, collective_times={"all_gather/dp": points})
-    shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2)
+    shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2, backend="gloo")
     gather = sequences.Collective("all_gather", "dp", 1)
     intra, inter, seconds = collective_time(gather, 4000, 4, shapes, probed)
-    assert (intra, inter) == (4000, 8000)  # 1000 fp32 from the node peer, 2000 from the other node
+    assert (intra, inter) == (6000, 6000)  # a ring of 4 hops of 3 x 4000 bytes, 2 of them between nodes
     assert seconds == pytest.approx(3e-3 + (5e-2 - 3e-3) * 2000 / 99e4)  # 12000 bytes: on the second segment
     assert host_time(gather, intra, inter, seconds, shapes, probed) == pytest.approx(min(seconds, 2e-3 + 12000 / 1e10))
     _, _, by_link = collective_time(gather, 4000, 4, shapes, base)  # not probed: latency + links in turn
-    assert by_link == pytest.approx(3 * 1e-4 + 4000 / 1e10 + 8000 / (1e9 / 2))
+    assert by_link == pytest.approx(3 * 1e-4 + 6000 / 1e10 + 6000 / (1e9 / 2))
     rs = sequences.Collective("reduce_scatter", "dp", 1)  # gloo: an all-reduce on the wire, twice the steps
-    assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (4000 / 1e10 + 8000 / 5e8))
+    assert collective_time(rs, 4000, 4, shapes, base)[2] == pytest.approx(6 * 1e-4 + 2 * (6000 / 1e10 + 6000 / 5e8))
 
 
 def test_planner_follows_zero_hierarchical():

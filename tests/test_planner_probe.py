@@ -31,9 +31,11 @@ def _probe_rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     groups = {**probe.dp_groups(topo), "hpz": (None, 1)}  # hpZ off: a group of one
     fits = probe.probe_collectives(groups, sizes=(1 << 8, 1 << 12, 1 << 18), repeats=3)
-    call, received = probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group)
+    call = probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group)
+    received = probe._recorded(call)
     timed = probe._timed_calls(call, topo.dp_group, 5, rounds=1)
-    return {"fits": fits, "check": (timed, received), "adam": probe.probe_optimizer_rate(1 << 16, 2)}
+    scatter = probe._recorded(probe._calls("reduce_scatter", 1 << 12, topo.dp, topo.dp_group))
+    return {"fits": fits, "check": (timed, received, scatter), "adam": probe.probe_optimizer_rate(1 << 16, 2)}
 
 
 def test_collective_probe_fits_every_op_and_group():
@@ -46,8 +48,9 @@ def test_collective_probe_fits_every_op_and_group():
         times = [t for _, t in points]
         assert sizes == sorted(sizes) and times == sorted(times) and times[0] > 0  # raised where noisy
         assert all(math.isfinite(t) for t in times)
-    timed, received = result["check"]
-    assert received == 4 * (1 << 12) * 3  # fp32, three peers: the middle probed size
+    timed, received, scatter = result["check"]
+    assert received == 4 * (1 << 12) * 3  # fp32, a gloo ring of 4: each hop carries 3 chunks
+    assert scatter == 2 * received  # gloo's reduce-scatter is the ring all-reduce of the whole buffer
     assert fits["all_gather/dp"][1][0] == received
     # the probe times the call it names, in seconds: a unit slip (ms, us) or another call is off
     # by 1000x or more, while two timings of one call on 2 loaded cores were seen 5.5x apart

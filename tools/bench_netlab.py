@@ -8,13 +8,17 @@ of them all (OUT/netlab.png).
     sudo python tools/bench_netlab.py --rates 1gbit --only zero3,zeropp,ds-zero3 --steps 5
     sudo python tools/bench_netlab.py --rates loopback --steps 3 -- --hidden-size 64 --num-layers 2
     sudo python tools/bench_netlab.py --rates 1gbit --lora-rank 16 --out runs/bench_netlab_lora
+    sudo python tools/bench_netlab.py --rates 100mbit,1gbit --steps 40 --warmup 20 \
+        --only zero3,zeropp,diloco-h20-bf16,diloco-h20-int4,diloco-h20-bf16-stream   # two-level rows
 
 Settings: a tc rate (`1gbit`, `10gbit`, ...: netlab up, per-node link shaped) or `loopback`
 (no netlab: both node launchers on 127.0.0.1; no link counters). Arguments after `--` go to
 every run (pretrain_gpt.py flags, understood by the DeepSpeed peer too). `--lora-rank R` puts
 rank-R LoRA adapters on every linear of every run (only they train), runs the configurations
 that work with frozen weights (`megazpp.bench.peft`) and prints the PaRO paper's PEFT verdict
-(`--pick`, by default ING, against ZeRO-3). Needs root for
+(`--pick`, by default ING, against ZeRO-3). The two-level rows (`diloco-*`: ZeRO-3 inside each
+node, DiLoCo across nodes every 20 steps) need --steps and --steps minus --warmup to be multiples
+of 20, so their per-step bytes and (mean) step time include the outer syncs. Needs root for
 netlab, and the sample data that `run.sh` builds (data/). netlab is taken down on any exit.
 """
 
@@ -31,7 +35,7 @@ import time
 from megazpp.bench import launch, results
 from megazpp.bench.peft import peft_configs, verdict
 from megazpp.bench.plot import plot_settings
-from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, select
+from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, check_steps, select, steps_fit
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
@@ -119,12 +123,13 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     try:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,
-                                   wire_bytes=wire, wall_s=wall, failure=failure, warmup=ns.warmup)
+                                   wire_bytes=wire, wall_s=wall, failure=failure, warmup=ns.warmup,
+                                   amortised=config.sync_every is not None)
     except MegazppError as exc:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,
                                    wire_bytes=wire, wall_s=wall, failure=f"unreadable results: {exc}",
-                                   warmup=ns.warmup)
+                                   warmup=ns.warmup, amortised=config.sync_every is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.list:
         print("\n".join(c.name for c in configs))
         return 0
+    if ns.only is None:  # the default sweep: two-level rows only where the run measures whole intervals
+        left = [c.name for c in configs if not steps_fit(c, ns.steps, ns.warmup)]
+        configs = [c for c in configs if c.name not in left]
+        if left:
+            print(f"leaving out {', '.join(left)}: --steps {ns.steps} --warmup {ns.warmup} do not measure whole "
+                  f"outer intervals (name them with --only to be told what fits)", flush=True)
+    check_steps(configs, ns.steps, ns.warmup)
     prefix, tokenizer = check_data(ns.data_dir)
     shared = ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
               "--train-iters", str(ns.steps), "--ranks-per-node", str(layout.ranks_per_node), *ns.extra]

@@ -5,7 +5,9 @@ from the same file unless overridden) or from its dimensions (`--arch --num-laye
 --hidden-size --num-attention-heads ...`, the training job's flags; `--params` picks the FFN width that gives that parameter count). The cluster is
 described by flags, with `--accelerator` filling in typical memory, compute and NVLink values.
 Memory and byte terms are `megazpp.zero.memory` and `traffic` (what the engine's tests assert); the
-planner adds activations, timing and the fit test (docs/planning.md).
+planner adds activations, timing and the fit test (docs/planning.md). With 2 nodes or more, the
+two-level options follow (synchronous ZeRO inside islands, DiLoCo across them: a different
+optimisation, marked so), with a recommended H, fragment count, overlap and outer quantization.
 
     python tools/plan.py --accelerator h100-80gb --nodes 8 --gpus-per-node 8 --inter-gbit 400 \\
         --arch llama --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \\
@@ -26,8 +28,9 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.flops import parameter_count
 from megazpp.planner.cluster import ACCELERATORS, GIB, Cluster, gbit
 from megazpp.planner.plan import plan
-from megazpp.planner.report import summary, table
+from megazpp.planner.report import summary, table, two_level_reason, two_level_table
 from megazpp.planner.shape import shapes_of_config
+from megazpp.planner.two_level import plan_two_level
 from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
 from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.zeropp import ZeroPP
@@ -72,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--no-zeropp", action="store_true", help="plain PaRO strategies only")
     o.add_argument("--top", type=int, help="print only the first N rows")
+    o.add_argument("--no-two-level", action="store_true",
+                   help="leave out the two-level options (DiLoCo across islands of whole nodes)")
     o.add_argument("--tie", type=float, default=2.0,
                    help="percent: options this close to the fastest count as tied; the smallest footprint wins")
     return p
@@ -149,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                                   threshold=workload.module_granularity_threshold, fetch_mode=workload.fetch_groups,
                                   trainable_fraction=workload.trainable_fraction,
                                   persistence=workload.persistence_threshold)
-        result = plan(shapes, workload, cluster, fixed_zeropp=ZeroPP() if a.no_zeropp else None, tie=a.tie / 100)
+        fixed = ZeroPP() if a.no_zeropp else None
+        result = plan(shapes, workload, cluster, fixed_zeropp=fixed, tie=a.tie / 100)
+        two_level = (None if a.no_two_level or cluster.nodes < 2
+                     else plan_two_level(shapes, workload, cluster, fixed_zeropp=fixed))
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -158,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result, a.top))
     print()
     print(f"Recommendation: {result.reason}")
+    if two_level is not None:
+        print()
+        print(two_level_table(two_level, result))
+        print()
+        print(two_level_reason(two_level, result))
     return 0
 
 

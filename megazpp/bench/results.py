@@ -8,7 +8,7 @@ is estimated: a number a run did not produce is None and prints as "n/a".
 
 Per-step numbers:
 * step time = median over the steps after the first `warmup` (default 1) of tokens_per_step /
-  tokens_per_sec (the first steps pay for one-time work: first gathers, recorded execution
+  tokens_per_sec (for two-level rows the mean: their outer syncs fall on one step in H) (the first steps pay for one-time work: first gathers, recorded execution
   order, allocator growth, and with compiled CPU quantizers one compilation per new shape);
   with no step left: the last one;
 * counted inter-node bytes per step = sum over ranks of each rank's received inter-node
@@ -59,11 +59,15 @@ class Row:
     wall_s: float | None = None
 
 
-def step_time(tokens_per_sec: Sequence[float], tokens_per_step: int, warmup: int = 1) -> float:
+def step_time(tokens_per_sec: Sequence[float], tokens_per_step: int, warmup: int = 1,
+              amortised: bool = False) -> float:
+    """The median step after `warmup`; with `amortised` (two-level rows, whose outer syncs fall
+    on one step in H) the mean, so the syncs' time is spread over the steps as their bytes are."""
     times = [tokens_per_step / v for v in tokens_per_sec if v > 0 and math.isfinite(v)]
     if not times:
         raise DataError("no finite positive perf/tokens_per_sec point: the run logged no step")
-    return statistics.median(times[warmup:] if len(times) > warmup else times[-1:])
+    kept = times[warmup:] if len(times) > warmup else times[-1:]
+    return statistics.mean(kept) if amortised else statistics.median(kept)
 
 
 def calls_per_step(calls_at_steps: Sequence[int], warmup: int = 1) -> float | None:
@@ -84,7 +88,7 @@ def _read_json_files(pattern: str) -> list[dict[str, Any]]:
 
 def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_step: int,
                 world_size: int, wire_bytes: int | None, wall_s: float,
-                failure: str | None = None, warmup: int = 1) -> Row:
+                failure: str | None = None, warmup: int = 1, amortised: bool = False) -> Row:
     """The row of one finished (or failed) run whose files are under `run_dir`."""
     row = Row(name, runner, "ok" if failure is None else f"failed: {failure}", steps, wall_s=wall_s)
     if failure is not None:
@@ -92,7 +96,7 @@ def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_
     run = read_run(os.path.join(run_dir, "tb"), name)
     if "perf/tokens_per_sec" not in run.scalars or "train/loss" not in run.scalars:
         raise DataError(f"{run_dir}/tb: no train/loss or perf/tokens_per_sec scalars")
-    row.step_time_s = step_time(run.scalars["perf/tokens_per_sec"].values.tolist(), tokens_per_step, warmup)
+    row.step_time_s = step_time(run.scalars["perf/tokens_per_sec"].values.tolist(), tokens_per_step, warmup, amortised)
     row.tokens_per_s = tokens_per_step / row.step_time_s
     row.final_loss = float(run.scalars["train/loss"].values[-1])
     comm = _read_json_files(os.path.join(run_dir, "comm_rank*.json"))

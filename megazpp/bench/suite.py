@@ -28,6 +28,13 @@ class BenchConfig:
     ds_zero: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def sync_every(self) -> int | None:
+        """H of a two-level row (`--outer-sync-every`), None for a synchronous one."""
+        if "--outer-sync-every" not in self.flags:
+            return None
+        return int(self.flags[self.flags.index("--outer-sync-every") + 1])
+
+    @property
     def script(self) -> str:
         return PRETRAIN_SCRIPT if self.runner == MEGAZPP else PEER_SCRIPT
 
@@ -52,6 +59,7 @@ def all_configs(ranks_per_node: int) -> list[BenchConfig]:
         BenchConfig("zeropp+loco", MEGAZPP, zero3 + qwz + hpz_flags + qgz + ("--loco",)),
     ]
     configs += [BenchConfig(f"paro-{name}", MEGAZPP, ("--paro-strategy", name)) for name in VALID_NAMES]
+    configs += two_level_configs()
     configs += [
         BenchConfig("ds-zero3", DEEPSPEED),
         BenchConfig("ds-zero3+hpz", DEEPSPEED, ds_zero={"zero_hpz_partition_size": ranks_per_node}),
@@ -61,6 +69,42 @@ def all_configs(ranks_per_node: int) -> list[BenchConfig]:
         BenchConfig("ds-zero3+qgz", DEEPSPEED, ds_zero={"zero_quantized_gradients": True}),
     ]
     return configs
+
+
+TWO_LEVEL_SYNC_EVERY = 20
+
+
+def two_level_configs() -> list[BenchConfig]:
+    """Issue 28's two-level rows: ZeRO-3 inside each island (one node: its 2 ranks), DiLoCo
+    across islands every 20 inner steps, with bf16 outer gradients, int4, and bf16 streamed in 4
+    fragments each overlapped by one inner step. The flags are the `outer` section's
+    (megazpp/outer/settings.py, docs/flags.md); these rows change the optimisation, so their
+    losses are not the synchronous rows'."""
+    base = ("--zero-stage", "3", "--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
+    return [BenchConfig("diloco-h20-bf16", MEGAZPP, base + ("--outer-quantize", "bf16")),
+            BenchConfig("diloco-h20-int4", MEGAZPP, base + ("--outer-quantize", "int4")),
+            BenchConfig("diloco-h20-bf16-stream", MEGAZPP,
+                        base + ("--outer-quantize", "bf16", "--outer-fragments", "4", "--outer-overlap-steps", "1"))]
+
+
+def steps_fit(c: BenchConfig, steps: int, warmup: int) -> bool:
+    """Whether a run of `steps` (`warmup` of them left out of the step time) measures whole
+    outer intervals of `c` (always, for a synchronous row)."""
+    h = c.sync_every
+    return h is None or (steps % h == 0 and (steps - warmup) % h == 0)
+
+
+def check_steps(configs: Sequence[BenchConfig], steps: int, warmup: int) -> None:
+    """Two-level rows move their outer bytes once per H steps: a run whose measured steps (after
+    `warmup`) are not whole intervals would report per-step bytes and times without their share
+    of the syncs, so it is refused."""
+    for c in configs:
+        h = c.sync_every
+        if not steps_fit(c, steps, warmup):
+            raise ConfigError(f"--steps {steps} --warmup {warmup}: {c.name} syncs every {h} inner steps; give "
+                              f"--steps and --steps minus --warmup as multiples of {h} (e.g. --steps {2 * h} "
+                              f"--warmup {h}) so the per-step numbers include its outer syncs, or leave it out "
+                              f"with --only")
 
 
 def select(configs: Sequence[BenchConfig], names: Sequence[str] | None) -> list[BenchConfig]:

@@ -4,16 +4,14 @@ Why one choke point: every byte that moves between ranks is counted here (see `c
 per operation, per purpose tag and per link class (intra-node / inter-node), so
 communication volume is a measured, tested number rather than a belief.
 
-Byte convention (docs/arch/parallel.md): a rank counts the logical payload it RECEIVES from
-each other member of the collective, filed by that member's node:
-- all_gather_into_tensor: the input size from every other member (output / k each);
-- reduce_scatter_tensor: the output size from every other member (input / k each);
-- all_reduce: reduce-scatter + all-gather, i.e. 2 * N / k from every other member;
-- all_to_all_single: the slice of the output that each other member sends;
-- broadcast / recv: the whole tensor from the source; send and barrier count nothing.
-The count is of the operation, not of the transport's algorithm, so it is the same on gloo
-and NCCL. Where gloo lacks a native operation it is emulated (see `_EMULATED`), counted by the
-same convention; the emulation's extra wire cost is documented in docs/arch/parallel.md.
+Byte convention (docs/arch/parallel.md): a rank counts the bytes the backend in use puts on
+the links for it, filed intra- or inter-node, by the one formula the traffic formulas and the
+planner also use (`megazpp.parallel.wire`). On gloo, rings in group-rank order: each member
+counts an equal share of the ring's hops, by the nodes they join, and a reduce-scatter is the
+all-reduce gloo runs for it; all_to_all, broadcast (a binomial tree on gloo) and recv count
+what comes from the sending member. On other backends (NCCL) the volume model of the ZeRO
+papers: the logical payload from each other member (N / k per member for a gather or scatter,
+2 N / k for an all-reduce). Summed over ranks, each byte on a link is counted once.
 
 Without an initialised process group every operation is the local identity of a world of
 one, so single-process code runs the same code path.
@@ -45,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megazpp.errors import CommunicationError, MegazppError, TopologyError
+from megazpp.parallel import wire
 from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
 
 ReduceOp = dist.ReduceOp
@@ -171,6 +170,12 @@ def group_ranks(group: ProcessGroup | None = None) -> list[int]:
     return _group_ranks[group]
 
 
+def backend() -> str:
+    """The process group's backend ("gloo", "nccl"); "none" without one (a world of one,
+    where no group moves a byte)."""
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
 def group_size(group: ProcessGroup | None = None) -> int:
     if not dist.is_initialized():
         return 1
@@ -205,14 +210,17 @@ def _record_from_peers(op: str, tag: str | None, group: ProcessGroup | None, per
     counter.record(op, tag or op, intra, inter)
 
 
+def _shape(group: ProcessGroup | None) -> wire.GroupShape:
+    return wire.GroupShape.of(group_ranks(group), dist.get_rank(), ranks_per_node(), dist.get_backend(group))
+
+
+def _record_chunks(op: str, tag: str | None, group: ProcessGroup | None, chunk: int) -> None:
+    """An all_gather / reduce_scatter / all_to_all of `chunk` bytes per member (`wire.chunk_bytes`)."""
+    counter.record(op, tag or op, *wire.chunk_bytes(op, _shape(group), chunk))
+
+
 def _record_all_reduce(tag: str | None, group: ProcessGroup | None, nbytes: int) -> None:
-    """2N/k from each other member, summed per link class before the division so it is exact."""
-    ranks = group_ranks(group)
-    k, me = len(ranks), dist.get_rank()
-    intra_peers = sum(1 for p in ranks if p != me and node_of(p) == node_of(me))
-    inter_peers = k - 1 - intra_peers
-    counter.record("all_reduce", tag or "all_reduce", 2 * nbytes * intra_peers // k,
-                   2 * nbytes * inter_peers // k)
+    counter.record("all_reduce", tag or "all_reduce", *wire.all_reduce_bytes(nbytes, _shape(group)))
 
 
 def _native(name: str, call: Any) -> Any:
@@ -266,7 +274,7 @@ def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, grou
     if len(parts) != group_size(group) or any(p.numel() != inp.numel() for p in parts):
         raise ValueError(f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
                          f"elements, expected {group_size(group)} of {inp.numel()}")
-    _record_from_peers("all_gather", tag, group, _nbytes(inp))
+    _record_chunks("all_gather", tag, group, _nbytes(inp))
     work = dist.all_gather(list(parts), inp.reshape(-1).contiguous(), group=group, async_op=async_op)
     return work if async_op else None
 
@@ -281,7 +289,7 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessG
     if out.numel() != inp.numel() * group_size(group):
         raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
                          f"{group_size(group)} x {inp.numel()}")
-    _record_from_peers("all_gather", tag, group, _nbytes(inp))
+    _record_chunks("all_gather", tag, group, _nbytes(inp))
     if "all_gather" not in _EMULATED:
         work = _native("all_gather", lambda: _all_gather_native(out, inp, group, async_op))
         if "all_gather" not in _EMULATED:
@@ -321,7 +329,7 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, g
     if inp.numel() != out.numel() * group_size(group):
         raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                          f"{group_size(group)} x {out.numel()}")
-    _record_from_peers("reduce_scatter", tag, group, _nbytes(out))
+    _record_chunks("reduce_scatter", tag, group, _nbytes(out))
     if "reduce_scatter" not in _EMULATED:
         work = _native("reduce_scatter", lambda: _reduce_scatter_native(out, inp, op, group, async_op))
         if "reduce_scatter" not in _EMULATED:
@@ -362,7 +370,7 @@ def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any
     if not dist.is_initialized():
         return _Kept(_Done(), parts[0])
     mine = parts[group_rank(group)]
-    _record_from_peers("reduce_scatter", tag, group, _nbytes(mine))
+    _record_chunks("reduce_scatter", tag, group, _nbytes(mine))
     if dist.get_backend(group) == "gloo":
         return _Kept(dist.all_reduce(t, op=op, group=group, async_op=True), mine)
     in_order = all(p.data_ptr() == t.data_ptr() + i * mine.numel() * t.element_size() for i, p in enumerate(parts))
@@ -403,10 +411,9 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
     if output_split_sizes is None:
         if out.shape[0] % k:
             raise ValueError(f"all_to_all_single: dim 0 of size {out.shape[0]} does not divide by {k}")
-        per_peer: list[int] | int = _nbytes(out) // k
+        _record_chunks("all_to_all", tag, group, _nbytes(out) // k)
     else:
-        per_peer = [s * row for s in output_split_sizes]
-    _record_from_peers("all_to_all", tag, group, per_peer)
+        _record_from_peers("all_to_all", tag, group, [s * row for s in output_split_sizes])
     if "all_to_all" not in _EMULATED:
         work = _native("all_to_all", lambda: dist.all_to_all_single(
             out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op))
@@ -424,8 +431,11 @@ def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None = None, asyn
     if not dist.is_initialized():
         return _Done() if async_op else None
     if dist.get_rank() != src:
-        _record_from_peers("broadcast", tag, group, [_nbytes(t) if p == src else 0
-                                                     for p in group_ranks(group)])
+        ranks = group_ranks(group)
+        sender = src
+        if dist.get_backend(group) in wire.RING_BACKENDS:  # gloo: from my parent in its binomial tree
+            sender = ranks[wire.broadcast_parent(ranks.index(dist.get_rank()), ranks.index(src), len(ranks))]
+        _record_from_peers("broadcast", tag, group, [_nbytes(t) if p == sender else 0 for p in ranks])
     else:
         counter.record("broadcast", tag or "broadcast", 0, 0)
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
@@ -521,7 +531,12 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None, tag: str | No
         return [obj]
     out: list[Any] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
-    _record_from_peers("all_gather_object", tag, group, [len(pickle.dumps(o)) for o in out])
+    sizes = [len(pickle.dumps(o)) for o in out]
+    if dist.get_backend(group) in wire.RING_BACKENDS:  # torch gathers the sizes, then each object padded to the largest
+        counter.record("all_gather_object", tag or "all_gather_object",
+                       *wire.chunk_bytes("all_gather", _shape(group), max(sizes) + 8))
+    else:
+        _record_from_peers("all_gather_object", tag, group, sizes)
     return out
 
 

@@ -4,8 +4,8 @@ Why a counter at all: the claims of ZeRO++ and PaRO are claims about bytes cross
 inter-node link. Counting them where every collective passes (`comm`) turns those claims into
 numbers that tests assert and TensorBoard plots.
 
-Convention (docs/arch/parallel.md): each rank counts the logical payload it RECEIVES from
-each peer of the collective, and files it under "intra" or "inter" by the peer's node.
+Convention (docs/arch/parallel.md): each rank counts the bytes the backend in use puts on the
+links for it (`megazpp.parallel.wire`), filed under "intra" or "inter" by the link.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class CommCounter:
                            **(extra or {})})
 
 
-CONVENTION = ("bytes each rank RECEIVES from each peer of a collective (logical payload), "
-              "classed intra/inter by the peer's node; world sums count every transfer once")
+CONVENTION = ("bytes the backend's algorithm puts on the links for each rank (gloo: an equal share of "
+              "each ring's hops, reduce-scatter as the all-reduce gloo runs; nccl: the logical payload "
+              "from each peer), classed intra/inter by the link; world sums count every transfer once")
 
 
 def write_json_atomic(path: str, report: dict[str, Any]) -> None:

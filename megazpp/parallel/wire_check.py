@@ -2,11 +2,9 @@
 counts for it: `python -m megazpp.parallel.wire_check --out FILE [--mib N]`, launched by
 torchrun on every node of a netlab (tools/netlab.sh) or of a real cluster.
 
-Why: the counter's convention is the logical payload of an operation, independent of the
-algorithm the backend picks. Rings that span nodes move less across the node boundary than
-that (some members relay), chained reductions more; this tool puts a number on the
-difference per operation and backend, from the kernel's own byte counters of the node's
-inter-node interface (`/sys/class/net/IFACE/statistics`, IFACE from `--iface`, default eth0).
+Why: the counter records what its link model (`megazpp.parallel.wire`) says the backend's
+algorithm puts on each link; this tool checks that model per operation and backend against the
+kernel's own byte counters of the node's inter-node interface (`/sys/class/net/IFACE/statistics`, IFACE from `--iface`, default eth0).
 Each operation runs between barriers; the local rank 0 of every node reads its interface,
 and the global rank 0 writes one JSON: per operation the counted inter-node bytes (world
 sum) and the bytes the kernel saw received on the nodes' links (sum over nodes).

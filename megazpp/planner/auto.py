@@ -27,7 +27,8 @@ from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
-from megazpp.planner.report import table
+from megazpp.planner.report import table, two_level_reason, two_level_table
+from megazpp.planner.two_level import plan_two_level
 from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
@@ -173,11 +174,23 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: P
     if topology.rank == 0:
         log.info("zero: paro_strategy auto -> %s (runner-up %s): %s\n%s", name, runner, choice.plan.reason,
                  table(choice.plan))
+        if cluster.nodes > 1:
+            log.info("zero: paro_strategy auto: %s", two_level_note([shapes[s] for s in sorted(shapes)], workload,
+                                                                    cluster, choice.plan,
+                                                                    _zeropp_of(cfg, topology)))
     if name != choice.strategy.name:
         log.warning("zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s",
                     choice.strategy.name, name)
         choice = Choice(parse_strategy(name), runner, choice.plan, cluster)
     return choice
+
+
+def two_level_note(shapes: list[StageShape], workload: Workload, cluster: Cluster, synchronous: Plan,
+                   zeropp: ZeroPP) -> str:
+    """The two-level options beside the synchronous choice (never chosen by `auto`: they change
+    the optimisation; a user opts in with the `outer` section, whose flags the note gives)."""
+    two = plan_two_level(shapes, workload, cluster, fixed_zeropp=zeropp)
+    return f"{two_level_reason(two, synchronous)}\n{two_level_table(two, synchronous)}"
 
 
 def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,

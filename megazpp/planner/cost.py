@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from megazpp.errors import ConfigError
 from megazpp.model.flops import training_flops_per_token
+from megazpp.parallel import wire
 from megazpp.planner.activations import stage_activation_bytes
 from megazpp.planner.cluster import Cluster
 from megazpp.planner.shape import StageShape
@@ -71,12 +72,12 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     if k < 1 or d % k:
         raise ConfigError(f"paro_group_size = {k}: expected a positive divisor of the data-parallel size {d}")
     dp_ranks = [workload.tp * j for j in range(d)]
-    shapes = sequences.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz)
+    shapes = sequences.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz, cluster.backend)
     rpn = cluster.gpus_per_node
-    tp_group = sequences.GroupShape.of(list(range(workload.tp)), 0, rpn)
+    tp_group = sequences.GroupShape.of(list(range(workload.tp)), 0, rpn, cluster.backend)
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
     extra = tuple(g for g, size in ((tp_group, workload.tp),
-                                    (sequences.GroupShape.of(pp_ranks, 0, rpn), workload.pp)) if size > 1)
+                                    (sequences.GroupShape.of(pp_ranks, 0, rpn, cluster.backend), workload.pp)) if size > 1)
     return Layout(d, k, shapes, traffic.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
                   workload.pp > 1 and pp_ranks[1] // rpn != 0)
 
@@ -130,7 +131,7 @@ def norm_phase(s: Strategy, lay: Layout, cluster: Cluster) -> Phase:
     total = Phase()
     for g in traffic.norm_shapes(s, lay.shapes, lay.extra_norm_groups):
         if g.size > 1:
-            total = total + Phase(*traffic.all_reduce_bytes(4, g), group_all_reduce_time(4, g, cluster), 1)
+            total = total + Phase(*wire.all_reduce_bytes(4, g), group_all_reduce_time(4, g, cluster), 1)
     return total
 
 

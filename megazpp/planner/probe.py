@@ -115,19 +115,25 @@ def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: in
     return total / (rounds * repeats)
 
 
-def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> tuple[Any, float]:
+def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Any:
     """A call of `op` moving `numel` elements per member, made as the ZeRO engine makes it
-    (`zero.collectives`: into / in place on views of one flat buffer), and the bytes one rank
-    receives by the convention of `traffic.collective_bytes`."""
+    (`zero.collectives`: into / in place on views of one flat buffer)."""
     shard, whole = torch.ones(numel), torch.ones(numel * size)
     parts = list(whole.chunk(size))
     if op == "all_gather":
-        return lambda: comm.all_gather_into_parts(parts, shard, group=group, tag="planner/probe"), \
-            4.0 * numel * (size - 1)
+        return lambda: comm.all_gather_into_parts(parts, shard, group=group, tag="planner/probe")
     if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter_parts(whole, parts, group=group, tag="planner/probe").wait(), \
-            4.0 * numel * (size - 1)
-    return lambda: comm.all_reduce(whole, group=group, tag="planner/probe"), 2.0 * 4 * numel * (size - 1)
+        return lambda: comm.reduce_scatter_parts(whole, parts, group=group, tag="planner/probe").wait()
+    return lambda: comm.all_reduce(whole, group=group, tag="planner/probe")
+
+
+def _recorded(call: Any) -> float:
+    """Bytes (intra + inter) the counter records for one `call`: the axis `timing.measured_time`
+    reads the points on, the formula `traffic.collective_bytes` prices (`parallel.wire`)."""
+    before = comm.counter.step_totals()
+    call()
+    after = comm.counter.step_totals()
+    return float(after["intra"] + after["inter"] - before["intra"] - before["inter"])
 
 
 def probe_collectives(groups: dict[str, tuple[ProcessGroup | None, int]], sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
@@ -147,7 +153,8 @@ def probe_collectives(groups: dict[str, tuple[ProcessGroup | None, int]], sizes:
             if (id(group), op) not in timed:
                 points: list[tuple[float, float]] = []
                 for numel in sorted(sizes):
-                    call, received = _calls(op, numel, size, group)
+                    call = _calls(op, numel, size, group)
+                    received = _recorded(call)
                     seconds = _timed_calls(call, group, repeats)
                     points.append((received, max(seconds, points[-1][1] if points else 0.0)))
                 timed[(id(group), op)] = tuple(points)

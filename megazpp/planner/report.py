@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Plan
+from megazpp.planner.two_level import TwoLevelPlan, digest
 from megazpp.planner.workload import Workload
 
 
@@ -42,3 +43,40 @@ def summary(p: Plan, workload: Workload, cluster: Cluster) -> str:
             f"{', activation checkpointing' if workload.activation_checkpointing else ''}"
             f"{f', trainable fraction {workload.trainable_fraction:g}' if workload.trainable_fraction < 1 else ''}"
             f"{' (frozen weights sharded at p)' if workload.trainable_fraction < 1 else ''}")
+
+
+def two_level_table(tp: TwoLevelPlan, synchronous: Plan) -> str:
+    """The two-level rows (`two_level.digest`) beside the best synchronous option's step time;
+    headed by what they are: a different optimisation, not the same training made faster."""
+    best = synchronous.choice.step_s if synchronous.choice else None
+    head = ["Two-level options (DiLoCo across islands: they CHANGE THE OPTIMISATION, the losses are not "
+            "those of the synchronous rows above; outer GB per rank, mean per inner step and the peak step):",
+            "",
+            "| # | option | fits | outer state GiB | total GiB | outer inter GB/step | peak GB | inner step s | "
+            "exposed outer s | step s | vs best synchronous |", "|" + "---|" * 11]
+    lines = []
+    for i, row in enumerate(digest(tp), 1):
+        mark = " **<-**" if row is tp.choice else ""
+        state = max(o.state_bytes for o in row.stages)
+        speed = f"{best / row.step_s:.2f}x" if best else "n/a"
+        lines.append(f"| {i} | {row.name}{mark} | {'yes' if row.fits else 'NO'} | {_g(state)} | "
+                     f"{_g(row.memory_bytes)} | {row.mean_inter_bytes / 1e9:.3f} | {row.peak_inter_bytes / 1e9:.3f} | "
+                     f"{row.inner_step_s:.3f} | {row.exposed_s:.3f} | {row.step_s:.3f} | {speed} |")
+    if not lines:
+        return "Two-level options: none (fewer than 2 islands of whole nodes, or nothing fits)."
+    return "\n".join(head + lines)
+
+
+def two_level_reason(tp: TwoLevelPlan, synchronous: Plan) -> str:
+    """One line: the recommended two-level setting, its flags, and why."""
+    c = tp.choice
+    if c is None:
+        return "Two-level recommendation: none (fewer than 2 islands of whole nodes, or nothing fits)."
+    rule = ("the smallest H whose outer traffic costs at most 10 % of the inner step, with the least "
+            "compression" if c.within_budget else "no setting keeps the outer traffic within 10 % of the "
+            "inner step; the fastest")
+    best = synchronous.choice.step_s if synchronous.choice else None
+    versus = f", {best / c.step_s:.2f}x the best synchronous option ({best:.3f} s)" if best else ""
+    return (f"Two-level recommendation (changes the optimisation): {c.outer.name}, {c.inner.name} inside each island, "
+            f"predicted {c.step_s:.3f} s/step (inner {c.inner_step_s:.3f} s + exposed outer {c.exposed_s:.3f} s)"
+            f"{versus}; {rule}; flags: {c.outer.flags()}")

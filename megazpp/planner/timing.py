@@ -9,11 +9,12 @@ A collective over a group of g ranks takes
     latency x (g - 1) ring steps (x 2 for an all-reduce)
     + max(intra bytes / intra bandwidth, inter bytes / inter bandwidth per rank)
 
-where the bytes are what this rank receives by the comm counter's convention, the latency is
-the inter-node one when any member sits on another node, and the inter-node bandwidth per rank
-is the node's bandwidth shared by its ranks. Intra and inter transfers of one collective run
-concurrently, so the slower link sets the time. On gloo, reduce-scatter is a full ring
-all-reduce on the wire (docs/arch/parallel.md), so its bytes count twice. Where the
+where the bytes are what the comm counter records for this rank (`megazpp.parallel.wire`: on
+gloo an equal share of each ring's hops, a reduce-scatter being the all-reduce gloo runs, so
+the bytes are already those on the wire), the latency is the inter-node one when any member
+sits on another node, and the inter-node bandwidth per rank is the node's bandwidth shared by
+its ranks (the node's ranks' shares add up to what its link carries). Intra and inter
+transfers of one collective run concurrently, so the slower link sets the time. Where the
 collectives cost host time (gloo on CPU cores shared by several ranks, as in the netlab
 calibration: a 4-rank all-gather of 4 KB took 2.9 ms, twice what the ring-step latency of a
 2-rank all-reduce predicts, and gloo's all-gather received 0.6 GB/s where its all-reduce
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megazpp.parallel import wire
 from megazpp.planner.cluster import Cluster
 from megazpp.zero import sequences, traffic
 
@@ -37,9 +39,9 @@ def link_time(intra: float, inter: float, cluster: Cluster) -> float:
     return max(times) if cluster.overlap else sum(times)
 
 
-def _wire(c: sequences.Collective, cluster: Cluster) -> int:
-    """Times a collective's bytes cross the wire: gloo runs a reduce-scatter as an all-reduce."""
-    return 2 if cluster.backend == "gloo" and c.op == "reduce_scatter" else 1
+def _ring_passes(c: sequences.Collective, cluster: Cluster) -> int:
+    """Passes around the ring: 2 for an all-reduce and for gloo's reduce-scatter (it runs one)."""
+    return 2 if c.op == "all_reduce" or (cluster.backend == "gloo" and c.op == "reduce_scatter") else 1
 
 
 def _probed(c: sequences.Collective, cluster: Cluster) -> Sequence[tuple[float, float]] | None:
@@ -52,7 +54,7 @@ def _call_time(c: sequences.Collective, group: sequences.GroupShape, cluster: Cl
     points = _probed(c, cluster)
     if points:
         return points[0][1]
-    steps = (group.size - 1) * (2 if c.op == "all_reduce" else _wire(c, cluster))
+    steps = (group.size - 1) * _ring_passes(c, cluster)
     return steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
 
 
@@ -66,8 +68,7 @@ def collective_time(c: sequences.Collective, numel: int, elem: traffic.ElemForma
     points = _probed(c, cluster)
     if points:  # measured on this op and group
         return intra, inter, measured_time(points, intra + inter)
-    wire = _wire(c, cluster)
-    return intra, inter, _call_time(c, group, cluster) + link_time(wire * intra, wire * inter, cluster)
+    return intra, inter, _call_time(c, group, cluster) + link_time(intra, inter, cluster)
 
 
 def measured_time(points: Sequence[tuple[float, float]], received: float) -> float:
@@ -89,7 +90,7 @@ def host_time(c: sequences.Collective, intra: int, inter: int, seconds: float, s
     plus every byte at the intra-node rate, the fastest the cores move bytes; the remainder is
     waiting on a slower link."""
     call = _call_time(c, getattr(shapes, c.group), cluster)
-    return min(seconds, call + _wire(c, cluster) * (intra + inter) / cluster.intra_bw)
+    return min(seconds, call + (intra + inter) / cluster.intra_bw)
 
 
 def group_all_reduce_time(nbytes: float, group: sequences.GroupShape, cluster: Cluster) -> float:
@@ -97,6 +98,4 @@ def group_all_reduce_time(nbytes: float, group: sequences.GroupShape, cluster: C
     if group.size == 1:
         return 0.0
     latency = cluster.inter_latency if group.inter_peers else cluster.intra_latency
-    intra = 2 * nbytes * group.intra_peers / group.size
-    inter = 2 * nbytes * group.inter_peers / group.size
-    return 2 * (group.size - 1) * latency + link_time(intra, inter, cluster)
+    return 2 * (group.size - 1) * latency + link_time(*wire.all_reduce_bytes(round(nbytes), group), cluster)

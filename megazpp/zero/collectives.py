@@ -171,7 +171,7 @@ def zero_groups(topo: Topology, k: int | None, h: int) -> tuple[ZeroGroups, DPSh
     later = {}  # the groups of later stages (StageOrder), where there are two stages
     if 1 < k < d:
         later = {"intra": topo.dp_subgroup(k, copy=1)[1], "cross": topo.dp_cross_subgroup(k, copy=1)[1]}
-    shapes = dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h)
+    shapes = dp_shapes(topo.dp_ranks, k, topo.rank, topo.ranks_per_node, h, comm.backend())
     return ZeroGroups(topo.dp_group, intra, cross, d, k, hpz, h, later), shapes
 
 

@@ -448,7 +448,7 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:
         topo = self.topology
-        return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node)
+        return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node, self.shapes.dp.backend)
                 for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp)) if size > 1]
 
     def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:

@@ -14,22 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero.strategy import Level, Strategy
-
-
-@dataclass(frozen=True)
-class GroupShape:
-    """Members of a communication group as seen from one rank: how many peers share its node."""
-
-    size: int
-    intra_peers: int
-    inter_peers: int
-
-    @staticmethod
-    def of(ranks: Sequence[int], me: int, ranks_per_node: int) -> "GroupShape":
-        node = me // ranks_per_node
-        intra = sum(1 for r in ranks if r != me and r // ranks_per_node == node)
-        return GroupShape(len(ranks), intra, len(ranks) - 1 - intra)
 
 
 @dataclass(frozen=True)
@@ -62,12 +48,15 @@ def paro_group_ranks(dp_ranks: Sequence[int], k: int, dp_index: int) -> tuple[li
     return intra, cross
 
 
-def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int, hpz: int = 1) -> DPShapes:
+def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int, hpz: int = 1,
+              backend: str = "nccl") -> DPShapes:
+    """The groups of DP member `me`; `backend` decides what their collectives put on which link
+    (`megazpp.parallel.wire`)."""
     index = list(dp_ranks).index(me)
     intra, cross = paro_group_ranks(dp_ranks, k, index)
     secondary, _ = paro_group_ranks(dp_ranks, hpz, index)
-    return DPShapes(GroupShape.of(dp_ranks, me, ranks_per_node), GroupShape.of(intra, me, ranks_per_node),
-                    GroupShape.of(cross, me, ranks_per_node), GroupShape.of(secondary, me, ranks_per_node))
+    return DPShapes(*(GroupShape.of(ranks, me, ranks_per_node, backend)
+                      for ranks in (dp_ranks, intra, cross, secondary)))
 
 
 @dataclass(frozen=True)

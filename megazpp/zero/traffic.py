@@ -3,8 +3,9 @@
 Why here and not in the engine: the engine's tests, the strategy benchmark and the planner
 must agree on what a strategy costs, so every one of them sums the same phases
 (`step_parts`) over the sequences of `sequences`. Byte counts follow the convention of
-megazpp.parallel.comm: a rank counts what it receives from each other member of a collective,
-classed intra/inter by the member's node. A micro-batch step has A micro-batches.
+megazpp.parallel.comm, per the backend the groups carry (`GroupShape.backend`): the bytes the
+backend's algorithm puts on each link class, as `megazpp.parallel.wire` models it (the one
+formula the counter records). A micro-batch step has A micro-batches.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from megazpp.parallel.wire import all_reduce_bytes, chunk_bytes
 from megazpp.zero.sequences import (Collective, DPShapes, GroupShape, Hierarchy, boundary_sequence,
                                     gather_sequence, hpz_fetch_sequence, micro_batch_reduce_sequence,
                                     norm_groups, param_fetch_sequence, param_sync_sequence, qgz_sequence,
@@ -29,16 +31,16 @@ def _nbytes(numel: int, fmt: ElemFormat) -> int:
 
 def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes,
                      side: int = 0) -> tuple[int, int]:
-    """(intra, inter) bytes this rank receives for collective `c`, by comm's convention;
-    `side`: bytes each peer's chunk carries besides `elem` (qgZ's exactly sent values)."""
+    """(intra, inter) bytes this rank is counted for collective `c` (`wire`'s model for the
+    group's backend); `side`: bytes each peer's chunk carries besides `elem` (qgZ's exactly
+    sent values)."""
     g: GroupShape = getattr(shapes, c.group)
     nbytes = _nbytes(padded_numel // c.numel_div, elem)
     if g.size == 1:
         return 0, 0
     if c.op == "all_reduce":
         return all_reduce_bytes(nbytes, g)
-    per_peer = nbytes // g.size + side
-    return per_peer * g.intra_peers, per_peer * g.inter_peers
+    return chunk_bytes(c.op, g, nbytes // g.size + side)
 
 
 def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemFormat,
@@ -49,13 +51,6 @@ def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemForma
         a, b = collective_bytes(c, padded_numel, elem, shapes, sides[i] if sides else 0)
         intra, inter = intra + a, inter + b
     return intra, inter
-
-
-def all_reduce_bytes(nbytes: int, g: GroupShape) -> tuple[int, int]:
-    """(intra, inter) bytes one rank receives in an all-reduce of `nbytes` over `g`."""
-    if g.size == 1:
-        return 0, 0
-    return 2 * nbytes * g.intra_peers // g.size, 2 * nbytes * g.inter_peers // g.size
 
 
 HIERARCHY_MODES = ("auto", "always", "never")  # config key zero.hierarchical

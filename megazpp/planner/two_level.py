@@ -1,0 +1,260 @@
+"""Two-level options: synchronous ZeRO inside islands of whole nodes, DiLoCo across them
+(`megazpp.outer`, docs/arch/outer.md), priced beside the synchronous options.
+
+Why a separate list: an outer optimizer changes the optimisation (the islands drift apart for
+H inner steps, then an outer Nesterov step on their mean pseudo-gradient), so a two-level row
+is not loss-equivalent to a synchronous one; it is a different trade of quality for the slow
+link, and the planner says so wherever it shows one.
+
+What a row costs, per inner step, on the slowest pipeline stage:
+
+* the inner step: the island's own synchronous prediction (`plan.plan` on a cluster of
+  `island_nodes` nodes, each island reading 1 / islands of the global batch, so each rank keeps
+  its micro-batches), over the island's fast links;
+* the outer syncs: every fragment of the rank's os shard (F runs of consecutive buckets, the
+  runtime's rule) synced once per H inner steps, the bytes of `megazpp.outer.traffic` at the
+  rank's share of the node's link, 2 calls of (I - 1) latency steps each; after each sync the
+  island re-publishes its parameters (the inner step's refresh phases once more);
+* overlap (`overlap_steps` tau >= 1, Streaming DiLoCo): a fragment's sync runs while tau inner
+  steps compute, on the link time the inner step leaves free, so what is exposed per step is
+  max(sum_f max(0, t_f - tau free) / H, sum_f t_f / H - free): a fragment longer than tau
+  steps waits, and the link cannot carry more than it has time for; where the cores move the
+  bytes (`Cluster.overlap` false: CPU ranks) their share of t_f (the calls, the bytes at the
+  host's copy rate) is exposed whatever tau; without overlap every sync blocks its step
+  (sum_f t_f / H);
+* memory: the outer state (fp32 snapshot and momentum, + the error buffer under int4),
+  sharded like the optimizer state (`zero.memory.outer_state_bytes`), on top of the island's.
+
+Recommendation (`recommend`): among the rows that fit and whose exposed outer time is at most
+`LINK_BUDGET` of the inner step, the smallest H (the closest to synchronous training: DiLoCo's
+quality falls as H grows), then the least compression, no overlap before overlap (its merge is
+one more change to the optimisation), the fewest fragments, the fastest; if none stays within
+the budget, the fastest row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megazpp.outer import traffic as outer_traffic
+from megazpp.planner.cluster import Cluster
+from megazpp.planner.cost import StagePrediction, layout, stage_padded
+from megazpp.planner.plan import Plan, Prediction, plan
+from megazpp.planner.shape import StageShape
+from megazpp.planner.workload import Workload
+from megazpp.zero import memory
+from megazpp.zero.strategy import Strategy, level_div
+from megazpp.zero.zeropp import ZeroPP
+
+SYNC_EVERY = (5, 10, 20, 50, 100, 200, 500)  # H: DiLoCo's range (it reports H = 500)
+FRAGMENTS = (1, 2, 4, 8, 16)
+OVERLAP_STEPS = (0, 1)
+LINK_BUDGET = 0.10  # of the inner step: the issue's target, the slow link costs at most 10 %
+STATE_COPIES = {"none": 2, "bf16": 2, "int4": 3}  # fp32 snapshot + momentum (+ error feedback)
+
+
+@dataclass(frozen=True)
+class OuterChoice:
+    """One two-level setting: the `outer:` config keys it stands for."""
+
+    island_nodes: int
+    sync_every: int
+    fragments: int
+    overlap_steps: int
+    quantize: str
+
+    @property
+    def name(self) -> str:
+        return (f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}, "
+                f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}")
+
+    def flags(self) -> str:
+        return (f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
+                f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
+                f"{self.overlap_steps} --outer-quantize {self.quantize}")
+
+
+@dataclass(frozen=True)
+class OuterStage:
+    """The outer cost of one pipeline stage's ranks."""
+
+    traffic: outer_traffic.OuterTraffic  # per rank, per inner step (mean) and the peak step
+    sync_s: tuple[float, ...]  # link seconds of each fragment's sync
+    republish_s: float  # the island's parameter refresh after a sync
+    exposed_s: float  # outer seconds per inner step not hidden behind it
+    state_bytes: int
+
+
+@dataclass
+class TwoLevelPrediction:
+    outer: OuterChoice
+    inner: Prediction  # the island's synchronous prediction
+    stages: list[OuterStage]
+    memory_limit: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name} + {self.outer.name}"
+
+    @property
+    def step_s(self) -> float:
+        return max(i.step_s + o.exposed_s for i, o in zip(self.inner.stages, self.stages))
+
+    @property
+    def inner_step_s(self) -> float:
+        return self.inner.step_s
+
+    @property
+    def exposed_s(self) -> float:
+        return self.step_s - self.inner_step_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(i.memory_bytes + o.state_bytes for i, o in zip(self.inner.stages, self.stages))
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_limit
+
+    @property
+    def mean_inter_bytes(self) -> float:
+        """Outer inter-node bytes per rank per inner step (the busiest stage)."""
+        return max(o.traffic.mean_inter for o in self.stages)
+
+    @property
+    def peak_inter_bytes(self) -> int:
+        return max(o.traffic.peak_inter for o in self.stages)
+
+    @property
+    def within_budget(self) -> bool:
+        return self.exposed_s <= LINK_BUDGET * self.inner_step_s
+
+
+def fragment_numels(shard_numels: list[int], fragments: int) -> list[int]:
+    """Elements of the rank's os shard in each of `fragments` runs of consecutive buckets, cut
+    as the runtime cuts them (fragment f: buckets [f B / F, (f + 1) B / F))."""
+    b = len(shard_numels)
+    return [sum(shard_numels[f * b // fragments:(f + 1) * b // fragments]) for f in range(fragments)]
+
+
+def island_job(workload: Workload, cluster: Cluster, island_nodes: int) -> tuple[Workload, Cluster, int]:
+    """One island's workload and cluster, and the number of islands: each island reads
+    1 / islands of every global batch. Probed collective times (`Cluster.collective_times`)
+    are left out: they were measured on the whole job's groups, not the island's, so the
+    island is priced by its links and latencies."""
+    islands = cluster.nodes // island_nodes
+    return (dataclasses.replace(workload, global_batch=workload.global_batch // islands),
+            dataclasses.replace(cluster, nodes=island_nodes, collective_times=None), islands)
+
+
+def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], strategy: Strategy, dp_size: int,
+                group_size: int, islands: int, cluster: Cluster) -> OuterStage:
+    """The outer cost of one stage's ranks under `choice`; `padded`: the stage's buckets (fetch
+    groups when p is sharded) as the island's engine pads them."""
+    div = level_div(strategy.optimizer_state, dp_size, group_size)
+    frags = fragment_numels([n // div for n in padded], choice.fragments)
+    moved = outer_traffic.per_step(frags, islands, choice.quantize, choice.sync_every)
+    calls_s = outer_traffic.sync_calls(islands) * (islands - 1) * cluster.inter_latency
+    sync_s = tuple(calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank
+                   for n in frags)
+    republish = inner.exposed.get("refresh", 0.0)
+    h = choice.sync_every
+    if choice.overlap_steps:
+        # where the cores move the bytes (`Cluster.overlap` false), their share (the calls, the
+        # bytes at the host's copy rate) hides nothing, as in the synchronous model
+        host = [0.0 if cluster.overlap else min(t, calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1]
+                                                / cluster.intra_bw) for t, n in zip(sync_s, frags)]
+        wait = [t - c for t, c in zip(sync_s, host)]
+        free = max(0.0, inner.step_s - inner.step_bytes[1] / cluster.inter_bw_per_rank)
+        link = sum(host) / h + max(sum(max(0.0, w - choice.overlap_steps * free) for w in wait) / h,
+                                   sum(wait) / h - free)
+    else:
+        link = sum(sync_s) / h
+    state = memory.outer_state_bytes(strategy, padded, dp_size, group_size, STATE_COPIES[choice.quantize])
+    return OuterStage(moved, sync_s, republish, link + len(frags) * republish / h, state)
+
+
+def island_sizes(cluster: Cluster) -> list[int]:
+    """Nodes per island that leave at least two islands of whole nodes."""
+    return [n for n in range(1, cluster.nodes // 2 + 1) if cluster.nodes % n == 0]
+
+
+def predict_two_level(choice: OuterChoice, inner: Prediction, shapes: list[StageShape], workload: Workload,
+                      cluster: Cluster) -> TwoLevelPrediction:
+    """`choice` on top of the island's synchronous prediction `inner` (`island_job`'s workload
+    and cluster are derived here from the whole job's)."""
+    job, island, islands = island_job(workload, cluster, choice.island_nodes)
+    opt = inner.option
+    lay = layout(job, island, opt.zeropp.hpz)
+    stages = [outer_stage(choice, pred, [n for n, _ in stage_padded(opt.strategy, opt.zeropp, st, lay)],
+                          opt.strategy, lay.dp_size, lay.group_size, islands, cluster)
+              for st, pred in zip(shapes, inner.stages)]
+    return TwoLevelPrediction(choice, inner, stages, inner.memory_limit)
+
+
+@dataclass
+class TwoLevelPlan:
+    rows: list[TwoLevelPrediction]  # the recommendation first, then by step time
+    choice: TwoLevelPrediction | None
+    islands_plans: dict[int, Plan]  # per island size: the island's synchronous plan
+
+
+def _preference(p: TwoLevelPrediction) -> tuple:
+    o = p.outer
+    return (o.sync_every, outer_traffic.QUANTIZE.index(o.quantize), o.overlap_steps, o.fragments, p.step_s)
+
+
+def recommend(rows: list[TwoLevelPrediction]) -> TwoLevelPrediction | None:
+    """The module docstring's rule: within the link budget the smallest H and least change to
+    the optimisation; else the fastest."""
+    fitting = [p for p in rows if p.fits]
+    within = [p for p in fitting if p.within_budget]
+    if within:
+        return min(within, key=_preference)
+    return min(fitting, key=lambda p: (p.step_s, p.outer.sync_every), default=None)
+
+
+def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
+                   fixed_zeropp: ZeroPP | None = None) -> TwoLevelPlan:
+    """Every island size, H, fragment count, overlap and outer quantization on the island's
+    fastest fitting synchronous option (the next fastest where the outer state does not fit).
+    Fragments are at most H and at most the stage's buckets (the runtime's limits)."""
+    rows: list[TwoLevelPrediction] = []
+    island_plans: dict[int, Plan] = {}
+    for nodes in island_sizes(cluster):
+        job, island, islands = island_job(workload, cluster, nodes)
+        if workload.global_batch % islands:
+            continue
+        inner_plan = plan(shapes, job, island, fixed_zeropp=fixed_zeropp)
+        island_plans[nodes] = inner_plan
+        inner_rows = [p for p in inner_plan.rows if p.fits]
+        if inner_plan.choice is not None:
+            inner_rows.insert(0, inner_plan.choice)
+        for h in SYNC_EVERY:
+            for q in outer_traffic.QUANTIZE:
+                for tau in OVERLAP_STEPS:
+                    for f in (f for f in FRAGMENTS if f <= h):
+                        choice = OuterChoice(nodes, h, f, tau, q)
+                        for inner in inner_rows:
+                            if any(len(st.group_tensors(inner.option.strategy)) < f for st in shapes):
+                                break
+                            row = predict_two_level(choice, inner, shapes, workload, cluster)
+                            if row.fits:
+                                rows.append(row)
+                                break
+    choice = recommend(rows)
+    rows.sort(key=lambda p: (p is not choice, p.step_s))
+    return TwoLevelPlan(rows, choice, island_plans)
+
+
+def digest(tp: TwoLevelPlan) -> list[TwoLevelPrediction]:
+    """The rows worth printing: the recommendation, then per island size, outer quantization
+    and overlap the row `recommend` would take among those alone, fastest first."""
+    picked: list[TwoLevelPrediction] = []
+    keys = sorted({(p.outer.island_nodes, p.outer.quantize, p.outer.overlap_steps) for p in tp.rows})
+    for key in keys:
+        row = recommend([p for p in tp.rows if (p.outer.island_nodes, p.outer.quantize, p.outer.overlap_steps) == key])
+        if row is not None and row is not tp.choice:
+            picked.append(row)
+    return ([tp.choice] if tp.choice else []) + sorted(picked, key=lambda p: p.step_s)
