@@ -150,8 +150,15 @@ def _cluster(settings: PlannerSettings, topology: Topology, measured: list[float
                    flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
                    inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
                    usable_memory_fraction=settings.usable_memory_fraction,
-                   backend="gloo" if cpu else "nccl", overlap=not cpu, collective_times=fits,
+                   backend=_backend(cpu), overlap=not cpu, collective_times=fits,
                    optimizer_rate=adam)
+
+
+def _backend(cpu: bool) -> str:
+    """The backend the ranks run (gloo on GPUs too, under --distributed-backend gloo), whose link
+    model the plan prices; the device's default where no process group exists."""
+    backend = comm.backend()
+    return backend if backend != "none" else ("gloo" if cpu else "nccl")
 
 
 def _workload(cfg: Config, topology: Topology) -> Workload:
