@@ -133,11 +133,14 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     start = prepare(args, world_size, torchrun_restart_count())
     device = pick_device()
     started = init_distributed(start.cfg, world_size, device)
+    finished = False
     try:
-        return _train(start, device)
+        history = _train(start, device)
+        finished = True
+        return history
     finally:
-        if started:
-            release_process_groups()
+        if started:  # before the interpreter shuts down: see release_process_groups
+            release_process_groups(finished=finished)
 
 
 def _train(start: Startup, device: torch.device) -> TrainHistory:
@@ -193,9 +196,11 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     else:
         logger.info(f"resumed from {loaded.path} at iteration {trainer.resume(loaded)}")
     try:
-        return trainer.train()
+        history = trainer.train()
+        engine.close()  # collective: what is in flight is finished, the model unhooked
+        return history
     finally:
-        logger.close()
+        logger.close()  # joins TensorBoard's writer thread
 
 
 if __name__ == "__main__":
