@@ -32,6 +32,7 @@ from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
+from megazpp.parallel.lifeline import die_with_launcher
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -125,6 +126,7 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
 
 
 def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
+    die_with_launcher()  # a rank of run.sh's launcher ends with it, however it ends
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
         print(render_help(), end="")
