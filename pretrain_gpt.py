@@ -34,6 +34,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
 from megazpp.parallel.device import rank_device, visible_gpus
+from megazpp.parallel.lifeline import die_with_launcher
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -131,6 +132,7 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
 
 
 def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
+    die_with_launcher()  # a rank of run.sh's launcher ends with it, however it ends
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
         print(render_help(), end="")
@@ -142,11 +144,14 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()
     started = init_distributed(start.cfg, world_size, start.backend)
+    finished = False
     try:
-        return _train(start, device)
+        history = _train(start, device)
+        finished = True
+        return history
     finally:
-        if started:
-            release_process_groups()
+        if started:  # before the interpreter shuts down: see release_process_groups
+            release_process_groups(finished=finished)
 
 
 def _train(start: Startup, device: torch.device) -> TrainHistory:
@@ -208,9 +213,11 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     else:
         logger.info(f"resumed from {loaded.path} at iteration {trainer.resume(loaded)}")
     try:
-        return trainer.train()
+        history = trainer.train()
+        engine.close()  # collective: what is in flight is finished, the model unhooked
+        return history
     finally:
-        logger.close()
+        logger.close()  # joins TensorBoard's writer thread
 
 
 if __name__ == "__main__":

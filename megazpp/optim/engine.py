@@ -6,6 +6,12 @@ loss, asks for a step and checkpoints the engine's state; each engine owns every
 (masters, moments, accumulators, the loss scaler) and saves it in its own state dict.
 `grad_for` hands the pipeline the accumulated tied-embedding gradient to sum across stages
 (`parallel.pipeline.PipelineEngine`, the part of this protocol the pipeline may name).
+`close` ends the engine after the last step: it finishes what is still in flight and removes
+the hooks it put on the model. A hook on a parameter is held by autograd's C++ side, which
+Python's garbage collector cannot see, so without `close` the engine, the model and every
+process group they hold would live until the interpreter exits, and gloo's worker threads
+with them (`parallel.local_launch.release_process_groups` says why that aborts a finished
+run).
 
 `LocalEngine` is one data-parallel rank holding whole gradients:
 - fp32: AdamW directly on the model's parameters.
@@ -27,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
@@ -67,6 +74,8 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor | None: ...
+
+    def close(self) -> None: ...
 
 
 class ScaledOptimizerEngine:
@@ -117,11 +126,12 @@ class LocalEngine(ScaledOptimizerEngine):
         self._fp32_accum = self._mixed and precision.grad_accum_dtype == "fp32"
         self._main_grads: list[torch.Tensor] = []
         self._touched: list[bool] = []
+        self._hooks: list[RemovableHandle] = []
         if self._fp32_accum:
             self._main_grads = [torch.zeros_like(m) for m in self.masters]
             self._touched = [False] * len(self.params)
-            for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
+            self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
+                           for i, p in enumerate(self.params)]
         self.scaler = scaler_for(precision)
 
     def _accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -185,6 +195,12 @@ class LocalEngine(ScaledOptimizerEngine):
         for g in self._main_grads:
             g.zero_()
         self._touched = [False] * len(self._touched)
+
+    def close(self) -> None:
+        """Remove the fp32-accumulation hooks (nothing is in flight between steps here)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
         """Optimizer, fp32 masters and loss scale of the trainable parameters; the frozen

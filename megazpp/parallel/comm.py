@@ -40,6 +40,12 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+# Imported before any process group starts, on purpose: this torch module binds the default
+# group as its functions' default argument when it is first imported. Imported later (torch
+# does, through torch.distributed.fsdp, while an engine is built), it holds the default group
+# past destroy_process_group, and with it gloo's worker threads until the interpreter exits
+# (local_launch.release_process_groups says why that aborts a finished run).
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import ProcessGroup
 
 from megazpp.errors import CommunicationError, MegazppError, TopologyError

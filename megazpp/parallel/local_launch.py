@@ -20,14 +20,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megazpp.parallel import comm
 
-def release_process_groups() -> None:
-    """Collect cyclic garbage, then destroy the process groups.
 
-    Engines, their hook closures and the model form reference cycles that hold process groups;
-    left to the collector at interpreter exit, a group's destructor would run after
-    `destroy_process_group` and abort the process (SIGABRT) after its work was done.
+def release_process_groups(*, finished: bool = False) -> None:
+    """Destroy the process groups while the interpreter is still whole.
+
+    Why: each gloo group runs worker threads, and the last reference to a collective's tensors
+    can be dropped on one of them, which then takes the GIL. Once the interpreter is shutting
+    down, a thread taking the GIL is ended on the spot, inside a C++ destructor, and the C++
+    runtime aborts the process ("terminate called without an active exception", SIGABRT):
+    under load, a run that trained and saved ended with a failure. A group's destructor joins
+    its threads, but `destroy_process_group` only drops torch's own references; the group dies
+    when nothing else holds it. So the owners let go first (an engine's `close()` removes the
+    hooks through which autograd's C++ side kept engine, model and groups alive), the cyclic
+    garbage left is collected here, and then the groups are destroyed, their threads joined.
+
+    `finished`: this rank ended normally, so the ranks first meet at a barrier: none closes its
+    connections while a peer is still completing the last collective.
     """
+    if not dist.is_initialized():  # released already (by the job, before its launcher)
+        return
+    if finished:
+        comm.barrier(tag="shutdown")
     gc.collect()
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ another job's rendezvous holds joins that rendezvous and dies in an `AttributeEr
   `--report-interval` seconds (30) says what is awaited and for how long;
 - after `--rdzv-timeout` seconds (600) the wait ends with one line naming address and port.
 
+A rank dies with its launcher, even a SIGKILLed one (`lifeline`: its parent-death signal).
 SIGTERM and SIGINT are forwarded to this node's ranks, and the launcher keeps waiting for
 them: a rank finishes its step, saves and exits 0 (`megazpp.training.stopping`), so the
 launcher, and the job, end with 0 too. (torchrun's own handler would end the launcher with an
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from megazpp.cli import run_tool
 from megazpp.errors import CommunicationError, ConfigError
+from megazpp.parallel.lifeline import name_launcher
 
 if TYPE_CHECKING:  # torch is imported late: the launcher must answer fast on bad input
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -240,6 +242,7 @@ def launch(args: argparse.Namespace) -> int:
         *args.command]
     for sig in FORWARDED:
         signal.signal(sig, _forward)
+    name_launcher()  # the ranks die with this process, a `kill -9` included (lifeline.py)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
     except ChildFailedError as exc:

@@ -132,7 +132,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             self.fetcher = ParamFetcher(self.fetched + self.frozen, self.paths, self._unit_modules(),
                                         self._unit_parents(), self._queue_backward_callback, keep,
                                         options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
-            model.register_forward_hook(lambda *_: self.fetcher.forward_finished())
+            self._hooks.append(model.register_forward_hook(lambda *_: self.fetcher.forward_finished()))
 
     # -- construction ------------------------------------------------------------------------
     def _build_buckets(self) -> list[Bucket]:
@@ -404,6 +404,22 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._micro_batches = 0
         if self.fetcher is not None:
             self.fetcher.reset_stats()
+
+    def close(self) -> None:
+        """After the last step (collective: every DP rank calls it): wait for every reduction
+        and gather still in flight, then remove the engine's hooks from the model
+        (`optim.engine` says why)."""
+        for b in self.buckets:
+            if b.micro_pending is not None:
+                self._wait_micro(b)
+            if b.boundary_pending is not None:
+                b.boundary_pending.wait()
+                b.boundary_pending = None
+        if self.fetcher is not None:
+            self.fetcher.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:

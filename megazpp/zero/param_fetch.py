@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.paths import CommPaths
@@ -62,16 +63,18 @@ class ParamFetcher:
         self._running: dict[int, int] = {}  # group -> its modules whose forward is running
         self._finished: dict[int, Bucket] = {}  # forward done, released when the forward moves on
         self.backward_active = False
+        self._hooks: list[RemovableHandle] = []  # every module hook, removed by `close`
         for b in buckets:
             self.release(b)
             for module in modules_of[id(b)]:
-                module.register_forward_pre_hook(self._pre_forward(b, module))
-                module.register_forward_hook(self._post_forward(b))
+                self._hooks += [module.register_forward_pre_hook(self._pre_forward(b, module)),
+                                module.register_forward_hook(self._post_forward(b))]
         self._parent_hooks = []
         for parent, children in parents:
             handles = (parent.register_forward_pre_hook(self._parent_pre_forward(children)),
                        parent.register_forward_hook(self._parent_post_forward(children)))
             self._parent_hooks.append((children, handles))
+            self._hooks += handles
 
     # -- gathering -------------------------------------------------------------------------
     def _launch(self, b: Bucket, phase: str) -> None:
@@ -109,6 +112,15 @@ class ParamFetcher:
             self.release(b)
         self._running.clear()
         self.backward_active = False
+
+    def close(self) -> None:
+        """Finish every gather in flight (a prefetch the last forward started), release every
+        group and remove the module hooks, so that nothing of this fetcher stays reachable
+        from the model. The sharded parameters are left empty: the engine is done."""
+        self.release_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def gradients_done(self, b: Bucket) -> None:
         """All of `b`'s gradients of one backward are in: that backward no longer needs it. A
