@@ -1,0 +1,1 @@
+"""Two-level data parallelism: islands of synchronous ZeRO joined by an outer optimizer."""

@@ -1,0 +1,105 @@
+"""Bytes and calls of the outer synchronisation (DiLoCo) across islands, by comm's convention.
+
+Why a formula of its own: the planner prices two-level training and the tests assert the
+counter against it, so both read the same function (as `zero.traffic` is for the inner step).
+
+One outer sync of a fragment is, on every rank, over its peer group (the rank holding the same
+shard in every island, one per island):
+1. an all-to-all of the pseudo-gradient in the wire format (chunk j goes to peer j),
+2. each rank averages the chunks it received, in fp32,
+3. an all-gather of the averaged chunk, in the wire format.
+So every wire format costs what an all-reduce of its bytes costs (2 (I-1)/I of the payload per
+rank), the average is taken in fp32 whatever the format, and every island ends with the same
+bits. Wire formats (`QUANTIZE`): fp32 ("none"), bf16, or int4 codes plus one fp32 scale per
+`block` values (the qgZ format, `zero.zeropp.QuantFormat`). The fragment is padded to a
+multiple of I (x `block` for int4) so that every chunk has one size and whole blocks.
+
+Islands are made of whole nodes, so every member of a peer group is on another node: all the
+bytes are inter-node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from megazpp.zero.sequences import GroupShape
+from megazpp.zero.traffic import all_reduce_bytes
+from megazpp.zero.zeropp import QuantFormat
+
+QUANTIZE = ("none", "bf16", "int4")  # config key outer.quantize
+DEFAULT_BLOCK = 256  # values per fp32 scale of the int4 format (as qgZ's default)
+SYNC_CALLS = 2  # collectives per fragment sync: the all-to-all and the all-gather
+STATS_BYTES = 8  # the fp32 pair summed for logging: squared norms of the mean and own pseudo-gradient
+
+
+def wire_format(quantize: str, block: int = DEFAULT_BLOCK) -> int | QuantFormat:
+    """Bytes per element of a plain wire dtype, or the int4 block format."""
+    if quantize == "none":
+        return 4
+    if quantize == "bf16":
+        return 2
+    if quantize == "int4":
+        return QuantFormat(4, block)
+    raise ValueError(f"outer quantize {quantize!r}: expected one of {', '.join(QUANTIZE)}")
+
+
+def padded_numel(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> int:
+    """`numel` rounded up to what one fragment sync moves: a multiple of `islands` chunks,
+    each whole blocks under int4."""
+    unit = islands * (block if quantize == "int4" else 1)
+    return -(-numel // unit) * unit
+
+
+def sync_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives in one outer sync of a fragment of `numel` fp32
+    elements of its shard, over `islands` islands."""
+    if islands < 2:
+        return 0, 0
+    n = padded_numel(numel, islands, quantize, block)
+    fmt = wire_format(quantize, block)
+    chunk = n // islands
+    per_peer = fmt.nbytes(chunk) if isinstance(fmt, QuantFormat) else chunk * fmt
+    return 0, 2 * (islands - 1) * per_peer  # all-to-all + all-gather, one chunk from each peer each
+
+
+def sync_calls(islands: int) -> int:
+    """Collective calls one rank issues in one outer sync of one fragment."""
+    return SYNC_CALLS if islands > 1 else 0
+
+
+@dataclass(frozen=True)
+class OuterTraffic:
+    """What the outer syncs cost one rank, per inner step: `mean_*` averaged over an interval
+    of H inner steps, `peak_inter` the most any single inner step moves (one fragment's sync;
+    with F fragments at staggered steps, about 1/F of the whole shard's)."""
+
+    mean_intra: float
+    mean_inter: float
+    peak_inter: int
+    calls_per_interval: int
+
+
+def per_step(fragment_numels: Sequence[int], islands: int, quantize: str, sync_every: int,
+             block: int = DEFAULT_BLOCK) -> OuterTraffic:
+    """The outer traffic of one rank amortised over `sync_every` (H) inner steps: every
+    fragment (its shard's elements in `fragment_numels`) is synced once per H steps, at its own
+    step, staggered by H / F, so no two fragments share an inner step when F <= H (else the
+    peak is that of the most fragments due at one step)."""
+    if sync_every < 1:
+        raise ValueError(f"outer sync_every {sync_every}: expected at least 1")
+    each = [sync_bytes(n, islands, quantize, block) for n in fragment_numels]
+    intra = sum(a for a, _ in each)
+    inter = sum(b for _, b in each)
+    at_step: dict[int, int] = {}
+    for f, (_, b) in enumerate(each):
+        step = f * sync_every // len(each)
+        at_step[step] = at_step.get(step, 0) + b
+    return OuterTraffic(intra / sync_every, inter / sync_every, max(at_step.values(), default=0),
+                        sync_calls(islands) * len(fragment_numels))
+
+
+def stats_bytes(world: GroupShape) -> tuple[int, int]:
+    """(intra, inter) bytes of the logging sum taken at an inner step where fragments synced:
+    one all-reduce of `STATS_BYTES` over the world group (`world` as seen from this rank)."""
+    return all_reduce_bytes(STATS_BYTES, world)

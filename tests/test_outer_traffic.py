@@ -1,0 +1,46 @@
+"""The outer sync's byte formula (megazpp.outer.traffic) against hand-computed numbers."""
+
+import pytest
+
+from megazpp.outer import traffic
+from megazpp.zero.sequences import GroupShape
+
+
+def test_sync_bytes_per_format():
+    # 2 islands, 1000 fp32 elements: chunk of 500 from the one peer, twice (all-to-all + all-gather)
+    assert traffic.sync_bytes(1000, 2, "none") == (0, 2 * 500 * 4)
+    assert traffic.sync_bytes(1000, 2, "bf16") == (0, 2 * 500 * 2)
+    # int4, block 256: padded to 2 x 256 x 2 = 1024; chunk 512 = 256 code bytes + 2 scales
+    assert traffic.padded_numel(1000, 2, "int4", 256) == 1024
+    assert traffic.sync_bytes(1000, 2, "int4", 256) == (0, 2 * (256 + 2 * 4))
+    # 4 islands, 10 elements padded to 12: 3 peers x chunk 3 x 4 bytes x 2 collectives
+    assert traffic.sync_bytes(10, 4, "none") == (0, 2 * 3 * 3 * 4)
+    assert traffic.sync_bytes(10, 1, "none") == (0, 0)
+    assert traffic.sync_calls(4) == 2 and traffic.sync_calls(1) == 0
+
+
+def test_int4_is_about_an_eighth_of_fp32():
+    n = 1 << 20
+    fp32 = traffic.sync_bytes(n, 8, "none")[1]
+    int4 = traffic.sync_bytes(n, 8, "int4", 256)[1]
+    assert int4 == fp32 // 8 + 2 * 7 * (n // 8 // 256) * 4
+
+
+def test_per_step_amortises_and_staggers():
+    frags = [100, 100, 100, 100]
+    t = traffic.per_step(frags, 2, "none", sync_every=8)
+    whole = 4 * traffic.sync_bytes(100, 2, "none")[1]
+    assert t.mean_inter == whole / 8 and t.mean_intra == 0
+    assert t.peak_inter == whole // 4  # one fragment per inner step
+    assert t.calls_per_interval == 8
+    crowded = traffic.per_step(frags, 2, "none", sync_every=2)  # 4 fragments, 2 steps: two at once
+    assert crowded.peak_inter == whole // 2
+    assert traffic.per_step([400], 2, "none", sync_every=8).peak_inter == whole
+
+
+def test_stats_and_refusals():
+    assert traffic.stats_bytes(GroupShape(4, 1, 2)) == (2 * 8 * 1 // 4, 2 * 8 * 2 // 4)
+    with pytest.raises(ValueError, match="quantize 'int8'"):
+        traffic.sync_bytes(10, 2, "int8")
+    with pytest.raises(ValueError, match="sync_every 0"):
+        traffic.per_step([10], 2, "none", sync_every=0)
