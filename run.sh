@@ -91,7 +91,8 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 # Check the whole configuration (and which checkpoint it would resume) once for this job,
 # before torchrun starts any rank: a refused input is then one line, not an error and a
 # launcher traceback per rank.
-"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) "${TRAIN_ARGS[@]}"
+"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) --nproc-per-node "$NPROC_PER_NODE" \
+  "${TRAIN_ARGS[@]}"
 
 # torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,

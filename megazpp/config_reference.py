@@ -31,6 +31,7 @@ SECTION_HELP: dict[str, str] = {
     "parallel": "tensor / pipeline parallel layout and process groups",
     "zero": "the data-parallel optimizer: ZeRO stage or PaRO strategy, ZeRO++, LoCo",
     "planner": "cluster facts for `zero.paro_strategy: auto` and `zero.hierarchical: auto`",
+    "outer": "two-level training: ZeRO inside islands of nodes, DiLoCo outer steps across them (docs/arch/outer.md)",
 }
 
 HELP: dict[str, str] = {
@@ -142,6 +143,15 @@ HELP: dict[str, str] = {
     "planner.inter_node_latency_us": "latency of an inter-node collective step",
     "planner.memory_bandwidth_gbs": "accelerator memory bandwidth",
     "planner.usable_memory_fraction": "share of memory the plan may fill",
+    "outer.algorithm": "none (synchronous over all ranks) or diloco (islands + outer optimizer)",
+    "outer.sync_every": "H: inner steps between outer syncs",
+    "outer.lr": "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)",
+    "outer.momentum": "outer Nesterov momentum",
+    "outer.fragments": "streaming: fragments synced at staggered steps (not implemented yet: 1)",
+    "outer.overlap_steps": "streaming: inner steps an outer sync may overlap (not implemented yet: 0)",
+    "outer.merge_alpha": "streaming: weight of the synced fragment when merged (not implemented yet)",
+    "outer.quantize": "outer-gradient wire format: none (fp32), bf16 (int4: not implemented yet)",
+    "outer.island_nodes": "nodes per island",
 }
 
 FILE_FLAGS = (

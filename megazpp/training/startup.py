@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
-from megazpp.config_checks import validate_config
+from megazpp.config_checks import resolve_outer, validate_config
 from megazpp.errors import CheckpointError, ConfigError
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
@@ -48,6 +49,7 @@ class Startup:
     why: str  # why that directory (or why none), for the start-up banner
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
+    outer: OuterOptions | None = None  # two-level training's checked options (None: off)
 
 
 def torchrun_restart_count() -> int:
@@ -113,13 +115,15 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
     return ck.save, f"--save {ck.save} (same settings)"
 
 
-def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
+def prepare(argv: Sequence[str], world_size: int, restarts: int = 0, ranks_per_node: int | None = None) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
-    included), check inputs and fault specs, choose the checkpoint and check the frozen base
-    an adapters-only one needs; a MegazppError before any work otherwise."""
+    included; `ranks_per_node`: the launcher's, for the islands of two-level training), check
+    inputs and fault specs, choose the checkpoint and check the frozen base an adapters-only
+    one needs; a MegazppError before any work otherwise."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
+    outer = resolve_outer(cfg, world_size, ranks_per_node)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
@@ -127,15 +131,17 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0) -> Startup:
     check_inputs(cfg)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
-    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir))
+    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), outer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """run.sh's check: `--world-size N` then pretrain_gpt.py's arguments; silent when fine."""
+    """run.sh's check: `--world-size N [--nproc-per-node R]` then pretrain_gpt.py's arguments;
+    silent when fine."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--nproc-per-node", type=int)
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    prepare(rest, known.world_size)
+    prepare(rest, known.world_size, ranks_per_node=known.nproc_per_node)
     return 0
 
 

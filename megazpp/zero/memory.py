@@ -59,3 +59,10 @@ def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, hier: Hie
             for c in qgz_sequence(strategy, shapes, hier):
                 total += 2 * 4 * (n // c.numel_div)
     return total
+
+
+def outer_state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, fp32_copies: int) -> int:
+    """Per-rank bytes of two-level training's outer state (`megazpp.outer`): `fp32_copies` fp32
+    vectors the size of the os shard (the snapshot at the last sync, the outer momentum, and an
+    error-feedback buffer under int4), sharded like the optimizer state."""
+    return sum(n // level_div(s.optimizer_state, d, k) * 4 * fp32_copies for n in padded_numels)

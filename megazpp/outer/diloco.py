@@ -1,0 +1,235 @@
+"""DiLoCo over islands: a ZeRO engine inside each island, an outer Nesterov step across them.
+
+Why a wrapper and not a ZeRO path: the inner step is exactly the synchronous engine's (any
+strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only reads and
+replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
+masters and `publish_masters`. The trainer sees one `Engine`.
+
+An outer sync, on every rank at once (docs/arch/outer.md):
+1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
+   the masters now;
+2. averaged over the peer group (the rank at my place in every island, holding the same shard):
+   an all-to-all of it in the wire format (`outer.quantize`), the average of each chunk in fp32,
+   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these);
+3. Nesterov SGD on the snapshot with the average (`outer_update`), the result replaces the
+   masters and the snapshot and is re-published to the p level; AdamW's state is kept.
+Every island ends the sync with the same bits, so they stay one model at the syncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from megazpp.errors import CheckpointError
+from megazpp.optim.engine import StepResult
+from megazpp.outer import traffic
+from megazpp.outer.settings import OuterOptions
+from megazpp.parallel import comm
+from megazpp.parallel.counter import counter
+from megazpp.parallel.topology import Topology
+from megazpp.zero import memory
+from megazpp.zero import traffic as traffic_zero
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.sequences import GroupShape
+from megazpp.zero.strategy import Strategy, level_div
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16}
+OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
+SYNC_TAG = "outer/sync"
+STATS_TAG = "outer/stats"
+
+
+def average_chunks(received: torch.Tensor) -> torch.Tensor:
+    """The mean over islands (dim 0) of the pseudo-gradient chunks one rank received, in fp32."""
+    return received.float().mean(dim=0)
+
+
+def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor,
+                 lr: float, momentum: float) -> None:
+    """Nesterov SGD (torch.optim.SGD's form, no dampening) on `snapshot`, in place; the outer
+    momentum buffer starts at zero, so the first step's buffer is the pseudo-gradient itself."""
+    momentum_buf.mul_(momentum).add_(mean_pseudo_grad)
+    snapshot.sub_(mean_pseudo_grad.add(momentum_buf, alpha=momentum), alpha=lr)
+
+
+class DiLoCoEngine:
+    """The engine protocol over `inner` (a ZeroEngine over one island's DP ranks, built on
+    `island`, a `Topology.island_view`), syncing across islands every `options.sync_every`
+    inner steps."""
+
+    def __init__(self, inner: ZeroEngine, options: OuterOptions, island: Topology) -> None:
+        self.inner = inner
+        self.options = options
+        self.island = island
+        self.islands = island.islands
+        self.inner_steps = 0
+        self._wire = WIRE_DTYPES[options.quantize]
+        flat = self._masters_flat()
+        self.numel = flat.numel()
+        self.snapshot = flat.clone()
+        self.momentum = torch.zeros_like(flat)
+        self._norm_weight = self._build_norm_weight()
+        log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
+                 self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
+
+    # -- what the outer step reads and writes ---------------------------------------------------
+    def _masters(self) -> list[torch.Tensor]:
+        return [m.param.data for b in self.inner.buckets for m in b.masters]
+
+    def _masters_flat(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self._masters()])
+
+    def _replication(self) -> int:
+        """How many ranks of an island hold each os shard (os = N: all of them)."""
+        groups = self.inner.groups
+        return groups.dp_size // level_div(self.inner.strategy.optimizer_state, groups.dp_size, groups.group_size)
+
+    def _build_norm_weight(self) -> torch.Tensor:
+        """Per element of the flat shard: 1 / replication where this rank counts the element in
+        norms (the engine's `norm_ranges`: TP-replicated tensors on one TP rank), else 0; summed
+        over every rank of every island it counts each element once per island."""
+        weight = torch.zeros(self.numel)
+        start = 0
+        for b in self.inner.buckets:
+            for lo, hi in b.norm_ranges:
+                weight[start + lo:start + hi] = 1.0 / self._replication()
+            start += sum(m.param.numel() for m in b.masters)
+        return weight
+
+    # -- the engine protocol ----------------------------------------------------------------
+    @property
+    def strategy(self) -> Strategy:
+        """The islands' PaRO strategy (the banner reads it)."""
+        return self.inner.strategy
+
+    @property
+    def loss_scale(self) -> float:
+        return self.inner.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.scale_loss(loss)
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def grad_for(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self.inner.grad_for(param)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        with self.inner.gathered_parameters():
+            yield
+
+    def step(self) -> StepResult:
+        result = self.inner.step()
+        self.inner_steps += 1
+        if self.inner_steps % self.options.sync_every:
+            return result
+        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **self.sync()})
+
+    # -- the outer step -----------------------------------------------------------------------
+    def sync(self) -> dict[str, float]:
+        """One outer step over the peer group (collective over every rank); returns what to log."""
+        before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        pseudo = self.snapshot - self._masters_flat()
+        mean = self._average(pseudo)
+        sums = torch.stack([(self._norm_weight * mean * mean).sum(), (self._norm_weight * pseudo * pseudo).sum()])
+        comm.all_reduce(sums, tag=STATS_TAG)
+        outer_update(self.snapshot, mean, self.momentum, self.options.lr, self.options.momentum)
+        start = 0
+        for t in self._masters():
+            t.reshape(-1).copy_(self.snapshot[start:start + t.numel()])
+            start += t.numel()
+        self.inner.publish_masters()
+        after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        mean_sq, own_sq = (float(x) / self.islands for x in sums)
+        return {"outer/pseudo_grad_norm": math.sqrt(mean_sq),
+                "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0)),
+                "outer/intra_bytes": float(after["intra"] - before["intra"]),
+                "outer/inter_bytes": float(after["inter"] - before["inter"])}
+
+    def _average(self, pseudo: torch.Tensor) -> torch.Tensor:
+        """The islands' mean of `pseudo` (this rank's shard), the same bits on every island."""
+        n = traffic.padded_numel(self.numel, self.islands, self.options.quantize)
+        chunk = n // self.islands
+        send = torch.zeros(n, dtype=self._wire)
+        send[:self.numel] = pseudo
+        received = torch.empty(self.islands, chunk, dtype=self._wire)
+        comm.all_to_all_single(received, send.view(self.islands, chunk), group=self.island.peer_group, tag=SYNC_TAG)
+        mine = average_chunks(received).to(self._wire)
+        full = torch.empty(n, dtype=self._wire)
+        comm.all_gather_into_tensor(full, mine, group=self.island.peer_group, tag=SYNC_TAG)
+        return full[:self.numel].float()
+
+    # -- accounting ---------------------------------------------------------------------------
+    def expected_sync_bytes(self) -> tuple[int, int]:
+        """(intra, inter) of one sync's exchange (tag `outer/sync`), by the traffic formula."""
+        return traffic.sync_bytes(self.numel, self.islands, self.options.quantize)
+
+    def expected_publish(self) -> tuple[int, int, int]:
+        """(intra, inter, calls) of re-publishing the new masters to level p inside the island
+        (`ZeroEngine.publish_masters`): the inner step's refresh phases, once."""
+        e = self.inner
+        parts = traffic_zero.step_parts(e.strategy, e.padded_numels(), e.shapes, e.hier, micro_batches=1,
+                                        param_bytes=e.param_dtype.itemsize, accum_bytes=e.accum_dtype.itemsize,
+                                        zeropp=e.zeropp, reused=e.reused, persistent=e.persistent)
+        intra = inter = calls = 0
+        for part in (parts["refresh"], parts["refresh_persistent"]):
+            a, b = part.bytes_once(e.shapes)
+            intra, inter, calls = intra + a, inter + b, calls + part.calls_once(e.shapes)
+        return intra, inter, calls
+
+    def expected_stats_bytes(self) -> tuple[int, int]:
+        world = GroupShape.of(range(self.island.world_size * self.islands), self.island.rank,
+                              self.island.ranks_per_node)
+        return traffic.stats_bytes(world)
+
+    def held_bytes(self) -> memory.StateBytes:
+        inner = self.inner.held_bytes()
+        outer = sum(t.numel() * t.element_size() for t in (self.snapshot, self.momentum))
+        return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    def expected_bytes(self) -> memory.StateBytes:
+        inner = self.inner.expected_bytes()
+        g = self.inner.groups
+        outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
+                                         g.group_size, fp32_copies=2)
+        return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+        """The inner engine's state dict plus the outer state under `OUTER_STATE_KEY`."""
+        return {**self.inner.state_dict(frozen=frozen),
+                OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
+                                  "sync_every": self.options.sync_every, "quantize": self.options.quantize,
+                                  "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
+        state) starts the first interval at its weights, with zero outer momentum."""
+        self.inner.load_state_dict(state)
+        saved = state.get(OUTER_STATE_KEY)
+        if saved is None:
+            self.snapshot = self._masters_flat()
+            self.momentum = torch.zeros_like(self.snapshot)
+            self.inner_steps = self.inner.step_count
+            log.warning("outer: the checkpoint has no outer state (a synchronous run): the first outer "
+                        "interval starts at its weights, with zero outer momentum")
+            return
+        if saved["snapshot"].numel() != self.numel:
+            raise CheckpointError(f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
+                                  f"{self.numel} (saved under another island layout)")
+        self.snapshot = saved["snapshot"].clone()
+        self.momentum = saved["momentum"].clone()
+        self.inner_steps = int(saved["inner_steps"])

@@ -1,0 +1,163 @@
+"""Two-level training (DiLoCo over islands) on 4 gloo ranks carved into 2 virtual nodes x 2,
+so 2 islands of 2 DP ranks each.
+
+One spawn runs every PaRO strategy as the islands' inner engine and checks, per strategy: the
+losses against a single-process reference of the two islands (each a LocalEngine fed its
+island's share of the batch, the outer Nesterov step taken with the same functions), within
+1e-5 as the synchronous engine's own test (fp32, only the reduction order differs); the two
+islands bit for bit equal after each sync; the counted bytes and calls of every inner step
+equal the engine's formula, and at a sync step the outer exchange (`outer/sync`), the logging
+sum and the re-publication equal theirs; the memory held equals the formula; and a save in
+the middle of an interval resumed in a fresh model + engine continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.optim.engine import LocalEngine
+from megazpp.outer.diloco import DiLoCoEngine, average_chunks, outer_update
+from megazpp.outer.settings import OuterOptions
+from megazpp.parallel import comm
+from megazpp.parallel.counter import counter
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.parallel.topology import Topology
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import VALID_NAMES
+
+STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
+LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+RESUMED = ("NNN", "GGG", "IIG")  # also saved mid-interval and resumed
+
+
+def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _build(topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER) -> tuple[GPTModel, DiLoCoEngine]:
+    model = GPTModel(ModelConfig(**LLAMA), tp_group=topo.tp_group)
+    opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
+    return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionConfig(), opts, island), outer, island)
+
+
+def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) -> list[dict]:
+    cfg = ModelConfig(**LLAMA)
+    out = []
+    for step in steps:
+        counter.reset_step()
+        total = 0.0
+        for micro in range(MICRO):
+            inputs, labels = _batch(cfg, topo.dp_rank, micro, step)
+            loss = model(inputs, labels).mean() / MICRO
+            engine.scale_loss(loss).backward()
+            total += loss.item()
+        result = engine.step()
+        tags = counter.step_totals()["tags"]
+
+        def summed(prefixes: tuple[str, ...]) -> tuple[int, int, int]:
+            rows = [r for t, r in tags.items() if t.startswith(prefixes)]
+            return tuple(sum(r[k] for r in rows) for k in ("intra", "inter", "calls"))
+
+        out.append({"loss": total, "synced": bool(result.scalars), "scalars": result.scalars,
+                    "inner": summed(("zero/", "train/grad_norm")), "sync": summed(("outer/sync",)),
+                    "stats": summed(("outer/stats",)), "snapshot": engine.snapshot.clone()})
+    return out
+
+
+def _strategies_rank(ckpt_root: str) -> dict:
+    from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
+
+    topo = Topology.from_env(ranks_per_node=2)
+    island = topo.island_view(1)
+    report = {"dp_rank": topo.dp_rank, "island": island.island, "runs": {}}
+    for name in VALID_NAMES:
+        model, engine = _build(topo, island, name)
+        steps = _steps(model, engine, topo, range(SAVE_AT))
+        run = {"held": engine.held_bytes(), "expected": engine.expected_bytes(),
+               "inner_predicted": (*engine.inner.expected_step_bytes(MICRO), engine.inner.expected_step_calls(MICRO)),
+               "sync_predicted": engine.expected_sync_bytes(), "stats_predicted": engine.expected_stats_bytes(),
+               "publish_predicted": engine.expected_publish()}
+        if name in RESUMED:
+            save_checkpoint(f"{ckpt_root}/{name}", SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
+        steps += _steps(model, engine, topo, range(SAVE_AT, STEPS))
+        if name in RESUMED:
+            model2, engine2 = _build(topo, island, name)
+            engine2.load_state_dict(load_checkpoint(f"{ckpt_root}/{name}", topo).state["engine"])
+            again = _steps(model2, engine2, topo, range(SAVE_AT, STEPS))
+            run["resumed"] = [s["loss"] for s in again] == [s["loss"] for s in steps[SAVE_AT:]] and all(
+                torch.equal(a["snapshot"], b["snapshot"]) for a, b in zip(again, steps[SAVE_AT:]))
+        peers = comm.all_gather_object(engine.snapshot, group=island.peer_group, tag="test/peers")
+        run["islands_equal"] = all(torch.equal(peers[0], p) for p in peers)
+        run["steps"] = [{k: v for k, v in s.items() if k != "snapshot"} for s in steps]
+        report["runs"][name] = run
+    return report
+
+
+def _reference() -> dict[int, list[float]]:
+    """Per global DP rank, its loss at each step: 2 islands as LocalEngines on their share of
+    the batch, the outer step every H steps with DiLoCoEngine's own functions."""
+    cfg = ModelConfig(**LLAMA)
+    models = [GPTModel(cfg) for _ in range(ISLANDS)]
+    engines = [LocalEngine(m, OPT, PrecisionConfig()) for m in models]
+    params = [[p for p in m.parameters()] for m in models]
+    snapshot = torch.cat([p.detach().reshape(-1) for p in params[0]]).clone()
+    momentum = torch.zeros_like(snapshot)
+    per_island = 4 // ISLANDS
+    losses: dict[int, list[float]] = {r: [] for r in range(4)}
+    for step in range(STEPS):
+        for i, (model, engine) in enumerate(zip(models, engines)):
+            for r in range(i * per_island, (i + 1) * per_island):
+                mine = 0.0
+                for micro in range(MICRO):
+                    inputs, labels = _batch(cfg, r, micro, step)
+                    loss = model(inputs, labels).mean() / (MICRO * per_island)
+                    loss.backward()
+                    mine += loss.item() * per_island
+                losses[r].append(mine)
+            engine.step()
+        if (step + 1) % H == 0:
+            pseudo = torch.stack([snapshot - torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params])
+            outer_update(snapshot, average_chunks(pseudo), momentum, OUTER.lr, OUTER.momentum)
+            for ps in params:
+                start = 0
+                for p in ps:
+                    p.data.copy_(snapshot[start:start + p.numel()].view_as(p))
+                    start += p.numel()
+    return losses
+
+
+def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
+    reference = _reference()
+    ranks = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
+    for rank, report in enumerate(ranks):
+        dp_rank = rank  # tp = pp = 1: the global DP rank is the rank
+        for name, run in report["runs"].items():
+            where = (rank, name)
+            losses = [s["loss"] for s in run["steps"]]
+            assert losses == pytest.approx(reference[dp_rank], abs=1e-5), where
+            assert run["islands_equal"], where
+            assert run["held"] == run["expected"], where
+            if name in RESUMED:
+                assert run["resumed"], where
+            intra, inter, calls = run["inner_predicted"]
+            pub = run["publish_predicted"]
+            for i, s in enumerate(run["steps"]):
+                synced = (i + 1) % H == 0
+                assert s["synced"] == synced, (where, i)
+                extra = pub if synced else (0, 0, 0)
+                assert s["inner"] == (intra + extra[0], inter + extra[1], calls + extra[2]), (where, i)
+                assert s["sync"] == ((*run["sync_predicted"], 2) if synced else (0, 0, 0)), (where, i)
+                assert s["stats"] == ((*run["stats_predicted"], 1) if synced else (0, 0, 0)), (where, i)
+                if synced:
+                    assert s["scalars"]["outer/inter_bytes"] == run["sync_predicted"][1]
+                    assert s["scalars"]["outer/pseudo_grad_norm"] > 0 and s["scalars"]["outer/island_divergence"] > 0
