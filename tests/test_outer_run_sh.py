@@ -1,0 +1,45 @@
+"""Two-level training as a user runs it: `run.sh` on 4 ranks carved into 2 nodes of 2 (two
+islands), saving and logging; the banner, the outer syncs in the log and in TensorBoard, a
+resume, the export of the synced parameters; and a refusal in one line before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+
+from megazpp.analysis.event_reader import read_run
+from tests.test_first_hour import one_line_refusal, run_sh, tool
+
+OUTER = ["--micro-batch-size", "4", "--ranks-per-node", "2", "--outer-algorithm", "diloco", "--outer-sync-every", "5"]
+
+
+@pytest.mark.slow
+def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_path):
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
+    proc = run_sh(run_sh_data_dir, *OUTER, "--train-iters", "12", "--save", str(save), "--tensorboard-dir", str(tb),
+                  "--log-interval", "1", nproc=4)
+    out = proc.stdout + proc.stderr
+    assert "two-level: 2 islands of 1 node(s), 2 DP rank(s) each" in out and "DiLoCo every 5 inner steps" in out
+    synced = [line for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
+    assert len(synced) == 2 and "iter      5" in synced[0] and "iter     10" in synced[1], synced
+    scalars = read_run(tb, "two-level").scalars
+    assert list(scalars["outer/inter_bytes"].steps) == [5, 10]
+    assert all(v > 0 for v in scalars["outer/island_divergence"].values)
+    assert (save / "latest").read_text().strip().endswith("12")
+
+    resumed = run_sh(run_sh_data_dir, *OUTER, "--train-iters", "16", "--save", str(save), "--load", str(save), nproc=4)
+    assert "resumed from" in resumed.stdout + resumed.stderr and "iter     15" in resumed.stdout + resumed.stderr
+
+    out_file = tmp_path / "model.safetensors"
+    export = tool("tools/export_checkpoint.py", "--load", str(save), "--out", str(out_file))
+    assert "averaged parameters at the last outer sync (iteration 15" in export.stdout
+    weights = load_file(str(out_file))
+    assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+@pytest.mark.slow
+def test_run_sh_refuses_one_island(run_sh_data_dir):
+    proc = run_sh(run_sh_data_dir, "--micro-batch-size", "4", "--outer-algorithm", "diloco", "--train-iters", "2", nproc=4, ok=False)
+    one_line_refusal(proc, "one island")
