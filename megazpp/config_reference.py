@@ -147,7 +147,7 @@ HELP: dict[str, str] = {
     "outer.sync_every": "H: inner steps between outer syncs",
     "outer.lr": "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)",
     "outer.momentum": "outer Nesterov momentum",
-    "outer.fragments": "streaming: fragments synced at staggered steps (not implemented yet: 1)",
+    "outer.fragments": "streaming: fragments (runs of buckets) synced at staggered steps, at most H",
     "outer.overlap_steps": "streaming: inner steps an outer sync may overlap (not implemented yet: 0)",
     "outer.merge_alpha": "streaming: weight of the synced fragment when merged (not implemented yet)",
     "outer.quantize": "outer-gradient wire format: none (fp32), bf16 (int4: not implemented yet)",

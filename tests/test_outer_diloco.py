@@ -9,7 +9,8 @@ islands bit for bit equal after each sync; the counted bytes and calls of every 
 equal the engine's formula, and at a sync step the outer exchange (`outer/sync`), the logging
 sum and the re-publication equal theirs; the memory held equals the formula; and a save in
 the middle of an interval resumed in a fresh model + engine continues bit for bit. Two
-strategies also run with bf16 outer gradients (half the outer bytes).
+strategies also run with bf16 outer gradients (half the outer bytes), three with two streaming
+fragments (whole buckets, one synced at every step; the reference syncs the same parameters).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.engine import LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine, average_chunks, outer_update
+from megazpp.outer.diloco import DiLoCoEngine, average_chunks, due_fragments, outer_update
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -40,6 +41,7 @@ OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 RESUMED = ("NNN", "GGG", "IIG")  # also saved mid-interval and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
+FRAGMENTED = ("NNG", "GGG", "IIG")  # also run with 2 fragments (one synced at every step)
 WIRE = {"none": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -73,7 +75,7 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
             rows = [r for t, r in tags.items() if t.startswith(prefixes)]
             return tuple(sum(r[k] for r in rows) for k in ("intra", "inter", "calls"))
 
-        out.append({"loss": total, "synced": bool(result.scalars), "scalars": result.scalars,
+        out.append({"loss": total, "synced": engine.due(step + 1), "scalars": result.scalars,
                     "inner": summed(("zero/", "train/grad_norm")), "sync": summed(("outer/sync",)),
                     "stats": summed(("outer/stats",)), "snapshot": engine.snapshot.clone()})
     return out
@@ -86,13 +88,15 @@ def _strategies_rank(ckpt_root: str) -> dict:
     island = topo.island_view(1)
     report = {"dp_rank": topo.dp_rank, "island": island.island, "runs": {}}
     for label, name, outer in ([(n, n, OUTER) for n in VALID_NAMES] +
-                               [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16]):
+                               [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16] +
+                               [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED]):
         model, engine = _build(topo, island, name, outer)
         steps = _steps(model, engine, topo, range(SAVE_AT))
         run = {"held": engine.held_bytes(), "expected": engine.expected_bytes(),
                "inner_predicted": (*engine.inner.expected_step_bytes(MICRO), engine.inner.expected_step_calls(MICRO)),
                "sync_predicted": engine.expected_sync_bytes(), "stats_predicted": engine.expected_stats_bytes(),
-               "publish_predicted": engine.expected_publish()}
+               "publish_predicted": engine.expected_publish(), "fragment_names": engine.fragment_names(),
+               "fragment_bytes": [engine.expected_sync_bytes([f]) for f in range(len(engine.fragments))]}
         if label in RESUMED:
             save_checkpoint(f"{ckpt_root}/{name}", SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
         steps += _steps(model, engine, topo, range(SAVE_AT, STEPS))
@@ -109,17 +113,18 @@ def _strategies_rank(ckpt_root: str) -> dict:
     return report
 
 
-def _reference(quantize: str = "none") -> dict[int, list[float]]:
+def _reference(fragments: list[list[str]], quantize: str = "none") -> dict[int, list[float]]:
     """Per global DP rank, its loss at each step: 2 islands as LocalEngines on their share of
-    the batch, the outer step every H steps with DiLoCoEngine's own functions (the pseudo-
-    gradients and their mean rounded to the wire format, as on the wire)."""
+    the batch, each fragment (parameter names) given the outer step at its steps, with
+    DiLoCoEngine's own functions (the pseudo-gradients and their mean rounded to the wire
+    format, as on the wire)."""
     wire = WIRE[quantize]
     cfg = ModelConfig(**LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
     engines = [LocalEngine(m, OPT, PrecisionConfig()) for m in models]
-    params = [[p for p in m.parameters()] for m in models]
-    snapshot = torch.cat([p.detach().reshape(-1) for p in params[0]]).clone()
-    momentum = torch.zeros_like(snapshot)
+    params = [dict(m.named_parameters()) for m in models]
+    snapshot = {n: p.detach().clone() for n, p in params[0].items()}
+    momentum = {n: torch.zeros_like(p) for n, p in snapshot.items()}
     per_island = 4 // ISLANDS
     losses: dict[int, list[float]] = {r: [] for r in range(4)}
     for step in range(STEPS):
@@ -133,22 +138,26 @@ def _reference(quantize: str = "none") -> dict[int, list[float]]:
                     mine += loss.item() * per_island
                 losses[r].append(mine)
             engine.step()
-        if (step + 1) % H == 0:
-            pseudo = torch.stack([snapshot - torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params])
-            mean = average_chunks(pseudo.to(wire)).to(wire).float()
-            outer_update(snapshot, mean, momentum, OUTER.lr, OUTER.momentum)
-            for ps in params:
-                start = 0
-                for p in ps:
-                    p.data.copy_(snapshot[start:start + p.numel()].view_as(p))
-                    start += p.numel()
+        for f in due_fragments(step + 1, H, len(fragments)):
+            for name in fragments[f]:
+                pseudo = torch.stack([snapshot[name] - ps[name].detach() for ps in params])
+                mean = average_chunks(pseudo.to(wire)).to(wire).float()
+                outer_update(snapshot[name], mean, momentum[name], OUTER.lr, OUTER.momentum)
+                for ps in params:
+                    ps[name].data.copy_(snapshot[name])
     return losses
 
 
 def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
-    references = {"none": _reference(), "bf16": _reference("bf16")}
-    assert references["bf16"] != references["none"]  # the wire format reaches the model
     ranks = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
+    whole = ranks[0]["runs"]["NNN"]["fragment_names"]
+    references = {"none": _reference(whole), "bf16": _reference(whole, "bf16")}
+    assert references["bf16"] != references["none"]  # the wire format reaches the model
+    for name in FRAGMENTED:  # the buckets (so fragments) differ between p = N and p sharded
+        halves = ranks[0]["runs"][f"{name}/frag2"]["fragment_names"]
+        assert len(whole) == 1 and len(halves) == 2 and sorted(halves[0] + halves[1]) == sorted(whole[0])
+        references[f"{name}/frag2"] = _reference(halves)
+        assert references[f"{name}/frag2"] != references["none"]
     for rank, report in enumerate(ranks):
         dp_rank = rank  # tp = pp = 1: the global DP rank is the rank
         for name, run in report["runs"].items():
@@ -157,8 +166,9 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             # bf16: a pseudo-gradient differing by fp32 reduction order may round to the next
             # bf16 value (a relative 2^-8 of that element), so the bound is looser
             bound = 1e-3 if name.endswith("/bf16") else 1e-5
-            assert losses == pytest.approx(references["bf16" if name.endswith("/bf16") else "none"][dp_rank],
-                                           abs=bound), where
+            kind = name if name.endswith("/frag2") else name.split("/")[1] if "/" in name else "none"
+            assert run["fragment_names"] == ranks[0]["runs"][name]["fragment_names"], where  # same on every rank
+            assert losses == pytest.approx(references[kind][dp_rank], abs=bound), where
             assert run["islands_equal"], where
             assert run["held"] == run["expected"], where
             if name in RESUMED:
@@ -166,12 +176,14 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             intra, inter, calls = run["inner_predicted"]
             pub = run["publish_predicted"]
             for i, s in enumerate(run["steps"]):
-                synced = (i + 1) % H == 0
-                assert s["synced"] == synced, (where, i)
+                due = due_fragments(i + 1, H, len(run["fragment_names"]))
+                assert s["synced"] == due, (where, i)
+                synced = bool(due)
                 extra = pub if synced else (0, 0, 0)
                 assert s["inner"] == (intra + extra[0], inter + extra[1], calls + extra[2]), (where, i)
-                assert s["sync"] == ((*run["sync_predicted"], 2) if synced else (0, 0, 0)), (where, i)
+                moved = tuple(sum(run["fragment_bytes"][f][k] for f in due) for k in (0, 1))
+                assert s["sync"] == ((*moved, 2 * len(due)) if synced else (0, 0, 0)), (where, i)
                 assert s["stats"] == ((*run["stats_predicted"], 1) if synced else (0, 0, 0)), (where, i)
                 if synced:
-                    assert s["scalars"]["outer/inter_bytes"] == run["sync_predicted"][1]
+                    assert s["scalars"]["outer/inter_bytes"] == moved[1]
                     assert s["scalars"]["outer/pseudo_grad_norm"] > 0 and s["scalars"]["outer/island_divergence"] > 0

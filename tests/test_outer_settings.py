@@ -26,8 +26,8 @@ def _outer(flags: list[str], world: int = 4, per_node: int | None = 2) -> OuterO
 def test_flags_resolve_to_options():
     assert _outer([]) is None
     o = _outer(["--outer-algorithm", "diloco", "--outer-sync-every", "5", "--outer-lr", "0.5",
-                "--outer-momentum", "0.8", "--outer-quantize", "bf16"])
-    assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1)
+                "--outer-momentum", "0.8", "--outer-quantize", "bf16", "--outer-fragments", "5"])
+    assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=5)
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
 
 
@@ -39,7 +39,9 @@ def test_flags_resolve_to_options():
     (["--outer-algorithm", "diloco", "--outer-momentum", "1"], 4, 2, "outer.momentum = 1.0"),
     (["--outer-algorithm", "diloco", "--outer-quantize", "int8"], 4, 2, "outer.quantize = 'int8'"),
     (["--outer-algorithm", "diloco", "--outer-quantize", "int4"], 4, 2, "not implemented yet"),
-    (["--outer-algorithm", "diloco", "--outer-fragments", "2"], 4, 2, "streaming fragments"),
+    (["--outer-algorithm", "diloco", "--outer-fragments", "0"], 4, 2, "outer.fragments = 0"),
+    (["--outer-algorithm", "diloco", "--outer-fragments", "6", "--outer-sync-every", "5"], 4, 2,
+     "outer.fragments = 6 > outer.sync_every = 5"),
     (["--outer-algorithm", "diloco", "--outer-overlap-steps", "1"], 4, 2, "overlapped outer syncs"),
     (["--outer-algorithm", "diloco", "--outer-merge-alpha", "0.3"], 4, 2, "outer.merge_alpha"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),

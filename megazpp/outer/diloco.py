@@ -5,7 +5,9 @@ strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only r
 replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
 masters and `publish_masters`. The trainer sees one `Engine`.
 
-An outer sync, on every rank at once (docs/arch/outer.md):
+With `outer.fragments` F > 1 the shard is cut into F fragments of whole buckets, each synced
+every H steps at its own offset (Streaming DiLoCo's staggering), so one step moves one
+fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md):
 1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
    the masters now;
 2. averaged over the peer group (the rank at my place in every island, holding the same shard):
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from megazpp.errors import CheckpointError
+from megazpp.errors import CheckpointError, ConfigError
 from megazpp.optim.engine import StepResult
 from megazpp.outer import traffic
 from megazpp.outer.settings import OuterOptions
@@ -60,6 +62,13 @@ def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentu
     snapshot.sub_(mean_pseudo_grad.add(momentum_buf, alpha=momentum), alpha=lr)
 
 
+def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
+    """The fragments synced after inner step `inner_steps` (counted from 1): fragment f every H
+    steps at offset f H / F, so F <= H fragments never share a step (Streaming DiLoCo)."""
+    offsets = [f * sync_every // count for f in range(count)]
+    return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
+
+
 class DiLoCoEngine:
     """The engine protocol over `inner` (a ZeroEngine over one island's DP ranks, built on
     `island`, a `Topology.island_view`), syncing across islands every `options.sync_every`
@@ -77,6 +86,7 @@ class DiLoCoEngine:
         self.snapshot = flat.clone()
         self.momentum = torch.zeros_like(flat)
         self._norm_weight = self._build_norm_weight()
+        self.fragments = self._build_fragments(options.fragments)
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
 
@@ -86,6 +96,28 @@ class DiLoCoEngine:
 
     def _masters_flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in self._masters()])
+
+    def _build_fragments(self, count: int) -> list[tuple[int, int]]:
+        """[start, end) of each fragment in the flat shard: `count` runs of consecutive buckets
+        (fetch groups when p is sharded), as even in bucket count as they divide. The same
+        buckets on every rank, so a fragment is the same parameters everywhere (whatever part of
+        them each rank's shard holds)."""
+        buckets = self.inner.buckets
+        if count > len(buckets):
+            raise ConfigError(f"outer.fragments = {count}: the model's parameters form only {len(buckets)} buckets "
+                              f"(fetch groups) here, the units fragments are made of; use at most {len(buckets)}")
+        sizes = [sum(m.param.numel() for m in b.masters) for b in buckets]
+        edges = [sum(sizes[:f * len(buckets) // count]) for f in range(count + 1)]
+        return list(zip(edges[:-1], edges[1:]))
+
+    def fragment_names(self) -> list[list[str]]:
+        """The parameter names of each fragment (the buckets it is made of)."""
+        buckets, count = self.inner.buckets, len(self.fragments)
+        return [[n for b in buckets[f * len(buckets) // count:(f + 1) * len(buckets) // count] for n in b.layout.names]
+                for f in range(count)]
+
+    def due(self, inner_steps: int) -> list[int]:
+        return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
 
     def _replication(self) -> int:
         """How many ranks of an island hold each os shard (os = N: all of them)."""
@@ -134,22 +166,30 @@ class DiLoCoEngine:
     def step(self) -> StepResult:
         result = self.inner.step()
         self.inner_steps += 1
-        if self.inner_steps % self.options.sync_every:
+        due = self.due(self.inner_steps)
+        if not due:
             return result
-        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **self.sync()})
+        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **self.sync(due)})
 
     # -- the outer step -----------------------------------------------------------------------
-    def sync(self) -> dict[str, float]:
-        """One outer step over the peer group (collective over every rank); returns what to log."""
+    def sync(self, fragments: list[int]) -> dict[str, float]:
+        """One outer step of `fragments` over the peer group (collective over every rank): each
+        fragment's exchange and Nesterov step, then one re-publication; returns what to log."""
         before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
-        pseudo = self.snapshot - self._masters_flat()
-        mean = self._average(pseudo)
-        sums = torch.stack([(self._norm_weight * mean * mean).sum(), (self._norm_weight * pseudo * pseudo).sum()])
+        flat = self._masters_flat()
+        sums = torch.zeros(2)
+        for f in fragments:
+            lo, hi = self.fragments[f]
+            pseudo = self.snapshot[lo:hi] - flat[lo:hi]
+            mean = self._average(pseudo)
+            weight = self._norm_weight[lo:hi]
+            sums += torch.stack([(weight * mean * mean).sum(), (weight * pseudo * pseudo).sum()])
+            outer_update(self.snapshot[lo:hi], mean, self.momentum[lo:hi], self.options.lr, self.options.momentum)
+            flat[lo:hi] = self.snapshot[lo:hi]
         comm.all_reduce(sums, tag=STATS_TAG)
-        outer_update(self.snapshot, mean, self.momentum, self.options.lr, self.options.momentum)
         start = 0
         for t in self._masters():
-            t.reshape(-1).copy_(self.snapshot[start:start + t.numel()])
+            t.reshape(-1).copy_(flat[start:start + t.numel()])
             start += t.numel()
         self.inner.publish_masters()
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
@@ -161,21 +201,25 @@ class DiLoCoEngine:
 
     def _average(self, pseudo: torch.Tensor) -> torch.Tensor:
         """The islands' mean of `pseudo` (this rank's shard), the same bits on every island."""
-        n = traffic.padded_numel(self.numel, self.islands, self.options.quantize)
+        numel = pseudo.numel()
+        n = traffic.padded_numel(numel, self.islands, self.options.quantize)
         chunk = n // self.islands
         send = torch.zeros(n, dtype=self._wire)
-        send[:self.numel] = pseudo
+        send[:numel] = pseudo
         received = torch.empty(self.islands, chunk, dtype=self._wire)
         comm.all_to_all_single(received, send.view(self.islands, chunk), group=self.island.peer_group, tag=SYNC_TAG)
         mine = average_chunks(received).to(self._wire)
         full = torch.empty(n, dtype=self._wire)
         comm.all_gather_into_tensor(full, mine, group=self.island.peer_group, tag=SYNC_TAG)
-        return full[:self.numel].float()
+        return full[:numel].float()
 
     # -- accounting ---------------------------------------------------------------------------
-    def expected_sync_bytes(self) -> tuple[int, int]:
-        """(intra, inter) of one sync's exchange (tag `outer/sync`), by the traffic formula."""
-        return traffic.sync_bytes(self.numel, self.islands, self.options.quantize)
+    def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
+        """(intra, inter) of the exchange of `fragments` (default all; tag `outer/sync`), by
+        the traffic formula."""
+        each = [traffic.sync_bytes(hi - lo, self.islands, self.options.quantize)
+                for f, (lo, hi) in enumerate(self.fragments) if fragments is None or f in fragments]
+        return sum(a for a, _ in each), sum(b for _, b in each)
 
     def expected_publish(self) -> tuple[int, int, int]:
         """(intra, inter, calls) of re-publishing the new masters to level p inside the island

@@ -20,7 +20,6 @@ QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.oute
 
 # Not built yet: accepted values that would not act are refused with this reason instead.
 NOT_IMPLEMENTED = {
-    "fragments": "streaming fragments (outer.fragments > 1) are not implemented yet: the whole shard syncs at once",
     "overlap_steps": "overlapped outer syncs (outer.overlap_steps > 0) are not implemented yet: each sync "
                      "blocks its inner step",
     "merge_alpha": "outer.merge_alpha mixes an overlapped sync into the local parameters, and overlapped syncs "
@@ -90,6 +89,9 @@ class OuterSettings:
             raise ConfigError(f"outer.overlap_steps = {self.overlap_steps}: expected a value >= 0")
         if not 0 <= self.merge_alpha <= 1:
             raise ConfigError(f"outer.merge_alpha = {self.merge_alpha}: expected a value in [0, 1]")
+        if self.fragments > self.sync_every:
+            raise ConfigError(f"outer.fragments = {self.fragments} > outer.sync_every = {self.sync_every}: each "
+                              f"fragment syncs once per interval at its own step, so at most H fragments")
         if self.quantize == "int4":
             raise ConfigError("outer.quantize = 'int4': int4 outer gradients with error feedback are not "
                               "implemented yet (use none or bf16)")
