@@ -148,8 +148,8 @@ HELP: dict[str, str] = {
     "outer.lr": "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)",
     "outer.momentum": "outer Nesterov momentum",
     "outer.fragments": "streaming: fragments (runs of buckets) synced at staggered steps, at most H",
-    "outer.overlap_steps": "streaming: inner steps an outer sync may overlap (not implemented yet: 0)",
-    "outer.merge_alpha": "streaming: weight of the synced fragment when merged (not implemented yet)",
+    "outer.overlap_steps": "streaming: inner steps an outer exchange runs before it is applied (tau, below H)",
+    "outer.merge_alpha": "with overlap: weight of the island's own parameters when an exchange is applied",
     "outer.quantize": "outer-gradient wire format: none (fp32), bf16 (int4: not implemented yet)",
     "outer.island_nodes": "nodes per island",
 }

@@ -10,7 +10,9 @@ equal the engine's formula, and at a sync step the outer exchange (`outer/sync`)
 sum and the re-publication equal theirs; the memory held equals the formula; and a save in
 the middle of an interval resumed in a fresh model + engine continues bit for bit. Two
 strategies also run with bf16 outer gradients (half the outer bytes), three with two streaming
-fragments (whole buckets, one synced at every step; the reference syncs the same parameters).
+fragments (whole buckets, one synced at every step; the reference syncs the same parameters),
+two with those exchanges overlapping one inner step and merged with Streaming DiLoCo's mixing
+(one saved with an exchange in flight and resumed bit for bit).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.engine import LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine, average_chunks, due_fragments, outer_update
+from megazpp.outer.diloco import DiLoCoEngine, due_fragments, merge, outer_update
+from megazpp.outer.exchange import average_chunks
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -39,9 +42,10 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, 
              vocab_size=96, seq_length=8, ffn_hidden_size=40)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
-RESUMED = ("NNN", "GGG", "IIG")  # also saved mid-interval and resumed
+RESUMED = ("NNN", "GGG", "IIG", "GGG/tau1")  # also saved mid-interval (tau1: an exchange in flight) and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
 FRAGMENTED = ("NNG", "GGG", "IIG")  # also run with 2 fragments (one synced at every step)
+OVERLAPPED = ("NNG", "GGG")  # also with 2 fragments whose exchanges overlap one inner step (tau = 1)
 WIRE = {"none": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -89,7 +93,9 @@ def _strategies_rank(ckpt_root: str) -> dict:
     report = {"dp_rank": topo.dp_rank, "island": island.island, "runs": {}}
     for label, name, outer in ([(n, n, OUTER) for n in VALID_NAMES] +
                                [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16] +
-                               [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED]):
+                               [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED] +
+                               [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1))
+                                for n in OVERLAPPED]):
         model, engine = _build(topo, island, name, outer)
         steps = _steps(model, engine, topo, range(SAVE_AT))
         run = {"held": engine.held_bytes(), "expected": engine.expected_bytes(),
@@ -101,7 +107,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
             save_checkpoint(f"{ckpt_root}/{name}", SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
         steps += _steps(model, engine, topo, range(SAVE_AT, STEPS))
         if label in RESUMED:
-            model2, engine2 = _build(topo, island, name)
+            model2, engine2 = _build(topo, island, name, outer)
             engine2.load_state_dict(load_checkpoint(f"{ckpt_root}/{name}", topo).state["engine"])
             again = _steps(model2, engine2, topo, range(SAVE_AT, STEPS))
             run["resumed"] = [s["loss"] for s in again] == [s["loss"] for s in steps[SAVE_AT:]] and all(
@@ -113,11 +119,11 @@ def _strategies_rank(ckpt_root: str) -> dict:
     return report
 
 
-def _reference(fragments: list[list[str]], quantize: str = "none") -> dict[int, list[float]]:
+def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0) -> dict[int, list[float]]:
     """Per global DP rank, its loss at each step: 2 islands as LocalEngines on their share of
-    the batch, each fragment (parameter names) given the outer step at its steps, with
-    DiLoCoEngine's own functions (the pseudo-gradients and their mean rounded to the wire
-    format, as on the wire)."""
+    the batch, each fragment (parameter names) exchanged at its steps and applied `tau` steps
+    later (merged with the islands' own progress when tau > 0), with DiLoCoEngine's own
+    functions (the pseudo-gradients and their mean rounded to the wire format, as on the wire)."""
     wire = WIRE[quantize]
     cfg = ModelConfig(**LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
@@ -127,6 +133,16 @@ def _reference(fragments: list[list[str]], quantize: str = "none") -> dict[int, 
     momentum = {n: torch.zeros_like(p) for n, p in snapshot.items()}
     per_island = 4 // ISLANDS
     losses: dict[int, list[float]] = {r: [] for r in range(4)}
+    pending: list[tuple[int, int, dict[str, torch.Tensor]]] = []
+
+    def apply(f: int, pseudos: dict[str, torch.Tensor]) -> None:
+        for name in fragments[f]:
+            mean = average_chunks(pseudos[name].to(wire)).to(wire).float()
+            outer_update(snapshot[name], mean, momentum[name], OUTER.lr, OUTER.momentum)
+            for ps in params:
+                ps[name].data.copy_(merge(ps[name].detach(), snapshot[name], OUTER.merge_alpha) if tau
+                                    else snapshot[name])
+
     for step in range(STEPS):
         for i, (model, engine) in enumerate(zip(models, engines)):
             for r in range(i * per_island, (i + 1) * per_island):
@@ -138,13 +154,16 @@ def _reference(fragments: list[list[str]], quantize: str = "none") -> dict[int, 
                     mine += loss.item() * per_island
                 losses[r].append(mine)
             engine.step()
-        for f in due_fragments(step + 1, H, len(fragments)):
-            for name in fragments[f]:
-                pseudo = torch.stack([snapshot[name] - ps[name].detach() for ps in params])
-                mean = average_chunks(pseudo.to(wire)).to(wire).float()
-                outer_update(snapshot[name], mean, momentum[name], OUTER.lr, OUTER.momentum)
-                for ps in params:
-                    ps[name].data.copy_(snapshot[name])
+        t = step + 1
+        for _, f, pseudos in [p for p in pending if p[0] == t]:
+            apply(f, pseudos)
+        pending = [p for p in pending if p[0] != t]
+        for f in due_fragments(t, H, len(fragments)):
+            pseudos = {n: torch.stack([snapshot[n] - ps[n].detach() for ps in params]) for n in fragments[f]}
+            if tau:
+                pending.append((t + tau, f, pseudos))
+            else:
+                apply(f, pseudos)
     return losses
 
 
@@ -158,6 +177,9 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
         assert len(whole) == 1 and len(halves) == 2 and sorted(halves[0] + halves[1]) == sorted(whole[0])
         references[f"{name}/frag2"] = _reference(halves)
         assert references[f"{name}/frag2"] != references["none"]
+        if name in OVERLAPPED:
+            references[f"{name}/tau1"] = _reference(halves, tau=1)
+            assert references[f"{name}/tau1"] != references[f"{name}/frag2"]
     for rank, report in enumerate(ranks):
         dp_rank = rank  # tp = pp = 1: the global DP rank is the rank
         for name, run in report["runs"].items():
@@ -166,7 +188,8 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             # bf16: a pseudo-gradient differing by fp32 reduction order may round to the next
             # bf16 value (a relative 2^-8 of that element), so the bound is looser
             bound = 1e-3 if name.endswith("/bf16") else 1e-5
-            kind = name if name.endswith("/frag2") else name.split("/")[1] if "/" in name else "none"
+            kind = name if name.endswith(("/frag2", "/tau1")) else name.split("/")[1] if "/" in name else "none"
+            tau = 1 if name.endswith("/tau1") else 0
             assert run["fragment_names"] == ranks[0]["runs"][name]["fragment_names"], where  # same on every rank
             assert losses == pytest.approx(references[kind][dp_rank], abs=bound), where
             assert run["islands_equal"], where
@@ -175,15 +198,24 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
                 assert run["resumed"], where
             intra, inter, calls = run["inner_predicted"]
             pub = run["publish_predicted"]
+            count = len(run["fragment_names"])
             for i, s in enumerate(run["steps"]):
-                due = due_fragments(i + 1, H, len(run["fragment_names"]))
+                t = i + 1
+                due = due_fragments(t, H, count)
                 assert s["synced"] == due, (where, i)
-                synced = bool(due)
-                extra = pub if synced else (0, 0, 0)
+                # the all-to-all when due, the all-gather a step later when overlapping: half each
+                # (a save finishes the exchanges in flight: their all-gather moved to the save)
+                advanced = tau and t > 1 and not (name in RESUMED and t == SAVE_AT + 1)
+                halves_now = list(due) + (due_fragments(t - 1, H, count) if advanced else [])
+                if not tau:
+                    halves_now += due
+                landed = bool(due_fragments(t - tau, H, count)) if t > tau else False
+                extra = pub if landed else (0, 0, 0)
                 assert s["inner"] == (intra + extra[0], inter + extra[1], calls + extra[2]), (where, i)
-                moved = tuple(sum(run["fragment_bytes"][f][k] for f in due) for k in (0, 1))
-                assert s["sync"] == ((*moved, 2 * len(due)) if synced else (0, 0, 0)), (where, i)
-                assert s["stats"] == ((*run["stats_predicted"], 1) if synced else (0, 0, 0)), (where, i)
-                if synced:
+                moved = tuple(sum(run["fragment_bytes"][f][k] // 2 for f in halves_now) for k in (0, 1))
+                assert s["sync"] == ((*moved, len(halves_now)) if halves_now else (0, 0, 0)), (where, i)
+                assert s["stats"] == ((*run["stats_predicted"], 1) if landed else (0, 0, 0)), (where, i)
+                if halves_now:
                     assert s["scalars"]["outer/inter_bytes"] == moved[1]
+                if landed:
                     assert s["scalars"]["outer/pseudo_grad_norm"] > 0 and s["scalars"]["outer/island_divergence"] > 0

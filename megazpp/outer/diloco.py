@@ -31,6 +31,7 @@ from torch import nn
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.optim.engine import StepResult
 from megazpp.outer import traffic
+from megazpp.outer.exchange import SYNC_TAG, Exchange
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -45,13 +46,13 @@ log = logging.getLogger(__name__)
 
 WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
-SYNC_TAG = "outer/sync"
 STATS_TAG = "outer/stats"
 
 
-def average_chunks(received: torch.Tensor) -> torch.Tensor:
-    """The mean over islands (dim 0) of the pseudo-gradient chunks one rank received, in fp32."""
-    return received.float().mean(dim=0)
+def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Streaming DiLoCo's mixing when an exchange overlapped `tau` inner steps: `alpha` of the
+    island's own parameters (which moved on meanwhile) and 1 - alpha of the outer step's result."""
+    return local.mul(alpha).add_(synced, alpha=1 - alpha)
 
 
 def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor,
@@ -87,6 +88,7 @@ class DiLoCoEngine:
         self.momentum = torch.zeros_like(flat)
         self._norm_weight = self._build_norm_weight()
         self.fragments = self._build_fragments(options.fragments)
+        self.in_flight: list[Exchange] = []
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
 
@@ -164,54 +166,59 @@ class DiLoCoEngine:
             yield
 
     def step(self) -> StepResult:
+        """The inner step, then the outer work due after it: exchanges in flight advance (their
+        all-gather is issued), those landing now are applied, fragments due start theirs (and
+        land at once without overlap)."""
         result = self.inner.step()
         self.inner_steps += 1
-        due = self.due(self.inner_steps)
-        if not due:
+        t, group = self.inner_steps, self.island.peer_group
+        before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        for x in self.in_flight:
+            x.advance(group)
+        landing = [x for x in self.in_flight if x.lands == t]
+        self.in_flight = [x for x in self.in_flight if x.lands != t]
+        flat = self._masters_flat() if landing or self.due(t) else None
+        scalars = self._land(landing, flat) if landing else {}
+        tau = self.options.overlap_steps
+        started = [Exchange.start(f, t + tau, self.snapshot[lo:hi] - flat[lo:hi], self.islands, self.options.quantize,
+                                  self._wire, group)
+                   for f in self.due(t) for lo, hi in [self.fragments[f]]]
+        if tau:
+            self.in_flight += started
+        elif started:
+            scalars = self._land(started, flat)
+        after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        if not (scalars or started):
             return result
-        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **self.sync(due)})
+        scalars.update({"outer/intra_bytes": float(after["intra"] - before["intra"]),
+                        "outer/inter_bytes": float(after["inter"] - before["inter"])})
+        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **scalars})
 
     # -- the outer step -----------------------------------------------------------------------
-    def sync(self, fragments: list[int]) -> dict[str, float]:
-        """One outer step of `fragments` over the peer group (collective over every rank): each
-        fragment's exchange and Nesterov step, then one re-publication; returns what to log."""
-        before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
-        flat = self._masters_flat()
+    def _land(self, exchanges: list[Exchange], flat: torch.Tensor) -> dict[str, float]:
+        """Apply landed exchanges (collective over every rank): each fragment's Nesterov step on
+        the snapshot, the masters set to it (merged with the island's own progress since the
+        exchange started when it overlapped: `merge`), one re-publication; returns what to log."""
         sums = torch.zeros(2)
-        for f in fragments:
-            lo, hi = self.fragments[f]
-            pseudo = self.snapshot[lo:hi] - flat[lo:hi]
-            mean = self._average(pseudo)
+        for x in exchanges:
+            lo, hi = self.fragments[x.fragment]
+            mean = x.mean(self.island.peer_group)
             weight = self._norm_weight[lo:hi]
-            sums += torch.stack([(weight * mean * mean).sum(), (weight * pseudo * pseudo).sum()])
+            sums += torch.stack([(weight * mean * mean).sum(), (weight * x.pseudo * x.pseudo).sum()])
             outer_update(self.snapshot[lo:hi], mean, self.momentum[lo:hi], self.options.lr, self.options.momentum)
-            flat[lo:hi] = self.snapshot[lo:hi]
+            if self.options.overlap_steps:
+                flat[lo:hi] = merge(flat[lo:hi], self.snapshot[lo:hi], self.options.merge_alpha)
+            else:
+                flat[lo:hi] = self.snapshot[lo:hi]
         comm.all_reduce(sums, tag=STATS_TAG)
         start = 0
         for t in self._masters():
             t.reshape(-1).copy_(flat[start:start + t.numel()])
             start += t.numel()
         self.inner.publish_masters()
-        after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
         mean_sq, own_sq = (float(x) / self.islands for x in sums)
         return {"outer/pseudo_grad_norm": math.sqrt(mean_sq),
-                "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0)),
-                "outer/intra_bytes": float(after["intra"] - before["intra"]),
-                "outer/inter_bytes": float(after["inter"] - before["inter"])}
-
-    def _average(self, pseudo: torch.Tensor) -> torch.Tensor:
-        """The islands' mean of `pseudo` (this rank's shard), the same bits on every island."""
-        numel = pseudo.numel()
-        n = traffic.padded_numel(numel, self.islands, self.options.quantize)
-        chunk = n // self.islands
-        send = torch.zeros(n, dtype=self._wire)
-        send[:numel] = pseudo
-        received = torch.empty(self.islands, chunk, dtype=self._wire)
-        comm.all_to_all_single(received, send.view(self.islands, chunk), group=self.island.peer_group, tag=SYNC_TAG)
-        mine = average_chunks(received).to(self._wire)
-        full = torch.empty(n, dtype=self._wire)
-        comm.all_gather_into_tensor(full, mine, group=self.island.peer_group, tag=SYNC_TAG)
-        return full[:numel].float()
+                "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0))}
 
     # -- accounting ---------------------------------------------------------------------------
     def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
@@ -257,7 +264,9 @@ class DiLoCoEngine:
         return {**self.inner.state_dict(frozen=frozen),
                 OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
                                   "sync_every": self.options.sync_every, "quantize": self.options.quantize,
-                                  "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone()}}
+                                  "fragments": [list(f) for f in self.fragments],
+                                  "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
+                                  "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
@@ -274,6 +283,10 @@ class DiLoCoEngine:
         if saved["snapshot"].numel() != self.numel:
             raise CheckpointError(f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
                                   f"{self.numel} (saved under another island layout)")
+        if saved.get("fragments", [[0, self.numel]]) != [list(f) for f in self.fragments]:
+            raise CheckpointError(f"outer state saved with fragments {saved.get('fragments')}, this run cuts the shard "
+                                  f"into {[list(f) for f in self.fragments]} (outer.fragments changed?)")
         self.snapshot = saved["snapshot"].clone()
         self.momentum = saved["momentum"].clone()
         self.inner_steps = int(saved["inner_steps"])
+        self.in_flight = [Exchange.from_state(x) for x in saved.get("in_flight", [])]

@@ -18,15 +18,6 @@ from megazpp.errors import ConfigError
 ALGORITHMS = ("none", "diloco")
 QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.outer.traffic)
 
-# Not built yet: accepted values that would not act are refused with this reason instead.
-NOT_IMPLEMENTED = {
-    "overlap_steps": "overlapped outer syncs (outer.overlap_steps > 0) are not implemented yet: each sync "
-                     "blocks its inner step",
-    "merge_alpha": "outer.merge_alpha mixes an overlapped sync into the local parameters, and overlapped syncs "
-                   "(outer.overlap_steps > 0) are not implemented yet",
-}
-
-
 @dataclass(frozen=True)
 class OuterOptions:
     """Two-level training as resolved: DiLoCo every `sync_every` inner steps, Nesterov SGD with
@@ -37,9 +28,9 @@ class OuterOptions:
     momentum: float
     quantize: Literal["none", "bf16", "int4"]
     island_nodes: int
-    fragments: int = 1
-    overlap_steps: int = 0
-    merge_alpha: float = 0.5
+    fragments: int = 1  # streaming: fragments synced at staggered steps
+    overlap_steps: int = 0  # tau: inner steps an exchange runs before it is applied
+    merge_alpha: float = 0.5  # with tau > 0: weight of the island's own parameters when applied
 
 
 @dataclass
@@ -95,9 +86,13 @@ class OuterSettings:
         if self.quantize == "int4":
             raise ConfigError("outer.quantize = 'int4': int4 outer gradients with error feedback are not "
                               "implemented yet (use none or bf16)")
-        for key, reason in NOT_IMPLEMENTED.items():
-            default = next(f.default for f in fields(self) if f.name == key)
-            if getattr(self, key) != default:
-                raise ConfigError(f"outer.{key} = {getattr(self, key)!r}: {reason}")
+        if self.overlap_steps >= self.sync_every:
+            raise ConfigError(f"outer.overlap_steps = {self.overlap_steps}: a fragment's exchange must land before "
+                              f"its next one starts, so at most outer.sync_every - 1 = {self.sync_every - 1}")
+        default_alpha = next(f.default for f in fields(self) if f.name == "merge_alpha")
+        if self.merge_alpha != default_alpha and not self.overlap_steps:
+            raise ConfigError(f"outer.merge_alpha = {self.merge_alpha} mixes an overlapped exchange into the "
+                              f"island's parameters, and outer.overlap_steps is 0 (nothing overlaps): set "
+                              f"outer.overlap_steps or drop outer.merge_alpha")
         return OuterOptions(self.sync_every, self.lr, self.momentum, self.quantize,  # type: ignore[arg-type]
                             self.island_nodes, self.fragments, self.overlap_steps, self.merge_alpha)
