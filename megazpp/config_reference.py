@@ -150,7 +150,7 @@ HELP: dict[str, str] = {
     "outer.fragments": "streaming: fragments (runs of buckets) synced at staggered steps, at most H",
     "outer.overlap_steps": "streaming: inner steps an outer exchange runs before it is applied (tau, below H)",
     "outer.merge_alpha": "with overlap: weight of the island's own parameters when an exchange is applied",
-    "outer.quantize": "outer-gradient wire format: none (fp32), bf16 (int4: not implemented yet)",
+    "outer.quantize": "outer-gradient wire format: none (fp32), bf16, int4 (blocks of 256, error feedback)",
     "outer.island_nodes": "nodes per island",
 }
 

@@ -9,7 +9,9 @@ islands bit for bit equal after each sync; the counted bytes and calls of every 
 equal the engine's formula, and at a sync step the outer exchange (`outer/sync`), the logging
 sum and the re-publication equal theirs; the memory held equals the formula; and a save in
 the middle of an interval resumed in a fresh model + engine continues bit for bit. Two
-strategies also run with bf16 outer gradients (half the outer bytes), three with two streaming
+strategies also run with bf16 outer gradients (half the outer bytes), two with int4 ones and
+error feedback (within 5e-2 of the fp32 reference: 7 levels a side per block of 256 move each
+outer step by up to absmax / 14 an element; one resumed bit for bit, error buffers included), three with two streaming
 fragments (whole buckets, one synced at every step; the reference syncs the same parameters),
 two with those exchanges overlapping one inner step and merged with Streaming DiLoCo's mixing
 (one saved with an exchange in flight and resumed bit for bit).
@@ -42,9 +44,10 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, 
              vocab_size=96, seq_length=8, ffn_hidden_size=40)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
-RESUMED = ("NNN", "GGG", "IIG", "GGG/tau1")  # also saved mid-interval (tau1: an exchange in flight) and resumed
+RESUMED = ("NNN", "GGG", "IIG", "GGG/tau1", "GGG/int4")  # also saved mid-interval (tau1: an exchange in flight) and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
 FRAGMENTED = ("NNG", "GGG", "IIG")  # also run with 2 fragments (one synced at every step)
+INT4 = ("NNG", "GGG")  # also with int4 outer gradients and error feedback
 OVERLAPPED = ("NNG", "GGG")  # also with 2 fragments whose exchanges overlap one inner step (tau = 1)
 WIRE = {"none": torch.float32, "bf16": torch.bfloat16}
 
@@ -95,7 +98,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
                                [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16] +
                                [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED] +
                                [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1))
-                                for n in OVERLAPPED]):
+                                for n in OVERLAPPED] +
+                               [(f"{n}/int4", n, dataclasses.replace(OUTER, quantize="int4")) for n in INT4]):
         model, engine = _build(topo, island, name, outer)
         steps = _steps(model, engine, topo, range(SAVE_AT))
         run = {"held": engine.held_bytes(), "expected": engine.expected_bytes(),
@@ -114,6 +118,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
                 torch.equal(a["snapshot"], b["snapshot"]) for a, b in zip(again, steps[SAVE_AT:]))
         peers = comm.all_gather_object(engine.snapshot, group=island.peer_group, tag="test/peers")
         run["islands_equal"] = all(torch.equal(peers[0], p) for p in peers)
+        run["errors_nonzero"] = all(bool(t.abs().sum() > 0) for pair in engine.errors for t in pair)
         run["steps"] = [{k: v for k, v in s.items() if k != "snapshot"} for s in steps]
         report["runs"][label] = run
     return report
@@ -187,8 +192,11 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             losses = [s["loss"] for s in run["steps"]]
             # bf16: a pseudo-gradient differing by fp32 reduction order may round to the next
             # bf16 value (a relative 2^-8 of that element), so the bound is looser
-            bound = 1e-3 if name.endswith("/bf16") else 1e-5
-            kind = name if name.endswith(("/frag2", "/tau1")) else name.split("/")[1] if "/" in name else "none"
+            bound = {"bf16": 1e-3, "int4": 5e-2}.get(name.split("/")[-1], 1e-5)
+            kind = (name if name.endswith(("/frag2", "/tau1")) else "none" if name.endswith("/int4")
+                    else name.split("/")[1] if "/" in name else "none")
+            if name.endswith("/int4"):  # the int4 wire reaches the model, with its error fed back
+                assert losses[-1] != references["none"][dp_rank][-1] and run["errors_nonzero"], where
             tau = 1 if name.endswith("/tau1") else 0
             assert run["fragment_names"] == ranks[0]["runs"][name]["fragment_names"], where  # same on every rank
             assert losses == pytest.approx(references[kind][dp_rank], abs=bound), where

@@ -38,7 +38,6 @@ def test_flags_resolve_to_options():
     (["--outer-algorithm", "diloco", "--outer-lr", "0"], 4, 2, "outer.lr = 0.0"),
     (["--outer-algorithm", "diloco", "--outer-momentum", "1"], 4, 2, "outer.momentum = 1.0"),
     (["--outer-algorithm", "diloco", "--outer-quantize", "int8"], 4, 2, "outer.quantize = 'int8'"),
-    (["--outer-algorithm", "diloco", "--outer-quantize", "int4"], 4, 2, "not implemented yet"),
     (["--outer-algorithm", "diloco", "--outer-fragments", "0"], 4, 2, "outer.fragments = 0"),
     (["--outer-algorithm", "diloco", "--outer-fragments", "6", "--outer-sync-every", "5"], 4, 2,
      "outer.fragments = 6 > outer.sync_every = 5"),

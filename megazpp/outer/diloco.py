@@ -31,7 +31,7 @@ from torch import nn
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.optim.engine import StepResult
 from megazpp.outer import traffic
-from megazpp.outer.exchange import SYNC_TAG, Exchange
+from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -44,7 +44,7 @@ from megazpp.zero.strategy import Strategy, level_div
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
 
@@ -89,6 +89,8 @@ class DiLoCoEngine:
         self._norm_weight = self._build_norm_weight()
         self.fragments = self._build_fragments(options.fragments)
         self.in_flight: list[Exchange] = []
+        self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels) if options.quantize == "int4" else None
+        self.errors = [self._new_errors(lo, hi) for lo, hi in self.fragments] if self._int4 else []
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
 
@@ -111,6 +113,12 @@ class DiLoCoEngine:
         sizes = [sum(m.param.numel() for m in b.masters) for b in buckets]
         edges = [sum(sizes[:f * len(buckets) // count]) for f in range(count + 1)]
         return list(zip(edges[:-1], edges[1:]))
+
+    def _new_errors(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4 error feedback of a fragment: what the wire dropped of this rank's pseudo-gradient
+        (the padded fragment) and of the averaged chunk it owns (fp32, zero at the start)."""
+        n = traffic.padded_numel(hi - lo, self.islands, "int4")
+        return torch.zeros(n), torch.zeros(n // self.islands)
 
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment (the buckets it is made of)."""
@@ -181,7 +189,7 @@ class DiLoCoEngine:
         scalars = self._land(landing, flat) if landing else {}
         tau = self.options.overlap_steps
         started = [Exchange.start(f, t + tau, self.snapshot[lo:hi] - flat[lo:hi], self.islands, self.options.quantize,
-                                  self._wire, group)
+                                  self._wire, group, self._int4, self.errors[f] if self._int4 else None)
                    for f in self.due(t) for lo, hi in [self.fragments[f]]]
         if tau:
             self.in_flight += started
@@ -248,7 +256,8 @@ class DiLoCoEngine:
 
     def held_bytes(self) -> memory.StateBytes:
         inner = self.inner.held_bytes()
-        outer = sum(t.numel() * t.element_size() for t in (self.snapshot, self.momentum))
+        kept = [self.snapshot, self.momentum] + [t for pair in self.errors for t in pair]
+        outer = sum(t.numel() * t.element_size() for t in kept)
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
 
     def expected_bytes(self) -> memory.StateBytes:
@@ -256,6 +265,9 @@ class DiLoCoEngine:
         g = self.inner.groups
         outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
                                          g.group_size, fp32_copies=2)
+        if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
+            outer += sum(4 * (n + n // self.islands) for lo, hi in self.fragments
+                         for n in [traffic.padded_numel(hi - lo, self.islands, "int4")])
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -266,7 +278,8 @@ class DiLoCoEngine:
                                   "sync_every": self.options.sync_every, "quantize": self.options.quantize,
                                   "fragments": [list(f) for f in self.fragments],
                                   "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
-                                  "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight]}}
+                                  "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
+                                  "errors": [[t.clone() for t in pair] for pair in self.errors]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
@@ -289,4 +302,9 @@ class DiLoCoEngine:
         self.snapshot = saved["snapshot"].clone()
         self.momentum = saved["momentum"].clone()
         self.inner_steps = int(saved["inner_steps"])
-        self.in_flight = [Exchange.from_state(x) for x in saved.get("in_flight", [])]
+        self.in_flight = [Exchange.from_state(x, self._int4) for x in saved.get("in_flight", [])]
+        if self._int4 is not None:
+            if len(saved.get("errors", [])) != len(self.fragments):
+                raise CheckpointError("outer state has no int4 error buffers for these fragments (saved with another "
+                                      "outer.quantize?)")
+            self.errors = [(a.clone(), b.clone()) for a, b in saved["errors"]]

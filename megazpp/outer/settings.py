@@ -83,9 +83,6 @@ class OuterSettings:
         if self.fragments > self.sync_every:
             raise ConfigError(f"outer.fragments = {self.fragments} > outer.sync_every = {self.sync_every}: each "
                               f"fragment syncs once per interval at its own step, so at most H fragments")
-        if self.quantize == "int4":
-            raise ConfigError("outer.quantize = 'int4': int4 outer gradients with error feedback are not "
-                              "implemented yet (use none or bf16)")
         if self.overlap_steps >= self.sync_every:
             raise ConfigError(f"outer.overlap_steps = {self.overlap_steps}: a fragment's exchange must land before "
                               f"its next one starts, so at most outer.sync_every - 1 = {self.sync_every - 1}")
