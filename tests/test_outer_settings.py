@@ -69,3 +69,15 @@ def test_refused_before_any_rank_starts(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "one island" in lines[0], proc.stderr
+
+
+def test_checkpoints_saved_before_the_section_resume_unchanged():
+    """A run saved before the `outer` section existed has the same settings as one with its
+    defaults; turning two-level training on is a change the resume rule names."""
+    from megazpp.training.startup import settings_diff
+
+    saved = load_config([]).to_dict()
+    del saved["outer"]
+    assert settings_diff(saved, load_config([]).to_dict()) == []
+    assert settings_diff(saved, load_config(["--outer-algorithm", "diloco"]).to_dict()) == [
+        "outer.algorithm none -> diloco"]

@@ -70,8 +70,11 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs."""
+    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs. A key the
+    saved run did not have yet (a section or setting added since) counts as its default."""
     old, new = _flatten(saved), _flatten(current)
+    defaults = _flatten(Config().to_dict())
+    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
     return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
             for k in keys if old.get(k) != new.get(k)]
