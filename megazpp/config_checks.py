@@ -193,6 +193,10 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     if str(cfg.zero.paro_strategy).lower() == "auto":
         raise ConfigError("zero.paro_strategy = auto with outer.algorithm diloco: the planner does not price "
                           "two-level training yet; name the strategy the islands run (e.g. --zero-stage 2)")
+    layers = cfg.model.num_layers // cfg.pp
+    if options.fragments > layers:
+        raise ConfigError(f"outer.fragments = {options.fragments}: a pipeline stage holds {layers} layer(s) here; "
+                          f"fragments are runs of parameter tensors, use at most one per layer ({layers})")
     per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
     try:
         island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)

@@ -43,3 +43,22 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
 def test_run_sh_refuses_one_island(run_sh_data_dir):
     proc = run_sh(run_sh_data_dir, "--micro-batch-size", "4", "--outer-algorithm", "diloco", "--train-iters", "2", nproc=4, ok=False)
     one_line_refusal(proc, "one island")
+
+
+@pytest.mark.slow
+def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path):
+    """Two fragments (due at 2, 6 and 4, 8 with H = 4) whose int4 exchanges overlap one step: the
+    save at iteration 6 holds the one started at 6 in flight, and the resumed run lands it at 7
+    and the next at 9, where the uninterrupted schedule puts them."""
+    save = tmp_path / "ckpt"
+    flags = [*OUTER[:-2], "--outer-sync-every", "4", "--outer-fragments", "2", "--outer-overlap-steps", "1",
+             "--outer-quantize", "int4", "--log-interval", "1", "--save", str(save)]
+    first = run_sh(run_sh_data_dir, *flags, "--train-iters", "6", nproc=4)
+    out = first.stdout + first.stderr
+    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
+    assert landed == ["3", "5"], landed
+    again = run_sh(run_sh_data_dir, *flags, "--train-iters", "9", "--load", str(save), nproc=4)
+    out = again.stdout + again.stderr
+    assert "resumed from" in out
+    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
+    assert landed == ["7", "9"], landed

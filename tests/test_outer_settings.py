@@ -26,8 +26,8 @@ def _outer(flags: list[str], world: int = 4, per_node: int | None = 2) -> OuterO
 def test_flags_resolve_to_options():
     assert _outer([]) is None
     o = _outer(["--outer-algorithm", "diloco", "--outer-sync-every", "5", "--outer-lr", "0.5",
-                "--outer-momentum", "0.8", "--outer-quantize", "bf16", "--outer-fragments", "5"])
-    assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=5)
+                "--outer-momentum", "0.8", "--outer-quantize", "bf16", "--outer-fragments", "2"])
+    assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2)
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
 
 
@@ -47,6 +47,8 @@ def test_flags_resolve_to_options():
     (["--outer-algorithm", "diloco", "--outer-merge-alpha", "1.5", "--outer-overlap-steps", "1"], 4, 2,
      "outer.merge_alpha = 1.5"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
+    (["--outer-algorithm", "diloco", "--outer-fragments", "3", "--outer-sync-every", "4", "--num-layers", "2"], 4, 2,
+     "a pipeline stage holds 2 layer(s)"),
     (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "3"], 8, 2, "positive divisor of the 4 node(s)"),

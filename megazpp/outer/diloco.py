@@ -5,7 +5,7 @@ strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only r
 replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
 masters and `publish_masters`. The trainer sees one `Engine`.
 
-With `outer.fragments` F > 1 the shard is cut into F fragments of whole buckets, each synced
+With `outer.fragments` F > 1 the parameters are cut into F fragments of whole tensors, each synced
 every H steps at its own offset (Streaming DiLoCo's staggering), so one step moves one
 fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md):
 1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
@@ -90,7 +90,7 @@ class DiLoCoEngine:
         self.fragments = self._build_fragments(options.fragments)
         self.in_flight: list[Exchange] = []
         self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels) if options.quantize == "int4" else None
-        self.errors = [self._new_errors(lo, hi) for lo, hi in self.fragments] if self._int4 else []
+        self.errors = [self._new_errors(len(idx)) for idx in self.fragments] if self._int4 else []
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
 
@@ -101,29 +101,43 @@ class DiLoCoEngine:
     def _masters_flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in self._masters()])
 
-    def _build_fragments(self, count: int) -> list[tuple[int, int]]:
-        """[start, end) of each fragment in the flat shard: `count` runs of consecutive buckets
-        (fetch groups when p is sharded), as even in bucket count as they divide. The same
-        buckets on every rank, so a fragment is the same parameters everywhere (whatever part of
-        them each rank's shard holds)."""
-        buckets = self.inner.buckets
-        if count > len(buckets):
-            raise ConfigError(f"outer.fragments = {count}: the model's parameters form only {len(buckets)} buckets "
-                              f"(fetch groups) here, the units fragments are made of; use at most {len(buckets)}")
-        sizes = [sum(m.param.numel() for m in b.masters) for b in buckets]
-        edges = [sum(sizes[:f * len(buckets) // count]) for f in range(count + 1)]
-        return list(zip(edges[:-1], edges[1:]))
+    def _parameters(self) -> list[tuple[int, int]]:
+        """(bucket, tensor) of every trained parameter, in bucket order: the same on every rank
+        of a peer group (one strategy, one model)."""
+        return [(i, j) for i, b in enumerate(self.inner.buckets) for j in range(b.num_params)]
 
-    def _new_errors(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build_fragments(self, count: int) -> list[torch.Tensor]:
+        """Each fragment's element indices in the flat shard: `count` runs of consecutive
+        parameter tensors (as even in count as they divide), so a fragment is the same
+        parameters on every rank, whatever part of them (maybe none) a rank's shard holds."""
+        params = self._parameters()
+        if count > len(params):
+            raise ConfigError(f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
+                              f"parameter tensors, the units fragments are made of")
+        level = self.inner.strategy.optimizer_state
+        offsets = [0]
+        for b in self.inner.buckets:
+            offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
+        out = []
+        for f in range(count):
+            pieces = [torch.arange(offsets[i] + lo, offsets[i] + hi)
+                      for i, j in params[f * len(params) // count:(f + 1) * len(params) // count]
+                      for lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
+                          level, [k == j for k in range(self.inner.buckets[i].num_params)])]
+            out.append(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long))
+        return out
+
+    def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """int4 error feedback of a fragment: what the wire dropped of this rank's pseudo-gradient
         (the padded fragment) and of the averaged chunk it owns (fp32, zero at the start)."""
-        n = traffic.padded_numel(hi - lo, self.islands, "int4")
+        n = traffic.padded_numel(numel, self.islands, "int4")
         return torch.zeros(n), torch.zeros(n // self.islands)
 
     def fragment_names(self) -> list[list[str]]:
-        """The parameter names of each fragment (the buckets it is made of)."""
-        buckets, count = self.inner.buckets, len(self.fragments)
-        return [[n for b in buckets[f * len(buckets) // count:(f + 1) * len(buckets) // count] for n in b.layout.names]
+        """The parameter names of each fragment."""
+        params, count = self._parameters(), len(self.fragments)
+        return [[self.inner.buckets[i].layout.names[j] for i, j in params[f * len(params) // count:
+                                                                           (f + 1) * len(params) // count]]
                 for f in range(count)]
 
     def due(self, inner_steps: int) -> list[int]:
@@ -188,9 +202,9 @@ class DiLoCoEngine:
         flat = self._masters_flat() if landing or self.due(t) else None
         scalars = self._land(landing, flat) if landing else {}
         tau = self.options.overlap_steps
-        started = [Exchange.start(f, t + tau, self.snapshot[lo:hi] - flat[lo:hi], self.islands, self.options.quantize,
+        started = [Exchange.start(f, t + tau, self.snapshot[idx] - flat[idx], self.islands, self.options.quantize,
                                   self._wire, group, self._int4, self.errors[f] if self._int4 else None)
-                   for f in self.due(t) for lo, hi in [self.fragments[f]]]
+                   for f in self.due(t) for idx in [self.fragments[f]]]
         if tau:
             self.in_flight += started
         elif started:
@@ -209,15 +223,14 @@ class DiLoCoEngine:
         exchange started when it overlapped: `merge`), one re-publication; returns what to log."""
         sums = torch.zeros(2)
         for x in exchanges:
-            lo, hi = self.fragments[x.fragment]
+            idx = self.fragments[x.fragment]
             mean = x.mean(self.island.peer_group)
-            weight = self._norm_weight[lo:hi]
+            weight = self._norm_weight[idx]
             sums += torch.stack([(weight * mean * mean).sum(), (weight * x.pseudo * x.pseudo).sum()])
-            outer_update(self.snapshot[lo:hi], mean, self.momentum[lo:hi], self.options.lr, self.options.momentum)
-            if self.options.overlap_steps:
-                flat[lo:hi] = merge(flat[lo:hi], self.snapshot[lo:hi], self.options.merge_alpha)
-            else:
-                flat[lo:hi] = self.snapshot[lo:hi]
+            synced, momentum = self.snapshot[idx], self.momentum[idx]
+            outer_update(synced, mean, momentum, self.options.lr, self.options.momentum)
+            self.snapshot[idx], self.momentum[idx] = synced, momentum
+            flat[idx] = merge(flat[idx], synced, self.options.merge_alpha) if self.options.overlap_steps else synced
         comm.all_reduce(sums, tag=STATS_TAG)
         start = 0
         for t in self._masters():
@@ -232,8 +245,8 @@ class DiLoCoEngine:
     def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
         """(intra, inter) of the exchange of `fragments` (default all; tag `outer/sync`), by
         the traffic formula."""
-        each = [traffic.sync_bytes(hi - lo, self.islands, self.options.quantize)
-                for f, (lo, hi) in enumerate(self.fragments) if fragments is None or f in fragments]
+        each = [traffic.sync_bytes(len(idx), self.islands, self.options.quantize)
+                for f, idx in enumerate(self.fragments) if fragments is None or f in fragments]
         return sum(a for a, _ in each), sum(b for _, b in each)
 
     def expected_publish(self) -> tuple[int, int, int]:
@@ -266,8 +279,8 @@ class DiLoCoEngine:
         outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
                                          g.group_size, fp32_copies=2)
         if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
-            outer += sum(4 * (n + n // self.islands) for lo, hi in self.fragments
-                         for n in [traffic.padded_numel(hi - lo, self.islands, "int4")])
+            outer += sum(4 * (n + n // self.islands) for idx in self.fragments
+                         for n in [traffic.padded_numel(len(idx), self.islands, "int4")])
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -276,7 +289,7 @@ class DiLoCoEngine:
         return {**self.inner.state_dict(frozen=frozen),
                 OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
                                   "sync_every": self.options.sync_every, "quantize": self.options.quantize,
-                                  "fragments": [list(f) for f in self.fragments],
+                                  "fragments": [idx.clone() for idx in self.fragments],
                                   "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
                                   "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
                                   "errors": [[t.clone() for t in pair] for pair in self.errors]}}
@@ -296,9 +309,11 @@ class DiLoCoEngine:
         if saved["snapshot"].numel() != self.numel:
             raise CheckpointError(f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
                                   f"{self.numel} (saved under another island layout)")
-        if saved.get("fragments", [[0, self.numel]]) != [list(f) for f in self.fragments]:
-            raise CheckpointError(f"outer state saved with fragments {saved.get('fragments')}, this run cuts the shard "
-                                  f"into {[list(f) for f in self.fragments]} (outer.fragments changed?)")
+        saved_fragments = saved.get("fragments", [])
+        if len(saved_fragments) != len(self.fragments) or not all(
+                torch.equal(a, b) for a, b in zip(saved_fragments, self.fragments)):
+            raise CheckpointError(f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
+                                  f"run's {len(self.fragments)} (outer.fragments changed?)")
         self.snapshot = saved["snapshot"].clone()
         self.momentum = saved["momentum"].clone()
         self.inner_steps = int(saved["inner_steps"])
