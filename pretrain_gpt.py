@@ -29,9 +29,11 @@ from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.flops import training_flops_per_token
+from megazpp.model.compile import compile_layers
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
+from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -45,6 +47,8 @@ from megazpp.outer.settings import OuterOptions
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
+from megazpp.training.resume_check import uses_zero_engine
+from megazpp.training.save_lock import hold_save_dir
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
@@ -52,21 +56,20 @@ from megazpp.training.zero_factory import build_zero_engine
 
 
 def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """GPU LOCAL_RANK mod (GPUs), shared round robin when ranks outnumber GPUs (gloo only:
+    `startup.prepare` refused NCCL there), or the CPU."""
+    device = rank_device(int(os.environ.get("LOCAL_RANK", "0")), visible_gpus())
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    return device
 
 
-def init_distributed(cfg: Config, world_size: int, device: torch.device) -> bool:
-    """Start the process group torchrun describes; False when there is nothing to start (one
-    rank, or a caller such as a test launcher already started it and will end it)."""
+def init_distributed(cfg: Config, world_size: int, backend: str) -> bool:
+    """Start the process group torchrun describes on `backend`; False when there is nothing to
+    start (one rank, or a caller such as a test launcher already started it and will end it)."""
     if world_size <= 1 or dist.is_initialized():
         return False
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     return True
 
 
@@ -90,7 +93,7 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterO
         inner = build_zero_engine(model, cfg, island, micro_batches_per_step=micro_batches,
                                   counts_in_norm=counts_in_norm(model, island))
         return DiLoCoEngine(inner, outer, island)
-    if topology.dp > 1 or cfg.zero.stage != 0 or cfg.zero.paro_strategy is not None:
+    if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
         return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,
                                  counts_in_norm=counts_in_norm(model, topology))
     model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
@@ -136,7 +139,10 @@ def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTMod
                      pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
                      layer_range=topology.layer_range(cfg.model.num_layers))
     apply_trainable(model, cfg.training.trainable, cfg.model)
-    return model.to(device)
+    model = model.to(device)
+    if cfg.training.compile:
+        compile_layers(model.layers)
+    return model
 
 
 def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
@@ -145,10 +151,12 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
         print(render_help(), end="")
         return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    start = prepare(args, world_size, torchrun_restart_count(),
-                    ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
+    # estimate with the node's; ranks starting side by side would each see another share
+    alone = "LOCAL_WORLD_SIZE" not in os.environ
+    start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()
-    started = init_distributed(start.cfg, world_size, device)
+    started = init_distributed(start.cfg, world_size, start.backend)
     try:
         return _train(start, device)
     finally:
@@ -162,9 +170,15 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
+    if cfg.checkpoint.save:
+        check_save_dir(cfg.checkpoint.save, topology)
+    with hold_save_dir(cfg.checkpoint.save, topology):
+        return _train_holding_save(start, device, topology)
+
+
+def _train_holding_save(start: Startup, device: torch.device, topology: Topology) -> TrainHistory:
+    cfg = start.cfg
     ck = cfg.checkpoint
-    if ck.save:
-        check_save_dir(ck.save, topology)
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size

@@ -2,9 +2,12 @@
 # The main job: `bash run.sh [extra pretrain_gpt.py flags]`, the same command on every node.
 #
 # 1. installs what is missing (torch 2.13.0, the CPU wheel when there is no GPU; the project);
-# 2. builds the sample corpus, the tokenizer and the indexed dataset under data/ if absent
-#    (each into a temporary name, renamed when complete, so an interrupted build is redone);
+# 2. says what DATA_DIR (default data/) holds, then builds the sample corpus, the tokenizer and
+#    the indexed dataset there if absent (each into a temporary name, renamed when complete, so
+#    an interrupted build is redone); a DATA_DIR holding other data is refused, never written;
 # 3. launches pretrain_gpt.py with torchrun on every GPU of this node, or one CPU rank.
+#    NPROC_PER_NODE larger than the GPUs with --distributed-backend gloo puts several ranks on
+#    each GPU (round robin); NCCL is refused there, before any rank starts.
 #
 # Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE become torchrun's
 # --nnodes/--node-rank/--rdzv-endpoint/--nproc-per-node; MAX_RESTARTS its --max-restarts
@@ -43,6 +46,31 @@ for arg in "$@"; do
   case "$arg" in -h|--help) exec "$PYTHON" pretrain_gpt.py --help ;; esac
 done
 
+# The node variables, checked before anything is built or started: one line each, not bash's
+# "unbound variable" (NPROC_PER_NODE=abc) or a ZeroDivisionError traceback (0).
+need_count() {  # NAME MIN WHAT: $NAME is a whole number >= MIN
+  local value=${!1}
+  if ! [[ $value =~ ^[0-9]+$ ]] || (( 10#$value < $2 )); then
+    echo "run.sh: error: $1 = '$value': expected a whole number >= $2 ($3)" >&2
+    exit 2
+  fi
+  printf -v "$1" '%d' "$((10#$value))"
+}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+need_count NNODES 1 "the number of nodes of the job"
+need_count NODE_RANK 0 "this node's index, 0 on the first node"
+if (( NODE_RANK >= NNODES )); then
+  echo "run.sh: error: NODE_RANK = $NODE_RANK: expected 0..$((NNODES - 1)) (NNODES = $NNODES)" >&2
+  exit 2
+fi
+if [ -n "${NPROC_PER_NODE:-}" ]; then
+  need_count NPROC_PER_NODE 1 "ranks on this node: GPUs, or CPU processes"
+fi
+
+# What DATA_DIR holds and what the job uses; run.sh builds its sample data only into an absent
+# or empty directory or its own earlier build (megazpp/data/sample_dir.py), never among other data.
+"$PYTHON" -m megazpp.data.sample_dir "$DATA_DIR" "$@"
 mkdir -p "$DATA_DIR"
 if [ ! -d "$DATA_DIR/corpus" ]; then
   rm -rf "$DATA_DIR/corpus.tmp"
@@ -50,17 +78,21 @@ if [ ! -d "$DATA_DIR/corpus" ]; then
   mv "$DATA_DIR/corpus.tmp" "$DATA_DIR/corpus"
 fi
 if [ ! -f "$DATA_DIR/tokenizer.model" ]; then
+  rm -f "$DATA_DIR"/tokenizer.tmp.{model,vocab}  # an interrupted rename's leftovers
   "$PYTHON" tools/train_tokenizer.py --input "$DATA_DIR/corpus" --vocab-size "$VOCAB_SIZE" \
     --out "$DATA_DIR/tokenizer.tmp"
   mv "$DATA_DIR/tokenizer.tmp.vocab" "$DATA_DIR/tokenizer.vocab"
   mv "$DATA_DIR/tokenizer.tmp.model" "$DATA_DIR/tokenizer.model"
 fi
 if [ ! -f "$DATA_DIR/corpus_text_document.idx" ]; then
+  # a temp dataset left by an interrupted rename (its shards directory, if any, is resumed)
+  rm -f "$DATA_DIR"/corpus.tmp_text_document.{bin,idx,tokenizer.json}
   "$PYTHON" tools/preprocess_data.py --input "$DATA_DIR/corpus" \
     --tokenizer-model "$DATA_DIR/tokenizer.model" --output-prefix "$DATA_DIR/corpus.tmp" \
     --workers 2 --append-eod
-  mv "$DATA_DIR/corpus.tmp_text_document.bin" "$DATA_DIR/corpus_text_document.bin"
-  mv "$DATA_DIR/corpus.tmp_text_document.idx" "$DATA_DIR/corpus_text_document.idx"
+  for suffix in tokenizer.json bin idx; do  # the .idx last: its presence means a finished build
+    mv "$DATA_DIR/corpus.tmp_text_document.$suffix" "$DATA_DIR/corpus_text_document.$suffix"
+  done
 fi
 
 if has_cuda && "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -80,19 +112,18 @@ fi
 # a restart: a restarted rank can then read a dead peer's address left by the failed attempt
 # and fail with "connectFullMesh ... Connection refused". A fresh store per attempt avoids it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$DEFAULT_NPROC}
 
 TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
             --tokenizer-model "$DATA_DIR/tokenizer.model" "$@")
 
-# Check the whole configuration (and which checkpoint it would resume) once for this job,
-# before torchrun starts any rank: a refused input is then one line, not an error and a
-# launcher traceback per rank.
-"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) --nproc-per-node "$NPROC_PER_NODE" \
-  "${TRAIN_ARGS[@]}"
+# Check the whole configuration (which checkpoint it would resume and whether that can start
+# it, the memory per rank it needs against this node's, on node 0 that no other job writes
+# --save) once per node, before torchrun starts any rank: a refused input is then one line,
+# not an error and a launcher traceback per rank.
+"$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
+  --ranks-on-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK" "${TRAIN_ARGS[@]}"
 
 # torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,

@@ -43,8 +43,32 @@ def require_compiler() -> None:
                           f"use 'reference'")
 
 
+@functools.cache
+def separate_cache_per_isa() -> str:
+    """Point TorchInductor's on-disk cache at a subdirectory named after the vector ISA its code
+    is generated for (`isa-avx512`, `isa-avx2`, ...), and return it.
+
+    Why: torch 2.13 does not key that cache by the ISA. Kernels compiled under
+    ATEN_CPU_CAPABILITY=avx512 and read back under avx2 returned wrong codes (0s and 1s for
+    int8 values up to 127), which running the test suite under both capabilities showed; a cache
+    directory shared by machines of different ISAs (a common home, a baked image) would do the
+    same silently. The directory in use ($TORCHINDUCTOR_CACHE_DIR, else Inductor's default)
+    keeps one subdirectory per ISA; a directory this function already chose is not nested again.
+    """
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    isa = "isa-" + ("-".join(str(pick_vec_isa()).split()) or "scalar")
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if os.path.basename(os.path.normpath(base)).startswith("isa-"):
+        base = os.path.dirname(os.path.normpath(base))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, isa)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def _compile(fn: Callable) -> Callable:
     """`fn` compiled lazily, once per input shape."""
+    separate_cache_per_isa()
     op = torch.compile(fn, dynamic=False)
 
     @functools.wraps(fn)

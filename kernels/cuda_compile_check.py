@@ -3,9 +3,10 @@
 The interpreter tests prove the kernels' arithmetic; they cannot see code that only a real
 compilation exercises (layouts of reshape/split/join, dtype-dependent branches, bitcasts). This
 check compiles each launch variant ahead of time with Triton's bundled ptxas and inspects the
-PTX for two properties the design relies on: no fused multiply-add (the bit-identity with the
-reference assumes one rounding per operation) and 16-byte global loads (the kernels are
-memory-bound; scalar loads would cap them far below copy bandwidth).
+PTX for the properties the design relies on: no fused multiply-add (the bit-identity with the
+reference assumes one rounding per operation), 16-byte global loads (the kernels are
+memory-bound; scalar loads would cap them far below copy bandwidth), and in the k-way
+reductions every part's loads in straight-line code (the unrolled parts loop).
 
     python -m kernels.cuda_compile_check            # exits 1 and names the variant on failure
 
@@ -25,7 +26,7 @@ from kernels import triton_ops
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
 _REDUCE_ARGS = {
-    "in_codes_ptr": "*u8", "in_scales_ptr": "*fp32", "parts": "i32", "codes_stride": "i32",
+    "in_codes_ptr": "*u8", "in_scales_ptr": "*fp32", "codes_stride": "i32",
     "scales_stride": "i32", "out_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
     "err_ptr": "*fp32", "numel": "i32", "blocks": "i32",
     "beta": "fp32", "keep": "fp32",
@@ -59,11 +60,14 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                     "blocks": "i32"}
             out.append((f"dequantize int{bits} -> {dst}", triton_ops._dequantize_kernel, args,
                         {**_tile(256), "BITS": bits}))
-    for out_bits, loco in ((0, False), (4, False), (8, False), (4, True)):
-        consts = {**_tile(256), "BITS": 4, "OUT_BITS": out_bits, "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0),
-                  "LOCO": loco}
-        label = f"dequant_reduce int4 -> {'fp32' if not out_bits else f'int{out_bits}'}{' + LoCo' if loco else ''}"
-        out.append((label, triton_ops._dequant_reduce_kernel, _REDUCE_ARGS, consts))
+    for bits, out_bits, loco in ((4, 0, False), (4, 4, False), (4, 8, False), (4, 4, True), (8, 0, False),
+                                 (8, 4, False), (8, 4, True)):
+        consts = {**_tile(256), "PARTS": 4, "BITS": bits, "OUT_BITS": out_bits,
+                  "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0), "LOCO": loco}
+        label = (f"dequant_reduce 4 x int{bits} -> {'fp32' if not out_bits else f'int{out_bits}'}"
+                 f"{' + LoCo' if loco else ''}")
+        args = {**_REDUCE_ARGS, "in_codes_ptr": "*u8" if bits == 4 else "*i8"}
+        out.append((label, triton_ops._dequant_reduce_kernel, args, consts))
     # A block wider than one tile: one row per program, eight warps.
     out.append(("quantize fp32 int4, block 8192", triton_ops._quantize_kernel,
                 {"x_ptr": "*fp32", **quant}, {**_tile(8192), "BITS": 4, "QMAX": 7}))
@@ -80,9 +84,12 @@ def compile_ptx(kernel, args: dict, consts: dict) -> str:
     return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 
-def problems(ptx: str) -> list[str]:
+def problems(ptx: str, consts: dict | None = None) -> list[str]:
     """What is wrong with one variant's PTX (empty when nothing is)."""
     found = []
+    parts = (consts or {}).get("PARTS")
+    if parts and len(re.findall(r"\bld\.global", ptx)) < 2 * parts:
+        found.append(f"fewer than 2 x {parts} global loads: the parts loop is not unrolled")
     if re.search(r"\bfma\.", ptx):
         found.append("contains fma (fp fusion must stay off for bit-identity)")
     if not re.search(r"\bld\.global(\.\w+)*\.v[24]\.", ptx):
@@ -93,7 +100,7 @@ def problems(ptx: str) -> list[str]:
 def main() -> int:
     failed = 0
     for label, kernel, args, consts in variants():
-        issues = problems(compile_ptx(kernel, args, consts))
+        issues = problems(compile_ptx(kernel, args, consts), consts)
         print(f"{'FAIL' if issues else 'ok  '} {label}" + (": " + "; ".join(issues) if issues else ""))
         failed += bool(issues)
     print(f"{len(variants()) - failed} of {len(variants())} variants compiled cleanly for {TARGET}")

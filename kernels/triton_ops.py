@@ -68,15 +68,22 @@ def _loco_quantize_kernel(
 
 @triton.jit
 def _dequant_reduce_kernel(
-    in_codes_ptr, in_scales_ptr, parts, codes_stride, scales_stride,
+    in_codes_ptr, in_scales_ptr, codes_stride, scales_stride,
     out_ptr, out_codes_ptr, out_scales_ptr, err_ptr, numel, blocks, beta, keep,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    PARTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
     OUT_BITS: tl.constexpr, OUT_QMAX: tl.constexpr, LOCO: tl.constexpr,
 ):
-    """Sum k dequantized parts in order; write fp32 (OUT_BITS == 0) or re-quantize the sum."""
+    """Sum k dequantized parts in order; write fp32 (OUT_BITS == 0) or re-quantize the sum.
+
+    The part count is a compile-time constant so the loop unrolls: the k parts' loads are
+    issued together and overlap in flight. With a runtime trip count each part's loads
+    waited for the previous part's (in the PTX: one load of codes and one of scales inside a
+    loop), so a program paid k memory round trips one after another and the kernel was
+    bound by latency, not bandwidth (docs/arch/kernels.md, "Tiling"). One compiled variant
+    per distinct k (the ranks per node: a handful)."""
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     total = tl.zeros((ROWS, BLOCK_P2), dtype=tl.float32)
-    for part in range(parts):
+    for part in tl.static_range(PARTS):
         total = total + load_dequant(
             in_codes_ptr + part * codes_stride, in_scales_ptr + part * scales_stride,
             rows, blocks, BLOCK, BLOCK_P2, ROWS, BITS,
@@ -201,9 +208,9 @@ def _launch_reduce(
     out_scales = scales if out_scales is None else out_scales
     grid, opts = _tiling(block_size, blocks)
     _dequant_reduce_kernel[grid](
-        codes, scales, codes.shape[0], codes.shape[1], scales.shape[1],
+        codes, scales, codes.shape[1], scales.shape[1],
         out, out_codes, out_scales, err_buf, numel, blocks, beta, keep,
-        BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
+        PARTS=codes.shape[0], BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
     )
 
 

@@ -4,7 +4,10 @@ It starts with logging configured once (`configure_logging`): megazpp's INFO rec
 the ZeRO engine's layout or the planner's pick for `paro_strategy: auto`, are lines a user
 should see. It ends with a refusal of user input (`MegazppError`: bad file, key, value), the
 user's to fix, printed as one `prog: error: ...` line with exit code 2, like argparse's own
-errors, instead of a traceback; anything else is a bug and keeps its traceback.
+errors, instead of a traceback; anything else is a bug and keeps its traceback. Ctrl-C
+(SIGINT, a KeyboardInterrupt) is the user's choice, not a fault: one `prog: interrupted
+(SIGINT)` line, with what was kept when the tool says so (the KeyboardInterrupt's message),
+and exit code 130 (128 + SIGINT, as a shell reports it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Any, Callable, NoReturn, TextIO
 
@@ -52,11 +56,18 @@ def run_tool(main: Callable[[], Any], prog: str | None = None) -> NoReturn:
     an int `main` returns is the exit code, anything else (a run's history) is 0. `prog` names
     the program in the error line (default: the script's file name)."""
     configure_logging(int(os.environ.get("RANK", "0")))
+    name = prog or os.path.basename(sys.argv[0])
     try:
         result = main()
     except MegazppError as exc:
-        print(f"{prog or os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        # the cleanup ran on the way up (finally / except blocks); a second Ctrl-C while this
+        # line is printed must not add the traceback back
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"{name}: interrupted (SIGINT){f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -43,6 +43,9 @@ class DataConfig:
     # The embedding is padded to a multiple of this (times TP) so matmuls stay aligned, as in
     # Megatron; the model's vocab_size is derived from the tokenizer unless set explicitly.
     make_vocab_size_divisible_by: int = 128
+    # Preprocessing records which tokenizer made a dataset (data/tokenizer_record.py); a dataset
+    # made by another one than tokenizer_model is refused before any rank starts unless this is set.
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass
@@ -88,6 +91,11 @@ class TrainingConfig:
     # What trains (megazpp.model.trainable): name globs or last:N; empty: everything, or only
     # the adapters when model.lora_rank > 0 (patterns then add to the adapters)
     trainable: list[str] = field(default_factory=list)
+    # torch.compile each transformer layer (megazpp.model.compile); the first steps pay for it
+    compile: bool = False
+    # Start even when the planner's memory estimate per rank exceeds the free memory
+    # (megazpp.training.memory_check); a launch guard, not a setting of the run's state.
+    skip_memory_check: bool = False
 
 
 @dataclass
@@ -152,6 +160,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ranks_per_node: int | None = None  # None: from the launcher (LOCAL_WORLD_SIZE)
     distributed_timeout_minutes: int = 10
+    # auto: NCCL on CUDA ranks (one GPU each), gloo on CPU ranks; gloo on CUDA lets several
+    # ranks share a GPU (megazpp.parallel.device)
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
 @dataclass

@@ -28,8 +28,6 @@ _ONE_VALUE = {"--seq-length": " (megazpp has one length: model.seq_length sizes 
                               "sequences and gpt2's position table; RoPE has no table)"}
 
 REFUSED_FLAGS: dict[str, str] = {
-    "--distributed-backend": "megazpp picks the backend from the device (nccl on CUDA ranks, "
-                             "gloo on CPU ranks); drop the flag",
     "--no-load-optim": "not implemented: a resume restores the optimizer with the weights. To "
                        "start a fresh optimizer from trained Llama weights, convert them "
                        "(tools/convert_hf.py export, then import) and pass the imported "

@@ -17,7 +17,7 @@ from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import island_layout
 from megazpp.zero.frozen import check_frozen_support
-from megazpp.zero.strategy import resolve_strategy
+from megazpp.zero.strategy import Level, resolve_strategy
 from megazpp.zero.traffic import HIERARCHY_MODES
 from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
 
@@ -39,11 +39,30 @@ def validate_config(cfg: Config, world_size: int = 1) -> Config:
             and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
         check_frozen_support(resolve_strategy(z.paro_strategy, z.stage), z.zero_quantized_weights,
                              z.zero_hpz_partition_size, z.stage3_param_persistence_threshold)
+    if cfg.training.compile:
+        _check_compile(z)
     if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
         raise ConfigError("checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
                           "and training.trainable is empty), so there is no frozen base to leave out")
     refuse_not_implemented(cfg)
     return cfg
+
+
+def _check_compile(z: ZeroConfig) -> None:
+    """training.compile needs every layer's parameters resident: a strategy that shards them
+    (p = I or G) swaps each parameter's storage for a gathered one and back around every call,
+    and a compiled graph keeps the shapes it was traced with (under ZeRO-3 the first released
+    parameter fails Inductor's size check), so that pairing is refused before any rank starts."""
+    if str(z.paro_strategy).lower() == "auto":
+        raise ConfigError("training.compile with zero.paro_strategy = auto: the planner may choose a strategy "
+                          "that shards parameters, which compiled layers cannot follow; name a strategy whose "
+                          "parameters stay whole (zero.stage 0, 1 or 2, or a PaRO strategy N**)")
+    strategy = resolve_strategy(z.paro_strategy, z.stage)
+    if strategy.params != Level.N:
+        raise ConfigError(f"training.compile with strategy {strategy.name}: its parameters are sharded "
+                          f"({strategy.params.name}) and gathered around each layer call, which a compiled layer "
+                          "cannot follow (it keeps the shapes it was traced with); use zero.stage 0, 1 or 2 "
+                          "(or a PaRO strategy N**), or drop --compile")
 
 
 def _require_positive(where: str, value: int | float | None) -> None:

@@ -5,6 +5,8 @@ Every error a user can cause (bad config, bad data, bad checkpoint) is raised as
 with a message" apart from a crash.
 """
 
+import os
+
 
 class MegazppError(Exception):
     """Base class of every error megazpp raises on purpose."""
@@ -37,3 +39,15 @@ class NumericalError(MegazppError, RuntimeError):
 class LaunchError(MegazppError, RuntimeError):
     """The launch environment (SLURM variables, a hostfile, the nodes' files) is unusable or
     the nodes of one job disagree."""
+
+
+# The one rule of every tool that writes a result (an export, a preprocessed dataset): what is
+# already there is never overwritten; the user picks a new name or removes the old one.
+NEVER_OVERWRITE = "outputs are never overwritten"
+
+
+def refuse_existing(existing: "str | os.PathLike[str]", error: type[MegazppError], *,
+                    found: str = "already exists", instead: str = "choose a new name") -> None:
+    """Raise `error` naming `existing` when that path exists (see NEVER_OVERWRITE)."""
+    if os.path.lexists(existing):
+        raise error(f"{os.fspath(existing)}: {found}; {instead} ({NEVER_OVERWRITE})")

@@ -116,7 +116,7 @@ def run_sh_data_dir(tmp_path, tiny_corpus_dir, tiny_tokenizer_model, tiny_indexe
     data.mkdir()
     (data / "corpus").symlink_to(tiny_corpus_dir)
     (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
-    for ext in ("bin", "idx"):
+    for ext in ("bin", "idx", "tokenizer.json"):
         (data / f"corpus_text_document.{ext}").symlink_to(f"{tiny_indexed_prefix}.{ext}")
     return data
 

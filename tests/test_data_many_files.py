@@ -47,7 +47,8 @@ def test_merged_shards_equal_one_pass_in_file_order(tiny_tokenizer_model, tmp_pa
                          chunk_bytes=64, progress=False)
     assert _read(summary.outputs["text"]) == [tok.encode(t) + [tok.eod_id] for docs in texts for t in docs]
     assert summary.documents["text"] == sum(map(len, texts)) and len(summary.files) == len(texts)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx",
+                                                          "out_text_document.tokenizer.json"]
 
 
 def test_per_shard_outputs_one_dataset_per_file(tiny_tokenizer_model, tmp_path):

@@ -114,7 +114,8 @@ def test_damaged_file_keeps_what_was_read_and_the_previous_output_is_replaced_wh
     ds = IndexedDataset(summary.outputs["text"])
     tok = Tokenizer(tiny_tokenizer_model)
     assert len(ds) == 2000 + read and ds[2000 + read - 1].tolist() == tok.encode(f"gzipped {read - 1}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx",
+                                                          "out_text_document.tokenizer.json"]
 
 
 def test_cli_prints_the_summary(tiny_corpus_dir, tiny_tokenizer_model, tmp_path, capsys):

@@ -9,6 +9,10 @@ qgZ runs before quantizing must see every NaN and infinity.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -84,3 +88,40 @@ def test_bad_choices_are_refused(monkeypatch):
     monkeypatch.setenv("PATH", "")
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
         cpu_compiled.require_compiler()
+
+
+_QUANTIZE_MATCHES = """
+import torch, kernels
+from kernels import reference
+x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 50
+got, want = kernels.kernel_set("compiled").quantize(x, 8, 256), reference.quantize(x, 8, 256)
+print(all(torch.equal(g, w) for g, w in zip(got, want)), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_compiled_under_one_isa_is_not_reused_under_another(tmp_path):
+    """Inductor's disk cache is not keyed by the vector ISA (torch 2.13): a quantize compiled
+    under AVX-512 and read back under AVX2 returned wrong codes until the cache was split per
+    ISA. Two processes share one cache directory, the first with the CPU's widest vectors
+    (AVX-512 where the CPU has it; elsewhere both legs are AVX2 and the test shows reuse)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for capability in ("avx512", "avx2"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
+                   PYTHONPATH=root, OMP_NUM_THREADS="1")
+        out = subprocess.run([sys.executable, "-c", _QUANTIZE_MATCHES], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[0] == "True", (capability, out.stdout)
+
+
+def test_the_cache_directory_names_the_isa_once(monkeypatch, tmp_path):
+    """The subdirectory is chosen once per process and never nested under another ISA's."""
+    from kernels import cpu_compiled
+
+    for base in (tmp_path, tmp_path / "isa-avx2"):
+        cpu_compiled.separate_cache_per_isa.cache_clear()
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(base))
+        chosen = cpu_compiled.separate_cache_per_isa()
+        assert os.path.dirname(chosen) == str(tmp_path) and os.path.basename(chosen).startswith("isa-")
+    cpu_compiled.separate_cache_per_isa.cache_clear()

@@ -181,3 +181,51 @@ def test_triton_launchers_validate_like_the_reference():
     strided = torch.zeros(32)[::2]
     with pytest.raises(ConfigError, match="contiguous"):
         triton_ops.loco_quantize(torch.randn(16), strided, 0.8, 8)
+
+
+@pytest.mark.parametrize("block_size", [100, 256, 1000, 2048, 8192])
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unrolled_reduce_bit_identical(block_size, parts, bits):
+    """The reduce kernel with its compile-time (unrolled) part count: every output kind, block
+    sizes from 100 to 8192, a ragged logical length, and a tile that ends past the last block
+    (3 blocks, fewer than a program's rows for the small blocks)."""
+    blocks = 3
+    numel = blocks * block_size - 37
+    quantized = [reference.quantize(_inputs(blocks * block_size, block_size, seed=11 * p + bits), bits, block_size)
+                 for p in range(parts)]
+    codes = torch.stack([c for c, _ in quantized])
+    scales = torch.stack([s for _, s in quantized])
+    _same(triton_ops.dequant_reduce(codes, scales, bits, block_size, numel),
+          reference.dequant_reduce(codes, scales, bits, block_size, numel))
+    for out_bits in (4, 8):
+        _same(triton_ops.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
+              reference.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits))
+        mine = _error_buffer(numel, block_size, seed=parts, scale=0.05)
+        theirs = mine.clone()
+        _same(triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, mine, 0.8, out_bits),
+              reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, theirs, 0.8, out_bits))
+
+
+@pytest.mark.parametrize("numel,block_size", [(101, 100), (3 * 1000 - 1, 1000), (2 * 8192 - 5, 8192), (7, 2)])
+def test_int4_quantizers_on_ragged_tails(numel, block_size):
+    """quantize / LoCo int4 with a tail that ends on an odd or an even element, a block of two
+    elements (one packed byte), and an 8192 block (one row per program)."""
+    x = _inputs(numel, block_size, seed=numel)
+    _same(triton_ops.quantize(x, 4, block_size), reference.quantize(x, 4, block_size))
+    mine = _error_buffer(numel, block_size, seed=3, scale=0.5)
+    theirs = mine.clone()
+    _same(triton_ops.loco_quantize(x.to(torch.bfloat16), mine, 0.8, block_size),
+          reference.loco_quantize(x.to(torch.bfloat16), theirs, 0.8, block_size))
+
+
+def test_gpu_bitwise_check_passes_under_the_interpreter(monkeypatch):
+    """kernels/cuda_bitwise_check.py (run on the GPU by tools/gpu_check.sh) with `.cuda()` as the
+    identity: its cases hold under the interpreter, so a FAIL on a GPU is the compiled code's."""
+    from kernels import cuda_bitwise_check
+
+    assert cuda_bitwise_check.triton_ops is triton_ops  # the interpreted module
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    cases = [(label, run) for label, run in cuda_bitwise_check.cases() if "block 8192" not in label]
+    assert len(cases) > 80
+    assert [(label, problem) for label, run in cases if (problem := run())] == []

@@ -66,7 +66,7 @@ def test_refused_before_any_rank_starts(tmp_path):
     """run.sh's once-per-job check refuses one island in one line, no rank started."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "megazpp.training.startup", "--world-size", "4",
-                           "--nproc-per-node", "4", "--outer-algorithm", "diloco"],
+                           "--ranks-on-node", "4", "--node-rank", "0", "--outer-algorithm", "diloco"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

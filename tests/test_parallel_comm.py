@@ -1,5 +1,6 @@
-"""Counted collectives: results, byte formulas per link class, emulated gloo paths, topology
-groups and rejected shapes. One 4-rank spawn as 2 virtual nodes x 2 ranks."""
+"""Counted collectives: results, byte formulas per link class, emulated gloo paths (and the
+host-staged point-to-point path CUDA tensors take on gloo), topology groups and rejected
+shapes. One 4-rank spawn as 2 virtual nodes x 2 ranks."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def _collectives(tag: str) -> dict:
     if rank == 0:
         comm.batch_isend_irecv([comm.send_op(msg, 3)], tag=tag)[0].wait()
     elif rank == 3:
-        comm.batch_isend_irecv([comm.recv_op(msg, 0)], tag=tag)[0].wait()
+        work = comm.batch_isend_irecv([comm.recv_op(msg, 0)], tag=tag)[0]
+        out["p2p_staged"] = isinstance(work._work, comm._Then)  # received into a host copy
+        work.wait()
         out["p2p"] = msg.tolist()
     if rank == 1:
         comm.send(torch.full((ELEMS,), 5.0), dst=2, tag=tag)
@@ -87,7 +90,9 @@ def _rank_main(report_dir: str) -> dict:
     rank = dist.get_rank()
     topo = Topology.from_env(ranks_per_node=2)
     res = {"native": _collectives("native")}
-    comm._EMULATED.update({"all_gather", "reduce_scatter", "all_to_all"})
+    # "p2p": point-to-point through host copies, as for CUDA tensors on gloo (ranks sharing a
+    # GPU); with all_to_all emulated by isend / irecv, that goes through them too
+    comm._EMULATED.update({"all_gather", "reduce_scatter", "all_to_all", "p2p"})
     res["emulated"] = _collectives("emulated")
     comm._EMULATED.clear()
     res["parts"] = _parts_collectives()
@@ -150,6 +155,8 @@ def test_collectives_count_bytes_by_formula(tmp_path):
             assert got["broadcast"] == [0.0] * ELEMS
             if rank in (2, 3):
                 assert got["p2p"] == [7.0 if rank == 3 else 5.0] * ELEMS
+            if rank == 3:
+                assert got["p2p_staged"] == (path == "emulated")
             ops = got["counts"]["ops"]
             expected = _expected_counts(rank)
             assert {op: (row["intra"], row["inter"]) for op, row in ops.items() if op in expected} == expected

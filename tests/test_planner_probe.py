@@ -49,7 +49,9 @@ def test_collective_probe_fits_every_op_and_group():
     timed, received = result["check"]
     assert received == 4 * (1 << 12) * 3  # fp32, three peers: the middle probed size
     assert fits["all_gather/dp"][1][0] == received
-    assert timed / 5 < fits["all_gather/dp"][1][1] < timed * 5
+    # the probe times the call it names, in seconds: a unit slip (ms, us) or another call is off
+    # by 1000x or more, while two timings of one call on 2 loaded cores were seen 5.5x apart
+    assert timed / 50 < fits["all_gather/dp"][1][1] < timed * 50
     assert result["adam"] > 1e5  # elements per second
 
 

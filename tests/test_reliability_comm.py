@@ -66,5 +66,5 @@ def test_pretrain_passes_the_distributed_timeout(monkeypatch):
     monkeypatch.setattr(pretrain_gpt.dist, "init_process_group",
                         lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
     cfg = load_config(["--distributed-timeout-minutes", "3"])
-    assert pretrain_gpt.init_distributed(cfg, 2, torch.device("cpu"))
+    assert pretrain_gpt.init_distributed(cfg, 2, "gloo")
     assert seen == {"backend": "gloo", "timeout": timedelta(minutes=3)}

@@ -61,8 +61,8 @@ def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix,
     not_a_dir = tmp_path / "README.md"
     not_a_dir.write_text("notes\n")
     line = refused(pretrain(*args, "--save", str(not_a_dir)))  # trained, then FileExistsError
-    assert line.endswith(f"--save {not_a_dir} is not writable: rank 0: {not_a_dir} exists and "
-                         "is not a directory")
+    assert line.endswith(f"--save {not_a_dir} exists and is not a directory: give a directory "
+                         "(it is created when missing)")
     assert not_a_dir.read_text() == "notes\n"
     mount = tmp_path / "ro"
     with read_only(mount):  # failed only at the first save, after the steps before it

@@ -7,6 +7,7 @@ is classified by a `SkipReason` that the tools count and print.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import itertools
 import json
@@ -119,7 +120,11 @@ JsonRecord = dict[str, object]
 
 
 def parse_record(line: bytes) -> JsonRecord | SkipReason:
-    """One JSONL line as a JSON object, or the reason it is unusable."""
+    """One JSONL line as a JSON object, or the reason it is unusable. A UTF-8 byte-order mark
+    (which editors on Windows put at the start of a file) is not part of the record: it is
+    dropped, as Python's `utf-8-sig` codec does, instead of losing the file's first document."""
+    if line.startswith(codecs.BOM_UTF8):
+        line = line[len(codecs.BOM_UTF8):]
     if not line.strip():
         return SkipReason.BLANK_LINE
     try:
@@ -158,6 +163,22 @@ def extract_text(line: bytes, key: str) -> str | SkipReason:
     """The document under `key` in one raw line, or the reason the line is unusable."""
     record = parse_record(line)
     return record if isinstance(record, SkipReason) else record_text(record, key)
+
+
+def record_keys(files: list[Path], max_lines: int = 1000) -> list[str]:
+    """The top-level keys of the records in the first `max_lines` lines of each file (sorted), to
+    name in an error when the asked-for key holds nothing."""
+    keys: set[str] = set()
+    for path in files:
+        try:
+            with open_binary(path) as f:
+                for line in itertools.islice(f, max_lines):
+                    record = parse_record(line)
+                    if isinstance(record, dict):
+                        keys.update(record)
+        except READ_ERRORS:
+            continue  # a damaged file was reported by the run itself
+    return sorted(keys)
 
 
 def record_set_name(record: JsonRecord) -> str | None:

@@ -11,7 +11,14 @@ memory does not grow with the input.
 
 Each input file is a shard (`shards.py`): written to its own `.bin/.idx` under
 `<output-prefix>_shards/`, finished with a marker, skipped by a rerun; at the end the shards are
-merged in file order into `<output-prefix>_<key>_document` (unless kept per shard).
+merged in file order into `<output-prefix>_<key>_document` (unless kept per shard). Every
+dataset written gets its tokenizer record beside it (`tokenizer_record.py`).
+
+What is refused, before anything is written: an output prefix whose dataset exists (outputs
+are never overwritten; the exception is a prefix whose `<output-prefix>_shards/` is there, the
+interrupted or `--keep-shards` run that the same command resumes or updates). After the files
+are read: a key under which no record held a document (an empty input, or the wrong key), named
+with the keys the records do have, instead of a 0-document dataset.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import glob
 import itertools
 import os
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,15 +38,16 @@ import numpy as np
 
 from megazpp.data.indexed_dataset import IndexedDatasetBuilder, data_file, index_file, merge_indexed_datasets, \
     token_dtype_for
-from megazpp.data.jsonl import SkipReason, input_root, iter_line_chunks, parse_record, record_set_name, record_text, \
-    resolve_inputs
+from megazpp.data.jsonl import KEY_ALIASES, SkipReason, input_root, iter_line_chunks, parse_record, record_keys, \
+    record_set_name, record_text, resolve_inputs
 from megazpp.data.progress import Progress
 from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow, load_duplicate_rows, parse_signals
 from megazpp.data.shards import DocumentCounts, Shard, ShardResult, file_identity, marker_path, options_fingerprint, plan_shards, \
     read_marker, safe_name, write_marker
 from megazpp.data.signal_filter import DocumentFilter, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.errors import DataError
+from megazpp.data.tokenizer_record import TokenizerRecord, record_file, write_record
+from megazpp.errors import DataError, refuse_existing
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 _NO_ROWS = np.empty(0, dtype=np.int64)
@@ -139,6 +148,9 @@ _worker_encoder: ChunkEncoder | None = None
 
 def _init_worker(*args: object) -> None:
     global _worker_encoder
+    # Ctrl-C reaches the whole process group: the main process alone handles it (it stops the
+    # pool and cleans up), rather than every worker printing its own KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_encoder = ChunkEncoder(*args)
 
 
@@ -206,6 +218,9 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
         if safe_name(key) != key:
             raise DataError(f"JSON key {key!r} cannot name an output file: use letters, digits, '.', '_' or '-'")
     shard_dir = Path(f"{output_prefix}_shards")
+    if not per_shard:
+        _refuse_existing_outputs(output_prefix, json_keys, split_by_source, shard_dir)
+    record = TokenizerRecord.of(tokenizer_model, tokenizer.vocab_size)
     fingerprint = options_fingerprint(Path(tokenizer_model), {
         "json_keys": json_keys, "append_eod": append_eod, "split_by_source": split_by_source,
         "filters": filters.describe()})
@@ -214,7 +229,8 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
     pending = [i for i, r in enumerate(results) if r is None]
     summary = PreprocessSummary(outputs={}, files=[s.path for s in shards], resumed=len(shards) - len(pending))
     bar = Progress(len(shards), summary.resumed, bars=progress)
-    writer = _ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size))
+    writer = _ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size),
+                          record)
     try:
         chunks = _chunks(shards, pending, chunk_bytes, filters)
         init_args = (str(tokenizer_model), json_keys, append_eod, split_by_source, filters)
@@ -223,23 +239,72 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
         else:
             with Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
                 _consume(pool.imap(_encode_in_worker, chunks), writer, results, identities, fingerprint, summary, bar)
+        for result in results:
+            summary.add(result)
+        _refuse_empty_keys(json_keys, summary, shards, shard_dir, results)
+        summary.dropped = Counter({rule: summary.dropped[rule] for rule in filters.rule_order()
+                                   if rule in summary.dropped})
+        if not per_shard:
+            for label, prefixes in summary.shard_outputs.items():
+                source, _, key = label.rpartition(":")
+                summary.outputs[label] = output_prefix_for(output_prefix, key, source)
+                merge_indexed_datasets(prefixes, summary.outputs[label])
+                write_record(summary.outputs[label], record)
+            if not keep_shards:
+                _remove_shards(shard_dir, shards, results)
+    except KeyboardInterrupt:
+        writer.abort()
+        raise KeyboardInterrupt(_interrupted(results, shard_dir)) from None
     except BaseException:
         writer.abort()
         raise
     finally:
         bar.close()
-    for result in results:
-        summary.add(result)
-    summary.dropped = Counter({rule: summary.dropped[rule] for rule in filters.rule_order() if rule in summary.dropped})
-    if not per_shard:
-        for label, prefixes in summary.shard_outputs.items():
-            source, _, key = label.rpartition(":")
-            summary.outputs[label] = output_prefix_for(output_prefix, key, source)
-            merge_indexed_datasets(prefixes, summary.outputs[label])
-        if not keep_shards:
-            _remove_shards(shard_dir, shards, results)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _interrupted(results: list[ShardResult | None], shard_dir: Path) -> str:
+    """What a Ctrl-C left: finished shards stay for the same command to resume from."""
+    done = sum(r is not None for r in results)
+    text = (f"{done} of {len(results)} input files were finished and are kept under {shard_dir}/ (the same "
+            "command resumes from them)")
+    return text + ("; the file in flight was removed" if done < len(results) else "")
+
+
+def _refuse_existing_outputs(output_prefix: str | os.PathLike, json_keys: tuple[str, ...], split_by_source: bool,
+                             shard_dir: Path) -> None:
+    """A dataset already at the output prefix is refused (outputs are never overwritten), unless
+    the prefix's shard directory is there: then this run resumes an interrupted one, or updates
+    a `--keep-shards` one, from those shards."""
+    if shard_dir.is_dir():
+        return
+    for key in json_keys:
+        pattern = output_prefix_for(glob.escape(str(output_prefix)), key, "*" if split_by_source else "")
+        for existing in sorted(glob.glob(f"{pattern}.idx") + glob.glob(f"{pattern}.bin"))[:1]:
+            refuse_existing(existing, DataError, found="already exists (a preprocessed dataset)",
+                            instead="choose another --output-prefix, or remove that dataset first")
+
+
+def _refuse_empty_keys(json_keys: tuple[str, ...], summary: PreprocessSummary, shards: list[Shard],
+                       shard_dir: Path, results: list[ShardResult]) -> None:
+    """A key under which no record held a document would make a 0-document dataset: refused,
+    naming the key and the keys the records do have (the shards this run wrote are removed:
+    they hold nothing under that key)."""
+    for key in json_keys:
+        if any(n for label, n in summary.documents.items() if label.rpartition(":")[2] == key):
+            continue
+        _remove_shards(shard_dir, shards, results)
+        names = " or ".join(repr(k) for k in KEY_ALIASES.get(key, (key,)))
+        where = f"{len(shards)} input files" if len(shards) > 1 else str(shards[0].path)
+        skipped = ", ".join(f"{r}={n}" for r, n in sorted(summary.skipped.items()))
+        seen = record_keys([s.path for s in shards])
+        if not skipped:
+            raise DataError(f"no document under key {names} in {where}: "
+                            f"{'they hold' if len(shards) > 1 else 'it holds'} no records; nothing to write")
+        raise DataError(f"no document under key {names} in {where} (skipped: {skipped}; keys seen in the records: "
+                        f"{', '.join(map(repr, seen)) or 'none'}): nothing to write; give --json-keys the key "
+                        "that holds the text")
 
 
 def _inputs_of(shard: Shard, filters: FilterSpec) -> list[Path]:
@@ -319,9 +384,9 @@ class _ShardWriter:
     """Writes the open shard's outputs; `finish` completes them and returns the shard's result."""
 
     def __init__(self, shards: list[Shard], shard_dir: Path, json_keys: tuple[str, ...], split_by_source: bool,
-                 dtype: np.dtype):
+                 dtype: np.dtype, record: TokenizerRecord):
         self.shards, self.shard_dir, self.json_keys = shards, shard_dir, json_keys
-        self.split_by_source, self.dtype = split_by_source, dtype
+        self.split_by_source, self.dtype, self.record = split_by_source, dtype, record
         self.index: int | None = None
         self.builders: dict[tuple[str, str], IndexedDatasetBuilder] = {}
         self.result = ShardResult()
@@ -366,6 +431,7 @@ class _ShardWriter:
     def finish(self) -> ShardResult:
         for builder in self.builders.values():
             builder.finalize()
+            write_record(builder.prefix, self.record)
         self.builders = {}
         return self.result
 
@@ -395,8 +461,8 @@ def _remove_shards(shard_dir: Path, shards: list[Shard], results: list[ShardResu
     """Deletes exactly what the shards wrote (outputs, markers), then the directories left empty."""
     for shard, result in zip(shards, results):
         for prefix in result.outputs.values():
-            data_file(prefix).unlink(missing_ok=True)
-            index_file(prefix).unlink(missing_ok=True)
+            for path in (data_file(prefix), index_file(prefix), record_file(prefix)):
+                path.unlink(missing_ok=True)
         marker_path(shard_dir, shard).unlink(missing_ok=True)
     for directory in sorted({p for s in shards for p in (shard_dir / s.name).parents
                              if p == shard_dir or shard_dir in p.parents}, key=lambda p: -len(p.parts)):

@@ -19,7 +19,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from megazpp.data.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
-from megazpp.errors import DataError
+from megazpp.errors import DataError, refuse_existing
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_INPUT_SENTENCE_SIZE = 200_000
@@ -39,7 +39,7 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
                         continue
                     yield from (line for line in text.split("\n") if line.strip())
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM is no text
                 yield from (line.rstrip("\n") for line in f if line.strip())
 
 
@@ -67,6 +67,8 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
     if vocab_size < 260:
         raise DataError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 + 4 special ids")
     prefix = Path(output_prefix)
+    for suffix in (".model", ".vocab"):  # the rule of every tool that writes a result
+        refuse_existing(f"{prefix}{suffix}", DataError, instead="give another --out prefix or remove it")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     skipped: Counter = Counter()
     tmp_prefix = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
@@ -95,8 +97,11 @@ def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_pref
             num_threads=max(1, min(os.cpu_count() or 1, 8)),
             minloglevel=2,
         )
-        for suffix in (".model", ".vocab"):
+        for suffix in (".vocab", ".model"):  # the .model last: its presence means a finished build
             os.replace(f"{tmp_prefix}{suffix}", f"{prefix}{suffix}")
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{prefix}.model and {prefix}.vocab were not written (the partial files were "
+                                "removed)") from None
     except RuntimeError as e:  # SentencePiece reports bad settings for this corpus this way
         raise DataError(f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} "
                         f"failed: {e}") from e

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megazpp.errors import CheckpointError
+from megazpp.errors import CheckpointError, refuse_existing
 from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
 from megazpp.interop.consolidate import cast, consolidated_weights
 from megazpp.interop.hf_llama import (hf_config_from_model, hf_to_megazpp, megazpp_to_hf,
@@ -79,9 +79,8 @@ def export_hf(load: str | os.PathLike, out_dir: str | os.PathLike, *,
               tokenizer_model: str | os.PathLike | None = None) -> Path:
     """Write config.json + safetensors weights (+ tokenizer.model) into `out_dir`."""
     out = Path(out_dir)
-    if (out / CONFIG_FILE).exists():
-        raise CheckpointError(f"{out}: already holds a model ({CONFIG_FILE}); choose a new "
-                              "directory (exports never overwrite)")
+    refuse_existing(out / CONFIG_FILE, CheckpointError, found="already exists (a model)",
+                    instead="choose a new directory")
     model_cfg, full = _full_weights(load, cfg, masters, dtype)
     hf_weights = megazpp_to_hf(full, model_cfg)
     if tokenizer_model:
@@ -101,9 +100,7 @@ def export_safetensors(load: str | os.PathLike, output: str | os.PathLike, *,
                        masters: bool = False) -> Path:
     """One safetensors file of full weights, megazpp names, model config in its metadata."""
     out = Path(output)
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; choose a new file (exports never "
-                              "overwrite)")
+    refuse_existing(out, CheckpointError, instead="choose a new file")
     model_cfg, full = _full_weights(load, cfg, masters, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(out, full, {"format": "pt", SAFETENSORS_CONFIG_KEY:

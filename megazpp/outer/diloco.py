@@ -122,7 +122,7 @@ class DiLoCoEngine:
         for f in range(count):
             pieces = [torch.arange(offsets[i] + lo, offsets[i] + hi)
                       for i, j in params[f * len(params) // count:(f + 1) * len(params) // count]
-                      for lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
+                      for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
                           level, [k == j for k in range(self.inner.buckets[i].num_params)])]
             out.append(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long))
         return out
@@ -155,7 +155,7 @@ class DiLoCoEngine:
         weight = torch.zeros(self.numel)
         start = 0
         for b in self.inner.buckets:
-            for lo, hi in b.norm_ranges:
+            for _, lo, hi in b.norm_ranges:
                 weight[start + lo:start + hi] = 1.0 / self._replication()
             start += sum(m.param.numel() for m in b.masters)
         return weight

@@ -18,6 +18,14 @@ same convention; the emulation's extra wire cost is documented in docs/arch/para
 Without an initialised process group every operation is the local identity of a world of
 one, so single-process code runs the same code path.
 
+CUDA tensors over gloo (several ranks sharing a GPU, `megazpp.parallel.device`): gloo's
+all-reduce, broadcast, all-gather (list and into-tensor), reduce-scatter-tensor (an all-reduce
+of a clone) and all-to-all copy CUDA tensors through pinned host memory on a side stream, and
+their `wait()` orders the caller's stream after the copy back. Its send / recv hand the
+tensor's data pointer to the transport as host memory, with no device check, and its
+coalesced all-gather does the same; so point-to-point operations on CUDA tensors are staged
+through host copies here (`_host_staged`), and the coalesced forms are never called.
+
 Failures (a peer that died, the process group's timeout, `--distributed-timeout-minutes`)
 are re-raised as `CommunicationError` naming the operation, its tag and this rank, also
 when they surface at an asynchronous handle's `wait()`: "all_reduce (tag zero/grad_norm) on
@@ -374,7 +382,7 @@ def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[
         if j != mine:
             ops.append(dist.P2POp(dist.isend, ins[j].contiguous(), peer, group))
             ops.append(dist.P2POp(dist.irecv, outs[j], peer, group))
-    works = dist.batch_isend_irecv(ops) if ops else []
+    works = _start_p2p(ops) if ops else []
     if async_op:
         return _Then(_Done(), lambda: [w.wait() for w in works])
     for w in works:
@@ -430,17 +438,61 @@ def _record_recv(tag: str | None, src: int, nbytes: int) -> None:
         counter.record("p2p", tag or "p2p", 0, nbytes)
 
 
+def _host_staged(t: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether a point-to-point tensor must travel through a host copy: a device tensor on gloo
+    (whose send / recv would read device memory as host memory), or any tensor once a test
+    forced the staged path (`"p2p"` in `_EMULATED`) so it stays exercised on CPU ranks."""
+    if dist.get_backend(group) != "gloo":
+        return False
+    return t.device.type != "cpu" or "p2p" in _EMULATED
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of `t` (on CUDA: after the work queued on `t`'s stream)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _start_p2p(ops: list[P2POp]) -> list[Any]:
+    """`dist.batch_isend_irecv` with device tensors on gloo staged through host copies: sends go
+    from a copy made now; a receive lands in a host buffer, copied into its tensor when its
+    work's `wait()` returns (`_Then`), so it is complete exactly when the native one would be."""
+    staged, finish = [], []
+    for op in ops:
+        if not _host_staged(op.tensor, op.group):
+            staged.append(op)
+            finish.append(None)
+        elif op.op is dist.irecv:
+            host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+            staged.append(dist.P2POp(dist.irecv, host, op.peer, op.group))
+            finish.append((op.tensor, host))
+        else:
+            staged.append(dist.P2POp(dist.isend, _host_copy(op.tensor), op.peer, op.group))
+            finish.append(None)
+    works = dist.batch_isend_irecv(staged)
+    return [w if pair is None else _Then(w, functools.partial(_copy_into, *pair))
+            for w, pair in zip(works, finish)]
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
 @_named_failures("send")
 def send(t: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking send to global rank `dst`; the receiver does the counting."""
-    dist.send(t, dst, group=group)
+    dist.send(_host_copy(t) if _host_staged(t, group) else t, dst, group=group)
 
 
 @_named_failures("recv")
 def recv(t: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking receive from global rank `src`."""
     _record_recv(tag, src, _nbytes(t))
-    dist.recv(t, src, group=group)
+    if _host_staged(t, group):
+        host = torch.empty(t.shape, dtype=t.dtype)
+        dist.recv(host, src, group=group)
+        t.copy_(host)
+    else:
+        dist.recv(t, src, group=group)
 
 
 def send_op(t: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> P2POp:
@@ -459,7 +511,7 @@ def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
     for op in ops:
         if op.op is dist.irecv:
             _record_recv(tag, op.peer, _nbytes(op.tensor))
-    return dist.batch_isend_irecv(ops)
+    return _start_p2p(ops)
 
 
 @_named_failures("all_gather_object")

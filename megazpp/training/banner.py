@@ -17,12 +17,13 @@ from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import Engine
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.training.startup import Startup
+from megazpp.zero.engine import ZeroEngine
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
-    strategy = getattr(engine, "strategy", None)
-    if strategy is None:
+    if not isinstance(engine, ZeroEngine):
         return "none: one data-parallel replica (LocalEngine)"
+    strategy = engine.strategy
     z = cfg.zero
     if z.paro_strategy is not None and str(z.paro_strategy).lower() == "auto":
         source = "zero.paro_strategy auto: the planner's choice, reason above"
@@ -32,9 +33,10 @@ def _strategy(cfg: Config, engine: Engine) -> str:
         source = f"zero.stage {z.stage}"
     else:
         source = "data parallel with no ZeRO stage: plain DDP"
-    zeropp = [name for name, on in (("qwZ", z.zero_quantized_weights),
-                                    ("hpZ", z.zero_hpz_partition_size > 1),
-                                    ("qgZ", z.zero_quantized_gradients), ("LoCo", z.loco)) if on]
+    # what the engine runs (hpZ lowered to a node's DP ranks, all off on one DP rank)
+    zpp = engine.zeropp
+    zeropp = [name for name, on in (("qwZ", zpp.qwz), (f"hpZ {zpp.hpz}", zpp.hpz > 1),
+                                    ("qgZ", zpp.qgz), ("LoCo", zpp.loco)) if on]
     return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}"
 
 

@@ -21,23 +21,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
 from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.data.builder import parse_data_path
+from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
+from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
                                          latest_checkpoint, read_metadata)
 from megazpp.training.frozen_base import FrozenBase, run_base
+from megazpp.training.memory_check import check_memory
+from megazpp.training.resume_check import check_resumable
+from megazpp.training.save_lock import check_save_lock
 from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
-# stop, how long a collective may wait. Everything else shapes the run's state.
-RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes")
+# stop, how long a collective may wait, the transport and compilation, whether a tokenizer
+# mismatch is accepted, whether the memory check runs. Everything else shapes the run's state.
+RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
+                 "parallel.distributed_backend", "training.compile", "data.allow_tokenizer_mismatch",
+                 "training.skip_memory_check")
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Startup:
     why: str  # why that directory (or why none), for the start-up banner
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
+    backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
     outer: OuterOptions | None = None  # two-level training's checked options (None: off)
 
 
@@ -56,12 +67,37 @@ def torchrun_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config) -> list[str]:
+    """Refuse missing data settings, and data made by another tokenizer than --tokenizer-model
+    (unless --allow-tokenizer-mismatch); notes for what could not be checked."""
     if not cfg.data.data_path:
         raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
                           "'..._text_document' prefix) or set it in the config file")
     if not cfg.data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
+    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    return check_tokenizer_records(prefixes, cfg.data.tokenizer_model, cfg.data.allow_tokenizer_mismatch)
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """Refuse a directory path that names a file, or lies under one: the run would fail when
+    it first writes there (the TensorBoard writer at start, with a 49-line traceback per rank;
+    a save possibly after the whole run)."""
+    target = Path(path)
+    for ancestor in (target, *target.parents):
+        if ancestor.exists():
+            if ancestor.is_dir():
+                return
+            where = "" if ancestor == target else f" lies under {ancestor}, which"
+            raise ConfigError(f"{flag} {path}{where} exists and is not a directory: give a "
+                              "directory (it is created when missing)")
+
+
+def check_outputs(cfg: Config) -> None:
+    for flag, path in (("--save", cfg.checkpoint.save),
+                       ("--tensorboard-dir", cfg.logging.tensorboard_dir)):
+        if path:
+            check_output_dir(flag, path)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -118,33 +154,53 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
     return ck.save, f"--save {ck.save} (same settings)"
 
 
-def prepare(argv: Sequence[str], world_size: int, restarts: int = 0, ranks_per_node: int | None = None) -> Startup:
+def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
+            ranks_on_node: int | None = None, check_lock: bool = False) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
-    included; `ranks_per_node`: the launcher's, for the islands of two-level training), check
-    inputs and fault specs, choose the checkpoint and check the frozen base an adapters-only
-    one needs; a MegazppError before any work otherwise."""
+    included), choose the backend for this node's GPUs, check inputs, output paths and fault
+    specs, choose the checkpoint and check that it can start this run (`resume_check`) and the
+    frozen base an adapters-only one needs; with `ranks_on_node` (the job's check, not each
+    rank's) the estimated memory per rank against the free memory of this node; with
+    `check_lock` (node 0's check) that no other job writes `--save`; a MegazppError before any
+    work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
     validate_config(cfg, world_size)
-    outer = resolve_outer(cfg, world_size, ranks_per_node)
+    on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
+    outer = resolve_outer(cfg, world_size, on_node)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
         zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
-    check_inputs(cfg)
+    notes += check_inputs(cfg)
+    check_outputs(cfg)
+    if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
+        check_save_lock(cfg.checkpoint.save)
     faults.check_spec()
     load_dir, why = choose_checkpoint(cfg, restarts)
-    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), outer)
+    if load_dir is not None:
+        check_resumable(cfg, load_dir, world_size)
+    if ranks_on_node is not None:
+        check_memory(cfg, world_size, ranks_on_node)
+    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), backend, outer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """run.sh's check: `--world-size N [--nproc-per-node R]` then pretrain_gpt.py's arguments;
-    silent when fine."""
+    """run.sh's check, once per node before torchrun starts any rank: `--world-size N
+    --ranks-on-node R --node-rank K` then pretrain_gpt.py's arguments; silent when fine.
+    Node 0 also checks that no other job writes the `--save` directory (its rank 0 then
+    takes the lock: `save_lock`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--nproc-per-node", type=int)
+    parser.add_argument("--ranks-on-node", type=int, required=True)
+    parser.add_argument("--node-rank", type=int, required=True)
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    prepare(rest, known.world_size, ranks_per_node=known.nproc_per_node)
+    if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
+        raise ConfigError(f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
+                          f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0")
+    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node,
+            check_lock=known.node_rank == 0)
     return 0
 
 

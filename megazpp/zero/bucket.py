@@ -55,7 +55,7 @@ class Bucket:
     param_store: torch.Tensor  # parameters at level p (model dtype); p = N: the full flat buffer
     grad_acc: torch.Tensor  # gradient accumulator at level g (accumulation dtype)
     masters: list[MasterPiece]
-    norm_ranges: list[tuple[int, int]]  # parts of the os shard that count in the global norm
+    norm_ranges: list[tuple[int, int, int]]  # (layout index, start, end): os-shard parts in the norm
     # parameters below stage3_param_persistence_threshold: whole on every rank (p = N), never fetched
     persistent: bool = False
     # state a communication path keeps per bucket (e.g. error feedback); checkpointed

@@ -106,6 +106,14 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.buckets = self._build_buckets()
         self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
+        # (bucket, start, end) of each os-shard part in the global norm, in the model's parameter
+        # order: the norm sums per-tensor squares, and a sum's rounding depends on its order, so
+        # one rank takes LocalEngine's arithmetic exactly on every CPU (the buckets' own order,
+        # weights before norms, matched it only on some vector widths)
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        self._norm_order = [(k, lo, hi) for _, k, lo, hi in sorted(
+            (position[id(b.layout.params[j])], k, lo, hi)
+            for k, b in enumerate(self.buckets) for j, lo, hi in b.norm_ranges)]
         self.frozen = self._build_frozen()
         keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
                                options.stage3_max_reuse_distance) if self.strategy.params != Level.N else {})
@@ -361,7 +369,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         views of `grads` made here end with it, so the step can hand their buffers back."""
         if self.scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        counted = [g[lo:hi] for b, g in zip(self.buckets, grads) for lo, hi in b.norm_ranges]
+        counted = [grads[k][lo:hi] for k, lo, hi in self._norm_order]
         if self.paths.take_overflow():  # a non-finite gradient that qgZ never quantized
             counted.append(torch.full((1,), float("nan"), device=grads[0].device))
         norm = float(global_grad_norm(counted, self._norm_groups()))

@@ -86,14 +86,15 @@ class BucketLayout:
             pieces.append((max(lo, self.decay_numel) - lo, hi - lo, False))
         return pieces
 
-    def ranges_in_shard(self, level: Level, keep: list[bool]) -> list[tuple[int, int]]:
-        """Parts of the `level` shard covered by the parameters flagged in `keep`, shard-relative."""
+    def ranges_in_shard(self, level: Level, keep: list[bool]) -> list[tuple[int, int, int]]:
+        """Parts of the `level` shard covered by the parameters flagged in `keep`: (the
+        parameter's index in this layout, start, end), shard-relative."""
         lo, hi = self.shard_range(level)
         out = []
-        for off, shape, k in zip(self.offsets, self.shapes, keep):
+        for i, (off, shape, k) in enumerate(zip(self.offsets, self.shapes, keep)):
             a, b = max(off, lo), min(off + shape.numel(), hi)
             if k and a < b:
-                out.append((a - lo, b - lo))
+                out.append((i, a - lo, b - lo))
         return out
 
     @functools.cached_property

@@ -125,19 +125,22 @@ def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Topology) -> Ze
 
 
 def _hpz_size(requested: int, topology: Topology) -> int:
+    """hpZ's group size on `topology`: `requested` lowered to the DP ranks of one node (said
+    once, by global rank 0, since every rank lowers it alike); 1 (hpZ off: there is nothing
+    inside a node to split) when a node holds one DP rank, as the tutorial's 16 on nodes of
+    one rank each (`--ranks-per-node 1`)."""
     if requested <= 1:
         return 1
     dp_ranks = list(topology.dp_ranks)
     on_node = sum(1 for r in dp_ranks if topology.node_of(r) == topology.node)
-    size = requested
-    if requested > on_node:
-        log.warning("zero: zero_hpz_partition_size = %d exceeds the %d data-parallel ranks of one node; "
-                    "using %d (hpZ's secondary partition must stay inside a node)",
-                    requested, on_node, on_node)
-        size = on_node
+    size = min(requested, on_node)
+    if size < requested and topology.rank == 0:
+        log.warning("zero: zero_hpz_partition_size = %d exceeds the %d data-parallel rank(s) of one "
+                    "node; using %d (hpZ's secondary partition must stay inside a node)%s",
+                    requested, on_node, size,
+                    ": hpZ is off, backward gathers the primary shards" if size == 1 else "")
     if size == 1:
-        raise ConfigError(f"zero.zero_hpz_partition_size = {requested}: each node holds one data-parallel "
-                          f"rank, so an intra-node secondary partition cannot be split; set it to 1")
+        return 1
     if len(dp_ranks) % size:
         raise ConfigError(f"zero.zero_hpz_partition_size = {size}: expected a divisor of the "
                           f"data-parallel size {len(dp_ranks)}")

@@ -1,0 +1,159 @@
+"""Whether the checkpoint a run starts from can start it, decided from its `metadata.json`
+before any rank exists.
+
+Why here and not in the loader: the loader (`checkpoint.load_checkpoint`, `interop.reshard`)
+refuses the same mismatches, but only once every rank has started, so a user read one error
+per rank and a launcher's failure block, and an architecture change surfaced as torch's raw
+`Error(s) in loading state_dict` with the key list. The checkpoint records the layout it was
+saved under, its model config and (for a run's checkpoints) the run's whole resolved config,
+which is enough to name what differs and the way to convert, in one line per job.
+
+What a checkpoint can start:
+  - the same tensor- and pipeline-parallel sizes only (resharding cuts the data-parallel state
+    of one (tp, pp) part; a new tp / pp split goes through an export and an import);
+  - a model whose tensors have the same names and shapes (LoRA adapters aside: a fine-tune
+    adds them to imported weights);
+  - a run's checkpoint (not an import): the engine kind it was saved by. `interop.reshard`
+    reassembles ZeRO shards at another data-parallel size or PaRO strategy, but the
+    single-replica engine (LocalEngine: one data-parallel rank, no zero stage or strategy)
+    neither writes nor reads ZeRO shards; and an adapters-only checkpoint resumes only under
+    the layout that saved it (resharding needs the frozen weights it leaves out);
+  - a run's checkpoint: the precision whose engine state it holds (fp16's loss scaler;
+    LocalEngine's fp32 masters of a 16-bit model; the ZeRO engine keeps fp32 masters in
+    every precision, so it resumes fp32 as bf16 and back).
+Anything else (dropout, sequence length, the optimizer, ...) a `--load` may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megazpp.config import Config
+from megazpp.errors import CheckpointError, ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.model.lora import is_adapter
+from megazpp.training.checkpoint import (CONFIG_KEY, METADATA_FILE, MODEL_CONFIG_KEY,
+                                         WEIGHTS_ONLY_KEY, latest_checkpoint, read_metadata)
+from megazpp.training.frozen_base import BASE_KEY
+
+
+def uses_zero_engine(dp: int, stage: int, paro_strategy: str | None) -> bool:
+    """The ZeRO engine runs when data parallel or when a zero stage / PaRO strategy is asked
+    for (stage 0 over dp > 1 is NNN: plain DDP); else LocalEngine (`pretrain_gpt.build_engine`)."""
+    return dp > 1 or stage != 0 or paro_strategy is not None
+
+
+def _tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the whole (tp 1) model's tensors, adapters left out; built on the meta
+    device, so it costs no memory."""
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
+
+
+def _model_diff(saved: dict[str, Any], current: ModelConfig) -> list[str]:
+    """`model.key saved -> current` for the model settings that change a tensor's name or
+    shape; empty when the checkpoint's weights fit `current`."""
+    try:
+        old = ModelConfig(**saved)
+        old.validate()
+    except (TypeError, ConfigError):
+        return []  # not a model config this version reads: the loader names it
+    shapes = _tensor_shapes(current)
+    if _tensor_shapes(old) == shapes:
+        return []
+    new = dataclasses.asdict(current)
+
+    def shapes_differ(key: str) -> bool:
+        """Whether the saved value of `key` alone changes a tensor (or makes no valid model)."""
+        try:
+            return _tensor_shapes(dataclasses.replace(current, **{key: saved[key]})) != shapes
+        except ConfigError:
+            return True
+
+    keys = [k for k in saved if k in new and saved[k] != new[k]]
+    shaping = [k for k in keys if shapes_differ(k)] or keys
+    return [f"model.{k} {saved[k]} -> {new[k]}" for k in shaping]
+
+
+_PRECISION_FLAGS = {"fp32": "neither --bf16 nor --fp16", "bf16": "--bf16", "fp16": "--fp16"}
+
+
+def _precision(bf16: bool | None, fp16: bool | None) -> str:
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
+def _convert_hint(arch: str, load_dir: str) -> str:
+    if arch == "llama":
+        return (f"convert it: python tools/convert_hf.py export --load {load_dir} --hf-dir HF, then "
+                "python tools/convert_hf.py import --hf-dir HF --save NEW --tp T --pp P, and "
+                "--load NEW (its weights only: a new optimizer state, from iteration 0)")
+    return (f"no converter exists for model.arch {arch} (tools/export_checkpoint.py writes its "
+            "full weights as one safetensors file)")
+
+
+def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
+    """Refuse, in one line, a checkpoint in `load_dir` that this run's layout, model or engine
+    cannot start from (the module docstring's rules). Silent when there is nothing to read: a
+    missing or damaged checkpoint is the loader's to name (or to fall back from)."""
+    try:
+        path = latest_checkpoint(load_dir)
+        meta = read_metadata(path) if path is not None else None
+    except CheckpointError:
+        return
+    if path is None or meta is None:
+        return
+    where = f"--load {load_dir}: {path.name}"
+    tp, pp = cfg.tp, cfg.pp
+    if (meta["tp"], meta["pp"]) != (tp, pp):
+        raise CheckpointError(
+            f"{where} was saved under tensor-parallel size {meta['tp']}, pipeline size "
+            f"{meta['pp']}; this run has {tp} and {pp}. A checkpoint resumes only under its own "
+            f"tp and pp (resharding changes the data-parallel size and PaRO strategy only): run "
+            f"with --tensor-model-parallel-size {meta['tp']} --pipeline-model-parallel-size "
+            f"{meta['pp']}, or " + _convert_hint(cfg.model.arch, load_dir))
+    saved_model = meta.get(MODEL_CONFIG_KEY) or (meta.get(CONFIG_KEY) or {}).get("model")
+    if isinstance(saved_model, dict):
+        diff = _model_diff(saved_model, cfg.model)
+        if diff:
+            shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+            raise CheckpointError(
+                f"{where} holds another model ({shown}): its weights do not fit this one. "
+                f"Load it with the model settings it was saved with ({path / METADATA_FILE}), "
+                "or start this model from scratch with another --save")
+    saved = meta.get(CONFIG_KEY)
+    if meta.get(WEIGHTS_ONLY_KEY) or not isinstance(saved, dict):
+        return  # an import starts any data-parallel layout; an old run's config is unknown
+    zero = saved.get("zero", {})
+    was_zero = uses_zero_engine(meta["dp"], zero.get("stage", 0), zero.get("paro_strategy"))
+    dp = world_size // (tp * pp)
+    now_zero = uses_zero_engine(dp, cfg.zero.stage, cfg.zero.paro_strategy)
+    if was_zero != now_zero:
+        engine = {True: "the ZeRO engine", False: "the single-replica engine (one data-parallel "
+                  "rank, zero stage 0, no paro_strategy)"}
+        back = (f"resume it with {meta['world_size']} rank(s) and its zero settings (stage "
+                f"{zero.get('stage', 0)}, paro_strategy {zero.get('paro_strategy')})")
+        raise CheckpointError(
+            f"{where} was saved by {engine[was_zero]} over {meta['dp']} data-parallel rank(s); "
+            f"this run uses {engine[now_zero]} over {dp}, and resharding converts only between "
+            f"ZeRO layouts: {back}, or " + _convert_hint(cfg.model.arch, load_dir))
+    precision = saved.get("precision", {})
+    was, now = _precision(precision.get("bf16"), precision.get("fp16")), _precision(
+        cfg.precision.bf16, cfg.precision.fp16)
+    # the fp16 loss scaler's state, and LocalEngine's fp32 masters of a 16-bit model, are
+    # saved only by runs that have them (`optim.engine`, `zero.engine_state`)
+    if was != now and ("fp16" in (was, now) or not now_zero):
+        raise CheckpointError(
+            f"{where} was saved in {was}; this run is in {now}, and its engine state (fp32 "
+            f"masters, fp16 loss scaler) resumes only under {was}"
+            f"{' or, with the ZeRO engine, the other of fp32 / bf16' if was != 'fp16' else ''}: "
+            f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir))
+    if BASE_KEY in meta and meta["dp"] != dp:
+        raise CheckpointError(
+            f"{where} is adapters-only (--save-adapters-only) and was saved over {meta['dp']} "
+            f"data-parallel ranks; this run has {dp}: it resumes only under the layout that "
+            "saved it (resharding needs the frozen weights it leaves out)")

@@ -1,0 +1,105 @@
+"""tools/gpu_check.sh: its dry run on CPU (the plan, every engine job's flags valid), the
+wheel option's refusals, and the parsers that read the tools' output on the GPU machine, fed
+the output those tools print here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = python
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
+    proc = _sh("--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for step in ("kernels-bitwise", "kernels-bandwidth", "data", "engine", "model-step", "end-to-end"):
+        assert f"  {step} " in proc.stdout
+    for job in ("zero1", "zero3", "paro-IGG", "zeropp-loco"):
+        assert f"engine job {job}:" in proc.stdout and "flags valid" in proc.stdout
+    total = int(proc.stdout.split("total ~")[1].split()[0])
+    assert total <= 480  # the issue's 8 minutes (estimates; the report records the real times)
+
+
+def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
+    """As on the GPU machine: a Python without zstandard (here: without site-packages) stops
+    the script with the way on, before anything runs; a --wheels path that is no directory is
+    named."""
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    proc = _sh("--out", str(tmp_path / "out"), python=str(bare))
+    assert proc.returncode == 2 and "carry its wheel and pass --wheels DIR" in proc.stderr
+    proc = _sh("--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "absent"), python=str(bare))
+    assert proc.returncode == 2 and f"--wheels {tmp_path / 'absent'} is not a directory" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_parsers_read_the_tools_output():
+    g = _gpu_check()
+    quant = """| op | bytes moved | time (us) | GB/s | % of copy |
+|---|---:|---:|---:|---:|
+| quantize int8 (qwZ, bf16 in) | 196,736 | 67,976.2 | 0.0 | 64% |
+| dequant-reduce int4 4 x 16384 -> int4 | 42,240 | 71,446.4 | 0.0 | 91% |"""
+    assert g.bandwidth_rows(quant) == [("quantize int8 (qwZ, bf16 in)", 0.64),
+                                       ("dequant-reduce int4 4 x 16384 -> int4", 0.91)]
+    line = ("iter      5/30 | loss 7.6234 | lr 1.000e-04 | grad_norm 1.234 | tokens/s 41234 | tflops 412.3456 | "
+            "peak_mem 36123.4 MiB | 0:00:10 elapsed, eta 0:00:50")
+    assert g.log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0,
+                                              "peak_mib": 36123.4}]
+    assert g.last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
+
+
+def test_planned_peak_from_the_planners_table():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plan = subprocess.run([sys.executable, "tools/plan.py", "--num-layers", "24", "--hidden-size", "2048",
+                           "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "2048",
+                           "--micro-batch-size", "4", "--vocab-size", "2048", "--global-batch-size", "4",
+                           "--dtype", "bf16", "--nodes", "1", "--gpus-per-node", "1", "--inter-gbit", "100",
+                           "--accelerator", "h100-80gb"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    peak = _gpu_check().planned_peak_gib(plan.stdout)
+    assert 20 < peak < 60  # 1.1 B parameters in bf16 with fp32 masters and Adam, plus activations
+
+
+def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
+    """Steps stubbed (no GPU here): a mismatch or a failing step gives exit 1, every step lands
+    in OUT/report.md with its targets, and a step starts only with a minute (or its estimate)
+    of the budget left."""
+    import torch
+
+    g = _gpu_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a stub GPU")
+    ok = g.Outcome("ok", "fine", ["detail"], [("a target", False, "80%")])
+    steps = [("first", "", 1, lambda ctx: ok), ("second", "", 1, lambda ctx: 1 / 0),
+             ("third", "", 10_000, lambda ctx: ok)]
+    monkeypatch.setattr(g, "STEPS", steps)
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "| first | ok | fine |" in report and "| a target | no | 80% |" in report
+    assert "| second | FAILED | ZeroDivisionError: division by zero |" in report
+    assert "| third | skipped |" in report
+    monkeypatch.setattr(g, "STEPS", [steps[0], steps[2]])
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 3  # only skipped: incomplete
+    monkeypatch.setattr(g, "STEPS", [steps[0]])
+    assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 0  # a missed target is no failure
