@@ -39,10 +39,12 @@ from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
-from megazpp.training.checkpoint import (LATEST_FILE, LoadedCheckpoint, check_not_behind,
+from megazpp.training.checkpoint import (CONFIG_KEY, LATEST_FILE, LoadedCheckpoint, check_not_behind,
                                          check_save_dir, is_weights_only, latest_checkpoint,
                                          load_checkpoint, load_model_weights, read_metadata)
 from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.settings import OuterOptions
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
@@ -81,12 +83,19 @@ def seed_everything(seed: int, topology: Topology) -> None:
     model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
 
 
-def build_engine(cfg: Config, model: GPTModel, topology: Topology) -> Engine:
+def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterOptions | None = None) -> Engine:
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
-    when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP)."""
+    when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
+    with two-level training (`outer`), the ZeRO engine over each island's DP ranks inside the
+    DiLoCo engine."""
+    micro_batches = cfg.num_micro_batches(topology.world_size)
+    if outer is not None:
+        island = topology.island_view(outer.island_nodes)
+        inner = build_zero_engine(model, cfg, island, micro_batches_per_step=micro_batches,
+                                  counts_in_norm=counts_in_norm(model, island))
+        return DiLoCoEngine(inner, outer, island)
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
-        return build_zero_engine(model, cfg, topology,
-                                 micro_batches_per_step=cfg.num_micro_batches(topology.world_size),
+        return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,
                                  counts_in_norm=counts_in_norm(model, topology))
     model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
     return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
@@ -104,18 +113,24 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
                       engine: Engine) -> LoadedCheckpoint:
     """This run's own checkpoint, resharded when it was written under another data-parallel
     size or PaRO strategy (that is only known once the engine, and so its layout, exists)."""
+    zero = engine.inner if isinstance(engine, DiLoCoEngine) else engine
     try:
-        reshard = needs_reshard(load_dir, engine, topology)
+        reshard = needs_reshard(load_dir, zero, topology)
     except CheckpointError:
         # unreadable newest checkpoint: the loader names the damage, or falls back when asked
         reshard = False
     if reshard:
         path = latest_checkpoint(load_dir)
+        saved_outer = path is not None and read_metadata(path).get(CONFIG_KEY, {}).get("outer", {})
+        if saved_outer and saved_outer.get("algorithm", "none") != "none":
+            raise CheckpointError(f"{path}: a two-level (outer.algorithm {saved_outer['algorithm']}) checkpoint "
+                                  "resumes only under the islands, data-parallel size and strategy that saved it; "
+                                  "export it (the islands' parameters at the last outer sync) and import that")
         if path is not None and BASE_KEY in read_metadata(path):
             raise CheckpointError(f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
                                   "size and PaRO strategy that saved it (resharding needs the frozen weights "
                                   "it leaves out)")
-        return load_resharded(load_dir, topology, model, engine)
+        return load_resharded(load_dir, topology, model, zero)
     return load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
 
 
@@ -186,7 +201,7 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     if base is not None:
         # before the engine exists: it copies the weights into its fp32 masters and shards
         load_model_weights(model, base.state["model"], keep_own=is_adapter)
-    engine = build_engine(cfg, model, topology)
+    engine = build_engine(cfg, model, topology, start.outer)
     loaded = base if imported else None
     if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)

@@ -26,6 +26,7 @@ from megazpp.config_planner import PlannerSettings
 from megazpp.config_values import coerce, suggest
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
+from megazpp.outer.settings import OuterSettings
 from megazpp.unique_keys import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -219,6 +220,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
+    outer: OuterSettings = field(default_factory=OuterSettings)
 
     @property
     def tp(self) -> int:
@@ -270,6 +272,7 @@ def refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -
 FLAG_NAMES: dict[str, str] = {
     "zero.stage": "--zero-stage",
     "planner.probe": "--planner-probe",
+    **{f"outer.{f.name}": "--outer-" + f.name.replace("_", "-") for f in dataclasses.fields(OuterSettings)},
 }
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
+from megazpp.outer.settings import OuterOptions
+from megazpp.parallel.topology import island_layout
 from megazpp.zero.frozen import check_frozen_support
 from megazpp.zero.strategy import Level, resolve_strategy
 from megazpp.zero.traffic import HIERARCHY_MODES
@@ -198,3 +200,25 @@ def _validate_zero(z: ZeroConfig) -> None:
         except ConfigError as err:
             raise ConfigError(f"zero.{key}: {err}") from None
 
+
+
+def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
+    """The `outer` section's checked options (None: two-level training off), with the rules that
+    span sections: islands of whole nodes over this world (`ranks_per_node`: the launcher's,
+    unless the config sets it), and the combinations not built yet."""
+    options = cfg.outer.resolve()
+    if options is None:
+        return None
+    if str(cfg.zero.paro_strategy).lower() == "auto":
+        raise ConfigError("zero.paro_strategy = auto with outer.algorithm diloco: the planner does not price "
+                          "two-level training yet; name the strategy the islands run (e.g. --zero-stage 2)")
+    layers = cfg.model.num_layers // cfg.pp
+    if options.fragments > layers:
+        raise ConfigError(f"outer.fragments = {options.fragments}: a pipeline stage holds {layers} layer(s) here; "
+                          f"fragments are runs of parameter tensors, use at most one per layer ({layers})")
+    per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
+    try:
+        island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
+    except TopologyError as err:
+        raise ConfigError(f"outer.algorithm diloco on {world_size} ranks, {per_node} per node: {err}") from None
+    return options

@@ -31,6 +31,7 @@ SECTION_HELP: dict[str, str] = {
     "parallel": "tensor / pipeline parallel layout and process groups",
     "zero": "the data-parallel optimizer: ZeRO stage or PaRO strategy, ZeRO++, LoCo",
     "planner": "cluster facts for `zero.paro_strategy: auto` and `zero.hierarchical: auto`",
+    "outer": "two-level training: ZeRO inside islands of nodes, DiLoCo outer steps across them (docs/arch/outer.md)",
 }
 
 HELP: dict[str, str] = {
@@ -147,6 +148,15 @@ HELP: dict[str, str] = {
     "planner.inter_node_latency_us": "latency of an inter-node collective step",
     "planner.memory_bandwidth_gbs": "accelerator memory bandwidth",
     "planner.usable_memory_fraction": "share of memory the plan may fill",
+    "outer.algorithm": "none (synchronous over all ranks) or diloco (islands + outer optimizer)",
+    "outer.sync_every": "H: inner steps between outer syncs",
+    "outer.lr": "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)",
+    "outer.momentum": "outer Nesterov momentum",
+    "outer.fragments": "streaming: fragments (runs of buckets) synced at staggered steps, at most H",
+    "outer.overlap_steps": "streaming: inner steps an outer exchange runs before it is applied (tau, below H)",
+    "outer.merge_alpha": "with overlap: weight of the island's own parameters when an exchange is applied",
+    "outer.quantize": "outer-gradient wire format: none (fp32), bf16, int4 (blocks of 256, error feedback)",
+    "outer.island_nodes": "nodes per island",
 }
 
 FILE_FLAGS = (

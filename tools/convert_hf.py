@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megazpp.cli import run_tool
 from megazpp.config import load_config
-from megazpp.interop.consolidate import DTYPES, parse_dtype
+from megazpp.interop.consolidate import DTYPES, parse_dtype, two_level_note
 from megazpp.interop.checkpoint_io import saved_tokenizer
 from megazpp.interop.convert import export_hf, import_hf
 from megazpp.interop.safetensors_io import CONFIG_FILE, read_json
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                     tokenizer_model=tokenizer)
     print(f"wrote {out}" + (f" (with {tokenizer})" if tokenizer else
                             " (no tokenizer: give --tokenizer-model to add one)"))
+    note = two_level_note(args.load)
+    if note:
+        print(note)
     return 0
 
 

@@ -18,7 +18,7 @@ import argparse
 
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
-from megazpp.interop.consolidate import DTYPES, parse_dtype
+from megazpp.interop.consolidate import DTYPES, parse_dtype, two_level_note
 from megazpp.interop.convert import export_safetensors
 
 
@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     out = export_safetensors(args.load, args.out, cfg=cfg, dtype=parse_dtype(args.dtype),
                              masters=args.masters)
     print(f"wrote {out}")
+    note = two_level_note(args.load)
+    if note:
+        print(note)
     return 0
 
 

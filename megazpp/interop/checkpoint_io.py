@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.interop.zero_shards import consolidated_part
+from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.training.checkpoint import (CHECKSUMS_KEY, CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
@@ -132,7 +132,9 @@ class CheckpointReader:
         strategy = _zero_strategy(engine)
         model = state["model"]
         if strategy is not None:
-            if masters or not _is_whole(model, stage, self.tp):
+            # a two-level checkpoint's rank holds its island's own weights: the export takes the
+            # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)
+            if masters or OUTER_KEY in engine or not _is_whole(model, stage, self.tp):
                 return consolidated_part(self, tp_rank, pp_rank, model, masters)
             return model
         if not masters or engine is None or engine.get("masters") is None:

@@ -19,6 +19,7 @@ from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.model_layout import merge_stages, merge_tp_shards, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.training.checkpoint import CONFIG_KEY
 from megazpp.training.frozen_base import check_base, recorded_base
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,3 +70,17 @@ def consolidated_weights(reader: CheckpointReader, cfg: ModelConfig, *,
         merged.append(merge_tp_shards(parts, stage, f"{reader.path} (pipeline stage "
                                                     f"{stage.pp_rank})"))
     return merge_stages(merged, cfg, str(reader.path))
+
+
+def two_level_note(path: str) -> str | None:
+    """For a two-level (DiLoCo) checkpoint, the line an export prints: it holds the islands'
+    common parameters at the last outer sync (`zero_shards._at_last_sync`), not any island's own
+    since; None for any other checkpoint."""
+    reader = CheckpointReader(path)
+    outer = (reader.meta.get(CONFIG_KEY) or {}).get("outer") or {}
+    if outer.get("algorithm", "none") == "none":
+        return None
+    every = int(outer["sync_every"])
+    return (f"note: {reader.path} is a two-level ({outer['algorithm']}) checkpoint at iteration {reader.iteration}: "
+            f"exported are the islands' averaged parameters at the last outer sync (iteration "
+            f"{reader.iteration // every * every}, every {every} steps), not any island's own since")

@@ -56,9 +56,39 @@ class FullPartState:
                 "exp_avg_sq": self.tensors["exp_avg_sq"] if has_moments else None}
 
 
+OUTER_KEY = "outer"  # two-level training's state in a rank's engine state (megazpp.outer.diloco)
+
+
+def _islands(reader: PartReader, tp_rank: int, pp_rank: int) -> int:
+    engine = reader.rank_state(tp_rank, pp_rank, 0).get("engine")
+    outer = engine.get(OUTER_KEY) if isinstance(engine, dict) else None
+    return int(outer["islands"]) if outer else 1
+
+
+def _at_last_sync(engine: dict[str, Any]) -> dict[str, Any]:
+    """A two-level rank's engine state with the islands' parameters at the last outer sync (the
+    outer snapshot, the same on every island) in place of its own masters; its parameters at p
+    are then made from those (`full_part_state`), so the island's own drift since is left out."""
+    snapshot = engine[OUTER_KEY]["snapshot"]
+    buckets, start = [], 0
+    for b in engine["buckets"]:
+        masters = []
+        for m in b["masters"]:
+            masters.append(snapshot[start:start + m.numel()].view_as(m).clone())
+            start += m.numel()
+        if masters:  # a frozen bucket (no masters) keeps its parameters: they never change
+            b = {**b, "masters": masters, "param_store": None, "param_dtype": b["param_store"].dtype}
+        buckets.append(b)
+    return {**engine, "buckets": buckets}
+
+
 def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[dict[str, Any]]:
+    """Every DP rank's engine state of the part; for a two-level checkpoint, the first island's
+    ranks at the last outer sync (`_at_last_sync`): the islands' shards hold the same places."""
     states = []
-    for dp_rank in range(reader.dp):
+    islands = _islands(reader, tp_rank, pp_rank)
+    dp = reader.dp // islands
+    for dp_rank in range(dp):
         file = reader.rank_file(tp_rank, pp_rank, dp_rank)
         state = reader.rank_state(tp_rank, pp_rank, dp_rank)
         if state.get("iteration") != reader.iteration:
@@ -71,10 +101,10 @@ def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[
             raise CheckpointError(f"{file}: ZeRO state (strategy {engine['strategy']}) without shard "
                                   "placement (saved by an older megazpp): its shards cannot be "
                                   "reassembled; it resumes only at its own layout")
-        if engine["dp_rank"] != dp_rank or engine["dp"] != reader.dp:
+        if engine["dp_rank"] != dp_rank or engine["dp"] != dp:
             raise CheckpointError(f"{file}: engine state of dp rank {engine['dp_rank']} of "
-                                  f"{engine['dp']}, expected {dp_rank} of {reader.dp}")
-        states.append(engine)
+                                  f"{engine['dp']}, expected {dp_rank} of {dp}")
+        states.append(_at_last_sync(engine) if islands > 1 else engine)
     def shared(engine: dict[str, Any]) -> list[dict[str, Any]]:
         return [{k: v for k, v in b["layout"].items() if k != "dp_index"} for b in engine["buckets"]]
 
@@ -104,7 +134,8 @@ def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str,
     for engine in states:
         saved = engine["buckets"][index]
         ranges = saved["ranges"]
-        put("params", *ranges["param_store"], saved["param_store"])
+        if saved["param_store"] is not None:
+            put("params", *ranges["param_store"], saved["param_store"])
         for (lo, hi), master in zip(ranges["masters"], saved["masters"]):
             put("masters", lo, hi, master)
         adam = engine["optimizer"]["state"]
@@ -142,6 +173,10 @@ def full_part_state(reader: PartReader, tp_rank: int, pp_rank: int) -> FullPartS
         for kind, by_name in _assemble(states, index, where).items():
             tensors[kind].update(by_name)
     first = states[0]
+    synced = [b["param_dtype"] for b in first["buckets"] if "param_dtype" in b]
+    if synced:  # a two-level checkpoint: its trainable parameters are the synced masters
+        for name, master in tensors["masters"].items():
+            tensors["params"].setdefault(name, master.to(synced[0]))
     step = _adam_step(states)
     if step is not None and len(tensors["exp_avg"]) != len(tensors["masters"]):
         raise CheckpointError(f"{where}: Adam moments saved for only some parameters")

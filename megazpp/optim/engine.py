@@ -27,7 +27,7 @@ A step whose gradient norm is not finite is never applied, in any precision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -56,6 +56,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: float
+    scalars: dict[str, float] = field(default_factory=dict)  # more to log this step (outer syncs)
 
 
 class Engine(Protocol):

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from megazpp.outer.settings import QUANTIZE
 from megazpp.zero.sequences import GroupShape
 from megazpp.zero.traffic import all_reduce_bytes
 from megazpp.zero.zeropp import QuantFormat
 
-QUANTIZE = ("none", "bf16", "int4")  # config key outer.quantize
 DEFAULT_BLOCK = 256  # values per fp32 scale of the int4 format (as qgZ's default)
 SYNC_CALLS = 2  # collectives per fragment sync: the all-to-all and the all-gather
 STATS_BYTES = 8  # the fp32 pair summed for logging: squared norms of the mean and own pseudo-gradient

@@ -6,6 +6,11 @@ Layout: global rank = tp_rank + tp * (dp_rank + dp * pp_rank). TP varies fastest
 Nodes are blocks of `ranks_per_node` consecutive ranks, taken from the launcher
 (`LOCAL_WORLD_SIZE`) or overridden to carve one machine into virtual nodes for tests.
 
+Islands (two-level data parallelism, `megazpp.outer`): the DP ranks may be cut into islands of
+consecutive DP indices, each made of whole nodes. `island_view` gives the engine a Topology of
+its own island (dp, dp_rank and every DP group are the island's; tp, pp, nodes and ranks stay
+global) and the peer group: the rank at my place in every island, which holds my shard.
+
 Group creation is collective: every rank creates every group in the same order (torch
 requires it), including groups it is not a member of.
 """
@@ -55,6 +60,35 @@ def check_shape(world_size: int, tp: int, pp: int, ranks_per_node: int) -> int:
     return dp
 
 
+def island_layout(world_size: int, tp: int, pp: int, ranks_per_node: int, island_nodes: int) -> tuple[int, int]:
+    """(islands, DP ranks per island) for islands of `island_nodes` nodes, or TopologyError.
+
+    An island is a block of consecutive DP indices holding every tp and pp rank of them, so it
+    holds whole model replicas; it must also be exactly `island_nodes` whole nodes (with
+    pipeline stages on different nodes, one replica spans several nodes)."""
+    dp = check_shape(world_size, tp, pp, ranks_per_node)
+    nodes = world_size // ranks_per_node
+    if not isinstance(island_nodes, int) or island_nodes < 1 or nodes % island_nodes:
+        raise TopologyError(f"outer.island_nodes {island_nodes!r} must be a positive divisor of the "
+                            f"{nodes} node(s) of {ranks_per_node} ranks")
+    islands = nodes // island_nodes
+    if islands < 2:
+        raise TopologyError(f"outer.island_nodes {island_nodes} makes one island of all {nodes} node(s): two-level "
+                            f"training needs at least two islands (use fewer nodes per island, or "
+                            f"outer.algorithm none)")
+    if dp % islands:
+        raise TopologyError(f"{islands} islands cannot split the data-parallel size {dp} evenly")
+    per = dp // islands
+    for i in range(islands):
+        ranks = {_rank_of(t, d, p, tp, dp) for t in range(tp) for p in range(pp) for d in range(i * per, (i + 1) * per)}
+        held = {r // ranks_per_node for r in ranks}
+        if len(held) != island_nodes or len(ranks) != island_nodes * ranks_per_node:
+            raise TopologyError(f"island {i} (data-parallel ranks {i * per}..{(i + 1) * per - 1} with every tp x pp "
+                                f"rank) spans nodes {sorted(held)}, not {island_nodes} whole node(s); choose "
+                                f"outer.island_nodes so that each island holds whole model replicas on whole nodes")
+    return islands, per
+
+
 @dataclass
 class Topology:
     """The parallel layout of this run, seen from this rank. Build with `from_env`."""
@@ -79,6 +113,9 @@ class Topology:
     dp_inter_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
     model_parallel_group: ProcessGroup | None = None
+    islands: int = 1  # >1 only in an island view: dp, dp_rank and the DP groups are then one island's
+    peer_ranks: list[int] = field(default_factory=list)  # island view: my place in every island
+    peer_group: ProcessGroup | None = None
     _subgroups: dict[tuple[str, int, int], tuple[list[int], ProcessGroup | None]] = field(
         default_factory=dict, repr=False)
 
@@ -88,11 +125,21 @@ class Topology:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // self.tp) % (self.dp * self.islands) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.dp * self.islands)
+
+    @property
+    def island(self) -> int:
+        """Which island this rank is in (0 without islands)."""
+        return (self.rank // self.tp) % (self.dp * self.islands) // self.dp
+
+    def _member(self, tp_rank: int, dp_rank: int, pp_rank: int, island: int | None = None) -> int:
+        """Global rank of (tp_rank, dp_rank inside `island`, pp_rank); default my island."""
+        island = self.island if island is None else island
+        return _rank_of(tp_rank, island * self.dp + dp_rank, pp_rank, self.tp, self.dp * self.islands)
 
     @property
     def num_nodes(self) -> int:
@@ -183,6 +230,36 @@ class Topology:
             self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
                             "model_parallel_group")
 
+    def island_view(self, island_nodes: int) -> "Topology":
+        """This rank's island as a Topology of its own, for the engine (collective: every rank
+        calls it once, in the same order as the other group creations). Its dp, dp_rank and DP
+        groups (plus the PaRO sub-groups made from them) are the island's; `peer_ranks` /
+        `peer_group` are the ranks at my place in every island (one collective per shard)."""
+        if self.islands != 1:
+            raise TopologyError("island_view: this topology is already an island's")
+        islands, per = island_layout(self.world_size, self.tp, self.pp, self.ranks_per_node, island_nodes)
+        view = Topology(rank=self.rank, world_size=self.world_size // islands, tp=self.tp, pp=self.pp, dp=per,
+                        ranks_per_node=self.ranks_per_node, islands=islands,
+                        tp_ranks=self.tp_ranks, pp_ranks=self.pp_ranks, embedding_ranks=self.embedding_ranks,
+                        model_parallel_ranks=self.model_parallel_ranks, tp_group=self.tp_group,
+                        pp_group=self.pp_group, embedding_group=self.embedding_group,
+                        model_parallel_group=self.model_parallel_group)
+        for p in range(self.pp):
+            for t in range(self.tp):
+                for i in range(islands):
+                    members = [view._member(t, d, p, i) for d in range(per)]
+                    view._new_group(members, "dp_group")
+                    by_node: dict[int, list[int]] = {}
+                    for r in members:
+                        by_node.setdefault(self.node_of(r), []).append(r)
+                    for on_node in by_node.values():
+                        view._new_group(on_node, "dp_intra_group")
+                    for column in zip(*by_node.values()):
+                        view._new_group(list(column), "dp_inter_group")
+                for d in range(per):
+                    view._new_group([view._member(t, d, p, i) for i in range(islands)], "peer_group")
+        return view
+
     def dp_subgroup(self, size: int, copy: int = 0) -> tuple[list[int], ProcessGroup | None]:
         """(ranks, group) of this rank's block of `size` consecutive DP ranks (e.g. PaRO's
         I-level group). Collective on first use per size: every rank must call it, in the
@@ -209,11 +286,12 @@ class Topology:
             index_lists = blocks if kind == "block" else [list(c) for c in zip(*blocks)]
             for p in range(self.pp):
                 for t in range(self.tp):
-                    for indices in index_lists:
-                        members = [_rank_of(t, d, p, self.tp, self.dp) for d in indices]
-                        group = dist.new_group(members)
-                        if self.rank in members:
-                            self._subgroups[key] = (members, group)
+                    for island in range(self.islands):
+                        for indices in index_lists:
+                            members = [self._member(t, d, p, island) for d in indices]
+                            group = dist.new_group(members)
+                            if self.rank in members:
+                                self._subgroups[key] = (members, group)
         return self._subgroups[key]
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from megazpp.model.flops import parameter_count
 from megazpp.model.trainable import trainable_fraction
 from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import Engine
+from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.training.startup import Startup
 from megazpp.zero.engine import ZeroEngine
 
@@ -49,6 +50,17 @@ def _trains(cfg: Config) -> str:
     return f"; training {fraction:.2%} of the weights ({', '.join(what)}), the rest frozen"
 
 
+def _two_level(engine: Engine) -> list[str]:
+    """The island layout and the outer step, when two-level training is on."""
+    if not isinstance(engine, DiLoCoEngine):
+        return []
+    o, island = engine.options, engine.island
+    inter = engine.expected_sync_bytes()[1]
+    return [f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
+            f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
+            f"{o.momentum:g}, {o.quantize} outer gradients: {inter / 1e6:.3g} MB inter-node per rank per sync"]
+
+
 def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[Sized | None],
            start: Startup) -> list[str]:
     m, t, ck = cfg.model, cfg.training, cfg.checkpoint
@@ -67,6 +79,7 @@ def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[S
         f"layout: world {topology.world_size} = tp {topology.tp} x pp {topology.pp} x dp "
         f"{topology.dp}; {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks",
         f"data-parallel optimizer: {_strategy(cfg, engine)}",
+        *_two_level(engine),
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {topology.dp} "
         f"x {cfg.num_micro_batches(topology.world_size)} accumulation; {t.train_iters} steps, "
         f"warmup {t.lr_warmup_iters}, lr {cfg.optimizer.lr:g} {t.lr_decay_style} to "

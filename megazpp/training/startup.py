@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megazpp.config import Config, load_config
-from megazpp.config_checks import validate_config
+from megazpp.config_checks import resolve_outer, validate_config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
@@ -59,6 +60,7 @@ class Startup:
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
+    outer: OuterOptions | None = None  # two-level training's checked options (None: off)
 
 
 def torchrun_restart_count() -> int:
@@ -104,8 +106,11 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs."""
+    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs. A key the
+    saved run did not have yet (a section or setting added since) counts as its default."""
     old, new = _flatten(saved), _flatten(current)
+    defaults = _flatten(Config().to_dict())
+    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
     return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
             for k in keys if old.get(k) != new.get(k)]
@@ -163,6 +168,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
     validate_config(cfg, world_size)
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
+    outer = resolve_outer(cfg, world_size, on_node)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
@@ -177,7 +183,7 @@ def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
         check_resumable(cfg, load_dir, world_size)
     if ranks_on_node is not None:
         check_memory(cfg, world_size, ranks_on_node)
-    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), backend)
+    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), backend, outer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -204,7 +204,9 @@ class Trainer:
             history.losses[self.iteration] = loss
             history.skipped[self.iteration] = result.skipped
             self.logger.record_step(self.iteration, loss, lr, result)
-            self.logger.write_scalars(counter.end_step(), self.iteration)
+            self.logger.write_scalars({**counter.end_step(), **result.scalars}, self.iteration)
+            if result.scalars:
+                self.logger.info(f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items()))
             bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()

@@ -391,6 +391,14 @@ class ZeroEngine(ScaledOptimizerEngine):
         b.param_store.copy_(synced)
         self.groups.buffers.give(synced)
 
+    def publish_masters(self) -> None:
+        """The fp32 masters were replaced outside a step (two-level training's outer step):
+        refresh the parameters at level p from them as a step does, and drop path state made
+        from the old ones (hpZ's secondary copy is re-filled by the next gather)."""
+        for b in self.buckets:
+            self._refresh_params(b)
+        self.paths.params_replaced()
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             if b.micro_pending is not None or b.boundary_pending is not None:

@@ -1,0 +1,325 @@
+"""DiLoCo over islands: a ZeRO engine inside each island, an outer Nesterov step across them.
+
+Why a wrapper and not a ZeRO path: the inner step is exactly the synchronous engine's (any
+strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only reads and
+replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
+masters and `publish_masters`. The trainer sees one `Engine`.
+
+With `outer.fragments` F > 1 the parameters are cut into F fragments of whole tensors, each synced
+every H steps at its own offset (Streaming DiLoCo's staggering), so one step moves one
+fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md):
+1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
+   the masters now;
+2. averaged over the peer group (the rank at my place in every island, holding the same shard):
+   an all-to-all of it in the wire format (`outer.quantize`), the average of each chunk in fp32,
+   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these);
+3. Nesterov SGD on the snapshot with the average (`outer_update`), the result replaces the
+   masters and the snapshot and is re-published to the p level; AdamW's state is kept.
+Every island ends the sync with the same bits, so they stay one model at the syncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from megazpp.errors import CheckpointError, ConfigError
+from megazpp.optim.engine import StepResult
+from megazpp.outer import traffic
+from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire
+from megazpp.outer.settings import OuterOptions
+from megazpp.parallel import comm
+from megazpp.parallel.counter import counter
+from megazpp.parallel.topology import Topology
+from megazpp.zero import memory
+from megazpp.zero import traffic as traffic_zero
+from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.sequences import GroupShape
+from megazpp.zero.strategy import Strategy, level_div
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
+OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
+STATS_TAG = "outer/stats"
+
+
+def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Streaming DiLoCo's mixing when an exchange overlapped `tau` inner steps: `alpha` of the
+    island's own parameters (which moved on meanwhile) and 1 - alpha of the outer step's result."""
+    return local.mul(alpha).add_(synced, alpha=1 - alpha)
+
+
+def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor,
+                 lr: float, momentum: float) -> None:
+    """Nesterov SGD (torch.optim.SGD's form, no dampening) on `snapshot`, in place; the outer
+    momentum buffer starts at zero, so the first step's buffer is the pseudo-gradient itself."""
+    momentum_buf.mul_(momentum).add_(mean_pseudo_grad)
+    snapshot.sub_(mean_pseudo_grad.add(momentum_buf, alpha=momentum), alpha=lr)
+
+
+def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
+    """The fragments synced after inner step `inner_steps` (counted from 1): fragment f every H
+    steps at offset f H / F, so F <= H fragments never share a step (Streaming DiLoCo)."""
+    offsets = [f * sync_every // count for f in range(count)]
+    return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
+
+
+class DiLoCoEngine:
+    """The engine protocol over `inner` (a ZeroEngine over one island's DP ranks, built on
+    `island`, a `Topology.island_view`), syncing across islands every `options.sync_every`
+    inner steps."""
+
+    def __init__(self, inner: ZeroEngine, options: OuterOptions, island: Topology) -> None:
+        self.inner = inner
+        self.options = options
+        self.island = island
+        self.islands = island.islands
+        self.inner_steps = 0
+        self._wire = WIRE_DTYPES[options.quantize]
+        flat = self._masters_flat()
+        self.numel = flat.numel()
+        self.snapshot = flat.clone()
+        self.momentum = torch.zeros_like(flat)
+        self._norm_weight = self._build_norm_weight()
+        self.fragments = self._build_fragments(options.fragments)
+        self.in_flight: list[Exchange] = []
+        self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels) if options.quantize == "int4" else None
+        self.errors = [self._new_errors(len(idx)) for idx in self.fragments] if self._int4 else []
+        log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
+                 self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
+
+    # -- what the outer step reads and writes ---------------------------------------------------
+    def _masters(self) -> list[torch.Tensor]:
+        return [m.param.data for b in self.inner.buckets for m in b.masters]
+
+    def _masters_flat(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self._masters()])
+
+    def _parameters(self) -> list[tuple[int, int]]:
+        """(bucket, tensor) of every trained parameter, in bucket order: the same on every rank
+        of a peer group (one strategy, one model)."""
+        return [(i, j) for i, b in enumerate(self.inner.buckets) for j in range(b.num_params)]
+
+    def _build_fragments(self, count: int) -> list[torch.Tensor]:
+        """Each fragment's element indices in the flat shard: `count` runs of consecutive
+        parameter tensors (as even in count as they divide), so a fragment is the same
+        parameters on every rank, whatever part of them (maybe none) a rank's shard holds."""
+        params = self._parameters()
+        if count > len(params):
+            raise ConfigError(f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
+                              f"parameter tensors, the units fragments are made of")
+        level = self.inner.strategy.optimizer_state
+        offsets = [0]
+        for b in self.inner.buckets:
+            offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
+        out = []
+        for f in range(count):
+            pieces = [torch.arange(offsets[i] + lo, offsets[i] + hi)
+                      for i, j in params[f * len(params) // count:(f + 1) * len(params) // count]
+                      for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
+                          level, [k == j for k in range(self.inner.buckets[i].num_params)])]
+            out.append(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long))
+        return out
+
+    def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4 error feedback of a fragment: what the wire dropped of this rank's pseudo-gradient
+        (the padded fragment) and of the averaged chunk it owns (fp32, zero at the start)."""
+        n = traffic.padded_numel(numel, self.islands, "int4")
+        return torch.zeros(n), torch.zeros(n // self.islands)
+
+    def fragment_names(self) -> list[list[str]]:
+        """The parameter names of each fragment."""
+        params, count = self._parameters(), len(self.fragments)
+        return [[self.inner.buckets[i].layout.names[j] for i, j in params[f * len(params) // count:
+                                                                           (f + 1) * len(params) // count]]
+                for f in range(count)]
+
+    def due(self, inner_steps: int) -> list[int]:
+        return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
+
+    def _replication(self) -> int:
+        """How many ranks of an island hold each os shard (os = N: all of them)."""
+        groups = self.inner.groups
+        return groups.dp_size // level_div(self.inner.strategy.optimizer_state, groups.dp_size, groups.group_size)
+
+    def _build_norm_weight(self) -> torch.Tensor:
+        """Per element of the flat shard: 1 / replication where this rank counts the element in
+        norms (the engine's `norm_ranges`: TP-replicated tensors on one TP rank), else 0; summed
+        over every rank of every island it counts each element once per island."""
+        weight = torch.zeros(self.numel)
+        start = 0
+        for b in self.inner.buckets:
+            for _, lo, hi in b.norm_ranges:
+                weight[start + lo:start + hi] = 1.0 / self._replication()
+            start += sum(m.param.numel() for m in b.masters)
+        return weight
+
+    # -- the engine protocol ----------------------------------------------------------------
+    @property
+    def strategy(self) -> Strategy:
+        """The islands' PaRO strategy (the banner reads it)."""
+        return self.inner.strategy
+
+    @property
+    def loss_scale(self) -> float:
+        return self.inner.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.scale_loss(loss)
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def grad_for(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self.inner.grad_for(param)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        with self.inner.gathered_parameters():
+            yield
+
+    def step(self) -> StepResult:
+        """The inner step, then the outer work due after it: exchanges in flight advance (their
+        all-gather is issued), those landing now are applied, fragments due start theirs (and
+        land at once without overlap)."""
+        result = self.inner.step()
+        self.inner_steps += 1
+        t, group = self.inner_steps, self.island.peer_group
+        before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        for x in self.in_flight:
+            x.advance(group)
+        landing = [x for x in self.in_flight if x.lands == t]
+        self.in_flight = [x for x in self.in_flight if x.lands != t]
+        flat = self._masters_flat() if landing or self.due(t) else None
+        scalars = self._land(landing, flat) if landing else {}
+        tau = self.options.overlap_steps
+        started = [Exchange.start(f, t + tau, self.snapshot[idx] - flat[idx], self.islands, self.options.quantize,
+                                  self._wire, group, self._int4, self.errors[f] if self._int4 else None)
+                   for f in self.due(t) for idx in [self.fragments[f]]]
+        if tau:
+            self.in_flight += started
+        elif started:
+            scalars = self._land(started, flat)
+        after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        if not (scalars or started):
+            return result
+        scalars.update({"outer/intra_bytes": float(after["intra"] - before["intra"]),
+                        "outer/inter_bytes": float(after["inter"] - before["inter"])})
+        return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **scalars})
+
+    # -- the outer step -----------------------------------------------------------------------
+    def _land(self, exchanges: list[Exchange], flat: torch.Tensor) -> dict[str, float]:
+        """Apply landed exchanges (collective over every rank): each fragment's Nesterov step on
+        the snapshot, the masters set to it (merged with the island's own progress since the
+        exchange started when it overlapped: `merge`), one re-publication; returns what to log."""
+        sums = torch.zeros(2)
+        for x in exchanges:
+            idx = self.fragments[x.fragment]
+            mean = x.mean(self.island.peer_group)
+            weight = self._norm_weight[idx]
+            sums += torch.stack([(weight * mean * mean).sum(), (weight * x.pseudo * x.pseudo).sum()])
+            synced, momentum = self.snapshot[idx], self.momentum[idx]
+            outer_update(synced, mean, momentum, self.options.lr, self.options.momentum)
+            self.snapshot[idx], self.momentum[idx] = synced, momentum
+            flat[idx] = merge(flat[idx], synced, self.options.merge_alpha) if self.options.overlap_steps else synced
+        comm.all_reduce(sums, tag=STATS_TAG)
+        start = 0
+        for t in self._masters():
+            t.reshape(-1).copy_(flat[start:start + t.numel()])
+            start += t.numel()
+        self.inner.publish_masters()
+        mean_sq, own_sq = (float(x) / self.islands for x in sums)
+        return {"outer/pseudo_grad_norm": math.sqrt(mean_sq),
+                "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0))}
+
+    # -- accounting ---------------------------------------------------------------------------
+    def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
+        """(intra, inter) of the exchange of `fragments` (default all; tag `outer/sync`), by
+        the traffic formula."""
+        each = [traffic.sync_bytes(len(idx), self.islands, self.options.quantize)
+                for f, idx in enumerate(self.fragments) if fragments is None or f in fragments]
+        return sum(a for a, _ in each), sum(b for _, b in each)
+
+    def expected_publish(self) -> tuple[int, int, int]:
+        """(intra, inter, calls) of re-publishing the new masters to level p inside the island
+        (`ZeroEngine.publish_masters`): the inner step's refresh phases, once."""
+        e = self.inner
+        parts = traffic_zero.step_parts(e.strategy, e.padded_numels(), e.shapes, e.hier, micro_batches=1,
+                                        param_bytes=e.param_dtype.itemsize, accum_bytes=e.accum_dtype.itemsize,
+                                        zeropp=e.zeropp, reused=e.reused, persistent=e.persistent)
+        intra = inter = calls = 0
+        for part in (parts["refresh"], parts["refresh_persistent"]):
+            a, b = part.bytes_once(e.shapes)
+            intra, inter, calls = intra + a, inter + b, calls + part.calls_once(e.shapes)
+        return intra, inter, calls
+
+    def expected_stats_bytes(self) -> tuple[int, int]:
+        world = GroupShape.of(range(self.island.world_size * self.islands), self.island.rank,
+                              self.island.ranks_per_node)
+        return traffic.stats_bytes(world)
+
+    def held_bytes(self) -> memory.StateBytes:
+        inner = self.inner.held_bytes()
+        kept = [self.snapshot, self.momentum] + [t for pair in self.errors for t in pair]
+        outer = sum(t.numel() * t.element_size() for t in kept)
+        return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    def expected_bytes(self) -> memory.StateBytes:
+        inner = self.inner.expected_bytes()
+        g = self.inner.groups
+        outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
+                                         g.group_size, fp32_copies=2)
+        if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
+            outer += sum(4 * (n + n // self.islands) for idx in self.fragments
+                         for n in [traffic.padded_numel(len(idx), self.islands, "int4")])
+        return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+        """The inner engine's state dict plus the outer state under `OUTER_STATE_KEY`."""
+        return {**self.inner.state_dict(frozen=frozen),
+                OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
+                                  "sync_every": self.options.sync_every, "quantize": self.options.quantize,
+                                  "fragments": [idx.clone() for idx in self.fragments],
+                                  "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
+                                  "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
+                                  "errors": [[t.clone() for t in pair] for pair in self.errors]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
+        state) starts the first interval at its weights, with zero outer momentum."""
+        self.inner.load_state_dict(state)
+        saved = state.get(OUTER_STATE_KEY)
+        if saved is None:
+            self.snapshot = self._masters_flat()
+            self.momentum = torch.zeros_like(self.snapshot)
+            self.inner_steps = self.inner.step_count
+            log.warning("outer: the checkpoint has no outer state (a synchronous run): the first outer "
+                        "interval starts at its weights, with zero outer momentum")
+            return
+        if saved["snapshot"].numel() != self.numel:
+            raise CheckpointError(f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
+                                  f"{self.numel} (saved under another island layout)")
+        saved_fragments = saved.get("fragments", [])
+        if len(saved_fragments) != len(self.fragments) or not all(
+                torch.equal(a, b) for a, b in zip(saved_fragments, self.fragments)):
+            raise CheckpointError(f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
+                                  f"run's {len(self.fragments)} (outer.fragments changed?)")
+        self.snapshot = saved["snapshot"].clone()
+        self.momentum = saved["momentum"].clone()
+        self.inner_steps = int(saved["inner_steps"])
+        self.in_flight = [Exchange.from_state(x, self._int4) for x in saved.get("in_flight", [])]
+        if self._int4 is not None:
+            if len(saved.get("errors", [])) != len(self.fragments):
+                raise CheckpointError("outer state has no int4 error buffers for these fragments (saved with another "
+                                      "outer.quantize?)")
+            self.errors = [(a.clone(), b.clone()) for a, b in saved["errors"]]

@@ -1,0 +1,131 @@
+"""One fragment's averaging over the peer group, in two stages that may span inner steps.
+
+Why apart from the engine: with `outer.overlap_steps` (tau) > 0 a fragment's exchange runs
+while inner steps continue (Streaming DiLoCo), so its state (buffers, the pending collective,
+which stage it is in) lives across steps and across a checkpoint. Stage 1, an all-to-all of the
+pseudo-gradient in the wire format, is issued when the fragment is due; stage 2, the all-gather
+of the fp32-averaged chunks, at the next inner step (at once when tau = 0); the result is used
+when the fragment lands. Every rank issues the same collectives at the same steps, so the
+order over the peer group is one. `megazpp.outer.traffic` counts these two collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from kernels.api import kernel_set
+from megazpp.outer import traffic
+from megazpp.parallel import comm
+
+SYNC_TAG = "outer/sync"
+INT4_BITS = 4
+NO_BLEND = 0.0  # the LoCo kernel's err_beta: the whole new error is carried (plain error feedback)
+
+
+class Int4Wire:
+    """int4 codes + fp32 scales per block (the qgZ format, `traffic.wire_format`) packed into one
+    byte row per chunk, so each stage is one collective; quantized with error feedback: each
+    rank's fp32 error buffer of what the wire dropped is added back before the next quantization
+    (the project's LoCo kernel, `kernels.api`, with no blending), carried across outer steps."""
+
+    def __init__(self, block: int, cpu_kernels: str = "reference") -> None:
+        self.block = block
+        self.ops = kernel_set(cpu_kernels)
+
+    def row_bytes(self, chunk: int) -> int:
+        return chunk // 2 + chunk // self.block * 4
+
+    def encode(self, values: torch.Tensor, err: torch.Tensor, parts: int) -> torch.Tensor:
+        """`values` (whole blocks, `parts` equal chunks) quantized with feedback from `err`
+        (updated in place): a [parts, row_bytes] uint8 tensor."""
+        codes, scales, _ = self.ops.loco_quantize(values, err, NO_BLEND, self.block, INT4_BITS)
+        chunk = values.numel() // parts
+        return torch.cat([codes.view(parts, chunk // 2), scales.view(parts, -1).view(torch.uint8)], dim=1)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
+        parts, width = rows.shape
+        chunk = width * 2 * self.block // (self.block + 8)
+        codes = rows[:, :chunk // 2].contiguous()
+        scales = rows[:, chunk // 2:].contiguous().view(torch.float32)
+        return torch.stack([self.ops.dequantize(codes[i], scales[i], INT4_BITS, self.block, chunk)
+                            for i in range(parts)])
+
+
+def average_chunks(received: torch.Tensor) -> torch.Tensor:
+    """The mean over islands (dim 0) of the pseudo-gradient chunks one rank received, in fp32."""
+    return received.float().mean(dim=0)
+
+
+@dataclass
+class Exchange:
+    """A fragment's exchange in flight: `stage` 1 (all-to-all issued), 2 (all-gather issued) or
+    3 (done: `full` holds the islands' mean in the wire format)."""
+
+    fragment: int
+    lands: int  # the inner step after which the mean is applied
+    pseudo: torch.Tensor  # this island's own pseudo-gradient of the fragment (fp32), for logging
+    stage: int
+    full: torch.Tensor
+    received: torch.Tensor | None = None
+    work: Any = None
+    int4: Int4Wire | None = None  # the int4 wire, with error feedback into `errors`
+    errors: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: (sent pseudo-gradient, averaged chunk)
+    islands: int = 1
+
+    @classmethod
+    def start(cls, fragment: int, lands: int, pseudo: torch.Tensor, islands: int, quantize: str,
+              wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
+              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Exchange":
+        """Issue stage 1. Under int4 `wire` is ignored and `errors` (fp32, the padded fragment
+        and one chunk) carry each quantization's error to the next sync of the fragment."""
+        n = traffic.padded_numel(pseudo.numel(), islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
+        padded = torch.zeros(n, dtype=torch.float32)
+        padded[:pseudo.numel()] = pseudo
+        if int4 is not None and errors is not None:
+            send = int4.encode(padded, errors[0], islands)
+            full = torch.empty(send.numel(), dtype=torch.uint8)
+        else:
+            send = padded.to(wire).view(islands, n // islands)
+            full = torch.empty(n, dtype=wire)
+        received = torch.empty_like(send)
+        work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=SYNC_TAG)
+        return cls(fragment, lands, pseudo, 1, full, received, work, int4, errors, islands)
+
+    def advance(self, group: ProcessGroup | None) -> None:
+        """Stage 1 -> 2: wait for the chunks, average them, issue the all-gather."""
+        if self.stage != 1:
+            return
+        self.work.wait()
+        if self.int4 is not None and self.errors is not None:
+            mine = self.int4.encode(average_chunks(self.int4.decode(self.received)), self.errors[1], 1).view(-1)
+        else:
+            mine = average_chunks(self.received).to(self.full.dtype)
+        self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
+        self.received, self.stage = None, 2
+
+    def mean(self, group: ProcessGroup | None) -> torch.Tensor:
+        """The islands' mean pseudo-gradient (fp32, the same bits on every island), waiting for
+        whatever is still in flight."""
+        self.advance(group)
+        if self.stage == 2:
+            self.work.wait()
+            self.work, self.stage = None, 3
+        values = self.full if self.int4 is None else self.int4.decode(self.full.view(self.islands, -1))
+        values = values.reshape(-1)
+        return values[:self.pseudo.numel()].float()
+
+    def state_dict(self, group: ProcessGroup | None) -> dict[str, Any]:
+        """Finished first (every rank saves at the same step), so the state is tensors only."""
+        self.mean(group)
+        return {"fragment": self.fragment, "lands": self.lands, "pseudo": self.pseudo.clone(), "full": self.full.clone(),
+                "islands": self.islands}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> "Exchange":
+        return cls(int(state["fragment"]), int(state["lands"]), state["pseudo"].clone(), 3, state["full"].clone(),
+                   int4=int4, islands=int(state["islands"]))
