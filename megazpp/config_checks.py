@@ -210,8 +210,9 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     if options is None:
         return None
     if str(cfg.zero.paro_strategy).lower() == "auto":
-        raise ConfigError("zero.paro_strategy = auto with outer.algorithm diloco: the planner does not price "
-                          "two-level training yet; name the strategy the islands run (e.g. --zero-stage 2)")
+        raise ConfigError("zero.paro_strategy = auto with outer.algorithm diloco: auto chooses among synchronous "
+                          "strategies over all data-parallel ranks, not the strategy of one island; name the "
+                          "strategy the islands run (python tools/plan.py lists two-level options with theirs)")
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(f"outer.fragments = {options.fragments}: a pipeline stage holds {layers} layer(s) here; "

@@ -52,7 +52,7 @@ def test_flags_resolve_to_options():
     (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "3"], 8, 2, "positive divisor of the 4 node(s)"),
-    (["--outer-algorithm", "diloco", "--zero-stage", "3", "--paro-strategy", "auto"], 4, 2, "does not price"),
+    (["--outer-algorithm", "diloco", "--zero-stage", "3", "--paro-strategy", "auto"], 4, 2, "not the strategy of one island"),
     # stages on different nodes: island 0 (DP rank 0 with both stages) spans nodes 0 and 2
     (["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"], 8, 2, "spans nodes [0, 2], not 1 whole"),
     (["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"], 4, 1, "cannot split the data-parallel size 2"),

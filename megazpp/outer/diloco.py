@@ -264,7 +264,7 @@ class DiLoCoEngine:
 
     def expected_stats_bytes(self) -> tuple[int, int]:
         world = GroupShape.of(range(self.island.world_size * self.islands), self.island.rank,
-                              self.island.ranks_per_node)
+                              self.island.ranks_per_node, comm.backend())
         return traffic.stats_bytes(world)
 
     def held_bytes(self) -> memory.StateBytes:
@@ -282,6 +282,14 @@ class DiLoCoEngine:
             outer += sum(4 * (n + n // self.islands) for idx in self.fragments
                          for n in [traffic.padded_numel(len(idx), self.islands, "int4")])
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    def close(self) -> None:
+        """Collective: the exchanges still in flight finish their collectives (the job ends, so
+        nothing applies them: a checkpoint saved before holds them finished), then the inner
+        engine closes. No gloo work may outlive the process groups (`release_process_groups`)."""
+        for x in self.in_flight:
+            x.mean(self.island.peer_group)
+        self.inner.close()
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
