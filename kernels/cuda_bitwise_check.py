@@ -27,14 +27,17 @@ BLOCKS = (100, 256, 2048, 8192)
 
 
 def inputs(numel: int, block_size: int, seed: int) -> torch.Tensor:
-    """Values over six decades with an all-zero block, a below-TINY block and exact ties."""
+    """Values over six decades with an all-zero block, a below-TINY block and exact ties (the
+    interpreter tests use the same inputs)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
     if numel >= 4 * block_size:
         x[:block_size] = 0.0
         x[block_size:2 * block_size] = TINY_ABSMAX / 3
+        # absmax 7 (int4 scale 1, int8 scale 7/127) and half-integer values: ties for int4
         ties = torch.arange(block_size, dtype=torch.float32) % 15 - 7.0
         ties[1::2] += 0.5
+        ties[0] = 7.0
         x[2 * block_size:3 * block_size] = ties.clamp(-7, 7)
     return x
 

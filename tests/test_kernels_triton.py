@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from kernels.format import TINY_ABSMAX
 
 
 def _import_interpreted_triton_ops():
@@ -33,25 +32,12 @@ def _import_interpreted_triton_ops():
 
 
 triton_ops = _import_interpreted_triton_ops()
+# the GPU check's inputs (tests and check alike); imported after the interpreted module, which it uses
+from kernels.cuda_bitwise_check import inputs as _inputs  # noqa: E402
 
 # (numel, block_size): divides / does not divide; power of two / not; several tiles per launch;
 # a block larger than one 4096-element tile (one row per program, 8 warps).
 SHAPES = [(1024, 256), (1000, 256), (3 * 2048, 2048), (2048 + 17, 2048), (390, 6), (1234, 100), (8192 + 3, 8192)]
-
-
-def _inputs(numel: int, block_size: int, seed: int) -> torch.Tensor:
-    """Random values across six decades, with an all-zero block, a tiny block and exact ties."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
-    if numel >= 4 * block_size:
-        x[:block_size] = 0.0
-        x[block_size : 2 * block_size] = TINY_ABSMAX / 3
-        # absmax 7 (int4 scale 1, int8 scale 7/127) and half-integer values: ties for int4.
-        ties = torch.arange(block_size, dtype=torch.float32) % 15 - 7.0
-        ties[1::2] += 0.5
-        ties[0] = 7.0
-        x[2 * block_size : 3 * block_size] = ties.clamp(-7, 7)
-    return x
 
 
 def _error_buffer(numel: int, block_size: int, seed: int, scale: float) -> torch.Tensor:
