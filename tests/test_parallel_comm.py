@@ -55,7 +55,7 @@ def _collectives(tag: str) -> dict:
         comm.batch_isend_irecv([comm.send_op(msg, 3)], tag=tag)[0].wait()
     elif rank == 3:
         work = comm.batch_isend_irecv([comm.recv_op(msg, 0)], tag=tag)[0]
-        out["p2p_staged"] = isinstance(work._work, comm._Then)  # received into a host copy
+        out["p2p_staged"] = isinstance(work._work, comm.Then)  # received into a host copy
         work.wait()
         out["p2p"] = msg.tolist()
     if rank == 1:

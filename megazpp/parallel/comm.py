@@ -36,7 +36,7 @@ import functools
 import os
 import pickle
 import weakref
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,9 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import ProcessGroup
 
-from megazpp.errors import CommunicationError, MegazppError, TopologyError
+from megazpp.errors import TopologyError
 from megazpp.parallel import wire
+from megazpp.parallel.work import Done, NamedWork, Then, named_failures
 from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
 
 ReduceOp = dist.ReduceOp
@@ -63,87 +64,6 @@ _ranks_per_node: int | None = None
 # Weak keys: a cached strong reference would keep a ProcessGroup alive past
 # destroy_process_group, and its destructor then aborts the process at exit.
 _group_ranks: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
-
-
-class _Done:
-    """Waitable for work that already finished (local world, emulations done in-line)."""
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _Then:
-    """Waitable that runs a finishing step after the underlying work completes."""
-
-    def __init__(self, work: Any, finish: Any) -> None:
-        self._work, self._finish, self._done = work, finish, False
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        if not self._done:
-            self._work.wait()
-            self._finish()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether `wait()` would not block (the finishing step itself is cheap and local)."""
-        return self._done or self._work.is_completed()
-
-
-def _failure(op: str, tag: str | None, exc: BaseException) -> CommunicationError:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return CommunicationError(f"{op} (tag {tag or op}) on rank {rank} failed: a peer rank died "
-                              f"or the collective timed out ({type(exc).__name__}: "
-                              f"{str(exc).strip()[:400]})")
-
-
-class _NamedWork:
-    """An asynchronous handle whose `wait()` failure names the operation."""
-
-    def __init__(self, work: Any, op: str, tag: str | None) -> None:
-        self._work, self._op, self._tag = work, op, tag
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._work.wait(*args, **kwargs)
-        except MegazppError:
-            raise
-        except RuntimeError as exc:
-            raise _failure(self._op, self._tag, exc) from exc
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _named_failures(op: str) -> Callable[[_F], _F]:
-    """Decorate a communication function so that its backend errors (RuntimeError and its
-    torch.distributed subclasses) become CommunicationError naming `op` and the tag."""
-
-    def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            tag = kwargs.get("tag")
-            try:
-                result = fn(*args, **kwargs)
-            except MegazppError:
-                raise
-            except RuntimeError as exc:
-                raise _failure(op, tag, exc) from exc
-            if isinstance(result, list) and op == "batch_isend_irecv":
-                return [_NamedWork(w, op, tag) for w in result]
-            if result is not None and hasattr(result, "wait") and not isinstance(result, _Done):
-                return _NamedWork(result, op, tag)
-            return result
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
 
 
 def set_ranks_per_node(n: int) -> None:
@@ -245,11 +165,11 @@ def _native(name: str, call: Any) -> Any:
         return None
 
 
-@_named_failures("all_reduce")
+@named_failures("all_reduce")
 def all_reduce(t: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False,
                tag: str | None = None) -> Any:
     if not dist.is_initialized():
-        return _Done() if async_op else None
+        return Done() if async_op else None
     _record_all_reduce(tag, group, _nbytes(t))
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
@@ -266,7 +186,7 @@ def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
     return work if async_op else None
 
 
-@_named_failures("all_gather_into_tensor")
+@named_failures("all_gather_into_tensor")
 def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, group: ProcessGroup | None = None,
                           async_op: bool = False, tag: str | None = None) -> Any:
     """Member r's `inp` into `parts[r]`, counted as `all_gather_into_tensor` (the same bytes).
@@ -276,7 +196,7 @@ def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, grou
     permuting copy after it; the backend writes each piece in place of its own chunking."""
     if not dist.is_initialized():
         parts[0].copy_(inp.reshape(parts[0].shape))
-        return _Done() if async_op else None
+        return Done() if async_op else None
     if len(parts) != group_size(group) or any(p.numel() != inp.numel() for p in parts):
         raise ValueError(f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
                          f"elements, expected {group_size(group)} of {inp.numel()}")
@@ -285,13 +205,13 @@ def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, grou
     return work if async_op else None
 
 
-@_named_failures("all_gather_into_tensor")
+@named_failures("all_gather_into_tensor")
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False, tag: str | None = None) -> Any:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
-        return _Done() if async_op else None
+        return Done() if async_op else None
     if out.numel() != inp.numel() * group_size(group):
         raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
                          f"{group_size(group)} x {inp.numel()}")
@@ -320,18 +240,18 @@ def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, grou
 
     work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
     if async_op:
-        return _Then(work, finish)
+        return Then(work, finish)
     finish()
     return None
 
 
-@_named_failures("reduce_scatter_tensor")
+@named_failures("reduce_scatter_tensor")
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None,
                           async_op: bool = False, tag: str | None = None) -> Any:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
-        return _Done() if async_op else None
+        return Done() if async_op else None
     if inp.numel() != out.numel() * group_size(group):
         raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                          f"{group_size(group)} x {out.numel()}")
@@ -356,7 +276,7 @@ class _Kept:
         return self._work.is_completed()
 
 
-@_named_failures("reduce_scatter_tensor")
+@named_failures("reduce_scatter_tensor")
 def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any = SUM,
                          group: ProcessGroup | None = None, tag: str | None = None) -> "_Kept":
     """Reduce `t` over the group, asynchronously; member r keeps `parts[r]` (views of `t` that
@@ -374,7 +294,7 @@ def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any
         raise ValueError(f"reduce_scatter_parts: {len(parts)} parts covering {sum(p.numel() for p in parts)} "
                          f"elements, expected {k} covering {t.numel()}")
     if not dist.is_initialized():
-        return _Kept(_Done(), parts[0])
+        return _Kept(Done(), parts[0])
     mine = parts[group_rank(group)]
     _record_chunks("reduce_scatter", tag, group, _nbytes(mine))
     if dist.get_backend(group) == "gloo":
@@ -398,20 +318,20 @@ def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[
             ops.append(dist.P2POp(dist.irecv, outs[j], peer, group))
     works = _start_p2p(ops) if ops else []
     if async_op:
-        return _Then(_Done(), lambda: [w.wait() for w in works])
+        return Then(Done(), lambda: [w.wait() for w in works])
     for w in works:
         w.wait()
     return None
 
 
-@_named_failures("all_to_all_single")
+@named_failures("all_to_all_single")
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False, tag: str | None = None) -> Any:
     """Member j receives slice j (along dim 0) of every member's `inp`, in member order."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
-        return _Done() if async_op else None
+        return Done() if async_op else None
     k = group_size(group)
     row = _nbytes(out) // max(out.shape[0], 1) if out.dim() else out.element_size()
     if output_split_sizes is None:
@@ -430,12 +350,12 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
     return _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op)
 
 
-@_named_failures("broadcast")
+@named_failures("broadcast")
 def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False,
               tag: str | None = None) -> Any:
     """`src` is a global rank, as in torch.distributed."""
     if not dist.is_initialized():
-        return _Done() if async_op else None
+        return Done() if async_op else None
     if dist.get_rank() != src:
         ranks = group_ranks(group)
         sender = src
@@ -471,7 +391,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 def _start_p2p(ops: list[P2POp]) -> list[Any]:
     """`dist.batch_isend_irecv` with device tensors on gloo staged through host copies: sends go
     from a copy made now; a receive lands in a host buffer, copied into its tensor when its
-    work's `wait()` returns (`_Then`), so it is complete exactly when the native one would be."""
+    work's `wait()` returns (`Then`), so it is complete exactly when the native one would be."""
     staged, finish = [], []
     for op in ops:
         if not _host_staged(op.tensor, op.group):
@@ -485,7 +405,7 @@ def _start_p2p(ops: list[P2POp]) -> list[Any]:
             staged.append(dist.P2POp(dist.isend, _host_copy(op.tensor), op.peer, op.group))
             finish.append(None)
     works = dist.batch_isend_irecv(staged)
-    return [w if pair is None else _Then(w, functools.partial(_copy_into, *pair))
+    return [w if pair is None else Then(w, functools.partial(_copy_into, *pair))
             for w, pair in zip(works, finish)]
 
 
@@ -493,13 +413,13 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-@_named_failures("send")
+@named_failures("send")
 def send(t: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking send to global rank `dst`; the receiver does the counting."""
     dist.send(_host_copy(t) if _host_staged(t, group) else t, dst, group=group)
 
 
-@_named_failures("recv")
+@named_failures("recv")
 def recv(t: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: str | None = None) -> None:
     """Blocking receive from global rank `src`."""
     _record_recv(tag, src, _nbytes(t))
@@ -519,7 +439,7 @@ def recv_op(t: torch.Tensor, src: int, group: ProcessGroup | None = None) -> P2P
     return dist.P2POp(dist.irecv, t, src, group)
 
 
-@_named_failures("batch_isend_irecv")
+@named_failures("batch_isend_irecv")
 def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
     """Start all `ops` (from `send_op` / `recv_op`); returns their waitables."""
     if not ops:
@@ -530,7 +450,7 @@ def batch_isend_irecv(ops: list[P2POp], tag: str | None = None) -> list[Any]:
     return _start_p2p(ops)
 
 
-@_named_failures("all_gather_object")
+@named_failures("all_gather_object")
 def all_gather_object(obj: Any, group: ProcessGroup | None = None, tag: str | None = None) -> list[Any]:
     """Every member's picklable `obj`, in group-rank order (counted as its pickled size)."""
     if not dist.is_initialized():
@@ -546,7 +466,7 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None, tag: str | No
     return out
 
 
-@_named_failures("barrier")
+@named_failures("barrier")
 def barrier(group: ProcessGroup | None = None, tag: str | None = None) -> None:
     if not dist.is_initialized():
         return
