@@ -34,11 +34,11 @@ from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, mode
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
-from megazpp.zero import memory, sequences, traffic
+from megazpp.zero import accounting, memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
-from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets, frozen_fetch_parts, frozen_param_bytes
+from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
@@ -118,7 +118,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
                                options.stage3_max_reuse_distance) if self.strategy.params != Level.N else {})
         self.reused = tuple(keep[id(b)] for b in self.fetched) if keep else ()
-        self._frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
+        self.frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
         groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
                    "weight_decay": optimizer.weight_decay},
@@ -449,54 +449,19 @@ class ZeroEngine(ScaledOptimizerEngine):
 
     def held_bytes(self) -> memory.StateBytes:
         """Model-state bytes this rank holds, counted from the engine's own tensors."""
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-        params = sum(nbytes(b.param_store) for b in self.buckets + self.frozen)
-        grads = sum(nbytes(b.grad_acc) for b in self.buckets)
-        optim = 0
-        for b in self.buckets:
-            for m in b.masters:
-                moments = self.optimizer.state.get(m.param, {})
-                optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
-                                               if k in moments)
-        return memory.StateBytes(params, grads, optim, self.paths.state_nbytes())
+        return accounting.held_bytes(self)
 
     def expected_bytes(self) -> memory.StateBytes:
-        plain = memory.state_bytes(self.strategy, self.padded_numels(), self.groups.dp_size, self.groups.group_size,
-                                     self.param_dtype.itemsize, self.accum_dtype.itemsize, self.persistent)
-        extra = memory.zeropp_state_bytes(self.padded_numels(), self.shapes, self.hier, self.zeropp,
-                                            self.param_dtype.itemsize, self.strategy, self.persistent)
-        frozen = frozen_param_bytes(self.strategy, [b.layout.padded for b in self.frozen], self.groups.dp_size,
-                                    self.groups.group_size, self.param_dtype.itemsize)
-        return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
-
-    def _model_parallel_norm_groups(self) -> list[sequences.GroupShape]:
-        topo = self.topology
-        return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node, self.shapes.dp.backend)
-                for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp)) if size > 1]
-
-    def _frozen_fetches(self, micro_batches: int) -> list[traffic.StepPart]:
-        return frozen_fetch_parts(self.strategy, [b.layout.padded for b in self.frozen], self.shapes, self.hier,
-                                  micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
-                                  reused=self._frozen_reused)
+        """The memory formula's model-state bytes for this engine's layout."""
+        return accounting.expected_bytes(self)
 
     def expected_step_bytes(self, micro_batches: int) -> tuple[int, int]:
-        intra, inter = traffic.step_bytes(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                           micro_batches=micro_batches, param_bytes=self.param_dtype.itemsize,
-                                           accum_bytes=self.accum_dtype.itemsize,
-                                           extra_norm_groups=self._model_parallel_norm_groups(), zeropp=self.zeropp,
-                                           reused=self.reused, persistent=self.persistent,
-                                           exact_ranges=[b.layout.vector_ranges() for b in self.buckets])
-        for part in self._frozen_fetches(micro_batches):
-            a, b = part.bytes_once(self.shapes)
-            intra, inter = intra + part.times * a, inter + part.times * b
-        return intra, inter
+        """The traffic formula's (intra, inter) bytes of one step."""
+        return accounting.expected_step_bytes(self, micro_batches)
 
     def expected_step_calls(self, micro_batches: int) -> int:
-        calls = traffic.step_calls(self.strategy, self.padded_numels(), self.shapes, self.hier,
-                                    micro_batches=micro_batches, extra_norm_groups=self._model_parallel_norm_groups(),
-                                    zeropp=self.zeropp, reused=self.reused, persistent=self.persistent)
-        return calls + sum(part.times * part.calls_once(self.shapes) for part in self._frozen_fetches(micro_batches))
+        """The traffic formula's collective calls of one step."""
+        return accounting.expected_step_calls(self, micro_batches)
 
     def stats(self) -> dict[str, int]:
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
