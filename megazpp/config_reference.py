@@ -152,7 +152,7 @@ HELP: dict[str, str] = {
     "outer.sync_every": "H: inner steps between outer syncs",
     "outer.lr": "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)",
     "outer.momentum": "outer Nesterov momentum",
-    "outer.fragments": "streaming: fragments (runs of buckets) synced at staggered steps, at most H",
+    "outer.fragments": "streaming: fragments (runs of parameter tensors) synced at staggered steps, at most H",
     "outer.overlap_steps": "streaming: inner steps an outer exchange runs before it is applied (tau, below H)",
     "outer.merge_alpha": "with overlap: weight of the island's own parameters when an exchange is applied",
     "outer.quantize": "outer-gradient wire format: none (fp32), bf16, int4 (blocks of 256, error feedback)",

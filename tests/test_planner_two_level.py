@@ -40,7 +40,7 @@ def _job() -> Workload:
 
 def test_fragments_are_runs_of_consecutive_buckets():
     assert fragment_numels([1, 2, 3, 4, 5], 1) == [15]
-    assert fragment_numels([1, 2, 3, 4, 5], 2) == [3, 12]  # buckets [0, 2) and [2, 5)
+    assert fragment_numels([1, 2, 3, 4, 5], 2) == [3, 12]  # tensors [0, 2) and [2, 5)
     assert fragment_numels([1, 2, 3, 4], 4) == [1, 2, 3, 4]
 
 
@@ -62,7 +62,8 @@ def test_outer_bytes_state_and_exposed_time_follow_the_formulas(quantize):
         choice = OuterChoice(1, 10, fragments, tau, quantize)
         row = predict_two_level(choice, inner, shapes, workload, cluster)
         outer = row.stages[0]
-        frags = fragment_numels(buckets, fragments)
+        tensors = [n for group in shapes[0].group_tensors(opt.strategy) for n, _ in group]
+        frags = [n // div for n in fragment_numels(tensors, fragments)]  # the rank's share of each run
         assert outer.traffic == outer_traffic.per_step(frags, islands, quantize, 10)
         assert outer.traffic.mean_inter == sum(outer_traffic.sync_bytes(n, islands, quantize)[1] for n in frags) / 10
         copies = 3 if quantize == "int4" else 2  # snapshot + momentum (+ error feedback)

@@ -119,9 +119,9 @@ class DiLoCoEngine:
         for b in self.inner.buckets:
             offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
         out = []
-        for f in range(count):
+        for run in traffic.fragment_runs(len(params), count):
             pieces = [torch.arange(offsets[i] + lo, offsets[i] + hi)
-                      for i, j in params[f * len(params) // count:(f + 1) * len(params) // count]
+                      for i, j in params[run.start:run.stop]
                       for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
                           level, [k == j for k in range(self.inner.buckets[i].num_params)])]
             out.append(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long))
@@ -136,9 +136,8 @@ class DiLoCoEngine:
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment."""
         params, count = self._parameters(), len(self.fragments)
-        return [[self.inner.buckets[i].layout.names[j] for i, j in params[f * len(params) // count:
-                                                                           (f + 1) * len(params) // count]]
-                for f in range(count)]
+        return [[self.inner.buckets[i].layout.names[j] for i, j in params[run.start:run.stop]]
+                for run in traffic.fragment_runs(len(params), count)]
 
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))

@@ -80,6 +80,13 @@ class OuterTraffic:
     calls_per_interval: int
 
 
+def fragment_runs(tensors: int, fragments: int) -> list[range]:
+    """The parameter tensors (by position in bucket order) of each of `fragments` fragments:
+    runs as even in count as they divide. The one cut the runtime syncs and the planner
+    prices: a fragment is the same tensors on every rank of a peer group."""
+    return [range(f * tensors // fragments, (f + 1) * tensors // fragments) for f in range(fragments)]
+
+
 def per_step(fragment_numels: Sequence[int], islands: int, quantize: str, sync_every: int,
              block: int = DEFAULT_BLOCK) -> OuterTraffic:
     """The outer traffic of one rank amortised over `sync_every` (H) inner steps: every

@@ -11,7 +11,7 @@ What a row costs, per inner step, on the slowest pipeline stage:
 * the inner step: the island's own synchronous prediction (`plan.plan` on a cluster of
   `island_nodes` nodes, each island reading 1 / islands of the global batch, so each rank keeps
   its micro-batches), over the island's fast links;
-* the outer syncs: every fragment of the rank's os shard (F runs of consecutive buckets, the
+* the outer syncs: every fragment of the rank's os shard (F runs of its parameter tensors, the
   runtime's rule) synced once per H inner steps, the bytes of `megazpp.outer.traffic` at the
   rank's share of the node's link, 2 calls of (I - 1) latency steps each; after each sync the
   island re-publishes its parameters (the inner step's refresh phases once more);
@@ -131,11 +131,11 @@ class TwoLevelPrediction:
         return self.exposed_s <= LINK_BUDGET * self.inner_step_s
 
 
-def fragment_numels(shard_numels: list[int], fragments: int) -> list[int]:
-    """Elements of the rank's os shard in each of `fragments` runs of consecutive buckets, cut
-    as the runtime cuts them (fragment f: buckets [f B / F, (f + 1) B / F))."""
-    b = len(shard_numels)
-    return [sum(shard_numels[f * b // fragments:(f + 1) * b // fragments]) for f in range(fragments)]
+def fragment_numels(tensor_numels: list[int], fragments: int) -> list[int]:
+    """Elements in each of `fragments` runs of the stage's parameter tensors (in bucket order),
+    cut as the runtime cuts them (`outer.traffic.fragment_runs`)."""
+    runs = outer_traffic.fragment_runs(len(tensor_numels), fragments)
+    return [sum(tensor_numels[run.start:run.stop]) for run in runs]
 
 
 def island_job(workload: Workload, cluster: Cluster, island_nodes: int) -> tuple[Workload, Cluster, int]:
@@ -148,12 +148,13 @@ def island_job(workload: Workload, cluster: Cluster, island_nodes: int) -> tuple
             dataclasses.replace(cluster, nodes=island_nodes, collective_times=None), islands)
 
 
-def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], strategy: Strategy, dp_size: int,
-                group_size: int, islands: int, cluster: Cluster) -> OuterStage:
+def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], tensors: list[int],
+                strategy: Strategy, dp_size: int, group_size: int, islands: int, cluster: Cluster) -> OuterStage:
     """The outer cost of one stage's ranks under `choice`; `padded`: the stage's buckets (fetch
-    groups when p is sharded) as the island's engine pads them."""
+    groups when p is sharded) as the island's engine pads them; `tensors`: the elements of its
+    parameter tensors in bucket order (a rank's fragment is its os shard's share of a run)."""
     div = level_div(strategy.optimizer_state, dp_size, group_size)
-    frags = fragment_numels([n // div for n in padded], choice.fragments)
+    frags = [n // div for n in fragment_numels(tensors, choice.fragments)]
     moved = outer_traffic.per_step(frags, islands, choice.quantize, choice.sync_every)
     calls_s = outer_traffic.sync_calls(islands) * (islands - 1) * cluster.inter_latency
     sync_s = tuple(calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank
@@ -188,6 +189,7 @@ def predict_two_level(choice: OuterChoice, inner: Prediction, shapes: list[Stage
     opt = inner.option
     lay = layout(job, island, opt.zeropp.hpz)
     stages = [outer_stage(choice, pred, [n for n, _ in stage_padded(opt.strategy, opt.zeropp, st, lay)],
+                          [n for group in st.group_tensors(opt.strategy) for n, _ in group],
                           opt.strategy, lay.dp_size, lay.group_size, islands, cluster)
               for st, pred in zip(shapes, inner.stages)]
     return TwoLevelPrediction(choice, inner, stages, inner.memory_limit)
@@ -219,7 +221,7 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
                    fixed_zeropp: ZeroPP | None = None) -> TwoLevelPlan:
     """Every island size, H, fragment count, overlap and outer quantization on the island's
     fastest fitting synchronous option (the next fastest where the outer state does not fit).
-    Fragments are at most H and at most the stage's buckets (the runtime's limits)."""
+    Fragments are at most H and at most the stage's layers (the runtime's limits)."""
     rows: list[TwoLevelPrediction] = []
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
@@ -237,7 +239,7 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)
                         for inner in inner_rows:
-                            if any(len(st.group_tensors(inner.option.strategy)) < f for st in shapes):
+                            if any(st.layers < f for st in shapes):  # the runtime's limit (config_checks)
                                 break
                             row = predict_two_level(choice, inner, shapes, workload, cluster)
                             if row.fits:
