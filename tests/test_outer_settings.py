@@ -29,6 +29,8 @@ def test_flags_resolve_to_options():
                 "--outer-momentum", "0.8", "--outer-quantize", "bf16", "--outer-fragments", "2"])
     assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2)
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
+    assert not _outer(["--outer-algorithm", "diloco", "--outer-quantize", "int4",
+                       "--no-outer-error-feedback"]).error_feedback
 
 
 @pytest.mark.parametrize("flags, world, per_node, message", [
@@ -47,6 +49,8 @@ def test_flags_resolve_to_options():
     (["--outer-algorithm", "diloco", "--outer-merge-alpha", "1.5", "--outer-overlap-steps", "1"], 4, 2,
      "outer.merge_alpha = 1.5"),
     (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
+    (["--outer-algorithm", "diloco", "--outer-quantize", "bf16", "--no-outer-error-feedback"], 4, 2,
+     "outer.error_feedback = false: only the int4 wire drops anything"),
     (["--outer-algorithm", "diloco", "--outer-fragments", "3", "--outer-sync-every", "4", "--num-layers", "2"], 4, 2,
      "a pipeline stage holds 2 layer(s)"),
     (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),

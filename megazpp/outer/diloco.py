@@ -89,7 +89,7 @@ class DiLoCoEngine:
         self._norm_weight = self._build_norm_weight()
         self.fragments = self._build_fragments(options.fragments)
         self.in_flight: list[Exchange] = []
-        self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels) if options.quantize == "int4" else None
+        self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback) if options.quantize == "int4" else None
         self.errors = [self._new_errors(len(idx)) for idx in self.fragments] if self._int4 else []
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)

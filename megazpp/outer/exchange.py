@@ -30,11 +30,14 @@ class Int4Wire:
     """int4 codes + fp32 scales per block (the qgZ format, `traffic.wire_format`) packed into one
     byte row per chunk, so each stage is one collective; quantized with error feedback: each
     rank's fp32 error buffer of what the wire dropped is added back before the next quantization
-    (the project's LoCo kernel, `kernels.api`, with no blending), carried across outer steps."""
+    (the project's LoCo kernel, `kernels.api`, with no blending), carried across outer steps.
+    With `feedback` off (`outer.error_feedback false`, the ablation) the buffer is cleared before
+    each quantization, so the same kernel rounds plainly and nothing is carried."""
 
-    def __init__(self, block: int, cpu_kernels: str = "reference") -> None:
+    def __init__(self, block: int, cpu_kernels: str = "reference", feedback: bool = True) -> None:
         self.block = block
         self.ops = kernel_set(cpu_kernels)
+        self.feedback = feedback
 
     def row_bytes(self, chunk: int) -> int:
         return chunk // 2 + chunk // self.block * 4
@@ -42,6 +45,8 @@ class Int4Wire:
     def encode(self, values: torch.Tensor, err: torch.Tensor, parts: int) -> torch.Tensor:
         """`values` (whole blocks, `parts` equal chunks) quantized with feedback from `err`
         (updated in place): a [parts, row_bytes] uint8 tensor."""
+        if not self.feedback:
+            err.zero_()
         codes, scales, _ = self.ops.loco_quantize(values, err, NO_BLEND, self.block, INT4_BITS)
         chunk = values.numel() // parts
         return torch.cat([codes.view(parts, chunk // 2), scales.view(parts, -1).view(torch.uint8)], dim=1)

@@ -31,6 +31,7 @@ class OuterOptions:
     fragments: int = 1  # streaming: fragments synced at staggered steps
     overlap_steps: int = 0  # tau: inner steps an exchange runs before it is applied
     merge_alpha: float = 0.5  # with tau > 0: weight of the island's own parameters when applied
+    error_feedback: bool = True  # int4: what the wire dropped is added back at the next sync
 
 
 @dataclass
@@ -50,6 +51,7 @@ class OuterSettings:
     overlap_steps: int = 0
     merge_alpha: float = 0.5
     quantize: str = "none"
+    error_feedback: bool = True
     island_nodes: int = 1
 
     def resolve(self) -> OuterOptions | None:
@@ -91,5 +93,9 @@ class OuterSettings:
             raise ConfigError(f"outer.merge_alpha = {self.merge_alpha} mixes an overlapped exchange into the "
                               f"island's parameters, and outer.overlap_steps is 0 (nothing overlaps): set "
                               f"outer.overlap_steps or drop outer.merge_alpha")
+        if not self.error_feedback and self.quantize != "int4":
+            raise ConfigError(f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
+                              f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting")
         return OuterOptions(self.sync_every, self.lr, self.momentum, self.quantize,  # type: ignore[arg-type]
-                            self.island_nodes, self.fragments, self.overlap_steps, self.merge_alpha)
+                            self.island_nodes, self.fragments, self.overlap_steps, self.merge_alpha,
+                            self.error_feedback)
