@@ -33,7 +33,9 @@ has_cuda() {
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
-if ! "$PYTHON" -c "import megazpp, sentencepiece, tensorboard, yaml, numpy, matplotlib" >/dev/null 2>&1; then
+# Imported without the working directory, which would find megazpp whether or not it is installed,
+# and the tools (python tools/x.py) need it installed.
+if ! "$PYTHON" -c "import sys; sys.path.remove(''); import megazpp, sentencepiece, tensorboard, yaml, numpy, matplotlib" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet -e .
 fi
 # Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
