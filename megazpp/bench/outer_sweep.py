@@ -1,0 +1,165 @@
+"""The two-level quality sweep's table and plots: `python -m megazpp.bench.outer_sweep OUT`.
+
+`tools/run_outer_experiment.sh` trains the LoCo experiment's model synchronously (`sync`) and
+with DiLoCo outer steps every H inner steps (`h1` ... `h50`, int4 rows), each under
+`OUT/seed<S>/<run>`. The issue's target: at H = 10 and H = 25 the final validation loss is at
+most 0.05 above synchronous ZeRO-2's, on the mean over seeds. Every run reads the same global
+batches (an island takes its half of each), so runs of one seed are at equal tokens.
+
+Reported per run, as mean +- sample std [min, max] over the seeds that finished: the final
+training loss (the last logged interval), the mean of the logged intervals over the last
+`--train-window` steps (the less noisy estimate, see `megazpp.bench.loco_gap`), the final
+validation loss and its gap to `sync`; and the inter-node bytes per step rank 0 counted
+(`comm/inter_bytes` averaged over every step, outer syncs included; each rank of these layouts
+counts the same share, so the world's is 4 times this). A run with fewer seeds than `sync`
+says so rather than being compared on other seeds' means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from megazpp.analysis.comparison import INTER_BYTES, TRAIN_LOSS, VAL_LOSS
+from megazpp.analysis.event_reader import Run, read_run
+from megazpp.analysis.plots import plot_seed_bands, save_png
+from megazpp.errors import MegazppError
+
+REFERENCE = "sync"
+TARGET_GAP = 0.05
+TARGET_RUNS = ("h10", "h25")
+ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef")
+DESCRIPTION = {"sync": "synchronous ZeRO-2 (4 ranks)", "h25_int4": "H = 25, int4 + error feedback",
+               "h25_int4_noef": "H = 25, int4, no error feedback"}
+FINISHED = "DONE"
+
+
+def describe(name: str) -> str:
+    found = re.fullmatch(r"h(\d+)", name)
+    return f"H = {found.group(1)}, bf16" if found else DESCRIPTION.get(name, name)
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    seed: int
+    final_train: float
+    window_train: float
+    final_val: float
+    inter_bytes_per_step: float
+
+
+def seed_result(run: Run, seed: int, window: int) -> SeedResult:
+    for tag in (TRAIN_LOSS, VAL_LOSS, INTER_BYTES):
+        if tag not in run.scalars or not len(run.scalars[tag]):
+            raise MegazppError(f"{run.directory}: no '{tag}' scalars; expected a finished training run")
+    train = run.scalars[TRAIN_LOSS]
+    last = int(train.steps[-1])
+    return SeedResult(seed, float(train.values[-1]), float(train.within(last - window + 1, last).values.mean()),
+                      float(run.scalars[VAL_LOSS].values[-1]), float(np.mean(run.scalars[INTER_BYTES].values)))
+
+
+def finished_runs(out: Path) -> dict[str, dict[int, Path]]:
+    """run name -> seed -> directory, for the runs that left `DONE`."""
+    found: dict[str, dict[int, Path]] = {}
+    for marker in sorted(out.glob(f"seed*/*/{FINISHED}")):
+        seed = re.fullmatch(r"seed(\d+)", marker.parent.parent.name)
+        if seed:
+            found.setdefault(marker.parent.name, {})[int(seed.group(1))] = marker.parent
+    if REFERENCE not in found:
+        raise MegazppError(f"{out}: no finished '{REFERENCE}' run (seed*/{REFERENCE}/{FINISHED}); "
+                           f"expected tools/run_outer_experiment.sh's output directory")
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(ORDER)), item[0])))
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
+
+
+def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult]]]:
+    runs = finished_runs(out)
+    results = {name: [seed_result(read_run(d, f"{name}/s{s}"), s, window) for s, d in seeds.items()]
+               for name, seeds in runs.items()}
+    reference = {r.seed: r for r in results[REFERENCE]}
+    lines = [f"| run | seeds | final train loss | train loss, last {window} steps | final val loss | "
+             f"val gap to {REFERENCE} (same seeds) | inter-node MB per step, rank 0 |",
+             "|---|---|---|---|---|---|---:|"]
+    verdicts = []
+    for name, rows in results.items():
+        paired = [r.final_val - reference[r.seed].final_val for r in rows if r.seed in reference]
+        gap = "reference" if name == REFERENCE else (f"{statistics.mean(paired):+.4f}" if paired else "n/a")
+        lines.append(f"| {describe(name)} | {','.join(str(r.seed) for r in rows)} | "
+                     f"{_spread([r.final_train for r in rows])} | {_spread([r.window_train for r in rows])} | "
+                     f"{_spread([r.final_val for r in rows])} | {gap} | "
+                     f"{statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6:.3f} |")
+        if name in TARGET_RUNS and paired:
+            mean_gap = statistics.mean(paired)
+            verdict = "meets" if mean_gap <= TARGET_GAP else "misses"
+            verdicts.append(f"{describe(name)}: mean val gap {mean_gap:+.4f} over seeds "
+                            f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
+                            f"<= {TARGET_GAP} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})")
+    return lines + [""] + verdicts, results
+
+
+def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) -> None:
+    """Final validation loss (mean, min..max bars) against inter-node bytes per step."""
+    figure = Figure(figsize=(8, 5), dpi=110)
+    axes = figure.subplots()
+    for name, rows in results.items():
+        x = statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6
+        values = [r.final_val for r in rows]
+        mean = statistics.mean(values)
+        axes.errorbar([x], [mean], yerr=[[mean - min(values)], [max(values) - mean]], fmt="o", capsize=4,
+                      label=f"{describe(name)} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
+    axes.set_xscale("log")
+    axes.set(xlabel="inter-node MB per step (rank 0, counted)", ylabel="final validation loss",
+             title="Two-level training: quality against inter-node traffic (equal tokens)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    save_png(figure, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory", help="tools/run_outer_experiment.sh's output directory (runs/outer)")
+    p.add_argument("--train-window", type=int, default=100, metavar="STEPS",
+                   help="steps of the windowed final training loss (default 100)")
+    p.add_argument("--out", help="also write the table to this Markdown file")
+    p.add_argument("--plot", help="also draw loss against bytes to this PNG, and the curves beside it (_curves.png)")
+    ns = p.parse_args(argv)
+    if ns.train_window < 1:
+        p.error(f"--train-window {ns.train_window}: expected a positive number of steps")
+    try:
+        lines, results = report(Path(ns.directory), ns.train_window)
+        if ns.plot:
+            plot_loss_against_bytes(results, Path(ns.plot))
+            runs = finished_runs(Path(ns.directory))
+            curves = Path(ns.plot).with_name(Path(ns.plot).stem + "_curves.png")
+            plot_seed_bands({describe(n): [read_run(d, n) for d in seeds.values()] for n, seeds in runs.items()},
+                            curves)
+    except MegazppError as exc:
+        print(f"outer_sweep: error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    if ns.out:
+        tmp = f"{ns.out}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("# Two-level quality sweep\n\n" + "\n".join(lines) + "\n")
+        os.replace(tmp, ns.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
