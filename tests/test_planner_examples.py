@@ -2,7 +2,7 @@
 
 The page's examples are written by tools/plan_examples.py from the commands in the page; each
 example is checked apart, so a failure names the one whose output changed. The planner is
-analytic: every example runs in well under a second.
+analytic: each example takes about a second of CPU or less, so these stay in the fast tier.
 """
 
 from __future__ import annotations

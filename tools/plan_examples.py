@@ -16,7 +16,7 @@ prints below it:
 
 To add an example, write the markers and the command, then run `python tools/plan_examples.py`.
 `tests/test_planner_examples.py` fails, naming that command, when the page differs from what it
-would write. The planner is analytic, so each example runs in well under a second.
+would write. The planner is analytic: each example takes about a second of CPU or less.
 """
 
 from __future__ import annotations
