@@ -170,10 +170,17 @@ class ZeroConfig:
     """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
 
     Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
-    mean what they mean there; the defaults are DeepSpeed's except `overlap_comm` (on), and a
-    value other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
+    mean what they mean there. The defaults of DeepSpeed's keys are DeepSpeed 0.19.8's except
+    two: `overlap_comm` is on at every stage (DeepSpeed, when the key is absent: on for stage 3
+    only), because this engine overlaps alike under every strategy and false only serializes
+    it; `stage3_param_persistence_threshold` is 0 (DeepSpeed: 1e5), because with layer fetch
+    groups small tensors already travel in their layer's one collective, and a threshold is
+    refused with p = N strategies (stages 0-2) and with frozen parameters. The fields marked
+    "megazpp's own" (and `paro_strategy`, `paro_group_size`) have no DeepSpeed default. A value
+    other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
     `megazpp.training.zero_factory` turns this section into the engine's `ZeroOptions` under the same
-    names and defaults; `config_checks.validate_config` checks it whole. With stage 0 and no
+    names and defaults; docs/arch/zero.md ("Where each rule is checked") says which module
+    checks each rule, and when. With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """
@@ -184,7 +191,7 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     contiguous_gradients: bool = True
-    overlap_comm: bool = True  # DeepSpeed's default is false; false: no prefetch, reductions waited at once
+    overlap_comm: bool = True  # DeepSpeed's: on for stage 3 only; false: no prefetch, reductions waited at once
     reduce_scatter: bool = True
     zero_quantized_weights: bool = False
     zero_hpz_partition_size: int = 1

@@ -1,6 +1,6 @@
 """The first hour of a new user, run as they would: `run.sh` and the tools as subprocesses on
 real files (the tiny shared corpus stands in for data/). The README's quick start (a run, a
-second run with other settings, a comparison, an export), the seeds' configs as written,
+second run with other settings, a comparison, an export), DeepSpeed configs as users write them,
 one-line refusals under run.sh, --help, Megatron aliases, and the tools' smaller promises."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from megazpp.errors import ConfigError
 from megazpp.training.zero_factory import zero_options
 
 ROOT = Path(__file__).resolve().parents[1]
-SEEDS = ROOT.parent / "shared" / "seeds"
+# DeepSpeed JSON configs: the PaRO proposal's key (tests/data) and the ZeRO++ tutorial's block
+PARO_JSON = ROOT / "tests" / "data" / "deepspeed" / "paro_nig.json"
+TUTORIAL_JSON = ROOT / "configs" / "deepspeed" / "zeropp_tutorial.json"
 # A model small enough for seconds per run; Megatron's spellings on purpose (aliases).
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--max-position-embeddings", "32", "--rotary-base", "10000",
@@ -150,13 +152,10 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SEEDS.is_dir(), reason=f"no seed pages at {SEEDS}")
-def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
+def test_paro_json_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
         tmp_path, data_dir):
-    # the PaRO seed's block, verbatim, on 2 ranks: the banner names the strategy and its source
-    ds = tmp_path / "paro.json"
-    ds.write_text(seed_blocks()["002_dd16a0f1a623b22e.txt"][0])
-    out = run_sh(data_dir, *TINY, "--train-iters", "2", "--deepspeed_config", str(ds),
+    # DeepSpeed JSON naming a PaRO strategy, on 2 ranks: the banner names the strategy and its source
+    out = run_sh(data_dir, *TINY, "--train-iters", "2", "--deepspeed_config", str(PARO_JSON),
                  "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"),
                  nproc=2).stdout
     assert "layout: world 2 = tp 1 x pp 1 x dp 2" in out
@@ -177,45 +176,15 @@ def test_paro_seed_config_runs_under_run_sh_and_refusals_are_one_line_per_job(
     assert "Megatron-LM spellings" in run_sh(data_dir, "--help").stdout
 
 
-def seed_blocks() -> dict[str, list[str]]:
-    """Every JSON object with a `zero_optimization` key in the seed pages, as written."""
-    found: dict[str, list[str]] = {}
-    for page in sorted(SEEDS.glob("*.txt")):
-        text = page.read_text()
-        for start in [m.start() for m in re.finditer(r"\{", text)]:
-            depth = 0
-            for end in range(start, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[end], 0)
-                if depth == 0:
-                    break
-            block = text[start:end + 1]
-            try:
-                parsed = json.loads(block)
-            except ValueError:
-                continue
-            if isinstance(parsed, dict) and "zero_optimization" in parsed:
-                found.setdefault(page.name, []).append(block)
-    return found
-
-
-@pytest.mark.skipif(not SEEDS.is_dir(), reason=f"no seed pages at {SEEDS}")
-def test_seed_configs_are_accepted_as_written(tmp_path):
-    blocks = seed_blocks()
-    # the PaRO issue's block and the ZeRO++ tutorial's are the seeds' JSON configs
-    assert sorted(blocks) == ["002_dd16a0f1a623b22e.txt", "003_d3927bb956248845.txt"]
-    strategies = {}
-    for page, texts in blocks.items():
-        for i, text in enumerate(texts):
-            path = tmp_path / f"{page}.{i}.json"
-            path.write_text(text)
-            cfg = validate_config(load_config(["--deepspeed_config", str(path)]), 4)
-            strategies[page] = zero_options(cfg.zero).strategy
-    assert strategies == {"002_dd16a0f1a623b22e.txt": "NIG", "003_d3927bb956248845.txt": "GGG"}
-    # the granularity PR's key, under both its draft and its merged name (seed 001's diff)
-    page = (SEEDS / "001_e5c7c9c23dc80094.txt").read_text()
+def test_deepspeed_configs_are_accepted_as_written(tmp_path):
+    # the PaRO proposal's key and the ZeRO++ tutorial's block, as their authors write them
+    strategies = {path.name: zero_options(validate_config(load_config(["--deepspeed_config", str(path)]),
+                                                          4).zero).strategy
+                  for path in (PARO_JSON, TUTORIAL_JSON)}
+    assert strategies == {"paro_nig.json": "NIG", "zeropp_tutorial.json": "GGG"}
+    # the granularity key under both its draft name in DeepSpeed's PR
+    # (stage3_coalesced_fetch_threshold) and its merged one
     for key in ("stage3_coalesced_fetch_threshold", "stage3_module_granularity_threshold"):
-        if key == "stage3_coalesced_fetch_threshold":
-            assert f'"{key}": 0,' in page
         path = tmp_path / f"{key}.json"
         path.write_text(json.dumps({"zero_optimization": {"stage": 3, key: 12000}}))
         assert load_config(["--deepspeed_config", str(path)]).zero.module_granularity_threshold == 12000
