@@ -173,7 +173,8 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
                 loss = model(inputs, labels).mean()
                 (loss / micro_batches).backward()
                 losses.append(loss.detach())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
+            if cfg.optimizer.clip_grad > 0:  # 0 disables clipping, as in megazpp's engine
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
             inner.step()  # every H-th step torchft's hook runs the outer step inside it
             inner.zero_grad(set_to_none=True)
             schedule.step()
