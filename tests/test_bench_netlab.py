@@ -17,8 +17,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench import launch, results
 from megazpp.bench.deepspeed_peer import deepspeed_config, parse_args as peer_args
-from megazpp.bench.suite import (DEEPSPEED, MEGAZPP, all_configs, check_steps, select, steps_fit,
+from megazpp.bench.suite import (DEEPSPEED, MEGAZPP, TORCHFT, all_configs, check_steps, select, steps_fit,
                                  two_level_configs)
+from megazpp.bench.torchft_peer import check_config as torchft_check, parse_args as torchft_args
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError, DataError
@@ -51,7 +52,7 @@ def test_arguments_split_at_double_dash_and_lists():
 def test_configuration_list():
     configs = all_configs(ranks_per_node=2)
     names = [c.name for c in configs]
-    assert len(names) == len(set(names)) == 6 + 14 + 3 + 4
+    assert len(names) == len(set(names)) == 6 + 14 + 3 + 4 + 1
     assert [n for n in names if n.startswith("paro-")] == [f"paro-{s}" for s in VALID_NAMES]
     by_name = {c.name: c for c in configs}
     assert by_name["zeropp+loco"].flags == ("--zero-stage", "3", "--zero-quantized-weights",
@@ -87,6 +88,61 @@ def test_two_level_rows_and_their_commands():
     # the mean step (the sync falls on one step in H), not the median that would hide it
     assert results.step_time([100.0, 100.0, 100.0, 10.0], 100, warmup=0) == 1.0
     assert results.step_time([100.0, 100.0, 100.0, 10.0], 100, warmup=0, amortised=True) == pytest.approx(3.25)
+
+
+def test_torchft_row_and_its_replica_group_commands(monkeypatch):
+    """torchft's DiLoCo: H = 20 from the outer section's flags, one launcher per node (a replica
+    group) with its own rendezvous, the lighthouse and loss store on node 0, every port distinct."""
+    ft = {c.name: c for c in all_configs(ranks_per_node=2)}["torchft-diloco-h20"]
+    assert ft.runner == TORCHFT and ft.script == "megazpp/bench/torchft_peer.py" and ft.sync_every == 20
+    assert ft.script_args() == ["--outer-algorithm", "diloco", "--outer-sync-every", "20"]
+    layout = launch.Layout(nodes=2, ranks_per_node=2)
+    loop = [launch.replica_group_command(launch.LOOPBACK, n, layout, 29800, "py", "/d", ft.script, ["--a"], {"X": "1"})
+            for n in range(2)]
+    assert loop[1] == ["env", "MEGAZPP_PROBE_RANK_BASE=2", "X=1", "py", "-m", "torch.distributed.run", "--nnodes", "1",
+                       "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29803",
+                       "-m", "megazpp.bench.rank_probe", "--out", "/d", ft.script, "--replica-group", "1",
+                       "--replica-groups", "2", "--lighthouse", "127.0.0.1:29800", "--loss-store", "127.0.0.1:29801",
+                       "--advertise", "127.0.0.1", "--a"]
+    assert "MEGAZPP_PROBE_RANK_BASE=0" in loop[0] and "127.0.0.1:29802" in loop[0]
+    assert launch.replica_group_ports(2) == 4  # 29800..29803: the next row starts at 29804
+    monkeypatch.chdir(REPO)
+    lab = launch.replica_group_command("1gbit", 1, layout, 29800, "py", "/d", ft.script, [], {})
+    assert lab[:4] == ["bash", "tools/netlab.sh", "run", "1"]
+    assert "10.78.0.2:29803" in lab and lab[lab.index("--advertise") + 1] == "10.78.0.2"
+    assert lab[lab.index("--lighthouse") + 1] == "10.78.0.1:29800"
+
+
+def test_torchft_peer_arguments_and_refusals():
+    """The peer's own flags, then the outer options it runs; what torchft cannot run the same
+    way is refused in one line, before torchft is imported (these need no torchft)."""
+    peer = ["--replica-group", "1", "--replica-groups", "2", "--lighthouse", "h:1", "--loss-store", "h:2",
+            "--advertise", "h"]
+    ns, rest = torchft_args([*peer, "--config", NETLAB_YAML, "--outer-algorithm", "diloco"])
+    assert (ns.replica_group, ns.replica_groups, ns.lighthouse, ns.advertise) == (1, 2, "h:1", "h")
+    assert rest == ["--config", NETLAB_YAML, "--outer-algorithm", "diloco"]
+    with pytest.raises(ConfigError, match="--replica-group 2: expected 0..1"):
+        torchft_args([*peer[:1], "2", *peer[2:]])
+    with pytest.raises(ConfigError, match="--loss-store 'h': expected HOST:PORT"):
+        torchft_args([*peer[:7], "h", *peer[8:]])
+
+    def options(*flags):
+        cfg = validate_config(load_config(["--config", NETLAB_YAML, *flags]), 4)
+        return torchft_check(cfg, 4, 2)
+
+    try:
+        got = options("--outer-algorithm", "diloco")
+    except ConfigError as exc:
+        pytest.skip(f"this checkout has no outer section yet (issue 28's runtime branch): {exc}")
+    assert (got.sync_every, got.lr, got.momentum) == (20, 0.7, 0.9)
+    with pytest.raises(ConfigError, match="outer.algorithm is none"):
+        options()
+    with pytest.raises(ConfigError, match="outer.quantize = 'bf16': torchft's outer all-reduce on CPU moves fp32"):
+        options("--outer-algorithm", "diloco", "--outer-quantize", "bf16")
+    with pytest.raises(ConfigError, match="not mapped onto torchft's replica groups"):
+        options("--outer-algorithm", "diloco", "--outer-fragments", "2")
+    with pytest.raises(ConfigError, match="fp32 only"):
+        options("--outer-algorithm", "diloco", "--bf16")
 
 
 def test_default_sweep_leaves_out_two_level_rows_that_do_not_fit(capsys, monkeypatch):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The heterogeneous-network benchmark: every ZeRO / ZeRO++ / PaRO configuration and the
-DeepSpeed peer, trained on 2 nodes x 2 ranks across a rate-limited link (tools/netlab.sh),
+DeepSpeed and torchft peers, trained on 2 nodes x 2 ranks across a rate-limited link (tools/netlab.sh),
 at each link setting in turn; one Markdown table and one JSON file per setting, and one figure
 of them all (OUT/netlab.png).
 
@@ -18,7 +18,9 @@ rank-R LoRA adapters on every linear of every run (only they train), runs the co
 that work with frozen weights (`megazpp.bench.peft`) and prints the PaRO paper's PEFT verdict
 (`--pick`, by default ING, against ZeRO-3). The two-level rows (`diloco-*`: ZeRO-3 inside each
 node, DiLoCo across nodes every 20 steps) need --steps and --steps minus --warmup to be multiples
-of 20, so their per-step bytes and (mean) step time include the outer syncs. Needs root for
+of 20, so their per-step bytes and (mean) step time include the outer syncs; so does the
+torchft peer (`torchft-diloco-h20`: torchft's DiLoCo, FSDP2 inside each node, fp32 outer
+gradients; needs `--torchft-python`, a python with the `torchft` extra). Needs root for
 netlab, and the sample data that `run.sh` builds (data/). netlab is taken down on any exit.
 """
 
@@ -35,7 +37,7 @@ import time
 from megazpp.bench import launch, results
 from megazpp.bench.peft import peft_configs, verdict
 from megazpp.bench.plot import plot_settings
-from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, check_steps, select, steps_fit
+from megazpp.bench.suite import DEEPSPEED, TORCHFT, BenchConfig, all_configs, check_steps, select, steps_fit
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
@@ -67,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--deepspeed-python", default=sys.executable,
                    help="python that can import deepspeed (the `bench` extra)")
+    p.add_argument("--torchft-python", default=sys.executable,
+                   help="python that can import torchft (the `torchft` extra)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
     p.add_argument("--lora-rank", type=int, default=0,
@@ -107,11 +111,12 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     run_dir = os.path.abspath(os.path.join(ns.out, setting, config.name))
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    python = ns.deepspeed_python if config.runner == DEEPSPEED else sys.executable
+    python = {DEEPSPEED: ns.deepspeed_python, TORCHFT: ns.torchft_python}.get(config.runner, sys.executable)
     args = [*config.script_args(), *shared_args, "--tensorboard-dir", os.path.join(run_dir, "tb")]
     env = {**launch.CPU_RANK_ENV, **{k: os.environ[k] for k in launch.CPU_RANK_ENV if k in os.environ},
            "MEGAZPP_COMM_REPORT_DIR": run_dir}
-    commands = [launch.node_command(setting, n, layout, port, python, run_dir, config.script, args, env)
+    command = launch.replica_group_command if config.runner == TORCHFT else launch.node_command
+    commands = [command(setting, n, layout, port, python, run_dir, config.script, args, env)
                 for n in range(layout.nodes)]
     logs = [os.path.join(run_dir, f"node{n}.log") for n in range(layout.nodes)]
     on_netlab = setting != launch.LOOPBACK
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 print(f"[{setting}] {config.name} ...", flush=True)
                 rows.append(run_one(ns, setting, config, shared, layout, tokens_per_step, port))
-                port += 1
+                port += launch.replica_group_ports(layout.nodes) if config.runner == TORCHFT else 1
                 md, _ = results.write_setting(ns.out, setting, rows, command)
                 plot_settings(ns.out, os.path.join(ns.out, PNG))
                 print(f"[{setting}] {config.name}: {rows[-1].status}, "

@@ -62,10 +62,14 @@ def netlab_rx_bytes(nodes: int) -> int:
     return sum(int(_netlab("bytes", str(n), capture=True).split()[0]) for n in range(nodes))
 
 
-def master_addr(setting: str) -> str:
+def node_addr(setting: str, node: int) -> str:
     if setting == LOOPBACK:
         return "127.0.0.1"
-    return _netlab("addr", "0", capture=True).strip()
+    return _netlab("addr", str(node), capture=True).strip()
+
+
+def master_addr(setting: str) -> str:
+    return node_addr(setting, 0)
 
 
 def node_command(setting: str, node: int, layout: Layout, port: int, python: str,
@@ -75,6 +79,35 @@ def node_command(setting: str, node: int, layout: Layout, port: int, python: str
               "--node-rank", str(node), "--nproc-per-node", str(layout.ranks_per_node),
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr(setting)}:{port}",
               "-m", "megazpp.bench.rank_probe", "--out", probe_dir, script, *args]
+    return _on_node(setting, node, env, launch)
+
+
+def replica_group_ports(nodes: int) -> int:
+    """Ports from the run's first that `replica_group_command` uses: lighthouse, loss store,
+    one rendezvous per node."""
+    return 2 + nodes
+
+
+def replica_group_command(setting: str, node: int, layout: Layout, port: int, python: str, probe_dir: str,
+                          script: str, args: Sequence[str], env: dict[str, str]) -> list[str]:
+    """The command that starts node `node` as its own replica group (torchft's layout): a
+    one-node launcher over the node's ranks, rendezvous on the node's address at `port + 2 +
+    node` (distinct on the loopback). Group 0's first rank starts the lighthouse at node 0's
+    address and `port` and the loss group's store at `port + 1`. Each group advertises its
+    node's address (its launcher's store calls itself "localhost", on netlab every node's own).
+    The rank probe numbers ranks over all groups (MEGAZPP_PROBE_RANK_BASE), so their files do
+    not collide."""
+    master = master_addr(setting)
+    launch = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(layout.ranks_per_node),
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{node_addr(setting, node)}:{port + 2 + node}",
+              "-m", "megazpp.bench.rank_probe", "--out", probe_dir, script,
+              "--replica-group", str(node), "--replica-groups", str(layout.nodes), "--lighthouse", f"{master}:{port}",
+              "--loss-store", f"{master}:{port + 1}", "--advertise", node_addr(setting, node), *args]
+    return _on_node(setting, node, {**env, "MEGAZPP_PROBE_RANK_BASE": str(node * layout.ranks_per_node)}, launch)
+
+
+def _on_node(setting: str, node: int, env: dict[str, str], launch: list[str]) -> list[str]:
+    """`launch` with `env`, inside node `node`'s namespace on netlab."""
     with_env = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *launch]
     if setting == LOOPBACK:
         return with_env

@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("script", help="the Python script to run as __main__")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     ns = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    # a launcher per replica group (the torchft peer) numbers its ranks from 0: the base makes them global
+    rank = int(os.environ.get("RANK", "0")) + int(os.environ.get("MEGAZPP_PROBE_RANK_BASE", "0"))
     calls = CallCounter()
     calls.install()
     sys.argv = [ns.script, *ns.args]

@@ -3,7 +3,8 @@
 Why one list: `--only` selects from it, the result table keeps its order, and the tests check
 it, so a configuration cannot be benchmarked under one name and reported under another.
 Every megazpp configuration runs `pretrain_gpt.py` with flags on top of the benchmark YAML;
-every DeepSpeed one runs `megazpp/bench/deepspeed_peer.py` with a `zero_optimization` override.
+every DeepSpeed one runs `megazpp/bench/deepspeed_peer.py` with a `zero_optimization` override;
+the torchft one runs `megazpp/bench/torchft_peer.py` (one launcher per node: a replica group).
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from typing import Any, Sequence
 from megazpp.errors import ConfigError
 from megazpp.zero.strategy import VALID_NAMES
 
-MEGAZPP, DEEPSPEED = "megazpp", "deepspeed"
+MEGAZPP, DEEPSPEED, TORCHFT = "megazpp", "deepspeed", "torchft"
 PRETRAIN_SCRIPT = "pretrain_gpt.py"
 PEER_SCRIPT = "megazpp/bench/deepspeed_peer.py"
+TORCHFT_SCRIPT = "megazpp/bench/torchft_peer.py"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    runner: str  # MEGAZPP or DEEPSPEED
+    runner: str  # MEGAZPP, DEEPSPEED or TORCHFT
     flags: tuple[str, ...] = ()
     ds_zero: dict[str, Any] = field(default_factory=dict)
 
@@ -36,11 +38,11 @@ class BenchConfig:
 
     @property
     def script(self) -> str:
-        return PRETRAIN_SCRIPT if self.runner == MEGAZPP else PEER_SCRIPT
+        return {MEGAZPP: PRETRAIN_SCRIPT, DEEPSPEED: PEER_SCRIPT, TORCHFT: TORCHFT_SCRIPT}[self.runner]
 
     def script_args(self) -> list[str]:
         """Arguments after the script (the shared YAML and data flags are added by the caller)."""
-        if self.runner == MEGAZPP:
+        if self.runner != DEEPSPEED:
             return list(self.flags)
         return ["--ds-zero", json.dumps(self.ds_zero, sort_keys=True), *self.flags]
 
@@ -68,6 +70,7 @@ def all_configs(ranks_per_node: int) -> list[BenchConfig]:
         BenchConfig("ds-zero3+qwz", DEEPSPEED, ds_zero={"zero_quantized_weights": True}),
         BenchConfig("ds-zero3+qgz", DEEPSPEED, ds_zero={"zero_quantized_gradients": True}),
     ]
+    configs += [torchft_config()]
     return configs
 
 
@@ -85,6 +88,14 @@ def two_level_configs() -> list[BenchConfig]:
             BenchConfig("diloco-h20-int4", MEGAZPP, base + ("--outer-quantize", "int4")),
             BenchConfig("diloco-h20-bf16-stream", MEGAZPP,
                         base + ("--outer-quantize", "bf16", "--outer-fragments", "4", "--outer-overlap-steps", "1"))]
+
+
+def torchft_config() -> BenchConfig:
+    """torchft's DiLoCo beside the two-level rows: one replica group per node (FSDP2 inside),
+    H = 20, DiLoCo's outer lr 0.7 and momentum 0.9 (the outer section's defaults), fp32 outer
+    gradients (torchft's only wire format on CPU)."""
+    return BenchConfig("torchft-diloco-h20", TORCHFT,
+                       ("--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY)))
 
 
 def steps_fit(c: BenchConfig, steps: int, warmup: int) -> bool:
