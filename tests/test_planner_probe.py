@@ -11,6 +11,7 @@ each point is read at (the comm counter's convention).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -134,6 +135,52 @@ def test_collective_probe_fits_every_op_and_group():
     assert fake["adam"] == pytest.approx(ADAM_RATE, rel=REL)
 
 
+def _calibration_tool():
+    spec = importlib.util.spec_from_file_location("calibrate_planner", REPO / "tools" / "calibrate_planner.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _verdict(report: str) -> tuple[float, float, str]:
+    """(Spearman, largest error %, PASS / FAIL) of the tool's report; a missing line fails."""
+    found = re.search(r"Spearman rank correlation (\S+) \(target >= 0.8\); largest error ([0-9.]+) % "
+                      r"\(target <= 30 %\): (PASS|FAIL)$", report, re.M)
+    assert found, report
+    return float(found[1]), float(found[2]), found[3]
+
+
+def test_calibration_rank_correlation_on_fixed_timings():
+    """The report's accuracy numbers from fixed predicted and measured times, whose values are
+    known: Spearman over n untied items is 1 - 6 sum(d^2) / (n (n^2 - 1)), with ties averaged."""
+    tool = _calibration_tool()
+    assert tool.spearman([1, 2, 3, 4, 5], [1, 2, 3, 5, 4]) == pytest.approx(1 - 6 * 2 / (5 * 24))
+    assert tool.spearman([1, 2, 3, 4, 5], [2, 1, 3, 5, 4]) == pytest.approx(1 - 6 * 4 / (5 * 24))
+    assert tool.spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)
+    assert tool.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)  # ranks 0.5 0.5 2
+    assert math.isnan(tool.spearman([1, 2, 3], [2, 2, 2]))  # no ranking to correlate with
+
+    from megazpp.planner.cluster import Cluster
+
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=1e12, flops=1e10, intra_bw=1e9, inter_bw=1e8,
+                      memory_bw=1e10, backend="gloo", overlap=False, optimizer_rate=1e7)
+    a = SimpleNamespace(num_layers=2, hidden_size=32, seq_length=32, vocab_size=256, micro_batch_size=1,
+                        micro_batches=2, inter_gbit=None, breakdown=False)
+
+    def report(predicted: list[float], measured: list[float]) -> str:
+        rows = [(f"S{i}", p, m, {}) for i, (p, m) in enumerate(zip(predicted, measured))]
+        return tool.report({"rows": rows, "cluster": cluster, "probed_inter": 1e8}, a)
+
+    # 5 strategies, one pair of neighbours swapped: 0.9; largest error 4 / 4.95 - 1
+    assert _verdict(report([1.0, 2.0, 3.0, 4.0, 5.0], [1.05, 2.1, 3.0, 4.95, 4.6])) == (0.9, 19.2, "PASS")
+    # two pairs swapped: 0.8, the target itself, passes; with 1 / 2.1 - 1 it fails on the error
+    assert _verdict(report([1.0, 1.2, 3.0, 4.0, 4.4], [1.15, 1.05, 3.0, 4.3, 4.1])) == (0.8, 14.3, "PASS")
+    assert _verdict(report([1.0, 2.0, 3.0, 4.0, 5.0], [2.1, 2.0, 3.0, 4.95, 3.7])) == (0.8, 52.4, "FAIL")
+    # measured times all equal: no rank correlation, which must not pass (every error is small)
+    rho, worst, verdict = _verdict(report([2.0, 2.1, 2.2], [2.1, 2.1, 2.1]))
+    assert math.isnan(rho) and worst == 4.8 and verdict == "FAIL"
+
+
 @pytest.mark.slow
 def test_calibration_tool_runs_locally():
     proc = subprocess.run(
@@ -147,4 +194,11 @@ def test_calibration_tool_runs_locally():
         assert float(predicted) > 0 and float(measured) > 0
         assert abs(float(error) - 100 * (float(predicted) / float(measured) - 1)) < 1.0  # 4-digit rounding
     assert "collectives (ms per call at 4 KiB / 256 KiB / 4 MiB per member): all_gather/cross" in proc.stdout
-    assert re.search(r"Spearman rank correlation (-?[0-9.]+|nan)", proc.stdout)
+    # the accuracy line is what the printed rows make it: two strategies rank the same way (1)
+    # or the other way (-1), never nan (two timings or predictions tied to the last digit of a
+    # float); the largest error is the larger printed one; the verdict follows from both
+    rho, worst, verdict = _verdict(proc.stdout)
+    (_, p1, m1, e1), (_, p2, m2, e2) = rows
+    assert rho == (1.0 if (float(p1) - float(p2)) * (float(m1) - float(m2)) > 0 else -1.0)
+    assert worst == pytest.approx(max(abs(float(e1)), abs(float(e2))), abs=0.1)
+    assert verdict == ("PASS" if rho >= 0.8 and worst <= 30 else "FAIL")
