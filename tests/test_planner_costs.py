@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.activations import layer_bytes, stage_activation_bytes
 from megazpp.planner.cluster import Cluster
@@ -183,7 +183,7 @@ def test_config_shapes_match_parameter_count_and_tp_split():
     assert [s.layers for s in stages] == [1, 1] and sum(sum(s.fetch_groups) for s in stages) == parameter_count(TINY)
     peft = shapes_of_config(TINY, trainable_fraction=0.01, bucket_numel=4000)
     assert sum(peft[0].fetch_groups) + peft[0].frozen == parameter_count(TINY) and peft[0].frozen > 0.9 * parameter_count(TINY)
-    with pytest.raises(ConfigError, match="not divisible by the tensor-parallel size 3"):
+    with pytest.raises(TopologyError, match="not divisible by tensor_model_parallel_size = 3"):
         shapes_of_config(TINY, tp=3)
 
 

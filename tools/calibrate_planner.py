@@ -144,9 +144,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((p - mx) * (q - my) for p, q in zip(rx, ry))
-    sx = sum((p - mx) ** 2 for p in rx) ** 0.5
-    sy = sum((q - my) ** 2 for q in ry) ** 0.5
-    return cov / (sx * sy) if sx and sy else float("nan")
+    sxx = sum((p - mx) ** 2 for p in rx)
+    syy = sum((q - my) ** 2 for q in ry)
+    # one square root of the product: sqrt(10) ** 2 is not 10 in floats, and 0.8 (the target)
+    # must not come out as 0.7999999999999998
+    return cov / math.sqrt(sxx * syy) if sxx and syy else float("nan")
 
 
 def report(result: dict, a: argparse.Namespace) -> str:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.distributed import ProcessGroup
 
-from megazpp.errors import ConfigError, TopologyError
+from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.layer import TransformerLayer
@@ -43,6 +43,7 @@ from megazpp.model.lora import add_adapters
 from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
 from megazpp.parallel import comm
+from megazpp.parallel.topology import check_model_split
 from megazpp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -80,24 +81,6 @@ def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, ..
     return forward_context(), recompute_context()
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
-
-
-def check_tensor_parallel_split(cfg: ModelConfig, tp: int) -> None:
-    """Raise TopologyError unless every dimension the model shards divides by `tp`.
-
-    Checked here as well as in the topology because a wrong query-group split would not fail
-    on its own: the fused qkv size can divide while a group straddles two ranks.
-    """
-    sharded = {"num_attention_heads": cfg.num_attention_heads,
-               "num_query_groups": cfg.num_query_groups, "vocab_size": cfg.vocab_size}
-    if cfg.num_experts:
-        sharded["moe_ffn_hidden_size"] = cfg.moe_ffn_hidden_size
-    else:
-        sharded["ffn_hidden_size"] = cfg.ffn_hidden_size
-    for key, value in sharded.items():
-        if value % tp:
-            raise TopologyError(
-                f"model.{key} = {value} is not divisible by the tensor-parallel size {tp}")
 
 
 class Embedding(nn.Module):
@@ -152,7 +135,7 @@ class GPTModel(nn.Module):
                 "model.num_experts > 0 with pipeline parallelism: the MoE load-balancing loss of "
                 "a stage without the loss head cannot reach the loss (not implemented); set "
                 "model.moe_aux_loss_coeff: 0 or use one pipeline stage")
-        check_tensor_parallel_split(cfg, 1 if tp_group is None else comm.group_size(tp_group))
+        check_model_split(cfg, 1 if tp_group is None else comm.group_size(tp_group), 1)
         self.cfg = cfg
         self.tp_group = tp_group
         self.pre_process = pre_process

@@ -296,10 +296,16 @@ class Topology:
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
         """[start, end) of the transformer layers this pipeline stage builds."""
-        if num_layers % self.pp:
-            raise TopologyError(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {self.pp}")
-        per_stage = num_layers // self.pp
-        return self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage
+        return stage_layer_range(num_layers, self.pp, self.pp_rank)
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """[start, end) of the transformer layers pipeline stage `stage` of `pp` builds (the
+    planner asks it for stages it is not, with no process group)."""
+    if num_layers % pp:
+        raise TopologyError(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp}")
+    per_stage = num_layers // pp
+    return stage * per_stage, (stage + 1) * per_stage
 
 
 class ModelShape(Protocol):
@@ -317,7 +323,12 @@ class ModelShape(Protocol):
 
 
 def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel: bool = False) -> None:
-    """Reject a model that cannot be split over `tp` x `pp` ranks; needs no process group."""
+    """Reject a model that cannot be split over `tp` x `pp` ranks; needs no process group.
+
+    The one rule every caller applies: the start-up check before any rank starts, the model
+    itself (a `GPTModel` built on a TP group: a wrong query-group split would not fail on its
+    own, the fused qkv size can divide while a group straddles two ranks), the planner and the
+    checkpoint converters."""
 
     def need(name: str, divisor: int, what: str) -> None:
         value = getattr(model, name)

@@ -2,8 +2,8 @@
 
 Why the engine's own grouping: padding (every bucket is rounded up to the DP size, times
 ZeRO++'s quantization block) and the number of collective calls (latency) depend on how
-parameters are grouped, so the planner asks `megazpp.zero.units` for the exact fetch groups
-and buckets the engine would build, instead of treating the model as one flat block. With a live
+parameters are grouped, so the planner calls the engine's own grouping (`zero.units.engine_groups`)
+for the exact fetch groups and buckets the engine would build, instead of treating the model as one flat block. With a live
 model (`paro_strategy: auto`) this is exact; from a config the model is built on the meta
 device (no memory), and tensor parallelism is applied by dividing the sizes of the layers that
 shard (column / row parallel weights, vocabulary embedding), so bucket boundaries under TP > 1
@@ -22,9 +22,10 @@ from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megazpp.parallel.topology import check_model_split, stage_layer_range
 from megazpp.zero.layout import is_vector, layout_order
 from megazpp.zero.strategy import Level, Strategy
-from megazpp.zero.units import ParamGroupSpec, fetch_groups, gradient_buckets, parameter_units, split_persistent
+from megazpp.zero.units import ParamGroupSpec, engine_groups
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,11 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
     bound = bucket_numel * tp_divisor
-    units, kept_whole = split_persistent(parameter_units(model, threshold), persistence, bound)
-    specs = fetch_groups(model, units, fetch_mode, bound) + kept_whole
-    bucket_specs = gradient_buckets(model, bound)
+    sharded, kept_whole = engine_groups(model, sharded=True, threshold=threshold, fetch_mode=fetch_mode,
+                                        persistence=persistence, bucket_numel=bound)
+    specs = sharded + kept_whole
+    bucket_specs, _ = engine_groups(model, sharded=False, threshold=threshold, fetch_mode=fetch_mode,
+                                    persistence=0, bucket_numel=bound)
     groups, frozen_g = _numels(specs, sizes, trainable_fraction)
     buckets, _ = _numels(bucket_specs, sizes, trainable_fraction)
     frozen_groups = tuple(frozen_g) if any(frozen_g) else ()
@@ -133,23 +136,14 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch
                       _tensors(bucket_specs, sizes) if whole else (), len(kept_whole))
 
 
-def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    per = num_layers // pp
-    return stage * per, (stage + 1) * per
-
-
 def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel: int = 500_000_000,
                      threshold: int = 0, fetch_mode: str = "layer",
                      trainable_fraction: float = 1.0, persistence: int = 0) -> list[StageShape]:
-    """One StageShape per pipeline stage, from models built on the meta device (no memory)."""
+    """One StageShape per pipeline stage, from models built on the meta device (no memory);
+    a model that does not split over `tp` x `pp` is refused as the job's start-up check refuses
+    it (`parallel.topology.check_model_split`)."""
     cfg.validate()
-    if cfg.num_layers % pp:
-        raise ConfigError(f"model.num_layers = {cfg.num_layers} is not divisible by the pipeline "
-                          f"size {pp}")
-    for what, value in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
-                        ("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_hidden_size)):
-        if value % tp:
-            raise ConfigError(f"model.{what} = {value} is not divisible by the tensor-parallel size {tp}")
+    check_model_split(cfg, tp, pp)
     shapes = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1

@@ -13,6 +13,7 @@ from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.trainable import trainable_fraction
 from megazpp.planner.cluster import Cluster
+from megazpp.zero.units import bucket_bound
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Workload:
     trainable_fraction: float = 1.0  # PEFT: the rest of the weights is frozen (held at p, never reduced)
     paro_group_size: int | None = None  # None: the DP ranks of one node (the engine's default)
     hpz_size: int | None = None  # None: the DP ranks of one node (ZeRO++'s recommendation)
-    bucket_numel: int = 500_000_000  # min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+    bucket_numel: int = 500_000_000  # zero.units.bucket_bound of the zero section's two sizes
     module_granularity_threshold: int = 0
     fetch_groups: str = "layer"  # zero.fetch_groups
     max_live_parameters: int = 1_000_000_000  # zero.stage3_max_live_parameters
@@ -74,7 +75,7 @@ def workload_of_config(cfg: Config) -> Workload:
         activation_checkpointing=cfg.model.activation_checkpointing, sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,
         hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
-        bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
+        bucket_numel=bucket_bound(z.reduce_bucket_size, z.allgather_bucket_size),
         module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
         max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
         hierarchical=z.hierarchical, persistence_threshold=z.stage3_param_persistence_threshold,

@@ -44,7 +44,7 @@ from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
+from megazpp.zero.units import bucket_bound, check_persistence, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
@@ -137,15 +137,10 @@ class ZeroEngine(ScaledOptimizerEngine):
     # -- construction ------------------------------------------------------------------------
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
-        # a bucket is reduced by one collective per stage and gathered (fetch or refresh) by one:
-        # both of DeepSpeed's bounds hold for it
-        bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
-        if self.strategy.params == Level.N:
-            specs, whole = gradient_buckets(self.model, bound), []
-        else:
-            units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
-                                            o.stage3_param_persistence_threshold, bound)
-            specs = fetch_groups(self.model, units, o.fetch_groups, bound)
+        specs, whole = engine_groups(self.model, sharded=self.strategy.params != Level.N,
+                                     threshold=o.module_granularity_threshold, fetch_mode=o.fetch_groups,
+                                     persistence=o.stage3_param_persistence_threshold,
+                                     bucket_numel=bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size))
         dp_index = self.topology.dp_rank
         s = self.strategy
         buckets = []
@@ -177,7 +172,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         check_frozen_support(self.strategy, self.zeropp.qwz, self.zeropp.hpz, o.stage3_param_persistence_threshold)
         return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size,
                               self.topology.dp_rank, self.param_dtype, o.module_granularity_threshold,
-                              o.fetch_groups, min(o.allgather_bucket_size, o.reduce_bucket_size))
+                              o.fetch_groups, bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size))
 
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.

@@ -141,6 +141,26 @@ def _buckets(params: list[tuple[str, nn.Parameter]], bucket_numel: int, prefix: 
     return buckets
 
 
+def bucket_bound(reduce_bucket_size: int, allgather_bucket_size: int) -> int:
+    """The most elements one bucket or fetch group holds: it is reduced by one collective per
+    stage and gathered (fetched or refreshed) by one, so both of DeepSpeed's bounds hold for it."""
+    return min(reduce_bucket_size, allgather_bucket_size)
+
+
+def engine_groups(model: nn.Module, *, sharded: bool, threshold: int, fetch_mode: str, persistence: int,
+                  bucket_numel: int) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+    """The groups a ZeroEngine builds for `model`'s trainable parameters, as (groups, kept
+    whole): with parameters `sharded` (p = I, G) the fetch groups of its units
+    (`threshold`: `module_granularity_threshold`, `fetch_mode`: `fetch_groups`) and the
+    persistent buckets (`persistence`: `stage3_param_persistence_threshold`); with p = N the
+    gradient buckets and nothing kept whole (`check_persistence` refuses a threshold there).
+    The planner prices the same call, so its padding and call counts are the engine's."""
+    if not sharded:
+        return gradient_buckets(model, bucket_numel), []
+    units, whole = split_persistent(parameter_units(model, threshold), persistence, bucket_numel)
+    return fetch_groups(model, units, fetch_mode, bucket_numel), whole
+
+
 def check_persistence(strategy: Strategy, threshold: int) -> None:
     """`stage3_param_persistence_threshold` acts only where parameters are sharded (p = I, G)."""
     if threshold > 0 and strategy.params == Level.N:
