@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import re
 
-import pytest
-
 import pretrain_gpt
 from megazpp.config import load_config
 from megazpp.config_checks import resolve_outer
@@ -21,8 +19,6 @@ from megazpp.planner.two_level import OuterChoice, island_job, plan_island
 from megazpp.planner.workload import workload_of_config
 from megazpp.zero.zeropp import ZeroPP
 from tests.test_training_parallel import common_args
-
-pytestmark = pytest.mark.multirank
 
 # given rates (no probe: the test's planner inputs equal the ranks'); at 100 Mbit/s between
 # islands the outer syncs of a whole os (p = N, os = N) cost more than its fewer inner calls save
