@@ -108,7 +108,7 @@ def check_data(data_dir: str) -> tuple[str, str]:
 
 def shared_args(ns: argparse.Namespace) -> list[str]:
     """pretrain_gpt.py's arguments common to every run of `ns` (a configuration's flags go on top);
-    tools/calibrate_planner.py --check rebuilds a recorded run's jobs from them."""
+    tools/bench_netlab_check.py rebuilds a recorded run's jobs from them."""
     prefix, tokenizer = check_data(ns.data_dir)
     return ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
             "--train-iters", str(ns.steps), "--ranks-per-node", str(ns.ranks_per_node), *ns.extra]

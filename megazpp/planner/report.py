@@ -97,3 +97,17 @@ def island_table(ip: IslandPlan) -> str:
                      f"{row.inner.critical.step_bytes[1] / 1e9:.3f} | {row.mean_inter_bytes / 1e9:.4f} | "
                      f"{row.inner_step_s:.3f} | {row.exposed_s:.3f} | {row.step_s:.3f} |")
     return "\n".join(head + lines)
+
+
+def measured_inputs(c: Cluster, inter_given: bool, probed_inter: float) -> str:
+    """Every input a calibration's predictions used, as measured on the cluster (tools/
+    calibrate_planner.py, tools/bench_netlab_check.py); `probed_inter`: the node's probed
+    inter-node bytes/s, shown beside a given rate."""
+    probed = ", ".join(f"{k} {'/'.join(f'{t * 1e3:.2f}' for _, t in v)}"
+                       for k, v in sorted((c.collective_times or {}).items()))
+    adam = f"{c.optimizer_rate / 1e6:.0f} M elements/s" if c.optimizer_rate else "memory bound"
+    return (f"Measured inputs: {c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
+            f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
+            f"Gbit/s per node ({'given' if inter_given else 'probed'}; probed {probed_inter * 8 / 1e9:.3f}), "
+            f"{c.inter_latency * 1e6:.0f} us; AdamW {adam}; overlap model {'on' if c.overlap else 'off'}; "
+            f"collectives (ms per call at 4 KiB / 256 KiB / 4 MiB per member): {probed or 'not probed'}")

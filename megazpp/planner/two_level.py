@@ -153,8 +153,7 @@ def island_job(workload: Workload, cluster: Cluster, island_nodes: int,
     1 / islands of every global batch. The whole job's probed collective times
     (`Cluster.collective_times`) are left out: they were measured on its groups, not the
     island's; `island_times`, probed on the island's own groups (`probe.probe_host` on a
-    `Topology.island_view`, as `paro_strategy: auto` and tools/calibrate_planner.py --check
-    do), price the island's collectives instead; without them its links and latencies do."""
+    `Topology.island_view`, as `paro_strategy: auto` and tools/bench_netlab_check.py do), price the island's collectives instead; without them its links and latencies do."""
     islands = cluster.nodes // island_nodes
     return (dataclasses.replace(workload, global_batch=workload.global_batch // islands),
             dataclasses.replace(cluster, nodes=island_nodes, collective_times=island_times), islands)
