@@ -48,7 +48,8 @@ def test_check_prints_each_two_level_row_against_the_results(tmp_path, tiny_inde
     (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
     for ext in ("bin", "idx"):
         (data / f"corpus_text_document.{ext}").symlink_to(f"{tiny_indexed_prefix}.{ext}")
-    rows = [{"config": "zero3", "status": "ok", "step_time_s": 1.0},
+    rows = [{"config": "zero3", "runner": "megazpp", "status": "ok", "step_time_s": 1.0},
+            {"config": "torchft-diloco-h20", "runner": "torchft", "status": "ok", "step_time_s": 1.0},
             {"config": "diloco-h20-bf16", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16"]},
             {"config": "diloco-h20-int4", "status": "failed: timeout", "step_time_s": None},
             {"config": "diloco-h20-bf16-stream", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16-stream"]}]
@@ -66,5 +67,5 @@ def test_check_prints_each_two_level_row_against_the_results(tmp_path, tiny_inde
     worst = re.search(r"^largest error ([0-9.]+) % \(target <= 15 %\): (PASS|FAIL)$", proc.stdout, re.M)
     assert worst and abs(float(worst.group(1)) - 100 * max(map(abs, errors))) < 0.2
     assert "not checked: zero3 (synchronous: tools/calibrate_planner.py checks those)" in proc.stdout
-    assert "diloco-h20-int4 (failed: timeout)" in proc.stdout
+    assert "torchft-diloco-h20 (a peer)" in proc.stdout and "diloco-h20-int4 (failed: timeout)" in proc.stdout
     assert re.search(r"^  diloco-h20-bf16: compute=[0-9.]+ .*", proc.stdout, re.M)

@@ -106,7 +106,7 @@ def check_data(data_dir: str) -> tuple[str, str]:
     return prefix, tokenizer
 
 
-def shared_args(ns: argparse.Namespace) -> list[str]:
+def shared_run_args(ns: argparse.Namespace) -> list[str]:
     """pretrain_gpt.py's arguments common to every run of `ns` (a configuration's flags go on top);
     tools/bench_netlab_check.py rebuilds a recorded run's jobs from them."""
     prefix, tokenizer = check_data(ns.data_dir)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"leaving out {', '.join(left)}: --steps {ns.steps} --warmup {ns.warmup} do not measure whole "
                   f"outer intervals (name them with --only to be told what fits)", flush=True)
     check_steps(configs, ns.steps, ns.warmup)
-    shared = shared_args(ns)
+    shared = shared_run_args(ns)
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
     validate_config(cfg, layout.world_size)
     tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length

@@ -37,8 +37,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from bench_netlab import parse_args as bench_args, shared_args  # tools/, this script's directory
-from megazpp.bench.suite import two_level_configs
+from bench_netlab import parse_args as bench_args, shared_run_args  # tools/, this script's directory
+from megazpp.bench.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import resolve_outer, validate_config
@@ -84,14 +84,15 @@ def bench_jobs(path: str) -> BenchJobs:
     for row in recorded["rows"]:
         name = row["config"]
         if name not in flags:
-            skipped.append(f"{name} (synchronous: tools/calibrate_planner.py checks those)")
+            kind = "synchronous: tools/calibrate_planner.py checks those" if row.get("runner") == MEGAZPP else "a peer"
+            skipped.append(f"{name} ({kind})")
         elif row["status"] != "ok" or row.get("step_time_s") is None:
             skipped.append(f"{name} ({row['status']})")
         else:
             measured.append((name, float(row["step_time_s"])))
     if not measured:
         raise ConfigError(f"{path}: no two-level row measured ok (rows: {', '.join(r['config'] for r in recorded['rows'])})")
-    shared = shared_args(ns)  # the data the runs read (the tokenizer sizes the vocabulary)
+    shared = shared_run_args(ns)  # the data the runs read (the tokenizer sizes the vocabulary)
     jobs = [(name, shared + flags[name], seconds) for name, seconds in measured]
     return BenchJobs(recorded["setting"], ns.nodes * ns.ranks_per_node, ns.ranks_per_node, jobs, skipped)
 
