@@ -92,7 +92,7 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterO
     if outer is not None:
         island = topology.island_view(outer.island_nodes)
         inner = build_zero_engine(model, cfg, island, micro_batches_per_step=micro_batches,
-                                  counts_in_norm=counts_in_norm(model, island))
+                                  counts_in_norm=counts_in_norm(model, island), outer=outer)
         return DiLoCoEngine(inner, outer, island)
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
         return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,

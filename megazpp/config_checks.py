@@ -205,14 +205,12 @@ def _validate_zero(z: ZeroConfig) -> None:
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
     """The `outer` section's checked options (None: two-level training off), with the rules that
     span sections: islands of whole nodes over this world (`ranks_per_node`: the launcher's,
-    unless the config sets it), and the combinations not built yet."""
+    unless the config sets it), and the combinations not built yet. `zero.paro_strategy: auto`
+    is allowed: the island's strategy is chosen once the ranks can probe their links
+    (`planner.auto.auto_strategy` with the outer options)."""
     options = cfg.outer.resolve()
     if options is None:
         return None
-    if str(cfg.zero.paro_strategy).lower() == "auto":
-        raise ConfigError("zero.paro_strategy = auto with outer.algorithm diloco: auto chooses among synchronous "
-                          "strategies over all data-parallel ranks, not the strategy of one island; name the "
-                          "strategy the islands run (python tools/plan.py lists two-level options with theirs)")
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(f"outer.fragments = {options.fragments}: a pipeline stage holds {layers} layer(s) here; "

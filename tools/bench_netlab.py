@@ -106,6 +106,14 @@ def check_data(data_dir: str) -> tuple[str, str]:
     return prefix, tokenizer
 
 
+def shared_run_args(ns: argparse.Namespace) -> list[str]:
+    """pretrain_gpt.py's arguments common to every run of `ns` (a configuration's flags go on top);
+    tools/bench_netlab_check.py rebuilds a recorded run's jobs from them."""
+    prefix, tokenizer = check_data(ns.data_dir)
+    return ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
+            "--train-iters", str(ns.steps), "--ranks-per-node", str(ns.ranks_per_node), *ns.extra]
+
+
 def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_args: list[str],
             layout: launch.Layout, tokens_per_step: int, port: int) -> results.Row:
     run_dir = os.path.abspath(os.path.join(ns.out, setting, config.name))
@@ -156,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"leaving out {', '.join(left)}: --steps {ns.steps} --warmup {ns.warmup} do not measure whole "
                   f"outer intervals (name them with --only to be told what fits)", flush=True)
     check_steps(configs, ns.steps, ns.warmup)
-    prefix, tokenizer = check_data(ns.data_dir)
-    shared = ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
-              "--train-iters", str(ns.steps), "--ranks-per-node", str(layout.ranks_per_node), *ns.extra]
+    shared = shared_run_args(ns)
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
     validate_config(cfg, layout.world_size)
     tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length

@@ -32,14 +32,15 @@ import torch.distributed as dist
 from megazpp.cli import run_tool
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
-from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel import comm
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth
+from megazpp.planner.probe import (LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth,
+                                   probe_model_flops)
+from megazpp.planner.report import measured_inputs
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.tool_flags import add_shape_flags, model_config
@@ -58,24 +59,6 @@ def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (a.micro_batches, a.micro_batch_size, cfg.seq_length + 1), generator=g)
     return [(x[:, :-1], x[:, 1:]) for x in ids]
-
-
-def _compute_rate(cfg: ModelConfig, a: argparse.Namespace, topo: Topology) -> float:
-    """FLOP/s of one rank's forward + backward (no communication), timed from a barrier until
-    the last rank is done: ranks sharing cores run at once, and a step's collectives wait for
-    the slowest, so this is the rate a step sees (a rank timing only itself read 30-50 % high
-    or low, as the scheduler favoured it or not)."""
-    model = GPTModel(cfg)
-    batches = _batches(cfg, a, topo.rank)
-    times = []
-    for i, (x, y) in enumerate(batches * (2 * a.steps + 2)):
-        comm.barrier(tag="calibrate")
-        start = time.perf_counter()
-        model(x, y).mean().backward()
-        comm.barrier(tag="calibrate")
-        if i >= 2 * len(batches):  # two warm-up rounds: allocator growth, first-touch pages
-            times.append(time.perf_counter() - start)
-    return training_flops_per_token(cfg) * a.micro_batch_size * cfg.seq_length / statistics.fmean(times)
 
 
 def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
@@ -101,7 +84,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     topo = Topology.from_env(ranks_per_node=a.ranks_per_node)  # None: the launcher's LOCAL_WORLD_SIZE
     rpn = topo.ranks_per_node
     cfg = _model_cfg(a)
-    flops = _compute_rate(cfg, a, topo)
+    flops = probe_model_flops(cfg, a.micro_batches, a.micro_batch_size, a.steps, topo.rank)
     intra, inter = (probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
                     for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks),
                                          (topo.dp_inter_group, topo.dp_inter_ranks)))
@@ -154,14 +137,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def report(result: dict, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
     lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, micro-batch {a.micro_batch_size} "
-             f"x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. Measured inputs: "
-             f"{c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
-             f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
-             f"Gbit/s per node ({'given' if a.inter_gbit else 'probed'}; probed "
-             f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; AdamW "
-             f"{c.optimizer_rate / 1e6:.0f} M elements/s; overlap model {'on' if c.overlap else 'off'}; collectives "
-             f"(ms per call at 4 KiB / 256 KiB / 4 MiB per member): "
-             f"{', '.join(k + ' ' + '/'.join(f'{t * 1e3:.2f}' for _, t in v) for k, v in sorted((c.collective_times or {}).items())) or 'not probed'}",
+             f"x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. "
+             f"{measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}",
              "",
              "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
     errors = []

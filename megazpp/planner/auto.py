@@ -5,6 +5,12 @@ different parameters, and a choice made from one stage could overflow another; s
 rank's shape is gathered, the plan covers all stages (the slowest sets the step time, the
 fullest the fit), and rank 0's choice is what every rank runs. Measured bandwidths differ
 from rank to rank, so rank 0's measurements are broadcast before planning.
+
+With islands (`outer.algorithm: diloco`) auto chooses the strategy each island runs: every
+option for the island's DP ranks is priced as the two-level job it makes (`two_level.plan_island`:
+the inner step over the island's fast links, probed on the island's own groups, plus the outer
+syncs over the link between islands, amortised over H, and the outer state in memory), since
+the option's optimizer-state level also sets the outer shard a rank syncs and holds.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
-from megazpp.planner.report import table, two_level_reason, two_level_table
-from megazpp.planner.two_level import plan_two_level
+from megazpp.planner.report import island_table, table, two_level_reason, two_level_table
+from megazpp.planner.two_level import IslandPlan, OuterChoice, plan_island, plan_two_level
 from megazpp.config_planner import PlannerSettings
+from megazpp.outer.settings import OuterOptions
 from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import sequences
@@ -43,8 +50,8 @@ log = logging.getLogger(__name__)
 class Choice:
     strategy: Strategy
     runner_up: str | None
-    plan: Plan
-    cluster: Cluster
+    plan: Plan | IslandPlan
+    cluster: Cluster  # the one the engine's DP groups run on (an island's, with islands)
 
 
 def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Cluster,
@@ -57,6 +64,20 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
         raise ConfigError(f"zero.paro_strategy = auto: {result.reason}")
     runner = result.runner_up.option.strategy.name if result.runner_up else None
     return Choice(result.choice.option.strategy, runner, result, cluster)
+
+
+def choose_island_strategy(shapes: list[StageShape], workload: Workload, island: Cluster, islands: int,
+                           outer: OuterChoice, zeropp: ZeroPP = ZeroPP(),
+                           allowed: Callable[[Strategy], bool] = lambda s: True) -> Choice:
+    """The strategy each of `islands` islands (on `island`, whose `collective_times` were probed
+    on the island's groups) runs under `outer`, for the whole job's `workload` (pure, local)."""
+    whole = dataclasses.replace(island, nodes=island.nodes * islands, collective_times=None)
+    result = plan_island(shapes, workload, whole, outer, fixed_zeropp=zeropp, allowed=allowed,
+                         island_times=island.collective_times)
+    if result.choice is None:
+        raise ConfigError(f"zero.paro_strategy = auto with outer.algorithm diloco: {result.reason}")
+    runner = result.runner_up.inner.option.strategy.name if result.runner_up else None
+    return Choice(result.choice.inner.option.strategy, runner, result, island)
 
 
 def _zeropp_of(cfg: Config, topology: Topology) -> ZeroPP:
@@ -97,9 +118,10 @@ def _link(given: float | None, key: str, needed: bool, group: ProcessGroup | Non
     raise ConfigError(f"zero.paro_strategy = auto: set planner.{key} or planner.probe = true")
 
 
-def measure_cluster(settings: PlannerSettings, topology: Topology) -> list[float]:
+def measure_cluster(settings: PlannerSettings, topology: Topology, across_islands: bool = False) -> list[float]:
     """[memory, flops, intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank:
-    values from `settings`, the rest probed. Collective when probing: every rank must call it."""
+    values from `settings`, the rest probed (`across_islands`: see `measure_links`). Collective
+    when probing: every rank must call it."""
     if settings.achievable_tflops is not None:
         flops = settings.achievable_tflops * 1e12
     elif settings.probe:
@@ -107,25 +129,28 @@ def measure_cluster(settings: PlannerSettings, topology: Topology) -> list[float
         flops = probe_matmul_flops(device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     else:
         raise ConfigError("zero.paro_strategy = auto: set planner.achievable_tflops or planner.probe = true")
-    return [_device_memory(settings), flops, *measure_links(settings, topology)]
+    return [_device_memory(settings), flops, *measure_links(settings, topology, across_islands)]
 
 
-def measure_links(settings: PlannerSettings, topology: Topology) -> list[float]:
+def measure_links(settings: PlannerSettings, topology: Topology, across_islands: bool = False) -> list[float]:
     """[intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank: values from
-    `settings`, the rest probed. Collective when probing."""
+    `settings`, the rest probed. With `across_islands` (`topology` an island view) the
+    inter-node link is the one between islands, probed on the peer group (the outer syncs'),
+    which every rank of a node crosses at once. Collective when probing."""
     dp_intra = len(topology.dp_intra_ranks)
     intra_group, intra_size = ((topology.dp_intra_group, dp_intra) if dp_intra > 1
                                else (topology.tp_group, topology.tp))
     intra = _link(settings.intra_node_gbs and settings.intra_node_gbs * 1e9, "intra_node_gbs",
                   intra_size > 1, intra_group, intra_size, settings, settings.intra_node_latency_us)
-    inter_size = len(topology.dp_inter_ranks)
+    inter_group, inter_size = ((topology.peer_group, topology.islands) if across_islands
+                               else (topology.dp_inter_group, len(topology.dp_inter_ranks)))
     inter = _link(settings.inter_node_gbit and settings.inter_node_gbit * 1e9 / 8 / topology.ranks_per_node,
-                  "inter_node_gbit", topology.num_nodes > 1, topology.dp_inter_group, inter_size, settings,
+                  "inter_node_gbit", topology.num_nodes > 1 or across_islands, inter_group, inter_size, settings,
                   settings.inter_node_latency_us)
     return [intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
 
 
-def _stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape:
+def stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape:
     bucket_numel = min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
     fraction = workload_of_config(cfg).trainable_fraction
     if fraction < 1:  # frozen weights: that share of every group, as tools/plan.py models it
@@ -164,21 +189,32 @@ def _backend(cpu: bool) -> str:
 def _workload(cfg: Config, topology: Topology) -> Workload:
     workload = workload_of_config(cfg)
     if workload.global_batch is None:  # validate_config not run: one micro-batch per DP rank
-        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
+        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp * topology.islands)
     return workload
 
 
-def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings) -> Choice:
-    """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage."""
+def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings,
+                  outer: OuterOptions | None = None) -> Choice:
+    """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage.
+    With `outer` (two-level training), `topology` is this rank's `Topology.island_view` and the
+    choice is the islands' strategy (`choose_island_strategy`)."""
     settings.validate()
-    shapes = {s.stage: s for s in comm.all_gather_object(_stage_shape(model, cfg, topology), tag="planner/shapes")}
-    cluster = _cluster(settings, topology, measure_cluster(settings, topology))
+    shapes = {s.stage: s for s in comm.all_gather_object(stage_shape(model, cfg, topology), tag="planner/shapes")}
+    stages = [shapes[s] for s in sorted(shapes)]
+    cluster = _cluster(settings, topology, measure_cluster(settings, topology, across_islands=outer is not None))
     workload = _workload(cfg, topology)
-    choice = choose_strategy([shapes[s] for s in sorted(shapes)], workload, cluster, _zeropp_of(cfg, topology),
-                             _allowed(cfg, topology))
+    if outer is None:
+        choice = choose_strategy(stages, workload, cluster, _zeropp_of(cfg, topology), _allowed(cfg, topology))
+    else:
+        choice = choose_island_strategy(stages, workload, cluster, topology.islands, OuterChoice.of(outer),
+                                        _zeropp_of(cfg, topology), _allowed(cfg, topology))
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
     name, runner = names[0]
-    if topology.rank == 0:
+    if topology.rank == 0 and isinstance(choice.plan, IslandPlan):
+        log.info("zero: paro_strategy auto with islands -> %s in each of %d islands (runner-up %s), priced as "
+                 "the two-level job: %s\n%s", name, topology.islands, runner, choice.plan.reason,
+                 island_table(choice.plan))
+    elif topology.rank == 0:
         log.info("zero: paro_strategy auto -> %s (runner-up %s): %s\n%s", name, runner, choice.plan.reason,
                  table(choice.plan))
         if cluster.nodes > 1:
@@ -188,7 +224,7 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: P
     if name != choice.strategy.name:
         log.warning("zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s",
                     choice.strategy.name, name)
-        choice = Choice(parse_strategy(name), runner, choice.plan, cluster)
+        choice = Choice(parse_strategy(name), runner, choice.plan, choice.cluster)
     return choice
 
 
@@ -226,7 +262,7 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
     zpp = _zeropp_of(cfg, topology)
     workload = _workload(cfg, topology)
     lay = layout(workload, cluster, zpp.hpz)
-    shape = _stage_shape(model, cfg, topology)
+    shape = stage_shape(model, cfg, topology)
     padded = [n for n, _ in stage_padded(strategy, zpp, shape, lay)]
     reused = reused_groups(strategy, workload, padded, shape.persistent)
     hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)

@@ -9,7 +9,7 @@ it saves at least 5 % of the usable memory; otherwise the faster one wins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, predict_stage
@@ -170,12 +170,33 @@ def plan(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
     """Predict every option, sort (fitting, fastest, smallest) and pick the recommendation."""
     rows = sorted((predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp, allowed)),
                   key=_sort_key)
-    fitting = [p for p in rows if p.fits]
-    choice = runner = None
-    if fitting:
-        close = [p for p in fitting if p.step_s <= fitting[0].step_s * (1 + tie)]
-        least = min(p.memory_bytes for p in close)
-        choice = next(p for p in close if p.memory_bytes <= least + SAME_MEMORY * p.memory_limit)
-        runner = next((p for p in fitting if p is not choice), None)
+    choice, runner = pick(rows, tie)
     return Plan(rows, choice, runner, _reason(choice, runner, rows, tie))
+
+
+class Priced(Protocol):
+    """What the recommendation rule reads of a row (a `Prediction`, a two-level row)."""
+
+    @property
+    def fits(self) -> bool: ...
+    @property
+    def step_s(self) -> float: ...
+    @property
+    def memory_bytes(self) -> float: ...
+    memory_limit: float
+
+
+P = TypeVar("P", bound=Priced)
+
+
+def pick(rows: Sequence[P], tie: float = TIE) -> tuple[P | None, P | None]:
+    """(recommendation, runner-up) of `rows` sorted fitting first, fastest first: the module
+    docstring's near-tie rule."""
+    fitting = [p for p in rows if p.fits]
+    if not fitting:
+        return None, None
+    close = [p for p in fitting if p.step_s <= fitting[0].step_s * (1 + tie)]
+    least = min(p.memory_bytes for p in close)
+    choice = next(p for p in close if p.memory_bytes <= least + SAME_MEMORY * p.memory_limit)
+    return choice, next((p for p in fitting if p is not choice), None)
 

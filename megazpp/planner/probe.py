@@ -20,6 +20,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig
+from megazpp.model.config import ModelConfig
+from megazpp.model.flops import training_flops_per_token
+from megazpp.model.gpt import GPTModel
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.optim.optimizer import build_adamw
@@ -70,6 +73,28 @@ def probe_matmul_flops(n: int = 1024, repeats: int = 5, device: str | torch.devi
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times[1:])
+
+
+def probe_model_flops(cfg: ModelConfig, micro_batches: int, micro_batch_size: int, rounds: int, seed: int) -> float:
+    """FLOP/s of one rank's forward + backward of the model `cfg` (no communication), timed from
+    a barrier until the last rank is done, averaged over `rounds` x 2 rounds of `micro_batches`
+    after two warm-up rounds (allocator growth, first-touch pages): ranks sharing cores run at
+    once, and a step's collectives wait for the slowest, so this is the rate a step sees (a rank
+    timing only itself read 30-50 % high or low, as the scheduler favoured it or not).
+    Collective (the barriers)."""
+    model = GPTModel(cfg)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (micro_batches, micro_batch_size, cfg.seq_length + 1), generator=g)
+    batches = [(x[:, :-1], x[:, 1:]) for x in ids]
+    times = []
+    for i, (x, y) in enumerate(batches * (2 * rounds + 2)):
+        comm.barrier(tag="calibrate")
+        start = time.perf_counter()
+        model(x, y).mean().backward()
+        comm.barrier(tag="calibrate")
+        if i >= 2 * len(batches):
+            times.append(time.perf_counter() - start)
+    return training_flops_per_token(cfg) * micro_batch_size * cfg.seq_length / statistics.fmean(times)
 
 
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")

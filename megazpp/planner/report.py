@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Plan
-from megazpp.planner.two_level import TwoLevelPlan, digest
+from megazpp.planner.two_level import IslandPlan, TwoLevelPlan, digest
 from megazpp.planner.workload import Workload
 
 
@@ -80,3 +80,34 @@ def two_level_reason(tp: TwoLevelPlan, synchronous: Plan) -> str:
     return (f"Two-level recommendation (changes the optimisation): {c.outer.name}, {c.inner.name} inside each island, "
             f"predicted {c.step_s:.3f} s/step (inner {c.inner_step_s:.3f} s + exposed outer {c.exposed_s:.3f} s)"
             f"{versus}; {rule}; flags: {c.outer.flags()}")
+
+
+def island_table(ip: IslandPlan) -> str:
+    """`paro_strategy: auto` with islands: every option of the island under the run's outer
+    setting, as the two-level job it makes (memory with the outer state; step = inner + exposed
+    outer)."""
+    head = [f"Island options under {ip.outer.name}:", "",
+            "| # | island option | fits | outer state GiB | total GiB | inner inter GB/step | outer inter GB/step | "
+            "inner step s | exposed outer s | step s |", "|" + "---|" * 10]
+    lines = []
+    for i, row in enumerate(ip.rows, 1):
+        mark = " **<-**" if row is ip.choice else ""
+        lines.append(f"| {i} | {row.inner.name}{mark} | {'yes' if row.fits else 'NO'} | "
+                     f"{_g(max(o.state_bytes for o in row.stages))} | {_g(row.memory_bytes)} | "
+                     f"{row.inner.critical.step_bytes[1] / 1e9:.3f} | {row.mean_inter_bytes / 1e9:.4f} | "
+                     f"{row.inner_step_s:.3f} | {row.exposed_s:.3f} | {row.step_s:.3f} |")
+    return "\n".join(head + lines)
+
+
+def measured_inputs(c: Cluster, inter_given: bool, probed_inter: float) -> str:
+    """Every input a calibration's predictions used, as measured on the cluster (tools/
+    calibrate_planner.py, tools/bench_netlab_check.py); `probed_inter`: the node's probed
+    inter-node bytes/s, shown beside a given rate."""
+    probed = ", ".join(f"{k} {'/'.join(f'{t * 1e3:.2f}' for _, t in v)}"
+                       for k, v in sorted((c.collective_times or {}).items()))
+    adam = f"{c.optimizer_rate / 1e6:.0f} M elements/s" if c.optimizer_rate else "memory bound"
+    return (f"Measured inputs: {c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
+            f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
+            f"Gbit/s per node ({'given' if inter_given else 'probed'}; probed {probed_inter * 8 / 1e9:.3f}), "
+            f"{c.inter_latency * 1e6:.0f} us; AdamW {adam}; overlap model {'on' if c.overlap else 'off'}; "
+            f"collectives (ms per call at 4 KiB / 256 KiB / 4 MiB per member): {probed or 'not probed'}")

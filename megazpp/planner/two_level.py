@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from megazpp.outer import traffic as outer_traffic
-from megazpp.planner.cluster import Cluster
+from megazpp.outer.settings import OuterOptions
+from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, layout, stage_padded
-from megazpp.planner.plan import Plan, Prediction, plan
+from megazpp.planner.plan import TIE, Plan, Prediction, options, pick, plan, predict
 from megazpp.planner.shape import StageShape
 from megazpp.planner.workload import Workload
 from megazpp.zero import memory
@@ -63,6 +65,12 @@ class OuterChoice:
     fragments: int
     overlap_steps: int
     quantize: str
+
+    @classmethod
+    def of(cls, options: OuterOptions) -> "OuterChoice":
+        """The setting a run's resolved `outer` section stands for."""
+        return cls(options.island_nodes, options.sync_every, options.fragments, options.overlap_steps,
+                   options.quantize)
 
     @property
     def name(self) -> str:
@@ -138,14 +146,17 @@ def fragment_numels(tensor_numels: list[int], fragments: int) -> list[int]:
     return [sum(tensor_numels[run.start:run.stop]) for run in runs]
 
 
-def island_job(workload: Workload, cluster: Cluster, island_nodes: int) -> tuple[Workload, Cluster, int]:
+def island_job(workload: Workload, cluster: Cluster, island_nodes: int,
+               island_times: dict[str, tuple[tuple[float, float], ...]] | None = None
+               ) -> tuple[Workload, Cluster, int]:
     """One island's workload and cluster, and the number of islands: each island reads
-    1 / islands of every global batch. Probed collective times (`Cluster.collective_times`)
-    are left out: they were measured on the whole job's groups, not the island's, so the
-    island is priced by its links and latencies."""
+    1 / islands of every global batch. The whole job's probed collective times
+    (`Cluster.collective_times`) are left out: they were measured on its groups, not the
+    island's; `island_times`, probed on the island's own groups (`probe.probe_host` on a
+    `Topology.island_view`, as `paro_strategy: auto` and tools/bench_netlab_check.py do), price the island's collectives instead; without them its links and latencies do."""
     islands = cluster.nodes // island_nodes
     return (dataclasses.replace(workload, global_batch=workload.global_batch // islands),
-            dataclasses.replace(cluster, nodes=island_nodes, collective_times=None), islands)
+            dataclasses.replace(cluster, nodes=island_nodes, collective_times=island_times), islands)
 
 
 def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], tensors: list[int],
@@ -200,6 +211,52 @@ class TwoLevelPlan:
     rows: list[TwoLevelPrediction]  # the recommendation first, then by step time
     choice: TwoLevelPrediction | None
     islands_plans: dict[int, Plan]  # per island size: the island's synchronous plan
+
+
+@dataclass
+class IslandPlan:
+    """The island's options under one outer setting (`paro_strategy: auto` with islands)."""
+
+    outer: OuterChoice
+    rows: list[TwoLevelPrediction]  # fitting first, then fastest first, then least memory
+    choice: TwoLevelPrediction | None
+    runner_up: TwoLevelPrediction | None
+    reason: str
+
+
+def plan_island(shapes: list[StageShape], workload: Workload, cluster: Cluster, outer: OuterChoice, *,
+                fixed_zeropp: ZeroPP | None = None, allowed: Callable[[Strategy], bool] = lambda s: True,
+                island_times: dict[str, tuple[tuple[float, float], ...]] | None = None,
+                tie: float = TIE) -> IslandPlan:
+    """Every option `plan.options` lists for one island's job (the run's ZeRO++ switches,
+    `allowed` strategies), each priced as a two-level row under `outer`: its inner step over
+    the island's links (`island_times`: see `island_job`), plus its outer syncs amortised over
+    H, its memory with the outer state (whose size and sync bytes follow the option's os
+    level); sorted and recommended by the synchronous plan's rule (`plan.pick`). `workload`
+    and `cluster` are the whole job's."""
+    job, island, _ = island_job(workload, cluster, outer.island_nodes, island_times)
+    rows = sorted((predict_two_level(outer, predict(o, shapes, job, island), shapes, workload, cluster)
+                   for o in options(job, island, fixed_zeropp, allowed)),
+                  key=lambda p: (not p.fits, p.step_s, p.memory_bytes, p.inner.name))
+    choice, runner = pick(rows, tie)
+    return IslandPlan(outer, rows, choice, runner, _island_reason(choice, runner, rows))
+
+
+def _island_reason(choice: TwoLevelPrediction | None, runner: TwoLevelPrediction | None,
+                   rows: list[TwoLevelPrediction]) -> str:
+    if choice is None:
+        least = min(rows, key=lambda p: p.memory_bytes)
+        return (f"nothing fits under {least.outer.name}: the smallest footprint, {least.inner.name} with its outer "
+                f"state, needs {least.memory_bytes / GIB:.1f} GiB of {least.memory_limit / GIB:.1f} GiB usable")
+    parts = [f"{choice.inner.name} inside each island fits ({choice.memory_bytes / GIB:.2f} GiB of "
+             f"{choice.memory_limit / GIB:.2f} GiB usable, outer state included) and is predicted at "
+             f"{choice.step_s:.3f} s/step under {choice.outer.name}: inner step {choice.inner_step_s:.3f} s "
+             f"+ exposed outer {choice.exposed_s:.3f} s ({choice.mean_inter_bytes / 1e9:.4f} GB outer "
+             f"inter-node per rank per inner step)"]
+    if runner is not None:
+        parts.append(f"runner-up {runner.inner.name}: {runner.step_s:.3f} s/step "
+                     f"({100 * (runner.step_s / choice.step_s - 1):+.1f} %), {runner.memory_bytes / GIB:.2f} GiB")
+    return "; ".join(parts)
 
 
 def _preference(p: TwoLevelPrediction) -> tuple:

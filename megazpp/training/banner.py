@@ -21,12 +21,16 @@ from megazpp.zero.engine import ZeroEngine
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
+    two_level = isinstance(engine, DiLoCoEngine)
+    if two_level:
+        engine = engine.inner  # the island's engine
     if not isinstance(engine, ZeroEngine):
         return "none: one data-parallel replica (LocalEngine)"
     strategy = engine.strategy
     z = cfg.zero
     if z.paro_strategy is not None and str(z.paro_strategy).lower() == "auto":
-        source = "zero.paro_strategy auto: the planner's choice, reason above"
+        source = ("zero.paro_strategy auto: the planner's choice for each island, priced as the two-level job, "
+                  "reason above" if two_level else "zero.paro_strategy auto: the planner's choice, reason above")
     elif z.paro_strategy is not None:
         source = f"zero.paro_strategy {z.paro_strategy}"
     elif z.stage:

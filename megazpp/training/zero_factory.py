@@ -15,6 +15,7 @@ from torch import nn
 from megazpp.config import Config, ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.model.gpt import GPTModel
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
 from megazpp.zero.engine import ZeroEngine
@@ -42,14 +43,17 @@ def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> Ze
 
 def build_zero_engine(model: GPTModel, cfg: Config, topology: Topology,
                       micro_batches_per_step: int | None = None,
-                      counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> ZeroEngine:
+                      counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
+                      outer: OuterOptions | None = None) -> ZeroEngine:
     """The engine for `model` (built in fp32, like LocalEngine's) under `cfg` on `topology`;
     `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate).
     `paro_strategy: auto` asks the planner (collective: every rank gets rank 0's choice), and so
-    does `hierarchical: auto`: the engine gets the planner's per-kind decision as data."""
+    does `hierarchical: auto`: the engine gets the planner's per-kind decision as data. With
+    `outer` (two-level training, `topology` an island view) auto prices each island option as
+    the two-level job it makes."""
     cluster = None
     if str(cfg.zero.paro_strategy).lower() == "auto":
-        choice = auto_strategy(model, cfg, topology, cfg.planner)
+        choice = auto_strategy(model, cfg, topology, cfg.planner, outer)
         cluster = choice.cluster
         cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, paro_strategy=choice.strategy.name,
                                                                 stage=0))
