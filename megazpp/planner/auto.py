@@ -151,8 +151,8 @@ def measure_links(settings: PlannerSettings, topology: Topology, across_islands:
 
 
 def stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape:
-    bucket_numel = min(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
-    fraction = workload_of_config(cfg).trainable_fraction
+    workload = workload_of_config(cfg)
+    bucket_numel, fraction = workload.bucket_numel, workload.trainable_fraction
     if fraction < 1:  # frozen weights: that share of every group, as tools/plan.py models it
         return shapes_of_config(cfg.model, tp=topology.tp, pp=topology.pp, bucket_numel=bucket_numel,
                                 threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
