@@ -221,8 +221,8 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology), base=start.base)
     if loaded is None:
-        where = f" in {load_dir}" if load_dir else " (no --load or --save)"
-        logger.info(f"no checkpoint to load{where}: starting from scratch")
+        if load_dir is not None:  # else the banner's start line said it
+            logger.info(f"no checkpoint in {load_dir}: starting from scratch")
     elif loaded.weights_only:
         logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
     else:
