@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     die_with_launcher()  # a rank of run.sh's launcher ends with it, however it ends
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
-        print(render_help(), end="")
+        print(render_help([a for a in args if a not in ("--help", "-h")]), end="")
         return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
