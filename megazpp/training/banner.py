@@ -52,11 +52,12 @@ def _strategy(cfg: Config, engine: Engine) -> str:
     if asked and not zpp.enabled:
         zeropp_note = ("; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress "
                        "(exact paths)")
-    elif z.zero_hpz_partition_size > max(zpp.hpz, 1):
-        lowered = (f"hpZ {zpp.hpz}, the data-parallel ranks of one node" if zpp.hpz > 1 else
-                   "hpZ off: a node holds one data-parallel rank, backward gathers the primary shards")
-        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size} lowered to {lowered} "
-                       "(hpZ's secondary copy stays inside a node)")
+    elif z.zero_hpz_partition_size > zpp.hpz > 1:
+        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size} lowered to {zpp.hpz}, the "
+                       "data-parallel ranks of one node (hpZ's secondary copy stays inside a node)")
+    elif z.zero_hpz_partition_size > zpp.hpz:
+        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size}: hpZ off, a node holds one "
+                       "data-parallel rank (backward gathers the primary shards)")
     else:
         zeropp_note = ""
     return (f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}; {layout}"
