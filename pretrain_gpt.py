@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     die_with_launcher()  # a rank of run.sh's launcher ends with it, however it ends
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
-        print(render_help(), end="")
+        print(render_help([a for a in args if a not in ("--help", "-h")]), end="")
         return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
@@ -221,8 +221,8 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
                       forward_backward_fn=pick_schedule(cfg, topology), base=start.base)
     if loaded is None:
-        where = f" in {load_dir}" if load_dir else " (no --load or --save)"
-        logger.info(f"no checkpoint to load{where}: starting from scratch")
+        if load_dir is not None:  # else the banner's start line said it
+            logger.info(f"no checkpoint in {load_dir}: starting from scratch")
     elif loaded.weights_only:
         logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
     else:

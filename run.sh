@@ -44,8 +44,38 @@ fi
 slurm_exports=$("$PYTHON" -m megazpp.launch.slurm)
 eval "$slurm_exports"
 
+# --help: run.sh's own variables (with the values this shell gives them), then pretrain_gpt.py's
+# flags with CONFIG's values as their defaults, as this command would run them.
+usage() {
+  cat <<EOF
+usage: [VARIABLE=value ...] bash run.sh [pretrain_gpt.py flags]
+
+Builds the sample data into DATA_DIR if absent, checks the configuration once, then starts
+pretrain_gpt.py --config CONFIG --data-path DATA_DIR/corpus_text_document
+--tokenizer-model DATA_DIR/tokenizer.model [flags] on NPROC_PER_NODE ranks (torchrun).
+
+environment variables (the value each has now):
+  CONFIG          the YAML config (${CONFIG}); a DeepSpeed JSON goes in --deepspeed_config FILE
+  DATA_DIR        sample data: corpus, tokenizer, indexed dataset (${DATA_DIR})
+  VOCAB_SIZE      vocabulary of the sample tokenizer run.sh trains (${VOCAB_SIZE})
+  PYTHON          the interpreter (${PYTHON})
+  NPROC_PER_NODE  ranks on this node (${NPROC_PER_NODE:-unset: every GPU, or 1 CPU rank})
+  NNODES          nodes of the job (${NNODES:-unset: 1})
+  NODE_RANK       this node's index, 0 on the first (${NODE_RANK:-unset: 0})
+  MASTER_ADDR     node 0's address (${MASTER_ADDR:-unset: 127.0.0.1})
+  MASTER_PORT     node 0's rendezvous port (${MASTER_PORT:-unset: a free port on one node, 29500 on several})
+  RDZV_TIMEOUT    seconds a node waits for the others (${RDZV_TIMEOUT:-unset: 600})
+  MAX_RESTARTS    torchrun restarts of a failed attempt; one given --save resumes (${MAX_RESTARTS:-unset: 0})
+  OMP_NUM_THREADS threads per CPU rank (${OMP_NUM_THREADS:-unset: 1 on CPU ranks})
+  MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, TORCH_DISABLE_SHARE_RDZV_TCP_STORE: set by run.sh
+                  unless given (why: the comments in run.sh)
+Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
+NPROC_PER_NODE come from the job unless set; tools/launch_hosts.sh sets them from a hostfile.
+
+EOF
+}
 for arg in "$@"; do
-  case "$arg" in -h|--help) exec "$PYTHON" pretrain_gpt.py --help ;; esac
+  case "$arg" in -h|--help) usage; exec "$PYTHON" pretrain_gpt.py --config "$CONFIG" "$@" ;; esac
 done
 
 # The node variables, checked before anything is built or started: one line each, not bash's

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,15 +305,7 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     """
     args = list(argv or [])
     yaml_path, ds_path, flag_args = _split_file_flags(args)
-    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    origins: dict[str, str] = {}
-    if yaml_path is not None:
-        _merge(values, origins, _read_yaml(yaml_path), source=f"config file {yaml_path}")
-    if ds_path is not None:
-        from megazpp.config_deepspeed import read_deepspeed_config
-
-        _merge(values, origins, read_deepspeed_config(ds_path),
-               source=f"DeepSpeed config {ds_path}")
+    values, origins = _read_files(yaml_path, ds_path)
     from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
     cfg = _build(values)
@@ -322,24 +315,51 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     return cfg
 
 
+def file_defaults(argv: Sequence[str]) -> tuple[Config, dict[str, str]]:
+    """What `--help` shows as each flag's default for a command: the built-in values under the
+    `--config` and `--deepspeed_config` files `argv` names, and which file set each
+    (`section.field` -> source). Nothing is derived from data (the tokenizer may not exist yet)."""
+    yaml_path, ds_path, _ = _split_file_flags(list(argv))
+    values, origins = _read_files(yaml_path, ds_path)
+    return _build(values), origins
+
+
+def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The sections' values from the YAML, then the DeepSpeed JSON over it, and their origins."""
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    origins: dict[str, str] = {}
+    if yaml_path is not None:
+        _merge(values, origins, _read_yaml(yaml_path), source=f"config file {yaml_path}")
+    if ds_path is not None:
+        from megazpp.config_deepspeed import read_deepspeed_config
+
+        names: dict[str, str] = {}
+        sections = read_deepspeed_config(ds_path, names)
+        _merge(values, origins, sections, source=f"DeepSpeed config {ds_path}", names=names)
+    return values, origins
+
+
 def _fit_warmup_to_run(t: TrainingConfig, from_files: dict[str, Any], origins: dict[str, str],
                        notes: list[str]) -> None:
-    """A quick try such as `--train-iters 10` on a config file written for a longer run
-    keeps the file's warmup as the same share of the (shorter) run instead of being refused
-    for a warmup longer than the run. A warmup given on the command line is never changed."""
+    """A quick try such as `--train-iters 10` on a config file written for a longer run keeps
+    the file's warmup as the same share of the (shorter) run: warmup x this run's decay length
+    / the file's, rounded down, so the warmup grows with the run up to the file's own at the
+    file's length (never a jump from a scaled 2 steps at 29 to the file's 30 at 30). A warmup
+    given on the command line, or a run as long as the file's or longer, is never changed."""
     source = origins.get("training.lr_warmup_iters")
-    decay = t.lr_decay_iters or t.train_iters
-    if source in (None, "command line") or t.lr_warmup_iters <= decay:
+    if source in (None, "command line"):
         return
+    decay = t.lr_decay_iters or t.train_iters
     file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters")
                      or TrainingConfig.train_iters)
-    if t.lr_warmup_iters > file_decay:
-        return  # the file contradicts itself: config_checks.validate_config refuses it
+    if decay >= file_decay or t.lr_warmup_iters > file_decay:
+        return  # a longer run keeps the warmup; a file contradicting itself is refused later
     adjusted = t.lr_warmup_iters * decay // file_decay
-    notes.append(f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is longer than "
-                 f"this run's {decay} steps: using {adjusted}, the same share "
-                 f"({t.lr_warmup_iters}/{file_decay}) of the run as in the file; give "
-                 "--lr-warmup-iters to choose")
+    if adjusted == t.lr_warmup_iters:
+        return
+    notes.append(f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is for its "
+                 f"{file_decay} steps: using {adjusted} for this run's {decay}, the same share "
+                 f"({t.lr_warmup_iters}/{file_decay}); give --lr-warmup-iters to choose")
     t.lr_warmup_iters = adjusted
 
 
@@ -372,6 +392,15 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections "
                           f"{sorted(SECTIONS)}, got {type(raw).__name__}")
+    from megazpp.config_deepspeed import is_deepspeed_key
+
+    deepspeed = [str(key) for key in raw if key not in SECTIONS and is_deepspeed_key(key)]
+    if deepspeed:
+        raise ConfigError(f"config file {path}: this is a DeepSpeed config (its keys are DeepSpeed's: "
+                          f"{', '.join(deepspeed[:3])}{', ...' if len(deepspeed) > 3 else ''}), not "
+                          "a megazpp YAML: pass it as --deepspeed_config " + path + " (with run.sh: "
+                          "bash run.sh --deepspeed_config " + path + "; CONFIG names the YAML it "
+                          "overrides)")
     sections: dict[str, dict[str, Any]] = {}
     for name, body in raw.items():
         if name not in SECTIONS:
@@ -387,9 +416,10 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
 
 
 def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
-           update: dict[str, dict[str, Any]], source: str) -> None:
+           update: dict[str, dict[str, Any]], source: str, names: dict[str, str] | None = None) -> None:
     """Type-check each key of `update` against its section and write it into `values`,
-    remembering in `origins` which source set it (for error messages)."""
+    remembering in `origins` which source set it (for error messages). `names` spells a key
+    as its source wrote it (a DeepSpeed key: `train_batch_size`, not `training.global_batch_size`)."""
     for section, body in update.items():
         cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
@@ -397,7 +427,8 @@ def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
             if key not in hints:
                 raise ConfigError(f"{source}: unknown key {section}.{key}"
                                   f"{_suggest_key(section, str(key))}")
-            values[section][key] = coerce(value, hints[key], f"{source}: {section}.{key}")
+            name = (names or {}).get(f"{section}.{key}", f"{section}.{key}")
+            values[section][key] = coerce(value, hints[key], f"{source}: {name}")
             origins[f"{section}.{key}"] = source
 
 
@@ -422,7 +453,10 @@ def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
             parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS)
-    known, unknown = parser.parse_known_args(args)
+    valued = {flag for flag, (section, name) in table.items()
+              if typing.get_type_hints(SECTIONS[section])[name] is not bool
+              and typing.get_origin(typing.get_type_hints(SECTIONS[section])[name]) is not list}
+    known, unknown = parser.parse_known_args(_attach_negative_numbers(args, valued))
     if unknown:
         bad = unknown[0]
         if bad.startswith("-"):
@@ -437,6 +471,27 @@ def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
         section, name = dest.split(".", 1)
         update.setdefault(section, {})[name] = value
     return update
+
+
+def _attach_negative_numbers(args: list[str], valued: set[str]) -> list[str]:
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes a word starting with `-` for a flag unless
+    it looks like `-1` or `-.5` (not `-1e-3`), and then says the flag "expected one argument";
+    the value then meets its own check (a negative --lr: config_checks)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] in valued and i + 1 < len(args) and _is_negative_number(args[i + 1]):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
+def _is_negative_number(word: str) -> bool:
+    """`-1e-3`, `-.5`, `-1,2` (a split): a value, since no flag starts with a dash and a digit."""
+    return re.match(r"-\.?\d", word) is not None
 
 
 def _build(values: dict[str, dict[str, Any]]) -> Config:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
 from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
+from megazpp.data.builder import parse_split
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.outer.settings import OuterOptions
@@ -140,7 +141,9 @@ def _validate_schedule(cfg: Config) -> None:
     if t.lr_warmup_iters > decay_iters:
         raise ConfigError(f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
                           f"length (lr_decay_iters or train_iters) = {decay_iters}")
-    _require_positive("optimizer.lr", o.lr)
+    if not o.lr > 0:
+        raise ConfigError(f"optimizer.lr (--lr) = {o.lr:g}: expected a learning rate > 0 (a negative "
+                          "one would climb the loss; 0 would not train)")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr = {o.min_lr} must lie in [0, optimizer.lr = {o.lr}]")
     for key in ("adam_beta1", "adam_beta2"):
@@ -150,14 +153,7 @@ def _validate_schedule(cfg: Config) -> None:
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError("optimizer.weight_decay and optimizer.clip_grad must be >= 0, got "
                           f"{o.weight_decay} and {o.clip_grad}")
-    parts = cfg.data.split.replace("/", ",").split(",")
-    try:
-        weights = [float(x) for x in parts]
-    except ValueError:
-        weights = []
-    if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"data.split = {cfg.data.split!r}: expected up to three non-negative "
-                          "weights such as '969,30,1'")
+    parse_split(cfg.data.split, "data.split")
 
 
 def _validate_precision(p: PrecisionConfig) -> None:

@@ -13,9 +13,9 @@ import dataclasses
 import sys
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from megazpp.config import FLAG_NAMES, SECTIONS, flag_table
+from megazpp.config import FLAG_NAMES, SECTIONS, Config, file_defaults, flag_table
 from megazpp.config_aliases import MEGATRON_ALIASES, REFUSED_FLAGS
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
@@ -156,6 +156,7 @@ HELP: dict[str, str] = {
     "outer.overlap_steps": "streaming: inner steps an outer exchange runs before it is applied (tau, below H)",
     "outer.merge_alpha": "with overlap: weight of the island's own parameters when an exchange is applied",
     "outer.quantize": "outer-gradient wire format: none (fp32), bf16, int4 (blocks of 256, error feedback)",
+    "outer.error_feedback": "int4 wire: add what the wire dropped back at the next sync (false: the ablation)",
     "outer.island_nodes": "nodes per island",
 }
 
@@ -178,12 +179,15 @@ def _type_name(hint: Any) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
+    """A field's declared default (not a derived value: ffn_hidden_size's none stays none)."""
     if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return "required"
+        return _shown(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return _shown(f.default_factory())
+    return "required"
+
+
+def _shown(value: Any) -> str:
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -193,19 +197,27 @@ def _default(f: dataclasses.Field) -> str:
     return str(value)
 
 
-def reference_rows() -> dict[str, list[tuple[str, str, str, str]]]:
-    """section -> [(flag, type, default, help)] in schema order."""
+def reference_rows(shown: Config | None = None, origins: dict[str, str] | None = None,
+                   ) -> dict[str, list[tuple[str, str, str, str]]]:
+    """section -> [(flag, type, default, help)] in schema order. The default is the built-in
+    value, or `shown`'s where `origins` says a file set it (then with the built-in beside it)."""
     table = flag_table()
     by_field = {v: k for k, v in table.items()}
+    shown = shown or Config()
     rows: dict[str, list[tuple[str, str, str, str]]] = {}
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = by_field[(section, f.name)]
             kind = "" if hints[f.name] is bool else _type_name(hints[f.name])
-            shown = f"{flag} / --no-{flag[2:]}" if hints[f.name] is bool else flag
+            flags = f"{flag} / --no-{flag[2:]}" if hints[f.name] is bool else flag
+            default = _default(f)
+            source = (origins or {}).get(f"{section}.{f.name}")
+            if source is not None:
+                default = (f"{_shown(getattr(getattr(shown, section), f.name))} from the "
+                           f"{source.split(' ', 1)[0]} file; built-in {default}")
             rows.setdefault(section, []).append(
-                (shown, kind, _default(f), HELP.get(f"{section}.{f.name}", "")))
+                (flags, kind, default, HELP.get(f"{section}.{f.name}", "")))
     return rows
 
 
@@ -218,15 +230,20 @@ def _alias_lines() -> list[tuple[str, str]]:
     return lines
 
 
-def render_help() -> str:
-    """The console text of `pretrain_gpt.py --help`."""
+def render_help(argv: Sequence[str] = ()) -> str:
+    """The console text of `pretrain_gpt.py --help`: with `--config` / `--deepspeed_config` in
+    `argv` (run.sh passes its CONFIG), the defaults those files set, as the command would run."""
+    shown, origins = file_defaults(argv)
+    files = list(dict.fromkeys(source for source in origins.values()))
     out = ["usage: pretrain_gpt.py [--config FILE] [--deepspeed_config FILE] [--FLAG VALUE ...]",
            "", "Pretrain a GPT-2 or Llama model. Precedence: defaults < --config < "
            "--deepspeed_config < flags.", "Every config key is a flag: section.some_key is "
            "--some-key (except " + ", ".join(f"{k} {v}" for k, v in FLAG_NAMES.items()) + ").",
+           "Defaults shown: " + (" over ".join(reversed(files)) + " over the built-in values"
+                                 if files else "the built-in values (no --config given)") + ".",
            "", "files:"]
     out += [f"  {flag:<34} {text}" for flag, text in FILE_FLAGS]
-    for section, rows in reference_rows().items():
+    for section, rows in reference_rows(shown, origins).items():
         out += ["", f"{section}: {SECTION_HELP.get(section, '')}"]
         for flag, kind, default, text in rows:
             left = f"{flag} {kind}".rstrip()

@@ -92,7 +92,7 @@ def test_quick_start_run_second_run_compare_export(tmp_path, data_dir):
                      "train 24 samples, valid 4", f"checkpoints: {ck} every 100 steps",
                      f"TensorBoard: {tb / 'first'}",
                      "note: training.lr_warmup_iters = 30 (config file configs/llama_tiny.yaml) "
-                     "is longer than this run's 6 steps: using 0",
+                     "is for its 300 steps: using 0 for this run's 6",
                      f"iter      6/6 | saved checkpoint {ck / 'iter_0000006'}", "| eta "):
         assert expected in first, expected
     assert "loss_scale" not in first and "skipped" not in first  # fp32: nothing to scale

@@ -5,8 +5,10 @@ inter-node bytes, and a Markdown table with the gap of every run to the first.
     python tools/compare_runs.py runs/a runs/b --out cmp --labels baseline,zeropp --smoothing 0.6
 
 Writes OUT/loss.png, OUT/throughput.png and OUT/summary.md; numbers are taken over the
-training steps all runs share (the notes in summary.md say when runs differ in length or
-lack a tag, or when one directory holds several runs, which are then compared separately).
+training steps all runs share, beside each run's own last step and final loss (the notes in
+summary.md say when runs differ in length or lack a tag, or when one directory holds several
+runs, which are then compared separately). Tokens/s depends on the machine's load while each
+run ran: the plot and the summary say so.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Aligns runs by step and reduces each to the numbers a comparison table needs.
 
-Why one common step range for every column: a run that stopped at step 50 has a higher
+Why one common step range for the columns: a run that stopped at step 50 has a higher
 "final" loss than one that went on to 100 for no reason but its length, and its mean
-tokens/s misses the later steps. Every number is therefore taken over the steps all runs
-with a training loss share, and the notes say so whenever the runs differ in length.
+tokens/s misses the later steps. The compared numbers are therefore taken over the steps all
+runs with a training loss share, and the notes say so whenever the runs differ in length.
+Each run's own last step and final loss stand beside them (a 300-step run's result is what
+its user came for, even next to a 20-step try).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ TOKENS_PER_SEC = "perf/tokens_per_sec"
 INTER_BYTES = "comm/inter_bytes"
 PEAK_MEMORY = "mem/peak_bytes"
 COMPARED_TAGS = (TRAIN_LOSS, VAL_LOSS, TOKENS_PER_SEC, INTER_BYTES, PEAK_MEMORY)
+# tokens/s is a wall-clock rate: another job on the same cores or GPUs slows a run down
+THROUGHPUT_CAVEAT = ("tokens/s depends on the machine's load while each run ran (other jobs on the "
+                     "same cores or GPUs slow it): compare it only between runs made alone on the "
+                     "same machine.")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class RunSummary:
     tokens_per_sec: float | None
     inter_bytes_per_step: float | None
     peak_memory_bytes: float | None
+    own_last_step: int | None = None  # the run's own last training step, outside the common range too
+    own_final_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ def compare_runs(runs: Sequence[Run]) -> Comparison:
         notes += [f"run {run.label} has no {tag} point in steps {first}..{last}"
                   for run, scalars in zip(runs, clipped) for tag in COMPARED_TAGS
                   if _has(run, tag) and not len(scalars[tag])]
-    rows = [_summarise(run.label, scalars) for run, scalars in zip(runs, clipped)]
+    rows = [_with_own_end(_summarise(run.label, scalars), run) for run, scalars in zip(runs, clipped)]
     rows = _with_gaps(rows, notes)
     final_steps = {r.final_step for r in rows if r.final_step is not None}
     if len(final_steps) > 1:
@@ -119,6 +127,13 @@ def _summarise(label: str, scalars: dict[str, Series]) -> RunSummary:
         inter_bytes_per_step=float(np.mean(inter)) if inter is not None else None,
         peak_memory_bytes=float(np.max(memory)) if memory is not None else None,
     )
+
+
+def _with_own_end(row: RunSummary, run: Run) -> RunSummary:
+    if not _has(run, TRAIN_LOSS):
+        return row
+    train = run.scalars[TRAIN_LOSS]
+    return replace(row, own_last_step=int(train.steps[-1]), own_final_loss=float(train.values[-1]))
 
 
 def _lowest(values: np.ndarray) -> float:

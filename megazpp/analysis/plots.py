@@ -16,7 +16,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megazpp.analysis.comparison import INTER_BYTES, TOKENS_PER_SEC, TRAIN_LOSS, VAL_LOSS, Comparison
+from megazpp.analysis.comparison import (INTER_BYTES, THROUGHPUT_CAVEAT, TOKENS_PER_SEC, TRAIN_LOSS, VAL_LOSS,
+                                         Comparison)
 from megazpp.analysis.event_reader import Run
 from megazpp.analysis.smoothing import ema_debiased
 
@@ -92,7 +93,8 @@ def plot_throughput(comparison: Comparison, path: Path) -> None:
             if series is not None and len(series):
                 axes.plot(series.steps, series.values / scale, color=color, marker=".",
                           linewidth=1.2, label=run.label)
-        axes.set(ylabel=ylabel, title=tag)
+        axes.set(ylabel=ylabel, title=f"{tag} (depends on the machine's load during each run)"
+                 if tag == TOKENS_PER_SEC else tag)
         axes.set_ylim(bottom=0)  # from zero, so the height ratio between runs is their speed ratio
         _annotate_missing(axes, _missing(comparison, tag), tag)
         if axes.get_legend_handles_labels()[0]:
@@ -100,7 +102,7 @@ def plot_throughput(comparison: Comparison, path: Path) -> None:
         axes.grid(alpha=0.3)
     bottom.set_xlabel("step")
     figure.tight_layout()
-    save_png(figure, path)
+    save_png(figure, path, description=THROUGHPUT_CAVEAT)
 
 
 def _colors(count: int) -> list[str]:
@@ -125,12 +127,13 @@ def _annotate_missing(axes, labels: list[str], tag: str) -> None:
                   transform=axes.transAxes, fontsize="small", color="dimgrey")
 
 
-def save_png(figure: Figure, path: Path) -> None:
-    """Render `figure` to `path` atomically (temporary name, then rename)."""
+def save_png(figure: Figure, path: Path, description: str | None = None) -> None:
+    """Render `figure` to `path` atomically (temporary name, then rename); `description` goes
+    into the PNG's Description text chunk, where image viewers show a caption."""
     FigureCanvasAgg(figure)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        figure.savefig(tmp, format="png")
+        figure.savefig(tmp, format="png", metadata={"Description": description} if description else None)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

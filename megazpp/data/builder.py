@@ -45,15 +45,21 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     return list(zip(weights, items[1::2]))
 
 
-def parse_split(split: str) -> list[float]:
-    """`"969,30,1"` (or `/`-separated; missing parts are 0) -> three fractions summing to 1."""
+def parse_split(split: str, where: str = "split") -> list[float]:
+    """`"969,30,1"` (or `/`-separated; missing parts are 0) -> three fractions summing to 1.
+    A refusal says which rule the weights break, naming them as `where` (the config key)."""
     parts = str(split).replace("/", ",").split(",")
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise ConfigError(f"split {split!r} must be up to three numbers like '969,30,1'") from None
-    if len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
+        raise ConfigError(f"{where} = {split!r}: expected up to three numbers like '969,30,1'") from None
+    if len(values) > 3:
+        raise ConfigError(f"{where} = {split!r}: expected up to three weights (train,valid,test), got {len(values)}")
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ConfigError(f"{where} = {split!r}: expected finite non-negative weights like '969,30,1'")
+    if sum(values) <= 0:
+        raise ConfigError(f"{where} = {split!r}: the weights sum to zero, so no document would go to "
+                          "any split; give at least one a positive weight (the train one, e.g. '98,2,0')")
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
 

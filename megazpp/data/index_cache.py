@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def cache_key(description: dict, *arrays: np.ndarray) -> str:
@@ -40,8 +42,9 @@ def save_atomic(path: Path, array: np.ndarray) -> None:
 def load_or_build(paths: dict[str, Path], build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
     """The arrays named in `paths`, loaded memory-mapped if all files exist, else built and saved.
 
-    Returns (arrays, built). A cache directory that cannot be written only costs the rebuild
-    next time, so that is a warning, not an error.
+    Returns (arrays, built). A cache directory that cannot be written (a read-only dataset)
+    only costs the rebuild at every start, so that is one line per directory and process (the
+    train, valid and max-token caches of one dataset share it), not an error.
     """
     if all(p.is_file() for p in paths.values()):
         try:
@@ -54,5 +57,20 @@ def load_or_build(paths: dict[str, Path], build: Callable[[], dict[str, np.ndarr
             path.parent.mkdir(parents=True, exist_ok=True)
             save_atomic(path, arrays[name])
     except OSError as e:
-        warnings.warn(f"could not cache dataset indices in {next(iter(paths.values())).parent}: {e}")
+        _say_uncached(next(iter(paths.values())).parent, e)
     return arrays, True
+
+
+_told: set[Path] = set()  # directories already named by `_say_uncached` in this process
+
+
+def _say_uncached(directory: Path, error: OSError) -> None:
+    """What failed, where, and what it costs: said once per directory (on rank 0: every rank
+    meets the same directory)."""
+    if directory in _told:
+        return
+    _told.add(directory)
+    log.info("data: cannot write the dataset's index caches in %s (%s): its indices (sample order, "
+             "largest token id) are rebuilt at every start instead of loaded; training is unaffected",
+             directory,
+             error.strerror or error)

@@ -147,7 +147,20 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
     """One safetensors file (tensors made contiguous and unshared, as the format needs)."""
     plain = {name: t.detach().clone() if _shares_storage(t) else t.detach().contiguous()
              for name, t in tensors.items()}
-    _replace_atomically(Path(path), lambda tmp: save_file(plain, str(tmp), metadata=metadata))
+
+    def write(tmp: Path) -> None:
+        save_file(plain, str(tmp), metadata=metadata)
+        tmp.chmod(_new_file_mode())  # the writer creates it 0600; every other output is 0666 - umask
+
+    _replace_atomically(Path(path), write)
+
+
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (which can only be read by
+    setting it, so it is set back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _shares_storage(t: torch.Tensor) -> bool:

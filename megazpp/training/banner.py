@@ -21,6 +21,9 @@ from megazpp.zero.engine import ZeroEngine
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
+    """The strategy, who chose it, the group sizes and hierarchy the engine runs, and ZeRO++ as
+    it runs (hpZ lowered to a node's DP ranks, all off on one DP rank) with why it differs from
+    what was asked: said here once, not by every rank of the engine."""
     two_level = isinstance(engine, DiLoCoEngine)
     if two_level:
         engine = engine.inner  # the island's engine
@@ -37,11 +40,28 @@ def _strategy(cfg: Config, engine: Engine) -> str:
         source = f"zero.stage {z.stage}"
     else:
         source = "data parallel with no ZeRO stage: plain DDP"
-    # what the engine runs (hpZ lowered to a node's DP ranks, all off on one DP rank)
+    groups, hier = engine.groups, engine.hier
+    two_stage = [name for name, on in (("gather", hier.gather), ("reduce", hier.reduce),
+                                       ("all-reduce", hier.all_reduce)) if on]
+    layout = (f"dp {groups.dp_size}, PaRO group {groups.group_size}; G collectives "
+              f"{'in two stages (group, then across): ' + ', '.join(two_stage) if two_stage else 'in one stage'}")
     zpp = engine.zeropp
     zeropp = [name for name, on in (("qwZ", zpp.qwz), (f"hpZ {zpp.hpz}", zpp.hpz > 1),
                                     ("qgZ", zpp.qgz), ("LoCo", zpp.loco)) if on]
-    return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}"
+    asked = z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1 or z.loco
+    if asked and not zpp.enabled:
+        zeropp_note = ("; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress "
+                       "(exact paths)")
+    elif z.zero_hpz_partition_size > zpp.hpz > 1:
+        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size} lowered to {zpp.hpz}, the "
+                       "data-parallel ranks of one node (hpZ's secondary copy stays inside a node)")
+    elif z.zero_hpz_partition_size > zpp.hpz:
+        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size}: hpZ off, a node holds one "
+                       "data-parallel rank (backward gathers the primary shards)")
+    else:
+        zeropp_note = ""
+    return (f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}; {layout}"
+            f"{zeropp_note}")
 
 
 def _trains(cfg: Config) -> str:

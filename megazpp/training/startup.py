@@ -131,13 +131,13 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
             return ck.save, f"--save {ck.save} (this fine-tune's progress over --load)"
         return ck.load, f"--load {ck.load}"
     if not ck.save:
-        return None, "no --save or --load"
+        return None, "no --save or --load: starting from scratch"
     try:
         path = latest_checkpoint(ck.save)
     except CheckpointError:
         return ck.save, f"--save {ck.save}"  # damaged: the loader names it or falls back
     if path is None:
-        return None, f"--save {ck.save} holds no checkpoint yet"
+        return None, f"--save {ck.save} holds no checkpoint yet: starting from scratch"
     if restarts:
         return ck.save, f"torchrun restart {restarts}"
     saved = read_metadata(path).get(CONFIG_KEY)

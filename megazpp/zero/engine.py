@@ -18,7 +18,6 @@ engine only tells the paths when buckets are built and steps end.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import Any, Callable, Iterator
 
@@ -48,7 +47,6 @@ from megazpp.zero.units import bucket_bound, check_persistence, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
-log = logging.getLogger(__name__)
 
 class _Finished:
     """A reduction already waited for (overlap_comm = false), kept until step() takes it."""
@@ -96,8 +94,6 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
                                   topology.dp_rank % self.zeropp.hpz)
                       if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
-        log.info("zero: strategy %s, dp %d, paro group %d, hierarchical G collectives %s, ZeRO++ %s",
-                 self.strategy, self.groups.dp_size, self.groups.group_size, self.hier, self.zeropp)
         self._tied = self._pipeline_tied_weight(tied_embeddings, tied_weight)
         self.step_count = 0
         self._micro_batches = 0

@@ -10,7 +10,6 @@ gradients. Anything else would be a switch that silently does nothing, so it is 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 
 from kernels.api import check_cpu_kernels
@@ -19,8 +18,6 @@ from megazpp.config import ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.topology import Topology
 from megazpp.zero.strategy import Level, Strategy
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,35 +107,29 @@ def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Topology) -> Ze
 
     hpZ's group is `zeropp.hpz` consecutive DP ranks that must share a node (its point is an
     intra-node backward gather). A size above the DP ranks of one node (the ZeRO++ tutorial
-    asks for 16, the GPUs of its nodes) is lowered to that count, with a warning, so a config
-    written for larger nodes runs unchanged.
+    asks for 16, the GPUs of its nodes) is lowered to that count, so a config written for
+    larger nodes runs unchanged; on one DP rank ZeRO++ is off (nothing crosses a link). The
+    start-up banner says both, once (`megazpp.training.banner`), from the requested and the
+    returned settings.
     """
     check_zeropp(zeropp, strategy)
     if not zeropp.enabled:
         return zeropp
     d = topology.dp
     if d == 1:
-        log.warning("zero: ZeRO++ requested with a single data-parallel rank: no parameter or "
-                    "gradient crosses a link, so there is nothing to compress; running exact paths")
         return ZeroPP()
     return dataclasses.replace(zeropp, hpz=_hpz_size(zeropp.hpz, topology))
 
 
 def _hpz_size(requested: int, topology: Topology) -> int:
-    """hpZ's group size on `topology`: `requested` lowered to the DP ranks of one node (said
-    once, by global rank 0, since every rank lowers it alike); 1 (hpZ off: there is nothing
-    inside a node to split) when a node holds one DP rank, as the tutorial's 16 on nodes of
-    one rank each (`--ranks-per-node 1`)."""
+    """hpZ's group size on `topology`: `requested` lowered to the DP ranks of one node; 1 (hpZ
+    off: there is nothing inside a node to split) when a node holds one DP rank, as the
+    tutorial's 16 on nodes of one rank each (`--ranks-per-node 1`)."""
     if requested <= 1:
         return 1
     dp_ranks = list(topology.dp_ranks)
     on_node = sum(1 for r in dp_ranks if topology.node_of(r) == topology.node)
     size = min(requested, on_node)
-    if size < requested and topology.rank == 0:
-        log.warning("zero: zero_hpz_partition_size = %d exceeds the %d data-parallel rank(s) of one "
-                    "node; using %d (hpZ's secondary partition must stay inside a node)%s",
-                    requested, on_node, size,
-                    ": hpZ is off, backward gathers the primary shards" if size == 1 else "")
     if size == 1:
         return 1
     if len(dp_ranks) % size:
