@@ -37,15 +37,22 @@ from megazpp.errors import MegazppError
 REFERENCE = "sync"
 TARGET_GAP = 0.05
 TARGET_RUNS = ("h10", "h25")
-ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef")
-DESCRIPTION = {"sync": "synchronous ZeRO-2 (4 ranks)", "h25_int4": "H = 25, int4 + error feedback",
-               "h25_int4_noef": "H = 25, int4, no error feedback"}
+ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "h1_diloco", "h10_diloco",
+         "h25_diloco")
 FINISHED = "DONE"
 
 
-def describe(name: str) -> str:
-    found = re.fullmatch(r"h(\d+)", name)
-    return f"H = {found.group(1)}, bf16" if found else DESCRIPTION.get(name, name)
+def describe(name: str, config: dict | None) -> str:
+    """The run as its logged config says it trained (the name where a run logged none)."""
+    outer = (config or {}).get("outer")
+    if not outer:
+        return name
+    if outer["algorithm"] == "none":
+        return f"synchronous ZeRO-{config['zero']['stage']}" if "zero" in config else "synchronous"
+    feedback = "" if outer["quantize"] != "int4" else (" + error feedback" if outer["error_feedback"] else
+                                                       ", no error feedback")
+    return (f"H = {outer['sync_every']}, {outer['quantize']}{feedback}, outer lr {outer['lr']:g} "
+            f"momentum {outer['momentum']:g}")
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,11 @@ def _spread(values: list[float]) -> str:
 
 
 def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult]]]:
+    """The table's lines and verdicts, and each run's results under its description."""
     runs = finished_runs(out)
-    results = {name: [seed_result(read_run(d, f"{name}/s{s}"), s, window) for s, d in seeds.items()]
-               for name, seeds in runs.items()}
+    read = {name: {s: read_run(d, f"{name}/s{s}") for s, d in seeds.items()} for name, seeds in runs.items()}
+    results = {name: [seed_result(run, s, window) for s, run in seeds.items()] for name, seeds in read.items()}
+    names = {name: describe(name, next(iter(seeds.values())).config) for name, seeds in read.items()}
     reference = {r.seed: r for r in results[REFERENCE]}
     lines = [f"| run | seeds | final train loss | train loss, last {window} steps | final val loss | "
              f"val gap to {REFERENCE} (same seeds) | inter-node MB per step, rank 0 |",
@@ -99,17 +108,17 @@ def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult
     for name, rows in results.items():
         paired = [r.final_val - reference[r.seed].final_val for r in rows if r.seed in reference]
         gap = "reference" if name == REFERENCE else (f"{statistics.mean(paired):+.4f}" if paired else "n/a")
-        lines.append(f"| {describe(name)} | {','.join(str(r.seed) for r in rows)} | "
+        lines.append(f"| {names[name]} | {','.join(str(r.seed) for r in rows)} | "
                      f"{_spread([r.final_train for r in rows])} | {_spread([r.window_train for r in rows])} | "
                      f"{_spread([r.final_val for r in rows])} | {gap} | "
                      f"{statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6:.3f} |")
         if name in TARGET_RUNS and paired:
             mean_gap = statistics.mean(paired)
             verdict = "meets" if mean_gap <= TARGET_GAP else "misses"
-            verdicts.append(f"{describe(name)}: mean val gap {mean_gap:+.4f} over seeds "
+            verdicts.append(f"{names[name]}: mean val gap {mean_gap:+.4f} over seeds "
                             f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
                             f"<= {TARGET_GAP} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})")
-    return lines + [""] + verdicts, results
+    return lines + [""] + verdicts, {names[name]: rows for name, rows in results.items()}
 
 
 def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) -> None:
@@ -121,7 +130,7 @@ def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) ->
         values = [r.final_val for r in rows]
         mean = statistics.mean(values)
         axes.errorbar([x], [mean], yerr=[[mean - min(values)], [max(values) - mean]], fmt="o", capsize=4,
-                      label=f"{describe(name)} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
+                      label=f"{name} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
     axes.set_xscale("log")
     axes.set(xlabel="inter-node MB per step (rank 0, counted)", ylabel="final validation loss",
              title="Two-level training: quality against inter-node traffic (equal tokens)")
@@ -147,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_loss_against_bytes(results, Path(ns.plot))
             runs = finished_runs(Path(ns.directory))
             curves = Path(ns.plot).with_name(Path(ns.plot).stem + "_curves.png")
-            plot_seed_bands({describe(n): [read_run(d, n) for d in seeds.values()] for n, seeds in runs.items()},
-                            curves)
+            plot_seed_bands({name: [read_run(d, name) for d in seeds.values()]
+                             for name, seeds in zip(results, runs.values())}, curves)
     except MegazppError as exc:
         print(f"outer_sweep: error: {exc}", file=sys.stderr)
         return 2
