@@ -23,6 +23,7 @@ from megazpp.parallel import comm
 
 SYNC_TAG = "outer/sync"
 INT4_BITS = 4
+AVERAGE_COLUMNS = 1 << 18  # elements averaged at a time: bounds the fp32 copy of the received chunks
 NO_BLEND = 0.0  # the LoCo kernel's err_beta: the whole new error is carried (plain error feedback)
 
 
@@ -61,6 +62,12 @@ class Int4Wire:
                             for i in range(parts)])
 
 
+def padded_size(numel: int, islands: int, quantize: str, int4: Int4Wire | None) -> int:
+    """The elements of a fragment's send buffer: `numel` padded to equal chunks per island (and
+    whole quantization blocks under int4), what `Exchange.start` takes."""
+    return traffic.padded_numel(numel, islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
+
+
 def average_chunks(received: torch.Tensor) -> torch.Tensor:
     """The mean over islands (dim 0) of the pseudo-gradient chunks one rank received, in fp32."""
     return received.float().mean(dim=0)
@@ -77,20 +84,23 @@ class Exchange:
     stage: int
     full: torch.Tensor
     received: torch.Tensor | None = None
+    sent: torch.Tensor | None = None  # what the all-to-all reads, held until it completes
     work: Any = None
     int4: Int4Wire | None = None  # the int4 wire, with error feedback into `errors`
     errors: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: (sent pseudo-gradient, averaged chunk)
     islands: int = 1
 
     @classmethod
-    def start(cls, fragment: int, lands: int, pseudo: torch.Tensor, islands: int, quantize: str,
+    def start(cls, fragment: int, lands: int, padded: torch.Tensor, numel: int, islands: int, quantize: str,
               wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
               errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Exchange":
-        """Issue stage 1. Under int4 `wire` is ignored and `errors` (fp32, the padded fragment
-        and one chunk) carry each quantization's error to the next sync of the fragment."""
-        n = traffic.padded_numel(pseudo.numel(), islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
-        padded = torch.zeros(n, dtype=torch.float32)
-        padded[:pseudo.numel()] = pseudo
+        """Issue stage 1. `padded` (fp32, `padded_size` elements) holds this island's
+        pseudo-gradient of the fragment in its first `numel` elements and zeros after; it is
+        kept (as `pseudo`, a view), not copied. Under int4 `wire` is ignored and `errors` (fp32,
+        the padded fragment and one chunk) carry each quantization's error to the next sync of
+        the fragment."""
+        n = padded.numel()
+        pseudo = padded[:numel]
         if int4 is not None and errors is not None:
             send = int4.encode(padded, errors[0], islands)
             full = torch.empty(send.numel(), dtype=torch.uint8)
@@ -99,19 +109,23 @@ class Exchange:
             full = torch.empty(n, dtype=wire)
         received = torch.empty_like(send)
         work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=SYNC_TAG)
-        return cls(fragment, lands, pseudo, 1, full, received, work, int4, errors, islands)
+        return cls(fragment, lands, pseudo, 1, full, received, send, work, int4, errors, islands)
 
     def advance(self, group: ProcessGroup | None) -> None:
         """Stage 1 -> 2: wait for the chunks, average them, issue the all-gather."""
         if self.stage != 1:
             return
         self.work.wait()
+        self.sent = None
         if self.int4 is not None and self.errors is not None:
             mine = self.int4.encode(average_chunks(self.int4.decode(self.received)), self.errors[1], 1).view(-1)
-        else:
-            mine = average_chunks(self.received).to(self.full.dtype)
+        else:  # a slice of columns at a time: each the same mean over islands, no fp32 copy of them all
+            mine = torch.empty(self.received.shape[1], dtype=self.full.dtype)
+            for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
+                mine[lo:lo + AVERAGE_COLUMNS] = average_chunks(self.received[:, lo:lo + AVERAGE_COLUMNS])
+        self.received = None
         self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
-        self.received, self.stage = None, 2
+        self.stage = 2
 
     def mean(self, group: ProcessGroup | None) -> torch.Tensor:
         """The islands' mean pseudo-gradient (fp32, the same bits on every island), waiting for
