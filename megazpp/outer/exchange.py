@@ -24,6 +24,8 @@ from megazpp.parallel import comm
 SYNC_TAG = "outer/sync"
 INT4_BITS = 4
 AVERAGE_COLUMNS = 1 << 18  # elements averaged at a time: bounds the fp32 copy of the received chunks
+# blocks quantized at a time: bounds the quantize kernel's fp32 temporaries to a few MiB, not the fragment's size
+ENCODE_BLOCKS = 4096
 NO_BLEND = 0.0  # the LoCo kernel's err_beta: the whole new error is carried (plain error feedback)
 
 
@@ -48,9 +50,17 @@ class Int4Wire:
         (updated in place): a [parts, row_bytes] uint8 tensor."""
         if not self.feedback:
             err.zero_()
-        codes, scales, _ = self.ops.loco_quantize(values, err, NO_BLEND, self.block, INT4_BITS)
         chunk = values.numel() // parts
-        return torch.cat([codes.view(parts, chunk // 2), scales.view(parts, -1).view(torch.uint8)], dim=1)
+        rows = torch.empty(parts, self.row_bytes(chunk), dtype=torch.uint8)
+        step = ENCODE_BLOCKS * self.block
+        for p in range(parts):  # a slice of whole blocks at a time: each block quantizes alone, so the same bits
+            for lo in range(0, chunk, step):
+                hi, at = min(lo + step, chunk), p * chunk
+                codes, scales, _ = self.ops.loco_quantize(values[at + lo:at + hi], err[at + lo:at + hi], NO_BLEND,
+                                                          self.block, INT4_BITS)
+                rows[p, lo // 2:hi // 2] = codes
+                rows[p, chunk // 2 + lo // self.block * 4:chunk // 2 + hi // self.block * 4] = scales.view(torch.uint8)
+        return rows
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
