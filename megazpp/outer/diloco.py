@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.optim.engine import StepResult
 from megazpp.outer import traffic
-from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire
+from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire, padded_size
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
+# fp32 vectors of one fragment alive at once while it lands: the mean and a scratch (the
+# weighted squares for logging, then the Nesterov step's sum)
+LANDING_FP32_VECTORS = 2
 
 
 def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -61,6 +65,74 @@ def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentu
     momentum buffer starts at zero, so the first step's buffer is the pseudo-gradient itself."""
     momentum_buf.mul_(momentum).add_(mean_pseudo_grad)
     snapshot.sub_(mean_pseudo_grad.add(momentum_buf, alpha=momentum), alpha=lr)
+
+
+Range = tuple[int, int]  # [start, stop) of elements of the rank's flat os shard
+
+
+def merge_ranges(ranges: list[Range]) -> list[Range]:
+    """`ranges` (in order, disjoint) with touching neighbours joined: a fragment of whole
+    parameter tensors is one range unless padding (a bucket's tail, ZeRO++'s alignment gaps)
+    separates its tensors."""
+    out: list[Range] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def range_indices(ranges: list[Range]) -> torch.Tensor:
+    """The element indices of `ranges`: the form checkpoints store a fragment in."""
+    return torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One fragment's part of the rank's flat os shard: `ranges` of it, and the same elements
+    as (master tensor index, start) per range piece inside one master (`segments`: flat start,
+    flat stop, master, start in the master), so the outer step reads and writes the masters
+    and the outer state in place, by views, without an index tensor or a whole-shard copy."""
+
+    ranges: list[Range]
+    segments: list[tuple[int, int, int, int]]
+
+    @property
+    def numel(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def gather(self, vec: torch.Tensor) -> torch.Tensor:
+        """The fragment's elements of `vec` (the flat shard's size) as one vector: a view when
+        the fragment is one range, else a copy (`scatter` writes it back)."""
+        if len(self.ranges) == 1:
+            a, b = self.ranges[0]
+            return vec[a:b]
+        return torch.cat([vec[a:b] for a, b in self.ranges]) if self.ranges else vec.new_zeros(0)
+
+    def scatter(self, vec: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a `gather`ed vector back (nothing to do for a view)."""
+        if len(self.ranges) == 1:
+            return
+        pos = 0
+        for a, b in self.ranges:
+            vec[a:b].copy_(values[pos:pos + b - a])
+            pos += b - a
+
+    def masters(self, masters: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(start, stop) in the fragment's vector and the 1-D view of the masters there."""
+        pos = 0
+        for a, b, m, lo in self.segments:
+            yield pos, pos + b - a, masters[m].view(-1)[lo:lo + b - a]
+            pos += b - a
+
+
+def fragment_of(ranges: list[Range], pieces: list[Range]) -> Fragment:
+    """The fragment over `ranges` of the flat shard, whose masters cover `pieces` of it (in
+    order, each master one piece)."""
+    merged = merge_ranges(ranges)
+    return Fragment(merged, [(max(a, pa), min(b, pb), m, max(a, pa) - pa) for a, b in merged
+                             for m, (pa, pb) in enumerate(pieces) if max(a, pa) < min(b, pb)])
 
 
 def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
@@ -82,15 +154,14 @@ class DiLoCoEngine:
         self.islands = island.islands
         self.inner_steps = 0
         self._wire = WIRE_DTYPES[options.quantize]
-        flat = self._masters_flat()
-        self.numel = flat.numel()
-        self.snapshot = flat.clone()
-        self.momentum = torch.zeros_like(flat)
-        self._norm_weight = self._build_norm_weight()
+        self.snapshot = self._masters_flat()
+        self.numel = self.snapshot.numel()
+        self.momentum = torch.zeros_like(self.snapshot)
+        self._norm_ranges = self._build_norm_ranges()
         self.fragments = self._build_fragments(options.fragments)
         self.in_flight: list[Exchange] = []
         self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback) if options.quantize == "int4" else None
-        self.errors = [self._new_errors(len(idx)) for idx in self.fragments] if self._int4 else []
+        self.errors = [self._new_errors(frag.numel) for frag in self.fragments] if self._int4 else []
         log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
                  self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
 
@@ -106,10 +177,10 @@ class DiLoCoEngine:
         of a peer group (one strategy, one model)."""
         return [(i, j) for i, b in enumerate(self.inner.buckets) for j in range(b.num_params)]
 
-    def _build_fragments(self, count: int) -> list[torch.Tensor]:
-        """Each fragment's element indices in the flat shard: `count` runs of consecutive
-        parameter tensors (as even in count as they divide), so a fragment is the same
-        parameters on every rank, whatever part of them (maybe none) a rank's shard holds."""
+    def _build_fragments(self, count: int) -> list[Fragment]:
+        """`count` runs of consecutive parameter tensors (as even in count as they divide), so a
+        fragment is the same parameters on every rank, whatever part of them (maybe none) a
+        rank's shard holds; each as ranges of the flat shard (one, unless padding splits it)."""
         params = self._parameters()
         if count > len(params):
             raise ConfigError(f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
@@ -118,13 +189,13 @@ class DiLoCoEngine:
         offsets = [0]
         for b in self.inner.buckets:
             offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
+        pieces = [(offsets[i] + m.start, offsets[i] + m.end) for i, b in enumerate(self.inner.buckets) for m in b.masters]
         out = []
         for run in traffic.fragment_runs(len(params), count):
-            pieces = [torch.arange(offsets[i] + lo, offsets[i] + hi)
-                      for i, j in params[run.start:run.stop]
-                      for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
-                          level, [k == j for k in range(self.inner.buckets[i].num_params)])]
-            out.append(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long))
+            out.append(fragment_of([(offsets[i] + lo, offsets[i] + hi)
+                                    for i, j in params[run.start:run.stop]
+                                    for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
+                                        level, [k == j for k in range(self.inner.buckets[i].num_params)])], pieces))
         return out
 
     def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,17 +218,29 @@ class DiLoCoEngine:
         groups = self.inner.groups
         return groups.dp_size // level_div(self.inner.strategy.optimizer_state, groups.dp_size, groups.group_size)
 
-    def _build_norm_weight(self) -> torch.Tensor:
-        """Per element of the flat shard: 1 / replication where this rank counts the element in
-        norms (the engine's `norm_ranges`: TP-replicated tensors on one TP rank), else 0; summed
-        over every rank of every island it counts each element once per island."""
-        weight = torch.zeros(self.numel)
-        start = 0
+    def _build_norm_ranges(self) -> list[Range]:
+        """The ranges of the flat shard this rank counts in norms (the engine's `norm_ranges`:
+        TP-replicated tensors on one TP rank); each of their elements weighs 1 / replication, so
+        summed over every rank of every island each element counts once per island."""
+        out, start = [], 0
         for b in self.inner.buckets:
-            for _, lo, hi in b.norm_ranges:
-                weight[start + lo:start + hi] = 1.0 / self._replication()
+            out += [(start + lo, start + hi) for _, lo, hi in b.norm_ranges]
             start += sum(m.param.numel() for m in b.masters)
-        return weight
+        return out
+
+    def _weighted_squares(self, frag: Fragment, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """sum(weight * values * values) over `frag`'s vector, the weight per element 1 /
+        replication where this rank counts it in norms, else 0; written into `out` (a scratch of
+        the fragment's size) run by run from scalars, with no weight vector: the same products,
+        so the same sum, as a weight tensor would give."""
+        pos, value = 0, 1.0 / self._replication()
+        for a, b in frag.ranges:
+            cuts = sorted({a, b} | {min(max(x, a), b) for r in self._norm_ranges for x in r})
+            for lo, hi in zip(cuts, cuts[1:]):
+                inside = any(n_lo <= lo and hi <= n_hi for n_lo, n_hi in self._norm_ranges)
+                torch.mul(values[pos + lo - a:pos + hi - a], value if inside else 0.0, out=out[pos + lo - a:pos + hi - a])
+            pos += b - a
+        return out.mul_(values).sum()
 
     # -- the engine protocol ----------------------------------------------------------------
     @property
@@ -198,16 +281,14 @@ class DiLoCoEngine:
             x.advance(group)
         landing = [x for x in self.in_flight if x.lands == t]
         self.in_flight = [x for x in self.in_flight if x.lands != t]
-        flat = self._masters_flat() if landing or self.due(t) else None
-        scalars = self._land(landing, flat) if landing else {}
+        scalars = self._land(landing) if landing else {}
+        del landing  # their buffers go before the next exchanges' are made
         tau = self.options.overlap_steps
-        started = [Exchange.start(f, t + tau, self.snapshot[idx] - flat[idx], self.islands, self.options.quantize,
-                                  self._wire, group, self._int4, self.errors[f] if self._int4 else None)
-                   for f in self.due(t) for idx in [self.fragments[f]]]
+        started = [self._start(f, t + tau, group) for f in self.due(t)]
         if tau:
             self.in_flight += started
         elif started:
-            scalars = self._land(started, flat)
+            scalars = self._land(started)
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
         if not (scalars or started):
             return result
@@ -216,25 +297,47 @@ class DiLoCoEngine:
         return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **scalars})
 
     # -- the outer step -----------------------------------------------------------------------
-    def _land(self, exchanges: list[Exchange], flat: torch.Tensor) -> dict[str, float]:
+    def _start(self, f: int, lands: int, group: Any) -> Exchange:
+        """Issue fragment `f`'s exchange: its pseudo-gradient (snapshot minus masters) written
+        straight into the padded send buffer, piece by piece from views (a subtraction is exact,
+        so this is the whole vector's result bit for bit)."""
+        frag, masters = self.fragments[f], self._masters()
+        padded = torch.zeros(padded_size(frag.numel, self.islands, self.options.quantize, self._int4))
+        snapshot = frag.gather(self.snapshot)
+        for lo, hi, master in frag.masters(masters):
+            torch.sub(snapshot[lo:hi], master, out=padded[lo:hi])
+        del snapshot
+        return Exchange.start(f, lands, padded, frag.numel, self.islands, self.options.quantize, self._wire, group,
+                              self._int4, self.errors[f] if self._int4 else None)
+
+    def _land(self, exchanges: list[Exchange]) -> dict[str, float]:
         """Apply landed exchanges (collective over every rank): each fragment's Nesterov step on
         the snapshot, the masters set to it (merged with the island's own progress since the
-        exchange started when it overlapped: `merge`), one re-publication; returns what to log."""
+        exchange started when it overlapped: `merge`), one re-publication; returns what to log.
+        One fragment at a time, each vector the fragment's length (the arithmetic of the whole
+        vector, so the same bits), its temporaries freed before the next is made."""
         sums = torch.zeros(2)
+        masters = self._masters()
         for x in exchanges:
-            idx = self.fragments[x.fragment]
+            frag = self.fragments[x.fragment]
             mean = x.mean(self.island.peer_group)
-            weight = self._norm_weight[idx]
-            sums += torch.stack([(weight * mean * mean).sum(), (weight * x.pseudo * x.pseudo).sum()])
-            synced, momentum = self.snapshot[idx], self.momentum[idx]
+            scratch = torch.empty_like(mean)
+            sums += torch.stack([self._weighted_squares(frag, mean, scratch),
+                                 self._weighted_squares(frag, x.pseudo, scratch)])
+            del scratch
+            synced, momentum = frag.gather(self.snapshot), frag.gather(self.momentum)
             outer_update(synced, mean, momentum, self.options.lr, self.options.momentum)
-            self.snapshot[idx], self.momentum[idx] = synced, momentum
-            flat[idx] = merge(flat[idx], synced, self.options.merge_alpha) if self.options.overlap_steps else synced
+            frag.scatter(self.snapshot, synced)
+            frag.scatter(self.momentum, momentum)
+            del mean, momentum
+            if self.options.overlap_steps:
+                local = torch.cat([master for _, _, master in frag.masters(masters)])
+                synced = merge(local, synced, self.options.merge_alpha)
+                del local
+            for lo, hi, master in frag.masters(masters):
+                master.copy_(synced[lo:hi])
+            del synced
         comm.all_reduce(sums, tag=STATS_TAG)
-        start = 0
-        for t in self._masters():
-            t.reshape(-1).copy_(flat[start:start + t.numel()])
-            start += t.numel()
         self.inner.publish_masters()
         mean_sq, own_sq = (float(x) / self.islands for x in sums)
         return {"outer/pseudo_grad_norm": math.sqrt(mean_sq),
@@ -244,8 +347,8 @@ class DiLoCoEngine:
     def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
         """(intra, inter) of the exchange of `fragments` (default all; tag `outer/sync`), by
         the traffic formula."""
-        each = [traffic.sync_bytes(len(idx), self.islands, self.options.quantize)
-                for f, idx in enumerate(self.fragments) if fragments is None or f in fragments]
+        each = [traffic.sync_bytes(frag.numel, self.islands, self.options.quantize)
+                for f, frag in enumerate(self.fragments) if fragments is None or f in fragments]
         return sum(a for a, _ in each), sum(b for _, b in each)
 
     def expected_publish(self) -> tuple[int, int, int]:
@@ -278,9 +381,26 @@ class DiLoCoEngine:
         outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
                                          g.group_size, fp32_copies=2)
         if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
-            outer += sum(4 * (n + n // self.islands) for idx in self.fragments
-                         for n in [traffic.padded_numel(len(idx), self.islands, "int4")])
+            outer += sum(4 * (n + n // self.islands) for frag in self.fragments
+                         for n in [traffic.padded_numel(frag.numel, self.islands, "int4")])
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
+
+    def expected_exchange_bytes(self) -> int:
+        """The most bytes the exchanges alive at once hold, each counted at its largest
+        (`traffic.exchange_bytes`) when the newest is issued: one fragment's for tau <= 1 (those
+        landing at a step are applied and freed before the step's own are made), else those
+        started within the last tau steps (a bound: the older ones are past their all-to-all).
+        F fragments divide it by about F."""
+        tau, h = self.options.overlap_steps, self.options.sync_every
+        each = [traffic.exchange_bytes(frag.numel, self.islands, self.options.quantize) for frag in self.fragments]
+        return max(sum(each[f] for s in range(t - max(tau - 1, 0), t + 1) for f in self.due(s))
+                   for t in range(1, 2 * h + tau + 1))
+
+    def expected_sync_peak_bytes(self) -> int:
+        """Bytes a sync adds on top of `expected_bytes` at its peak: the exchanges alive at once
+        and the landing's fp32 vectors of the largest fragment."""
+        largest = max(frag.numel for frag in self.fragments)
+        return self.expected_exchange_bytes() + LANDING_FP32_VECTORS * 4 * largest
 
     def close(self) -> None:
         """Collective: the exchanges still in flight finish their collectives (the job ends, so
@@ -296,7 +416,7 @@ class DiLoCoEngine:
         return {**self.inner.state_dict(frozen=frozen),
                 OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
                                   "sync_every": self.options.sync_every, "quantize": self.options.quantize,
-                                  "fragments": [idx.clone() for idx in self.fragments],
+                                  "fragments": [range_indices(frag.ranges) for frag in self.fragments],
                                   "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
                                   "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
                                   "errors": [[t.clone() for t in pair] for pair in self.errors]}}
@@ -318,7 +438,7 @@ class DiLoCoEngine:
                                   f"{self.numel} (saved under another island layout)")
         saved_fragments = saved.get("fragments", [])
         if len(saved_fragments) != len(self.fragments) or not all(
-                torch.equal(a, b) for a, b in zip(saved_fragments, self.fragments)):
+                torch.equal(a, range_indices(b.ranges)) for a, b in zip(saved_fragments, self.fragments)):
             raise CheckpointError(f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
                                   f"run's {len(self.fragments)} (outer.fragments changed?)")
         self.snapshot = saved["snapshot"].clone()

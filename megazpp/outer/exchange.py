@@ -23,6 +23,9 @@ from megazpp.parallel import comm
 
 SYNC_TAG = "outer/sync"
 INT4_BITS = 4
+AVERAGE_COLUMNS = 1 << 18  # elements averaged at a time: bounds the fp32 copy of the received chunks
+# blocks quantized at a time: bounds the quantize kernel's fp32 temporaries to a few MiB, not the fragment's size
+ENCODE_BLOCKS = 4096
 NO_BLEND = 0.0  # the LoCo kernel's err_beta: the whole new error is carried (plain error feedback)
 
 
@@ -47,9 +50,17 @@ class Int4Wire:
         (updated in place): a [parts, row_bytes] uint8 tensor."""
         if not self.feedback:
             err.zero_()
-        codes, scales, _ = self.ops.loco_quantize(values, err, NO_BLEND, self.block, INT4_BITS)
         chunk = values.numel() // parts
-        return torch.cat([codes.view(parts, chunk // 2), scales.view(parts, -1).view(torch.uint8)], dim=1)
+        rows = torch.empty(parts, self.row_bytes(chunk), dtype=torch.uint8)
+        step = ENCODE_BLOCKS * self.block
+        for p in range(parts):  # a slice of whole blocks at a time: each block quantizes alone, so the same bits
+            for lo in range(0, chunk, step):
+                hi, at = min(lo + step, chunk), p * chunk
+                codes, scales, _ = self.ops.loco_quantize(values[at + lo:at + hi], err[at + lo:at + hi], NO_BLEND,
+                                                          self.block, INT4_BITS)
+                rows[p, lo // 2:hi // 2] = codes
+                rows[p, chunk // 2 + lo // self.block * 4:chunk // 2 + hi // self.block * 4] = scales.view(torch.uint8)
+        return rows
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
@@ -59,6 +70,12 @@ class Int4Wire:
         scales = rows[:, chunk // 2:].contiguous().view(torch.float32)
         return torch.stack([self.ops.dequantize(codes[i], scales[i], INT4_BITS, self.block, chunk)
                             for i in range(parts)])
+
+
+def padded_size(numel: int, islands: int, quantize: str, int4: Int4Wire | None) -> int:
+    """The elements of a fragment's send buffer: `numel` padded to equal chunks per island (and
+    whole quantization blocks under int4), what `Exchange.start` takes."""
+    return traffic.padded_numel(numel, islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
 
 
 def average_chunks(received: torch.Tensor) -> torch.Tensor:
@@ -77,20 +94,23 @@ class Exchange:
     stage: int
     full: torch.Tensor
     received: torch.Tensor | None = None
+    sent: torch.Tensor | None = None  # what the all-to-all reads, held until it completes
     work: Any = None
     int4: Int4Wire | None = None  # the int4 wire, with error feedback into `errors`
     errors: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: (sent pseudo-gradient, averaged chunk)
     islands: int = 1
 
     @classmethod
-    def start(cls, fragment: int, lands: int, pseudo: torch.Tensor, islands: int, quantize: str,
+    def start(cls, fragment: int, lands: int, padded: torch.Tensor, numel: int, islands: int, quantize: str,
               wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
               errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Exchange":
-        """Issue stage 1. Under int4 `wire` is ignored and `errors` (fp32, the padded fragment
-        and one chunk) carry each quantization's error to the next sync of the fragment."""
-        n = traffic.padded_numel(pseudo.numel(), islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
-        padded = torch.zeros(n, dtype=torch.float32)
-        padded[:pseudo.numel()] = pseudo
+        """Issue stage 1. `padded` (fp32, `padded_size` elements) holds this island's
+        pseudo-gradient of the fragment in its first `numel` elements and zeros after; it is
+        kept (as `pseudo`, a view), not copied. Under int4 `wire` is ignored and `errors` (fp32,
+        the padded fragment and one chunk) carry each quantization's error to the next sync of
+        the fragment."""
+        n = padded.numel()
+        pseudo = padded[:numel]
         if int4 is not None and errors is not None:
             send = int4.encode(padded, errors[0], islands)
             full = torch.empty(send.numel(), dtype=torch.uint8)
@@ -99,19 +119,23 @@ class Exchange:
             full = torch.empty(n, dtype=wire)
         received = torch.empty_like(send)
         work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=SYNC_TAG)
-        return cls(fragment, lands, pseudo, 1, full, received, work, int4, errors, islands)
+        return cls(fragment, lands, pseudo, 1, full, received, send, work, int4, errors, islands)
 
     def advance(self, group: ProcessGroup | None) -> None:
         """Stage 1 -> 2: wait for the chunks, average them, issue the all-gather."""
         if self.stage != 1:
             return
         self.work.wait()
+        self.sent = None
         if self.int4 is not None and self.errors is not None:
             mine = self.int4.encode(average_chunks(self.int4.decode(self.received)), self.errors[1], 1).view(-1)
-        else:
-            mine = average_chunks(self.received).to(self.full.dtype)
+        else:  # a slice of columns at a time: each the same mean over islands, no fp32 copy of them all
+            mine = torch.empty(self.received.shape[1], dtype=self.full.dtype)
+            for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
+                mine[lo:lo + AVERAGE_COLUMNS] = average_chunks(self.received[:, lo:lo + AVERAGE_COLUMNS])
+        self.received = None
         self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
-        self.received, self.stage = None, 2
+        self.stage = 2
 
     def mean(self, group: ProcessGroup | None) -> torch.Tensor:
         """The islands' mean pseudo-gradient (fp32, the same bits on every island), waiting for

@@ -51,6 +51,22 @@ def padded_numel(numel: int, islands: int, quantize: str, block: int = DEFAULT_B
     return -(-numel // unit) * unit
 
 
+def wire_bytes(numel: int, quantize: str, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of `numel` (whole blocks under int4) values in the wire format."""
+    fmt = wire_format(quantize, block)
+    return fmt.nbytes(numel) if isinstance(fmt, QuantFormat) else numel * fmt
+
+
+def exchange_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes one fragment's exchange (`megazpp.outer.exchange.Exchange`) holds at its largest,
+    while its all-to-all runs: the fp32 pseudo-gradient padded, the buffer sent in the wire
+    format (under fp32 the pseudo-gradient itself), the one received and the gathered result.
+    The memory one sync adds to the outer state, per fragment in flight (`DiLoCoEngine`)."""
+    n = padded_numel(numel, islands, quantize, block)
+    wire = wire_bytes(n, quantize, block)
+    return 4 * n + (0 if quantize == "none" else wire) + 2 * wire
+
+
 def sync_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one outer sync of a fragment of `numel` fp32
     elements of its shard, over `islands` islands."""

@@ -63,6 +63,8 @@ def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, hier: Hie
 
 def outer_state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, fp32_copies: int) -> int:
     """Per-rank bytes of two-level training's outer state (`megazpp.outer`): `fp32_copies` fp32
-    vectors the size of the os shard (the snapshot at the last sync, the outer momentum, and an
-    error-feedback buffer under int4), sharded like the optimizer state."""
+    vectors the size of the os shard (the snapshot at the last sync and the outer momentum),
+    sharded like the optimizer state. `DiLoCoEngine.expected_bytes` adds int4's error buffers
+    (per fragment: the fragment padded, and one chunk of it), and `expected_sync_peak_bytes`
+    what a sync holds while it runs (`outer.traffic.exchange_bytes` and the landing's vectors)."""
     return sum(n // level_div(s.optimizer_state, d, k) * 4 * fp32_copies for n in padded_numels)
