@@ -66,8 +66,12 @@ def test_outer_bytes_state_and_exposed_time_follow_the_formulas(quantize):
         frags = [n // div for n in fragment_numels(tensors, fragments)]  # the rank's share of each run
         assert outer.traffic == outer_traffic.per_step(frags, islands, quantize, 10)
         assert outer.traffic.mean_inter == sum(outer_traffic.sync_bytes(n, islands, quantize)[1] for n in frags) / 10
-        copies = 3 if quantize == "int4" else 2  # snapshot + momentum (+ error feedback)
-        assert outer.state_bytes == copies * 4 * shard
+        # snapshot + momentum, int4's error buffers (each fragment padded to whole blocks per
+        # island, and one chunk of it), and one fragment's sync at its peak
+        errors = sum(4 * (p + p // islands) for n in frags
+                     for p in [-(-n // (islands * 256)) * islands * 256]) if quantize == "int4" else 0
+        peak = max(outer_traffic.exchange_bytes(n, islands, quantize) + 2 * 4 * n for n in frags)
+        assert outer.state_bytes == 2 * 4 * shard + errors + peak
         assert row.memory_bytes == stage.memory_bytes + outer.state_bytes
         per_rank = cluster.inter_bw / cluster.gpus_per_node
         t = [2 * (islands - 1) * cluster.inter_latency + outer_traffic.sync_bytes(n, islands, quantize)[1] / per_rank

@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
-# fp32 vectors of one fragment alive at once while it lands: the mean and a scratch (the
-# weighted squares for logging, then the Nesterov step's sum)
-LANDING_FP32_VECTORS = 2
 
 
 def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -381,8 +378,7 @@ class DiLoCoEngine:
         outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
                                          g.group_size, fp32_copies=2)
         if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
-            outer += sum(4 * (n + n // self.islands) for frag in self.fragments
-                         for n in [traffic.padded_numel(frag.numel, self.islands, "int4")])
+            outer += sum(traffic.error_buffer_bytes(frag.numel, self.islands) for frag in self.fragments)
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
 
     def expected_exchange_bytes(self) -> int:
@@ -400,7 +396,7 @@ class DiLoCoEngine:
         """Bytes a sync adds on top of `expected_bytes` at its peak: the exchanges alive at once
         and the landing's fp32 vectors of the largest fragment."""
         largest = max(frag.numel for frag in self.fragments)
-        return self.expected_exchange_bytes() + LANDING_FP32_VECTORS * 4 * largest
+        return self.expected_exchange_bytes() + traffic.LANDING_FP32_VECTORS * 4 * largest
 
     def close(self) -> None:
         """Collective: the exchanges still in flight finish their collectives (the job ends, so

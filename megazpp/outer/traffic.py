@@ -67,6 +67,24 @@ def exchange_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT
     return 4 * n + (0 if quantize == "none" else wire) + 2 * wire
 
 
+def error_buffer_bytes(numel: int, islands: int, block: int = DEFAULT_BLOCK) -> int:
+    """int4's error feedback of one fragment of `numel` elements: fp32 buffers of what the wire
+    dropped of the padded pseudo-gradient and of the one averaged chunk the rank owns."""
+    n = padded_numel(numel, islands, "int4", block)
+    return 4 * (n + n // islands)
+
+
+# fp32 vectors of one fragment alive at once while it lands: the islands' mean and a scratch
+# (the weighted squares for logging, then the Nesterov step's sum)
+LANDING_FP32_VECTORS = 2
+
+
+def sync_peak_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> int:
+    """What one fragment's sync adds on top of the outer state at its peak (one exchange in
+    flight): the exchange's buffers at their largest and the landing's fp32 vectors."""
+    return exchange_bytes(numel, islands, quantize, block) + LANDING_FP32_VECTORS * 4 * numel
+
+
 def sync_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLOCK) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one outer sync of a fragment of `numel` fp32
     elements of its shard, over `islands` islands."""

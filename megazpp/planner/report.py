@@ -52,7 +52,7 @@ def two_level_table(tp: TwoLevelPlan, synchronous: Plan) -> str:
     head = ["Two-level options (DiLoCo across islands: they CHANGE THE OPTIMISATION, the losses are not "
             "those of the synchronous rows above; outer GB per rank, mean per inner step and the peak step):",
             "",
-            "| # | option | fits | outer state GiB | total GiB | outer inter GB/step | peak GB | inner step s | "
+            "| # | option | fits | outer GiB | total GiB | outer inter GB/step | peak GB | inner step s | "
             "exposed outer s | step s | vs best synchronous |", "|" + "---|" * 11]
     lines = []
     for i, row in enumerate(digest(tp), 1):
@@ -87,7 +87,7 @@ def island_table(ip: IslandPlan) -> str:
     setting, as the two-level job it makes (memory with the outer state; step = inner + exposed
     outer)."""
     head = [f"Island options under {ip.outer.name}:", "",
-            "| # | island option | fits | outer state GiB | total GiB | inner inter GB/step | outer inter GB/step | "
+            "| # | island option | fits | outer GiB | total GiB | inner inter GB/step | outer inter GB/step | "
             "inner step s | exposed outer s | step s |", "|" + "---|" * 10]
     lines = []
     for i, row in enumerate(ip.rows, 1):

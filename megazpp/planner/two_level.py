@@ -22,8 +22,10 @@ What a row costs, per inner step, on the slowest pipeline stage:
   bytes (`Cluster.overlap` false: CPU ranks) their share of t_f (the calls, the bytes at the
   host's copy rate) is exposed whatever tau; without overlap every sync blocks its step
   (sum_f t_f / H);
-* memory: the outer state (fp32 snapshot and momentum, + the error buffer under int4),
-  sharded like the optimizer state (`zero.memory.outer_state_bytes`), on top of the island's.
+* memory: the outer state (fp32 snapshot and momentum, sharded like the optimizer state:
+  `zero.memory.outer_state_bytes`; int4's error buffers, `outer.traffic.error_buffer_bytes`)
+  and the peak one fragment's sync adds (`outer.traffic.sync_peak_bytes`), on top of the
+  island's: what `DiLoCoEngine.expected_bytes` and `expected_sync_peak_bytes` count.
 
 Recommendation (`recommend`): among the rows that fit and whose exposed outer time is at most
 `LINK_BUDGET` of the inner step, the smallest H (the closest to synchronous training: DiLoCo's
@@ -53,7 +55,6 @@ SYNC_EVERY = (5, 10, 20, 50, 100, 200, 500)  # H: DiLoCo's range (it reports H =
 FRAGMENTS = (1, 2, 4, 8, 16)
 OVERLAP_STEPS = (0, 1)
 LINK_BUDGET = 0.10  # of the inner step: the issue's target, the slow link costs at most 10 %
-STATE_COPIES = {"none": 2, "bf16": 2, "int4": 3}  # fp32 snapshot + momentum (+ error feedback)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class OuterStage:
     sync_s: tuple[float, ...]  # link seconds of each fragment's sync
     republish_s: float  # the island's parameter refresh after a sync
     exposed_s: float  # outer seconds per inner step not hidden behind it
-    state_bytes: int
+    state_bytes: int  # the outer state and the sync's peak temporaries
 
 
 @dataclass
@@ -183,7 +184,12 @@ def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], 
                                    sum(wait) / h - free)
     else:
         link = sum(sync_s) / h
-    state = memory.outer_state_bytes(strategy, padded, dp_size, group_size, STATE_COPIES[choice.quantize])
+    # the snapshot and momentum, int4's error buffers, and the sync's peak (one fragment in
+    # flight: the planner's overlap is at most one step), as DiLoCoEngine.expected_bytes and
+    # expected_sync_peak_bytes count them
+    state = (memory.outer_state_bytes(strategy, padded, dp_size, group_size, fp32_copies=2)
+             + (sum(outer_traffic.error_buffer_bytes(n, islands) for n in frags) if choice.quantize == "int4" else 0)
+             + max(outer_traffic.sync_peak_bytes(n, islands, choice.quantize) for n in frags))
     return OuterStage(moved, sync_s, republish, link + len(frags) * republish / h, state)
 
 
