@@ -138,7 +138,7 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
         assert abs(res["eval_loss"] - reference["eval_loss"]) < TOL, (where, "forward-only loss")
         assert res["grads_after_eval"] == 0, (where, "forward_only left gradients")
 
-        def check(mine: dict, ref: dict, what: str) -> None:
+        def check(mine: dict, ref: dict, what: str, res: dict = res, where: str = where) -> None:
             for name, value in mine.items():
                 full = ref[_ref_name(name, cfg)]
                 dim = res["dims"][name]

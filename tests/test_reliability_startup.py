@@ -211,11 +211,11 @@ def test_one_job_writes_a_save_directory(tmp_path, run_sh_data_dir, tiny_indexed
         held = lock.read_bytes()
         assert json.loads(held)["pid"] == first.pid
         # the second job: used to die at its first save with "No such file or directory"
-        line = one_line_refusal(run_sh(run_sh_data_dir, *TINY, "--save", str(save),
-                                       "--tensorboard-dir", str(tmp_path / "tb"), nproc=2,
-                                       ok=False),
-                                f"--save {save} is in use by another job: {lock} is held by pid "
-                                f"{first.pid} on host {socket.gethostname()}", "which is running")
+        one_line_refusal(run_sh(run_sh_data_dir, *TINY, "--save", str(save),
+                                "--tensorboard-dir", str(tmp_path / "tb"), nproc=2,
+                                ok=False),
+                         f"--save {save} is in use by another job: {lock} is held by pid "
+                         f"{first.pid} on host {socket.gethostname()}", "which is running")
         assert lock.read_bytes() == held and first.poll() is None
         refused(pretrain(*args, "--train-iters", "2"))
     finally:

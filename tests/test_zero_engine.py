@@ -73,7 +73,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
     """Per step: this DP rank's loss, the engine's counted bytes and calls (its tags; the model's
     TP collectives excluded) and all counted bytes, the predictions, fetch statistics."""
     out = []
-    for step in steps:
+    for _step in steps:
         counter.reset_step()
         total = 0.0
         for micro in range(MICRO):
@@ -101,7 +101,7 @@ def _reference_losses(cfg_dict: dict, topo: Topology) -> list[float]:
     model = GPTModel(cfg)
     engine = LocalEngine(model, OPT, PrecisionConfig())
     losses = []
-    for step in range(STEPS):
+    for _step in range(STEPS):
         mine = 0.0
         for r in range(topo.dp):
             for micro in range(MICRO):

@@ -151,15 +151,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def report(result: dict, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
-    lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, micro-batch {a.micro_batch_size} "
+    times = sorted((c.collective_times or {}).items())
+    lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, "
+             f"micro-batch {a.micro_batch_size} "
              f"x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. Measured inputs: "
              f"{c.flops / 1e9:.2f} GFLOP/s per rank, memory {c.memory_bw / 1e9:.1f} GB/s, intra "
              f"{c.intra_bw / 1e9:.3f} GB/s ({c.intra_latency * 1e6:.0f} us), inter {c.inter_bw * 8 / 1e9:.3f} "
              f"Gbit/s per node ({'given' if a.inter_gbit else 'probed'}; probed "
              f"{result['probed_inter'] * 8 / 1e9:.3f}), {c.inter_latency * 1e6:.0f} us; AdamW "
-             f"{c.optimizer_rate / 1e6:.0f} M elements/s; overlap model {'on' if c.overlap else 'off'}; collectives "
+             f"{c.optimizer_rate / 1e6:.0f} M elements/s; overlap model {'on' if c.overlap else 'off'}; "
+             f"collectives "
              f"(ms per call at 4 KiB / 256 KiB / 4 MiB per member): "
-             f"{', '.join(k + ' ' + '/'.join(f'{t * 1e3:.2f}' for _, t in v) for k, v in sorted((c.collective_times or {}).items())) or 'not probed'}",
+             f"{', '.join(k + ' ' + '/'.join(f'{t * 1e3:.2f}' for _, t in v) for k, v in times) or 'not probed'}",
              "",
              "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
     errors = []

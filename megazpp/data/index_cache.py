@@ -54,5 +54,5 @@ def load_or_build(paths: dict[str, Path], build: Callable[[], dict[str, np.ndarr
             path.parent.mkdir(parents=True, exist_ok=True)
             save_atomic(path, arrays[name])
     except OSError as e:
-        warnings.warn(f"could not cache dataset indices in {next(iter(paths.values())).parent}: {e}")
+        warnings.warn(f"could not cache dataset indices in {next(iter(paths.values())).parent}: {e}", stacklevel=2)
     return arrays, True

@@ -45,7 +45,7 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
 
 def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> Iterator[str]:
     count = 0
-    for count, line in enumerate(lines, 1):
+    for count, line in enumerate(lines, 1):  # noqa: B007 (count is read after the loop)
         yield line
     if log is not None:
         log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")

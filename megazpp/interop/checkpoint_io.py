@@ -22,6 +22,7 @@ checkpoints (they have no optimizer state to resume).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -182,8 +183,7 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
             part = shard_for_rank(full, stage, cfg, tp, tp_rank)
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
             file_name = rank_file_name(tp_rank, stage.pp_rank, 0)
-            checksums[file_name] = write_atomically(tmp / file_name,
-                                                       lambda f: torch.save(state, f))
+            checksums[file_name] = write_atomically(tmp / file_name, functools.partial(torch.save, state))
     meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),
             WEIGHTS_ONLY_KEY: True, MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
             CHECKSUMS_KEY: checksums, **(extra_meta or {})}

@@ -151,7 +151,8 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
     the micro-batch reduction take its sequences and formats; `exact_ranges` (per bucket, the
     flat ranges of the tensors qgZ and qwZ send exactly: `BucketLayout.vector_ranges`) add
-    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`). The last `persistent` buckets (parameters
+    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`).
+    The last `persistent` buckets (parameters
     below `stage3_param_persistence_threshold`, whole on every rank) are never fetched; they are
     reduced like the rest and refreshed from os to N (`refresh_persistent`), one collective per
     stage each (`reused` covers the fetch groups before them).
