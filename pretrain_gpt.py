@@ -45,6 +45,7 @@ from megazpp.training.checkpoint import (CONFIG_KEY, LATEST_FILE, LoadedCheckpoi
 from megazpp.optim.engine import Engine, LocalEngine
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.settings import OuterOptions
+from megazpp.zero.engine import ZeroEngine
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
 from megazpp.training.logger import TrainingLogger
@@ -97,7 +98,8 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterO
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
         return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,
                                  counts_in_norm=counts_in_norm(model, topology))
-    model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
+    group = topology.model_parallel_group
+    model_parallel = [group] if cfg.tp * cfg.pp > 1 and group is not None else []
     return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
                        counts_in_norm=counts_in_norm(model, topology))
 
@@ -130,8 +132,13 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
             raise CheckpointError(f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
                                   "size and PaRO strategy that saved it (resharding needs the frozen weights "
                                   "it leaves out)")
+        if not isinstance(zero, ZeroEngine):
+            raise CheckpointError(f"{load_dir}: resharding needs the ZeRO engine, not {type(zero).__name__}")
         return load_resharded(load_dir, topology, model, zero)
-    return load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
+    loaded = load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
+    if loaded is None:
+        raise CheckpointError(f"{load_dir}: {LATEST_FILE} names no checkpoint to resume")
+    return loaded
 
 
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
@@ -207,7 +214,7 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
     if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
         resumed = loaded is not None and not loaded.weights_only
-        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if resumed else 0)
+        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if loaded is not None and resumed else 0)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,

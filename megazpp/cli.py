@@ -31,7 +31,7 @@ class _ConsoleHandler(logging.StreamHandler):
         self.to_stdout = to_stdout
         self.setFormatter(logging.Formatter("%(message)s"))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stdout if self.to_stdout else sys.stderr
 

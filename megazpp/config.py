@@ -17,7 +17,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, cast
 
 import yaml
 
@@ -71,7 +71,7 @@ class TrainingConfig:
     """
 
     micro_batch_size: int = 4
-    global_batch_size: int | None = None
+    global_batch_size: int = None  # type: ignore[assignment]  # None until config_checks.validate_config resolves it
     gradient_accumulation_steps: int | None = None
     train_iters: int = 100
     lr_warmup_iters: int = 0
@@ -245,7 +245,8 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# every field of Config is a section whose default_factory is its class
+SECTIONS: dict[str, type] = {f.name: cast(type, f.default_factory) for f in dataclasses.fields(Config)}
 
 # Features that are configured here but not executed yet. A field listed here with a value
 # other than its default is refused with "not implemented yet" (by the loader, naming where the

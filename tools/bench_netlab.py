@@ -119,7 +119,7 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     start = time.perf_counter()
     failure = launch.run_nodes(commands, logs, ns.timeout)
     wall = time.perf_counter() - start
-    wire = launch.netlab_rx_bytes(layout.nodes) - before if on_netlab else None
+    wire = launch.netlab_rx_bytes(layout.nodes) - before if before is not None else None  # on netlab
     try:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,

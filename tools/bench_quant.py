@@ -37,7 +37,11 @@ class Case:
 
 
 def _tensors(result: object) -> list[torch.Tensor]:
-    return [result] if isinstance(result, torch.Tensor) else [t for t in result if isinstance(t, torch.Tensor)]
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for t in result if isinstance(t, torch.Tensor)]
+    raise TypeError(f"a benchmarked op returned {type(result).__name__}, not tensors")
 
 
 def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str,

@@ -40,7 +40,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth
-from megazpp.planner.shape import shape_of_model
+from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.engine import ZeroEngine
@@ -78,7 +78,7 @@ def _compute_rate(cfg: ModelConfig, a: argparse.Namespace, topo: Topology) -> fl
     return training_flops_per_token(cfg) * a.micro_batch_size * cfg.seq_length / statistics.fmean(times)
 
 
-def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
+def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, StageShape]:
     model = GPTModel(cfg)
     shape = shape_of_model(model, bucket_numel=a.bucket_numel, threshold=0, layers=cfg.num_layers)
     engine = ZeroEngine(model, OptimizerConfig(lr=1e-4), PrecisionConfig(),
@@ -151,6 +151,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def report(result: dict, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
+    if c.optimizer_rate is None:
+        raise ValueError("the calibrated cluster has no measured optimizer rate")
     times = sorted((c.collective_times or {}).items())
     lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, "
              f"micro-batch {a.micro_batch_size} "

@@ -100,7 +100,7 @@ def check_steps(configs: Sequence[BenchConfig], steps: int, warmup: int) -> None
     of the syncs, so it is refused."""
     for c in configs:
         h = c.sync_every
-        if not steps_fit(c, steps, warmup):
+        if h is not None and not steps_fit(c, steps, warmup):  # a synchronous row always fits
             raise ConfigError(f"--steps {steps} --warmup {warmup}: {c.name} syncs every {h} inner steps; give "
                               f"--steps and --steps minus --warmup as multiples of {h} (e.g. --steps {2 * h} "
                               f"--warmup {h}) so the per-step numbers include its outer syncs, or leave it out "

@@ -43,7 +43,8 @@ def plan_shards(files: list[Path], root: Path) -> list[Shard]:
     """One shard per file. The source of a file is the top directory under the input root that
     holds it (a RedPajama-V2 file: its snapshot under `documents/`), or for a file directly in
     the root its own name: RedPajama-1T's `arxiv/`, `c4/`, ... directories become sources."""
-    shards, seen = [], {}
+    shards: list[Shard] = []
+    seen: dict[str, Path] = {}
     for path in files:
         try:
             relative = path.resolve().relative_to(root.resolve())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -51,7 +51,7 @@ def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> It
         log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
 
 
-def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
+def train_tokenizer(files: Sequence[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
                     key: str = "text", input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
                     seed: int = 1234, progress: bool = False,
                     log: Callable[[str], None] | None = None) -> tuple[Path, Counter]:

@@ -135,7 +135,7 @@ class CheckpointReader:
         if strategy is not None:
             # a two-level checkpoint's rank holds its island's own weights: the export takes the
             # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)
-            if masters or OUTER_KEY in engine or not _is_whole(model, stage, self.tp):
+            if masters or (engine is not None and OUTER_KEY in engine) or not _is_whole(model, stage, self.tp):
                 return consolidated_part(self, tp_rank, pp_rank, model, masters)
             return model
         if not masters or engine is None or engine.get("masters") is None:

@@ -52,7 +52,7 @@ from megazpp.parallel.tensor_parallel import (
 )
 
 
-def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """Contexts for torch.utils.checkpoint's `context_fn`.
 
     Checkpointing restores torch's default generator before recomputing a layer, but dropout
@@ -178,7 +178,7 @@ class GPTModel(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
                 tp_group=tp_group, sequence_parallel=sequence_parallel,
                 init_method=init.normal(head_name))
-            if cfg.tie_embeddings and pre_process:
+            if cfg.tie_embeddings and self.embedding is not None:  # a first stage
                 self.output_layer.weight = self.embedding.word_embeddings.weight
         add_adapters(self, cfg)
 
@@ -202,7 +202,7 @@ class GPTModel(nn.Module):
             raise ConfigError(
                 f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
                 f"model.seq_length = {self.cfg.seq_length}")
-        hidden = self.embedding(inputs) if self.pre_process else inputs
+        hidden = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
         aux_terms = []
         for layer in self.layers.values():
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -214,7 +214,7 @@ class GPTModel(nn.Module):
                 aux_terms.append(aux)
         aux_total = torch.stack(aux_terms).sum() if aux_terms else None
         self.last_moe_aux_loss = aux_total.detach() if aux_total is not None else None
-        if not self.post_process:
+        if self.output_layer is None or self.final_norm is None:  # not the last stage
             return hidden
         logits = self.output_layer(self.final_norm(hidden))
         if labels is None:

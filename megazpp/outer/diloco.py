@@ -199,14 +199,14 @@ class DiLoCoEngine:
         landing = [x for x in self.in_flight if x.lands == t]
         self.in_flight = [x for x in self.in_flight if x.lands != t]
         flat = self._masters_flat() if landing or self.due(t) else None
-        scalars = self._land(landing, flat) if landing else {}
+        scalars = self._land(landing, flat) if landing and flat is not None else {}
         tau = self.options.overlap_steps
         started = [Exchange.start(f, t + tau, self.snapshot[idx] - flat[idx], self.islands, self.options.quantize,
                                   self._wire, group, self._int4, self.errors[f] if self._int4 else None)
-                   for f in self.due(t) for idx in [self.fragments[f]]]
+                   for f in self.due(t) for idx in [self.fragments[f]]] if flat is not None else []
         if tau:
             self.in_flight += started
-        elif started:
+        elif started and flat is not None:
             scalars = self._land(started, flat)
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
         if not (scalars or started):

@@ -106,6 +106,8 @@ class Exchange:
         if self.stage != 1:
             return
         self.work.wait()
+        if self.received is None:
+            raise RuntimeError(f"outer exchange of fragment {self.fragment}: stage 1 holds no received chunks")
         if self.int4 is not None and self.errors is not None:
             mine = self.int4.encode(average_chunks(self.int4.decode(self.received)), self.errors[1], 1).view(-1)
         else:

@@ -392,7 +392,8 @@ def _start_p2p(ops: list[P2POp]) -> list[Any]:
     """`dist.batch_isend_irecv` with device tensors on gloo staged through host copies: sends go
     from a copy made now; a receive lands in a host buffer, copied into its tensor when its
     work's `wait()` returns (`Then`), so it is complete exactly when the native one would be."""
-    staged, finish = [], []
+    staged: list[P2POp] = []
+    finish: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for op in ops:
         if not _host_staged(op.tensor, op.group):
             staged.append(op)

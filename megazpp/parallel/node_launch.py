@@ -173,7 +173,8 @@ def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout
                        f"(this is node {node_rank}; {s:.0f} s of {timeout:.0f} s)"),
             interval)
 
-    rendezvous_handler_registry.register(BACKEND, create)
+    # duck-typed: _WatchedRendezvous forwards every RendezvousHandler method to the handler it wraps
+    rendezvous_handler_registry.register(BACKEND, create)  # type: ignore[arg-type]
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)

@@ -182,7 +182,7 @@ class Topology:
                        embedding_ranks=[0], model_parallel_ranks=[0])
         world, rank = dist.get_world_size(), dist.get_rank()
         from_launcher = ranks_per_node is None
-        if from_launcher:
+        if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         dp = check_shape(world, tp, pp, ranks_per_node)
         group_rank = os.environ.get("GROUP_RANK")
@@ -307,13 +307,13 @@ class ModelShape(Protocol):
     model, so it names the attributes instead of importing the class)."""
 
     num_attention_heads: int
-    num_query_groups: int | None
+    num_query_groups: int
     vocab_size: int
-    ffn_hidden_size: int | None
+    ffn_hidden_size: int
     num_layers: int
     seq_length: int
     num_experts: int
-    moe_ffn_hidden_size: int | None
+    moe_ffn_hidden_size: int
 
 
 def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel: bool = False) -> None:

@@ -164,7 +164,7 @@ def _backend(cpu: bool) -> str:
 def _workload(cfg: Config, topology: Topology) -> Workload:
     workload = workload_of_config(cfg)
     if workload.global_batch is None:  # validate_config not run: one micro-batch per DP rank
-        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp)
+        workload = dataclasses.replace(workload, global_batch=cfg.training.micro_batch_size * topology.dp)
     return workload
 
 

@@ -144,7 +144,7 @@ def island_job(workload: Workload, cluster: Cluster, island_nodes: int) -> tuple
     are left out: they were measured on the whole job's groups, not the island's, so the
     island is priced by its links and latencies."""
     islands = cluster.nodes // island_nodes
-    return (dataclasses.replace(workload, global_batch=workload.global_batch // islands),
+    return (dataclasses.replace(workload, global_batch=workload.batches()[1] // islands),
             dataclasses.replace(cluster, nodes=island_nodes, collective_times=None), islands)
 
 
@@ -226,7 +226,7 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
         job, island, islands = island_job(workload, cluster, nodes)
-        if workload.global_batch % islands:
+        if workload.batches()[1] % islands:
             continue
         inner_plan = plan(shapes, job, island, fixed_zeropp=fixed_zeropp)
         island_plans[nodes] = inner_plan
@@ -245,9 +245,9 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
                             if row.fits:
                                 rows.append(row)
                                 break
-    choice = recommend(rows)
-    rows.sort(key=lambda p: (p is not choice, p.step_s))
-    return TwoLevelPlan(rows, choice, island_plans)
+    best = recommend(rows)
+    rows.sort(key=lambda p: (p is not best, p.step_s))
+    return TwoLevelPlan(rows, best, island_plans)
 
 
 def digest(tp: TwoLevelPlan) -> list[TwoLevelPrediction]:

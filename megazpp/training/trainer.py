@@ -30,7 +30,7 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import CheckpointError, NumericalError
+from megazpp.errors import CheckpointError, ConfigError, NumericalError
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
@@ -141,6 +141,8 @@ class Trainer:
                 f"iteration {self.iteration}: refusing to save a checkpoint with non-finite "
                 f"weights (rank {self.topology.rank} finite: {finite}); last good checkpoint: "
                 f"{self.last_checkpoint or 'none'}")
+        if self.cfg.checkpoint.save is None:
+            raise ConfigError("saving a checkpoint needs checkpoint.save (--save)")
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
             extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),

@@ -83,6 +83,8 @@ class StagedWork(ABC):
         on that stage's group."""
         name = self._names[self._next]
         self._groups.order.clear_way(self, name)
+        if self._work is None:
+            raise RuntimeError(f"{type(self).__name__}.step: no stage in flight to finish")
         self._work.wait()
         self._complete(self._next - 1)
         self._work = self._issue(self._next, self._groups.later[name])

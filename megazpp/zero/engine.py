@@ -44,7 +44,8 @@ from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import check_persistence, fetch_groups, gradient_buckets, parameter_units, split_persistent
+from megazpp.zero.units import (ParamGroupSpec, check_persistence, fetch_groups, gradient_buckets, parameter_units,
+                                 split_persistent)
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
@@ -141,7 +142,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         # both of DeepSpeed's bounds hold for it
         bound = min(o.allgather_bucket_size, o.reduce_bucket_size)
         if self.strategy.params == Level.N:
-            specs, whole = gradient_buckets(self.model, bound), []
+            specs, whole = gradient_buckets(self.model, bound), list[ParamGroupSpec]()  # no persistent units
         else:
             units, whole = split_persistent(parameter_units(self.model, o.module_granularity_threshold),
                                             o.stage3_param_persistence_threshold, bound)
@@ -240,6 +241,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._queue_backward_callback()
         b, i = self._bucket_of[id(p)]
         off, n = b.layout.offsets[i], b.layout.shapes[i].numel()
+        if p.grad is None:
+            raise RuntimeError("a gradient hook fired for a parameter without a gradient")
         grad = p.grad.reshape(-1)
         if self.strategy.grads == Level.N:
             b.grad_acc[off:off + n].add_(grad)
@@ -285,9 +288,11 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
         and unused parameters' slices."""
-        layout = b.layout
-        unwritten = [b.staging[lo:hi] for lo, hi in layout.padding_ranges]
-        unwritten += [b.staging[off:off + shape.numel()]
+        layout, staging = b.layout, b.staging
+        if staging is None:
+            raise RuntimeError("zeroing the unwritten slices of a bucket that has no staging buffer")
+        unwritten = [staging[lo:hi] for lo, hi in layout.padding_ranges]
+        unwritten += [staging[off:off + shape.numel()]
                       for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)) if i not in b.arrived]
         if unwritten:
             torch._foreach_zero_(unwritten)  # one fused call, not one per range
@@ -337,6 +342,8 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._wait_micro(b)
             if b.boundary_pending is None:
                 self._start_boundary(b)
+            if b.boundary_pending is None:
+                raise RuntimeError("a bucket's boundary reduction was started but left nothing to wait for")
             grads.append(b.boundary_pending.wait().float())
             b.boundary_pending = None
         return grads

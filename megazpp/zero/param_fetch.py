@@ -87,6 +87,8 @@ class ParamFetcher:
         if b.full_params is not None:
             return
         self._launch(b, phase)
+        if b.fetch_pending is None:
+            raise RuntimeError("a parameter fetch was launched but left nothing to wait for")
         full = b.fetch_pending.wait()
         b.fetch_pending = None
         b.full_params = full

@@ -190,9 +190,10 @@ class PendingQuantizedReduce(StagedWork):
         self._code_bytes = self._codes.numel() // size
         rows = None
         if self._exact is not None:
+            values = self._exact_values()
             width = self._exact.widths[j]
-            rows = self._values.new_zeros(size * width)
-            rows[self._exact.dests[j]] = self._values
+            rows = values.new_zeros(size * width)
+            rows[self._exact.dests[j]] = values
         send = pack(self._codes, self._scales, size, rows, self._orders[j])
         self._recv = torch.empty_like(send)
         return comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
@@ -208,15 +209,22 @@ class PendingQuantizedReduce(StagedWork):
         if j + 1 == len(self._sizes):
             self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
             if self._exact is not None:
-                self._result[self._exact.last] = self._values
+                self._result[self._exact.last] = self._exact_values()
         elif self._loco:
             self._codes, self._scales, _ = self._ops.dequant_reduce_loco_quantize(
                 codes, scales, 4, self._block, self._loco[j + 1], self._beta)
         else:
             self._codes, self._scales = self._ops.dequant_reduce_quantize(codes, scales, 4, self._block)
 
+    def _exact_values(self) -> torch.Tensor:
+        if self._values is None:
+            raise RuntimeError("the exactly sent values are missing: the reduction has no exact plan")
+        return self._values
+
     def wait(self) -> torch.Tensor:
         self._finish_all()
+        if self._result is None:
+            raise RuntimeError("the quantized reduction finished without a result")
         if self.overflow:
             self._result.fill_(float("nan"))
         return self._result

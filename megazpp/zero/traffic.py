@@ -180,7 +180,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     sides: tuple[tuple[int, ...], ...] = ()
     if pp.qgz:
         qseq = qgz_sequence(s, shapes, hier)
-        micro = (tuple(qseq), pp.grads)
+        micro: tuple[tuple[Collective, ...], ElemFormat] = (tuple(qseq), pp.grads)
         if exact_ranges:
             sides = tuple(tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r))
                           for n, r in zip(numels, exact_ranges))
