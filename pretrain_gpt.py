@@ -13,9 +13,9 @@ import functools
 import os
 import random
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,36 +25,45 @@ from megazpp.cli import configure_logging, run_tool
 from megazpp.config import Config
 from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.errors import CheckpointError
+from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.launch.preflight import check_nodes
-from megazpp.model.flops import training_flops_per_token
 from megazpp.model.compile import compile_layers
+from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
+from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.lifeline import die_with_launcher
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
-from megazpp.training.checkpoint import (CONFIG_KEY, LATEST_FILE, LoadedCheckpoint, check_not_behind,
-                                         check_save_dir, is_weights_only, latest_checkpoint,
-                                         load_checkpoint, load_model_weights, read_metadata)
-from megazpp.optim.engine import Engine, LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine
-from megazpp.outer.settings import OuterOptions
-from megazpp.zero.engine import ZeroEngine
-from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
+from megazpp.training.checkpoint import (
+    CONFIG_KEY,
+    LATEST_FILE,
+    LoadedCheckpoint,
+    check_not_behind,
+    check_save_dir,
+    is_weights_only,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    read_metadata,
+)
+from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.resume_check import uses_zero_engine
 from megazpp.training.save_lock import hold_save_dir
-from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
+from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
+from megazpp.zero.engine import ZeroEngine
 
 
 def pick_device() -> torch.device:

@@ -16,7 +16,7 @@ Run by tools/gpu_check.sh; needs CUDA (and TRITON_INTERPRET unset).
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -17,7 +17,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, NoReturn, TextIO
+from collections.abc import Callable
+from typing import Any, NoReturn, TextIO
 
 from megazpp.errors import ConfigError, MegazppError
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence, cast
+from typing import Any, Literal, cast
 
 import yaml
 

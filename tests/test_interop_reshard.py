@@ -34,7 +34,6 @@ from megazpp.parallel.topology import Topology
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_training_pretrain import tiny_args
 
 import pretrain_gpt
 from megazpp.errors import CheckpointError
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.training.checkpoint import load_checkpoint
 from megazpp.training.faults import InjectedFault
-from test_training_pretrain import tiny_args
 
 
 def hashes(directory: Path) -> dict[str, str]:

@@ -20,15 +20,15 @@ import pytest
 import torch
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.engine import LocalEngine
 from megazpp.parallel.counter import counter
-from megazpp.errors import ConfigError
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
-from megazpp.optim.engine import LocalEngine
 from megazpp.zero import sequences
 from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions

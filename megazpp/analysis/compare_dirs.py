@@ -5,9 +5,10 @@ LoCo experiment, the network benchmark) without a subprocess."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, cast
+from typing import cast
 
 from megazpp.analysis.comparison import TRAIN_LOSS, Comparison, compare_runs
 from megazpp.analysis.event_reader import read_runs

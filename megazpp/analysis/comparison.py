@@ -9,8 +9,8 @@ with a training loss share, and the notes say so whenever the runs differ in len
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 

@@ -22,7 +22,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,10 @@ from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
-from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.training.trainer import make_micro_batch
-
 
 # zero settings both engines read under the same name and meaning: the peer gets megazpp's values
 SHARED_ZERO_KEYS = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",

@@ -27,8 +27,7 @@ import argparse
 import os
 import statistics
 import sys
-from typing import Sequence
-
+from collections.abc import Sequence
 from pathlib import Path
 
 from megazpp.analysis.comparison import TRAIN_LOSS, Comparison, compare_runs

@@ -10,7 +10,7 @@ parameters); qgZ acts on the trainable gradients only and stays.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megazpp.bench.results import Row
 from megazpp.bench.suite import MEGAZPP, BenchConfig

@@ -30,8 +30,9 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from megazpp.analysis.event_reader import read_run
 from megazpp.errors import DataError

@@ -9,8 +9,9 @@ every DeepSpeed one runs `megazpp/bench/deepspeed_peer.py` with a `zero_optimiza
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from megazpp.errors import ConfigError
 from megazpp.zero.strategy import VALID_NAMES

@@ -209,7 +209,7 @@ class IndexedDatasetBuilder:
         self._tmp_bin.unlink(missing_ok=True)
         self._tmp_idx.unlink(missing_ok=True)
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

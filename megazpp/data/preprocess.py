@@ -29,21 +29,45 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
-from megazpp.data.indexed_dataset import IndexedDatasetBuilder, data_file, index_file, merge_indexed_datasets, \
-    token_dtype_for
-from megazpp.data.jsonl import KEY_ALIASES, SkipReason, input_root, iter_line_chunks, parse_record, record_keys, \
-    record_set_name, record_text, resolve_inputs
+from megazpp.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    data_file,
+    index_file,
+    merge_indexed_datasets,
+    token_dtype_for,
+)
+from megazpp.data.jsonl import (
+    KEY_ALIASES,
+    SkipReason,
+    input_root,
+    iter_line_chunks,
+    parse_record,
+    record_keys,
+    record_set_name,
+    record_text,
+    resolve_inputs,
+)
 from megazpp.data.progress import Progress
 from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow, load_duplicate_rows, parse_signals
-from megazpp.data.shards import DocumentCounts, Shard, ShardResult, file_identity, marker_path, options_fingerprint, plan_shards, \
-    read_marker, safe_name, write_marker
+from megazpp.data.shards import (
+    DocumentCounts,
+    Shard,
+    ShardResult,
+    file_identity,
+    marker_path,
+    options_fingerprint,
+    plan_shards,
+    read_marker,
+    safe_name,
+    write_marker,
+)
 from megazpp.data.signal_filter import DocumentFilter, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import TokenizerRecord, record_file, write_record

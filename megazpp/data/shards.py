@@ -89,7 +89,7 @@ class DocumentCounts:
     unevaluable: Counter = field(default_factory=Counter)  # filter rule -> documents missing a signal
     damage: list[str] = field(default_factory=list)  # one line per damaged input file
 
-    def add_counts(self, other: "DocumentCounts") -> None:
+    def add_counts(self, other: DocumentCounts) -> None:
         for counts, more in ((self.documents, other.documents), (self.tokens, other.tokens),
                              (self.skipped, other.skipped), (self.dropped, other.dropped),
                              (self.unevaluable, other.unevaluable)):

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, NoReturn
+from typing import NoReturn
 
 import yaml
 

@@ -26,19 +26,31 @@ import functools
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
+from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.model.config import ModelConfig
-from megazpp.training.checkpoint import (CHECKSUMS_KEY, CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
-                                         METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY,
-                                         checkpoint_name, latest_checkpoint, layout_of,
-                                         rank_file_name, verify_checksum, write_atomically)
+from megazpp.training.checkpoint import (
+    CHECKSUMS_KEY,
+    CONFIG_KEY,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    MODEL_CONFIG_KEY,
+    WEIGHTS_ONLY_KEY,
+    checkpoint_name,
+    latest_checkpoint,
+    layout_of,
+    rank_file_name,
+    verify_checksum,
+    write_atomically,
+)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

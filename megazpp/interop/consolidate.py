@@ -10,7 +10,7 @@ the base it records (an import, or the model's init), checked unchanged.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

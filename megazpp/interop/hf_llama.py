@@ -22,7 +22,8 @@ that silently computes something else is worse than no model.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

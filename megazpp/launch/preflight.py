@@ -15,9 +15,9 @@ import hashlib
 import socket
 import subprocess
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from megazpp.data.builder import parse_data_path
 from megazpp.errors import LaunchError, MegazppError

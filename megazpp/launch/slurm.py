@@ -19,7 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from megazpp.errors import LaunchError
 

@@ -88,7 +88,7 @@ class ModelConfig:
         """GPT-2 has biases on every linear layer and norm; Llama has none."""
         return self.arch == "gpt2"
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Raise ConfigError on the first inconsistent value; return self for chaining."""
         for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                     "ffn_hidden_size", "vocab_size", "seq_length"):

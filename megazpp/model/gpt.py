@@ -32,8 +32,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig

@@ -27,8 +27,9 @@ A step whose gradient norm is not finite is never applied, in any precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn

@@ -8,7 +8,7 @@ and the parameters are on CUDA (NGC images), else torch's fused (CUDA) or foreac
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -85,7 +85,7 @@ class Exchange:
     @classmethod
     def start(cls, fragment: int, lands: int, pseudo: torch.Tensor, islands: int, quantize: str,
               wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
-              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Exchange":
+              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> Exchange:
         """Issue stage 1. Under int4 `wire` is ignored and `errors` (fp32, the padded fragment
         and one chunk) carry each quantization's error to the next sync of the fragment."""
         n = traffic.padded_numel(pseudo.numel(), islands, quantize, int4.block if int4 else traffic.DEFAULT_BLOCK)
@@ -133,6 +133,6 @@ class Exchange:
                 "islands": self.islands}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> "Exchange":
+    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> Exchange:
         return cls(int(state["fragment"]), int(state["lands"]), state["pseudo"].clone(), 3, state["full"].clone(),
                    int4=int4, islands=int(state["islands"]))

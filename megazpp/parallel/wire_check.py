@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -93,7 +93,7 @@ class Phase:
     times: int = 1
     host: float = 0.0  # of `seconds`, the part the host's cores are busy (`timing.host_time`)
 
-    def __add__(self, other: "Phase") -> "Phase":
+    def __add__(self, other: Phase) -> Phase:
         return Phase(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
                      self.calls + other.calls, self.times, self.host + other.host)
 

@@ -8,8 +8,8 @@ it saves at least 5 % of the usable memory; otherwise the faster one wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, predict_stage

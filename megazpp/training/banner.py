@@ -8,14 +8,14 @@ checkpoint the run started from and why, and what the config loader adjusted.
 
 from __future__ import annotations
 
-from typing import Sequence, Sized
+from collections.abc import Sequence, Sized
 
 from megazpp.config import Config
 from megazpp.model.flops import parameter_count
 from megazpp.model.trainable import trainable_fraction
-from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import Engine
 from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
 from megazpp.zero.engine import ZeroEngine
 

@@ -38,9 +38,10 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, cast
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch

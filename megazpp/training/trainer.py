@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,15 +32,20 @@ from torch import nn
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import CheckpointError, ConfigError, NumericalError
+from megazpp.optim.engine import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedCheckpoint,
-                                         capture_rng_state,
-                                         load_model_weights,
-                                         restore_rng_state, save_checkpoint)
-from megazpp.optim.engine import Engine, StepResult
+from megazpp.training.checkpoint import (
+    CONFIG_KEY,
+    MODEL_CONFIG_KEY,
+    LoadedCheckpoint,
+    capture_rng_state,
+    load_model_weights,
+    restore_rng_state,
+    save_checkpoint,
+)
 from megazpp.training.frozen_base import BASE_KEY, FrozenBase, frozen_names, without_frozen
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule

@@ -8,7 +8,7 @@ honour must be refused here, naming the key, rather than silently ignored.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

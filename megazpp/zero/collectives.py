@@ -48,7 +48,7 @@ class StagedWork(ABC):
     A subclass says how a stage is issued (`_issue(j, group)` -> the work) and what follows its
     completion (`_complete(j)`: unpack, reduce, prepare the next stage's input)."""
 
-    def __init__(self, groups: "ZeroGroups", names: list[str]) -> None:
+    def __init__(self, groups: ZeroGroups, names: list[str]) -> None:
         self._groups, self._names = groups, names
         self._next = 0
         self._work: Work | None = None

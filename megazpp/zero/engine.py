@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,24 +29,30 @@ from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
-from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
+from megazpp.parallel.tensor_parallel import param_is_tp_sharded
+from megazpp.parallel.topology import Topology
 from megazpp.zero import accounting, memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets
 from megazpp.zero.layout import BucketLayout
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import (ParamGroupSpec, check_persistence, fetch_groups, gradient_buckets, parameter_units,
-                                 split_persistent)
+from megazpp.zero.units import (
+    ParamGroupSpec,
+    check_persistence,
+    fetch_groups,
+    gradient_buckets,
+    parameter_units,
+    split_persistent,
+)
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 

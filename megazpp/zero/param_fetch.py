@@ -31,7 +31,8 @@ point: the later stages of collectives whose earlier stage has completed start t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -19,8 +19,8 @@ model dtype, which overwrite their decoded int8 values, so a norm gain arrives b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -79,7 +79,7 @@ class ExactPlan:
 
     @staticmethod
     def build(ranges: Sequence[tuple[int, int]], numel: int, stages: Sequence[tuple[int, int]],
-              widths: Sequence[int], device: torch.device | str = "cpu") -> "ExactPlan | None":
+              widths: Sequence[int], device: torch.device | str = "cpu") -> ExactPlan | None:
         """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage; the
         index tensors live on `device` (the bucket's), so no reduction copies them there."""
         if not ranges:
@@ -109,7 +109,7 @@ class ExactGather:
 
     @staticmethod
     def build(ranges: Sequence[tuple[int, int]], numel: int, shards: int, me: int,
-              device: torch.device | str = "cpu") -> "ExactGather | None":
+              device: torch.device | str = "cpu") -> ExactGather | None:
         """`ranges`: flat ranges sent exactly; the buffer of `numel` is `shards` equal shards,
         mine the `me`-th."""
         if not ranges:

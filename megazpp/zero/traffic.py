@@ -10,17 +10,27 @@ formula the counter records). A micro-batch step has A micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from megazpp.parallel.wire import all_reduce_bytes, chunk_bytes
-from megazpp.zero.sequences import (Collective, DPShapes, GroupShape, Hierarchy, boundary_sequence,
-                                    gather_sequence, hpz_fetch_sequence, micro_batch_reduce_sequence,
-                                    norm_groups, param_fetch_sequence, param_sync_sequence, qgz_sequence,
-                                    reduce_sequence)
+from megazpp.zero.sequences import (
+    Collective,
+    DPShapes,
+    GroupShape,
+    Hierarchy,
+    boundary_sequence,
+    gather_sequence,
+    hpz_fetch_sequence,
+    micro_batch_reduce_sequence,
+    norm_groups,
+    param_fetch_sequence,
+    param_sync_sequence,
+    qgz_sequence,
+    reduce_sequence,
+)
 from megazpp.zero.strategy import Level, Strategy, level_div
 from megazpp.zero.zeropp import QuantFormat, ZeroPP
-
 
 ElemFormat = int | QuantFormat  # bytes per element of a plain dtype, or a quantized format
 

@@ -12,7 +12,8 @@ reports the true loss). Tied embedding gradients are synchronised before returni
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
