@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from megazpp.errors import LaunchError
 from megazpp.launch.node import exit_code
@@ -121,11 +121,11 @@ class Launch:
                    "--grace", str(self.stop_grace_s)]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
-    def on_host(self, node_rank: int, line: str, **popen: Any) -> subprocess.Popen:  # Popen's keywords
+    def on_host(self, node_rank: int, line: str, *, stdout: int, stderr: int) -> subprocess.Popen:
         # A session of its own: Ctrl-C in the terminal reaches the launcher, which stops the
         # hosts in order, instead of killing every ssh client at once.
         return subprocess.Popen([*self.rsh, self.hosts[node_rank].name, line], start_new_session=True,
-                                stdin=subprocess.DEVNULL, **popen)
+                                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
 
 
 def _stream(name: str, source: BinaryIO, lock: threading.Lock) -> None:
