@@ -25,7 +25,7 @@ from megazpp.cli import configure_logging, run_tool
 from megazpp.config import Config
 from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.errors import CheckpointError
+from megazpp.errors import CheckpointError, required
 from megazpp.interop.reshard import load_resharded, needs_reshard
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.compile import compile_layers
@@ -202,10 +202,10 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     ck = cfg.checkpoint
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
-    eval_samples = t.eval_iters * t.global_batch_size
+    eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed,
+        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples), t.seed,
         vocab_size=cfg.model.vocab_size)
     load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
@@ -224,7 +224,7 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
         resumed = loaded is not None and not loaded.weights_only
         check_not_behind(ck.save, int(loaded.metadata["iteration"]) if loaded is not None and resumed else 0)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
         tensorboard_dir=cfg.logging.tensorboard_dir, log_interval=cfg.logging.log_interval,

@@ -25,7 +25,7 @@ import yaml
 from megazpp.config_aliases import MEGATRON_ALIASES, translate_megatron_flags
 from megazpp.config_planner import PlannerSettings
 from megazpp.config_values import coerce, suggest
-from megazpp.errors import ConfigError, MegazppError
+from megazpp.errors import ConfigError, MegazppError, required
 from megazpp.model.config import ModelConfig
 from megazpp.outer.settings import OuterSettings
 from megazpp.unique_keys import load_yaml
@@ -72,7 +72,7 @@ class TrainingConfig:
     """
 
     micro_batch_size: int = 4
-    global_batch_size: int = None  # type: ignore[assignment]  # None until config_checks.validate_config resolves it
+    global_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
     train_iters: int = 100
     lr_warmup_iters: int = 0
@@ -236,7 +236,7 @@ class Config:
 
     def num_micro_batches(self, world_size: int) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""
-        return self.training.global_batch_size // (
+        return required(self.training.global_batch_size, "training.global_batch_size") // (
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -39,7 +39,7 @@ from megazpp.bench.suite import DEEPSPEED, BenchConfig, all_configs, check_steps
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
-from megazpp.errors import DataError, MegazppError
+from megazpp.errors import DataError, MegazppError, required
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "configs/experiments/netlab/llama_comm_bound.yaml"
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               "--train-iters", str(ns.steps), "--ranks-per-node", str(layout.ranks_per_node), *ns.extra]
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
     validate_config(cfg, layout.world_size)
-    tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
+    tokens_per_step = required(cfg.training.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     port = ns.port

@@ -106,8 +106,7 @@ def _cluster(a: argparse.Namespace) -> Cluster:
 def _ffn_for(params: float, base: ModelConfig) -> int:
     """FFN width whose parameter count is closest to `params` (the count is linear in it)."""
     def count(ffn: int) -> int:
-        # moe_ffn_hidden_size None: re-derived from the new width
-        return parameter_count(dataclasses.replace(base, ffn_hidden_size=ffn, moe_ffn_hidden_size=None))  # type: ignore[arg-type]
+        return parameter_count(dataclasses.replace(base, ffn_hidden_size=ffn, moe_ffn_hidden_size=None))
     slope = (count(128) - count(64)) / 64
     return max(64, round((64 + (params - count(64)) / slope) / 64) * 64)
 
@@ -123,8 +122,7 @@ def _model(a: argparse.Namespace, base: Config | None) -> ModelConfig:
     if a.params is not None:
         if a.ffn_hidden_size is not None:
             raise ConfigError("give --params or --ffn-hidden-size, not both (--params sets the FFN width)")
-        # moe_ffn_hidden_size None: re-derived from the new width
-        cfg = dataclasses.replace(cfg, ffn_hidden_size=_ffn_for(a.params, cfg), moe_ffn_hidden_size=None)  # type: ignore[arg-type]
+        cfg = dataclasses.replace(cfg, ffn_hidden_size=_ffn_for(a.params, cfg), moe_ffn_hidden_size=None)
     return cfg
 
 

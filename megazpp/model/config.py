@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 
 ARCHITECTURES = ("llama", "gpt2")
 # the linears of a layer that can carry a LoRA adapter, per architecture (attribute names)
@@ -37,25 +37,23 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    # A field written `= None` with an ignore is None only until __post_init__ derives it from `arch`:
-    # every reader after construction sees the annotated type.
-    num_query_groups: int = None  # type: ignore[assignment]  # None: one group per head (plain multi-head attention)
-    ffn_hidden_size: int = None  # type: ignore[assignment]  # None: 4h for gpt2, ~8h/3 (multiple of 64) for llama
+    num_query_groups: int | None = None  # None: one group per head (plain multi-head attention)
+    ffn_hidden_size: int | None = None  # None: 4h for gpt2, ~8h/3 (multiple of 64) for llama
     vocab_size: int = 512
     seq_length: int = 128  # the longest sequence (also the size of gpt2's position table)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    tie_embeddings: bool = None  # type: ignore[assignment]  # None: True for gpt2, False for llama
+    tie_embeddings: bool | None = None  # None: True for gpt2, False for llama
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     num_experts: int = 0  # 0: dense MLP; >0: mixture of experts in every layer
     moe_top_k: int = 2
-    moe_ffn_hidden_size: int = None  # type: ignore[assignment]  # None: ffn_hidden_size // moe_top_k
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size // moe_top_k
     moe_aux_loss_coeff: float = 0.01
     activation_checkpointing: bool = False
     lora_rank: int = 0  # 0: no adapters; r > 0: LoRA of rank r on every linear named in lora_targets
     lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
-    lora_targets: list[str] = None  # type: ignore[assignment]  # None: every attention and MLP linear of the arch
+    lora_targets: list[str] | None = None  # None: every attention and MLP linear of the arch
     init_std: float = 0.02
     init_seed: int = 1234
 
@@ -99,7 +97,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "
                 f"model.num_attention_heads = {self.num_attention_heads}")
-        if self.num_attention_heads % self.num_query_groups:
+        if self.num_attention_heads % required(self.num_query_groups, "model.num_query_groups"):
             raise ConfigError(
                 f"model.num_attention_heads = {self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups = {self.num_query_groups}")
@@ -129,7 +127,7 @@ class ModelConfig:
         if not self.lora_alpha > 0:
             raise ConfigError(f"model.lora_alpha = {self.lora_alpha!r}: expected a value > 0")
         valid = LORA_TARGETS[self.arch]
-        unknown = [t for t in self.lora_targets if t not in valid]
+        unknown = [t for t in required(self.lora_targets, "model.lora_targets") if t not in valid]
         if unknown or not self.lora_targets:
             raise ConfigError(f"model.lora_targets = {self.lora_targets!r}: "
                               f"{'unknown module ' + repr(unknown[0]) if unknown else 'empty'}; "

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
-from megazpp.errors import ConfigError, TopologyError
+from megazpp.errors import ConfigError, TopologyError, required
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.layer import TransformerLayer
@@ -95,7 +95,7 @@ def check_tensor_parallel_split(cfg: ModelConfig, tp: int) -> None:
     else:
         sharded["ffn_hidden_size"] = cfg.ffn_hidden_size
     for key, value in sharded.items():
-        if value % tp:
+        if required(value, f"model.{key}") % tp:
             raise TopologyError(
                 f"model.{key} = {value} is not divisible by the tensor-parallel size {tp}")
 

@@ -307,13 +307,13 @@ class ModelShape(Protocol):
     model, so it names the attributes instead of importing the class)."""
 
     num_attention_heads: int
-    num_query_groups: int
+    num_query_groups: int | None
     vocab_size: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int | None
     num_layers: int
     seq_length: int
     num_experts: int
-    moe_ffn_hidden_size: int
+    moe_ffn_hidden_size: int | None
 
 
 def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel: bool = False) -> None:

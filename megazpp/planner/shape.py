@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -148,7 +148,7 @@ def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel
                           f"size {pp}")
     for what, value in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
                         ("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_hidden_size)):
-        if value % tp:
+        if required(value, f"model.{what}") % tp:
             raise ConfigError(f"model.{what} = {value} is not divisible by the tensor-parallel size {tp}")
     shapes = []
     for stage in range(pp):

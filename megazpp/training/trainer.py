@@ -31,7 +31,7 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import CheckpointError, ConfigError, NumericalError
+from megazpp.errors import CheckpointError, ConfigError, NumericalError, required
 from megazpp.optim.engine import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -207,7 +207,7 @@ class Trainer:
             if not result.skipped:
                 self.lr_schedule.step()
             self.iteration += 1
-            self.consumed_samples += t.global_batch_size
+            self.consumed_samples += required(t.global_batch_size, "training.global_batch_size")
             loss = self._dp_mean(losses)
             history.losses[self.iteration] = loss
             history.skipped[self.iteration] = result.skipped

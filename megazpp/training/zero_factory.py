@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megazpp.config import Config, ZeroConfig
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
@@ -58,4 +58,4 @@ def build_zero_engine(model: GPTModel, cfg: Config, topology: Topology,
         hier = auto_hierarchy(model, cfg, topology, cluster)
         options = dataclasses.replace(options, hierarchical=options.hierarchical if hier is None else hier)
     return ZeroEngine(model, cfg.optimizer, cfg.precision, options, topology, counts_in_norm=counts_in_norm,
-                      tied_embeddings=cfg.model.tie_embeddings, tied_weight=model.tied_embedding_weight())
+                      tied_embeddings=required(cfg.model.tie_embeddings, "model.tie_embeddings"), tied_weight=model.tied_embedding_weight())
