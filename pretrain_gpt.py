@@ -13,9 +13,9 @@ import functools
 import os
 import random
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,35 +25,45 @@ from megazpp.cli import configure_logging, run_tool
 from megazpp.config import Config
 from megazpp.config_reference import render_help
 from megazpp.data.builder import build_gpt_datasets
+from megazpp.errors import CheckpointError, required
 from megazpp.interop.reshard import load_resharded, needs_reshard
-from megazpp.errors import CheckpointError
 from megazpp.launch.preflight import check_nodes
-from megazpp.model.flops import training_flops_per_token
 from megazpp.model.compile import compile_layers
+from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
+from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.lifeline import die_with_launcher
 from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
-from megazpp.training.checkpoint import (CONFIG_KEY, LATEST_FILE, LoadedCheckpoint, check_not_behind,
-                                         check_save_dir, is_weights_only, latest_checkpoint,
-                                         load_checkpoint, load_model_weights, read_metadata)
-from megazpp.optim.engine import Engine, LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine
-from megazpp.outer.settings import OuterOptions
-from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.banner import banner
+from megazpp.training.checkpoint import (
+    CONFIG_KEY,
+    LATEST_FILE,
+    LoadedCheckpoint,
+    check_not_behind,
+    check_save_dir,
+    is_weights_only,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    read_metadata,
+)
+from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.resume_check import uses_zero_engine
 from megazpp.training.save_lock import hold_save_dir
-from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.schedule import forward_backward
+from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
+from megazpp.zero.engine import ZeroEngine
 
 
 def pick_device() -> torch.device:
@@ -97,7 +107,8 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterO
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
         return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,
                                  counts_in_norm=counts_in_norm(model, topology))
-    model_parallel = [topology.model_parallel_group] if cfg.tp * cfg.pp > 1 else []
+    group = topology.model_parallel_group
+    model_parallel = [group] if cfg.tp * cfg.pp > 1 and group is not None else []
     return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
                        counts_in_norm=counts_in_norm(model, topology))
 
@@ -130,8 +141,13 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
             raise CheckpointError(f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
                                   "size and PaRO strategy that saved it (resharding needs the frozen weights "
                                   "it leaves out)")
+        if not isinstance(zero, ZeroEngine):
+            raise CheckpointError(f"{load_dir}: resharding needs the ZeRO engine, not {type(zero).__name__}")
         return load_resharded(load_dir, topology, model, zero)
-    return load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
+    loaded = load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
+    if loaded is None:
+        raise CheckpointError(f"{load_dir}: {LATEST_FILE} names no checkpoint to resume")
+    return loaded
 
 
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
@@ -186,10 +202,10 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     ck = cfg.checkpoint
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
-    eval_samples = t.eval_iters * t.global_batch_size
+    eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, valid_ds, _ = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed,
+        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples), t.seed,
         vocab_size=cfg.model.vocab_size)
     load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
@@ -207,8 +223,8 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
         loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
     if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
         resumed = loaded is not None and not loaded.weights_only
-        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if resumed else 0)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if loaded is not None and resumed else 0)
+    tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
         tensorboard_dir=cfg.logging.tensorboard_dir, log_interval=cfg.logging.log_interval,

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
-from typing import Callable, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 
 from kernels import reference
 from kernels.format import check_block_size, num_blocks
 from megazpp.errors import ConfigError
-
 
 CPU_KERNELS = ("reference", "compiled")
 

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

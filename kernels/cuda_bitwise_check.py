@@ -16,7 +16,7 @@ Run by tools/gpu_check.sh; needs CUDA (and TRITON_INTERPRET unset).
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -85,18 +85,18 @@ def cases() -> list[tuple[str, Callable[[], str]]]:
                 out.append((f"dequant_reduce {parts} x int{bits} -> fp32 block {block}",
                             lambda st=stacked, bits=bits, block=block, numel=numel: _same(
                                 triton_ops.dequant_reduce(st[0].cuda(), st[1].cuda(), bits, block, numel),
-                                reference.dequant_reduce(*st, bits, block, numel))))
+                                reference.dequant_reduce(st[0], st[1], bits, block, numel))))
                 for out_bits in (4, 8):
                     out.append((f"dequant_reduce {parts} x int{bits} -> int{out_bits} block {block}",
                                 lambda st=stacked, bits=bits, block=block, ob=out_bits: _same(
                                     triton_ops.dequant_reduce_quantize(st[0].cuda(), st[1].cuda(), bits, block, ob),
-                                    reference.dequant_reduce_quantize(*st, bits, block, ob))))
+                                    reference.dequant_reduce_quantize(st[0], st[1], bits, block, ob))))
                 err = inputs(5 * block, block, seed=parts) * 1e-2
                 out.append((f"dequant_reduce + LoCo {parts} x int{bits} -> int4 block {block}",
                             lambda st=stacked, bits=bits, block=block, err=err: _same(
                                 triton_ops.dequant_reduce_loco_quantize(st[0].cuda(), st[1].cuda(), bits, block,
                                                                         err.clone().cuda(), 0.8),
-                                reference.dequant_reduce_loco_quantize(*st, bits, block, err.clone(), 0.8))))
+                                reference.dequant_reduce_loco_quantize(st[0], st[1], bits, block, err.clone(), 0.8))))
     bad = inputs(4096, 256, seed=5)
     bad[1234] = float("inf")
     for label, x in (("finite", inputs(4096, 256, seed=4)), ("with inf", bad)):

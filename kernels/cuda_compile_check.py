@@ -60,12 +60,12 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                     "blocks": "i32"}
             out.append((f"dequantize int{bits} -> {dst}", triton_ops._dequantize_kernel, args,
                         {**_tile(256), "BITS": bits}))
-    for bits, out_bits, loco in ((4, 0, False), (4, 4, False), (4, 8, False), (4, 4, True), (8, 0, False),
-                                 (8, 4, False), (8, 4, True)):
+    for bits, out_bits, with_loco in ((4, 0, False), (4, 4, False), (4, 8, False), (4, 4, True), (8, 0, False),
+                                      (8, 4, False), (8, 4, True)):
         consts = {**_tile(256), "PARTS": 4, "BITS": bits, "OUT_BITS": out_bits,
-                  "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0), "LOCO": loco}
+                  "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0), "LOCO": with_loco}
         label = (f"dequant_reduce 4 x int{bits} -> {'fp32' if not out_bits else f'int{out_bits}'}"
-                 f"{' + LoCo' if loco else ''}")
+                 f"{' + LoCo' if with_loco else ''}")
         args = {**_REDUCE_ARGS, "in_codes_ptr": "*u8" if bits == 4 else "*i8"}
         out.append((label, triton_ops._dequant_reduce_kernel, args, consts))
     # A block wider than one tile: one row per program, eight warps.

@@ -16,16 +16,16 @@ tensor, because `number / tensor` in torch multiplies by a reciprocal instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from kernels.format import (
     QMAX,
     TINY_ABSMAX,
-    check_block_size,
     check_bits,
+    check_block_size,
     check_codes,
     check_err_beta,
     check_error_buffer,

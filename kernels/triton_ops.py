@@ -98,7 +98,7 @@ def _dequant_reduce_kernel(
         store_codes(out_codes_ptr, out_scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, OUT_BITS)
 
 
-def _tiling(block_size: int, blocks: int) -> dict:
+def _tiling(block_size: int, blocks: int) -> tuple[tuple[int], dict[str, int | bool]]:
     """Launch geometry: (grid, constexprs and launch options) for a tensor of `blocks` blocks."""
     block_p2 = triton.next_power_of_2(block_size)
     rows = max(1, TILE_ELEMENTS // block_p2)

@@ -17,7 +17,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, NoReturn, TextIO
+from collections.abc import Callable
+from typing import Any, NoReturn, TextIO
 
 from megazpp.errors import ConfigError, MegazppError
 
@@ -31,7 +32,7 @@ class _ConsoleHandler(logging.StreamHandler):
         self.to_stdout = to_stdout
         self.setFormatter(logging.Formatter("%(message)s"))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stdout if self.to_stdout else sys.stderr
 

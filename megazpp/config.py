@@ -16,16 +16,17 @@ import argparse
 import dataclasses
 import re
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, cast
 
 import yaml
 
 from megazpp.config_aliases import MEGATRON_ALIASES, translate_megatron_flags
 from megazpp.config_planner import PlannerSettings
 from megazpp.config_values import coerce, suggest
-from megazpp.errors import ConfigError, MegazppError
+from megazpp.errors import ConfigError, MegazppError, required
 from megazpp.model.config import ModelConfig
 from megazpp.outer.settings import OuterSettings
 from megazpp.unique_keys import load_yaml
@@ -243,7 +244,7 @@ class Config:
 
     def num_micro_batches(self, world_size: int) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""
-        return self.training.global_batch_size // (
+        return required(self.training.global_batch_size, "training.global_batch_size") // (
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -253,7 +254,8 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# every field of Config is a section whose default_factory is its class
+SECTIONS: dict[str, type] = {f.name: cast(type, f.default_factory) for f in dataclasses.fields(Config)}
 
 # Features that are configured here but not executed yet. A field listed here with a value
 # other than its default is refused with "not implemented yet" (by the loader, naming where the

@@ -12,8 +12,9 @@ The result is `{section: {field: value}}`; `megazpp.config` type-checks it like 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megazpp.config_values import suggest
 from megazpp.errors import ConfigError

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megazpp.config import FLAG_NAMES, SECTIONS, Config, file_defaults, flag_table
 from megazpp.config_aliases import MEGATRON_ALIASES, REFUSED_FLAGS
@@ -53,16 +54,23 @@ HELP: dict[str, str] = {
     "model.moe_ffn_hidden_size": "expert MLP width; none: ffn_hidden_size / moe_top_k",
     "model.moe_aux_loss_coeff": "weight of the MoE load-balancing loss",
     "model.activation_checkpointing": "recompute each layer's activations in backward",
-    "model.lora_rank": "LoRA adapter rank on the lora_targets linears (0: none); with adapters, only they train unless training.trainable adds more",
+    "model.lora_rank": (
+        "LoRA adapter rank on the lora_targets linears (0: none); with adapters, only they train unless "
+        "training.trainable adds more"
+    ),
     "model.lora_alpha": "LoRA scale numerator: adapters add lora_alpha / lora_rank x B A",
-    "model.lora_targets": "linears that get adapters: qkv out gate_proj up_proj down_proj (llama), fc1 fc2 (gpt2); none: all",
+    "model.lora_targets": (
+        "linears that get adapters: qkv out gate_proj up_proj down_proj (llama), fc1 fc2 (gpt2); none: all"
+    ),
     "model.init_std": "standard deviation of the weight init",
     "model.init_seed": "seed of the weight init (same model for every parallel layout)",
     "data.data_path": "indexed dataset prefix, or a blend: W1 PREFIX1 W2 PREFIX2 ...",
     "data.split": "train,valid,test weights of the documents",
     "data.tokenizer_model": "SentencePiece .model file",
     "data.make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x TP",
-    "data.allow_tokenizer_mismatch": "train on data whose recorded tokenizer (PREFIX.tokenizer.json) is not --tokenizer-model",
+    "data.allow_tokenizer_mismatch": (
+        "train on data whose recorded tokenizer (PREFIX.tokenizer.json) is not --tokenizer-model"
+    ),
     "optimizer.lr": "peak learning rate",
     "optimizer.min_lr": "learning rate at the end of the decay",
     "optimizer.weight_decay": "AdamW decoupled weight decay (not on norms and biases)",
@@ -84,8 +92,13 @@ HELP: dict[str, str] = {
     "training.max_bad_steps": "stop after N consecutive non-finite steps",
     "training.loss_spike_factor": "log a spike above this x the recent mean loss (0: off)",
     "training.loss_spike_window": "good steps in the recent mean",
-    "training.trainable": "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)",
-    "training.compile": "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs whole parameters (zero.stage <= 2 or PaRO N**)",
+    "training.trainable": (
+        "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)"
+    ),
+    "training.compile": (
+        "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs "
+        "whole parameters (zero.stage <= 2 or PaRO N**)"
+    ),
     "training.skip_memory_check": "start even when the estimated memory per rank exceeds the free memory",
     "precision.bf16": "bf16 model with fp32 master weights",
     "precision.fp16": "fp16 model with fp32 masters and a loss scaler",
@@ -102,8 +115,13 @@ HELP: dict[str, str] = {
     "checkpoint.exit_duration_in_mins": "stop (saving first) after the step that ends this many minutes after start",
     "checkpoint.load_fallback": "load the previous complete checkpoint if the newest is refused",
     "checkpoint.load_optional": "a --load holding no checkpoint starts from scratch instead of being refused",
-    "checkpoint.overwrite_newer_checkpoints": "allow a run starting below --save's newest checkpoint to move latest back",
-    "checkpoint.save_adapters_only": "save only what trains (LoRA adapters, training.trainable) and its state; resuming reloads the recorded frozen base",
+    "checkpoint.overwrite_newer_checkpoints": (
+        "allow a run starting below --save's newest checkpoint to move latest back"
+    ),
+    "checkpoint.save_adapters_only": (
+        "save only what trains (LoRA adapters, training.trainable) and its state; resuming reloads the "
+        "recorded frozen base"
+    ),
     "logging.tensorboard_dir": "TensorBoard event directory (none: console only)",
     "logging.log_interval": "console line and TensorBoard points every N steps",
     "parallel.tensor_model_parallel_size": "tensor-parallel ranks",

@@ -12,7 +12,8 @@ import difflib
 import math
 import types
 import typing
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from megazpp.errors import ConfigError
 

@@ -6,6 +6,9 @@ with a message" apart from a crash.
 """
 
 import os
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class MegazppError(Exception):
@@ -51,3 +54,11 @@ def refuse_existing(existing: "str | os.PathLike[str]", error: type[MegazppError
     """Raise `error` naming `existing` when that path exists (see NEVER_OVERWRITE)."""
     if os.path.lexists(existing):
         raise error(f"{os.fspath(existing)}: {found}; {instead} ({NEVER_OVERWRITE})")
+
+
+def required(value: T | None, key: str) -> T:
+    """`value` of config key `key`, one the config fills itself (ModelConfig's None fields are
+    derived from its arch on construction, the global batch size by validate_config)."""
+    if value is None:
+        raise ConfigError(f"{key} is unset: the config resolves it when built and validated")
+    return value

@@ -10,7 +10,8 @@ from the config's own flag table; the spellings the tools used before are refuse
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megazpp.cli import add_renamed_flag
 from megazpp.config import flag_table

@@ -25,6 +25,7 @@ from megazpp.data.preprocess import preprocess
 from megazpp.data.sample_corpus import build_sample_corpus
 from megazpp.data.tokenizer_training import train_tokenizer
 
+
 def netlab_unavailable() -> str | None:
     """Why tools/netlab.sh cannot make nodes here, or None: it needs root and iproute2's tools."""
     if os.geteuid() != 0:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from megazpp.bench.loco_gap import closed_fraction, describe, main as loco_gap_main
+from megazpp.bench.loco_gap import closed_fraction, describe
+from megazpp.bench.loco_gap import main as loco_gap_main
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
 

@@ -16,10 +16,20 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench import launch, results
-from megazpp.bench.deepspeed_peer import deepspeed_config, parse_args as peer_args
-from megazpp.bench.suite import (DEEPSPEED, MEGAZPP, TORCHFT, all_configs, check_steps, select, steps_fit,
-                                 two_level_configs)
-from megazpp.bench.torchft_peer import check_config as torchft_check, parse_args as torchft_args
+from megazpp.bench.deepspeed_peer import deepspeed_config
+from megazpp.bench.deepspeed_peer import parse_args as peer_args
+from megazpp.bench.suite import (
+    DEEPSPEED,
+    MEGAZPP,
+    TORCHFT,
+    all_configs,
+    check_steps,
+    select,
+    steps_fit,
+    two_level_configs,
+)
+from megazpp.bench.torchft_peer import check_config as torchft_check
+from megazpp.bench.torchft_peer import parse_args as torchft_args
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
 from megazpp.errors import ConfigError, DataError

@@ -8,7 +8,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench.outer_sweep import main as sweep_main

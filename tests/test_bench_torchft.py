@@ -12,10 +12,9 @@ import importlib.util
 import json
 
 import pytest
+from test_bench_netlab import _tool
 
 from megazpp.analysis.event_reader import read_run
-
-from test_bench_netlab import _tool
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed in this python (the optional extra: pip install -e '.[torchft]'); "

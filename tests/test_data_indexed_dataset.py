@@ -12,7 +12,7 @@ DOCS = [[5, 6, 7], [8], [9, 10, 11, 12, 13], []]
 
 
 def test_index_bytes_follow_the_megatron_layout(write_token_dataset, tmp_path):
-    prefix = write_token_dataset(DOCS, dtype=np.uint16)
+    write_token_dataset(DOCS, dtype=np.uint16)
     lengths = [3, 1, 5, 0]
     expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)  # uint16 is code 8
                 + struct.pack("<Q", 4) + struct.pack("<Q", 5)

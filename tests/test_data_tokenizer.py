@@ -31,7 +31,7 @@ def test_decode_gives_the_text_back(tiny_tokenizer_model, text):
 def test_characters_outside_the_vocabulary_fall_back_to_bytes(tiny_tokenizer_model):
     tok = Tokenizer(tiny_tokenizer_model)
     ids = tok.encode("中")  # three UTF-8 bytes, not in a 512-piece vocabulary learned from Python
-    assert ids == [4 + b for b in "中".encode("utf-8")]  # <0x00> is id 4, right after the specials
+    assert ids == [4 + b for b in "中".encode()]  # <0x00> is id 4, right after the specials
 
 
 def test_training_is_deterministic_and_counts_skipped_records(tmp_path, tiny_corpus_dir):

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_analysis_compare import write_run
 
 from megazpp.config import load_config
-from test_analysis_compare import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = "configs/llama_tiny.yaml"  # run.sh's default CONFIG: warmup 30 of 300 steps

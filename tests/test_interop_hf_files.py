@@ -17,8 +17,13 @@ from safetensors import safe_open  # noqa: E402
 from megazpp.errors import CheckpointError, ConfigError  # noqa: E402
 from megazpp.interop.convert import SAFETENSORS_CONFIG_KEY, import_hf  # noqa: E402
 from megazpp.interop.hf_llama import (  # noqa: E402
-    hf_config_from_model, hf_to_megazpp, megazpp_to_hf, model_config_from_hf,
-    pairs_to_rotate_half, rotate_half_to_pairs)
+    hf_config_from_model,
+    hf_to_megazpp,
+    megazpp_to_hf,
+    model_config_from_hf,
+    pairs_to_rotate_half,
+    rotate_half_to_pairs,
+)
 from megazpp.interop.safetensors_io import write_hf_weights  # noqa: E402
 from megazpp.model.config import ModelConfig  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402

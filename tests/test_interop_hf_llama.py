@@ -14,6 +14,7 @@ import yaml
 
 pytest.importorskip("transformers", reason="transformers is not installed "
                                            "(pip install -e .[interop] to run the HF tests)")
+from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from megazpp.interop.checkpoint_io import CheckpointReader  # noqa: E402
@@ -23,7 +24,6 @@ from megazpp.interop.hf_llama import model_config_from_hf  # noqa: E402
 from megazpp.interop.safetensors_io import write_hf_weights  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
 from megazpp.parallel.local_launch import run_ranks  # noqa: E402
-from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)

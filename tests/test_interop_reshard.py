@@ -4,7 +4,8 @@ A 4-rank ZeRO-3 (GGG, 2 virtual nodes x 2) fp32 run trains 6 steps, saving at 3 
 2-rank NNG run resumes from step 3 (parameters, fp32 masters, Adam moments and step
 redistributed) and must reproduce steps 4-6 within 1e-6: same global batch, so the sampler
 gives the same samples. A 2-rank GGG run with qgZ + LoCo resumes from the same step with
-the step-3 weights exactly (its LoCo buffers start from zero, with a warning). The step-6 checkpoint exported by tools/export_checkpoint.py equals
+the step-3 weights exactly (its LoCo buffers start from zero, with a warning).
+The step-6 checkpoint exported by tools/export_checkpoint.py equals
 the weights `ZeroEngine.gathered_parameters()` showed at the end of the run.
 """
 
@@ -32,7 +33,6 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer
-
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import finish_all
 
 from megazpp.analysis.event_reader import read_run
-from processes import finish_all
 
 REPO = Path(__file__).resolve().parents[1]
 NETLAB = REPO / "tools" / "netlab.sh"

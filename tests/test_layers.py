@@ -108,4 +108,4 @@ def test_no_import_cycles_between_modules():
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as err:
-        raise AssertionError(f"modules importing each other round a loop: {' -> '.join(err.args[1])}")
+        raise AssertionError(f"modules importing each other round a loop: {' -> '.join(err.args[1])}") from err

@@ -95,8 +95,9 @@ def test_compile_flag_compiles_the_layers_of_the_main_job():
 
 
 def _compiled_zero2(prefix: str, tokenizer: str) -> dict[int, float]:
-    import pretrain_gpt
     from test_training_parallel import common_args
+
+    import pretrain_gpt
 
     return pretrain_gpt.main(common_args(prefix, tokenizer) + ["--zero-stage", "2", "--compile"]).losses
 
@@ -106,9 +107,10 @@ def _compiled_zero2(prefix: str, tokenizer: str) -> dict[int, float]:
 def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, tiny_tokenizer_model):
     """The ZeRO engine's gradient hooks stay outside the compiled layers: 2 ranks under ZeRO-2
     with --compile follow the single-process eager run within the compiled-vs-eager bound."""
+    from test_training_parallel import common_args
+
     import pretrain_gpt
     from megazpp.parallel.local_launch import run_ranks
-    from test_training_parallel import common_args
 
     args = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
     reference = pretrain_gpt.main(common_args(*args)).losses

@@ -13,8 +13,8 @@ from megazpp.config import load_config
 from megazpp.config_checks import resolve_outer
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.planner.cluster import GIB, Cluster
-from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.plan import plan
+from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.two_level import OuterChoice, island_job, plan_island
 from megazpp.planner.workload import workload_of_config
 from megazpp.zero.zeropp import ZeroPP

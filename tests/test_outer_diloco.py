@@ -78,7 +78,7 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
         result = engine.step()
         tags = counter.step_totals()["tags"]
 
-        def summed(prefixes: tuple[str, ...]) -> tuple[int, int, int]:
+        def summed(prefixes: tuple[str, ...], tags: dict = tags) -> tuple[int, int, int]:
             rows = [r for t, r in tags.items() if t.startswith(prefixes)]
             return tuple(sum(r[k] for r in rows) for k in ("intra", "inter", "calls"))
 

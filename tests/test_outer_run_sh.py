@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
 from megazpp.analysis.event_reader import read_run

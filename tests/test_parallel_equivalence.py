@@ -15,12 +15,12 @@ import torch
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
+from megazpp.optim.engine import LocalEngine
 from megazpp.parallel import comm
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology, check_model_split
-from megazpp.optim.engine import LocalEngine
 from megazpp.training.schedule import forward_backward
 from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
@@ -138,7 +138,7 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
         assert abs(res["eval_loss"] - reference["eval_loss"]) < TOL, (where, "forward-only loss")
         assert res["grads_after_eval"] == 0, (where, "forward_only left gradients")
 
-        def check(mine: dict, ref: dict, what: str) -> None:
+        def check(mine: dict, ref: dict, what: str, res: dict = res, where: str = where) -> None:
             for name, value in mine.items():
                 full = ref[_ref_name(name, cfg)]
                 dim = res["dims"][name]

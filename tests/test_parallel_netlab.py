@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from processes import finish_all
 
 REPO = Path(__file__).resolve().parents[1]

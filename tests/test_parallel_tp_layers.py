@@ -8,12 +8,18 @@ import torch.nn.functional as F
 
 from megazpp.parallel import comm
 from megazpp.parallel.local_launch import run_ranks
-from megazpp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                              VocabParallelEmbedding, param_is_tp_sharded,
-                                              scatter_to_sequence_parallel_region,
-                                              gather_from_sequence_parallel_region,
-                                              get_rng_tracker, model_parallel_seed,
-                                              tp_partition_dim, vocab_parallel_cross_entropy)
+from megazpp.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_sequence_parallel_region,
+    get_rng_tracker,
+    model_parallel_seed,
+    param_is_tp_sharded,
+    scatter_to_sequence_parallel_region,
+    tp_partition_dim,
+    vocab_parallel_cross_entropy,
+)
 
 HIDDEN, FFN, VOCAB, BATCH, SEQ = 8, 12, 16, 2, 4
 

@@ -12,13 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from megazpp.config import load_config
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.activations import layer_bytes, stage_activation_bytes
 from megazpp.planner.cluster import Cluster
-from megazpp.config import load_config
-from megazpp.planner.cost import (ADAM_TRAFFIC_FP32, fastest_hierarchy, layout, phases, predict_stage,
-                                  reused_groups, stage_padded)
+from megazpp.planner.cost import (
+    ADAM_TRAFFIC_FP32,
+    fastest_hierarchy,
+    layout,
+    phases,
+    predict_stage,
+    reused_groups,
+    stage_padded,
+)
 from megazpp.planner.plan import options, plan, predict
 from megazpp.planner.shape import StageShape, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config

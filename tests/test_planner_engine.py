@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from megazpp.config import Config, OptimizerConfig, PrecisionConfig
+from megazpp.config_planner import PlannerSettings
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
@@ -33,16 +34,15 @@ from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
-from megazpp.config_planner import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
+from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
-from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.sequences import Hierarchy
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zeropp import ZeroPP
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
              vocab_size=96, seq_length=8, ffn_hidden_size=40)

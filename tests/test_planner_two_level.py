@@ -18,8 +18,15 @@ from megazpp.planner.cluster import ACCELERATORS, GIB, Cluster, gbit
 from megazpp.planner.cost import layout, stage_padded
 from megazpp.planner.plan import plan
 from megazpp.planner.shape import shapes_of_config
-from megazpp.planner.two_level import (LINK_BUDGET, OuterChoice, fragment_numels, island_job, plan_two_level,
-                                       predict_two_level, recommend)
+from megazpp.planner.two_level import (
+    LINK_BUDGET,
+    OuterChoice,
+    fragment_numels,
+    island_job,
+    plan_two_level,
+    predict_two_level,
+    recommend,
+)
 from megazpp.planner.workload import Workload
 from megazpp.zero.strategy import level_div
 from megazpp.zero.zeropp import ZeroPP

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_training_pretrain import tiny_args
 
 import pretrain_gpt
 from megazpp.errors import CheckpointError
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.training.checkpoint import load_checkpoint
 from megazpp.training.faults import InjectedFault
-from test_training_pretrain import tiny_args
 
 
 def hashes(directory: Path) -> dict[str, str]:
@@ -74,13 +74,16 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
 
     # 4. the newest checkpoint rots on disk: refused, unless --load-fallback is given
     (ckpt / "iter_0000004" / "rank_tp00_pp000_dp0000.pt").write_bytes(b"\0" * 64)
-    with pytest.raises(CheckpointError, match=r"dp0000.pt: checksum mismatch \(sha256:f5a5fd42d16a\.\.\., metadata.json records sha256:[0-9a-f]{12}\.\.\.\).*\(pass --load-fallback"):
+    with pytest.raises(CheckpointError, match=r"dp0000.pt: checksum mismatch \(sha256:f5a5fd42d16a\.\.\., "
+                                                 r"metadata.json records sha256:[0-9a-f]{12}\.\.\.\).*\(pass --load-fallback"):
         pretrain_gpt.main(args + ["--train-iters", "4"])
     # the same rot in a checkpoint that records no checksums (written before they existed)
     meta_file = ckpt / "iter_0000004" / "metadata.json"
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "checksums"}))
-    with pytest.raises(CheckpointError, match=r"dp0000.pt: cannot be loaded as checkpoint data \(UnpicklingError: not tensors and plain data \(Unsupported operand 0\)\) \(pass --load-fallback"):
+    with pytest.raises(CheckpointError, match=r"dp0000.pt: cannot be loaded as checkpoint data "
+                                                 r"\(UnpicklingError: not tensors and plain data \(Unsupported operand 0\)\) "
+                                                 r"\(pass --load-fallback"):
         pretrain_gpt.main(args + ["--train-iters", "4"])
     with pytest.warns(UserWarning, match="loading .*iter_0000002 instead"):
         fallback = pretrain_gpt.main(args + ["--train-iters", "4", "--load-fallback"])

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from test_reliability_restart import free_port
+from test_training_pretrain import tiny_args
 
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.preprocess import preprocess
@@ -26,8 +28,6 @@ from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import model_sha256, read_record
 from megazpp.data.tokenizer_training import train_tokenizer
 from megazpp.errors import DataError
-from test_reliability_restart import free_port
-from test_training_pretrain import tiny_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,8 +193,9 @@ def test_a_byte_order_mark_keeps_the_first_document(tmp_path, tiny_tokenizer_mod
     assert not summary.skipped
     # a plain-text tokenizer input starting with a BOM: the mark is not a piece of the first line
     (tmp_path / "bom.txt").write_bytes("\ufeffdef f():\n    return 1\n".encode())
-    from megazpp.data.tokenizer_training import iter_training_lines
     from collections import Counter
+
+    from megazpp.data.tokenizer_training import iter_training_lines
     assert list(iter_training_lines([tmp_path / "bom.txt"], "text", Counter())) == ["def f():", "    return 1"]
 
 

@@ -14,8 +14,9 @@ import signal
 import string
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import yaml
@@ -24,12 +25,12 @@ from hypothesis import strategies as st
 
 from megazpp.config import SECTIONS, flag_table, load_config
 from megazpp.config_checks import validate_config
+from megazpp.config_deepspeed import map_deepspeed_config, read_deepspeed_config
 from megazpp.data.indexed_dataset import MAGIC, IndexedDataset
 from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import MegazppError
 from megazpp.interop.hf_llama import model_config_from_hf
 from megazpp.interop.safetensors_io import read_json
-from megazpp.config_deepspeed import map_deepspeed_config, read_deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5

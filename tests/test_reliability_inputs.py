@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_training_pretrain import tiny_args
 
 from megazpp.config import load_config
 from megazpp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazpp.errors import ConfigError
-from test_training_pretrain import tiny_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from test_reliability_restart import ROOT, free_port
 from test_reliability_signals import Run, run_sh_data
 

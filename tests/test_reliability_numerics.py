@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_reliability_checkpoint import topo
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
 from megazpp.errors import ConfigError, NumericalError
 from megazpp.training.checkpoint import load_checkpoint
-from test_reliability_checkpoint import topo
 
 
 def test_a_nan_step_is_skipped_and_not_saved(tmp_path, monkeypatch, tiny_indexed_prefix,

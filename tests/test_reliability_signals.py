@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_reliability_restart import ROOT
 from test_training_pretrain import tiny_args
 

@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+from test_first_hour import ROOT, TINY, one_line_refusal, run_sh
+from test_reliability_inputs import pretrain, refused
+from test_training_pretrain import tiny_args
 
 import pretrain_gpt
 from megazpp.errors import CheckpointError
 from megazpp.training import save_lock
 from megazpp.training.startup import prepare
-from test_first_hour import ROOT, TINY, one_line_refusal, run_sh
-from test_reliability_inputs import pretrain, refused
-from test_training_pretrain import tiny_args
-
 
 _AT = TINY.index("--max-position-embeddings")
 TINY_ANY_LENGTH = TINY[:_AT] + TINY[_AT + 2:]  # TINY without its sequence length
@@ -80,7 +79,7 @@ def test_a_load_that_cannot_start_this_run_is_one_line_before_any_rank(tmp_path,
     assert "pipeline size 1; this run has 1 and 2" in refusal(2, "--pipeline-model-parallel-size", "2")
     # another width: used to be torch's `Error(s) in loading state_dict` with the key list
     line = refusal(1, "--hidden-size", "64")
-    assert f"iter_0000002 holds another model (model.hidden_size 32 -> 64" in line
+    assert "iter_0000002 holds another model (model.hidden_size 32 -> 64" in line
     assert f"{saved_run}/iter_0000002/metadata.json" in line and "state_dict" not in line
     assert "model.arch llama -> gpt2" in refusal(1, "--arch", "gpt2")
     assert "this run uses the ZeRO engine over 1" in refusal(1, "--zero-stage", "1")
@@ -210,11 +209,11 @@ def test_one_job_writes_a_save_directory(tmp_path, run_sh_data_dir, tiny_indexed
         held = lock.read_bytes()
         assert json.loads(held)["pid"] == first.pid
         # the second job: used to die at its first save with "No such file or directory"
-        line = one_line_refusal(run_sh(run_sh_data_dir, *TINY, "--save", str(save),
-                                       "--tensorboard-dir", str(tmp_path / "tb"), nproc=2,
-                                       ok=False),
-                                f"--save {save} is in use by another job: {lock} is held by pid "
-                                f"{first.pid} on host {socket.gethostname()}", "which is running")
+        one_line_refusal(run_sh(run_sh_data_dir, *TINY, "--save", str(save),
+                                "--tensorboard-dir", str(tmp_path / "tb"), nproc=2,
+                                ok=False),
+                         f"--save {save} is in use by another job: {lock} is held by pid "
+                         f"{first.pid} on host {socket.gethostname()}", "which is running")
         assert lock.read_bytes() == held and first.poll() is None
         refused(pretrain(*args, "--train-iters", "2"))
     finally:

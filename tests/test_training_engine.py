@@ -12,10 +12,10 @@ from torch import nn
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.optim.engine import LocalEngine
-from megazpp.training.lr_schedule import LRSchedule
 from megazpp.optim.optimizer import param_groups
+from megazpp.parallel.local_launch import run_ranks
+from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.schedule import forward_backward
 
 

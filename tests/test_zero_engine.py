@@ -20,15 +20,15 @@ import pytest
 import torch
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.engine import LocalEngine
 from megazpp.parallel.counter import counter
-from megazpp.errors import ConfigError
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
-from megazpp.optim.engine import LocalEngine
 from megazpp.zero import sequences
 from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
@@ -73,7 +73,7 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
     """Per step: this DP rank's loss, the engine's counted bytes and calls (its tags; the model's
     TP collectives excluded) and all counted bytes, the predictions, fetch statistics."""
     out = []
-    for step in steps:
+    for _step in steps:
         counter.reset_step()
         total = 0.0
         for micro in range(MICRO):
@@ -101,7 +101,7 @@ def _reference_losses(cfg_dict: dict, topo: Topology) -> list[float]:
     model = GPTModel(cfg)
     engine = LocalEngine(model, OPT, PrecisionConfig())
     losses = []
-    for step in range(STEPS):
+    for _step in range(STEPS):
         mine = 0.0
         for r in range(topo.dp):
             for micro in range(MICRO):

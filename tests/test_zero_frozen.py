@@ -24,14 +24,14 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.trainable import apply_trainable
+from megazpp.optim.engine import LocalEngine
 from megazpp.parallel.counter import counter
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
-from megazpp.optim.engine import LocalEngine
 from megazpp.zero.engine import ZeroEngine
-from megazpp.zero.options import ZeroOptions
 from megazpp.zero.frozen import FROZEN_PREFIX
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 
 STEPS, MICRO = 3, 2

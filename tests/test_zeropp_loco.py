@@ -28,8 +28,8 @@ from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.sequences import dp_shapes
-from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.strategy import Level, parse_strategy
+from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zeropp import ZeroPP
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
@@ -61,7 +61,7 @@ class _Transport:
         self._posted: dict[tuple, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
 
     def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, *, group: tuple, async_op: bool,
-                          tag: str) -> "_Work":
+                          tag: str) -> _Work:
         kind, members, me = group
         n = self._calls[kind, members, me]
         self._calls[kind, members, me] += 1

@@ -23,8 +23,8 @@ from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.zero.engine import ZeroEngine
-from megazpp.zero.options import ZeroOptions
 from megazpp.zero.layout import BucketLayout
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.zeropp import ZeroPP
 
 BLOCK = 64

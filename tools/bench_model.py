@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ from torch import nn
 from megazpp.bench.hf_peer import hf_peer, peer_available, peer_loss
 from megazpp.cli import run_tool
 from megazpp.model.compile import compile_layers
-from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.tool_flags import add_shape_flags, model_config

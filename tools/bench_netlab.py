@@ -41,7 +41,7 @@ from megazpp.bench.suite import DEEPSPEED, TORCHFT, BenchConfig, all_configs, ch
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config import load_config
 from megazpp.config_checks import validate_config
-from megazpp.errors import DataError, MegazppError
+from megazpp.errors import DataError, MegazppError, required
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "configs/experiments/netlab/llama_comm_bound.yaml"
@@ -132,7 +132,7 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     start = time.perf_counter()
     failure = launch.run_nodes(commands, logs, ns.timeout)
     wall = time.perf_counter() - start
-    wire = launch.netlab_rx_bytes(layout.nodes) - before if on_netlab else None
+    wire = launch.netlab_rx_bytes(layout.nodes) - before if before is not None else None  # on netlab
     try:
         return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
                                    tokens_per_step=tokens_per_step, world_size=layout.world_size,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = shared_run_args(ns)
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
     validate_config(cfg, layout.world_size)
-    tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
+    tokens_per_step = required(cfg.training.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     port = ns.port

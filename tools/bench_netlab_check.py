@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from bench_netlab import parse_args as bench_args  # tools/, this script's directory
+from bench_netlab import shared_run_args
 
-from bench_netlab import parse_args as bench_args, shared_run_args  # tools/, this script's directory
 from megazpp.bench.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
 from megazpp.config import load_config
@@ -50,8 +51,14 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import stage_shape
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import (LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth,
-                                   probe_model_flops)
+from megazpp.planner.probe import (
+    LinkProbe,
+    broadcast_values,
+    probe_host,
+    probe_link,
+    probe_memory_bandwidth,
+    probe_model_flops,
+)
 from megazpp.planner.report import measured_inputs
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config

@@ -94,7 +94,7 @@ def write_big_zst(corpus: str, path: Path, total_bytes: int) -> int:
 
 def tree_memory(pid: int) -> tuple[int, int]:
     """(largest resident set of one process, sum of resident sets) over `pid` and its descendants, bytes."""
-    pids, rss = [pid], []
+    pids, rss = [pid], list[int]()
     while pids:
         p = pids.pop()
         try:

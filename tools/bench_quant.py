@@ -1,7 +1,8 @@
 """Throughput of the quantization kernels, as bytes moved per second, in a Markdown table.
 
 Every op runs on CPU through the torch reference (eager, and compiled by TorchInductor:
-kernels/cpu_compiled.py) and, when a GPU is present, on CUDA through the Triton kernels. Bytes moved = bytes of every input tensor + bytes of every output tensor (an
+kernels/cpu_compiled.py) and, when a GPU is present, on CUDA through the Triton kernels.
+Bytes moved = bytes of every input tensor + bytes of every output tensor (an
 error buffer updated in place counts once as input and once as output). Each device's copy
 bandwidth is measured in the same run (a clone of an fp32 tensor of the benchmark's size, read +
 write), and every op is reported as a percentage of it: these ops stream memory once, so the
@@ -17,8 +18,8 @@ import argparse
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -36,7 +37,11 @@ class Case:
 
 
 def _tensors(result: object) -> list[torch.Tensor]:
-    return [result] if isinstance(result, torch.Tensor) else [t for t in result if isinstance(t, torch.Tensor)]
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for t in result if isinstance(t, torch.Tensor)]
+    raise TypeError(f"a benchmarked op returned {type(result).__name__}, not tensors")
 
 
 def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -67,12 +68,14 @@ def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.
 def _rank_main(args: argparse.Namespace) -> dict:
     topo = Topology.from_env(ranks_per_node=RANKS_PER_NODE)
     dense = _model_cfg(args)
-    out = {"strategies": {}}
+    out: dict[str, Any] = {"strategies": {}}  # the JSON report
     for name in args.strategies:
         opts = ZeroOptions(strategy=name, micro_batches_per_step=args.micro_batches)
         out["strategies"][name] = _run(dense, topo, opts, args)
     moe = _model_cfg(args, experts=args.experts)
     layer = GPTModel(moe).layers["0"].mlp
+    if not isinstance(layer, torch.nn.Module):
+        raise TypeError(f"layer 0's mlp is a {type(layer).__name__}, not a module")
     threshold = 1
     while not is_fine_grained(layer, threshold):
         threshold *= 2

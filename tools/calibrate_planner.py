@@ -38,8 +38,14 @@ from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.probe import (LinkProbe, broadcast_values, probe_host, probe_link, probe_memory_bandwidth,
-                                   probe_model_flops)
+from megazpp.planner.probe import (
+    LinkProbe,
+    broadcast_values,
+    probe_host,
+    probe_link,
+    probe_memory_bandwidth,
+    probe_model_flops,
+)
 from megazpp.planner.report import measured_inputs
 from megazpp.planner.shape import shape_of_model
 from megazpp.planner.workload import Workload

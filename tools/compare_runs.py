@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from megazpp.analysis.compare_dirs import closing_line, compare_directories
 from megazpp.cli import add_out_flag, run_tool

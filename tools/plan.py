@@ -2,7 +2,8 @@
 
 The model comes from a megazpp config (`--config`, with batch, precision and parallel sizes
 from the same file unless overridden) or from its dimensions (`--arch --num-layers
---hidden-size --num-attention-heads ...`, the training job's flags; `--params` picks the FFN width that gives that parameter count). The cluster is
+--hidden-size --num-attention-heads ...`, the training job's flags; `--params` picks the FFN width that gives that
+parameter count). The cluster is
 described by flags, with `--accelerator` filling in typical memory, compute and NVLink values.
 Memory and byte terms are `megazpp.zero.memory` and `traffic` (what the engine's tests assert); the
 planner adds activations, timing and the fit test (docs/planning.md). With 2 nodes or more, the

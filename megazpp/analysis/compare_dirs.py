@@ -5,9 +5,10 @@ LoCo experiment, the network benchmark) without a subprocess."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import cast
 
 from megazpp.analysis.comparison import TRAIN_LOSS, Comparison, compare_runs
 from megazpp.analysis.event_reader import read_runs
@@ -72,7 +73,7 @@ def closing_line(files: ComparisonFiles) -> str:
     steps = (f"steps {comparison.step_range[0]}..{comparison.step_range[1]}"
              if comparison.step_range else "their whole lengths")
     ranked = [row for row in comparison.summaries if row.final_loss is not None]
-    best = min(ranked, key=lambda row: row.final_loss, default=None)
+    best = min(ranked, key=lambda row: cast(float, row.final_loss), default=None)  # ranked: rows with a loss
     lowest = (f"lowest final train loss {best.label} {format_loss(best.final_loss)}"
               if best else "no run has a training loss")
     notes = f"{len(comparison.notes)} note(s)" if comparison.notes else "no notes"

@@ -11,8 +11,8 @@ its user came for, even next to a 20-step try).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 

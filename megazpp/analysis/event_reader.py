@@ -36,7 +36,7 @@ class Series:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def within(self, first: int, last: int) -> "Series":
+    def within(self, first: int, last: int) -> Series:
         keep = (self.steps >= first) & (self.steps <= last)
         return Series(self.steps[keep], self.values[keep])
 

@@ -12,7 +12,8 @@ timestamped subdirectory): the hparams then belong to the run whose scalars sit 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tensorboard.plugins.hparams import summary_v2
 

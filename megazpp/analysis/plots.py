@@ -16,8 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megazpp.analysis.comparison import (INTER_BYTES, THROUGHPUT_CAVEAT, TOKENS_PER_SEC, TRAIN_LOSS, VAL_LOSS,
-                                         Comparison)
+from megazpp.analysis.comparison import INTER_BYTES, THROUGHPUT_CAVEAT, TOKENS_PER_SEC, TRAIN_LOSS, VAL_LOSS, Comparison
 from megazpp.analysis.event_reader import Run
 from megazpp.analysis.smoothing import ema_debiased
 
@@ -62,8 +61,8 @@ def plot_seed_bands(groups: dict[str, list[Run]], path: Path, smoothing: float =
     left, right = figure.subplots(1, 2)
     for color, (label, runs) in zip(_colors(len(groups)), groups.items()):
         for axes, tag, smooth in ((left, TRAIN_LOSS, smoothing), (right, VAL_LOSS, 0.0)):
-            series = [r.scalars.get(tag) for r in runs]
-            if any(s is None or not len(s) for s in series):
+            series = [s for s in (r.scalars.get(tag) for r in runs) if s is not None and len(s)]
+            if len(series) != len(runs):  # a run without this tag
                 continue
             steps = sorted(set.intersection(*(set(np.asarray(s.steps).tolist()) for s in series)))
             curves = np.stack([ema_debiased(np.asarray(s.values)[np.isin(s.steps, steps)], smooth)

@@ -6,7 +6,7 @@ runs different; the resolved configs the trainer logged answer that without open
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megazpp.analysis.comparison import THROUGHPUT_CAVEAT, Comparison, RunSummary
 from megazpp.analysis.event_reader import Run

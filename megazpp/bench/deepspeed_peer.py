@@ -22,7 +22,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,12 @@ from megazpp.config import Config, load_config
 from megazpp.config_checks import validate_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
-from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.training.trainer import make_micro_batch
-
 
 # zero settings both engines read under the same name and meaning: the peer gets megazpp's values
 SHARED_ZERO_KEYS = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
@@ -88,9 +88,9 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     t = cfg.training
-    eval_samples = t.eval_iters * t.global_batch_size
+    eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                        (t.train_iters * t.global_batch_size, eval_samples,
+                                        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples,
                                          eval_samples), t.seed)
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
@@ -105,7 +105,7 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
     if rank == 0 and cfg.logging.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(cfg.logging.tensorboard_dir)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     for iteration in range(1, t.train_iters + 1):
         start = time.perf_counter()
         set_lr(optimizer, schedule.lr)

@@ -16,8 +16,8 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 NETLAB = "tools/netlab.sh"
 NETLAB_ENV = {"NETLAB_PREFIX": os.environ.get("NETLAB_PREFIX", "mzbench"),

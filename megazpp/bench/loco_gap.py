@@ -27,8 +27,7 @@ import argparse
 import os
 import statistics
 import sys
-from typing import Sequence
-
+from collections.abc import Sequence
 from pathlib import Path
 
 from megazpp.analysis.comparison import TRAIN_LOSS, Comparison, compare_runs
@@ -48,7 +47,7 @@ def closed_fraction(fp32: float, int4: float, loco: float) -> float | None:
 
 
 def describe(kind: str, fp32: float | None, int4: float | None, loco: float | None) -> str:
-    if None in (fp32, int4, loco):
+    if fp32 is None or int4 is None or loco is None:
         return f"{kind}: n/a (a run lacks this loss)"
     closed = closed_fraction(fp32, int4, loco)
     losses = f"fp32 {fp32:.4f}, int4 {int4:.4f}, int4+LoCo {loco:.4f}"
@@ -59,8 +58,9 @@ def describe(kind: str, fp32: float | None, int4: float | None, loco: float | No
             f"LoCo closes {100 * closed:.0f}% of the gap ({verdict} the >= {100 * TARGET:.0f}% target)")
 
 
-def _spread(values: list[float | None]) -> str:
-    if None in values:
+def _spread(measured: list[float | None]) -> str:
+    values = [v for v in measured if v is not None]
+    if len(values) != len(measured):
         return "n/a"
     if len(values) == 1:
         return f"{values[0]:.4f}"
@@ -68,8 +68,9 @@ def _spread(values: list[float | None]) -> str:
             f"[{min(values):.4f}, {max(values):.4f}]")
 
 
-def _mean(values: list[float | None]) -> float | None:
-    return None if None in values else statistics.mean(values)
+def _mean(measured: list[float | None]) -> float | None:
+    values = [v for v in measured if v is not None]
+    return None if len(values) != len(measured) else statistics.mean(values)
 
 
 NAMES = ("fp32", "int4", "int4+LoCo")

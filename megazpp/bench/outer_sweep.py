@@ -22,9 +22,9 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure

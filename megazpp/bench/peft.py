@@ -10,7 +10,7 @@ parameters); qgZ acts on the trainable gradients only and stays.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megazpp.bench.results import Row
 from megazpp.bench.suite import MEGAZPP, BenchConfig
@@ -28,8 +28,8 @@ def verdict(rows: Sequence[Row], pick: str, base: str = "zero3") -> str:
     (at least 1.5x the tokens/s at no more than 1.25x the peak memory)."""
     by_name = {r.config: r for r in rows}
     mine, theirs = by_name.get(pick), by_name.get(base)
-    if mine is None or theirs is None or None in (mine.tokens_per_s, theirs.tokens_per_s,
-                                                    mine.peak_rss_bytes, theirs.peak_rss_bytes):
+    if (mine is None or theirs is None or mine.tokens_per_s is None or theirs.tokens_per_s is None
+            or mine.peak_rss_bytes is None or theirs.peak_rss_bytes is None):
         return f"verdict: {pick} against {base}: not measured (both must have run)"
     speed = mine.tokens_per_s / theirs.tokens_per_s
     memory = mine.peak_rss_bytes / theirs.peak_rss_bytes

@@ -25,7 +25,8 @@ import os
 import resource
 import runpy
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d

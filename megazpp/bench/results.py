@@ -8,8 +8,9 @@ is estimated: a number a run did not produce is None and prints as "n/a".
 
 Per-step numbers:
 * step time = median over the steps after the first `warmup` (default 1) of tokens_per_step /
-  tokens_per_sec (for two-level rows the mean: their outer syncs fall on one step in H) (the first steps pay for one-time work: first gathers, recorded execution
-  order, allocator growth, and with compiled CPU quantizers one compilation per new shape);
+  tokens_per_sec (for two-level rows the mean: their outer syncs fall on one step in H) (the
+  first steps pay for one-time work: first gathers, recorded execution order,
+  allocator growth, and with compiled CPU quantizers one compilation per new shape);
   with no step left: the last one;
 * counted inter-node bytes per step = sum over ranks of each rank's received inter-node
   bytes for the whole run / steps (the trainer moves no bytes outside steps when evaluation
@@ -29,8 +30,9 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from megazpp.analysis.event_reader import read_run
 from megazpp.errors import DataError

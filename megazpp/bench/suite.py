@@ -10,8 +10,9 @@ the torchft one runs `megazpp/bench/torchft_peer.py` (one launcher per node: a r
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from megazpp.errors import ConfigError
 from megazpp.zero.strategy import VALID_NAMES
@@ -111,7 +112,7 @@ def check_steps(configs: Sequence[BenchConfig], steps: int, warmup: int) -> None
     of the syncs, so it is refused."""
     for c in configs:
         h = c.sync_every
-        if not steps_fit(c, steps, warmup):
+        if h is not None and not steps_fit(c, steps, warmup):  # a synchronous row always fits
             raise ConfigError(f"--steps {steps} --warmup {warmup}: {c.name} syncs every {h} inner steps; give "
                               f"--steps and --steps minus --warmup as multiples of {h} (e.g. --steps {2 * h} "
                               f"--warmup {h}) so the per-step numbers include its outer syncs, or leave it out "

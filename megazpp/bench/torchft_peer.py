@@ -31,8 +31,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

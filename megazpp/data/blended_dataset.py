@@ -11,7 +11,7 @@ sort, fast enough for hundreds of millions of samples on every rank.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     if len(items) % 2 or any(number(w) is None for w in items[::2]) or any(number(p) is not None for p in items[1::2]):
         raise DataError(f"data path {items} does not match the 'weight prefix weight prefix ...' form: "
                         f"every prefix needs exactly one weight before it")
-    weights = [number(w) for w in items[::2]]
+    weights = [w for w in map(number, items[::2]) if w is not None]  # every one is a number (checked above)
     if any(not math.isfinite(w) or w <= 0 for w in weights):
         raise DataError(f"data path weights must be positive, got {weights} for prefixes {items[1::2]}")
     return list(zip(weights, items[1::2]))
@@ -91,7 +91,7 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, nu
     for ds in indexed:
         _check_dataset(ds, vocab_size)
     ranges = [split_ranges(ds.num_documents, fractions) for ds in indexed]
-    out = []
+    out: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
         members = [i for i, r in enumerate(ranges) if r[s][1] > r[s][0]]
         if int(num_samples[s]) and len(members) < len(blend) and (name == "train" or members):

@@ -13,7 +13,7 @@ import io
 import os
 import zlib
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import zstandard
 
@@ -34,7 +34,7 @@ _CONTENT_SIZE_BYTES = (0, 2, 4, 8)  # flag 0 means 1 byte when the frame is a si
 def open_binary(path: Path) -> BinaryIO:
     """Opens `.gz` and `.zst` transparently; every file is read as raw bytes."""
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return cast(BinaryIO, gzip.open(path, "rb"))  # a GzipFile reads like any binary file
     if path.name.endswith(".zst"):
         reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
             open(path, "rb"), read_across_frames=True, closefd=True)

@@ -74,7 +74,7 @@ class IndexedDataset:
     def _parse_index(self) -> None:
         idx, name = self._index, self.idx_path
         size = 0 if idx is None else len(idx)
-        if size < _HEADER.size:
+        if idx is None or size < _HEADER.size:
             raise DataError(f"{name}: {size} bytes is shorter than the {_HEADER.size}-byte index header (truncated)")
         magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[:_HEADER.size]))
         if magic != MAGIC:
@@ -209,7 +209,7 @@ class IndexedDatasetBuilder:
         self._tmp_bin.unlink(missing_ok=True)
         self._tmp_idx.unlink(missing_ok=True)
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

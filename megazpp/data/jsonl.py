@@ -12,9 +12,9 @@ import glob
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Iterator
 
 from megazpp.data.compressed import READ_ERRORS, open_binary, zstd_damage
 from megazpp.errors import DataError

@@ -29,21 +29,45 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
-from megazpp.data.indexed_dataset import IndexedDatasetBuilder, data_file, index_file, merge_indexed_datasets, \
-    token_dtype_for
-from megazpp.data.jsonl import KEY_ALIASES, SkipReason, input_root, iter_line_chunks, parse_record, record_keys, \
-    record_set_name, record_text, resolve_inputs
+from megazpp.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    data_file,
+    index_file,
+    merge_indexed_datasets,
+    token_dtype_for,
+)
+from megazpp.data.jsonl import (
+    KEY_ALIASES,
+    SkipReason,
+    input_root,
+    iter_line_chunks,
+    parse_record,
+    record_keys,
+    record_set_name,
+    record_text,
+    resolve_inputs,
+)
 from megazpp.data.progress import Progress
 from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow, load_duplicate_rows, parse_signals
-from megazpp.data.shards import DocumentCounts, Shard, ShardResult, file_identity, marker_path, options_fingerprint, plan_shards, \
-    read_marker, safe_name, write_marker
+from megazpp.data.shards import (
+    DocumentCounts,
+    Shard,
+    ShardResult,
+    file_identity,
+    marker_path,
+    options_fingerprint,
+    plan_shards,
+    read_marker,
+    safe_name,
+    write_marker,
+)
 from megazpp.data.signal_filter import DocumentFilter, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import TokenizerRecord, record_file, write_record
@@ -115,13 +139,16 @@ class ChunkEncoder:
         return result
 
     def _keep(self, chunk: Chunk, i: int, is_duplicate: bool, result: ChunkResult) -> bool:
+        if self.filter is None:
+            raise RuntimeError("document filtering without a filter")
         signals = None
         if self.filter.spec.needs_signals:
             line = chunk.signals[i] if chunk.signals is not None else None
-            signals = parse_signals(line, f"{chunk.id_prefix}{chunk.first_row + i}")
-            if isinstance(signals, SkipReason):
-                result.skipped[signals.value] += 1
+            parsed = parse_signals(line, f"{chunk.id_prefix}{chunk.first_row + i}")
+            if isinstance(parsed, SkipReason):
+                result.skipped[parsed.value] += 1
                 return False
+            signals = parsed
         failure = self.filter.first_failure(signals, is_duplicate)
         if failure is None:
             return True
@@ -146,15 +173,18 @@ class ChunkEncoder:
 _worker_encoder: ChunkEncoder | None = None
 
 
-def _init_worker(*args: object) -> None:
+def _init_worker(tokenizer_model: str, json_keys: tuple[str, ...], append_eod: bool, split_by_source: bool,
+                 filters: FilterSpec) -> None:
     global _worker_encoder
     # Ctrl-C reaches the whole process group: the main process alone handles it (it stops the
     # pool and cleans up), rather than every worker printing its own KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_encoder = ChunkEncoder(*args)
+    _worker_encoder = ChunkEncoder(tokenizer_model, json_keys, append_eod, split_by_source, filters)
 
 
 def _encode_in_worker(chunk: Chunk) -> ChunkResult:
+    if _worker_encoder is None:
+        raise RuntimeError("a preprocessing worker ran before its initializer")
     return _worker_encoder(chunk)
 
 
@@ -239,9 +269,12 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
         else:
             with Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
                 _consume(pool.imap(_encode_in_worker, chunks), writer, results, identities, fingerprint, summary, bar)
-        for result in results:
+        finished = [r for r in results if r is not None]
+        if len(finished) != len(results):
+            raise RuntimeError(f"{len(results) - len(finished)} input file(s) ended without a result")
+        for result in finished:
             summary.add(result)
-        _refuse_empty_keys(json_keys, summary, shards, shard_dir, results)
+        _refuse_empty_keys(json_keys, summary, shards, shard_dir, finished)
         summary.dropped = Counter({rule: summary.dropped[rule] for rule in filters.rule_order()
                                    if rule in summary.dropped})
         if not per_shard:
@@ -251,7 +284,7 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
                 merge_indexed_datasets(prefixes, summary.outputs[label])
                 write_record(summary.outputs[label], record)
             if not keep_shards:
-                _remove_shards(shard_dir, shards, results)
+                _remove_shards(shard_dir, shards, finished)
     except KeyboardInterrupt:
         writer.abort()
         raise KeyboardInterrupt(_interrupted(results, shard_dir)) from None
@@ -354,7 +387,7 @@ def _chunks(shards: list[Shard], indices: list[int], chunk_bytes: int, filters: 
     """Every chunk of the given shards in order, each shard closed by an end marker carrying what
     was damaged. A damaged file keeps the lines read before the damage and loses the rest."""
     for index in indices:
-        shard, damage = shards[index], []
+        shard, damage = shards[index], list[str]()
         v2 = shard.v2
         signals = _SignalLines(v2.signals, damage) if filters.needs_signals and v2 and v2.signals else None
         duplicate_rows = _NO_ROWS
@@ -392,6 +425,8 @@ class _ShardWriter:
         self.result = ShardResult()
 
     def _base(self) -> Path:
+        if self.index is None:
+            raise RuntimeError("no shard is being written")
         return self.shard_dir / self.shards[self.index].name
 
     def start(self, index: int) -> None:

@@ -10,7 +10,7 @@ already globally shuffled; the block shuffle adds a seed-controlled order on top
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

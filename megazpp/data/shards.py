@@ -43,7 +43,8 @@ def plan_shards(files: list[Path], root: Path) -> list[Shard]:
     """One shard per file. The source of a file is the top directory under the input root that
     holds it (a RedPajama-V2 file: its snapshot under `documents/`), or for a file directly in
     the root its own name: RedPajama-1T's `arxiv/`, `c4/`, ... directories become sources."""
-    shards, seen = [], {}
+    shards: list[Shard] = []
+    seen: dict[str, Path] = {}
     for path in files:
         try:
             relative = path.resolve().relative_to(root.resolve())
@@ -88,7 +89,7 @@ class DocumentCounts:
     unevaluable: Counter = field(default_factory=Counter)  # filter rule -> documents missing a signal
     damage: list[str] = field(default_factory=list)  # one line per damaged input file
 
-    def add_counts(self, other: "DocumentCounts") -> None:
+    def add_counts(self, other: DocumentCounts) -> None:
         for counts, more in ((self.documents, other.documents), (self.tokens, other.tokens),
                              (self.skipped, other.skipped), (self.dropped, other.dropped),
                              (self.unevaluable, other.unevaluable)):

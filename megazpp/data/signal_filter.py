@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, NoReturn
+from typing import NoReturn
 
 import yaml
 
@@ -66,9 +67,13 @@ def _span_values(signals: Signals, name: str) -> list[object]:
 
 
 def _numbers(values: list[object], name: str) -> list[float]:
-    numbers = [v for v in values if v is not None]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-        raise Unavailable(name)
+    numbers: list[float] = []
+    for v in values:
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise Unavailable(name)
+        numbers.append(v)
     return numbers
 
 
@@ -91,9 +96,10 @@ def _aggregate(kind: str, name: str) -> Getter:
 def _single(name: str) -> Getter:
     def get(signals: Signals) -> Value:
         values = _span_values(signals, name)
-        if len(values) != 1 or values[0] is None or isinstance(values[0], (bool, list, dict)):
+        value = values[0] if len(values) == 1 else None
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # JSON: not null, list, dict
             raise Unavailable(name)
-        return values[0]
+        return value
     return get
 
 

@@ -7,8 +7,8 @@ SentencePiece model that is `</s>`, so `eod_id` is simply `eos_id`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import sentencepiece as spm
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from megazpp.data.indexed_dataset import index_file
 from megazpp.errors import DataError
@@ -46,7 +46,7 @@ class TokenizerRecord:
     vocab_size: int
 
     @classmethod
-    def of(cls, tokenizer_model: str | os.PathLike, vocab_size: int) -> "TokenizerRecord":
+    def of(cls, tokenizer_model: str | os.PathLike, vocab_size: int) -> TokenizerRecord:
         return cls(model_sha256(tokenizer_model), str(Path(tokenizer_model).resolve()), vocab_size)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -45,13 +45,13 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> It
 
 def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> Iterator[str]:
     count = 0
-    for count, line in enumerate(lines, 1):
+    for count, line in enumerate(lines, 1):  # noqa: B007 (count is read after the loop)
         yield line
     if log is not None:
         log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
 
 
-def train_tokenizer(files: list[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
+def train_tokenizer(files: Sequence[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
                     key: str = "text", input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
                     seed: int = 1234, progress: bool = False,
                     log: Callable[[str], None] | None = None) -> tuple[Path, Counter]:

@@ -22,22 +22,35 @@ checkpoints (they have no optimizer state to resume).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
+from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.model.config import ModelConfig
-from megazpp.training.checkpoint import (CHECKSUMS_KEY, CONFIG_KEY, FORMAT_VERSION, LATEST_FILE,
-                                         METADATA_FILE, MODEL_CONFIG_KEY, WEIGHTS_ONLY_KEY,
-                                         checkpoint_name, latest_checkpoint, layout_of,
-                                         rank_file_name, verify_checksum, write_atomically)
+from megazpp.training.checkpoint import (
+    CHECKSUMS_KEY,
+    CONFIG_KEY,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    MODEL_CONFIG_KEY,
+    WEIGHTS_ONLY_KEY,
+    checkpoint_name,
+    latest_checkpoint,
+    layout_of,
+    rank_file_name,
+    verify_checksum,
+    write_atomically,
+)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -134,7 +147,7 @@ class CheckpointReader:
         if strategy is not None:
             # a two-level checkpoint's rank holds its island's own weights: the export takes the
             # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)
-            if masters or OUTER_KEY in engine or not _is_whole(model, stage, self.tp):
+            if masters or (engine is not None and OUTER_KEY in engine) or not _is_whole(model, stage, self.tp):
                 return consolidated_part(self, tp_rank, pp_rank, model, masters)
             return model
         if not masters or engine is None or engine.get("masters") is None:
@@ -182,8 +195,7 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
             part = shard_for_rank(full, stage, cfg, tp, tp_rank)
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
             file_name = rank_file_name(tp_rank, stage.pp_rank, 0)
-            checksums[file_name] = write_atomically(tmp / file_name,
-                                                       lambda f: torch.save(state, f))
+            checksums[file_name] = write_atomically(tmp / file_name, functools.partial(torch.save, state))
     meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),
             WEIGHTS_ONLY_KEY: True, MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
             CHECKSUMS_KEY: checksums, **(extra_meta or {})}

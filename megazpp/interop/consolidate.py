@@ -10,7 +10,7 @@ the base it records (an import, or the model's init), checked unchanged.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -58,9 +58,9 @@ def consolidated_weights(reader: CheckpointReader, cfg: ModelConfig, *,
     of the rounded model weights."""
     stages = stage_layouts(cfg, reader.tp, reader.pp)
     base = base_weights(reader, cfg)
-    merged = []
+    merged: list[Mapping[str, torch.Tensor]] = []
     for stage in stages:
-        parts = []
+        parts: list[Mapping[str, torch.Tensor]] = []
         for tp_rank in range(reader.tp):
             part = reader.part_weights(tp_rank, stage.pp_rank, stage, masters)
             if base is not None:  # an adapters-only checkpoint: the frozen weights are the base's

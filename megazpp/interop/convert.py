@@ -25,11 +25,16 @@ import torch
 from megazpp.errors import CheckpointError, refuse_existing
 from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
 from megazpp.interop.consolidate import cast, consolidated_weights
-from megazpp.interop.hf_llama import (hf_config_from_model, hf_to_megazpp, megazpp_to_hf,
-                                      model_config_from_hf)
-from megazpp.interop.safetensors_io import (CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, WeightFiles,
-                                            read_json, write_hf_weights, write_json,
-                                            write_safetensors)
+from megazpp.interop.hf_llama import hf_config_from_model, hf_to_megazpp, megazpp_to_hf, model_config_from_hf
+from megazpp.interop.safetensors_io import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    WeightFiles,
+    read_json,
+    write_hf_weights,
+    write_json,
+    write_safetensors,
+)
 from megazpp.interop.tokenizer_check import check_tokenizer
 from megazpp.model.config import ModelConfig
 from megazpp.model.lora import merge_adapters

@@ -22,11 +22,12 @@ that silently computes something else is worse than no model.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from megazpp.errors import CheckpointError, ConfigError, MegazppError
+from megazpp.errors import CheckpointError, ConfigError, MegazppError, required
 from megazpp.model.config import ModelConfig
 
 # Fields that describe the file or generation defaults, not the function the weights compute.
@@ -179,7 +180,7 @@ def pairs_to_rotate_half(w: torch.Tensor, num_heads: int, head_dim: int) -> torc
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """HF q_proj, k_proj, v_proj weights -> megazpp's per-group qkv weight."""
-    groups, d = cfg.num_query_groups, cfg.head_dim
+    groups, d = required(cfg.num_query_groups, "model.num_query_groups"), cfg.head_dim
     q = rotate_half_to_pairs(q, cfg.num_attention_heads, d).reshape(groups, -1, cfg.hidden_size)
     k = rotate_half_to_pairs(k, groups, d).reshape(groups, d, cfg.hidden_size)
     v = v.reshape(groups, d, cfg.hidden_size)
@@ -189,7 +190,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
 def split_qkv(qkv: torch.Tensor,
               cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv`."""
-    groups, d = cfg.num_query_groups, cfg.head_dim
+    groups, d = required(cfg.num_query_groups, "model.num_query_groups"), cfg.head_dim
     per_group = cfg.num_attention_heads // groups
     q, k, v = qkv.reshape(groups, (per_group + 2) * d, cfg.hidden_size).split(
         [per_group * d, d, d], dim=1)

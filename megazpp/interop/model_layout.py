@@ -14,8 +14,8 @@ stage without the embedding holds its own copy under `output_layer.weight`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -23,8 +23,7 @@ from torch import nn
 from megazpp.errors import CheckpointError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
-from megazpp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                              VocabParallelEmbedding)
+from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megazpp.parallel.topology import Topology, check_model_split
 
 TIED_OUTPUT_WEIGHT = "output_layer.weight"

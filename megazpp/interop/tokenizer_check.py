@@ -10,7 +10,8 @@ before a converted model is written, rather than discovered as garbage text late
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError

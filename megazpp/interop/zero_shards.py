@@ -135,14 +135,16 @@ def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str,
         saved = engine["buckets"][index]
         ranges = saved["ranges"]
         if saved["param_store"] is not None:
-            put("params", *ranges["param_store"], saved["param_store"])
+            lo, hi = ranges["param_store"]
+            put("params", lo, hi, saved["param_store"])
         for (lo, hi), master in zip(ranges["masters"], saved["masters"]):
             put("masters", lo, hi, master)
         adam = engine["optimizer"]["state"]
         for slot, (b, j) in enumerate(engine["optimizer_slots"]):
             if b == index and slot in adam:
+                lo, hi = ranges["masters"][j]
                 for kind in ("exp_avg", "exp_avg_sq"):
-                    put(kind, *ranges["masters"][j], adam[slot][kind])
+                    put(kind, lo, hi, adam[slot][kind])
     out: dict[str, dict[str, torch.Tensor]] = {}
     for kind in KINDS:
         if kind not in flats:

@@ -121,11 +121,11 @@ class Launch:
                    "--grace", str(self.stop_grace_s)]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
-    def on_host(self, node_rank: int, line: str, **popen: object) -> subprocess.Popen:
+    def on_host(self, node_rank: int, line: str, *, stdout: int, stderr: int) -> subprocess.Popen:
         # A session of its own: Ctrl-C in the terminal reaches the launcher, which stops the
         # hosts in order, instead of killing every ssh client at once.
         return subprocess.Popen([*self.rsh, self.hosts[node_rank].name, line], start_new_session=True,
-                                stdin=subprocess.DEVNULL, **popen)
+                                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
 
 
 def _stream(name: str, source: BinaryIO, lock: threading.Lock) -> None:
@@ -178,12 +178,12 @@ def run_launch(launch: Launch, run_args: list[str]) -> int:
             readers.append(reader)
         while True:
             codes = {r: p.poll() for r, p in procs.items()}
-            failed = [r for r, c in codes.items() if c not in (None, 0)]
+            failed = [(r, c) for r, c in codes.items() if c is not None and c != 0]
             if failed:
-                rank = failed[0]
-                _note(f"{launch.hosts[rank].name} (node {rank}) exited with code {codes[rank]}: stopping the others")
+                rank, code = failed[0]
+                _note(f"{launch.hosts[rank].name} (node {rank}) exited with code {code}: stopping the others")
                 stop_hosts(launch, procs)
-                return exit_code(codes[rank])
+                return exit_code(code)
             if all(c == 0 for c in codes.values()):
                 return 0
             time.sleep(0.2)

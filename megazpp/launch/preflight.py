@@ -15,9 +15,9 @@ import hashlib
 import socket
 import subprocess
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from megazpp.data.builder import parse_data_path
 from megazpp.errors import LaunchError, MegazppError
@@ -48,8 +48,11 @@ class NodeReport:
 
 
 def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest is Python 3.11+; requires-python admits 3.10
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def code_version(root: Path = REPO) -> str:
@@ -152,7 +155,7 @@ def check_nodes(topology: Topology, data_path: Sequence[str], tokenizer_model: s
     gathered = comm.all_gather_object(unseen if mine is not None else None, tag=TAG)
     for report, not_found in zip(reports, [u for u in gathered if u is not None]):
         report.unseen = not_found
-    if mine is not None and mine.probe is not None:
+    if mine is not None and mine.probe is not None and save is not None:
         (save / mine.probe).unlink(missing_ok=True)
     problem = first_difference(reports, save_dir)
     if problem is not None:

@@ -19,7 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from megazpp.errors import LaunchError
 
@@ -55,7 +55,7 @@ def _split_top_level(nodelist: str) -> list[str]:
 
 def _expand_group(nodelist: str, group: str) -> list[str]:
     """`01-03,07` -> [`01`, `02`, `03`, `07`]; a range keeps its first number's width."""
-    names = []
+    names: list[str] = []
     for entry in group.split(","):
         match = _RANGE.fullmatch(entry)
         if match is None:

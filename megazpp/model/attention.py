@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megazpp.errors import required
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.rotary import RotaryEmbedding
@@ -31,11 +32,12 @@ class SelfAttention(nn.Module):
         self.sharded = tp > 1
         self.head_dim = cfg.head_dim
         self.local_heads = cfg.num_attention_heads // tp
-        self.local_groups = cfg.num_query_groups // tp
-        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        groups = required(cfg.num_query_groups, "model.num_query_groups")
+        self.local_groups = groups // tp
+        self.heads_per_group = cfg.num_attention_heads // groups
         self.dropout = cfg.attention_dropout
         self.rotary = rotary
-        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
+        qkv_size = (cfg.num_attention_heads + 2 * groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, bias=cfg.use_bias, tp_group=tp_group,
             sequence_parallel=sequence_parallel, init_method=init.normal(f"{name}.qkv.weight"))

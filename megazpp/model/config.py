@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 
 ARCHITECTURES = ("llama", "gpt2")
 # the linears of a layer that can carry a LoRA adapter, per architecture (attribute names)
@@ -86,7 +86,7 @@ class ModelConfig:
         """GPT-2 has biases on every linear layer and norm; Llama has none."""
         return self.arch == "gpt2"
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Raise ConfigError on the first inconsistent value; return self for chaining."""
         for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                     "ffn_hidden_size", "vocab_size", "seq_length"):
@@ -97,7 +97,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "
                 f"model.num_attention_heads = {self.num_attention_heads}")
-        if self.num_attention_heads % self.num_query_groups:
+        if self.num_attention_heads % required(self.num_query_groups, "model.num_query_groups"):
             raise ConfigError(
                 f"model.num_attention_heads = {self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups = {self.num_query_groups}")
@@ -127,7 +127,7 @@ class ModelConfig:
         if not self.lora_alpha > 0:
             raise ConfigError(f"model.lora_alpha = {self.lora_alpha!r}: expected a value > 0")
         valid = LORA_TARGETS[self.arch]
-        unknown = [t for t in self.lora_targets if t not in valid]
+        unknown = [t for t in required(self.lora_targets, "model.lora_targets") if t not in valid]
         if unknown or not self.lora_targets:
             raise ConfigError(f"model.lora_targets = {self.lora_targets!r}: "
                               f"{'unknown module ' + repr(unknown[0]) if unknown else 'empty'}; "

@@ -12,27 +12,28 @@ q/k/v/out, the MLP (only its top-k experts under MoE, plus the router) and the o
 
 from __future__ import annotations
 
+from megazpp.errors import required
 from megazpp.model.config import ModelConfig
 
 
 def _attention_weights(cfg: ModelConfig) -> int:
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * required(cfg.num_query_groups, "model.num_query_groups")) * cfg.head_dim
     return cfg.hidden_size * qkv + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
 
 
 def _attention_biases(cfg: ModelConfig) -> int:
     if not cfg.use_bias:
         return 0
-    return (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim + cfg.hidden_size
+    return (cfg.num_attention_heads + 2 * required(cfg.num_query_groups, "model.num_query_groups")) * cfg.head_dim + cfg.hidden_size
 
 
 def _expert_weights(cfg: ModelConfig) -> int:
-    return 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size
+    return 3 * cfg.hidden_size * required(cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
 
 
 def _dense_mlp_weights(cfg: ModelConfig) -> int:
     matrices = 3 if cfg.is_llama else 2
-    return matrices * cfg.hidden_size * cfg.ffn_hidden_size
+    return matrices * cfg.hidden_size * required(cfg.ffn_hidden_size, "model.ffn_hidden_size")
 
 
 def _norm_params(cfg: ModelConfig) -> int:
@@ -46,7 +47,7 @@ def layer_parameter_count(cfg: ModelConfig) -> int:
     else:
         mlp = _dense_mlp_weights(cfg)
         if cfg.use_bias:
-            mlp += cfg.ffn_hidden_size + cfg.hidden_size
+            mlp += required(cfg.ffn_hidden_size, "model.ffn_hidden_size") + cfg.hidden_size
     return 2 * _norm_params(cfg) + _attention_weights(cfg) + _attention_biases(cfg) + mlp
 
 

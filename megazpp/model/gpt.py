@@ -32,8 +32,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
@@ -43,7 +43,6 @@ from megazpp.model.lora import add_adapters
 from megazpp.model.norm import Norm
 from megazpp.model.rotary import RotaryEmbedding
 from megazpp.parallel import comm
-from megazpp.parallel.topology import check_model_split
 from megazpp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -51,9 +50,10 @@ from megazpp.parallel.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from megazpp.parallel.topology import check_model_split
 
 
-def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """Contexts for torch.utils.checkpoint's `context_fn`.
 
     Checkpointing restores torch's default generator before recomputing a layer, but dropout
@@ -161,7 +161,7 @@ class GPTModel(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
                 tp_group=tp_group, sequence_parallel=sequence_parallel,
                 init_method=init.normal(head_name))
-            if cfg.tie_embeddings and pre_process:
+            if cfg.tie_embeddings and self.embedding is not None:  # a first stage
                 self.output_layer.weight = self.embedding.word_embeddings.weight
         add_adapters(self, cfg)
 
@@ -185,7 +185,7 @@ class GPTModel(nn.Module):
             raise ConfigError(
                 f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
                 f"model.seq_length = {self.cfg.seq_length}")
-        hidden = self.embedding(inputs) if self.pre_process else inputs
+        hidden = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
         aux_terms = []
         for layer in self.layers.values():
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -197,7 +197,7 @@ class GPTModel(nn.Module):
                 aux_terms.append(aux)
         aux_total = torch.stack(aux_terms).sum() if aux_terms else None
         self.last_moe_aux_loss = aux_total.detach() if aux_total is not None else None
-        if not self.post_process:
+        if self.output_layer is None or self.final_norm is None:  # not the last stage
             return hidden
         logits = self.output_layer(self.final_norm(hidden))
         if labels is None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megazpp.errors import required
 from megazpp.model.attention import SelfAttention
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
@@ -44,7 +45,7 @@ class TransformerLayer(nn.Module):
             self.mlp: nn.Module = MoEMLP(cfg, f"{name}.mlp", init, tp_group=tp_group)
         else:
             mlp_class = SwiGLUMLP if cfg.is_llama else GeluMLP
-            self.mlp = mlp_class(cfg.hidden_size, cfg.ffn_hidden_size, f"{name}.mlp", init,
+            self.mlp = mlp_class(cfg.hidden_size, required(cfg.ffn_hidden_size, "model.ffn_hidden_size"), f"{name}.mlp", init,
                                  tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.is_moe = cfg.num_experts > 0
 

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from megazpp.errors import required
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import normal_init
 from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -32,7 +33,7 @@ def add_adapters(model: nn.Module, cfg: ModelConfig) -> int:
     added = 0
     for name, module in model.named_modules():
         if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("layers.")
-                and name.rsplit(".", 1)[-1] in cfg.lora_targets):
+                and name.rsplit(".", 1)[-1] in required(cfg.lora_targets, "model.lora_targets")):
             a = torch.empty(cfg.lora_rank, module.in_features, device=module.weight.device)
             normal_init(cfg.init_seed, f"{name}.lora.a", 1.0 / math.sqrt(module.in_features))(a)
             module.add_adapter(cfg.lora_rank, cfg.lora_alpha, a)

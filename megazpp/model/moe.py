@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megazpp.errors import required
 from megazpp.model.config import ModelConfig
 from megazpp.model.init import Initializer
 from megazpp.model.mlp import SwiGLUMLP
@@ -47,7 +48,7 @@ class MoEMLP(nn.Module):
         self.top_k = cfg.moe_top_k
         self.router = Router(cfg.hidden_size, cfg.num_experts, f"{name}.router", init)
         self.experts = nn.ModuleList(
-            SwiGLUMLP(cfg.hidden_size, cfg.moe_ffn_hidden_size, f"{name}.experts.{e}", init,
+            SwiGLUMLP(cfg.hidden_size, required(cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"), f"{name}.experts.{e}", init,
                       tp_group=tp_group, sequence_parallel=False)
             for e in range(cfg.num_experts))
 

@@ -31,7 +31,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp_region(self.weight, self.grad_sync_group)
-        if self.rms:
+        if self.bias is None:  # rms: no bias
             return F.rms_norm(x, self.shape, weight, self.eps)
         bias = copy_to_tp_region(self.bias, self.grad_sync_group)
         return F.layer_norm(x, self.shape, weight, bias, self.eps)

@@ -39,7 +39,7 @@ def whole_model_names(cfg: ModelConfig) -> list[str]:
         return [n for n, _ in GPTModel(cfg).named_parameters()]
 
 
-def trainable_rule(patterns: list[str], cfg: ModelConfig) -> "TrainableRule":
+def trainable_rule(patterns: list[str], cfg: ModelConfig) -> TrainableRule:
     """Check `patterns` against the whole model and return the rule they make."""
     globs = [g for p in patterns for g in _expand(p, cfg.num_layers)]
     names = whole_model_names(cfg) if patterns else []

@@ -27,8 +27,9 @@ A step whose gradient norm is not finite is never applied, in any precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -109,7 +110,7 @@ class LocalEngine(ScaledOptimizerEngine):
                  *, norm_groups: Sequence[ProcessGroup] = (),
                  counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
         named = named_trainable(model)
-        self.params = [p for _, p in named]
+        self.params: list[torch.Tensor] = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.dtype = model_dtype(precision)
         self.clip_grad = optimizer.clip_grad
@@ -137,6 +138,8 @@ class LocalEngine(ScaledOptimizerEngine):
 
     def _accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                raise RuntimeError("the gradient-accumulation hook ran for a parameter without a gradient")
             self._main_grads[index].add_(param.grad)
             self._touched[index] = True
             param.grad = None

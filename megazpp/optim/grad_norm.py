@@ -9,7 +9,7 @@ process groups to sum over; with no groups the norm is local.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup

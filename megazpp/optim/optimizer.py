@@ -8,7 +8,7 @@ and the parameters are on CUDA (NGC images), else torch's fused (CUDA) or foreac
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,7 +22,8 @@ def is_decayed(name: str, param: torch.Tensor) -> bool:
 
 def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
     """Split parameters into a decayed and a non-decayed group (empty groups are dropped)."""
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for name, param in named:
         (decay if is_decayed(name, param) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
@@ -33,14 +34,14 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
 def build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and params[0].is_cuda
-    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    lr, betas, eps = cfg.lr, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps
     if on_cuda:
         try:
             from apex.optimizers import FusedAdam
         except ImportError:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return FusedAdam(groups, adam_w_mode=True, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -103,7 +103,7 @@ class Exchange:
     @classmethod
     def start(cls, fragment: int, lands: int, padded: torch.Tensor, numel: int, islands: int, quantize: str,
               wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
-              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Exchange":
+              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> Exchange:
         """Issue stage 1. `padded` (fp32, `padded_size` elements) holds this island's
         pseudo-gradient of the fragment in its first `numel` elements and zeros after; it is
         kept (as `pseudo`, a view), not copied. Under int4 `wire` is ignored and `errors` (fp32,
@@ -155,6 +155,6 @@ class Exchange:
                 "islands": self.islands}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> "Exchange":
+    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> Exchange:
         return cls(int(state["fragment"]), int(state["lands"]), state["pseudo"].clone(), 3, state["full"].clone(),
                    int4=int4, islands=int(state["islands"]))

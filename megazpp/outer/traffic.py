@@ -20,8 +20,8 @@ bytes are inter-node.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megazpp.outer.settings import QUANTIZE
 from megazpp.zero.sequences import GroupShape

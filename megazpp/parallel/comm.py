@@ -36,10 +36,12 @@ import functools
 import os
 import pickle
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
 # Imported before any process group starts, on purpose: this torch module binds the default
 # group as its functions' default argument when it is first imported. Imported later (torch
 # does, through torch.distributed.fsdp, while an engine is built), it holds the default group
@@ -50,8 +52,8 @@ from torch.distributed import ProcessGroup
 
 from megazpp.errors import TopologyError
 from megazpp.parallel import wire
-from megazpp.parallel.work import Done, NamedWork, Then, named_failures
 from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
+from megazpp.parallel.work import Done, Then, named_failures
 
 ReduceOp = dist.ReduceOp
 SUM = dist.ReduceOp.SUM
@@ -63,7 +65,7 @@ _EMULATED: set[str] = set()
 _ranks_per_node: int | None = None
 # Weak keys: a cached strong reference would keep a ProcessGroup alive past
 # destroy_process_group, and its destructor then aborts the process at exit.
-_group_ranks: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+_group_ranks: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 
 
 def set_ranks_per_node(n: int) -> None:
@@ -278,7 +280,7 @@ class _Kept:
 
 @named_failures("reduce_scatter_tensor")
 def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any = SUM,
-                         group: ProcessGroup | None = None, tag: str | None = None) -> "_Kept":
+                         group: ProcessGroup | None = None, tag: str | None = None) -> _Kept:
     """Reduce `t` over the group, asynchronously; member r keeps `parts[r]` (views of `t` that
     tile it), reduced in place. Counted as `reduce_scatter_tensor`. The caller gives `t` up:
     what lies outside its own part is left undefined.
@@ -392,7 +394,8 @@ def _start_p2p(ops: list[P2POp]) -> list[Any]:
     """`dist.batch_isend_irecv` with device tensors on gloo staged through host copies: sends go
     from a copy made now; a receive lands in a host buffer, copied into its tensor when its
     work's `wait()` returns (`Then`), so it is complete exactly when the native one would be."""
-    staged, finish = [], []
+    staged: list[P2POp] = []
+    finish: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for op in ops:
         if not _host_staged(op.tensor, op.group):
             staged.append(op)

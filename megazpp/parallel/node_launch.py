@@ -36,9 +36,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from megazpp.cli import run_tool
 from megazpp.errors import CommunicationError, ConfigError
@@ -104,7 +105,7 @@ class _Reporter:
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "_Reporter":
+    def __enter__(self) -> _Reporter:
         self._thread.start()
         return self
 
@@ -158,8 +159,7 @@ class _WatchedRendezvous:
 
 def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout: float,
                       interval: float) -> None:
-    from torch.distributed.elastic.rendezvous import (RendezvousParameters,
-                                                      rendezvous_handler_registry)
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -173,7 +173,8 @@ def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout
                        f"(this is node {node_rank}; {s:.0f} s of {timeout:.0f} s)"),
             interval)
 
-    rendezvous_handler_registry.register(BACKEND, create)
+    # duck-typed: _WatchedRendezvous forwards every RendezvousHandler method to the handler it wraps
+    rendezvous_handler_registry.register(BACKEND, create)  # type: ignore[arg-type]
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -223,8 +224,7 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import (RendezvousError,
-                                                      RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 
     port = resolve_port(args.master_port, args.nnodes)
     if args.node_rank == 0:

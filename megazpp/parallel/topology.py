@@ -169,7 +169,7 @@ class Topology:
         return global_rank // self.ranks_per_node
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, ranks_per_node: int | None = None) -> "Topology":
+    def from_env(cls, tp: int = 1, pp: int = 1, ranks_per_node: int | None = None) -> Topology:
         """Read the launcher's world (after `dist.init_process_group`) and create every group.
 
         Without a process group the world is one rank and every group is None.
@@ -182,7 +182,7 @@ class Topology:
                        embedding_ranks=[0], model_parallel_ranks=[0])
         world, rank = dist.get_world_size(), dist.get_rank()
         from_launcher = ranks_per_node is None
-        if from_launcher:
+        if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         dp = check_shape(world, tp, pp, ranks_per_node)
         group_rank = os.environ.get("GROUP_RANK")
@@ -230,7 +230,7 @@ class Topology:
             self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
                             "model_parallel_group")
 
-    def island_view(self, island_nodes: int) -> "Topology":
+    def island_view(self, island_nodes: int) -> Topology:
         """This rank's island as a Topology of its own, for the engine (collective: every rank
         calls it once, in the same order as the other group creations). Its dp, dp_rank and DP
         groups (plus the PaRO sub-groups made from them) are the island's; `peer_ranks` /

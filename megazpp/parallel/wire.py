@@ -29,8 +29,8 @@ Models:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 RING_BACKENDS = ("gloo",)
 RING_OPS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -48,7 +48,7 @@ class GroupShape:
     backend: str = "nccl"
 
     @staticmethod
-    def of(ranks: Sequence[int], me: int, ranks_per_node: int, backend: str = "nccl") -> "GroupShape":
+    def of(ranks: Sequence[int], me: int, ranks_per_node: int, backend: str = "nccl") -> GroupShape:
         node = me // ranks_per_node
         intra = sum(1 for r in ranks if r != me and r // ranks_per_node == node)
         k = len(ranks)

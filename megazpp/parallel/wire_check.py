@@ -4,7 +4,8 @@ torchrun on every node of a netlab (tools/netlab.sh) or of a real cluster.
 
 Why: the counter records what its link model (`megazpp.parallel.wire`) says the backend's
 algorithm puts on each link; this tool checks that model per operation and backend against the
-kernel's own byte counters of the node's inter-node interface (`/sys/class/net/IFACE/statistics`, IFACE from `--iface`, default eth0).
+kernel's own byte counters of the node's inter-node interface (`/sys/class/net/IFACE/statistics`,
+IFACE from `--iface`, default eth0).
 Each operation runs between barriers; the local rank 0 of every node reads its interface,
 and the global rank 0 writes one JSON: per operation the counted inter-node bytes (world
 sum) and the bytes the kernel saw received on the nodes' links (sum over nodes).
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -9,7 +9,8 @@ error raised at the call does; the handles are one job, the calls another.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 

@@ -18,15 +18,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from megazpp.config import Config
+from megazpp.config_planner import PlannerSettings
 from megazpp.errors import ConfigError
+from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import GIB, Cluster
@@ -34,10 +36,8 @@ from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, r
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import island_table, table, two_level_reason, two_level_table
-from megazpp.planner.two_level import IslandPlan, OuterChoice, plan_island, plan_two_level
-from megazpp.config_planner import PlannerSettings
-from megazpp.outer.settings import OuterOptions
 from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
+from megazpp.planner.two_level import IslandPlan, OuterChoice, plan_island, plan_two_level
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import sequences
 from megazpp.zero.strategy import Level, Strategy, parse_strategy, resolve_strategy

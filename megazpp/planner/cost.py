@@ -93,7 +93,7 @@ class Phase:
     times: int = 1
     host: float = 0.0  # of `seconds`, the part the host's cores are busy (`timing.host_time`)
 
-    def __add__(self, other: "Phase") -> "Phase":
+    def __add__(self, other: Phase) -> Phase:
         return Phase(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
                      self.calls + other.calls, self.times, self.host + other.host)
 
@@ -251,7 +251,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
                                reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent)
     cfg = workload.model
     activations = stage_activation_bytes(
-        cfg, micro_batch=workload.micro_batch, micro_batches=a, tp=workload.tp, pp=workload.pp,
+        cfg, micro_batch=workload.batches()[0], micro_batches=a, tp=workload.tp, pp=workload.pp,
         stage=stage.stage, layers=stage.layers, sequence_parallel=workload.sequence_parallel,
         flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
     biggest = max(padded, default=0)
@@ -259,7 +259,7 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     transient = ((2 * biggest * pb + kept if s.params != Level.N else 0)
                  + (2 * biggest * pb if s.grads != Level.N else 0))
 
-    tokens = workload.micro_batch * cfg.seq_length
+    tokens = workload.batches()[0] * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
     t_f = forward_flops / cluster.flops
     t_b = forward_flops * (1 + workload.trainable_fraction) / cluster.flops

@@ -8,8 +8,9 @@ it saves at least 5 % of the usable memory; otherwise the faster one wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, predict_stage
@@ -130,9 +131,9 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
     if choice is None:
         least = min(rows, key=lambda p: p.memory_bytes)
         m = least.fullest
-        parts = {"model state": m.state.total, "frozen weights": m.frozen_bytes, "activations": m.activation_bytes,
-                 "buffers": m.transient_bytes}
-        largest = max(parts, key=parts.get)
+        shares = {"model state": m.state.total, "frozen weights": m.frozen_bytes, "activations": m.activation_bytes,
+                  "buffers": m.transient_bytes}
+        largest = max(shares, key=lambda k: shares[k])
         remedy = {"model state": "raise TP / PP (or add nodes)",
                   "frozen weights": "raise TP / PP or shard parameters (p = I or G)",
                   "activations": "turn on activation checkpointing, shrink the micro-batch or raise TP "
@@ -140,7 +141,7 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
                   "buffers": "use smaller gradient buckets (zero.reduce_bucket_size) or parameter units "
                              "(zero.module_granularity_threshold 0)"}
         return (f"nothing fits: the smallest footprint, {least.name}, needs {_gib(least.memory_bytes)} of "
-                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(parts[largest])}): "
+                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(shares[largest])}): "
                 f"{remedy[largest]}")
     c = choice.critical
     parts = [f"{choice.name} fits ({_gib(choice.memory_bytes)} of {_gib(choice.memory_limit)} usable) and is "

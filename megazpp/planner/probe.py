@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -23,9 +24,9 @@ from megazpp.config import OptimizerConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.optimizer import build_adamw
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
-from megazpp.optim.optimizer import build_adamw
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
 

@@ -25,7 +25,7 @@ at its received bytes (intra + inter), piecewise linear.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megazpp.parallel import wire
 from megazpp.planner.cluster import Cluster

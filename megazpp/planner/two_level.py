@@ -37,8 +37,8 @@ the budget, the fastest row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megazpp.outer import traffic as outer_traffic
 from megazpp.outer.settings import OuterOptions
@@ -68,7 +68,7 @@ class OuterChoice:
     quantize: str
 
     @classmethod
-    def of(cls, options: OuterOptions) -> "OuterChoice":
+    def of(cls, options: OuterOptions) -> OuterChoice:
         """The setting a run's resolved `outer` section stands for."""
         return cls(options.island_nodes, options.sync_every, options.fragments, options.overlap_steps,
                    options.quantize)
@@ -289,7 +289,7 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
         job, island, islands = island_job(workload, cluster, nodes)
-        if workload.global_batch % islands:
+        if workload.batches()[1] % islands:
             continue
         inner_plan = plan(shapes, job, island, fixed_zeropp=fixed_zeropp)
         island_plans[nodes] = inner_plan
@@ -308,9 +308,9 @@ def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluste
                             if row.fits:
                                 rows.append(row)
                                 break
-    choice = recommend(rows)
-    rows.sort(key=lambda p: (p is not choice, p.step_s))
-    return TwoLevelPlan(rows, choice, island_plans)
+    best = recommend(rows)
+    rows.sort(key=lambda p: (p is not best, p.step_s))
+    return TwoLevelPlan(rows, best, island_plans)
 
 
 def digest(tp: TwoLevelPlan) -> list[TwoLevelPrediction]:

@@ -49,15 +49,20 @@ class Workload:
                               f"accelerators of a node (a TP group may not span nodes)")
         return cluster.world_size // (self.tp * self.pp)
 
-    def micro_batches(self, cluster: Cluster) -> int:
-        """Micro-batches per optimizer step (gradient accumulation steps) of each DP rank."""
+    def batches(self) -> tuple[int, int]:
+        """(micro batch, global batch); refused while either is unset."""
         if self.micro_batch is None or self.global_batch is None:
             raise ConfigError("the job needs a micro-batch size and a global batch size")
-        per_step = self.micro_batch * self.dp(cluster)
-        if self.micro_batch < 1 or self.global_batch < per_step or self.global_batch % per_step:
-            raise ConfigError(f"global batch {self.global_batch} is not a positive multiple of micro batch "
-                              f"{self.micro_batch} x data-parallel size {self.dp(cluster)} = {per_step}")
-        return self.global_batch // per_step
+        return self.micro_batch, self.global_batch
+
+    def micro_batches(self, cluster: Cluster) -> int:
+        """Micro-batches per optimizer step (gradient accumulation steps) of each DP rank."""
+        micro, global_batch = self.batches()
+        per_step = micro * self.dp(cluster)
+        if micro < 1 or global_batch < per_step or global_batch % per_step:
+            raise ConfigError(f"global batch {global_batch} is not a positive multiple of micro batch "
+                              f"{micro} x data-parallel size {self.dp(cluster)} = {per_step}")
+        return global_batch // per_step
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

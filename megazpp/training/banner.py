@@ -8,14 +8,14 @@ checkpoint the run started from and why, and what the config loader adjusted.
 
 from __future__ import annotations
 
-from typing import Sequence, Sized
+from collections.abc import Sequence, Sized
 
 from megazpp.config import Config
 from megazpp.model.flops import parameter_count
 from megazpp.model.trainable import trainable_fraction
-from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import Engine
 from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
 from megazpp.zero.engine import ZeroEngine
 
@@ -90,6 +90,8 @@ def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[S
     m, t, ck = cfg.model, cfg.training, cfg.checkpoint
     precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
     train_ds, valid_ds = datasets
+    if train_ds is None:
+        raise ValueError("the startup banner needs the training dataset")
     sizes = f"train {len(train_ds)} samples" + (
         f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation")
     saving = (f"{ck.save} every {ck.save_interval} steps and at the last" if ck.save and

@@ -38,9 +38,10 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -483,7 +484,8 @@ def load_model_weights(model: torch.nn.Module, weights: dict[str, Any],
 
 def capture_rng_state() -> dict[str, Any]:
     """Every global RNG a step may draw from, in a form `weights_only` loading accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) returns the tuple form
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     return {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

@@ -29,7 +29,8 @@ import contextlib
 import os
 import re
 import signal
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -25,8 +25,7 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.training.checkpoint import (METADATA_FILE, WEIGHTS_ONLY_KEY, file_checksum,
-                                         latest_checkpoint, read_metadata)
+from megazpp.training.checkpoint import METADATA_FILE, WEIGHTS_ONLY_KEY, file_checksum, latest_checkpoint, read_metadata
 
 BASE_KEY = "base"  # metadata.json of an adapters-only checkpoint: the base it needs
 

@@ -27,7 +27,7 @@ import math
 import resource
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

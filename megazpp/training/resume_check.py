@@ -36,8 +36,14 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
-from megazpp.training.checkpoint import (CONFIG_KEY, METADATA_FILE, MODEL_CONFIG_KEY,
-                                         WEIGHTS_ONLY_KEY, latest_checkpoint, read_metadata)
+from megazpp.training.checkpoint import (
+    CONFIG_KEY,
+    METADATA_FILE,
+    MODEL_CONFIG_KEY,
+    WEIGHTS_ONLY_KEY,
+    latest_checkpoint,
+    read_metadata,
+)
 from megazpp.training.frozen_base import BASE_KEY
 
 

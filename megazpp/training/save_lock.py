@@ -22,9 +22,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from megazpp.errors import CheckpointError
 from megazpp.parallel import comm

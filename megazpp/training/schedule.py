@@ -12,7 +12,7 @@ whole batch (micro-batches carry equal token counts), i.e. the gradient of one b
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -21,21 +21,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any
 
 from megazpp.config import Config, load_config
 from megazpp.config_checks import resolve_outer, validate_config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.outer.settings import OuterOptions
+from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
-from megazpp.training.checkpoint import (CONFIG_KEY, check_loadable, is_weights_only,
-                                         latest_checkpoint, read_metadata)
+from megazpp.training.checkpoint import CONFIG_KEY, check_loadable, is_weights_only, latest_checkpoint, read_metadata
 from megazpp.training.frozen_base import FrozenBase, run_base
 from megazpp.training.memory_check import check_memory
 from megazpp.training.resume_check import check_resumable

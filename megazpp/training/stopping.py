@@ -46,7 +46,7 @@ class StopRequests:
                           if exit_duration_mins is not None else None)
         self._previous: dict[signal.Signals, object] = {}
 
-    def __enter__(self) -> "StopRequests":
+    def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # where Python runs handlers
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)

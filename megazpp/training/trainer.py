@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,16 +31,21 @@ from torch import nn
 
 from megazpp.config import Config
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import CheckpointError, NumericalError
+from megazpp.errors import CheckpointError, ConfigError, NumericalError, required
+from megazpp.optim.engine import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (CONFIG_KEY, MODEL_CONFIG_KEY, LoadedCheckpoint,
-                                         capture_rng_state,
-                                         load_model_weights,
-                                         restore_rng_state, save_checkpoint)
-from megazpp.optim.engine import Engine, StepResult
+from megazpp.training.checkpoint import (
+    CONFIG_KEY,
+    MODEL_CONFIG_KEY,
+    LoadedCheckpoint,
+    capture_rng_state,
+    load_model_weights,
+    restore_rng_state,
+    save_checkpoint,
+)
 from megazpp.training.frozen_base import BASE_KEY, FrozenBase, frozen_names, without_frozen
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
@@ -141,6 +147,8 @@ class Trainer:
                 f"iteration {self.iteration}: refusing to save a checkpoint with non-finite "
                 f"weights (rank {self.topology.rank} finite: {finite}); last good checkpoint: "
                 f"{self.last_checkpoint or 'none'}")
+        if self.cfg.checkpoint.save is None:
+            raise ConfigError("saving a checkpoint needs checkpoint.save (--save)")
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
             extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
@@ -199,7 +207,7 @@ class Trainer:
             if not result.skipped:
                 self.lr_schedule.step()
             self.iteration += 1
-            self.consumed_samples += t.global_batch_size
+            self.consumed_samples += required(t.global_batch_size, "training.global_batch_size")
             loss = self._dp_mean(losses)
             history.losses[self.iteration] = loss
             history.skipped[self.iteration] = result.skipped

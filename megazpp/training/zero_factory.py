@@ -8,12 +8,12 @@ honour must be refused here, naming the key, rather than silently ignored.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
 from megazpp.config import Config, ZeroConfig
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
@@ -62,4 +62,4 @@ def build_zero_engine(model: GPTModel, cfg: Config, topology: Topology,
         hier = auto_hierarchy(model, cfg, topology, cluster)
         options = dataclasses.replace(options, hierarchical=options.hierarchical if hier is None else hier)
     return ZeroEngine(model, cfg.optimizer, cfg.precision, options, topology, counts_in_norm=counts_in_norm,
-                      tied_embeddings=cfg.model.tie_embeddings, tied_weight=model.tied_embedding_weight())
+                      tied_embeddings=required(cfg.model.tie_embeddings, "model.tie_embeddings"), tied_weight=model.tied_embedding_weight())

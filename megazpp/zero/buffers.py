@@ -24,7 +24,7 @@ class BufferPool:
     def __init__(self) -> None:
         self._free: dict[Key, list[torch.Tensor]] = {}
         # id -> buffer handed out and not yet back; weak, so a buffer its user drops is not kept
-        self._out: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._out: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._shared: list[torch.Tensor] = []  # handed back while other tensors still share them
         self.allocations = 0  # buffers made, not reused
 

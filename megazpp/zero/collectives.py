@@ -48,7 +48,7 @@ class StagedWork(ABC):
     A subclass says how a stage is issued (`_issue(j, group)` -> the work) and what follows its
     completion (`_complete(j)`: unpack, reduce, prepare the next stage's input)."""
 
-    def __init__(self, groups: "ZeroGroups", names: list[str]) -> None:
+    def __init__(self, groups: ZeroGroups, names: list[str]) -> None:
         self._groups, self._names = groups, names
         self._next = 0
         self._work: Work | None = None
@@ -83,6 +83,8 @@ class StagedWork(ABC):
         on that stage's group."""
         name = self._names[self._next]
         self._groups.order.clear_way(self, name)
+        if self._work is None:
+            raise RuntimeError(f"{type(self).__name__}.step: no stage in flight to finish")
         self._work.wait()
         self._complete(self._next - 1)
         self._work = self._issue(self._next, self._groups.later[name])

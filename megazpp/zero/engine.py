@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,21 +28,21 @@ from torch.distributed import ProcessGroup
 
 from megazpp.config import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
-from megazpp.parallel.tensor_parallel import param_is_tp_sharded
-from megazpp.parallel.topology import Topology
 from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
+from megazpp.parallel.tensor_parallel import param_is_tp_sharded
+from megazpp.parallel.topology import Topology
 from megazpp.zero import accounting, memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
 from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets
 from megazpp.zero.layout import BucketLayout
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy, parse_strategy
 from megazpp.zero.units import bucket_bound, check_persistence, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
@@ -231,6 +232,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self._queue_backward_callback()
         b, i = self._bucket_of[id(p)]
         off, n = b.layout.offsets[i], b.layout.shapes[i].numel()
+        if p.grad is None:
+            raise RuntimeError("a gradient hook fired for a parameter without a gradient")
         grad = p.grad.reshape(-1)
         if self.strategy.grads == Level.N:
             b.grad_acc[off:off + n].add_(grad)
@@ -276,9 +279,11 @@ class ZeroEngine(ScaledOptimizerEngine):
     def _zero_unwritten(self, b: Bucket) -> None:
         """Zero what no gradient was written into: the padding (between tensors and at the tail),
         and unused parameters' slices."""
-        layout = b.layout
-        unwritten = [b.staging[lo:hi] for lo, hi in layout.padding_ranges]
-        unwritten += [b.staging[off:off + shape.numel()]
+        layout, staging = b.layout, b.staging
+        if staging is None:
+            raise RuntimeError("zeroing the unwritten slices of a bucket that has no staging buffer")
+        unwritten = [staging[lo:hi] for lo, hi in layout.padding_ranges]
+        unwritten += [staging[off:off + shape.numel()]
                       for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)) if i not in b.arrived]
         if unwritten:
             torch._foreach_zero_(unwritten)  # one fused call, not one per range
@@ -328,6 +333,8 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._wait_micro(b)
             if b.boundary_pending is None:
                 self._start_boundary(b)
+            if b.boundary_pending is None:
+                raise RuntimeError("a bucket's boundary reduction was started but left nothing to wait for")
             grads.append(b.boundary_pending.wait().float())
             b.boundary_pending = None
         return grads

@@ -22,9 +22,9 @@ tail.
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ class BucketLayout:
 
     @staticmethod
     def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int,
-              align: int = 1) -> "BucketLayout":
+              align: int = 1) -> BucketLayout:
         """`align`: each DP shard and each tensor's offset is a multiple of it (ZeRO++'s
         quantization blocks)."""
         ordered = layout_order(named_params)

@@ -8,8 +8,8 @@ P / D (`strategy.level_div`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from megazpp.zero.sequences import DPShapes, Hierarchy, qgz_sequence
 from megazpp.zero.strategy import Level, Strategy, level_div

@@ -31,7 +31,8 @@ point: the later stages of collectives whose earlier stage has completed start t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,6 +88,8 @@ class ParamFetcher:
         if b.full_params is not None:
             return
         self._launch(b, phase)
+        if b.fetch_pending is None:
+            raise RuntimeError("a parameter fetch was launched but left nothing to wait for")
         full = b.fetch_pending.wait()
         b.fetch_pending = None
         b.full_params = full

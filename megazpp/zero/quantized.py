@@ -19,8 +19,8 @@ model dtype, which overwrite their decoded int8 values, so a norm gain arrives b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -79,7 +79,7 @@ class ExactPlan:
 
     @staticmethod
     def build(ranges: Sequence[tuple[int, int]], numel: int, stages: Sequence[tuple[int, int]],
-              widths: Sequence[int], device: torch.device | str = "cpu") -> "ExactPlan | None":
+              widths: Sequence[int], device: torch.device | str = "cpu") -> ExactPlan | None:
         """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage; the
         index tensors live on `device` (the bucket's), so no reduction copies them there."""
         if not ranges:
@@ -109,7 +109,7 @@ class ExactGather:
 
     @staticmethod
     def build(ranges: Sequence[tuple[int, int]], numel: int, shards: int, me: int,
-              device: torch.device | str = "cpu") -> "ExactGather | None":
+              device: torch.device | str = "cpu") -> ExactGather | None:
         """`ranges`: flat ranges sent exactly; the buffer of `numel` is `shards` equal shards,
         mine the `me`-th."""
         if not ranges:
@@ -190,9 +190,10 @@ class PendingQuantizedReduce(StagedWork):
         self._code_bytes = self._codes.numel() // size
         rows = None
         if self._exact is not None:
+            values = self._exact_values()
             width = self._exact.widths[j]
-            rows = self._values.new_zeros(size * width)
-            rows[self._exact.dests[j]] = self._values
+            rows = values.new_zeros(size * width)
+            rows[self._exact.dests[j]] = values
         send = pack(self._codes, self._scales, size, rows, self._orders[j])
         self._recv = torch.empty_like(send)
         return comm.all_to_all_single(self._recv, send, group=group, async_op=True, tag=self._tag)
@@ -208,15 +209,22 @@ class PendingQuantizedReduce(StagedWork):
         if j + 1 == len(self._sizes):
             self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
             if self._exact is not None:
-                self._result[self._exact.last] = self._values
+                self._result[self._exact.last] = self._exact_values()
         elif self._loco:
             self._codes, self._scales, _ = self._ops.dequant_reduce_loco_quantize(
                 codes, scales, 4, self._block, self._loco[j + 1], self._beta)
         else:
             self._codes, self._scales = self._ops.dequant_reduce_quantize(codes, scales, 4, self._block)
 
+    def _exact_values(self) -> torch.Tensor:
+        if self._values is None:
+            raise RuntimeError("the exactly sent values are missing: the reduction has no exact plan")
+        return self._values
+
     def wait(self) -> torch.Tensor:
         self._finish_all()
+        if self._result is None:
+            raise RuntimeError("the quantized reduction finished without a result")
         if self.overflow:
             self._result.fill_(float("nan"))
         return self._result

@@ -11,8 +11,8 @@ A `Collective`'s `numel_div` sizes its tensor as P / numel_div.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megazpp.parallel.wire import GroupShape
 from megazpp.zero.strategy import Level, Strategy

@@ -10,17 +10,27 @@ formula the counter records). A micro-batch step has A micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from megazpp.parallel.wire import all_reduce_bytes, chunk_bytes
-from megazpp.zero.sequences import (Collective, DPShapes, GroupShape, Hierarchy, boundary_sequence,
-                                    gather_sequence, hpz_fetch_sequence, micro_batch_reduce_sequence,
-                                    norm_groups, param_fetch_sequence, param_sync_sequence, qgz_sequence,
-                                    reduce_sequence)
+from megazpp.zero.sequences import (
+    Collective,
+    DPShapes,
+    GroupShape,
+    Hierarchy,
+    boundary_sequence,
+    gather_sequence,
+    hpz_fetch_sequence,
+    micro_batch_reduce_sequence,
+    norm_groups,
+    param_fetch_sequence,
+    param_sync_sequence,
+    qgz_sequence,
+    reduce_sequence,
+)
 from megazpp.zero.strategy import Level, Strategy, level_div
 from megazpp.zero.zeropp import QuantFormat, ZeroPP
-
 
 ElemFormat = int | QuantFormat  # bytes per element of a plain dtype, or a quantized format
 
@@ -151,7 +161,8 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     (accumulation dtype) and the parameter refresh to p. With ZeRO++ (`zeropp`) the fetches and
     the micro-batch reduction take its sequences and formats; `exact_ranges` (per bucket, the
     flat ranges of the tensors qgZ and qwZ send exactly: `BucketLayout.vector_ranges`) add
-    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`). The last `persistent` buckets (parameters
+    their side payload (qgZ: fp32, `qgz_exact_widths`; qwZ: model dtype, `qwz_exact_sides`).
+    The last `persistent` buckets (parameters
     below `stage3_param_persistence_threshold`, whole on every rank) are never fetched; they are
     reduced like the rest and refreshed from os to N (`refresh_persistent`), one collective per
     stage each (`reused` covers the fetch groups before them).
@@ -179,7 +190,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     sides: tuple[tuple[int, ...], ...] = ()
     if pp.qgz:
         qseq = qgz_sequence(s, shapes, hier)
-        micro = (tuple(qseq), pp.grads)
+        micro: tuple[tuple[Collective, ...], ElemFormat] = (tuple(qseq), pp.grads)
         if exact_ranges:
             sides = tuple(tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r))
                           for n, r in zip(numels, exact_ranges))

@@ -18,7 +18,7 @@ What changes, per path of `CommPaths`:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

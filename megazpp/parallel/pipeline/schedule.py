@@ -12,7 +12,8 @@ reports the true loss). Tied embedding gradients are synchronised before returni
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,9 @@ class _Stage:
         tokens = micro_batches[0][0]
         seq = tokens.shape[1] // topo.tp if sequence_parallel else tokens.shape[1]
         param = next(model.parameters())
-        self.shape = (tokens.shape[0], seq, model.cfg.hidden_size)
+        # nn.Module types a sub-attribute as Tensor | Module; `model` is a GPTModel (a layer above this one)
+        hidden: int = model.cfg.hidden_size  # type: ignore[union-attr, assignment]
+        self.shape = (tokens.shape[0], seq, hidden)
         self.dtype, self.device = param.dtype, param.device
         self.losses: list[torch.Tensor] = []
 

@@ -9,7 +9,7 @@ equal. The copy on the last stage is a duplicate for gradient-norm purposes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

@@ -9,7 +9,8 @@ the property the equivalence tests (and users comparing runs) rely on.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
