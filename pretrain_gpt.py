@@ -101,27 +101,35 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterO
     micro_batches = cfg.num_micro_batches(topology.world_size)
     if outer is not None:
         island = topology.island_view(outer.island_nodes)
-        inner = build_zero_engine(model, cfg, island, micro_batches_per_step=micro_batches,
-                                  counts_in_norm=counts_in_norm(model, island), outer=outer)
+        inner = build_zero_engine(
+            model,
+            cfg,
+            island,
+            micro_batches_per_step=micro_batches,
+            counts_in_norm=counts_in_norm(model, island),
+            outer=outer,
+        )
         return DiLoCoEngine(inner, outer, island)
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
-        return build_zero_engine(model, cfg, topology, micro_batches_per_step=micro_batches,
-                                 counts_in_norm=counts_in_norm(model, topology))
+        return build_zero_engine(
+            model, cfg, topology, micro_batches_per_step=micro_batches, counts_in_norm=counts_in_norm(model, topology)
+        )
     group = topology.model_parallel_group
     model_parallel = [group] if cfg.tp * cfg.pp > 1 and group is not None else []
-    return LocalEngine(model, cfg.optimizer, cfg.precision, norm_groups=model_parallel,
-                       counts_in_norm=counts_in_norm(model, topology))
+    return LocalEngine(
+        model, cfg.optimizer, cfg.precision, norm_groups=model_parallel, counts_in_norm=counts_in_norm(model, topology)
+    )
 
 
 def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
     if cfg.pp == 1:
         return forward_backward
-    return functools.partial(forward_backward_1f1b, topology=topology,
-                             sequence_parallel=cfg.parallel.sequence_parallel)
+    return functools.partial(forward_backward_1f1b, topology=topology, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPTModel,
-                      engine: Engine) -> LoadedCheckpoint:
+def resume_checkpoint(
+    cfg: Config, load_dir: str, topology: Topology, model: GPTModel, engine: Engine
+) -> LoadedCheckpoint:
     """This run's own checkpoint, resharded when it was written under another data-parallel
     size or PaRO strategy (that is only known once the engine, and so its layout, exists)."""
     zero = engine.inner if isinstance(engine, DiLoCoEngine) else engine
@@ -134,13 +142,17 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
         path = latest_checkpoint(load_dir)
         saved_outer = path is not None and read_metadata(path).get(CONFIG_KEY, {}).get("outer", {})
         if saved_outer and saved_outer.get("algorithm", "none") != "none":
-            raise CheckpointError(f"{path}: a two-level (outer.algorithm {saved_outer['algorithm']}) checkpoint "
-                                  "resumes only under the islands, data-parallel size and strategy that saved it; "
-                                  "export it (the islands' parameters at the last outer sync) and import that")
+            raise CheckpointError(
+                f"{path}: a two-level (outer.algorithm {saved_outer['algorithm']}) checkpoint "
+                "resumes only under the islands, data-parallel size and strategy that saved it; "
+                "export it (the islands' parameters at the last outer sync) and import that"
+            )
         if path is not None and BASE_KEY in read_metadata(path):
-            raise CheckpointError(f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
-                                  "size and PaRO strategy that saved it (resharding needs the frozen weights "
-                                  "it leaves out)")
+            raise CheckpointError(
+                f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
+                "size and PaRO strategy that saved it (resharding needs the frozen weights "
+                "it leaves out)"
+            )
         if not isinstance(zero, ZeroEngine):
             raise CheckpointError(f"{load_dir}: resharding needs the ZeRO engine, not {type(zero).__name__}")
         return load_resharded(load_dir, topology, model, zero)
@@ -151,10 +163,14 @@ def resume_checkpoint(cfg: Config, load_dir: str, topology: Topology, model: GPT
 
 
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
-    model = GPTModel(cfg.model, tp_group=topology.tp_group,
-                     sequence_parallel=cfg.parallel.sequence_parallel,
-                     pre_process=topology.is_first_stage, post_process=topology.is_last_stage,
-                     layer_range=topology.layer_range(cfg.model.num_layers))
+    model = GPTModel(
+        cfg.model,
+        tp_group=topology.tp_group,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        pre_process=topology.is_first_stage,
+        post_process=topology.is_last_stage,
+        layer_range=topology.layer_range(cfg.model.num_layers),
+    )
     apply_trainable(model, cfg.training.trainable, cfg.model)
     model = model.to(device)
     if cfg.training.compile:
@@ -204,15 +220,22 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     t = cfg.training
     eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, valid_ds, _ = build_gpt_datasets(
-        cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples), t.seed,
-        vocab_size=cfg.model.vocab_size)
+        cfg.data.data_path,
+        cfg.data.split,
+        cfg.model.seq_length,
+        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples),
+        t.seed,
+        vocab_size=cfg.model.vocab_size,
+    )
     load_dir = start.load_dir
     imported = load_dir is not None and is_weights_only(load_dir)
     # the import the run starts from, or the one an adapters-only checkpoint's frozen weights are in
     base_dir = start.base.load if start.base is not None else None
-    base = (load_checkpoint(base_dir, topology, fallback=imported and cfg.checkpoint.load_fallback)
-            if base_dir is not None else None)
+    base = (
+        load_checkpoint(base_dir, topology, fallback=imported and cfg.checkpoint.load_fallback)
+        if base_dir is not None
+        else None
+    )
     model = build_model(cfg, topology, device)
     if base is not None:
         # before the engine exists: it copies the weights into its fp32 masters and shards
@@ -227,15 +250,30 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
     tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
-        tensorboard_dir=cfg.logging.tensorboard_dir, log_interval=cfg.logging.log_interval,
-        train_iters=t.train_iters, tokens_per_step=tokens_per_step,
+        tensorboard_dir=cfg.logging.tensorboard_dir,
+        log_interval=cfg.logging.log_interval,
+        train_iters=t.train_iters,
+        tokens_per_step=tokens_per_step,
         flops_per_step=float(training_flops_per_token(cfg.model)) * tokens_per_step,
-        world_size=topology.world_size, device=device, fp16=cfg.precision.fp16)
+        world_size=topology.world_size,
+        device=device,
+        fp16=cfg.precision.fp16,
+    )
     logger.write_config(cfg.to_dict(), cfg.to_yaml())
     for line in banner(cfg, topology, engine, (train_ds, valid_ds), start):
         logger.info(line)
-    trainer = Trainer(cfg, model, engine, topology, train_ds, valid_ds, logger, device,
-                      forward_backward_fn=pick_schedule(cfg, topology), base=start.base)
+    trainer = Trainer(
+        cfg,
+        model,
+        engine,
+        topology,
+        train_ds,
+        valid_ds,
+        logger,
+        device,
+        forward_backward_fn=pick_schedule(cfg, topology),
+        base=start.base,
+    )
     if loaded is None:
         if load_dir is not None:  # else the banner's start line said it
             logger.info(f"no checkpoint in {load_dir}: starting from scratch")

@@ -69,25 +69,49 @@ class KernelOps(Protocol):
 
     def quantize(self, x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                   numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        block_size: int,
+        numel: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor: ...
 
-    def loco_quantize(self, grad: torch.Tensor, err: torch.Tensor, err_beta: float, block_size: int,
-                      bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def loco_quantize(
+        self, grad: torch.Tensor, err: torch.Tensor, err_beta: float, block_size: int, bits: int = 4
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def dequant_reduce(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                       numel: int | None = None) -> torch.Tensor: ...
+    def dequant_reduce(
+        self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+    ) -> torch.Tensor: ...
 
-    def dequant_reduce_quantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                                out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def dequant_reduce_quantize(
+        self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def dequant_reduce_loco_quantize(self, codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                                     err: torch.Tensor, err_beta: float,
-                                     out_bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def dequant_reduce_loco_quantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        block_size: int,
+        err: torch.Tensor,
+        err_beta: float,
+        out_bits: int = 4,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-_OPS = (reference.all_finite, reference.quantize, reference.dequantize, reference.loco_quantize, reference.dequant_reduce,
-        reference.dequant_reduce_quantize, reference.dequant_reduce_loco_quantize)
+_OPS = (
+    reference.all_finite,
+    reference.quantize,
+    reference.dequantize,
+    reference.loco_quantize,
+    reference.dequant_reduce,
+    reference.dequant_reduce_quantize,
+    reference.dequant_reduce_loco_quantize,
+)
 
 
 @functools.cache

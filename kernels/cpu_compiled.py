@@ -27,8 +27,15 @@ import torch
 from kernels import reference
 from megazpp.errors import ConfigError
 
-OPS = ("all_finite", "quantize", "dequantize", "loco_quantize", "dequant_reduce", "dequant_reduce_quantize",
-       "dequant_reduce_loco_quantize")
+OPS = (
+    "all_finite",
+    "quantize",
+    "dequantize",
+    "loco_quantize",
+    "dequant_reduce",
+    "dequant_reduce_quantize",
+    "dequant_reduce_loco_quantize",
+)
 # Distinct static shapes one function may be compiled for (TorchDynamo's default of 8 would send
 # a model with many bucket sizes back to eager, silently and slowly).
 SHAPES_PER_OP = 64
@@ -38,9 +45,11 @@ def require_compiler() -> None:
     """ConfigError before any work when TorchInductor would have no C++ compiler to call."""
     wanted = os.environ.get("CXX", "c++")
     if shutil.which(wanted) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
-        raise ConfigError(f"zero.cpu_quant_kernels = 'compiled' needs a C++ compiler for TorchInductor, "
-                          f"and neither $CXX ({wanted!r}), g++ nor clang++ is on PATH; install one or "
-                          f"use 'reference'")
+        raise ConfigError(
+            f"zero.cpu_quant_kernels = 'compiled' needs a C++ compiler for TorchInductor, "
+            f"and neither $CXX ({wanted!r}), g++ nor clang++ is on PATH; install one or "
+            f"use 'reference'"
+        )
 
 
 @functools.cache
@@ -73,8 +82,7 @@ def _compile(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=SHAPES_PER_OP,
-                                        accumulated_recompile_limit=8 * SHAPES_PER_OP):
+        with torch._dynamo.config.patch(recompile_limit=SHAPES_PER_OP, accumulated_recompile_limit=8 * SHAPES_PER_OP):
             return op(*args, **kwargs)
 
     return run
@@ -83,8 +91,9 @@ def _compile(fn: Callable) -> Callable:
 @functools.cache
 def arithmetic() -> reference.Arithmetic:
     """The reference's whole-block arithmetic, each function compiled."""
-    return reference.Arithmetic(**{f.name: _compile(getattr(reference.EAGER, f.name))
-                                   for f in dataclasses.fields(reference.Arithmetic)})
+    return reference.Arithmetic(
+        **{f.name: _compile(getattr(reference.EAGER, f.name)) for f in dataclasses.fields(reference.Arithmetic)}
+    )
 
 
 @functools.cache

@@ -33,12 +33,12 @@ def inputs(numel: int, block_size: int, seed: int) -> torch.Tensor:
     x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
     if numel >= 4 * block_size:
         x[:block_size] = 0.0
-        x[block_size:2 * block_size] = TINY_ABSMAX / 3
+        x[block_size : 2 * block_size] = TINY_ABSMAX / 3
         # absmax 7 (int4 scale 1, int8 scale 7/127) and half-integer values: ties for int4
         ties = torch.arange(block_size, dtype=torch.float32) % 15 - 7.0
         ties[1::2] += 0.5
         ties[0] = 7.0
-        x[2 * block_size:3 * block_size] = ties.clamp(-7, 7)
+        x[2 * block_size : 3 * block_size] = ties.clamp(-7, 7)
     return x
 
 
@@ -64,39 +64,71 @@ def cases() -> list[tuple[str, Callable[[], str]]]:
         for bits in (4, 8):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = base.clamp(-6e4, 6e4).to(dtype)
-                out.append((f"quantize int{bits} {dtype} block {block}",
-                            lambda x=x, bits=bits, block=block: _same(
-                                triton_ops.quantize(x.cuda(), bits, block), reference.quantize(x, bits, block))))
+                out.append(
+                    (
+                        f"quantize int{bits} {dtype} block {block}",
+                        lambda x=x, bits=bits, block=block: _same(
+                            triton_ops.quantize(x.cuda(), bits, block), reference.quantize(x, bits, block)
+                        ),
+                    )
+                )
             codes, scales = reference.quantize(base, bits, block)
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                out.append((f"dequantize int{bits} -> {dtype} block {block}",
-                            lambda c=codes, s=scales, bits=bits, block=block, numel=numel, dtype=dtype: _same(
-                                triton_ops.dequantize(c.cuda(), s.cuda(), bits, block, numel, dtype),
-                                reference.dequantize(c, s, bits, block, numel, dtype))))
+                out.append(
+                    (
+                        f"dequantize int{bits} -> {dtype} block {block}",
+                        lambda c=codes, s=scales, bits=bits, block=block, numel=numel, dtype=dtype: _same(
+                            triton_ops.dequantize(c.cuda(), s.cuda(), bits, block, numel, dtype),
+                            reference.dequantize(c, s, bits, block, numel, dtype),
+                        ),
+                    )
+                )
             err = inputs(-(-numel // block) * block, block, seed=block + 1) * 1e-2
-            out.append((f"loco_quantize int{bits} block {block}",
-                        lambda err=err, bits=bits, block=block, x=base: _same(
-                            triton_ops.loco_quantize(x.cuda(), err.clone().cuda(), 0.8, block, bits),
-                            reference.loco_quantize(x, err.clone(), 0.8, block, bits))))
+            out.append(
+                (
+                    f"loco_quantize int{bits} block {block}",
+                    lambda err=err, bits=bits, block=block, x=base: _same(
+                        triton_ops.loco_quantize(x.cuda(), err.clone().cuda(), 0.8, block, bits),
+                        reference.loco_quantize(x, err.clone(), 0.8, block, bits),
+                    ),
+                )
+            )
             for parts in (2, 4):
-                quantized = [reference.quantize(inputs(5 * block, block, seed=31 * p + bits), bits, block)
-                             for p in range(parts)]
+                quantized = [
+                    reference.quantize(inputs(5 * block, block, seed=31 * p + bits), bits, block) for p in range(parts)
+                ]
                 stacked = (torch.stack([c for c, _ in quantized]), torch.stack([s for _, s in quantized]))
-                out.append((f"dequant_reduce {parts} x int{bits} -> fp32 block {block}",
-                            lambda st=stacked, bits=bits, block=block, numel=numel: _same(
-                                triton_ops.dequant_reduce(st[0].cuda(), st[1].cuda(), bits, block, numel),
-                                reference.dequant_reduce(st[0], st[1], bits, block, numel))))
+                out.append(
+                    (
+                        f"dequant_reduce {parts} x int{bits} -> fp32 block {block}",
+                        lambda st=stacked, bits=bits, block=block, numel=numel: _same(
+                            triton_ops.dequant_reduce(st[0].cuda(), st[1].cuda(), bits, block, numel),
+                            reference.dequant_reduce(st[0], st[1], bits, block, numel),
+                        ),
+                    )
+                )
                 for out_bits in (4, 8):
-                    out.append((f"dequant_reduce {parts} x int{bits} -> int{out_bits} block {block}",
-                                lambda st=stacked, bits=bits, block=block, ob=out_bits: _same(
-                                    triton_ops.dequant_reduce_quantize(st[0].cuda(), st[1].cuda(), bits, block, ob),
-                                    reference.dequant_reduce_quantize(st[0], st[1], bits, block, ob))))
+                    out.append(
+                        (
+                            f"dequant_reduce {parts} x int{bits} -> int{out_bits} block {block}",
+                            lambda st=stacked, bits=bits, block=block, ob=out_bits: _same(
+                                triton_ops.dequant_reduce_quantize(st[0].cuda(), st[1].cuda(), bits, block, ob),
+                                reference.dequant_reduce_quantize(st[0], st[1], bits, block, ob),
+                            ),
+                        )
+                    )
                 err = inputs(5 * block, block, seed=parts) * 1e-2
-                out.append((f"dequant_reduce + LoCo {parts} x int{bits} -> int4 block {block}",
-                            lambda st=stacked, bits=bits, block=block, err=err: _same(
-                                triton_ops.dequant_reduce_loco_quantize(st[0].cuda(), st[1].cuda(), bits, block,
-                                                                        err.clone().cuda(), 0.8),
-                                reference.dequant_reduce_loco_quantize(st[0], st[1], bits, block, err.clone(), 0.8))))
+                out.append(
+                    (
+                        f"dequant_reduce + LoCo {parts} x int{bits} -> int4 block {block}",
+                        lambda st=stacked, bits=bits, block=block, err=err: _same(
+                            triton_ops.dequant_reduce_loco_quantize(
+                                st[0].cuda(), st[1].cuda(), bits, block, err.clone().cuda(), 0.8
+                            ),
+                            reference.dequant_reduce_loco_quantize(st[0], st[1], bits, block, err.clone(), 0.8),
+                        ),
+                    )
+                )
     bad = inputs(4096, 256, seed=5)
     bad[1234] = float("inf")
     for label, x in (("finite", inputs(4096, 256, seed=4)), ("with inf", bad)):

@@ -26,10 +26,18 @@ from kernels import triton_ops
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
 _REDUCE_ARGS = {
-    "in_codes_ptr": "*u8", "in_scales_ptr": "*fp32", "codes_stride": "i32",
-    "scales_stride": "i32", "out_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
-    "err_ptr": "*fp32", "numel": "i32", "blocks": "i32",
-    "beta": "fp32", "keep": "fp32",
+    "in_codes_ptr": "*u8",
+    "in_scales_ptr": "*fp32",
+    "codes_stride": "i32",
+    "scales_stride": "i32",
+    "out_ptr": "*fp32",
+    "out_codes_ptr": "*u8",
+    "out_scales_ptr": "*fp32",
+    "err_ptr": "*fp32",
+    "numel": "i32",
+    "blocks": "i32",
+    "beta": "fp32",
+    "keep": "fp32",
 }
 
 
@@ -51,26 +59,59 @@ def variants() -> list[tuple[str, object, dict, dict]]:
             args = {"x_ptr": f"*{src}", **quant, "codes_ptr": f"*{code}"}
             consts = {**_tile(block), "BITS": bits, "QMAX": triton_ops.QMAX[bits]}
             out.append((f"quantize {src} int{bits}", triton_ops._quantize_kernel, args, consts))
-            loco = {"x_ptr": f"*{src}", "err_ptr": "*fp32", **quant,
-                    "codes_ptr": f"*{code}", "beta": "fp32", "keep": "fp32"}
+            loco = {
+                "x_ptr": f"*{src}",
+                "err_ptr": "*fp32",
+                **quant,
+                "codes_ptr": f"*{code}",
+                "beta": "fp32",
+                "keep": "fp32",
+            }
             out.append((f"loco_quantize {src} int{bits}", triton_ops._loco_quantize_kernel, loco, consts))
     for dst in ("fp32", "bf16", "fp16"):
         for bits, code in ((4, "u8"), (8, "i8")):
-            args = {"codes_ptr": f"*{code}", "scales_ptr": "*fp32", "out_ptr": f"*{dst}", "numel": "i32",
-                    "blocks": "i32"}
-            out.append((f"dequantize int{bits} -> {dst}", triton_ops._dequantize_kernel, args,
-                        {**_tile(256), "BITS": bits}))
-    for bits, out_bits, with_loco in ((4, 0, False), (4, 4, False), (4, 8, False), (4, 4, True), (8, 0, False),
-                                      (8, 4, False), (8, 4, True)):
-        consts = {**_tile(256), "PARTS": 4, "BITS": bits, "OUT_BITS": out_bits,
-                  "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0), "LOCO": with_loco}
-        label = (f"dequant_reduce 4 x int{bits} -> {'fp32' if not out_bits else f'int{out_bits}'}"
-                 f"{' + LoCo' if with_loco else ''}")
+            args = {
+                "codes_ptr": f"*{code}",
+                "scales_ptr": "*fp32",
+                "out_ptr": f"*{dst}",
+                "numel": "i32",
+                "blocks": "i32",
+            }
+            out.append(
+                (f"dequantize int{bits} -> {dst}", triton_ops._dequantize_kernel, args, {**_tile(256), "BITS": bits})
+            )
+    for bits, out_bits, with_loco in (
+        (4, 0, False),
+        (4, 4, False),
+        (4, 8, False),
+        (4, 4, True),
+        (8, 0, False),
+        (8, 4, False),
+        (8, 4, True),
+    ):
+        consts = {
+            **_tile(256),
+            "PARTS": 4,
+            "BITS": bits,
+            "OUT_BITS": out_bits,
+            "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0),
+            "LOCO": with_loco,
+        }
+        label = (
+            f"dequant_reduce 4 x int{bits} -> {'fp32' if not out_bits else f'int{out_bits}'}"
+            f"{' + LoCo' if with_loco else ''}"
+        )
         args = {**_REDUCE_ARGS, "in_codes_ptr": "*u8" if bits == 4 else "*i8"}
         out.append((label, triton_ops._dequant_reduce_kernel, args, consts))
     # A block wider than one tile: one row per program, eight warps.
-    out.append(("quantize fp32 int4, block 8192", triton_ops._quantize_kernel,
-                {"x_ptr": "*fp32", **quant}, {**_tile(8192), "BITS": 4, "QMAX": 7}))
+    out.append(
+        (
+            "quantize fp32 int4, block 8192",
+            triton_ops._quantize_kernel,
+            {"x_ptr": "*fp32", **quant},
+            {**_tile(8192), "BITS": 4, "QMAX": 7},
+        )
+    )
     return out
 
 

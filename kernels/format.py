@@ -65,8 +65,7 @@ def check_float_input(name: str, x: torch.Tensor) -> None:
     """Raise ConfigError unless `x` is a float tensor the kernels can read."""
     if x.dtype not in FLOAT_DTYPES:
         raise ConfigError(
-            f"{name} has dtype {x.dtype}; the quantization kernels accept "
-            f"{', '.join(str(d) for d in FLOAT_DTYPES)}"
+            f"{name} has dtype {x.dtype}; the quantization kernels accept {', '.join(str(d) for d in FLOAT_DTYPES)}"
         )
 
 
@@ -101,9 +100,7 @@ def check_codes(name: str, codes: torch.Tensor, scales: torch.Tensor, bits: int,
     check_bits(bits)
     check_block_size(block_size)
     if codes.dtype != CODE_DTYPE[bits]:
-        raise ConfigError(
-            f"{name} codes have dtype {codes.dtype}; int{bits} codes are stored as {CODE_DTYPE[bits]}"
-        )
+        raise ConfigError(f"{name} codes have dtype {codes.dtype}; int{bits} codes are stored as {CODE_DTYPE[bits]}")
     if scales.dtype != torch.float32:
         raise ConfigError(f"{name} scales have dtype {scales.dtype}; expected torch.float32")
     if codes.dim() != scales.dim() or codes.shape[:-1] != scales.shape[:-1]:
@@ -140,9 +137,7 @@ def check_stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_si
     """Validate k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
     blocks = check_codes("dequant_reduce", codes, scales, bits, block_size)
     if codes.dim() != 2 or codes.shape[0] < 1:
-        raise ConfigError(
-            f"dequant_reduce expects codes stacked as [k >= 1, bytes], got shape {tuple(codes.shape)}"
-        )
+        raise ConfigError(f"dequant_reduce expects codes stacked as [k >= 1, bytes], got shape {tuple(codes.shape)}")
     return blocks
 
 
@@ -150,8 +145,10 @@ def check_error_buffer(err: torch.Tensor, blocks: int, block_size: int, device: 
     """Raise ConfigError unless the LoCo buffer is a flat, contiguous fp32 tensor of `blocks`
     whole blocks on `device` (it is updated in place)."""
     if not isinstance(err, torch.Tensor) or err.dtype != torch.float32:
-        raise ConfigError(f"LoCo error buffer must be an fp32 tensor, got "
-                          f"{err.dtype if isinstance(err, torch.Tensor) else type(err).__name__}")
+        raise ConfigError(
+            f"LoCo error buffer must be an fp32 tensor, got "
+            f"{err.dtype if isinstance(err, torch.Tensor) else type(err).__name__}"
+        )
     if err.device != device:
         raise ConfigError(f"LoCo error buffer is on {err.device} but the values it corrects are on {device}")
     if err.dim() != 1 or err.numel() != blocks * block_size or not err.is_contiguous():

@@ -100,8 +100,9 @@ def _quantize_blocks(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     return encode(codes, bits), scales
 
 
-def _loco_blocks(tile: torch.Tensor, err: torch.Tensor, err_beta: float,
-                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _loco_blocks(
+    tile: torch.Tensor, err: torch.Tensor, err_beta: float, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes, scales, new_err = _loco_tile(tile, err, err_beta, bits)
     return encode(codes, bits), scales, new_err.reshape(-1)
 
@@ -113,14 +114,21 @@ def _reduce_tile(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_siz
     return total
 
 
-def _reduce_quantize_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                            out_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduce_quantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_blocks(_reduce_tile(codes, scales, bits, block_size), out_bits)
 
 
-def _reduce_loco_blocks(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                        err: torch.Tensor, err_beta: float,
-                        out_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reduce_loco_blocks(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    err: torch.Tensor,
+    err_beta: float,
+    out_bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _loco_blocks(_reduce_tile(codes, scales, bits, block_size), err, err_beta, out_bits)
 
 
@@ -148,8 +156,9 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(x).all()
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int, *,
-             arith: Arithmetic = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, block_size: int, *, arith: Arithmetic = EAGER
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a float tensor; returns (codes, fp32 scales), codes padded to whole blocks."""
     check_float_input("quantize input", x)
     check_bits(bits)
@@ -194,7 +203,12 @@ def loco_quantize(
 
 
 def dequant_reduce(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None, *,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    numel: int | None = None,
+    *,
     arith: Arithmetic = EAGER,
 ) -> torch.Tensor:
     """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
@@ -204,7 +218,12 @@ def dequant_reduce(
 
 
 def dequant_reduce_quantize(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4, *,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    out_bits: int = 4,
+    *,
     arith: Arithmetic = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""

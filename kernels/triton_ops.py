@@ -36,8 +36,16 @@ TILE_ELEMENTS = 4096
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, numel, blocks,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    numel,
+    blocks,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
@@ -47,8 +55,15 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, scales_ptr, out_ptr, numel, blocks,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    numel,
+    blocks,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     x = load_dequant(codes_ptr, scales_ptr, rows, blocks, BLOCK, BLOCK_P2, ROWS, BITS)
@@ -57,8 +72,19 @@ def _dequantize_kernel(
 
 @triton.jit
 def _loco_quantize_kernel(
-    x_ptr, err_ptr, codes_ptr, scales_ptr, numel, blocks, beta, keep,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+    x_ptr,
+    err_ptr,
+    codes_ptr,
+    scales_ptr,
+    numel,
+    blocks,
+    beta,
+    keep,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     rows, offs, live = tile_rows(tl.program_id(0), blocks, BLOCK, BLOCK_P2, ROWS)
     x = tl.load(x_ptr + offs, mask=live & (offs < numel), other=0.0).to(tl.float32)
@@ -68,10 +94,26 @@ def _loco_quantize_kernel(
 
 @triton.jit
 def _dequant_reduce_kernel(
-    in_codes_ptr, in_scales_ptr, codes_stride, scales_stride,
-    out_ptr, out_codes_ptr, out_scales_ptr, err_ptr, numel, blocks, beta, keep,
-    PARTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-    OUT_BITS: tl.constexpr, OUT_QMAX: tl.constexpr, LOCO: tl.constexpr,
+    in_codes_ptr,
+    in_scales_ptr,
+    codes_stride,
+    scales_stride,
+    out_ptr,
+    out_codes_ptr,
+    out_scales_ptr,
+    err_ptr,
+    numel,
+    blocks,
+    beta,
+    keep,
+    PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    OUT_BITS: tl.constexpr,
+    OUT_QMAX: tl.constexpr,
+    LOCO: tl.constexpr,
 ):
     """Sum k dequantized parts in order; write fp32 (OUT_BITS == 0) or re-quantize the sum.
 
@@ -85,8 +127,14 @@ def _dequant_reduce_kernel(
     total = tl.zeros((ROWS, BLOCK_P2), dtype=tl.float32)
     for part in tl.static_range(PARTS):
         total = total + load_dequant(
-            in_codes_ptr + part * codes_stride, in_scales_ptr + part * scales_stride,
-            rows, blocks, BLOCK, BLOCK_P2, ROWS, BITS,
+            in_codes_ptr + part * codes_stride,
+            in_scales_ptr + part * scales_stride,
+            rows,
+            blocks,
+            BLOCK,
+            BLOCK_P2,
+            ROWS,
+            BITS,
         )
     if OUT_BITS == 0:
         tl.store(out_ptr + offs, total, mask=live & (offs < numel))
@@ -104,7 +152,9 @@ def _tiling(block_size: int, blocks: int) -> tuple[tuple[int], dict[str, int | b
     rows = max(1, TILE_ELEMENTS // block_p2)
     grid = (triton.cdiv(blocks, rows),)
     options = dict(
-        BLOCK=block_size, BLOCK_P2=block_p2, ROWS=rows,
+        BLOCK=block_size,
+        BLOCK_P2=block_p2,
+        ROWS=rows,
         num_warps=4 if rows * block_p2 <= TILE_ELEMENTS else 8,
         enable_fp_fusion=False,
     )
@@ -178,8 +228,17 @@ def loco_quantize(
     if blocks:
         grid, opts = _tiling(block_size, blocks)
         _loco_quantize_kernel[grid](
-            flat, err, codes, scales, flat.numel(), blocks, beta, keep,
-            BITS=bits, QMAX=QMAX[bits], **opts,
+            flat,
+            err,
+            codes,
+            scales,
+            flat.numel(),
+            blocks,
+            beta,
+            keep,
+            BITS=bits,
+            QMAX=QMAX[bits],
+            **opts,
         )
     return codes, scales, err
 
@@ -208,9 +267,24 @@ def _launch_reduce(
     out_scales = scales if out_scales is None else out_scales
     grid, opts = _tiling(block_size, blocks)
     _dequant_reduce_kernel[grid](
-        codes, scales, codes.shape[1], scales.shape[1],
-        out, out_codes, out_scales, err_buf, numel, blocks, beta, keep,
-        PARTS=codes.shape[0], BITS=bits, OUT_BITS=out_bits, OUT_QMAX=QMAX.get(out_bits, 0), LOCO=err is not None, **opts,
+        codes,
+        scales,
+        codes.shape[1],
+        scales.shape[1],
+        out,
+        out_codes,
+        out_scales,
+        err_buf,
+        numel,
+        blocks,
+        beta,
+        keep,
+        PARTS=codes.shape[0],
+        BITS=bits,
+        OUT_BITS=out_bits,
+        OUT_QMAX=QMAX.get(out_bits, 0),
+        LOCO=err is not None,
+        **opts,
     )
 
 
@@ -251,7 +325,13 @@ def dequant_reduce_loco_quantize(
     check_error_buffer(err, blocks, block_size, codes.device)
     out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
     _launch_reduce(
-        codes, scales, bits, block_size, out_bits=out_bits, out_codes=out_codes, out_scales=out_scales,
+        codes,
+        scales,
+        bits,
+        block_size,
+        out_bits=out_bits,
+        out_codes=out_codes,
+        out_scales=out_scales,
         err=(err, beta, keep),
     )
     return out_codes, out_scales, err

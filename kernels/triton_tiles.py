@@ -63,8 +63,16 @@ def quantize_tile(x, QMAX: tl.constexpr):
 
 @triton.jit
 def store_codes(
-    codes_ptr, scales_ptr, rows, blocks, codes, scale,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    rows,
+    blocks,
+    codes,
+    scale,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Write a tile's codes (int8, or int4 packed low nibble first) and its scales."""
     row_live = rows < blocks
@@ -83,8 +91,14 @@ def store_codes(
 
 @triton.jit
 def load_dequant(
-    codes_ptr, scales_ptr, rows, blocks,
-    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    rows,
+    blocks,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Dequantized fp32 [ROWS, BLOCK_P2] tile (zeros outside the blocks)."""
     row_live = rows < blocks
@@ -107,7 +121,13 @@ def load_dequant(
 
 @triton.jit
 def loco_tile(
-    values, err_ptr, offs, live, beta, keep, QMAX: tl.constexpr,
+    values,
+    err_ptr,
+    offs,
+    live,
+    beta,
+    keep,
+    QMAX: tl.constexpr,
 ):
     """Add the fp32 error buffer, quantize, blend the new error into the buffer (in place)."""
     old_err = tl.load(err_ptr + offs, mask=live, other=0.0)

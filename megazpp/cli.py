@@ -79,10 +79,14 @@ class _Renamed(argparse.Action):
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
         self.new = new
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        raise ConfigError(f"{option_string} is spelled {self.new} now (the name pretrain_gpt.py "
-                          f"and every tool use)")
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        raise ConfigError(f"{option_string} is spelled {self.new} now (the name pretrain_gpt.py and every tool use)")
 
 
 def add_renamed_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str, new: str) -> None:
@@ -99,8 +103,9 @@ def add_out_flag(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
 
 
 def add_progress_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (bars are drawn only when stderr is a terminal)")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (bars are drawn only when stderr is a terminal)"
+    )
 
 
 def wants_progress(args: argparse.Namespace) -> bool:

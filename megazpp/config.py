@@ -245,7 +245,8 @@ class Config:
     def num_micro_batches(self, world_size: int) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""
         return required(self.training.global_batch_size, "training.global_batch_size") // (
-            self.training.micro_batch_size * self.data_parallel_size(world_size))
+            self.training.micro_batch_size * self.data_parallel_size(world_size)
+        )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -274,8 +275,7 @@ def refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -
         if getattr(obj, name) != default:
             source = (origins or {}).get(dotted)
             prefix = f"{source}: " if source else ""
-            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not "
-                              "implemented yet")
+            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not implemented yet")
 
 
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
@@ -341,8 +341,9 @@ def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, d
     return values, origins
 
 
-def _fit_warmup_to_run(t: TrainingConfig, from_files: dict[str, Any], origins: dict[str, str],
-                       notes: list[str]) -> None:
+def _fit_warmup_to_run(
+    t: TrainingConfig, from_files: dict[str, Any], origins: dict[str, str], notes: list[str]
+) -> None:
     """A quick try such as `--train-iters 10` on a config file written for a longer run keeps
     the file's warmup as the same share of the (shorter) run: warmup x this run's decay length
     / the file's, rounded down, so the warmup grows with the run up to the file's own at the
@@ -352,16 +353,17 @@ def _fit_warmup_to_run(t: TrainingConfig, from_files: dict[str, Any], origins: d
     if source in (None, "command line"):
         return
     decay = t.lr_decay_iters or t.train_iters
-    file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters")
-                     or TrainingConfig.train_iters)
+    file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters") or TrainingConfig.train_iters)
     if decay >= file_decay or t.lr_warmup_iters > file_decay:
         return  # a longer run keeps the warmup; a file contradicting itself is refused later
     adjusted = t.lr_warmup_iters * decay // file_decay
     if adjusted == t.lr_warmup_iters:
         return
-    notes.append(f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is for its "
-                 f"{file_decay} steps: using {adjusted} for this run's {decay}, the same share "
-                 f"({t.lr_warmup_iters}/{file_decay}); give --lr-warmup-iters to choose")
+    notes.append(
+        f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is for its "
+        f"{file_decay} steps: using {adjusted} for this run's {decay}, the same share "
+        f"({t.lr_warmup_iters}/{file_decay}); give --lr-warmup-iters to choose"
+    )
     t.lr_warmup_iters = adjusted
 
 
@@ -392,33 +394,39 @@ def _read_yaml(path: str) -> dict[str, dict[str, Any]]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of sections "
-                          f"{sorted(SECTIONS)}, got {type(raw).__name__}")
+        raise ConfigError(
+            f"config file {path}: expected a mapping of sections {sorted(SECTIONS)}, got {type(raw).__name__}"
+        )
     from megazpp.config_deepspeed import is_deepspeed_key
 
     deepspeed = [str(key) for key in raw if key not in SECTIONS and is_deepspeed_key(key)]
     if deepspeed:
-        raise ConfigError(f"config file {path}: this is a DeepSpeed config (its keys are DeepSpeed's: "
-                          f"{', '.join(deepspeed[:3])}{', ...' if len(deepspeed) > 3 else ''}), not "
-                          "a megazpp YAML: pass it as --deepspeed_config " + path + " (with run.sh: "
-                          "bash run.sh --deepspeed_config " + path + "; CONFIG names the YAML it "
-                          "overrides)")
+        raise ConfigError(
+            f"config file {path}: this is a DeepSpeed config (its keys are DeepSpeed's: "
+            f"{', '.join(deepspeed[:3])}{', ...' if len(deepspeed) > 3 else ''}), not "
+            "a megazpp YAML: pass it as --deepspeed_config " + path + " (with run.sh: "
+            "bash run.sh --deepspeed_config " + path + "; CONFIG names the YAML it "
+            "overrides)"
+        )
     sections: dict[str, dict[str, Any]] = {}
     for name, body in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"config file {path}: unknown section {name!r}"
-                              f"{suggest(str(name), SECTIONS)}")
+            raise ConfigError(f"config file {path}: unknown section {name!r}{suggest(str(name), SECTIONS)}")
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ConfigError(f"config file {path}: section {name!r} must be a mapping, "
-                              f"got {type(body).__name__}")
+            raise ConfigError(f"config file {path}: section {name!r} must be a mapping, got {type(body).__name__}")
         sections[name] = body
     return sections
 
 
-def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
-           update: dict[str, dict[str, Any]], source: str, names: dict[str, str] | None = None) -> None:
+def _merge(
+    values: dict[str, dict[str, Any]],
+    origins: dict[str, str],
+    update: dict[str, dict[str, Any]],
+    source: str,
+    names: dict[str, str] | None = None,
+) -> None:
     """Type-check each key of `update` against its section and write it into `values`,
     remembering in `origins` which source set it (for error messages). `names` spells a key
     as its source wrote it (a DeepSpeed key: `train_batch_size`, not `training.global_batch_size`)."""
@@ -427,8 +435,7 @@ def _merge(values: dict[str, dict[str, Any]], origins: dict[str, str],
         hints = typing.get_type_hints(cls)
         for key, value in body.items():
             if key not in hints:
-                raise ConfigError(f"{source}: unknown key {section}.{key}"
-                                  f"{_suggest_key(section, str(key))}")
+                raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest_key(section, str(key))}")
             name = (names or {}).get(f"{section}.{key}", f"{section}.{key}")
             values[section][key] = coerce(value, hints[key], f"{source}: {name}")
             origins[f"{section}.{key}"] = source
@@ -449,23 +456,27 @@ def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
         hint = typing.get_type_hints(SECTIONS[section])[name]
         dest = f"{section}.{name}"
         if hint is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS)
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif typing.get_origin(hint) is list:
             parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS)
-    valued = {flag for flag, (section, name) in table.items()
-              if typing.get_type_hints(SECTIONS[section])[name] is not bool
-              and typing.get_origin(typing.get_type_hints(SECTIONS[section])[name]) is not list}
+    valued = {
+        flag
+        for flag, (section, name) in table.items()
+        if typing.get_type_hints(SECTIONS[section])[name] is not bool
+        and typing.get_origin(typing.get_type_hints(SECTIONS[section])[name]) is not list
+    }
     known, unknown = parser.parse_known_args(_attach_negative_numbers(args, valued))
     if unknown:
         bad = unknown[0]
         if bad.startswith("-"):
             name = bad.split("=", 1)[0]
-            flags = list(table) + list(MEGATRON_ALIASES) + [
-                f"--no-{f[2:]}" for f, (s, n) in table.items()
-                if typing.get_type_hints(SECTIONS[s])[n] is bool]
+            flags = (
+                list(table)
+                + list(MEGATRON_ALIASES)
+                + [f"--no-{f[2:]}" for f, (s, n) in table.items() if typing.get_type_hints(SECTIONS[s])[n] is bool]
+            )
             raise ConfigError(f"command line: unknown flag {name}{suggest(name, flags)}")
         raise ConfigError(f"command line: unexpected argument {bad!r}")
     update: dict[str, dict[str, Any]] = {}
@@ -519,7 +530,8 @@ def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
         if cfg.model.vocab_size < tokenizer_vocab:
             raise ConfigError(
                 f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
-                f"data.tokenizer_model {cfg.data.tokenizer_model} ({tokenizer_vocab} tokens)")
+                f"data.tokenizer_model {cfg.data.tokenizer_model} ({tokenizer_vocab} tokens)"
+            )
         return
     multiple = cfg.data.make_vocab_size_divisible_by * cfg.tp
     cfg.model.vocab_size = -(-tokenizer_vocab // multiple) * multiple

@@ -24,14 +24,16 @@ MEGATRON_ALIASES: dict[str, str | tuple[str, ...]] = {
 }
 
 # Why an alias cannot carry a second value next to megazpp's flag.
-_ONE_VALUE = {"--seq-length": " (megazpp has one length: model.seq_length sizes the training "
-                              "sequences and gpt2's position table; RoPE has no table)"}
+_ONE_VALUE = {
+    "--seq-length": " (megazpp has one length: model.seq_length sizes the training "
+    "sequences and gpt2's position table; RoPE has no table)"
+}
 
 REFUSED_FLAGS: dict[str, str] = {
     "--no-load-optim": "not implemented: a resume restores the optimizer with the weights. To "
-                       "start a fresh optimizer from trained Llama weights, convert them "
-                       "(tools/convert_hf.py export, then import) and pass the imported "
-                       "checkpoint as --load",
+    "start a fresh optimizer from trained Llama weights, convert them "
+    "(tools/convert_hf.py export, then import) and pass the imported "
+    "checkpoint as --load",
 }
 
 
@@ -60,18 +62,19 @@ def translate_megatron_flags(args: list[str]) -> list[str]:
         target = MEGATRON_ALIASES.get(name, name)
         if isinstance(target, tuple):
             if "=" in token:
-                raise ConfigError(f"command line: {name} takes no value (it stands for "
-                                  f"{' '.join(target)})")
+                raise ConfigError(f"command line: {name} takes no value (it stands for {' '.join(target)})")
             flag, value = target[0], (target[1] if len(target) > 1 else None)
             replaced = list(target)
         else:
             flag, value = target, _value_of(args, i)
-            replaced = [target + token[len(name):]]
+            replaced = [target + token[len(name) :]]
         earlier = given.get(flag)
         if earlier is not None and earlier[0] != name and earlier[1] != value:
-            raise ConfigError(f"command line: {earlier[0]} {earlier[1] or ''} and {name} "
-                              f"{value or ''} both set {flag} to different values; give one"
-                              f"{_ONE_VALUE.get(flag, '')}".replace("  ", " "))
+            raise ConfigError(
+                f"command line: {earlier[0]} {earlier[1] or ''} and {name} "
+                f"{value or ''} both set {flag} to different values; give one"
+                f"{_ONE_VALUE.get(flag, '')}".replace("  ", " ")
+            )
         given[flag] = (name, value)
         out.extend(replaced)
     return out

@@ -50,35 +50,101 @@ _ZERO_DIRECT = {
 # 0 / null / {} / {"enabled": false}); any other value is refused as not implemented.
 _OFF = object()
 _ZERO_UNSUPPORTED: dict[str, Any] = {
-    "allgather_partitions": True, "ignore_unused_parameters": True,
-    **{key: _OFF for key in (
-        "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
-        "cpu_offload_use_pin_memory", "sub_group_size",
-        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-        "round_robin_gradients",
-        "elastic_checkpoint", "zero_quantized_nontrainable_weights", "memory_efficient_linear",
-        "mics_shard_size", "mics_hierarchical_params_gather", "legacy_stage1",
-        "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
-        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-        "zero_allow_untested_optimizer", "stage3_use_all_reduce_for_fetch_params")},
+    "allgather_partitions": True,
+    "ignore_unused_parameters": True,
+    **{
+        key: _OFF
+        for key in (
+            "offload_param",
+            "offload_optimizer",
+            "cpu_offload",
+            "cpu_offload_params",
+            "cpu_offload_use_pin_memory",
+            "sub_group_size",
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "round_robin_gradients",
+            "elastic_checkpoint",
+            "zero_quantized_nontrainable_weights",
+            "memory_efficient_linear",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "legacy_stage1",
+            "use_multi_rank_bucket_allreduce",
+            "load_from_fp32_weights",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "zero_allow_untested_optimizer",
+            "stage3_use_all_reduce_for_fetch_params",
+        )
+    },
 }
-_TOP_UNSUPPORTED: dict[str, Any] = {key: _OFF for key in (
-    "scheduler", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
-    "flops_profiler", "comms_logger", "wandb", "csv_monitor", "amp", "compression_training",
-    "autotuning", "elasticity", "checkpoint", "data_efficiency", "curriculum_learning", "aio",
-    "dump_state", "memory_breakdown", "sparse_attention", "pipeline", "compile", "fp8",
-    "torch_autocast", "nebula", "weight_quantization", "hybrid_engine")}
+_TOP_UNSUPPORTED: dict[str, Any] = {
+    key: _OFF
+    for key in (
+        "scheduler",
+        "wall_clock_breakdown",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "seq_parallel_communication_data_type",
+        "sparse_gradients",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "activation_checkpointing",
+        "flops_profiler",
+        "comms_logger",
+        "wandb",
+        "csv_monitor",
+        "amp",
+        "compression_training",
+        "autotuning",
+        "elasticity",
+        "checkpoint",
+        "data_efficiency",
+        "curriculum_learning",
+        "aio",
+        "dump_state",
+        "memory_breakdown",
+        "sparse_attention",
+        "pipeline",
+        "compile",
+        "fp8",
+        "torch_autocast",
+        "nebula",
+        "weight_quantization",
+        "hybrid_engine",
+    )
+}
 # The top-level keys this module reads (each one's handler is in `map_deepspeed_config`).
-DEEPSPEED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                  "gradient_clipping", "steps_per_print", "optimizer", "fp16", "bf16", "bfloat16",
-                  "data_types", "tensorboard", "zero_optimization")
-_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-              "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+DEEPSPEED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "steps_per_print",
+    "optimizer",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "data_types",
+    "tensorboard",
+    "zero_optimization",
+)
+_FP16_KEYS = {
+    "enabled",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "fp16_master_weights_and_grads",
+}
 _OPTIMIZER_TYPES = {"adam", "adamw", "fusedadam"}
-_OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
-                     "bias_correction", "amsgrad"}
+_OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"}
 
 
 def is_deepspeed_key(key: object) -> bool:
@@ -137,8 +203,10 @@ def map_deepspeed_config(raw: dict[str, Any], source: str, names: dict[str, str]
         elif key in _TOP_UNSUPPORTED:
             _refuse_unless_accepted(value, _TOP_UNSUPPORTED[key], where)
         else:
-            raise ConfigError(f"DeepSpeed config {source}: unknown key {key!r}"
-                              f"{suggest(key, list(handlers) + sorted(_TOP_UNSUPPORTED))}")
+            raise ConfigError(
+                f"DeepSpeed config {source}: unknown key {key!r}"
+                f"{suggest(key, list(handlers) + sorted(_TOP_UNSUPPORTED))}"
+            )
     return out
 
 
@@ -150,8 +218,7 @@ def _is_off(value: Any) -> bool:
 
 def _refuse_unless_accepted(value: Any, accepted: Any, where: str) -> None:
     if not (_is_off(value) if accepted is _OFF else value == accepted):
-        raise ConfigError(f"{where} = {value!r}: this DeepSpeed feature is not implemented yet "
-                          "in megazpp")
+        raise ConfigError(f"{where} = {value!r}: this DeepSpeed feature is not implemented yet in megazpp")
 
 
 def _require_mapping(value: Any, where: str, allowed: set[str]) -> dict[str, Any]:
@@ -167,8 +234,10 @@ def _map_optimizer(value: Any, where: str, put: Put) -> None:
     block = _require_mapping(value, where, {"type", "params"})
     kind = str(block.get("type", "AdamW"))
     if kind.lower() not in _OPTIMIZER_TYPES:
-        raise ConfigError(f"{where}.type = {kind!r}: only AdamW is implemented yet "
-                          f"(accepted: Adam, AdamW, FusedAdam with decoupled weight decay)")
+        raise ConfigError(
+            f"{where}.type = {kind!r}: only AdamW is implemented yet "
+            f"(accepted: Adam, AdamW, FusedAdam with decoupled weight decay)"
+        )
     params = _require_mapping(block.get("params", {}), f"{where}.params", _OPTIMIZER_PARAMS)
     for key in ("lr", "eps", "weight_decay"):
         if key in params:
@@ -180,8 +249,9 @@ def _map_optimizer(value: Any, where: str, put: Put) -> None:
         put("optimizer", "adam_beta1", betas[0], f"{where}.params.betas[0]")
         put("optimizer", "adam_beta2", betas[1], f"{where}.params.betas[1]")
     if params.get("adam_w_mode", True) is not True:
-        raise ConfigError(f"{where}.params.adam_w_mode = false: L2-coupled Adam is not "
-                          "implemented yet (only decoupled AdamW)")
+        raise ConfigError(
+            f"{where}.params.adam_w_mode = false: L2-coupled Adam is not implemented yet (only decoupled AdamW)"
+        )
     if params.get("amsgrad", False) is not False:
         raise ConfigError(f"{where}.params.amsgrad: AMSGrad is not implemented yet")
     if params.get("bias_correction", True) is not True:
@@ -198,11 +268,13 @@ def _map_fp16(value: Any, where: str, put: Put) -> None:
     if block.get("initial_scale_power", "auto") != "auto":
         power = block["initial_scale_power"]
         if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 64:
-            raise ConfigError(f"{where}.initial_scale_power = {power!r}: expected an integer "
-                              "in [0, 64]")
-        put("precision", "initial_loss_scale", float(2 ** power), f"{where}.initial_scale_power")
-    for ds_key, key in (("loss_scale_window", "loss_scale_window"),
-                        ("hysteresis", "hysteresis"), ("min_loss_scale", "min_loss_scale")):
+            raise ConfigError(f"{where}.initial_scale_power = {power!r}: expected an integer in [0, 64]")
+        put("precision", "initial_loss_scale", float(2**power), f"{where}.initial_scale_power")
+    for ds_key, key in (
+        ("loss_scale_window", "loss_scale_window"),
+        ("hysteresis", "hysteresis"),
+        ("min_loss_scale", "min_loss_scale"),
+    ):
         if ds_key in block:
             put("precision", key, block[ds_key], f"{where}.{ds_key}")
     for key in ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
@@ -211,8 +283,7 @@ def _map_fp16(value: Any, where: str, put: Put) -> None:
 
 
 def _map_bf16(value: Any, where: str, put: Put) -> None:
-    block = _require_mapping(value, where, {"enabled", "immediate_grad_update",
-                                            "check_grad_overflow"})
+    block = _require_mapping(value, where, {"enabled", "immediate_grad_update", "check_grad_overflow"})
     for key in ("immediate_grad_update", "check_grad_overflow"):
         if block.get(key, False):
             raise ConfigError(f"{where}.{key} = true: not implemented yet in megazpp")
@@ -220,8 +291,16 @@ def _map_bf16(value: Any, where: str, put: Put) -> None:
         put("precision", "bf16", block["enabled"], f"{where}.enabled")  # "auto": the flags' choice
 
 
-_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16",
-                "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+_DTYPE_NAMES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
 
 
 def _map_data_types(value: Any, where: str, put: Put) -> None:
@@ -230,8 +309,7 @@ def _map_data_types(value: Any, where: str, put: Put) -> None:
         return
     name = str(block["grad_accum_dtype"]).lower()
     if name not in _DTYPE_NAMES:
-        raise ConfigError(f"{where}.grad_accum_dtype = {block['grad_accum_dtype']!r}: expected "
-                          "one of fp32, bf16, fp16")
+        raise ConfigError(f"{where}.grad_accum_dtype = {block['grad_accum_dtype']!r}: expected one of fp32, bf16, fp16")
     put("precision", "grad_accum_dtype", _DTYPE_NAMES[name], f"{where}.grad_accum_dtype")
 
 

@@ -34,5 +34,6 @@ class PlannerSettings:
             if f.name != "probe" and value is not None and not value > 0:
                 raise ConfigError(f"planner.{f.name} = {value!r}: expected a positive number")
         if self.usable_memory_fraction > 1:
-            raise ConfigError(f"planner.usable_memory_fraction = {self.usable_memory_fraction!r}: expected a "
-                              f"fraction in (0, 1]")
+            raise ConfigError(
+                f"planner.usable_memory_fraction = {self.usable_memory_fraction!r}: expected a fraction in (0, 1]"
+            )

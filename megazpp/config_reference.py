@@ -130,7 +130,7 @@ HELP: dict[str, str] = {
     "parallel.ranks_per_node": "ranks per (virtual) node; none: the launcher's",
     "parallel.distributed_timeout_minutes": "a collective waiting longer fails",
     "parallel.distributed_backend": "auto (nccl on GPUs, gloo on CPUs), nccl, or gloo (also on CUDA: several "
-                                    "ranks may then share one GPU, round robin)",
+    "ranks may then share one GPU, round robin)",
     "zero.stage": "ZeRO stage 0-3 (aliases of PaRO NNN, NNG, NGG, GGG)",
     "zero.paro_strategy": "PaRO triple (e.g. NIG, III) or auto (the planner picks)",
     "zero.paro_group_size": "ranks of a PaRO I group; none: the node",
@@ -151,9 +151,9 @@ HELP: dict[str, str] = {
     "zero.stage3_max_live_parameters": "elements kept gathered from forward to backward (0: re-gather in backward)",
     "zero.stage3_max_reuse_distance": "keep a group for backward only if reused within this many elements",
     "zero.stage3_param_persistence_threshold": "parameters of fewer elements stay whole on every rank, "
-                                               "refreshed after each step in one collective (0: none)",
+    "refreshed after each step in one collective (0: none)",
     "zero.hierarchical": "two-stage (node, then across nodes) collectives: auto (the planner prices them), "
-                         "always or never",
+    "always or never",
     "zero.cpu_quant_kernels": "reference or compiled (TorchInductor) quantizers on CPU",
     "zero.qwz_block_size": "values per int8 scale in qwZ",
     "zero.qgz_block_size": "values per int4 scale in qgZ",
@@ -215,8 +215,10 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def reference_rows(shown: Config | None = None, origins: dict[str, str] | None = None,
-                   ) -> dict[str, list[tuple[str, str, str, str]]]:
+def reference_rows(
+    shown: Config | None = None,
+    origins: dict[str, str] | None = None,
+) -> dict[str, list[tuple[str, str, str, str]]]:
     """section -> [(flag, type, default, help)] in schema order. The default is the built-in
     value, or `shown`'s where `origins` says a file set it (then with the built-in beside it)."""
     table = flag_table()
@@ -232,10 +234,11 @@ def reference_rows(shown: Config | None = None, origins: dict[str, str] | None =
             default = _default(f)
             source = (origins or {}).get(f"{section}.{f.name}")
             if source is not None:
-                default = (f"{_shown(getattr(getattr(shown, section), f.name))} from the "
-                           f"{source.split(' ', 1)[0]} file; built-in {default}")
-            rows.setdefault(section, []).append(
-                (flags, kind, default, HELP.get(f"{section}.{f.name}", "")))
+                default = (
+                    f"{_shown(getattr(getattr(shown, section), f.name))} from the "
+                    f"{source.split(' ', 1)[0]} file; built-in {default}"
+                )
+            rows.setdefault(section, []).append((flags, kind, default, HELP.get(f"{section}.{f.name}", "")))
     return rows
 
 
@@ -253,13 +256,22 @@ def render_help(argv: Sequence[str] = ()) -> str:
     `argv` (run.sh passes its CONFIG), the defaults those files set, as the command would run."""
     shown, origins = file_defaults(argv)
     files = list(dict.fromkeys(source for source in origins.values()))
-    out = ["usage: pretrain_gpt.py [--config FILE] [--deepspeed_config FILE] [--FLAG VALUE ...]",
-           "", "Pretrain a GPT-2 or Llama model. Precedence: defaults < --config < "
-           "--deepspeed_config < flags.", "Every config key is a flag: section.some_key is "
-           "--some-key (except " + ", ".join(f"{k} {v}" for k, v in FLAG_NAMES.items()) + ").",
-           "Defaults shown: " + (" over ".join(reversed(files)) + " over the built-in values"
-                                 if files else "the built-in values (no --config given)") + ".",
-           "", "files:"]
+    out = [
+        "usage: pretrain_gpt.py [--config FILE] [--deepspeed_config FILE] [--FLAG VALUE ...]",
+        "",
+        "Pretrain a GPT-2 or Llama model. Precedence: defaults < --config < --deepspeed_config < flags.",
+        "Every config key is a flag: section.some_key is "
+        "--some-key (except " + ", ".join(f"{k} {v}" for k, v in FLAG_NAMES.items()) + ").",
+        "Defaults shown: "
+        + (
+            " over ".join(reversed(files)) + " over the built-in values"
+            if files
+            else "the built-in values (no --config given)"
+        )
+        + ".",
+        "",
+        "files:",
+    ]
     out += [f"  {flag:<34} {text}" for flag, text in FILE_FLAGS]
     for section, rows in reference_rows(shown, origins).items():
         out += ["", f"{section}: {SECTION_HELP.get(section, '')}"]
@@ -273,21 +285,31 @@ def render_help(argv: Sequence[str] = ()) -> str:
 
 def render_markdown() -> str:
     """docs/flags.md."""
-    out = ["# Flag reference", "",
-           "Generated from the config schema by `python -m megazpp.config_reference` (do not "
-           "edit by hand; a test checks it is current). `pretrain_gpt.py --help` prints the "
-           "same. Precedence: defaults < `--config` YAML < `--deepspeed_config` JSON < flags. "
-           "A YAML key is the flag's field name under its section (`--micro-batch-size` is "
-           "`training: {micro_batch_size: ...}`).", "",
-           "| file flag | meaning |", "|---|---|"]
+    out = [
+        "# Flag reference",
+        "",
+        "Generated from the config schema by `python -m megazpp.config_reference` (do not "
+        "edit by hand; a test checks it is current). `pretrain_gpt.py --help` prints the "
+        "same. Precedence: defaults < `--config` YAML < `--deepspeed_config` JSON < flags. "
+        "A YAML key is the flag's field name under its section (`--micro-batch-size` is "
+        "`training: {micro_batch_size: ...}`).",
+        "",
+        "| file flag | meaning |",
+        "|---|---|",
+    ]
     out += [f"| `{flag}` | {text} |" for flag, text in FILE_FLAGS]
     for section, rows in reference_rows().items():
-        out += ["", f"## {section}", "", SECTION_HELP.get(section, "") + ".", "",
-                "| flag | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{flag}` | {kind.replace('|', '/')} | {default} | {text} |"
-                for flag, kind, default, text in rows]
-    out += ["", "## Megatron-LM spellings", "",
-            "| Megatron flag | megazpp |", "|---|---|"]
+        out += [
+            "",
+            f"## {section}",
+            "",
+            SECTION_HELP.get(section, "") + ".",
+            "",
+            "| flag | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        out += [f"| `{flag}` | {kind.replace('|', '/')} | {default} | {text} |" for flag, kind, default, text in rows]
+    out += ["", "## Megatron-LM spellings", "", "| Megatron flag | megazpp |", "|---|---|"]
     out += [f"| `{flag}` | {text} |" for flag, text in _alias_lines()]
     return "\n".join(out) + "\n"
 

@@ -45,8 +45,7 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            raise ConfigError(f"{where} = {value!r}: expected one of {list(choices)}"
-                              f"{suggest(str(value), choices)}")
+            raise ConfigError(f"{where} = {value!r}: expected one of {list(choices)}{suggest(str(value), choices)}")
         return value
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -85,7 +84,7 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported config type {hint!r}")
 
 
-_INT64_LIMIT = 2 ** 63
+_INT64_LIMIT = 2**63
 
 
 def _short(value: Any) -> str:

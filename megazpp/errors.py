@@ -49,8 +49,13 @@ class LaunchError(MegazppError, RuntimeError):
 NEVER_OVERWRITE = "outputs are never overwritten"
 
 
-def refuse_existing(existing: "str | os.PathLike[str]", error: type[MegazppError], *,
-                    found: str = "already exists", instead: str = "choose a new name") -> None:
+def refuse_existing(
+    existing: "str | os.PathLike[str]",
+    error: type[MegazppError],
+    *,
+    found: str = "already exists",
+    instead: str = "choose a new name",
+) -> None:
     """Raise `error` naming `existing` when that path exists (see NEVER_OVERWRITE)."""
     if os.path.lexists(existing):
         raise error(f"{os.fspath(existing)}: {found}; {instead} ({NEVER_OVERWRITE})")

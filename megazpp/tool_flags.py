@@ -19,19 +19,33 @@ from megazpp.config_reference import HELP
 from megazpp.model.config import ModelConfig
 
 # fields whose flags a tool may take: the model's shape and the training job's batch sizes
-MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "vocab_size", "seq_length")
+MODEL_FIELDS = (
+    "arch",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "seq_length",
+)
 BATCH_FIELDS = ("micro_batch_size", "global_batch_size")
 
 # spellings the tools used before they spoke one dialect
-RENAMED = {"--layers": "--num-layers", "--hidden": "--hidden-size", "--heads": "--num-attention-heads",
-           "--query-groups": "--num-query-groups", "--ffn": "--ffn-hidden-size", "--vocab": "--vocab-size",
-           "--seq": "--seq-length", "--micro-batch": "--micro-batch-size",
-           "--global-batch": "--global-batch-size"}
+RENAMED = {
+    "--layers": "--num-layers",
+    "--hidden": "--hidden-size",
+    "--heads": "--num-attention-heads",
+    "--query-groups": "--num-query-groups",
+    "--ffn": "--ffn-hidden-size",
+    "--vocab": "--vocab-size",
+    "--seq": "--seq-length",
+    "--micro-batch": "--micro-batch-size",
+    "--global-batch": "--global-batch-size",
+}
 
 
-def add_shape_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                    defaults: Mapping[str, Any]) -> None:
+def add_shape_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: Mapping[str, Any]) -> None:
     """Add the training job's flag for each field in `defaults` (from MODEL_FIELDS and
     BATCH_FIELDS), with that default (None: not given) and the job's help line."""
     table = flag_table()

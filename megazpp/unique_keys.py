@@ -29,8 +29,8 @@ class UniqueKeySafeLoader(yaml.SafeLoader):
                 continue
             if line != key_node.start_mark.line + 1:
                 raise yaml.constructor.ConstructorError(
-                    problem=f"duplicate key {key!r} at lines {line} and "
-                            f"{key_node.start_mark.line + 1}")
+                    problem=f"duplicate key {key!r} at lines {line} and {key_node.start_mark.line + 1}"
+                )
         return super().construct_mapping(node, deep=deep)
 
 

@@ -37,12 +37,19 @@ def netlab_unavailable() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "netlab: runs nodes on tools/netlab.sh; skipped, with the reason, "
-                                       "where netlab cannot run")
-    config.addinivalue_line("markers", "multirank: spawns gloo ranks (megazpp.parallel.local_launch.run_ranks); "
-                                       "set by conftest on every test that reaches run_ranks")
-    config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 loaded cores (launches run.sh, "
-                                       "torchrun or many subprocesses); the fast tier leaves it out")
+    config.addinivalue_line(
+        "markers", "netlab: runs nodes on tools/netlab.sh; skipped, with the reason, where netlab cannot run"
+    )
+    config.addinivalue_line(
+        "markers",
+        "multirank: spawns gloo ranks (megazpp.parallel.local_launch.run_ranks); "
+        "set by conftest on every test that reaches run_ranks",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow: takes more than ~10 s on 2 loaded cores (launches run.sh, "
+        "torchrun or many subprocesses); the fast tier leaves it out",
+    )
 
 
 # what spawns ranks: the local launcher, called by a test, its fixtures or helpers
@@ -59,10 +66,15 @@ def spawning_functions(path: Path) -> frozenset[str]:
         if isinstance(node, ast.ImportFrom) and node.module and (path.parent / f"{node.module}.py").is_file():
             helpers = spawning_functions(path.parent / f"{node.module}.py")
             reaching |= {alias.asname or alias.name for alias in node.names if alias.name in helpers}
-    calls = {node.name: {c.func.id if isinstance(c.func, ast.Name) else c.func.attr
-                         for c in ast.walk(node) if isinstance(c, ast.Call)
-                         and isinstance(c.func, (ast.Name, ast.Attribute))}
-             for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    calls = {
+        node.name: {
+            c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+            for c in ast.walk(node)
+            if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))
+        }
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     while True:
         more = {name for name, called in calls.items() if called & reaching} - reaching
         if not more:
@@ -75,8 +87,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if reason is not None and item.get_closest_marker("netlab") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
-        if isinstance(item, pytest.Function) and ({item.function.__name__, *item.fixturenames}
-                                                  & spawning_functions(Path(item.fspath))):
+        if isinstance(item, pytest.Function) and (
+            {item.function.__name__, *item.fixturenames} & spawning_functions(Path(item.fspath))
+        ):
             item.add_marker(pytest.mark.multirank)
 
 
@@ -104,8 +117,9 @@ def tiny_tokenizer_model(tiny_corpus_dir, tmp_path_factory) -> Path:
 def tiny_indexed_prefix(tiny_corpus_dir, tiny_tokenizer_model, tmp_path_factory) -> str:
     """Prefix of the tiny corpus preprocessed with `--append-eod`: `<prefix>.bin/.idx` exist."""
     out = tmp_path_factory.mktemp("tiny_indexed")
-    summary = preprocess(tiny_corpus_dir, tiny_tokenizer_model, out / "tiny", workers=1,
-                         append_eod=True, progress=False)
+    summary = preprocess(
+        tiny_corpus_dir, tiny_tokenizer_model, out / "tiny", workers=1, append_eod=True, progress=False
+    )
     return summary.outputs["text"]
 
 

@@ -20,9 +20,9 @@ from megazpp.config import Config
 from megazpp.errors import ConfigError, DataError
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-MIB, GIB = 2 ** 20, 2 ** 30
+MIB, GIB = 2**20, 2**30
 STEPS = [10 * i for i in range(1, 11)]  # log interval 10, 100 iterations
-SHORT = STEPS[:6]                        # stopped at step 60
+SHORT = STEPS[:6]  # stopped at step 60
 
 RUNS = {
     "ref": {
@@ -111,14 +111,22 @@ def test_numbers_over_the_common_steps(compared):
 
 def test_summary_markdown_table_and_notes(compared):
     text = compared.summary_md.read_text()
-    assert "| ref | 60 | 2.2500 | 2.2500 | 2.3750 | 2.3750 | reference | 1,350.0 | 3.00 MiB | 1.01 GiB | 100 | 1.7500 |" in text
-    assert "| short | 60 | 3.1250 | 3.0000 | 3.6250 | 3.5000 | +0.8750 | 600.0 | 3.50 MiB | 512.00 MiB | 60 | 3.1250 |" in text
-    assert "| nocomm | 60 | 2.0000 | 2.0000 | 2.2500 | 2.2500 | -0.2500 | 2,000.0 | n/a | 1.50 GiB | 100 | 0.2500 |" in text
+    assert (
+        "| ref | 60 | 2.2500 | 2.2500 | 2.3750 | 2.3750 | reference | 1,350.0 | 3.00 MiB | 1.01 GiB | 100 | 1.7500 |"
+        in text
+    )
+    assert (
+        "| short | 60 | 3.1250 | 3.0000 | 3.6250 | 3.5000 | +0.8750 | 600.0 | 3.50 MiB | 512.00 MiB | 60 | 3.1250 |"
+        in text
+    )
+    assert (
+        "| nocomm | 60 | 2.0000 | 2.0000 | 2.2500 | 2.2500 | -0.2500 | 2,000.0 | n/a | 1.50 GiB | 100 | 0.2500 |"
+        in text
+    )
     assert "gap to ref" in text and "The columns use the common training steps 10..60" in text
     assert "tokens/s depends on the machine's load" in text
     notes = [line for line in text.splitlines() if line.startswith("- ") and "**" not in line]
-    assert any("differ in length" in n and "short: steps 10..60" in n and "ref: steps 10..100" in n
-               for n in notes)
+    assert any("differ in length" in n and "short: steps 10..60" in n and "ref: steps 10..100" in n for n in notes)
     assert "- run nocomm has no comm/inter_bytes" in notes
     assert len(notes) == 2
     assert "| zero.stage | `0` | `3` |" in text

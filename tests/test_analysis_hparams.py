@@ -10,13 +10,19 @@ from megazpp.config import Config
 
 
 def test_flattening_rules():
-    cfg = {"model": {"hidden_size": 64, "tie_embeddings": False, "norm_eps": 1e-5},
-           "data": {"data_path": ["0.7", "A", "0.3", "B"], "tokenizer_model": None},
-           "zero": {"paro_strategy": "IGG", "nested": {"depth": 2}}}
+    cfg = {
+        "model": {"hidden_size": 64, "tie_embeddings": False, "norm_eps": 1e-5},
+        "data": {"data_path": ["0.7", "A", "0.3", "B"], "tokenizer_model": None},
+        "zero": {"paro_strategy": "IGG", "nested": {"depth": 2}},
+    }
     assert hparams_from_config(cfg) == {
-        "model.hidden_size": 64, "model.tie_embeddings": False, "model.norm_eps": 1e-5,
+        "model.hidden_size": 64,
+        "model.tie_embeddings": False,
+        "model.norm_eps": 1e-5,
         "data.data_path": '["0.7", "A", "0.3", "B"]',
-        "zero.paro_strategy": "IGG", "zero.nested.depth": 2}
+        "zero.paro_strategy": "IGG",
+        "zero.nested.depth": 2,
+    }
 
 
 def test_written_hparams_read_back_by_the_plugin(tmp_path):

@@ -21,8 +21,7 @@ RUNS = ("fp32", "qgz_int4", "qgz_int4_loco")
 
 
 def _flat(cfg) -> dict:
-    return {f"{section}.{key}": value for section, fields in cfg.to_dict().items()
-            for key, value in fields.items()}
+    return {f"{section}.{key}": value for section, fields in cfg.to_dict().items() for key, value in fields.items()}
 
 
 def test_the_three_runs_differ_only_in_gradient_reduction(tiny_tokenizer_model):
@@ -37,8 +36,13 @@ def test_the_three_runs_differ_only_in_gradient_reduction(tiny_tokenizer_model):
     for run in RUNS[1:]:
         other = _flat(cfgs[run])
         differing = {k for k in base if base[k] != other[k]}
-        assert differing <= {"logging.tensorboard_dir", "zero.zero_quantized_gradients", "zero.loco",
-                             "zero.qgz_block_size", "zero.loco_reset_t"}
+        assert differing <= {
+            "logging.tensorboard_dir",
+            "zero.zero_quantized_gradients",
+            "zero.loco",
+            "zero.qgz_block_size",
+            "zero.loco_reset_t",
+        }
         assert cfgs[run].zero.qgz_block_size == 2048  # coarse enough that int4 visibly hurts
     assert not cfgs["fp32"].zero.zero_quantized_gradients
     assert cfgs["qgz_int4"].zero.zero_quantized_gradients and not cfgs["qgz_int4"].zero.loco
@@ -120,6 +124,7 @@ def test_train_window_estimate_beside_the_last_interval(tmp_path, capsys):
 
 
 def test_script_refuses_unknown_arguments():
-    done = subprocess.run(["bash", str(REPO / "tools" / "run_loco_experiment.sh"), "--full"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(REPO / "tools" / "run_loco_experiment.sh"), "--full"], capture_output=True, text=True
+    )
     assert done.returncode == 2 and "usage" in done.stderr

@@ -9,9 +9,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--vocab-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--steps", "1", "--warmup", "0",
-        "--peak-size", "128", "--peak-repeats", "1"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--vocab-size",
+    "128",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+    "--peak-size",
+    "128",
+    "--peak-repeats",
+    "1",
+]
 
 
 def _bench():

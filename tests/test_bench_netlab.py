@@ -48,8 +48,9 @@ def _tool():
 
 
 def test_arguments_split_at_double_dash_and_lists():
-    ns = _tool().parse_args(["--rates", "1gbit,loopback", "--only", "zero3,ds-zero3", "--steps", "4",
-                             "--", "--hidden-size", "64"])
+    ns = _tool().parse_args(
+        ["--rates", "1gbit,loopback", "--only", "zero3,ds-zero3", "--steps", "4", "--", "--hidden-size", "64"]
+    )
     assert ns.rates == ["1gbit", "loopback"]
     assert ns.only == ["zero3", "ds-zero3"]
     assert ns.steps == 4 and ns.extra == ["--hidden-size", "64"]
@@ -65,9 +66,15 @@ def test_configuration_list():
     assert len(names) == len(set(names)) == 6 + 14 + 3 + 4 + 1
     assert [n for n in names if n.startswith("paro-")] == [f"paro-{s}" for s in VALID_NAMES]
     by_name = {c.name: c for c in configs}
-    assert by_name["zeropp+loco"].flags == ("--zero-stage", "3", "--zero-quantized-weights",
-                                            "--zero-hpz-partition-size", "2",
-                                            "--zero-quantized-gradients", "--loco")
+    assert by_name["zeropp+loco"].flags == (
+        "--zero-stage",
+        "3",
+        "--zero-quantized-weights",
+        "--zero-hpz-partition-size",
+        "2",
+        "--zero-quantized-gradients",
+        "--loco",
+    )
     assert by_name["zero3"].script == "pretrain_gpt.py" and by_name["zero3"].runner == MEGAZPP
     hpz = by_name["ds-zero3+hpz"]
     assert hpz.runner == DEEPSPEED and hpz.script == "megazpp/bench/deepspeed_peer.py"
@@ -90,7 +97,7 @@ def test_two_level_rows_and_their_commands():
     assert stream.script == "pretrain_gpt.py" and stream.script_args() == list(stream.flags)
     layout = launch.Layout(nodes=2, ranks_per_node=2)
     cmd = launch.node_command("1gbit", 1, layout, 29800, "py", "/d", stream.script, stream.script_args(), {})
-    assert cmd[cmd.index("pretrain_gpt.py") + 1:] == list(stream.flags)
+    assert cmd[cmd.index("pretrain_gpt.py") + 1 :] == list(stream.flags)
     check_steps(list(by_name.values()), 40, 20)
     assert steps_fit(stream, 40, 0) and not steps_fit(stream, 10, 1) and steps_fit(by_name["zero3"], 10, 1)
     with pytest.raises(ConfigError, match="diloco-h20-bf16 syncs every 20 inner steps"):
@@ -107,13 +114,42 @@ def test_torchft_row_and_its_replica_group_commands(monkeypatch):
     assert ft.runner == TORCHFT and ft.script == "megazpp/bench/torchft_peer.py" and ft.sync_every == 20
     assert ft.script_args() == ["--outer-algorithm", "diloco", "--outer-sync-every", "20"]
     layout = launch.Layout(nodes=2, ranks_per_node=2)
-    loop = [launch.replica_group_command(launch.LOOPBACK, n, layout, 29800, "py", "/d", ft.script, ["--a"], {"X": "1"})
-            for n in range(2)]
-    assert loop[1] == ["env", "MEGAZPP_PROBE_RANK_BASE=2", "X=1", "py", "-m", "torch.distributed.run", "--nnodes", "1",
-                       "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29803",
-                       "-m", "megazpp.bench.rank_probe", "--out", "/d", ft.script, "--replica-group", "1",
-                       "--replica-groups", "2", "--lighthouse", "127.0.0.1:29800", "--loss-store", "127.0.0.1:29801",
-                       "--advertise", "127.0.0.1", "--a"]
+    loop = [
+        launch.replica_group_command(launch.LOOPBACK, n, layout, 29800, "py", "/d", ft.script, ["--a"], {"X": "1"})
+        for n in range(2)
+    ]
+    assert loop[1] == [
+        "env",
+        "MEGAZPP_PROBE_RANK_BASE=2",
+        "X=1",
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29803",
+        "-m",
+        "megazpp.bench.rank_probe",
+        "--out",
+        "/d",
+        ft.script,
+        "--replica-group",
+        "1",
+        "--replica-groups",
+        "2",
+        "--lighthouse",
+        "127.0.0.1:29800",
+        "--loss-store",
+        "127.0.0.1:29801",
+        "--advertise",
+        "127.0.0.1",
+        "--a",
+    ]
     assert "MEGAZPP_PROBE_RANK_BASE=0" in loop[0] and "127.0.0.1:29802" in loop[0]
     assert launch.replica_group_ports(2) == 4  # 29800..29803: the next row starts at 29804
     monkeypatch.chdir(REPO)
@@ -126,8 +162,18 @@ def test_torchft_row_and_its_replica_group_commands(monkeypatch):
 def test_torchft_peer_arguments_and_refusals():
     """The peer's own flags, then the outer options it runs; what torchft cannot run the same
     way is refused in one line, before torchft is imported (these need no torchft)."""
-    peer = ["--replica-group", "1", "--replica-groups", "2", "--lighthouse", "h:1", "--loss-store", "h:2",
-            "--advertise", "h"]
+    peer = [
+        "--replica-group",
+        "1",
+        "--replica-groups",
+        "2",
+        "--lighthouse",
+        "h:1",
+        "--loss-store",
+        "h:2",
+        "--advertise",
+        "h",
+    ]
     ns, rest = torchft_args([*peer, "--config", NETLAB_YAML, "--outer-algorithm", "diloco"])
     assert (ns.replica_group, ns.replica_groups, ns.lighthouse, ns.advertise) == (1, 2, "h:1", "h")
     assert rest == ["--config", NETLAB_YAML, "--outer-algorithm", "diloco"]
@@ -188,17 +234,36 @@ def test_node_commands(monkeypatch):
     layout = launch.Layout(nodes=2, ranks_per_node=2)
     loop = launch.node_command(launch.LOOPBACK, 1, layout, 29800, "py", "/d", "s.py", ["--a"], {"X": "1"})
     assert loop[:2] == ["env", "X=1"]
-    assert loop[2:] == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
-                        "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                        "127.0.0.1:29800", "-m", "megazpp.bench.rank_probe", "--out", "/d", "s.py", "--a"]
+    assert loop[2:] == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29800",
+        "-m",
+        "megazpp.bench.rank_probe",
+        "--out",
+        "/d",
+        "s.py",
+        "--a",
+    ]
     monkeypatch.chdir(REPO)
     lab = launch.node_command("1gbit", 0, layout, 29800, "py", "/d", "s.py", [], {})
     assert lab[:4] == ["bash", "tools/netlab.sh", "run", "0"]
     assert "10.78.0.1:29800" in lab  # the benchmark's own netlab subnet, not the tests' one
 
 
-def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4, calls=None,
-              probe_inter=0) -> None:
+def _fake_run(
+    run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, world=4, calls=None, probe_inter=0
+) -> None:
     """`probe_inter`: inter-node bytes each rank's planner probe moved at start-up (not a step's)."""
     writer = SummaryWriter(str(run_dir / "tb"))
     for step, (tps, loss) in enumerate(zip(tokens_per_sec, losses), start=1):
@@ -215,11 +280,18 @@ def _fake_run(run_dir: Path, *, tokens_per_sec, losses, inter_per_rank, rss, wor
 
 
 def test_row_from_a_run_directory(tmp_path):
-    _fake_run(tmp_path, tokens_per_sec=[100.0, 400.0, 200.0, 250.0], losses=[5.0, 4.0, 3.5, 3.25],
-              inter_per_rank=[400, 400, 800, 800], rss=[10, 30, 20, 5],
-              calls=[[50, 60, 70, 80], [50, 61, 72, 83], [50, 60, 70, 80], [50, 60, 70, 80]], probe_inter=1000)
-    row = results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000,
-                              world_size=4, wire_bytes=3000, wall_s=12.0)
+    _fake_run(
+        tmp_path,
+        tokens_per_sec=[100.0, 400.0, 200.0, 250.0],
+        losses=[5.0, 4.0, 3.5, 3.25],
+        inter_per_rank=[400, 400, 800, 800],
+        rss=[10, 30, 20, 5],
+        calls=[[50, 60, 70, 80], [50, 61, 72, 83], [50, 60, 70, 80], [50, 60, 70, 80]],
+        probe_inter=1000,
+    )
+    row = results.collect_row(
+        "zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000, world_size=4, wire_bytes=3000, wall_s=12.0
+    )
     # steps 2..4 take 2.5, 5 and 4 s: median 4 s (step 1 is left out)
     assert row.step_time_s == pytest.approx(4.0)
     assert row.tokens_per_s == pytest.approx(250.0)
@@ -231,11 +303,21 @@ def test_row_from_a_run_directory(tmp_path):
     assert results.calls_per_step([]) is None and results.calls_per_step([7]) == 7
     assert row.final_loss == pytest.approx(3.25) and row.status == "ok"
     # two warm-up steps left out: steps 3..4 take 5 and 4 s, median 4.5 s; all but the last: 4 s
-    assert results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=4, tokens_per_step=1000, world_size=4,
-                               wire_bytes=3000, wall_s=12.0, warmup=2).step_time_s == pytest.approx(4.5)
+    assert results.collect_row(
+        "zero3",
+        MEGAZPP,
+        str(tmp_path),
+        steps=4,
+        tokens_per_step=1000,
+        world_size=4,
+        wire_bytes=3000,
+        wall_s=12.0,
+        warmup=2,
+    ).step_time_s == pytest.approx(4.5)
     assert results.step_time([100.0, 400.0, 200.0, 250.0], 1000, warmup=4) == pytest.approx(4.0)
-    peer = results.collect_row("ds-zero3", DEEPSPEED, str(tmp_path), steps=4, tokens_per_step=1000,
-                               world_size=4, wire_bytes=None, wall_s=1.0)
+    peer = results.collect_row(
+        "ds-zero3", DEEPSPEED, str(tmp_path), steps=4, tokens_per_step=1000, world_size=4, wire_bytes=None, wall_s=1.0
+    )
     assert peer.counted_inter_bytes_per_step is None and peer.wire_inter_bytes_per_step is None
 
 
@@ -243,19 +325,41 @@ def test_missing_rank_files_are_refused(tmp_path):
     _fake_run(tmp_path, tokens_per_sec=[1.0], losses=[1.0], inter_per_rank=[0] * 4, rss=[1] * 4)
     (tmp_path / "rss_rank3.json").unlink()
     with pytest.raises(DataError, match="3 rss_rank"):
-        results.collect_row("zero3", MEGAZPP, str(tmp_path), steps=1, tokens_per_step=10,
-                            world_size=4, wire_bytes=None, wall_s=1.0)
+        results.collect_row(
+            "zero3", MEGAZPP, str(tmp_path), steps=1, tokens_per_step=10, world_size=4, wire_bytes=None, wall_s=1.0
+        )
 
 
 def test_table_and_files(tmp_path):
-    rows = [results.Row("zero3", MEGAZPP, "ok", 10, step_time_s=2.0, tokens_per_s=500.0,
-                        counted_inter_bytes_per_step=2e6, wire_inter_bytes_per_step=3e6,
-                        peak_rss_bytes=2**30, rss_per_rank=[2**30, 2**29], calls_per_step=161.0,
-                        final_loss=6.5),
-            results.Row("zeropp", MEGAZPP, "ok", 10, step_time_s=0.5, tokens_per_s=2000.0,
-                        counted_inter_bytes_per_step=5e5, wire_inter_bytes_per_step=5e5,
-                        peak_rss_bytes=2**29, final_loss=6.51),
-            results.Row("ds-zero3+qwz", DEEPSPEED, "failed: ValueError: no | CPU", 10)]
+    rows = [
+        results.Row(
+            "zero3",
+            MEGAZPP,
+            "ok",
+            10,
+            step_time_s=2.0,
+            tokens_per_s=500.0,
+            counted_inter_bytes_per_step=2e6,
+            wire_inter_bytes_per_step=3e6,
+            peak_rss_bytes=2**30,
+            rss_per_rank=[2**30, 2**29],
+            calls_per_step=161.0,
+            final_loss=6.5,
+        ),
+        results.Row(
+            "zeropp",
+            MEGAZPP,
+            "ok",
+            10,
+            step_time_s=0.5,
+            tokens_per_s=2000.0,
+            counted_inter_bytes_per_step=5e5,
+            wire_inter_bytes_per_step=5e5,
+            peak_rss_bytes=2**29,
+            final_loss=6.51,
+        ),
+        results.Row("ds-zero3+qwz", DEEPSPEED, "failed: ValueError: no | CPU", 10),
+    ]
     text = results.render_markdown("1gbit", rows, "python tools/bench_netlab.py")
     lines = text.splitlines()
     assert lines[0] == "## 1gbit"
@@ -275,8 +379,7 @@ def test_missing_data_is_a_clear_error(tmp_path):
 
 
 def test_deepspeed_peer_config():
-    zero, rest = peer_args(["--ds-zero", '{"zero_hpz_partition_size": 2}', "--config",
-                            NETLAB_YAML])
+    zero, rest = peer_args(["--ds-zero", '{"zero_hpz_partition_size": 2}', "--config", NETLAB_YAML])
     assert zero == {"zero_hpz_partition_size": 2}
     cfg = load_config(rest)
     ds = deepspeed_config(cfg, 4, zero)
@@ -306,17 +409,31 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
         "dist.barrier(); dist.all_reduce(t); dist.broadcast(t, 0); opt.step()\n"
         "dist.all_reduce(t); dist.all_gather_object([None], 1); opt.step()\n"
         "from megazpp.parallel import comm\n"  # megazpp's layer: torch's newest names, counted too
-        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"        "class Outer(torch.optim.SGD):\n"  # a step inside another step (DeepSpeed's) is one step
+        "comm.all_gather_into_tensor(torch.empty(2), t); comm.reduce_scatter_tensor(torch.empty(2), t); opt.step()\n"
+        "class Outer(torch.optim.SGD):\n"  # a step inside another step (DeepSpeed's) is one step
         "    def step(self, closure=None):\n"
         "        return opt.step()\n"
         "outer = Outer([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
         "dist.all_reduce(t); outer.step()\n"
         "dist.destroy_process_group()\n"
-        "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n")
+        "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\nsys.exit(3)\n"
+    )
     out = tmp_path / "probe"
-    done = subprocess.run([sys.executable, "-m", "megazpp.bench.rank_probe", "--out", str(out),
-                           str(script), str(tmp_path / "args.txt"), "a", "--b"],
-                          env={**os.environ, "RANK": "2"}, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megazpp.bench.rank_probe",
+            "--out",
+            str(out),
+            str(script),
+            str(tmp_path / "args.txt"),
+            "a",
+            "--b",
+        ],
+        env={**os.environ, "RANK": "2"},
+        cwd=REPO,
+    )
     assert done.returncode == 3
     assert (tmp_path / "args.txt").read_text() == "a --b"
     probe = json.loads((out / "rss_rank2.json").read_text())
@@ -328,8 +445,10 @@ def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):
     logs = [str(tmp_path / "n0.log"), str(tmp_path / "n1.log")]
     ok = launch.run_nodes([["true"], ["sh", "-c", "echo fine"]], logs, timeout_s=30)
     assert ok is None and Path(logs[1]).read_text() == "fine\n"
-    failing = [["sh", "-c", "echo '[rank1]: ValueError: boom'; echo ChildFailedError: wrapper; exit 3"],
-               ["sleep", "60"]]
+    failing = [
+        ["sh", "-c", "echo '[rank1]: ValueError: boom'; echo ChildFailedError: wrapper; exit 3"],
+        ["sleep", "60"],
+    ]
     start = time.monotonic()
     failure = launch.run_nodes(failing, logs, timeout_s=30)
     assert failure == "node 0 exited with status 3: [rank1]: ValueError: boom"
@@ -343,9 +462,12 @@ def test_figure_of_every_setting(tmp_path):
     with pytest.raises(DataError, match="no <setting>.json"):
         plot_settings(tmp_path, tmp_path / "netlab.png")
     for setting, speed in (("loopback", 900.0), ("1gbit", 300.0)):
-        rows = [results.Row("zero3", MEGAZPP, "ok", 5, step_time_s=1.0, tokens_per_s=speed,
-                            counted_inter_bytes_per_step=2e8),
-                results.Row("ds-zero3+qwz", DEEPSPEED, "failed: CPU", 5)]
+        rows = [
+            results.Row(
+                "zero3", MEGAZPP, "ok", 5, step_time_s=1.0, tokens_per_s=speed, counted_inter_bytes_per_step=2e8
+            ),
+            results.Row("ds-zero3+qwz", DEEPSPEED, "failed: CPU", 5),
+        ]
         results.write_setting(str(tmp_path), setting, rows, "cmd")
     png = plot_settings(tmp_path, tmp_path / "netlab.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -21,16 +21,24 @@ MEASURED = {"diloco-h20-bf16": 0.25, "diloco-h20-bf16-stream": 0.5}
 
 
 def _results(tmp_path: Path, data_dir: Path, rows: list[dict]) -> Path:
-    command = (f"python tools/bench_netlab.py --rates loopback --steps 40 --warmup 20 --data-dir {data_dir} "
-               f"-- {' '.join(TINY)}")
+    command = (
+        f"python tools/bench_netlab.py --rates loopback --steps 40 --warmup 20 --data-dir {data_dir} "
+        f"-- {' '.join(TINY)}"
+    )
     path = tmp_path / "loopback.json"
     path.write_text(json.dumps({"command": command, "rows": rows, "setting": "loopback"}))
     return path
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/bench_netlab_check.py", *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "tools/bench_netlab_check.py", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_check_refuses_results_without_two_level_rows(tmp_path):
@@ -48,15 +56,18 @@ def test_check_prints_each_two_level_row_against_the_results(tmp_path, tiny_inde
     (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
     for ext in ("bin", "idx"):
         (data / f"corpus_text_document.{ext}").symlink_to(f"{tiny_indexed_prefix}.{ext}")
-    rows = [{"config": "zero3", "runner": "megazpp", "status": "ok", "step_time_s": 1.0},
-            {"config": "torchft-diloco-h20", "runner": "torchft", "status": "ok", "step_time_s": 1.0},
-            {"config": "diloco-h20-bf16", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16"]},
-            {"config": "diloco-h20-int4", "status": "failed: timeout", "step_time_s": None},
-            {"config": "diloco-h20-bf16-stream", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16-stream"]}]
+    rows = [
+        {"config": "zero3", "runner": "megazpp", "status": "ok", "step_time_s": 1.0},
+        {"config": "torchft-diloco-h20", "runner": "torchft", "status": "ok", "step_time_s": 1.0},
+        {"config": "diloco-h20-bf16", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16"]},
+        {"config": "diloco-h20-int4", "status": "failed: timeout", "step_time_s": None},
+        {"config": "diloco-h20-bf16-stream", "status": "ok", "step_time_s": MEASURED["diloco-h20-bf16-stream"]},
+    ]
     proc = _run("--local", str(_results(tmp_path, data, rows)), "--rounds", "1", "--breakdown")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"^Llama 4 layers, hidden 32, .*loopback\.json \(setting loopback\).*2 nodes x 2 ranks",
-                     proc.stdout, re.M)
+    assert re.search(
+        r"^Llama 4 layers, hidden 32, .*loopback\.json \(setting loopback\).*2 nodes x 2 ranks", proc.stdout, re.M
+    )
     table = re.findall(r"^\| (diloco-[\w-]+) \| ([0-9.]+) \| ([0-9.]+) \| ([-+][0-9.]+) % \|$", proc.stdout, re.M)
     assert [r[0] for r in table] == list(MEASURED)
     errors = []

@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "run_outer_experiment.sh"
 
 
-def _write(directory: Path, train: list[float], val: float, inter: float, done: bool = True,
-           config: str | None = None) -> None:
+def _write(
+    directory: Path, train: list[float], val: float, inter: float, done: bool = True, config: str | None = None
+) -> None:
     writer = SummaryWriter(str(directory))
     if config is not None:  # as the trainer logs it (megazpp.training.logger.write_config)
         writer.add_text("config", "```yaml\n" + config + "```", 0)
@@ -34,8 +35,10 @@ def _write(directory: Path, train: list[float], val: float, inter: float, done: 
 
 def test_table_gaps_and_verdicts_from_runs(tmp_path, capsys):
     sync = "zero:\n  stage: 2\nouter:\n  algorithm: none\n"
-    h10 = ("zero:\n  stage: 2\nouter:\n  algorithm: diloco\n  sync_every: 10\n  lr: 1.0\n  momentum: 0.0\n"
-           "  quantize: int4\n  error_feedback: false\n")
+    h10 = (
+        "zero:\n  stage: 2\nouter:\n  algorithm: diloco\n  sync_every: 10\n  lr: 1.0\n  momentum: 0.0\n"
+        "  quantize: int4\n  error_feedback: false\n"
+    )
     for seed, base in ((1, 4.0), (2, 4.2)):
         _write(tmp_path / f"seed{seed}" / "sync", [6.0, 5.0, 4.5], base, 4e6, config=sync)
         _write(tmp_path / f"seed{seed}" / "h10", [6.0, 5.0, 4.6], base + 0.04, 2e5, config=h10)
@@ -43,8 +46,10 @@ def test_table_gaps_and_verdicts_from_runs(tmp_path, capsys):
     _write(tmp_path / "seed3" / "h25", [6.0, 5.0, 4.7], 9.0, 8e4)  # no sync of seed 3: no pair
     _write(tmp_path / "seed1" / "h50", [6.0], 9.0, 1e3, done=False)  # unfinished: left out
     out = tmp_path / "sweep.md"
-    assert sweep_main([str(tmp_path), "--train-window", "20", "--out", str(out), "--plot",
-                       str(tmp_path / "sweep.png")]) == 0
+    assert (
+        sweep_main([str(tmp_path), "--train-window", "20", "--out", str(out), "--plot", str(tmp_path / "sweep.png")])
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
     sync = rows["| synchronous ZeRO-2"]  # described by the logged config
@@ -54,8 +59,10 @@ def test_table_gaps_and_verdicts_from_runs(tmp_path, capsys):
     assert "| 1,2,3 |" in rows["| h25"] and "| +0.1000 |" in rows["| h25"]  # no config logged: its name
     assert not any("h50" in line for line in lines)
     verdicts = [line for line in lines if "mean val gap" in line]
-    assert verdicts[0] == ("H = 10, int4, no error feedback, outer lr 1 momentum 0: mean val gap +0.0400 over "
-                           "seeds 1,2 (meets the <= 0.05 target; fewer than 3 seeds)")
+    assert verdicts[0] == (
+        "H = 10, int4, no error feedback, outer lr 1 momentum 0: mean val gap +0.0400 over "
+        "seeds 1,2 (meets the <= 0.05 target; fewer than 3 seeds)"
+    )
     assert verdicts[1].startswith("h25: mean val gap +0.1000 over seeds 1,2 (misses")
     assert out.read_text().startswith("# Two-level quality sweep")
     assert (tmp_path / "sweep.png").stat().st_size and (tmp_path / "sweep_curves.png").stat().st_size
@@ -71,8 +78,19 @@ def test_the_scripts_runs_resolve_to_what_they_name(tiny_tokenizer_model):
     base = re.search(r"^BASE=(\S+)", text, re.M).group(1)
     two_level = re.search(r'^TWO_LEVEL="([^"]+)"', text, re.M).group(1).split()
     runs = dict(re.findall(r'^  \[(\w+)\]="([^"]*)"', text, re.M))
-    assert set(runs) == {"sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "h1_diloco",
-                         "h10_diloco", "h25_diloco"}
+    assert set(runs) == {
+        "sync",
+        "h1",
+        "h5",
+        "h10",
+        "h25",
+        "h50",
+        "h25_int4",
+        "h25_int4_noef",
+        "h1_diloco",
+        "h10_diloco",
+        "h25_diloco",
+    }
     for name, flags in runs.items():
         argv = ["--config", str(REPO / base), "--tokenizer-model", str(tiny_tokenizer_model)]
         argv += [] if name == "sync" else two_level + flags.split()

@@ -17,8 +17,11 @@ from test_bench_netlab import _tool
 from megazpp.analysis.event_reader import read_run
 
 if importlib.util.find_spec("torchft") is None:
-    pytest.skip("torchft is not installed in this python (the optional extra: pip install -e '.[torchft]'); "
-                "the torchft peer cannot run", allow_module_level=True)
+    pytest.skip(
+        "torchft is not installed in this python (the optional extra: pip install -e '.[torchft]'); "
+        "the torchft peer cannot run",
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +39,46 @@ def test_torchft_diloco_matches_megazpp_diloco(tmp_path, run_sh_data_dir, monkey
     a wrong sample, schedule, outer lr or momentum moves the losses by 1e-3 or more."""
     out = tmp_path / "bench"
     monkeypatch.chdir(_tool().REPO)  # main() moves into the checkout; restored after the test
-    assert _tool().main(["--rates", "loopback", "--only", "diloco-h20-bf16,torchft-diloco-h20", "--steps", "20",
-                         "--warmup", "0", "--data-dir", str(run_sh_data_dir), "--out", str(out), "--timeout", "600",
-                         "--port", "29950", "--", *TINY, "--outer-sync-every", "5", "--outer-quantize", "none"]) == 0
+    assert (
+        _tool().main(
+            [
+                "--rates",
+                "loopback",
+                "--only",
+                "diloco-h20-bf16,torchft-diloco-h20",
+                "--steps",
+                "20",
+                "--warmup",
+                "0",
+                "--data-dir",
+                str(run_sh_data_dir),
+                "--out",
+                str(out),
+                "--timeout",
+                "600",
+                "--port",
+                "29950",
+                "--",
+                *TINY,
+                "--outer-sync-every",
+                "5",
+                "--outer-quantize",
+                "none",
+            ]
+        )
+        == 0
+    )
     rows = {r["config"]: r for r in json.loads((out / "loopback.json").read_text())["rows"]}
     assert [r["status"] for r in rows.values()] == ["ok", "ok"], rows
     peer = rows["torchft-diloco-h20"]
     assert peer["runner"] == "torchft" and len(peer["rss_per_rank"]) == 4  # every rank's probe, none overwritten
-    last = [line for line in (out / "loopback" / "torchft-diloco-h20" / "node0.log").read_text().splitlines()
-            if line.startswith("iter     20/20")]
+    last = [
+        line
+        for line in (out / "loopback" / "torchft-diloco-h20" / "node0.log").read_text().splitlines()
+        if line.startswith("iter     20/20")
+    ]
     assert len(last) == 1 and last[0].endswith("| outer steps 4")  # torchft committed every outer step
-    losses = {name: read_run(str(out / "loopback" / name / "tb"), name).scalars["train/loss"].values
-              for name in rows}
+    losses = {name: read_run(str(out / "loopback" / name / "tb"), name).scalars["train/loss"].values for name in rows}
     ours, theirs = losses["diloco-h20-bf16"], losses["torchft-diloco-h20"]
     assert len(ours) == len(theirs) == 20
     assert abs(ours - theirs).max() < 1e-4, (ours, theirs)

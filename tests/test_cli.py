@@ -39,8 +39,17 @@ def test_logging_shows_info_on_rank_0_only_on_the_chosen_stream(capsys, megazpp_
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    add_shape_flags(parser, {"arch": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                             "seq_length": None, "micro_batch_size": 1})
+    add_shape_flags(
+        parser,
+        {
+            "arch": "gpt2",
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "seq_length": None,
+            "micro_batch_size": 1,
+        },
+    )
     add_out_flag(parser)
     return parser
 
@@ -52,9 +61,16 @@ def test_shape_flags_take_the_training_names_and_build_the_model_config():
     assert (args.micro_batch_size, args.out) == (1, "x")
 
 
-@pytest.mark.parametrize("old,new", [("--hidden", "--hidden-size"), ("--layers", "--num-layers"),
-                                     ("--seq", "--seq-length"), ("--micro-batch", "--micro-batch-size"),
-                                     ("--output", "--out")])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("--hidden", "--hidden-size"),
+        ("--layers", "--num-layers"),
+        ("--seq", "--seq-length"),
+        ("--micro-batch", "--micro-batch-size"),
+        ("--output", "--out"),
+    ],
+)
 def test_old_spellings_are_refused_naming_the_new_one(old, new):
     with pytest.raises(ConfigError, match=f"^{old} is spelled {new} now"):
         _parser().parse_args([old, "8"])
@@ -63,9 +79,26 @@ def test_old_spellings_are_refused_naming_the_new_one(old, new):
 def test_a_tool_refuses_an_old_spelling_in_one_line_from_the_checkout(tmp_path):
     """Run as a user would, with only the checkout on PYTHONPATH (no install needed)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "--nodes", "1", "--gpus-per-node", "1",
-                           "--inter-gbit", "1", "--layers", "2"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "plan.py"),
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--inter-gbit",
+            "1",
+            "--layers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("plan.py: error: --layers is spelled --num-layers now "
-                                   "(the name pretrain_gpt.py and every tool use)")
+    assert proc.stderr.strip() == (
+        "plan.py: error: --layers is spelled --num-layers now (the name pretrain_gpt.py and every tool use)"
+    )

@@ -32,9 +32,29 @@ def write_json(tmp_path, obj) -> str:
 
 
 def test_yaml_then_flags_precedence_and_types(base_yaml):
-    cfg = validate_config(load_config(["--config", base_yaml, "--lr", "1e-3", "--hidden-size", "128",
-                                       "--bf16", "--data-path", "0.3", "A", "0.7", "B", "--activation-checkpointing", "--no-activation-checkpointing",
-                                       "--split", "90,10,0"]), 1)
+    cfg = validate_config(
+        load_config(
+            [
+                "--config",
+                base_yaml,
+                "--lr",
+                "1e-3",
+                "--hidden-size",
+                "128",
+                "--bf16",
+                "--data-path",
+                "0.3",
+                "A",
+                "0.7",
+                "B",
+                "--activation-checkpointing",
+                "--no-activation-checkpointing",
+                "--split",
+                "90,10,0",
+            ]
+        ),
+        1,
+    )
     assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.min_lr == 3e-5  # "3e-4" string parsed
     assert cfg.model.hidden_size == 128 and cfg.model.num_query_groups == 2
     assert cfg.precision.bf16 is True and cfg.precision.fp16 is False
@@ -46,8 +66,11 @@ def test_yaml_then_flags_precedence_and_types(base_yaml):
 def test_unknown_yaml_key_suggests_and_names_file(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("model: {hiden_size: 64}\n")
-    with pytest.raises(ConfigError, match=r"typo\.yaml: unknown key model\.hiden_size "
-                                          r"\(did you mean 'hidden_size'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"typo\.yaml: unknown key model\.hiden_size "
+        r"\(did you mean 'hidden_size'\?\)",
+    ):
         load_config(["--config", str(path)])
     path.write_text("model: {lr: 0.1}\n")
     with pytest.raises(ConfigError, match="belongs in section 'optimizer'"):
@@ -68,12 +91,17 @@ def test_unknown_flag_suggests():
 
 
 def test_inconsistent_values_rejected(base_yaml):
-    with pytest.raises(ConfigError, match=r"global_batch_size = 10 is not divisible by "
-                                          r"micro_batch_size 4 x data-parallel size 2 = 8"):
-        validate_config(load_config(["--config", base_yaml, "--micro-batch-size", "4",
-                                     "--global-batch-size", "10"]), 2)
-    with pytest.raises(ConfigError, match=r"hidden_size = 66 is not divisible by "
-                                          r"model\.num_attention_heads = 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size = 10 is not divisible by "
+        r"micro_batch_size 4 x data-parallel size 2 = 8",
+    ):
+        validate_config(load_config(["--config", base_yaml, "--micro-batch-size", "4", "--global-batch-size", "10"]), 2)
+    with pytest.raises(
+        ConfigError,
+        match=r"hidden_size = 66 is not divisible by "
+        r"model\.num_attention_heads = 4",
+    ):
         validate_config(load_config(["--config", base_yaml, "--hidden-size", "66"]))
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
         validate_config(load_config(["--config", base_yaml, "--tensor-model-parallel-size", "2"]), 3)
@@ -90,36 +118,77 @@ def test_inconsistent_values_rejected(base_yaml):
 
 
 def test_deepspeed_config_mapping(tmp_path, base_yaml):
-    ds = write_json(tmp_path, {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-        "gradient_clipping": 0.5, "steps_per_print": 5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-6,
-                                                  "weight_decay": 0.05}},
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
-                 "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 2},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
-                              "overlap_comm": True, "allgather_partitions": True,
-                              "stage3_module_granularity_threshold": 1000, "stage3_max_live_parameters": 3e8,
-                              "stage3_max_reuse_distance": 2e8, "stage3_prefetch_bucket_size": 1e7},
-    })
+    ds = write_json(
+        tmp_path,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 0.5,
+            "steps_per_print": 5,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05},
+            },
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0,
+                "initial_scale_power": 12,
+                "loss_scale_window": 500,
+                "hysteresis": 2,
+                "min_loss_scale": 2,
+            },
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 2e8,
+                "contiguous_gradients": True,
+                "overlap_comm": True,
+                "allgather_partitions": True,
+                "stage3_module_granularity_threshold": 1000,
+                "stage3_max_live_parameters": 3e8,
+                "stage3_max_reuse_distance": 2e8,
+                "stage3_prefetch_bucket_size": 1e7,
+            },
+        },
+    )
     cfg = validate_config(load_config(["--config", base_yaml, "--deepspeed_config", ds]), 1)
     o, p, t = cfg.optimizer, cfg.precision, cfg.training
-    assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == \
-        (1e-3, 0.8, 0.9, 1e-6, 0.05, 0.5)
-    assert (p.fp16, p.initial_loss_scale, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == \
-        (True, 4096.0, 500, 2, 2.0)
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == (
+        1e-3,
+        0.8,
+        0.9,
+        1e-6,
+        0.05,
+        0.5,
+    )
+    assert (p.fp16, p.initial_loss_scale, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == (
+        True,
+        4096.0,
+        500,
+        2,
+        2.0,
+    )
     assert (t.micro_batch_size, t.global_batch_size, cfg.logging.log_interval) == (2, 8, 5)
     z = cfg.zero
-    assert (z.stage, z.reduce_bucket_size, z.module_granularity_threshold, z.stage3_max_live_parameters,
-            z.stage3_max_reuse_distance, z.stage3_prefetch_bucket_size) == (2, 200_000_000, 1000, 3 * 10**8,
-                                                                            2 * 10**8, 10**7)
+    assert (
+        z.stage,
+        z.reduce_bucket_size,
+        z.module_granularity_threshold,
+        z.stage3_max_live_parameters,
+        z.stage3_max_reuse_distance,
+        z.stage3_prefetch_bucket_size,
+    ) == (2, 200_000_000, 1000, 3 * 10**8, 2 * 10**8, 10**7)
     # flags still win over the DeepSpeed file
     cfg = load_config(["--deepspeed_config", ds, "--lr", "2e-3"])
     assert cfg.optimizer.lr == 2e-3
     (tmp_path / "persist").mkdir()
-    persist = write_json(tmp_path / "persist", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 1e5}})
+    persist = write_json(
+        tmp_path / "persist",
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5},
+        },
+    )
     z = validate_config(load_config(["--config", base_yaml, "--deepspeed_config", persist]), world_size=1).zero
     assert (z.stage, z.stage3_param_persistence_threshold) == (3, 100_000)
 
@@ -127,10 +196,11 @@ def test_deepspeed_config_mapping(tmp_path, base_yaml):
 def test_bad_deepspeed_keys_rejected(tmp_path):
     cases = [
         ({"zero_optimizaton": {}}, r"unknown key 'zero_optimizaton' \(did you mean 'zero_optimization'\?\)"),
-        ({"zero_optimization": {"reduce_bucketsize": 1}},
-         r"zero_optimization: unknown key 'reduce_bucketsize' \(did you mean 'reduce_bucket_size'\?\)"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-         r"offload_optimizer = .*not implemented yet"),
+        (
+            {"zero_optimization": {"reduce_bucketsize": 1}},
+            r"zero_optimization: unknown key 'reduce_bucketsize' \(did you mean 'reduce_bucket_size'\?\)",
+        ),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, r"offload_optimizer = .*not implemented yet"),
         ({"scheduler": {"type": "WarmupLR"}}, r"scheduler = .*not implemented yet"),
         ({"fp16": {"enabled": True, "hysteris": 2}}, r"unknown key 'hysteris' \(did you mean 'hysteresis'\?\)"),
         ({"data_types": {"grad_accum_dtype": "fp8"}}, r"grad_accum_dtype = 'fp8'"),
@@ -147,8 +217,11 @@ def test_not_implemented_features_refused_from_flags(base_yaml):
     with pytest.raises(ConfigError, match=r"command line: zero\.contiguous_gradients = False: .*not implemented yet"):
         load_config(["--no-contiguous-gradients"])
     assert load_config(["--no-overlap-comm"]).zero.overlap_comm is False  # acts: no prefetch, reductions waited
-    with pytest.raises(ConfigError, match=r"sequence_parallel = true needs "
-                                          r"parallel\.tensor_model_parallel_size > 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sequence_parallel = true needs "
+        r"parallel\.tensor_model_parallel_size > 1",
+    ):
         validate_config(load_config(["--config", base_yaml, "--sequence-parallel"]), 1)
 
 
@@ -158,16 +231,32 @@ def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
     with pytest.raises(ConfigError, match=r"data\.data_path is empty"):
         pretrain_gpt.main(["--config", base_yaml])
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is started
-    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by "
-                                          r"tensor_model_parallel_size 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"world size 2 is not divisible by "
+        r"tensor_model_parallel_size 4",
+    ):
         pretrain_gpt.main(["--config", base_yaml, "--tensor-model-parallel-size", "4"])
 
 
 def test_zeropp_keys_reach_the_engine_settings(base_yaml):
     from megazpp.zero.zeropp import zeropp_of
 
-    z = validate_config(load_config(["--config", base_yaml, "--zero-quantized-gradients", "--qgz-block-size", "4096",
-                                     "--qwz-block-size", "512", "--cpu-quant-kernels", "compiled"])).zero
+    z = validate_config(
+        load_config(
+            [
+                "--config",
+                base_yaml,
+                "--zero-quantized-gradients",
+                "--qgz-block-size",
+                "4096",
+                "--qwz-block-size",
+                "512",
+                "--cpu-quant-kernels",
+                "compiled",
+            ]
+        )
+    ).zero
     settings = zeropp_of(z)
     assert (settings.qgz, settings.qgz_block, settings.qwz_block, settings.cpu_kernels) == (True, 4096, 512, "compiled")
     assert settings.grads.block == 4096 and settings.alignment() == 4096

@@ -13,8 +13,8 @@ def numbered_docs(first_token, num_docs=50, doc_len=20):
 
 
 def test_blend_of_0_7_and_0_3_draws_those_proportions(write_token_dataset):
-    a = write_token_dataset(numbered_docs(0), name="a")          # tokens 0..999
-    b = write_token_dataset(numbered_docs(1000), name="b")       # tokens 1000..1999
+    a = write_token_dataset(numbered_docs(0), name="a")  # tokens 0..999
+    b = write_token_dataset(numbered_docs(1000), name="b")  # tokens 1000..1999
     train, valid, test = build_gpt_datasets(["0.7", a, "0.3", b], "100,0,0", 32, (10_000, 5, 5), seed=7)
     assert valid is None and test is None and len(train) == 10_000
     from_a = 0
@@ -42,15 +42,18 @@ def test_blend_index_tracks_the_weights_at_every_prefix():
     assert dataset_index.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 1, 0]
 
 
-@pytest.mark.parametrize("data_path, message", [
-    (["0.7", "A", "0.3"], "every prefix needs exactly one weight"),
-    (["0.7", "A", "B"], "every prefix needs exactly one weight"),
-    (["A", "0.3"], "every prefix needs exactly one weight"),
-    (["0.5", "0.5"], "every prefix needs exactly one weight"),
-    (["-1", "A", "2", "B"], "weights must be positive"),
-    (["0", "A", "1", "B"], "weights must be positive"),
-    ([], "data path is empty"),
-])
+@pytest.mark.parametrize(
+    "data_path, message",
+    [
+        (["0.7", "A", "0.3"], "every prefix needs exactly one weight"),
+        (["0.7", "A", "B"], "every prefix needs exactly one weight"),
+        (["A", "0.3"], "every prefix needs exactly one weight"),
+        (["0.5", "0.5"], "every prefix needs exactly one weight"),
+        (["-1", "A", "2", "B"], "weights must be positive"),
+        (["0", "A", "1", "B"], "weights must be positive"),
+        ([], "data path is empty"),
+    ],
+)
 def test_weights_that_do_not_match_the_prefixes_fail(data_path, message):
     with pytest.raises(DataError, match=message):
         parse_data_path(data_path)

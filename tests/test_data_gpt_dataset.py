@@ -28,14 +28,14 @@ def test_one_epoch_covers_every_token_exactly_once(write_token_dataset, tmp_path
     stream = np.concatenate([docs[d] for d in ds.document_index]).astype(np.int64)
     assert sorted(ds.document_index.tolist()) == list(range(len(docs)))
     inputs = np.concatenate([s[:-1] for s in samples])
-    assert len(np.unique(inputs)) == len(inputs) == per_epoch * seq          # nothing twice
-    assert set(inputs.tolist()) == set(stream[:per_epoch * seq].tolist())    # all but the final partial sample
-    assert total - per_epoch * seq <= seq                                    # ...which is shorter than a sample
+    assert len(np.unique(inputs)) == len(inputs) == per_epoch * seq  # nothing twice
+    assert set(inputs.tolist()) == set(stream[: per_epoch * seq].tolist())  # all but the final partial sample
+    assert total - per_epoch * seq <= seq  # ...which is shorter than a sample
     doc_ends = np.cumsum([len(docs[d]) for d in ds.document_index])
     crossing = 0
     for i, s in enumerate(samples):
         k = int(ds.shuffle_index[i])
-        assert s.tolist() == stream[k * seq:(k + 1) * seq + 1].tolist()     # contiguous across boundaries
+        assert s.tolist() == stream[k * seq : (k + 1) * seq + 1].tolist()  # contiguous across boundaries
         crossing += bool(np.any((doc_ends > k * seq) & (doc_ends <= (k + 1) * seq)))
     assert crossing > per_epoch // 3  # documents average ~30 tokens: about half the windows cross one
     assert sorted(ds.shuffle_index.tolist()) == list(range(per_epoch))
@@ -53,7 +53,7 @@ def test_several_epochs_finish_one_before_the_next(write_token_dataset):
     epochs = len(ds.document_index) // 10
     assert epochs == 3 and len(ds.document_index) == 30
     for e in range(epochs):
-        assert sorted(ds.document_index[10 * e:10 * (e + 1)].tolist()) == list(range(10))
+        assert sorted(ds.document_index[10 * e : 10 * (e + 1)].tolist()) == list(range(10))
     first_epochs = (2 * total - 1) // seq  # samples wholly inside the first two epochs come first
     assert sorted(ds.shuffle_index[:first_epochs].tolist()) == list(range(first_epochs))
     counts = np.bincount(np.concatenate([ds[i][:-1] for i in range(first_epochs)]), minlength=total)

@@ -14,11 +14,16 @@ DOCS = [[5, 6, 7], [8], [9, 10, 11, 12, 13], []]
 def test_index_bytes_follow_the_megatron_layout(write_token_dataset, tmp_path):
     write_token_dataset(DOCS, dtype=np.uint16)
     lengths = [3, 1, 5, 0]
-    expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)  # uint16 is code 8
-                + struct.pack("<Q", 4) + struct.pack("<Q", 5)
-                + struct.pack("<4i", *lengths)
-                + struct.pack("<4q", 0, 6, 8, 18)  # byte offsets: cumulative lengths x 2 bytes
-                + struct.pack("<5q", 0, 1, 2, 3, 4))
+    expected = (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", 8)  # uint16 is code 8
+        + struct.pack("<Q", 4)
+        + struct.pack("<Q", 5)
+        + struct.pack("<4i", *lengths)
+        + struct.pack("<4q", 0, 6, 8, 18)  # byte offsets: cumulative lengths x 2 bytes
+        + struct.pack("<5q", 0, 1, 2, 3, 4)
+    )
     assert (tmp_path / "synthetic.idx").read_bytes() == expected
     assert (tmp_path / "synthetic.bin").read_bytes() == np.arange(5, 14, dtype="<u2").tobytes()
 
@@ -53,20 +58,23 @@ def _damage(path, transform):
     path.write_bytes(transform(path.read_bytes()))
 
 
-@pytest.mark.parametrize("which, transform, message", [
-    ("bin", lambda b: b[:-4], "truncated or mismatched pair"),
-    ("bin", lambda b: b + b"\x00" * 8, "truncated or mismatched pair"),
-    ("idx", lambda b: b[:-8], r"document-index entries needing \d+ bytes \(truncated\)"),
-    ("idx", lambda b: b[:5], "shorter than the 34-byte index header"),
-    ("idx", lambda b: b"XXIDIDX\x00\x00" + b[9:], "not a Megatron indexed-dataset index"),
-    ("idx", lambda b: b[:9] + struct.pack("<Q", 2) + b[17:], "index version 2"),
-    ("idx", lambda b: b[:17] + b"\x63" + b[18:], "unknown token dtype code 99"),
-    # second sequence's byte offset no longer follows the first sequence's length
-    ("idx", lambda b: b[:34 + 16 + 8] + struct.pack("<q", 4) + b[34 + 16 + 16:], "sequence 1 starts at byte 4"),
-    # document index that does not end at the sequence count
-    ("idx", lambda b: b[:-8] + struct.pack("<q", 3), "document index must rise from 0"),
-    ("idx", lambda b: b"", "shorter than the 34-byte index header"),
-])
+@pytest.mark.parametrize(
+    "which, transform, message",
+    [
+        ("bin", lambda b: b[:-4], "truncated or mismatched pair"),
+        ("bin", lambda b: b + b"\x00" * 8, "truncated or mismatched pair"),
+        ("idx", lambda b: b[:-8], r"document-index entries needing \d+ bytes \(truncated\)"),
+        ("idx", lambda b: b[:5], "shorter than the 34-byte index header"),
+        ("idx", lambda b: b"XXIDIDX\x00\x00" + b[9:], "not a Megatron indexed-dataset index"),
+        ("idx", lambda b: b[:9] + struct.pack("<Q", 2) + b[17:], "index version 2"),
+        ("idx", lambda b: b[:17] + b"\x63" + b[18:], "unknown token dtype code 99"),
+        # second sequence's byte offset no longer follows the first sequence's length
+        ("idx", lambda b: b[: 34 + 16 + 8] + struct.pack("<q", 4) + b[34 + 16 + 16 :], "sequence 1 starts at byte 4"),
+        # document index that does not end at the sequence count
+        ("idx", lambda b: b[:-8] + struct.pack("<q", 3), "document index must rise from 0"),
+        ("idx", lambda b: b"", "shorter than the 34-byte index header"),
+    ],
+)
 def test_damaged_pairs_fail_naming_the_file(write_token_dataset, tmp_path, which, transform, message):
     prefix = write_token_dataset(DOCS)
     path = tmp_path / f"synthetic.{which}"

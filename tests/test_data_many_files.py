@@ -43,23 +43,37 @@ def _read(prefix: str) -> list[list[int]]:
 def test_merged_shards_equal_one_pass_in_file_order(tiny_tokenizer_model, tmp_path):
     texts = write_tree(tmp_path / "in")
     tok = Tokenizer(tiny_tokenizer_model)
-    summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=2, append_eod=True,
-                         chunk_bytes=64, progress=False)
+    summary = preprocess(
+        tmp_path / "in",
+        tiny_tokenizer_model,
+        tmp_path / "out",
+        workers=2,
+        append_eod=True,
+        chunk_bytes=64,
+        progress=False,
+    )
     assert _read(summary.outputs["text"]) == [tok.encode(t) + [tok.eod_id] for docs in texts for t in docs]
     assert summary.documents["text"] == sum(map(len, texts)) and len(summary.files) == len(texts)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx",
-                                                          "out_text_document.tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in",
+        "out_text_document.bin",
+        "out_text_document.idx",
+        "out_text_document.tokenizer.json",
+    ]
 
 
 def test_per_shard_outputs_one_dataset_per_file(tiny_tokenizer_model, tmp_path):
     texts = write_tree(tmp_path / "in")
     tok = Tokenizer(tiny_tokenizer_model)
-    summary = preprocess(str(tmp_path / "in" / "**" / "*.jsonl"), tiny_tokenizer_model, tmp_path / "out",
-                         per_shard=True, progress=False)
+    summary = preprocess(
+        str(tmp_path / "in" / "**" / "*.jsonl"), tiny_tokenizer_model, tmp_path / "out", per_shard=True, progress=False
+    )
     prefixes = summary.shard_outputs["text"]
     assert not summary.outputs and len(prefixes) == len(texts)
-    assert prefixes[:2] == [str(tmp_path / "out_shards" / "a" / "empty_text_document"),
-                            str(tmp_path / "out_shards" / "a" / "part0" / "001_text_document")]
+    assert prefixes[:2] == [
+        str(tmp_path / "out_shards" / "a" / "empty_text_document"),
+        str(tmp_path / "out_shards" / "a" / "part0" / "001_text_document"),
+    ]
     assert [_read(p) for p in prefixes] == [[tok.encode(t) for t in docs] for docs in texts]
 
 
@@ -76,8 +90,7 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tiny_tokenizer_
 
     monkeypatch.setattr(pp, "write_marker", interrupt_third)
     with pytest.raises(KeyboardInterrupt):
-        preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=2, chunk_bytes=64,
-                   progress=False)
+        preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=2, chunk_bytes=64, progress=False)
     assert not list(tmp_path.glob("out_text_document*"))
     markers = sorted(p.name for p in (tmp_path / "out_shards").rglob("*.done.json"))
     assert markers == ["001.done.json", "empty.done.json"]
@@ -113,17 +126,28 @@ def test_kept_shards_redo_only_changed_or_new_files(tiny_tokenizer_model, tmp_pa
 
 def test_split_by_source_v1(tiny_tokenizer_model, tmp_path):
     (tmp_path / "in" / "cc").mkdir(parents=True)
-    (tmp_path / "in" / "cc" / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"text": "slim one", "meta": {"redpajama_set_name": "RedPajamaArXiv"}},
-        {"text": "slim two", "meta": {"redpajama_set_name": "RedPajamaC4"}},
-        {"text": "dir source", "meta": {}},
-        {"text": "slim three", "meta": {"redpajama_set_name": "RedPajamaArXiv"}}]))
+    (tmp_path / "in" / "cc" / "x.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"text": "slim one", "meta": {"redpajama_set_name": "RedPajamaArXiv"}},
+                {"text": "slim two", "meta": {"redpajama_set_name": "RedPajamaC4"}},
+                {"text": "dir source", "meta": {}},
+                {"text": "slim three", "meta": {"redpajama_set_name": "RedPajamaArXiv"}},
+            ]
+        )
+    )
     (tmp_path / "in" / "top.jsonl").write_text('{"text": "named by the file"}\n')
-    summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", split_by_source=True, workers=2,
-                         progress=False)
+    summary = preprocess(
+        tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", split_by_source=True, workers=2, progress=False
+    )
     tok = Tokenizer(tiny_tokenizer_model)
-    expected = {"RedPajamaArXiv": ["slim one", "slim three"], "RedPajamaC4": ["slim two"], "cc": ["dir source"],
-                "top": ["named by the file"]}
+    expected = {
+        "RedPajamaArXiv": ["slim one", "slim three"],
+        "RedPajamaC4": ["slim two"],
+        "cc": ["dir source"],
+        "top": ["named by the file"],
+    }
     assert sorted(summary.outputs) == sorted(f"{s}:text" for s in expected)
     for source, texts in expected.items():
         assert summary.outputs[f"{source}:text"] == f"{tmp_path / 'out'}_{source}_text_document"
@@ -132,8 +156,13 @@ def test_split_by_source_v1(tiny_tokenizer_model, tmp_path):
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _cli_on_terminal(args: list[str]) -> tuple[int, str]:
@@ -143,8 +172,12 @@ def _cli_on_terminal(args: list[str]) -> tuple[int, str]:
     # a new pseudo-terminal is 0 columns wide, and bars sized to the terminal would be empty
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
-                            stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        env=env,
+    )
     os.close(follower)
     drawn = bytearray()
     while True:  # read as it draws, so a full terminal buffer never blocks the tool

@@ -25,16 +25,26 @@ def load_tool(name):
 
 
 def corpus_texts(corpus_dir):
-    return [json.loads(line)["text"] for path in sorted(Path(corpus_dir).glob("*.jsonl"))
-            for line in path.read_text(encoding="utf-8").splitlines()]
+    return [
+        json.loads(line)["text"]
+        for path in sorted(Path(corpus_dir).glob("*.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+    ]
 
 
 def test_round_trip_every_token_in_order(tiny_corpus_dir, tiny_tokenizer_model, tmp_path):
     tok = Tokenizer(tiny_tokenizer_model)
     texts = corpus_texts(tiny_corpus_dir)
     # small chunks: many work units, so the 2-worker run really interleaves
-    two = preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "w2", workers=2, append_eod=True,
-                     chunk_bytes=8192, progress=False)
+    two = preprocess(
+        tiny_corpus_dir,
+        tiny_tokenizer_model,
+        tmp_path / "w2",
+        workers=2,
+        append_eod=True,
+        chunk_bytes=8192,
+        progress=False,
+    )
     ds = IndexedDataset(two.outputs["text"])
     assert len(ds) == ds.num_documents == len(texts) == two.documents["text"]
     assert ds.document_indices.tolist() == list(range(len(texts) + 1))
@@ -42,8 +52,7 @@ def test_round_trip_every_token_in_order(tiny_corpus_dir, tiny_tokenizer_model, 
         assert ds[i].tolist() == tok.encode(text) + [tok.eod_id]
         assert tok.decode(ds[i][:-1]) == text
     assert two.tokens["text"] == int(ds.sequence_lengths.sum()) and not two.skipped
-    one = preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "w1", workers=1, append_eod=True,
-                     progress=False)
+    one = preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "w1", workers=1, append_eod=True, progress=False)
     for suffix in (".bin", ".idx"):
         assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
 
@@ -58,7 +67,7 @@ BAD_LINES = [
     (b'{"text": "   \\n\\t "}\n', "empty_document"),
     (b'{"text": 42}\n', "not_a_string"),
     (b'["text", "a list"]\n', "not_an_object"),
-    (b'\n', "blank_line"),
+    (b"\n", "blank_line"),
     (b'{"text": "last good document"}', None),  # no trailing newline
 ]
 
@@ -68,8 +77,7 @@ def test_bad_records_are_skipped_and_counted(tiny_tokenizer_model, tmp_path):
     (tmp_path / "in" / "a.jsonl").write_bytes(b"".join(line for line, _ in BAD_LINES))
     with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wb") as f:
         f.write(b'{"text": "gzipped document"}\n{"text": ""}\n')
-    summary = preprocess(str(tmp_path / "in" / "*.jsonl*"), tiny_tokenizer_model, tmp_path / "out",
-                         progress=False)
+    summary = preprocess(str(tmp_path / "in" / "*.jsonl*"), tiny_tokenizer_model, tmp_path / "out", progress=False)
     expected = {}
     for _, reason in BAD_LINES:
         if reason:
@@ -90,8 +98,9 @@ def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny
     with pytest.raises(DataError, match=r"tokenizer model .*missing\.model does not exist"):
         preprocess(tiny_corpus_dir, tmp_path / "missing.model", tmp_path / "out", progress=False)
     with pytest.raises(DataError, match=r"JSON key 'meta/title' cannot name an output file"):
-        preprocess(tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "out", json_keys=("text", "meta/title"),
-                   progress=False)
+        preprocess(
+            tiny_corpus_dir, tiny_tokenizer_model, tmp_path / "out", json_keys=("text", "meta/title"), progress=False
+        )
     (tmp_path / "garbage.model").write_bytes(b"not a protobuf")
     with pytest.raises(DataError, match=r"garbage\.model is not a valid SentencePiece model"):
         preprocess(tiny_corpus_dir, tmp_path / "garbage.model", tmp_path / "out", progress=False)
@@ -99,14 +108,16 @@ def test_missing_inputs_and_model_fail_before_writing(tiny_tokenizer_model, tiny
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_damaged_file_keeps_what_was_read_and_the_previous_output_is_replaced_whole(tiny_tokenizer_model, tmp_path,
-                                                                                    workers):
+def test_damaged_file_keeps_what_was_read_and_the_previous_output_is_replaced_whole(
+    tiny_tokenizer_model, tmp_path, workers
+):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text('{"text": "new data"}\n' * 2000)
     whole = gzip.compress(b"".join(b'{"text": "gzipped %d"}\n' % i for i in range(5000)))
-    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])
-    summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=workers,
-                         chunk_bytes=1024, progress=False)
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    summary = preprocess(
+        tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=workers, chunk_bytes=1024, progress=False
+    )
     good = len(gzip.decompress(whole).splitlines())
     [damage] = summary.damage
     read = int(re.search(r"cannot read past line (\d+)", damage).group(1))
@@ -114,15 +125,35 @@ def test_damaged_file_keeps_what_was_read_and_the_previous_output_is_replaced_wh
     ds = IndexedDataset(summary.outputs["text"])
     tok = Tokenizer(tiny_tokenizer_model)
     assert len(ds) == 2000 + read and ds[2000 + read - 1].tolist() == tok.encode(f"gzipped {read - 1}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out_text_document.bin", "out_text_document.idx",
-                                                          "out_text_document.tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in",
+        "out_text_document.bin",
+        "out_text_document.idx",
+        "out_text_document.tokenizer.json",
+    ]
 
 
 def test_cli_prints_the_summary(tiny_corpus_dir, tiny_tokenizer_model, tmp_path, capsys):
     tool = load_tool("preprocess_data")
-    assert tool.main(["--input", str(tiny_corpus_dir / "*.jsonl"), "--tokenizer-model", str(tiny_tokenizer_model),
-                      "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--json-keys", "text",
-                      "--append-eod", "--no-progress"]) == 0
+    assert (
+        tool.main(
+            [
+                "--input",
+                str(tiny_corpus_dir / "*.jsonl"),
+                "--tokenizer-model",
+                str(tiny_tokenizer_model),
+                "--output-prefix",
+                str(tmp_path / "cli"),
+                "--workers",
+                "1",
+                "--json-keys",
+                "text",
+                "--append-eod",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     ds = IndexedDataset(tmp_path / "cli_text_document")
     assert out[-1].startswith(f"preprocessed 2 files: {len(ds)} documents, {int(ds.sequence_lengths.sum())} tokens")
@@ -138,8 +169,9 @@ def test_every_tool_has_help(name, capsys):
 
 def test_multiple_json_keys_make_one_dataset_each(tiny_tokenizer_model, tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "body one", "title": "t1"}\n{"text": "body two"}\n')
-    summary = preprocess(tmp_path / "a.jsonl", tiny_tokenizer_model, tmp_path / "multi", json_keys=("text", "title"),
-                         progress=False)
+    summary = preprocess(
+        tmp_path / "a.jsonl", tiny_tokenizer_model, tmp_path / "multi", json_keys=("text", "title"), progress=False
+    )
     tok = Tokenizer(tiny_tokenizer_model)
     assert IndexedDataset(summary.outputs["title"])[0].tolist() == tok.encode("t1")
     assert len(IndexedDataset(summary.outputs["text"])) == 2

@@ -19,8 +19,7 @@ def test_default_corpus_is_redpajama_v1_and_byte_identical(tmp_path):
         assert path.name == f"{source}.jsonl" and first.bytes[source] == len(data) > 1_000_000
         records = [json.loads(line) for line in data.decode("utf-8").splitlines()]
         assert len(records) == first.documents[source]
-        assert all(set(r) == {"text", "meta"} and r["meta"]["source"] == source and r["text"].strip()
-                   for r in records)
+        assert all(set(r) == {"text", "meta"} and r["meta"]["source"] == source and r["text"].strip() for r in records)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["stdlib_code.jsonl", "stdlib_docs.jsonl"]
 
 

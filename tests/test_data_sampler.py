@@ -53,13 +53,16 @@ def test_order_is_a_deterministic_function_of_the_seed(block_samples):
     assert sorted(itertools.chain(*global_batches(96, 0, 4, 2, 1))) == list(range(96))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(micro_batch_size=0), "micro_batch_size"),
-    (dict(dp_rank=2), "dp_rank 2 is outside"),
-    (dict(consumed_samples=6), "multiple of 8"),
-    (dict(consumed_samples=128), "multiple of 8"),
-    (dict(total_samples=7), "fewer than one global micro-step"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(micro_batch_size=0), "micro_batch_size"),
+        (dict(dp_rank=2), "dp_rank 2 is outside"),
+        (dict(consumed_samples=6), "multiple of 8"),
+        (dict(consumed_samples=128), "multiple of 8"),
+        (dict(total_samples=7), "fewer than one global micro-step"),
+    ],
+)
 def test_bad_arguments_are_config_errors(kwargs, message):
     args = dict(total_samples=100, consumed_samples=0, micro_batch_size=4, dp_rank=0, dp_size=2, seed=0) | kwargs
     with pytest.raises(ConfigError, match=message):

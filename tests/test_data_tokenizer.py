@@ -14,12 +14,15 @@ def test_llama_style_special_ids_and_vocab(tiny_tokenizer_model):
     assert (tok.vocab_size, tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id, tok.eod_id) == (512, 0, 1, 2, 3, 2)
 
 
-@pytest.mark.parametrize("text", [
-    "def f(x):\n    return x  # indentation and newlines are content\n\n\n",
-    "  leading spaces,\ttabs and trailing spaces  ",
-    "Unicode: héllo wörld ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ünseen 中文",
-    "digits 1234567890",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f(x):\n    return x  # indentation and newlines are content\n\n\n",
+        "  leading spaces,\ttabs and trailing spaces  ",
+        "Unicode: héllo wörld ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ünseen 中文",
+        "digits 1234567890",
+    ],
+)
 def test_decode_gives_the_text_back(tiny_tokenizer_model, text):
     tok = Tokenizer(tiny_tokenizer_model)
     ids = tok.encode(text)

@@ -31,13 +31,19 @@ def test_zst_gives_the_bytes_plain_jsonl_gives(tiny_tokenizer_model, tmp_path):
     (tmp_path / "plain").mkdir()
     (tmp_path / "zst").mkdir()
     (tmp_path / "plain" / "a.jsonl").write_bytes(PAYLOAD)
-    half = len(PAYLOAD) // 2 + PAYLOAD[len(PAYLOAD) // 2:].index(b"\n") + 1
+    half = len(PAYLOAD) // 2 + PAYLOAD[len(PAYLOAD) // 2 :].index(b"\n") + 1
     # two frames (as pzstd and concatenated downloads write them), one of them with a checksum
     (tmp_path / "zst" / "a.jsonl.zst").write_bytes(_zstd(PAYLOAD[:half]) + _zstd(PAYLOAD[half:], write_checksum=True))
     outs = {}
     for name, workers in (("plain", 1), ("zst", 2)):
-        summary = preprocess(tmp_path / name, tiny_tokenizer_model, tmp_path / f"out_{name}", workers=workers,
-                             chunk_bytes=4096, progress=False)
+        summary = preprocess(
+            tmp_path / name,
+            tiny_tokenizer_model,
+            tmp_path / f"out_{name}",
+            workers=workers,
+            chunk_bytes=4096,
+            progress=False,
+        )
         assert not summary.damage and not summary.skipped and summary.documents["text"] == len(DOCS)
         outs[name] = [Path(summary.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")]
     assert outs["plain"] == outs["zst"]
@@ -59,7 +65,7 @@ def _write(path: Path, data: bytes) -> Path:
 def test_damaged_zst_names_file_and_line_and_keeps_the_rest_of_the_run(tiny_tokenizer_model, tmp_path, damage):
     data = bytearray(_zstd(PAYLOAD, write_checksum=True))
     if damage == "truncated":
-        data = data[:len(data) // 2]
+        data = data[: len(data) // 2]
     else:
         data[len(data) // 2] ^= 0xFF  # caught by the frame checksum at the end of the frame
     (tmp_path / "in").mkdir()
@@ -78,5 +84,7 @@ def test_damaged_zst_names_file_and_line_and_keeps_the_rest_of_the_run(tiny_toke
     assert len(ds) + sum(summary.skipped.values()) == kept + good
     assert ds[len(ds) - 1].tolist() == tok.encode(DOCS[good - 1])
     if damage == "truncated":
-        assert not summary.skipped and [ds[i].tolist() for i in (0, kept - 1)] == [tok.encode(DOCS[0]),
-                                                                                   tok.encode(DOCS[kept - 1])]
+        assert not summary.skipped and [ds[i].tolist() for i in (0, kept - 1)] == [
+            tok.encode(DOCS[0]),
+            tok.encode(DOCS[kept - 1]),
+        ]

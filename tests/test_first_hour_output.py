@@ -23,27 +23,62 @@ from megazpp.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = "configs/llama_tiny.yaml"  # run.sh's default CONFIG: warmup 30 of 300 steps
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--eval-iters", "1", "--log-interval", "1", "--split", "90,10,0"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--split",
+    "90,10,0",
+]
 # A DeepSpeed JSON as Hugging Face's integration writes it: "auto" wherever its trainer's
 # arguments decide (here: --config and the flags), plus the ZeRO++ tutorial's switches.
-HF_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-           "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "initial_scale_power": "auto"},
-           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                     "weight_decay": "auto"}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "zero_quantized_weights": True,
-                                 "zero_hpz_partition_size": 16, "zero_quantized_gradients": True}}
+HF_AUTO = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto", "initial_scale_power": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 16,
+        "zero_quantized_gradients": True,
+    },
+}
 
 
-def run(*argv: str, umask: int | None = None, env: dict[str, str] | None = None,
-        wrap: list[str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    *argv: str, umask: int | None = None, env: dict[str, str] | None = None, wrap: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """A command from the repository root with this checkout first on the import path."""
     command = [*(wrap or []), *argv]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -65,15 +100,18 @@ def read_only_wrapper(directory: Path) -> list[str] | None:
     if os.geteuid() != 0:
         directory.chmod(0o555)
         return []
-    mount = ['sh', '-c', 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(directory)]
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "--mount", *mount, "true"], capture_output=True).returncode != 0:
+    mount = ["sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(directory)]
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "--mount", *mount, "true"], capture_output=True).returncode != 0
+    ):
         return None
     return ["unshare", "--mount", *mount]
 
 
 # the tests of a real run (a subprocess training 10 steps, then the tools on its outputs) and of
 # run.sh take well over 10 s on 2 loaded cores: the slow tier
+
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, tiny_indexed_prefix, tiny_tokenizer_model):
@@ -87,11 +125,26 @@ def first_run(tmp_path_factory, tiny_indexed_prefix, tiny_tokenizer_model):
     shutil.copy(tiny_tokenizer_model, data / "tokenizer.model")
     (root / "hf_auto.json").write_text(json.dumps(HF_AUTO))
     wrap = read_only_wrapper(data)
-    proc = run(sys.executable, "pretrain_gpt.py", "--config", YAML, "--deepspeed_config",
-               str(root / "hf_auto.json"), "--data-path", str(data / "corpus_text_document"),
-               "--tokenizer-model", str(data / "tokenizer.model"), *TINY, "--train-iters", "10",
-               "--save", str(root / "ckpt"), "--tensorboard-dir", str(root / "tb"),
-               wrap=wrap)
+    proc = run(
+        sys.executable,
+        "pretrain_gpt.py",
+        "--config",
+        YAML,
+        "--deepspeed_config",
+        str(root / "hf_auto.json"),
+        "--data-path",
+        str(data / "corpus_text_document"),
+        "--tokenizer-model",
+        str(data / "tokenizer.model"),
+        *TINY,
+        "--train-iters",
+        "10",
+        "--save",
+        str(root / "ckpt"),
+        "--tensorboard-dir",
+        str(root / "tb"),
+        wrap=wrap,
+    )
     return root, data, wrap is not None, ok(proc), proc.stderr
 
 
@@ -131,19 +184,23 @@ def test_the_banner_of_a_first_run_says_each_thing_once_in_words(first_run):
     root, _, _, out, err = first_run
     lines = out.splitlines()
     first = lines.index(next(line for line in lines if line.startswith("model: ")))
-    banner = lines[first:lines.index(next(line for line in lines if line.startswith("iter ")))]
+    banner = lines[first : lines.index(next(line for line in lines if line.startswith("iter ")))]
     assert banner[0].startswith("model: llama, 2 layers, hidden 32"), banner
     assert all(line.startswith("data: cannot write") for line in lines[:first]), lines[:first]
     # "auto" took the flags' and the YAML's values
     assert "batch: global 4 = micro 2 x dp 1 x 2 accumulation; 10 steps, warmup 1, lr 0.002 cosine" in out
-    assert (f"note: training.lr_warmup_iters = 30 (config file {YAML}) is for its 300 steps: using 1 "
-            "for this run's 10, the same share (30/300)") in out
+    assert (
+        f"note: training.lr_warmup_iters = 30 (config file {YAML}) is for its 300 steps: using 1 "
+        "for this run's 10, the same share (30/300)"
+    ) in out
     # one start line, no second one contradicting it
     assert f"start: --save {root / 'ckpt'} holds no checkpoint yet: starting from scratch" in banner
     assert "no checkpoint to load" not in out and "no --load or --save" not in out
     # the engine's layout and ZeRO++ in the banner's words, once: no raw reprs, no warnings
-    assert ("data-parallel optimizer: PaRO GGG (zero.stage 3); dp 1, PaRO group 1; G collectives in one "
-            "stage; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress (exact paths)") in banner
+    assert (
+        "data-parallel optimizer: PaRO GGG (zero.stage 3); dp 1, PaRO group 1; G collectives in one "
+        "stage; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress (exact paths)"
+    ) in banner
     assert "ZeroPP(" not in out + err and "Hierarchy(" not in out + err and "zero:" not in out + err
     assert "Warning" not in err, err
 
@@ -154,10 +211,12 @@ def test_a_read_only_dataset_directory_is_one_line(first_run):
     if not read_only:
         pytest.skip("no way to make a read-only directory here (root without unshare --mount)")
     said = [line for line in (out + err).splitlines() if str(data) in line and "cache" in line]
-    assert said == [f"data: cannot write the dataset's index caches in {data} ("
-                    f"{'Read-only file system' if os.geteuid() == 0 else 'Permission denied'}): its indices "
-                    "(sample order, largest token id) are rebuilt at every start instead of loaded; training "
-                    "is unaffected"], said
+    assert said == [
+        f"data: cannot write the dataset's index caches in {data} ("
+        f"{'Read-only file system' if os.geteuid() == 0 else 'Permission denied'}): its indices "
+        "(sample order, largest token id) are rebuilt at every start instead of loaded; training "
+        "is unaffected"
+    ], said
     assert "UserWarning" not in err and "iter     10/10 | saved checkpoint" in out
     assert not list(data.glob("*.npy"))
 
@@ -165,13 +224,33 @@ def test_a_read_only_dataset_directory_is_one_line(first_run):
 @pytest.mark.slow
 def test_exports_have_the_mode_of_every_other_output(first_run):
     root = first_run[0]
-    ok(run(sys.executable, "tools/export_checkpoint.py", "--load", str(root / "ckpt"), "--out",
-           str(root / "model.safetensors"), umask=0o022))
-    ok(run(sys.executable, "tools/convert_hf.py", "export", "--load", str(root / "ckpt"), "--hf-dir",
-           str(root / "hf"), umask=0o027))
+    ok(
+        run(
+            sys.executable,
+            "tools/export_checkpoint.py",
+            "--load",
+            str(root / "ckpt"),
+            "--out",
+            str(root / "model.safetensors"),
+            umask=0o022,
+        )
+    )
+    ok(
+        run(
+            sys.executable,
+            "tools/convert_hf.py",
+            "export",
+            "--load",
+            str(root / "ckpt"),
+            "--hf-dir",
+            str(root / "hf"),
+            umask=0o027,
+        )
+    )
 
     def mode(path: Path) -> int:
         return stat.S_IMODE(path.stat().st_mode)
+
     assert mode(root / "model.safetensors") == 0o644  # was 0o600
     modes = {path.name: mode(path) for path in (root / "hf").iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.model"} <= set(modes)
@@ -182,14 +261,29 @@ def test_exports_have_the_mode_of_every_other_output(first_run):
 def test_compare_runs_shows_each_runs_own_final_loss_and_the_load_caveat(first_run, tmp_path):
     root = first_run[0]
     # beside the real 10-step run, a 300-step one (written as the trainer's logger writes it)
-    write_run(tmp_path / "long", {"train/loss": {s: 6.0 - s / 100 for s in range(1, 301)},
-                                  "perf/tokens_per_sec": {s: 1000.0 for s in range(1, 301)}})
-    out = ok(run(sys.executable, "tools/compare_runs.py", str(tmp_path / "long"), str(root / "tb"),
-                 "--out", str(tmp_path / "cmp")))
+    write_run(
+        tmp_path / "long",
+        {
+            "train/loss": {s: 6.0 - s / 100 for s in range(1, 301)},
+            "perf/tokens_per_sec": {s: 1000.0 for s in range(1, 301)},
+        },
+    )
+    out = ok(
+        run(
+            sys.executable,
+            "tools/compare_runs.py",
+            str(tmp_path / "long"),
+            str(root / "tb"),
+            "--out",
+            str(tmp_path / "cmp"),
+        )
+    )
     assert "compared 2 run(s) on steps 1..10" in out
     summary = (tmp_path / "cmp" / "summary.md").read_text()
-    assert "The columns use the common training steps 1..10 (the steps every run logged), except the " \
-           "last two: each run's own last step and final train loss." in summary
+    assert (
+        "The columns use the common training steps 1..10 (the steps every run logged), except the "
+        "last two: each run's own last step and final train loss." in summary
+    )
     assert summary.count("| own last step | own final train loss |") == 1
     long_row = next(line for line in summary.splitlines() if line.startswith("| long |"))
     assert long_row.endswith("| 300 | 3.0000 |") and "| 10 | 5.9000 |" in long_row, long_row
@@ -199,25 +293,32 @@ def test_compare_runs_shows_each_runs_own_final_loss_and_the_load_caveat(first_r
     assert b"Description\x00tokens/s depends on the machine's load" in png
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--lr", "-1e-3"], "optimizer.lr (--lr) = -0.001: expected a learning rate > 0"),
-    (["--split", "0,0,0"], "data.split = '0,0,0': the weights sum to zero"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--lr", "-1e-3"], "optimizer.lr (--lr) = -0.001: expected a learning rate > 0"),
+        (["--split", "0,0,0"], "data.split = '0,0,0': the weights sum to zero"),
+    ],
+)
 def test_bad_values_are_one_line_about_the_value(argv, expected, tiny_tokenizer_model):
-    line = refusal(run(sys.executable, "pretrain_gpt.py", "--config", YAML, "--tokenizer-model",
-                       str(tiny_tokenizer_model), *argv))
+    line = refusal(
+        run(sys.executable, "pretrain_gpt.py", "--config", YAML, "--tokenizer-model", str(tiny_tokenizer_model), *argv)
+    )
     assert expected in line and "expected one argument" not in line
 
 
 @pytest.mark.slow
 def test_a_deepspeed_json_as_config_and_its_keys_are_named_as_written(tmp_path, run_sh_data_dir):
     tutorial = "configs/deepspeed/zeropp_tutorial.json"
-    line = refusal(run("bash", "run.sh", env={"CONFIG": tutorial, "PYTHON": sys.executable,
-                                              "DATA_DIR": str(run_sh_data_dir)}))
-    assert line == (f"pretrain_gpt.py: error: config file {tutorial}: this is a DeepSpeed config (its keys are "
-                    f"DeepSpeed's: zero_optimization), not a megazpp YAML: pass it as --deepspeed_config "
-                    f"{tutorial} (with run.sh: bash run.sh --deepspeed_config {tutorial}; CONFIG names the "
-                    "YAML it overrides)")
+    line = refusal(
+        run("bash", "run.sh", env={"CONFIG": tutorial, "PYTHON": sys.executable, "DATA_DIR": str(run_sh_data_dir)})
+    )
+    assert line == (
+        f"pretrain_gpt.py: error: config file {tutorial}: this is a DeepSpeed config (its keys are "
+        f"DeepSpeed's: zero_optimization), not a megazpp YAML: pass it as --deepspeed_config "
+        f"{tutorial} (with run.sh: bash run.sh --deepspeed_config {tutorial}; CONFIG names the "
+        "YAML it overrides)"
+    )
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({**HF_AUTO, "train_batch_size": "sixteen"}))
     line = refusal(run(sys.executable, "pretrain_gpt.py", "--config", YAML, "--deepspeed_config", str(bad)))

@@ -24,8 +24,14 @@ def _gpu_check():
 def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHON"] = python
-    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_check.sh"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
@@ -44,7 +50,7 @@ def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
     the script with the way on, before anything runs; a --wheels path that is no directory is
     named."""
     bare = tmp_path / "python-without-site"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     proc = _sh("--out", str(tmp_path / "out"), python=str(bare))
     assert proc.returncode == 2 and "carry its wheel and pass --wheels DIR" in proc.stderr
@@ -59,23 +65,57 @@ def test_parsers_read_the_tools_output():
 |---|---:|---:|---:|---:|
 | quantize int8 (qwZ, bf16 in) | 196,736 | 67,976.2 | 0.0 | 64% |
 | dequant-reduce int4 4 x 16384 -> int4 | 42,240 | 71,446.4 | 0.0 | 91% |"""
-    assert g.bandwidth_rows(quant) == [("quantize int8 (qwZ, bf16 in)", 0.64),
-                                       ("dequant-reduce int4 4 x 16384 -> int4", 0.91)]
-    line = ("iter      5/30 | loss 7.6234 | lr 1.000e-04 | grad_norm 1.234 | tokens/s 41234 | tflops 412.3456 | "
-            "peak_mem 36123.4 MiB | 0:00:10 elapsed, eta 0:00:50")
-    assert g.log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0,
-                                              "peak_mib": 36123.4}]
+    assert g.bandwidth_rows(quant) == [
+        ("quantize int8 (qwZ, bf16 in)", 0.64),
+        ("dequant-reduce int4 4 x 16384 -> int4", 0.91),
+    ]
+    line = (
+        "iter      5/30 | loss 7.6234 | lr 1.000e-04 | grad_norm 1.234 | tokens/s 41234 | tflops 412.3456 | "
+        "peak_mem 36123.4 MiB | 0:00:10 elapsed, eta 0:00:50"
+    )
+    assert g.log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0, "peak_mib": 36123.4}]
     assert g.last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
 
 
 def test_planned_peak_from_the_planners_table():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    plan = subprocess.run([sys.executable, "tools/plan.py", "--num-layers", "24", "--hidden-size", "2048",
-                           "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "2048",
-                           "--micro-batch-size", "4", "--vocab-size", "2048", "--global-batch-size", "4",
-                           "--dtype", "bf16", "--nodes", "1", "--gpus-per-node", "1", "--inter-gbit", "100",
-                           "--accelerator", "h100-80gb"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "tools/plan.py",
+            "--num-layers",
+            "24",
+            "--hidden-size",
+            "2048",
+            "--num-attention-heads",
+            "16",
+            "--num-query-groups",
+            "8",
+            "--seq-length",
+            "2048",
+            "--micro-batch-size",
+            "4",
+            "--vocab-size",
+            "2048",
+            "--global-batch-size",
+            "4",
+            "--dtype",
+            "bf16",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--inter-gbit",
+            "100",
+            "--accelerator",
+            "h100-80gb",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plan.returncode == 0, plan.stderr
     peak = _gpu_check().planned_peak_gib(plan.stdout)
     assert 20 < peak < 60  # 1.1 B parameters in bf16 with fp32 masters and Adam, plus activations
@@ -91,8 +131,11 @@ def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a stub GPU")
     ok = g.Outcome("ok", "fine", ["detail"], [("a target", False, "80%")])
-    steps = [("first", "", 1, lambda ctx: ok), ("second", "", 1, lambda ctx: 1 / 0),
-             ("third", "", 10_000, lambda ctx: ok)]
+    steps = [
+        ("first", "", 1, lambda ctx: ok),
+        ("second", "", 1, lambda ctx: 1 / 0),
+        ("third", "", 10_000, lambda ctx: ok),
+    ]
     monkeypatch.setattr(g, "STEPS", steps)
     assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 1
     report = (tmp_path / "report.md").read_text()

@@ -29,12 +29,30 @@ from megazpp.model.config import ModelConfig  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
-                  num_query_groups=2, ffn_hidden_size=48, vocab_size=64, seq_length=16,
-                  rope_theta=500.0, norm_eps=1e-6)
-BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 500.0}
+CFG = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    seq_length=16,
+    rope_theta=500.0,
+    norm_eps=1e-6,
+)
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 500.0,
+}
 
 
 def _hf_dir(directory: Path, cfg: ModelConfig = CFG) -> dict[str, torch.Tensor]:
@@ -58,13 +76,20 @@ def test_config_mapping_carries_theta_eps_gqa_and_tying():
     assert model_config_from_hf(hf_config_from_model(CFG, torch.bfloat16)) == CFG
 
 
-@pytest.mark.parametrize("field,value", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}),
-    ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
-    ("model_type", "mistral"), ("head_dim", 16), ("sliding_window", 4096),
-    ("quantization_config", {"quant_method": "gptq"}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}),
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("hidden_act", "gelu"),
+        ("model_type", "mistral"),
+        ("head_dim", 16),
+        ("sliding_window", 4096),
+        ("quantization_config", {"quant_method": "gptq"}),
+    ],
+)
 def test_unsupported_config_field_is_named(field, value):
     with pytest.raises(ConfigError, match=field):
         model_config_from_hf(dict(BASE, **{field: value}))
@@ -123,8 +148,7 @@ class _Exploit:
 def test_consolidated_export_holds_full_weights_and_config(tmp_path):
     full = _hf_dir(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "mz", tp=2, pp=2, dtype=torch.bfloat16)
-    spec = importlib.util.spec_from_file_location("export_checkpoint",
-                                                  ROOT / "tools" / "export_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     out = tmp_path / "full.safetensors"

@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip("transformers", reason="transformers is not installed "
-                                           "(pip install -e .[interop] to run the HF tests)")
+pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e .[interop] to run the HF tests)"
+)
 from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -39,10 +40,18 @@ def _tool(name: str):
 def _tiny_hf(directory: Path, *, tie: bool = False) -> LlamaForCausalLM:
     """A 2-layer GQA Llama (4 heads, 2 kv heads) with weights large enough (std 0.2, norm
     gains included) that a wrong q/k permutation or head grouping moves logits by O(1)."""
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -66,8 +75,12 @@ def test_import_gives_hf_logits_at_tp1_and_tp2(tmp_path):
     expected = _hf_logits(hf)
     convert = _tool("convert_hf")
     for tp in (1, 2):
-        assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"),
-                             "--save", str(tmp_path / f"tp{tp}"), "--tp", str(tp)]) == 0
+        assert (
+            convert.main(
+                ["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / f"tp{tp}"), "--tp", str(tp)]
+            )
+            == 0
+        )
     reader = CheckpointReader(tmp_path / "tp1")
     model = GPTModel(reader.model_config()).eval()
     model.load_state_dict(reader.rank_state(0, 0)["model"])
@@ -112,13 +125,24 @@ def test_pickle_and_sharded_inputs_read_alike(tmp_path):
 def _train_tiny(tmp_path: Path, data_prefix: str, tokenizer: Path) -> Path:
     """Two bf16 steps of pretrain_gpt.py on the tiny corpus, checkpoint saved at step 2."""
     config = {
-        "model": {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                  "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": 32},
-        "data": {"data_path": [data_prefix], "split": "90,10,0",
-                 "tokenizer_model": str(tokenizer)},
+        "model": {
+            "arch": "llama",
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 128,
+            "seq_length": 32,
+        },
+        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
         "optimizer": {"lr": 1e-2},
-        "training": {"micro_batch_size": 2, "global_batch_size": 2, "train_iters": 2,
-                     "eval_interval": 1000, "eval_iters": 1},
+        "training": {
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "train_iters": 2,
+            "eval_interval": 1000,
+            "eval_iters": 1,
+        },
         "precision": {"bf16": True},
         "checkpoint": {"save": str(tmp_path / "run"), "save_interval": 2},
         "logging": {"log_interval": 1000},
@@ -132,12 +156,25 @@ def _train_tiny(tmp_path: Path, data_prefix: str, tokenizer: Path) -> Path:
     return path
 
 
-def test_trained_checkpoint_exports_and_reloads(tmp_path, tiny_indexed_prefix,
-                                                tiny_tokenizer_model):
+def test_trained_checkpoint_exports_and_reloads(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     config = _train_tiny(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
-    assert _tool("convert_hf").main(["export", "--load", str(tmp_path / "run"), "--hf-dir",
-                                     str(tmp_path / "hf"), "--masters", "--tokenizer-model",
-                                     str(tiny_tokenizer_model), "--config", str(config)]) == 0
+    assert (
+        _tool("convert_hf").main(
+            [
+                "export",
+                "--load",
+                str(tmp_path / "run"),
+                "--hf-dir",
+                str(tmp_path / "hf"),
+                "--masters",
+                "--tokenizer-model",
+                str(tiny_tokenizer_model),
+                "--config",
+                str(config),
+            ]
+        )
+        == 0
+    )
     reader = CheckpointReader(tmp_path / "run")
     assert reader.iteration == 2
     state = reader.rank_state(0, 0)

@@ -23,10 +23,17 @@ from megazpp.training.checkpoint import save_checkpoint
 
 pytest.importorskip("safetensors", reason="safetensors (a core dependency) is not installed")
 
-LLAMA_GQA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
-                 num_query_groups=2, ffn_hidden_size=64, vocab_size=64, seq_length=16)
-GPT2_TIED = dict(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4,
-                 vocab_size=64, seq_length=16)
+LLAMA_GQA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    vocab_size=64,
+    seq_length=16,
+)
+GPT2_TIED = dict(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
 LLAMA_MOE = dict(LLAMA_GQA, num_experts=4, moe_top_k=2)
 
 
@@ -75,17 +82,19 @@ def test_layout_matches_tensor_parallel_layers_and_tp2_checkpoint_runs(tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = GPTModel(cfg).eval()(ids)
-    results = run_ranks(_layout_on_rank, 2, [LLAMA_GQA, GPT2_TIED, LLAMA_MOE],
-                        str(tmp_path / "ckpt"), ids, timeout_s=180)
+    results = run_ranks(
+        _layout_on_rank, 2, [LLAMA_GQA, GPT2_TIED, LLAMA_MOE], str(tmp_path / "ckpt"), ids, timeout_s=180
+    )
     for r in results:
         assert r["mismatches"] == []
     logits = torch.cat([r["logits"] for r in results], dim=-1)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,tp,pp", [(LLAMA_GQA, 2, 2), (GPT2_TIED, 2, 2),
-                                          (dict(LLAMA_GQA, tie_embeddings=True), 1, 2),
-                                          (LLAMA_MOE, 2, 1)])
+@pytest.mark.parametrize(
+    "kwargs,tp,pp",
+    [(LLAMA_GQA, 2, 2), (GPT2_TIED, 2, 2), (dict(LLAMA_GQA, tie_embeddings=True), 1, 2), (LLAMA_MOE, 2, 1)],
+)
 def test_write_then_consolidate_is_identity(tmp_path, kwargs, tp, pp):
     cfg = ModelConfig(**kwargs)
     full = _full_weights(cfg)
@@ -107,9 +116,12 @@ def test_trainer_saved_checkpoint_needs_config_and_reads_masters(tmp_path):
     cfg = ModelConfig(**LLAMA_GQA)
     model = GPTModel(cfg)
     masters = [p.detach().double().float() + 1.0 for p in model.parameters()]
-    state = {"iteration": 5, "consumed_samples": 10,
-             "model": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
-             "engine": {"optimizer": {}, "masters": masters, "loss_scaler": None}}
+    state = {
+        "iteration": 5,
+        "consumed_samples": 10,
+        "model": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
+        "engine": {"optimizer": {}, "masters": masters, "loss_scaler": None},
+    }
     save_checkpoint(tmp_path, 5, state, Topology.from_env())
     reader = CheckpointReader(tmp_path)
     with pytest.raises(ConfigError, match="--config"):

@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip("transformers", reason="transformers is not installed "
-                                           "(pip install -e .[interop] to run the HF tests)")
+pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e .[interop] to run the HF tests)"
+)
 from safetensors import safe_open  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -31,9 +32,19 @@ from megazpp.parallel.local_launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)
-MODEL = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-         "num_query_groups": 2, "ffn_hidden_size": 64, "vocab_size": 512, "seq_length": 32,
-         "rope_theta": 10000.0, "lora_rank": 4, "lora_alpha": 8.0}
+MODEL = {
+    "arch": "llama",
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 64,
+    "vocab_size": 512,
+    "seq_length": 32,
+    "rope_theta": 10000.0,
+    "lora_rank": 4,
+    "lora_alpha": 8.0,
+}
 
 
 def _load(name: str, path: Path):
@@ -44,21 +55,37 @@ def _load(name: str, path: Path):
 
 
 def _tiny_hf(directory: Path) -> None:
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _config(tmp_path: Path, name: str, data_prefix: str, tokenizer: Path) -> Path:
-    config = {"model": MODEL,
-              "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
-              "optimizer": {"lr": 1e-2},
-              "training": {"micro_batch_size": 2, "global_batch_size": 2, "train_iters": 4,
-                           "eval_interval": 1000, "eval_iters": 1},
-              "checkpoint": {"save_interval": 2},
-              "logging": {"log_interval": 1000}}
+    config = {
+        "model": MODEL,
+        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
+        "optimizer": {"lr": 1e-2},
+        "training": {
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "train_iters": 4,
+            "eval_interval": 1000,
+            "eval_iters": 1,
+        },
+        "checkpoint": {"save_interval": 2},
+        "logging": {"log_interval": 1000},
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -88,16 +115,23 @@ def _merged_logits_match(checkpoint: Path, out: Path, convert) -> dict[str, torc
     return trained
 
 
-def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tiny_indexed_prefix,
-                                                                    tiny_tokenizer_model):
+def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     _tiny_hf(tmp_path / "hf")
     convert = _load("convert_hf", ROOT / "tools" / "convert_hf.py")
     assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "base")]) == 0
     base = CheckpointReader(tmp_path / "base").rank_state(0, 0)["model"]
 
     full = _train(tmp_path, "full", tiny_indexed_prefix, tiny_tokenizer_model, "--load", str(tmp_path / "base"))
-    _train(tmp_path, "half", tiny_indexed_prefix, tiny_tokenizer_model, "--load", str(tmp_path / "base"),
-           "--exit-interval", "2")
+    _train(
+        tmp_path,
+        "half",
+        tiny_indexed_prefix,
+        tiny_tokenizer_model,
+        "--load",
+        str(tmp_path / "base"),
+        "--exit-interval",
+        "2",
+    )
     resumed = _train(tmp_path, "half", tiny_indexed_prefix, tiny_tokenizer_model, "--load", str(tmp_path / "half"))
     assert resumed.resumed_from == 2
     assert [resumed.losses[i] for i in (3, 4)] == [full.losses[i] for i in (3, 4)]
@@ -115,14 +149,27 @@ def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tin
         assert '"lora_rank": 0' in f.metadata()["megazpp_model_config"]
 
 
-def test_lora_under_ing_saves_sharded_frozen_weights_that_export_merged(tmp_path, tiny_indexed_prefix,
-                                                                        tiny_tokenizer_model):
+def test_lora_under_ing_saves_sharded_frozen_weights_that_export_merged(
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
     _tiny_hf(tmp_path / "hf")
     convert = _load("convert_hf", ROOT / "tools" / "convert_hf.py")
     assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "base")]) == 0
     path = _config(tmp_path, "ing", tiny_indexed_prefix, tiny_tokenizer_model)
-    argv = ["--config", str(path), "--save", str(tmp_path / "ing"), "--load", str(tmp_path / "base"),
-            "--paro-strategy", "ING", "--ranks-per-node", "2", "--global-batch-size", "8"]
+    argv = [
+        "--config",
+        str(path),
+        "--save",
+        str(tmp_path / "ing"),
+        "--load",
+        str(tmp_path / "base"),
+        "--paro-strategy",
+        "ING",
+        "--ranks-per-node",
+        "2",
+        "--global-batch-size",
+        "8",
+    ]
     assert all(len(h.losses) == 4 for h in run_ranks(_pretrain, 4, argv, timeout_s=300))
     base = consolidated_weights(CheckpointReader(tmp_path / "base"), CheckpointReader(tmp_path / "base").model_config())
     trained = _merged_logits_match(tmp_path / "ing", tmp_path / "merged", convert)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed "
-                                            "(pip install megatron-core to run this interop test)")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (pip install megatron-core to run this interop test)"
+)
 from megatron.core.datasets import indexed_dataset as mcore  # noqa: E402
 
 from megazpp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
@@ -20,8 +21,7 @@ def _documents(dtype: np.dtype) -> list[np.ndarray]:
     return [rng.integers(0, high, size=n).astype(dtype) for n in (5, 1, 17, 300, 2, 64)]
 
 
-def _write_megatron(prefix: str, docs: list[np.ndarray], dtype: np.dtype,
-                    split_last: bool = False) -> None:
+def _write_megatron(prefix: str, docs: list[np.ndarray], dtype: np.dtype, split_last: bool = False) -> None:
     """One sequence per document (GPT preprocessing); with `split_last`, the last document
     is two sequences (Megatron's sentence-split mode), which exercises the document index."""
     builder = mcore.IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
@@ -84,10 +84,12 @@ def test_merged_preprocessing_reads_identically_in_megatron_and_matches_its_merg
         path = tmp_path / "in" / f"s{f % 2}" / f"{f}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps({"text": f"file {f} doc {d} " + "abc " * d}) + "\n" for d in range(f + 1)))
-    shards = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "shard", per_shard=True, append_eod=True,
-                        progress=False).shard_outputs["text"]
-    merged = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "merged", append_eod=True,
-                        progress=False).outputs["text"]
+    shards = preprocess(
+        tmp_path / "in", tiny_tokenizer_model, tmp_path / "shard", per_shard=True, append_eod=True, progress=False
+    ).shard_outputs["text"]
+    merged = preprocess(
+        tmp_path / "in", tiny_tokenizer_model, tmp_path / "merged", append_eod=True, progress=False
+    ).outputs["text"]
     expected = [IndexedDataset(p)[i] for p in shards for i in range(len(IndexedDataset(p)))]
     theirs = mcore.IndexedDataset(merged)
     assert len(theirs) == len(expected) == 15

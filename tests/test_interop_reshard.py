@@ -45,12 +45,48 @@ def _export_tool():
 
 
 def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
-    return ["--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "90,10,0",
-            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--lr", "1e-2", "--adam-eps", "1e-3", "--train-iters", "6",
-            "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100", "--seed", "5",
-            "--paro-strategy", strategy, "--save", save, "--save-interval", "3"]
+    return [
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        tokenizer,
+        "--split",
+        "90,10,0",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--adam-eps",
+        "1e-3",
+        "--train-iters",
+        "6",
+        "--lr-warmup-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "100",
+        "--seed",
+        "5",
+        "--paro-strategy",
+        strategy,
+        "--save",
+        save,
+        "--save-interval",
+        "3",
+    ]
 
 
 def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
@@ -61,14 +97,22 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training
-    train_ds, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                        (t.train_iters * t.global_batch_size, 0, 0), t.seed)
+    train_ds, _, _ = build_gpt_datasets(
+        cfg.data.data_path, cfg.data.split, cfg.model.seq_length, (t.train_iters * t.global_batch_size, 0, 0), t.seed
+    )
     device = torch.device("cpu")
     model = pretrain_gpt.build_model(cfg, topology, device)
     engine = pretrain_gpt.build_engine(cfg, model, topology)
-    logger = TrainingLogger(enabled=False, tensorboard_dir=None, log_interval=100,
-                            train_iters=t.train_iters, tokens_per_step=1, flops_per_step=1.0,
-                            world_size=topology.world_size, device=device)
+    logger = TrainingLogger(
+        enabled=False,
+        tensorboard_dir=None,
+        log_interval=100,
+        train_iters=t.train_iters,
+        tokens_per_step=1,
+        flops_per_step=1.0,
+        world_size=topology.world_size,
+        device=device,
+    )
     trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device)
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -102,8 +146,7 @@ def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_mod
     step3 = str(Path(sharded) / "iter_0000003")
 
     loco = _args(*data, str(tmp_path / "ggg2_loco"), "GGG") + ["--zero-quantized-gradients", "--loco"]
-    legs = run_ranks(_resume_legs, 2, _args(*data, str(tmp_path / "nng2"), "NNG"), loco, step3,
-                     timeout_s=300, env=env)
+    legs = run_ranks(_resume_legs, 2, _args(*data, str(tmp_path / "nng2"), "NNG"), loco, step3, timeout_s=300, env=env)
     cfg = load_config(_args(*data, sharded, "GGG")).model
     at_step3 = consolidated_weights(CheckpointReader(step3), cfg)
     for nng, ggg in legs:
@@ -138,8 +181,15 @@ def test_reshard_refuses_other_tensor_parallel_layout(tiny_indexed_prefix, tmp_p
     from megazpp.model.config import ModelConfig
     from megazpp.model.gpt import GPTModel
 
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                      ffn_hidden_size=64, vocab_size=128, seq_length=16).validate()
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=128,
+        seq_length=16,
+    ).validate()
     path = write_weights_checkpoint(tmp_path / "tp2", cfg, GPTModel(cfg).state_dict(), tp=2, pp=1)
     topology = Topology.from_env(1, 1)
     with pytest.raises(CheckpointError, match="tp 2"):

@@ -37,25 +37,42 @@ def llama_like_tokenizer(tiny_corpus_dir, tmp_path_factory):
                 lines.extend(line for line in text.split("\n") if line.strip())
     prefix = tmp_path_factory.mktemp("llama_tok") / "tokenizer"
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(lines), model_prefix=str(prefix), model_type="bpe",
-        vocab_size=LLAMA_LIKE_VOCAB, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", add_dummy_prefix=True,
-        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        input_sentence_size=20_000, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        model_type="bpe",
+        vocab_size=LLAMA_LIKE_VOCAB,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        input_sentence_size=20_000,
+        minloglevel=2,
+    )
     return prefix.with_suffix(".model")
 
 
-def test_llama_tokenizer_model_works_as_tokenizer_model(llama_like_tokenizer, tiny_corpus_dir,
-                                                         tmp_path):
+def test_llama_tokenizer_model_works_as_tokenizer_model(llama_like_tokenizer, tiny_corpus_dir, tmp_path):
     tok = Tokenizer(llama_like_tokenizer)
-    assert (tok.vocab_size, tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id, tok.eod_id) == \
-        (LLAMA_LIKE_VOCAB, 0, 1, 2, -1, 2)
+    assert (tok.vocab_size, tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id, tok.eod_id) == (
+        LLAMA_LIKE_VOCAB,
+        0,
+        1,
+        2,
+        -1,
+        2,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(llama_like_tokenizer))
     text = "def main(argv):\n    return 42  # ünïcode ☃"
     assert tok.encode(text) == sp.encode(text)
     assert tok.decode(tok.encode(text)) == text
-    summary = preprocess(tiny_corpus_dir, llama_like_tokenizer, tmp_path / "llama", workers=1,
-                         append_eod=True, progress=False)
+    summary = preprocess(
+        tiny_corpus_dir, llama_like_tokenizer, tmp_path / "llama", workers=1, append_eod=True, progress=False
+    )
     dataset = IndexedDataset(summary.outputs["text"])
     assert len(dataset) == summary.documents["text"] > 0
     assert all(dataset[i][-1] == 2 for i in range(len(dataset)))
@@ -77,8 +94,15 @@ def test_check_against_model_and_hf_config(llama_like_tokenizer):
 def test_tokenizer_travels_with_an_import(llama_like_tokenizer, tmp_path):
     """import_hf checks the HF directory's tokenizer.model and copies it next to the
     checkpoint; a mismatching one stops the import before anything is written."""
-    cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=16, num_attention_heads=2,
-                      ffn_hidden_size=32, vocab_size=768, seq_length=8)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        vocab_size=768,
+        seq_length=8,
+    )
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     config = dict(hf_config_from_model(cfg, torch.float32), bos_token_id=1, eos_token_id=2)

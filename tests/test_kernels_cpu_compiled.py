@@ -29,7 +29,7 @@ def _values(numel: int, block: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen) * torch.logspace(-3, 3, numel)
     x[:block] = 0.0
-    x[block:2 * block] = TINY_ABSMAX / 3
+    x[block : 2 * block] = TINY_ABSMAX / 3
     return x
 
 
@@ -48,8 +48,10 @@ def test_quantize_and_dequantize_match_reference(bits):
             x = _values(numel, block, numel).to(dtype)
             codes, scales = COMPILED.quantize(x, bits, block)
             _equal((codes, scales), reference.quantize(x, bits, block))
-            _equal(COMPILED.dequantize(codes, scales, bits, block, numel, dtype=dtype),
-                   reference.dequantize(codes, scales, bits, block, numel, dtype=dtype))
+            _equal(
+                COMPILED.dequantize(codes, scales, bits, block, numel, dtype=dtype),
+                reference.dequantize(codes, scales, bits, block, numel, dtype=dtype),
+            )
 
 
 def test_reductions_and_loco_match_reference():
@@ -57,16 +59,22 @@ def test_reductions_and_loco_match_reference():
         parts = [reference.quantize(_values(numel, block, seed), 4, block) for seed in range(3)]
         codes = torch.stack([c for c, _ in parts])
         scales = torch.stack([s for _, s in parts])
-        _equal(COMPILED.dequant_reduce(codes, scales, 4, block, numel),
-               reference.dequant_reduce(codes, scales, 4, block, numel))
-        _equal(COMPILED.dequant_reduce_quantize(codes, scales, 4, block),
-               reference.dequant_reduce_quantize(codes, scales, 4, block))
+        _equal(
+            COMPILED.dequant_reduce(codes, scales, 4, block, numel),
+            reference.dequant_reduce(codes, scales, 4, block, numel),
+        )
+        _equal(
+            COMPILED.dequant_reduce_quantize(codes, scales, 4, block),
+            reference.dequant_reduce_quantize(codes, scales, 4, block),
+        )
         mine, theirs = kernels.new_error_buffer(numel, block), kernels.new_error_buffer(numel, block)
         for step in range(3):  # the error buffer carries over: later steps see a non-zero one
             grad = _values(numel, block, 100 + step)
             _equal(COMPILED.loco_quantize(grad, mine, 0.8, block), reference.loco_quantize(grad, theirs, 0.8, block))
-            _equal(COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, mine, 0.8),
-                   reference.dequant_reduce_loco_quantize(codes, scales, 4, block, theirs, 0.8))
+            _equal(
+                COMPILED.dequant_reduce_loco_quantize(codes, scales, 4, block, mine, 0.8),
+                reference.dequant_reduce_loco_quantize(codes, scales, 4, block, theirs, 0.8),
+            )
 
 
 def test_all_finite_sees_every_nan_and_infinity():
@@ -107,10 +115,16 @@ def test_a_kernel_compiled_under_one_isa_is_not_reused_under_another(tmp_path):
     (AVX-512 where the CPU has it; elsewhere both legs are AVX2 and the test shows reuse)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for capability in ("avx512", "avx2"):
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
-                   PYTHONPATH=root, OMP_NUM_THREADS="1")
-        out = subprocess.run([sys.executable, "-c", _QUANTIZE_MATCHES], env=env, cwd=root,
-                             capture_output=True, text=True, timeout=600)
+        env = dict(
+            os.environ,
+            ATEN_CPU_CAPABILITY=capability,
+            TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
+            PYTHONPATH=root,
+            OMP_NUM_THREADS="1",
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", _QUANTIZE_MATCHES], env=env, cwd=root, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split()[0] == "True", (capability, out.stdout)
 

@@ -134,15 +134,15 @@ def test_loco_blend_matches_formula_with_default_beta():
     gen = torch.Generator().manual_seed(5)
     grad = torch.randn(3 * block + 5, generator=gen)
     err = kernels.new_error_buffer(grad.numel(), block)
-    err[:grad.numel()] = torch.randn(grad.numel(), generator=gen) * 0.1
-    old_err = err[:grad.numel()].clone()
+    err[: grad.numel()] = torch.randn(grad.numel(), generator=gen) * 0.1
+    old_err = err[: grad.numel()].clone()
     codes, scales, _ = kernels.loco_quantize(grad, err, beta, block)
     compensated = grad + old_err
     sent = kernels.dequantize(codes, scales, 4, block, grad.numel())
     assert torch.all((compensated - sent).abs() <= kernels.quantization_error_bound(scales, 4, block, grad.numel()))
     b32, keep = torch.tensor(beta), torch.tensor(1 - beta)
-    assert torch.equal(err[:grad.numel()], b32 * old_err + keep * (compensated - sent))
-    assert torch.equal(err[grad.numel():], torch.zeros(err.numel() - grad.numel()))  # the tail block's padding
+    assert torch.equal(err[: grad.numel()], b32 * old_err + keep * (compensated - sent))
+    assert torch.equal(err[grad.numel() :], torch.zeros(err.numel() - grad.numel()))  # the tail block's padding
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -180,20 +180,20 @@ def _qgz_two_stage(grads: torch.Tensor, nodes: int, block: int) -> torch.Tensor:
     shard_blocks, shard_bytes = shard // block, shard // 2
     # Local-index-major shard order: chunk j' holds shards n' * local + j' for n' = 0..nodes-1.
     order = [n * local + j for j in range(local) for n in range(nodes)]
-    sent = [kernels.quantize(torch.cat([g[d * shard:(d + 1) * shard] for d in order]), 4, block) for g in grads]
+    sent = [kernels.quantize(torch.cat([g[d * shard : (d + 1) * shard] for d in order]), 4, block) for g in grads]
     chunk_blocks, chunk_bytes = nodes * shard_blocks, nodes * shard_bytes
     stage2 = {}  # (node, j) -> re-quantized partial sum held by that rank
     for node in range(nodes):
         members = range(node * local, (node + 1) * local)
         for j in range(local):
-            codes = torch.stack([sent[r][0][j * chunk_bytes:(j + 1) * chunk_bytes] for r in members])
-            scales = torch.stack([sent[r][1][j * chunk_blocks:(j + 1) * chunk_blocks] for r in members])
+            codes = torch.stack([sent[r][0][j * chunk_bytes : (j + 1) * chunk_bytes] for r in members])
+            scales = torch.stack([sent[r][1][j * chunk_blocks : (j + 1) * chunk_blocks] for r in members])
             stage2[node, j] = kernels.dequant_reduce_quantize(codes, scales, 4, block, 4)
     shards = []
     for d in range(ranks):
         node, j = divmod(d, local)
-        codes = torch.stack([stage2[m, j][0][node * shard_bytes:(node + 1) * shard_bytes] for m in range(nodes)])
-        scales = torch.stack([stage2[m, j][1][node * shard_blocks:(node + 1) * shard_blocks] for m in range(nodes)])
+        codes = torch.stack([stage2[m, j][0][node * shard_bytes : (node + 1) * shard_bytes] for m in range(nodes)])
+        scales = torch.stack([stage2[m, j][1][node * shard_blocks : (node + 1) * shard_blocks] for m in range(nodes)])
         shards.append(kernels.dequant_reduce(codes, scales, 4, block))
     return torch.cat(shards)
 

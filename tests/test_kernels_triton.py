@@ -178,19 +178,27 @@ def test_unrolled_reduce_bit_identical(block_size, parts, bits):
     (3 blocks, fewer than a program's rows for the small blocks)."""
     blocks = 3
     numel = blocks * block_size - 37
-    quantized = [reference.quantize(_inputs(blocks * block_size, block_size, seed=11 * p + bits), bits, block_size)
-                 for p in range(parts)]
+    quantized = [
+        reference.quantize(_inputs(blocks * block_size, block_size, seed=11 * p + bits), bits, block_size)
+        for p in range(parts)
+    ]
     codes = torch.stack([c for c, _ in quantized])
     scales = torch.stack([s for _, s in quantized])
-    _same(triton_ops.dequant_reduce(codes, scales, bits, block_size, numel),
-          reference.dequant_reduce(codes, scales, bits, block_size, numel))
+    _same(
+        triton_ops.dequant_reduce(codes, scales, bits, block_size, numel),
+        reference.dequant_reduce(codes, scales, bits, block_size, numel),
+    )
     for out_bits in (4, 8):
-        _same(triton_ops.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
-              reference.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits))
+        _same(
+            triton_ops.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
+            reference.dequant_reduce_quantize(codes, scales, bits, block_size, out_bits),
+        )
         mine = _error_buffer(numel, block_size, seed=parts, scale=0.05)
         theirs = mine.clone()
-        _same(triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, mine, 0.8, out_bits),
-              reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, theirs, 0.8, out_bits))
+        _same(
+            triton_ops.dequant_reduce_loco_quantize(codes, scales, bits, block_size, mine, 0.8, out_bits),
+            reference.dequant_reduce_loco_quantize(codes, scales, bits, block_size, theirs, 0.8, out_bits),
+        )
 
 
 @pytest.mark.parametrize("numel,block_size", [(101, 100), (3 * 1000 - 1, 1000), (2 * 8192 - 5, 8192), (7, 2)])
@@ -201,8 +209,10 @@ def test_int4_quantizers_on_ragged_tails(numel, block_size):
     _same(triton_ops.quantize(x, 4, block_size), reference.quantize(x, 4, block_size))
     mine = _error_buffer(numel, block_size, seed=3, scale=0.5)
     theirs = mine.clone()
-    _same(triton_ops.loco_quantize(x.to(torch.bfloat16), mine, 0.8, block_size),
-          reference.loco_quantize(x.to(torch.bfloat16), theirs, 0.8, block_size))
+    _same(
+        triton_ops.loco_quantize(x.to(torch.bfloat16), mine, 0.8, block_size),
+        reference.loco_quantize(x.to(torch.bfloat16), theirs, 0.8, block_size),
+    )
 
 
 def test_gpu_bitwise_check_passes_under_the_interpreter(monkeypatch):

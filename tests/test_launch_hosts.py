@@ -52,11 +52,33 @@ def checkout(tmp_path) -> Path:
 
 def _launch(tmp_path: Path, checkout: Path, **env: str) -> subprocess.Popen:
     full = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    full.update({"PYTHON": sys.executable, "PYTHONPATH": str(REPO), "MARKS": str(tmp_path / "marks"),
-                 "MEGAZPP_RSH": str(tmp_path / "rsh"), "MEGAZPP_TEST_FORWARDED": "yes", **env})
-    return subprocess.Popen(["bash", str(LAUNCHER), "--workdir", str(checkout), "--stop-grace", "10",
-                             str(tmp_path / "hosts"), "--train-iters", "3"],
-                            env=full, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    full.update(
+        {
+            "PYTHON": sys.executable,
+            "PYTHONPATH": str(REPO),
+            "MARKS": str(tmp_path / "marks"),
+            "MEGAZPP_RSH": str(tmp_path / "rsh"),
+            "MEGAZPP_TEST_FORWARDED": "yes",
+            **env,
+        }
+    )
+    return subprocess.Popen(
+        [
+            "bash",
+            str(LAUNCHER),
+            "--workdir",
+            str(checkout),
+            "--stop-grace",
+            "10",
+            str(tmp_path / "hosts"),
+            "--train-iters",
+            "3",
+        ],
+        env=full,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_every_host_starts_with_its_node_variables(tmp_path, checkout):
@@ -65,8 +87,10 @@ def test_every_host_starts_with_its_node_variables(tmp_path, checkout):
     assert proc.returncode == 0, err
     lines = sorted(out.splitlines())
     port = re.search(r"master alpha:(\d+)", out).group(1)
-    assert lines == [f"alpha: node 0 of 2 master alpha:{port} ranks 2 env yes args --train-iters 3",
-                     f"beta: node 1 of 2 master alpha:{port} ranks 2 env yes args --train-iters 3"]
+    assert lines == [
+        f"alpha: node 0 of 2 master alpha:{port} ranks 2 env yes args --train-iters 3",
+        f"beta: node 1 of 2 master alpha:{port} ranks 2 env yes args --train-iters 3",
+    ]
 
 
 def test_one_failing_host_stops_the_others(tmp_path, checkout):
@@ -103,8 +127,15 @@ def test_pdsh_is_used_when_installed(tmp_path, checkout):
     fake_bin.mkdir()
     (fake_bin / "ssh").write_text('#!/usr/bin/env bash\nexec bash -c "${@: -1}"\n')
     (fake_bin / "ssh").chmod(0o755)
-    proc = _launch(tmp_path, checkout, MEGAZPP_RSH="", PDSH_RCMD_TYPE="ssh", FAIL_NODE="1", WAIT="1",
-                   PATH=f"{fake_bin}:{os.environ['PATH']}")
+    proc = _launch(
+        tmp_path,
+        checkout,
+        MEGAZPP_RSH="",
+        PDSH_RCMD_TYPE="ssh",
+        FAIL_NODE="1",
+        WAIT="1",
+        PATH=f"{fake_bin}:{os.environ['PATH']}",
+    )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, (out, err)
     assert "via pdsh" in err and "beta: node 1 fails" in out
@@ -138,12 +169,14 @@ def test_hostfile_parsing(tmp_path):
     good = tmp_path / "good"
     good.write_text("n1 slots=8\n# comment\n  n2   slots=8 # trailing\n")
     assert parse_hostfile(good) == [Host("n1", 8), Host("n2", 8)]
-    for text, expected in [("n1\n", "line 1: expected 'HOST slots=N'"),
-                           ("n1 slots=0\n", "line 1: expected 'HOST slots=N' with N > 0"),
-                           ("n1 slots=two\n", "got 'n1 slots=two'"),
-                           ("n1 slots=2\nn1 slots=2\n", "line 2: host 'n1' is listed twice"),
-                           ("n1 slots=2\nn2 slots=4\n", "different slot counts (n1: 2, n2: 4)"),
-                           ("# nothing\n", "no 'HOST slots=N' line")]:
+    for text, expected in [
+        ("n1\n", "line 1: expected 'HOST slots=N'"),
+        ("n1 slots=0\n", "line 1: expected 'HOST slots=N' with N > 0"),
+        ("n1 slots=two\n", "got 'n1 slots=two'"),
+        ("n1 slots=2\nn1 slots=2\n", "line 2: host 'n1' is listed twice"),
+        ("n1 slots=2\nn2 slots=4\n", "different slot counts (n1: 2, n2: 4)"),
+        ("# nothing\n", "no 'HOST slots=N' line"),
+    ]:
         bad = tmp_path / "bad"
         bad.write_text(text)
         with pytest.raises(LaunchError, match=expected.replace("(", r"\(").replace(")", r"\)")):

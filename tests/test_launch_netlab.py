@@ -27,9 +27,32 @@ NETLAB = REPO / "tools" / "netlab.sh"
 PREFIX, SUBNET = "mz23", "10.77.23"
 HOSTS = [f"{PREFIX}-node0", f"{PREFIX}-node1"]
 RUN_TIMEOUT_S = 420
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-         "--lr-warmup-iters", "1", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1"]
+FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+]
 # Stand-in for `ssh HOST CMDLINE`: options skipped, HOST-node<i> -> netlab node i.
 FAKE_SSH = """#!/usr/bin/env bash
 while [ "${1#-}" != "$1" ]; do shift 2; done
@@ -45,16 +68,28 @@ pytestmark = pytest.mark.netlab  # skipped with the reason where netlab cannot r
 def _env(**extra: str) -> dict[str, str]:
     """This process's environment without any launch variables of its own (a CI job may run
     under SLURM), with this checkout and interpreter, so run.sh installs nothing."""
-    scrubbed = {k: v for k, v in os.environ.items()
-                if not k.startswith("SLURM_") and k not in ("NNODES", "NODE_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "NPROC_PER_NODE", "MEGAZPP_RSH")}
-    return {**scrubbed, "NETLAB_PREFIX": PREFIX, "NETLAB_SUBNET": SUBNET, "NETLAB": str(NETLAB),
-            "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    scrubbed = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_")
+        and k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "MEGAZPP_RSH")
+    }
+    return {
+        **scrubbed,
+        "NETLAB_PREFIX": PREFIX,
+        "NETLAB_SUBNET": SUBNET,
+        "NETLAB": str(NETLAB),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def _netlab(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(NETLAB), *args], env=_env(), text=True, capture_output=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        ["bash", str(NETLAB), *args], env=_env(), text=True, capture_output=True, timeout=60, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +104,17 @@ def nodes():
 
 
 def _on_each_node(env_for_node, args: list[str]) -> list[str]:
-    procs = [subprocess.Popen(["bash", str(NETLAB), "run", str(n), "bash", "run.sh", *args], env=env_for_node(n),
-                              cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(NETLAB), "run", str(n), "bash", "run.sh", *args],
+            env=env_for_node(n),
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for n in (0, 1)
+    ]
     return finish_all(procs, "node", RUN_TIMEOUT_S)
 
 
@@ -88,22 +131,37 @@ def _run_args(tmp_path: Path, name: str) -> list[str]:
 @pytest.fixture
 def by_hand(nodes, tmp_path, run_sh_data_dir) -> list[float]:
     port = str(random.randrange(20000, 30000))
-    _on_each_node(lambda n: _env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=port,
-                                 NPROC_PER_NODE="1", DATA_DIR=str(run_sh_data_dir)),
-                  _run_args(tmp_path, "hand"))
+    _on_each_node(
+        lambda n: _env(
+            NNODES="2",
+            NODE_RANK=str(n),
+            MASTER_ADDR=f"{SUBNET}.1",
+            MASTER_PORT=port,
+            NPROC_PER_NODE="1",
+            DATA_DIR=str(run_sh_data_dir),
+        ),
+        _run_args(tmp_path, "hand"),
+    )
     return _losses(tmp_path / "tb_hand")
 
 
 def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path, run_sh_data_dir):
     job_id = random.randrange(100000, 999999)
-    slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": f"{PREFIX}-node[0-1]",
-             "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
-             "DATA_DIR": str(run_sh_data_dir)}
+    slurm = {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": f"{PREFIX}-node[0-1]",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "DATA_DIR": str(run_sh_data_dir),
+    }
     outputs = _on_each_node(lambda n: _env(SLURM_NODEID=str(n), **slurm), _run_args(tmp_path, "slurm"))
     port = 10000 + job_id % 20000
     for n, out in enumerate(outputs):
-        assert (f"run.sh: from SLURM: NNODES=2 NODE_RANK={n} MASTER_ADDR={HOSTS[0]} MASTER_PORT={port} "
-                f"NPROC_PER_NODE=1") in out
+        assert (
+            f"run.sh: from SLURM: NNODES=2 NODE_RANK={n} MASTER_ADDR={HOSTS[0]} MASTER_PORT={port} NPROC_PER_NODE=1"
+        ) in out
     assert _losses(tmp_path / "tb_slurm") == by_hand
 
     rsh = tmp_path / "ssh"
@@ -111,9 +169,14 @@ def test_slurm_job_and_hostfile_launch_match_a_launch_by_hand(by_hand, tmp_path,
     rsh.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
-    launcher = subprocess.run(["bash", "tools/launch_hosts.sh", str(hostfile), *_run_args(tmp_path, "hosts")],
-                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir)), cwd=REPO, text=True,
-                              capture_output=True, timeout=RUN_TIMEOUT_S)
+    launcher = subprocess.run(
+        ["bash", "tools/launch_hosts.sh", str(hostfile), *_run_args(tmp_path, "hosts")],
+        env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir)),
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert launcher.returncode == 0, launcher.stdout[-3000:] + launcher.stderr[-2000:]
     assert f"2 hosts x 1 ranks, master {HOSTS[0]}:" in launcher.stderr
     lines = launcher.stdout.splitlines()
@@ -132,11 +195,14 @@ def test_hostfile_launch_stops_every_host_when_one_fails(nodes, tmp_path, run_sh
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
     started = time.monotonic()
-    launcher = subprocess.run(["bash", "tools/launch_hosts.sh", "--stop-grace", "20", str(hostfile),
-                               *_run_args(tmp_path, "fail")],
-                              env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir), FAIL_HOST=HOSTS[1],
-                                       FAIL_AFTER_S="20"),
-                              cwd=REPO, text=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    launcher = subprocess.run(
+        ["bash", "tools/launch_hosts.sh", "--stop-grace", "20", str(hostfile), *_run_args(tmp_path, "fail")],
+        env=_env(MEGAZPP_RSH=str(rsh), DATA_DIR=str(run_sh_data_dir), FAIL_HOST=HOSTS[1], FAIL_AFTER_S="20"),
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert launcher.returncode == 1, launcher.stdout[-3000:] + launcher.stderr[-2000:]
     assert f"{HOSTS[1]}: {HOSTS[1]}: simulated failure" in launcher.stdout
     assert f"{HOSTS[1]} (node 1) exited with code 1: stopping the others" in launcher.stderr

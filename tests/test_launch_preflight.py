@@ -57,15 +57,19 @@ def test_nodes_that_differ_are_named(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     unwritable = _node_dirs(tmp_path, "unwritable", *fixtures)
     (Path(unwritable[0]) / "blocker").mkdir()
     (Path(unwritable[1]) / "blocker").write_text("a file where node 1 needs a directory")
-    results = run_ranks(_check_in_node_dirs, 2, [
-        (same, str(shared), [DATA]),
-        (same, None, [DATA]),
-        (other_index, str(shared), [DATA]),
-        (missing, None, [DATA]),
-        (same, "ckpt", [DATA]),  # relative: a different directory on each node
-        (unwritable, "blocker/ckpt", [DATA]),
-        (same, str(shared), ["0.5", DATA, "0.5"]),  # refused while fingerprinting: no rank hangs
-    ])
+    results = run_ranks(
+        _check_in_node_dirs,
+        2,
+        [
+            (same, str(shared), [DATA]),
+            (same, None, [DATA]),
+            (other_index, str(shared), [DATA]),
+            (missing, None, [DATA]),
+            (same, "ckpt", [DATA]),  # relative: a different directory on each node
+            (unwritable, "blocker/ckpt", [DATA]),
+            (same, str(shared), ["0.5", DATA, "0.5"]),  # refused while fingerprinting: no rank hangs
+        ],
+    )
     assert results[0] == results[1], "every rank reaches the same verdict"
     ok, no_save, index, gone, not_shared, cannot_write, bad_blend = results[0]
     assert ok is None and no_save is None
@@ -75,8 +79,10 @@ def test_nodes_that_differ_are_named(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     assert "every node needs the same data files" in index and "\n" not in index
     assert index.split(": ")[2].split(", sha256")[0] == index.split(": ")[3].split(", sha256")[0]  # same size
     assert f"node 1 ({host}) has {DATA}.bin: missing, but node 0 ({host}): " in gone
-    assert not_shared == (f"preflight: node 1 ({host}) and node 0 ({host}) do not see each other's probe "
-                          f"files in the save directory ckpt: it must be one directory shared by all nodes")
+    assert not_shared == (
+        f"preflight: node 1 ({host}) and node 0 ({host}) do not see each other's probe "
+        f"files in the save directory ckpt: it must be one directory shared by all nodes"
+    )
     assert cannot_write.startswith(f"preflight: node 1 ({host}) cannot write to the save directory blocker/ckpt (")
     assert bad_blend.startswith(f"preflight: node 0 ({host}) cannot fingerprint its code and data: ")
     assert f"; node 1 ({host}) cannot fingerprint" in bad_blend
@@ -84,8 +90,12 @@ def test_nodes_that_differ_are_named(tmp_path, tiny_indexed_prefix, tiny_tokeniz
 
 def test_a_different_commit_is_named():
     files = {"d.idx": "10 bytes, sha256 ab"}
-    reports = [NodeReport(0, "a", "commit 111", files), NodeReport(1, "b", "commit 111", files),
-               NodeReport(2, "c", "commit 222", files)]
-    assert first_difference(reports, None) == ("node 2 (c) runs commit 222 but node 0 (a) runs commit 111; "
-                                                "check out the same commit on every node")
+    reports = [
+        NodeReport(0, "a", "commit 111", files),
+        NodeReport(1, "b", "commit 111", files),
+        NodeReport(2, "c", "commit 222", files),
+    ]
+    assert first_difference(reports, None) == (
+        "node 2 (c) runs commit 222 but node 0 (a) runs commit 111; check out the same commit on every node"
+    )
     assert first_difference(reports[:2], None) is None

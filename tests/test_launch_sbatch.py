@@ -34,14 +34,21 @@ def job(tmp_path) -> dict[str, str]:
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "$@" >> "$LOG/scontrol.calls"\n')
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log),
-            "SLURM_SUBMIT_DIR": str(submit), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "tiny",
-            "SLURM_JOB_NODELIST": "n[1-2]"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LOG": str(log),
+        "SLURM_SUBMIT_DIR": str(submit),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "tiny",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+    }
 
 
 def _start(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(SBATCH), "--train-iters", "5"], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        ["bash", str(SBATCH), "--train-iters", "5"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
@@ -56,8 +63,15 @@ def test_a_stop_signal_stops_the_ranks_and_requeues(job, sig):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert (log / "srun.args").read_text().split() == [
-        "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "run.sh", "--save", "checkpoints/tiny",
-        "--train-iters", "5"]
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "bash",
+        "run.sh",
+        "--save",
+        "checkpoints/tiny",
+        "--train-iters",
+        "5",
+    ]
     assert (log / "srun.term").exists()
     assert (log / "scontrol.calls").read_text() == "requeue 4242\n"
     reason = "time limit near" if sig == signal.SIGUSR1 else "preempted"

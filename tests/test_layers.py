@@ -48,8 +48,7 @@ def layer_of(path: Path, table: list[tuple[str, list[str]]]) -> int | None:
     best: tuple[int, int] | None = None
     for index, (_, patterns) in enumerate(table):
         for pattern in patterns:
-            covers = (rel.startswith(pattern) if pattern.endswith("/")
-                      else fnmatch.fnmatchcase(rel, pattern))
+            covers = rel.startswith(pattern) if pattern.endswith("/") else fnmatch.fnmatchcase(rel, pattern)
             if covers and (best is None or len(pattern) > best[0]):
                 best = (len(pattern), index)
     return None if best is None else best[1]
@@ -67,7 +66,7 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
@@ -98,8 +97,7 @@ def test_every_import_points_down_the_documented_layers():
         for line, target in graph[path]:
             theirs = layer_of(by_module[target], table)
             if theirs > mine:
-                upward[f"{path.relative_to(ROOT)}:{line} ({names[mine]}) imports "
-                       f"{target} ({names[theirs]})"] = None
+                upward[f"{path.relative_to(ROOT)}:{line} ({names[mine]}) imports {target} ({names[theirs]})"] = None
     assert not upward, "imports pointing up the layers:\n" + "\n".join(upward)
 
 

@@ -20,20 +20,19 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.rotary import RotaryEmbedding
 
-U = 2.0 ** -24
+U = 2.0**-24
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_rotary_matches_complex_within_rounding(dtype):
     rope = RotaryEmbedding(64, 500000.0)
-    x = (torch.randn(2, 300, 3, 64, generator=torch.Generator().manual_seed(0)) *
-         torch.logspace(-3, 3, 64)).to(dtype)
+    x = (torch.randn(2, 300, 3, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)).to(dtype)
     complex_form, real_form = rope.apply(x), rope.apply_real(x)
     assert real_form.dtype == dtype and real_form.shape == x.shape
     pairs = x.float().unflatten(-1, (32, 2)).abs().sum(-1)
     bound = 4 * U * pairs.repeat_interleave(2, dim=-1)
     if dtype == torch.bfloat16:  # both round the fp32 result to bf16: one bf16 ulp more
-        bound = bound + complex_form.float().abs() * 2.0 ** -8
+        bound = bound + complex_form.float().abs() * 2.0**-8
     assert ((real_form.float() - complex_form.float()).abs() <= bound).all()
 
 
@@ -51,8 +50,15 @@ def test_real_rotary_tables_are_cached_and_match_the_complex_ones():
 def test_compiled_layers_train_like_eager():
     import torch._dynamo
 
-    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=64, seq_length=16)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=64,
+        seq_length=16,
+    )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     eager = GPTModel(cfg)
@@ -83,14 +89,42 @@ def test_compile_flag_compiles_the_layers_of_the_main_job():
     from megazpp.config import load_config
     from megazpp.parallel.topology import Topology
 
-    cfg = load_config(["--compile", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                       "--vocab-size", "64", "--seq-length", "16"])
+    cfg = load_config(
+        [
+            "--compile",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--vocab-size",
+            "64",
+            "--seq-length",
+            "16",
+        ]
+    )
     assert cfg.training.compile
     model = pretrain_gpt.build_model(cfg, Topology.from_env(), torch.device("cpu"))
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.layers.values())
-    plain = pretrain_gpt.build_model(load_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
-                                                  "4", "--vocab-size", "64", "--seq-length", "16"]),
-                                     Topology.from_env(), torch.device("cpu"))
+    plain = pretrain_gpt.build_model(
+        load_config(
+            [
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "32",
+                "--num-attention-heads",
+                "4",
+                "--vocab-size",
+                "64",
+                "--seq-length",
+                "16",
+            ]
+        ),
+        Topology.from_env(),
+        torch.device("cpu"),
+    )
     assert not any(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in plain.layers.values())
 
 
@@ -120,11 +154,14 @@ def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, t
             assert loss == pytest.approx(reference[i], abs=1e-4), (i, losses, reference)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--zero-stage", "3"], "training.compile with strategy GGG: its parameters are sharded (G)"),
-    (["--paro-strategy", "IGG"], "training.compile with strategy IGG"),
-    (["--paro-strategy", "auto"], "training.compile with zero.paro_strategy = auto"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--zero-stage", "3"], "training.compile with strategy GGG: its parameters are sharded (G)"),
+        (["--paro-strategy", "IGG"], "training.compile with strategy IGG"),
+        (["--paro-strategy", "auto"], "training.compile with zero.paro_strategy = auto"),
+    ],
+)
 def test_compile_with_sharded_parameters_is_refused(flags, message):
     """Measured: ZeRO-3 with compiled layers failed at the first released parameter (Inductor's
     size check); refused in the config check, before any rank starts."""

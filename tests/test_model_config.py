@@ -15,7 +15,10 @@ from megazpp.model.init import normal_init, scaled_std
 BAD = [
     (dict(arch="bert"), "model.arch = 'bert'"),
     (dict(hidden_size=30, num_attention_heads=4), "hidden_size = 30 is not divisible by model.num_attention_heads = 4"),
-    (dict(num_attention_heads=4, num_query_groups=3), "num_attention_heads = 4 is not divisible by model.num_query_groups = 3"),
+    (
+        dict(num_attention_heads=4, num_query_groups=3),
+        "num_attention_heads = 4 is not divisible by model.num_query_groups = 3",
+    ),
     (dict(num_layers=0), "model.num_layers = 0: expected a positive integer"),
     (dict(vocab_size=-5), "model.vocab_size = -5"),
     (dict(hidden_size=24, num_attention_heads=8), "rotary embeddings need an even head dimension"),
@@ -49,8 +52,7 @@ def test_bad_layer_range_and_unimplemented_combinations_are_rejected():
     with pytest.raises(ConfigError, match="longer than model.seq_length = 128"):
         GPTModel(cfg)(torch.zeros(1, 129, dtype=torch.long))
     # without the aux loss a MoE pipeline stage is fine
-    GPTModel(ModelConfig(num_experts=2, moe_top_k=1, moe_aux_loss_coeff=0.0),
-             post_process=False, layer_range=(0, 1))
+    GPTModel(ModelConfig(num_experts=2, moe_top_k=1, moe_aux_loss_coeff=0.0), post_process=False, layer_range=(0, 1))
 
 
 def test_arch_defaults():
@@ -74,7 +76,7 @@ def test_init_depends_only_on_seed_and_global_name():
     w = torch.empty_like(whole["layers.3.mlp.down_proj.weight"])
     normal_init(cfg.init_seed, "layers.3.mlp.down_proj.weight", scaled_std(cfg.init_std, 4))(w)
     assert torch.equal(w, whole["layers.3.mlp.down_proj.weight"])
-    assert abs(whole["layers.3.mlp.down_proj.weight"].std().item() - 0.02 / 8 ** 0.5) < 1e-3
+    assert abs(whole["layers.3.mlp.down_proj.weight"].std().item() - 0.02 / 8**0.5) < 1e-3
     # another seed, other weights; creation order and global RNG state do not matter
     torch.manual_seed(99)
     other = dict(GPTModel(ModelConfig(**{**cfg.__dict__, "init_seed": 7})).named_parameters())
@@ -84,11 +86,14 @@ def test_init_depends_only_on_seed_and_global_name():
     assert all(torch.equal(again[n], whole[n]) for n in whole)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(arch="llama", num_query_groups=2),
-    dict(arch="gpt2"),
-    dict(arch="llama", num_experts=5, moe_top_k=2),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(arch="llama", num_query_groups=2),
+        dict(arch="gpt2"),
+        dict(arch="llama", num_experts=5, moe_top_k=2),
+    ],
+)
 def test_parameter_count_matches_the_built_model(kwargs):
     cfg = ModelConfig(**kwargs)
     assert parameter_count(cfg) == sum(p.numel() for p in GPTModel(cfg).parameters())
@@ -96,13 +101,19 @@ def test_parameter_count_matches_the_built_model(kwargs):
 
 def test_training_flops_formula():
     # 6-layer, 512-wide Llama (MHA, ffn 1408), vocab 32000, seq 512: worked by hand
-    cfg = ModelConfig(num_layers=6, hidden_size=512, num_attention_heads=8, vocab_size=32000,
-                      seq_length=512)
+    cfg = ModelConfig(num_layers=6, hidden_size=512, num_attention_heads=8, vocab_size=32000, seq_length=512)
     per_layer = 4 * 512 * 512 + 3 * 512 * 1408
     n = 6 * per_layer + 32000 * 512
     assert matmul_weights_per_token(cfg) == n
     assert training_flops_per_token(cfg) == 6 * n + 12 * 6 * 512 * 512
     # MoE counts only the top-k experts a token visits, plus the router
-    moe = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
-                      num_experts=8, moe_top_k=2, moe_ffn_hidden_size=4)
+    moe = ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=10,
+        num_experts=8,
+        moe_top_k=2,
+        moe_ffn_hidden_size=4,
+    )
     assert matmul_weights_per_token(moe) == 4 * 16 * 16 + 2 * 3 * 16 * 4 + 8 * 16 + 10 * 16

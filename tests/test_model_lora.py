@@ -15,8 +15,16 @@ from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import merge_adapters
 from megazpp.model.trainable import apply_trainable, trainable_fraction
 
-TINY = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-            vocab_size=64, seq_length=16, ffn_hidden_size=40)
+TINY = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    seq_length=16,
+    ffn_hidden_size=40,
+)
 
 
 def _trained(model: torch.nn.Module) -> set[str]:
@@ -27,8 +35,9 @@ def test_what_trains():
     lora = ModelConfig(**TINY, lora_rank=4, lora_targets=["qkv", "down_proj"])
     model = GPTModel(lora)
     apply_trainable(model, [], lora)
-    assert _trained(model) == {f"layers.{i}.{m}.lora.{f}" for i in (0, 1)
-                               for m in ("attention.qkv", "mlp.down_proj") for f in "ab"}
+    assert _trained(model) == {
+        f"layers.{i}.{m}.lora.{f}" for i in (0, 1) for m in ("attention.qkv", "mlp.down_proj") for f in "ab"
+    }
     apply_trainable(model, ["*norm*"], lora)  # patterns add to the adapters
     assert "final_norm.weight" in _trained(model) and "layers.0.attention.qkv.lora.a" in _trained(model)
     plain = ModelConfig(**TINY)
@@ -40,12 +49,18 @@ def test_what_trains():
     assert trainable_fraction(plain, []) == 1.0 and 0 < trainable_fraction(lora, []) < 0.2
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--trainable", "nope*"], "training.trainable = 'nope*': matches no parameter"),
-    (["--trainable", "last:3"], "training.trainable = 'last:3': expected last:N with N in [1, model.num_layers = 2]"),
-    (["--lora-rank", "4", "--lora-targets", "fc1"], "model.lora_targets = ['fc1']: unknown module 'fc1'"),
-    (["--lora-rank", "-1"], "model.lora_rank = -1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trainable", "nope*"], "training.trainable = 'nope*': matches no parameter"),
+        (
+            ["--trainable", "last:3"],
+            "training.trainable = 'last:3': expected last:N with N in [1, model.num_layers = 2]",
+        ),
+        (["--lora-rank", "4", "--lora-targets", "fc1"], "model.lora_targets = ['fc1']: unknown module 'fc1'"),
+        (["--lora-rank", "-1"], "model.lora_rank = -1"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(flags, message):
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64", *flags]
     with pytest.raises(ConfigError) as info:

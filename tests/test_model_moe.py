@@ -9,8 +9,17 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.mlp import SwiGLUMLP
 
-MOE = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-           seq_length=16, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=8)
+MOE = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    seq_length=16,
+    num_experts=8,
+    moe_top_k=2,
+    moe_ffn_hidden_size=8,
+)
 
 
 def _batch(cfg, b=4):
@@ -40,8 +49,7 @@ def test_aux_loss_is_positive_added_to_every_token_and_in_backward():
         model = GPTModel(ModelConfig(**MOE, moe_aux_loss_coeff=coeff))
         loss = model(inputs, labels)
         loss.mean().backward()
-        runs[coeff] = (loss.detach(), model.last_moe_aux_loss,
-                       model.layers["1"].mlp.router.weight.grad.clone())
+        runs[coeff] = (loss.detach(), model.last_moe_aux_loss, model.layers["1"].mlp.router.weight.grad.clone())
     aux = runs[0.5][1]
     # Switch aux is num_experts * sum f_e P_e >= ~1 per layer (1 when perfectly balanced)
     assert aux > 1.5, aux
@@ -77,8 +85,7 @@ def test_every_routed_expert_gets_gradients_and_unrouted_ones_get_zeros():
     model.zero_grad()
     favour = torch.tensor([50.0, 50.0] + [0.0] * (cfg.num_experts - 2))
     for layer in model.layers.values():
-        layer.mlp.router.register_forward_hook(
-            lambda _m, _i, probs: torch.softmax(torch.log(probs) + favour, dim=-1))
+        layer.mlp.router.register_forward_hook(lambda _m, _i, probs: torch.softmax(torch.log(probs) + favour, dim=-1))
     model(inputs, labels).mean().backward()
     for layer in model.layers.values():
         for e, expert in enumerate(layer.mlp.experts):

@@ -88,7 +88,7 @@ def _swiglu(sd, name, x):
 
 def _gelu_mlp(sd, name, x):
     z = _linear(sd, f"{name}.fc1", x, True)
-    z = 0.5 * z * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3)))
+    z = 0.5 * z * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
     return _linear(sd, f"{name}.fc2", z, True)
 
 
@@ -102,7 +102,7 @@ def _moe(cfg, sd, name, x):
         chosen = torch.argsort(probs_all[t], descending=True)[: cfg.moe_top_k]
         for e in chosen.tolist():
             counts[e] += 1
-            out[t] += probs_all[t, e] * _swiglu(sd, f"{name}.experts.{e}", tokens[t:t + 1])[0]
+            out[t] += probs_all[t, e] * _swiglu(sd, f"{name}.experts.{e}", tokens[t : t + 1])[0]
     aux = cfg.num_experts * ((counts / (tokens.shape[0] * cfg.moe_top_k)) * probs_all.mean(0)).sum()
     return out.view_as(x), aux
 
@@ -142,14 +142,31 @@ def _perturb_norms_and_biases(model: GPTModel) -> None:
 
 
 CASES = {
-    "llama_gqa": dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
-                      num_query_groups=2, ffn_hidden_size=48, vocab_size=64, seq_length=12,
-                      rope_theta=500.0),
-    "gpt2": dict(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4,
-                 vocab_size=64, seq_length=12),
-    "llama_moe": dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
-                      num_query_groups=1, vocab_size=64, seq_length=12, num_experts=6,
-                      moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.1),
+    "llama_gqa": dict(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        vocab_size=64,
+        seq_length=12,
+        rope_theta=500.0,
+    ),
+    "gpt2": dict(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=12),
+    "llama_moe": dict(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=1,
+        vocab_size=64,
+        seq_length=12,
+        num_experts=6,
+        moe_top_k=2,
+        moe_ffn_hidden_size=16,
+        moe_aux_loss_coeff=0.1,
+    ),
 }
 
 

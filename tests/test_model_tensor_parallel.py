@@ -14,15 +14,13 @@ from megazpp.model.gpt import GPTModel
 from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded, tp_partition_dim
 
-BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
-            init_std=0.1)
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8, init_std=0.1)
 CASES = [
     ("llama_gqa", dict(arch="llama", num_query_groups=2, **BASE), False),
     ("llama_gqa_sp", dict(arch="llama", num_query_groups=2, **BASE), True),
     ("gpt2", dict(arch="gpt2", **BASE), False),
     ("gpt2_sp", dict(arch="gpt2", **BASE), True),
-    ("llama_moe", dict(arch="llama", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=8,
-                       **BASE), False),
+    ("llama_moe", dict(arch="llama", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=8, **BASE), False),
 ]
 
 
@@ -57,8 +55,7 @@ def _compare_on_rank() -> dict[str, float]:
         assert local_logits.shape[-1] == cfg.vocab_size // size
         diffs.append((local_logits - full_logits.chunk(size, -1)[rank]).abs().max().item())
         worst[name] = max(diffs)
-    for bad, key in ((dict(num_query_groups=1), "num_query_groups = 1"),
-                     (dict(vocab_size=63), "vocab_size = 63")):
+    for bad, key in ((dict(num_query_groups=1), "num_query_groups = 1"), (dict(vocab_size=63), "vocab_size = 63")):
         try:
             GPTModel(ModelConfig(**{**CASES[0][1], **bad}), tp_group=group)
         except TopologyError as e:

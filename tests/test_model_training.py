@@ -40,16 +40,18 @@ def _loss_and_grads(cfg, inputs, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("llama", dict(num_query_groups=2, num_experts=3, moe_top_k=2, moe_ffn_hidden_size=8)),
-    ("gpt2", {}),
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("llama", dict(num_query_groups=2, num_experts=3, moe_top_k=2, moe_ffn_hidden_size=8)),
+        ("gpt2", {}),
+    ],
+)
 def test_activation_checkpointing_gives_identical_loss_and_grads(arch, extra):
     base = dict(arch=arch, hidden_dropout=0.1, attention_dropout=0.1, **SMALL, **extra)
     inputs, labels = _batch(ModelConfig(**base))
     loss, grads = _loss_and_grads(ModelConfig(**base), inputs, labels)
-    ckpt_loss, ckpt_grads = _loss_and_grads(
-        ModelConfig(**base, activation_checkpointing=True), inputs, labels)
+    ckpt_loss, ckpt_grads = _loss_and_grads(ModelConfig(**base, activation_checkpointing=True), inputs, labels)
     assert torch.equal(loss, ckpt_loss)
     assert grads.keys() == ckpt_grads.keys()
     for name in grads:

@@ -22,16 +22,32 @@ from tests.test_training_parallel import common_args
 
 # given rates (no probe: the test's planner inputs equal the ranks'); at 100 Mbit/s between
 # islands the outer syncs of a whole os (p = N, os = N) cost more than its fewer inner calls save
-PLANNER = {"accelerator_memory_gib": 0.0025, "achievable_tflops": 0.01, "intra_node_gbs": 1.0,
-           "inter_node_gbit": 0.1, "probe": False}
-FLAGS = ["--outer-algorithm", "diloco", "--outer-sync-every", "2", "--outer-quantize", "bf16",
-         "--paro-strategy", "auto", "--ranks-per-node", "2"]
+PLANNER = {
+    "accelerator_memory_gib": 0.0025,
+    "achievable_tflops": 0.01,
+    "intra_node_gbs": 1.0,
+    "inter_node_gbit": 0.1,
+    "probe": False,
+}
+FLAGS = [
+    "--outer-algorithm",
+    "diloco",
+    "--outer-sync-every",
+    "2",
+    "--outer-quantize",
+    "bf16",
+    "--paro-strategy",
+    "auto",
+    "--ranks-per-node",
+    "2",
+]
 
 
 def _yaml(tmp_path) -> str:
     path = tmp_path / "planner.yaml"
-    path.write_text("planner:\n" + "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n"
-                                           for k, v in PLANNER.items()))
+    path.write_text(
+        "planner:\n" + "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in PLANNER.items())
+    )
     return str(path)
 
 
@@ -56,11 +72,20 @@ def _expected(args: list[str]) -> str:
     workload = workload_of_config(cfg)
     shapes = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)
     p = cfg.planner
-    whole = Cluster(nodes=2, gpus_per_node=2, memory_bytes=p.accelerator_memory_gib * GIB,
-                    flops=p.achievable_tflops * 1e12, intra_bw=p.intra_node_gbs * 1e9,
-                    inter_bw=p.inter_node_gbit * 1e9 / 8, intra_latency=p.intra_node_latency_us * 1e-6,
-                    inter_latency=p.inter_node_latency_us * 1e-6, memory_bw=p.memory_bandwidth_gbs * 1e9,
-                    usable_memory_fraction=p.usable_memory_fraction, backend="gloo", overlap=False)
+    whole = Cluster(
+        nodes=2,
+        gpus_per_node=2,
+        memory_bytes=p.accelerator_memory_gib * GIB,
+        flops=p.achievable_tflops * 1e12,
+        intra_bw=p.intra_node_gbs * 1e9,
+        inter_bw=p.inter_node_gbit * 1e9 / 8,
+        intra_latency=p.intra_node_latency_us * 1e-6,
+        inter_latency=p.inter_node_latency_us * 1e-6,
+        memory_bw=p.memory_bandwidth_gbs * 1e9,
+        usable_memory_fraction=p.usable_memory_fraction,
+        backend="gloo",
+        overlap=False,
+    )
     island = plan_island(shapes, workload, whole, OuterChoice.of(outer), fixed_zeropp=ZeroPP())
     assert island.choice is not None and island.runner_up is not None
     # the outer traffic decides: the island's synchronous plan alone would pick another strategy

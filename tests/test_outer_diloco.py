@@ -40,11 +40,25 @@ from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
-RESUMED = ("NNN", "GGG", "IIG", "GGG/tau1", "GGG/int4")  # also saved mid-interval (tau1: an exchange in flight) and resumed
+RESUMED = (
+    "NNN",
+    "GGG",
+    "IIG",
+    "GGG/tau1",
+    "GGG/int4",
+)  # also saved mid-interval (tau1: an exchange in flight) and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
 FRAGMENTED = ("NNG", "GGG", "IIG")  # also run with 2 fragments (one synced at every step)
 INT4 = ("NNG", "GGG")  # also with int4 outer gradients and error feedback
@@ -58,7 +72,9 @@ def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch
     return ids[:, :-1], ids[:, 1:]
 
 
-def _build(topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER) -> tuple[GPTModel, DiLoCoEngine]:
+def _build(
+    topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER
+) -> tuple[GPTModel, DiLoCoEngine]:
     model = GPTModel(ModelConfig(**LLAMA), tp_group=topo.tp_group)
     opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
     return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionConfig(), opts, island), outer, island)
@@ -82,9 +98,17 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
             rows = [r for t, r in tags.items() if t.startswith(prefixes)]
             return tuple(sum(r[k] for r in rows) for k in ("intra", "inter", "calls"))
 
-        out.append({"loss": total, "synced": engine.due(step + 1), "scalars": result.scalars,
-                    "inner": summed(("zero/", "train/grad_norm")), "sync": summed(("outer/sync",)),
-                    "stats": summed(("outer/stats",)), "snapshot": engine.snapshot.clone()})
+        out.append(
+            {
+                "loss": total,
+                "synced": engine.due(step + 1),
+                "scalars": result.scalars,
+                "inner": summed(("zero/", "train/grad_norm")),
+                "sync": summed(("outer/sync",)),
+                "stats": summed(("outer/stats",)),
+                "snapshot": engine.snapshot.clone(),
+            }
+        )
     return out
 
 
@@ -94,19 +118,25 @@ def _strategies_rank(ckpt_root: str) -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     island = topo.island_view(1)
     report = {"dp_rank": topo.dp_rank, "island": island.island, "runs": {}}
-    for label, name, outer in ([(n, n, OUTER) for n in VALID_NAMES] +
-                               [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16] +
-                               [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED] +
-                               [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1))
-                                for n in OVERLAPPED] +
-                               [(f"{n}/int4", n, dataclasses.replace(OUTER, quantize="int4")) for n in INT4]):
+    for label, name, outer in (
+        [(n, n, OUTER) for n in VALID_NAMES]
+        + [(f"{n}/bf16", n, dataclasses.replace(OUTER, quantize="bf16")) for n in BF16]
+        + [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED]
+        + [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1)) for n in OVERLAPPED]
+        + [(f"{n}/int4", n, dataclasses.replace(OUTER, quantize="int4")) for n in INT4]
+    ):
         model, engine = _build(topo, island, name, outer)
         steps = _steps(model, engine, topo, range(SAVE_AT))
-        run = {"held": engine.held_bytes(), "expected": engine.expected_bytes(),
-               "inner_predicted": (*engine.inner.expected_step_bytes(MICRO), engine.inner.expected_step_calls(MICRO)),
-               "sync_predicted": engine.expected_sync_bytes(), "stats_predicted": engine.expected_stats_bytes(),
-               "publish_predicted": engine.expected_publish(), "fragment_names": engine.fragment_names(),
-               "fragment_bytes": [engine.expected_sync_bytes([f]) for f in range(len(engine.fragments))]}
+        run = {
+            "held": engine.held_bytes(),
+            "expected": engine.expected_bytes(),
+            "inner_predicted": (*engine.inner.expected_step_bytes(MICRO), engine.inner.expected_step_calls(MICRO)),
+            "sync_predicted": engine.expected_sync_bytes(),
+            "stats_predicted": engine.expected_stats_bytes(),
+            "publish_predicted": engine.expected_publish(),
+            "fragment_names": engine.fragment_names(),
+            "fragment_bytes": [engine.expected_sync_bytes([f]) for f in range(len(engine.fragments))],
+        }
         if label in RESUMED:
             save_checkpoint(f"{ckpt_root}/{name}", SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
         steps += _steps(model, engine, topo, range(SAVE_AT, STEPS))
@@ -115,7 +145,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
             engine2.load_state_dict(load_checkpoint(f"{ckpt_root}/{name}", topo).state["engine"])
             again = _steps(model2, engine2, topo, range(SAVE_AT, STEPS))
             run["resumed"] = [s["loss"] for s in again] == [s["loss"] for s in steps[SAVE_AT:]] and all(
-                torch.equal(a["snapshot"], b["snapshot"]) for a, b in zip(again, steps[SAVE_AT:]))
+                torch.equal(a["snapshot"], b["snapshot"]) for a, b in zip(again, steps[SAVE_AT:])
+            )
         peers = comm.all_gather_object(engine.snapshot, group=island.peer_group, tag="test/peers")
         run["islands_equal"] = all(torch.equal(peers[0], p) for p in peers)
         run["errors_nonzero"] = all(bool(t.abs().sum() > 0) for pair in engine.errors for t in pair)
@@ -145,8 +176,9 @@ def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0)
             mean = average_chunks(pseudos[name].to(wire)).to(wire).float()
             outer_update(snapshot[name], mean, momentum[name], OUTER.lr, OUTER.momentum)
             for ps in params:
-                ps[name].data.copy_(merge(ps[name].detach(), snapshot[name], OUTER.merge_alpha) if tau
-                                    else snapshot[name])
+                ps[name].data.copy_(
+                    merge(ps[name].detach(), snapshot[name], OUTER.merge_alpha) if tau else snapshot[name]
+                )
 
     for step in range(STEPS):
         for i, (model, engine) in enumerate(zip(models, engines)):
@@ -193,8 +225,15 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             # bf16: a pseudo-gradient differing by fp32 reduction order may round to the next
             # bf16 value (a relative 2^-8 of that element), so the bound is looser
             bound = {"bf16": 1e-3, "int4": 5e-2}.get(name.split("/")[-1], 1e-5)
-            kind = (name if name.endswith(("/frag2", "/tau1")) else "none" if name.endswith("/int4")
-                    else name.split("/")[1] if "/" in name else "none")
+            kind = (
+                name
+                if name.endswith(("/frag2", "/tau1"))
+                else "none"
+                if name.endswith("/int4")
+                else name.split("/")[1]
+                if "/" in name
+                else "none"
+            )
             if name.endswith("/int4"):  # the int4 wire reaches the model, with its error fed back
                 assert losses[-1] != references["none"][dp_rank][-1] and run["errors_nonzero"], where
             tau = 1 if name.endswith("/tau1") else 0

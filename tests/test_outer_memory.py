@@ -31,13 +31,23 @@ from megazpp.zero.options import ZeroOptions
 from megazpp.zero.zeropp import ZeroPP
 
 STEPS, MICRO, H = 4, 2, 2
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 # (label, strategy, outer options, qgZ: aligned tensors, so padding splits fragments into several ranges)
-RUNS = [("GGG/bf16", "GGG", dataclasses.replace(OUTER, quantize="bf16"), False),
-        ("NNG/int4/frag2", "NNG", dataclasses.replace(OUTER, quantize="int4", fragments=2), False),
-        ("GGG/qgz/frag2/tau1", "GGG", dataclasses.replace(OUTER, fragments=2, overlap_steps=1), True)]
+RUNS = [
+    ("GGG/bf16", "GGG", dataclasses.replace(OUTER, quantize="bf16"), False),
+    ("NNG/int4/frag2", "NNG", dataclasses.replace(OUTER, quantize="int4", fragments=2), False),
+    ("GGG/qgz/frag2/tau1", "GGG", dataclasses.replace(OUTER, fragments=2, overlap_steps=1), True),
+]
 
 
 def test_fragment_ranges_match_their_indices():
@@ -51,7 +61,11 @@ def test_fragment_ranges_match_their_indices():
     assert torch.equal(frag.gather(flat), flat[idx])
     masters = [flat[:6].clone(), flat[6:].clone()]
     views = list(frag.masters(masters))
-    assert [(lo, hi) for lo, hi, _ in views] == [(0, 2), (2, 3), (3, 6)]  # [2, 4) and [5, 6) of the first master, [0, 3) of the second
+    assert [(lo, hi) for lo, hi, _ in views] == [
+        (0, 2),
+        (2, 3),
+        (3, 6),
+    ]  # [2, 4) and [5, 6) of the first master, [0, 3) of the second
     assert torch.equal(torch.cat([v for _, _, v in views]), flat[idx])
     views[2][2].fill_(-1.0)  # a view: writes reach the master
     assert masters[1][:3].tolist() == [-1.0] * 3
@@ -92,9 +106,12 @@ def _held_rank() -> dict:
     report = {}
     for label, strategy, outer, qgz in RUNS:
         model = GPTModel(cfg, tp_group=topo.tp_group)
-        opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000,
-                           zeropp=ZeroPP(qgz=qgz))
-        engine = DiLoCoEngine(ZeroEngine(model, OptimizerConfig(lr=1e-2), PrecisionConfig(), opts, island), outer, island)
+        opts = ZeroOptions(
+            strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000, zeropp=ZeroPP(qgz=qgz)
+        )
+        engine = DiLoCoEngine(
+            ZeroEngine(model, OptimizerConfig(lr=1e-2), PrecisionConfig(), opts, island), outer, island
+        )
         steps = []
         for step in range(STEPS):
             g = torch.Generator().manual_seed(100 * step + topo.dp_rank)
@@ -105,21 +122,34 @@ def _held_rank() -> dict:
             inner = engine.inner.held_bytes().optimizer
             seen = {id(engine.inner), id(engine.options), id(engine.island), id(engine._int4)}
             state = _tensors({k: v for k, v in vars(engine).items() if k != "in_flight"}, seen)
-            steps.append({"state": _storage_bytes(state), "held": engine.held_bytes().optimizer - inner,
-                          "expected": engine.expected_bytes().optimizer - engine.inner.expected_bytes().optimizer,
-                          "dtypes": sorted({str(t.dtype) for t in state}),
-                          "in_flight": [_storage_bytes(_tensors(x, set())) for x in engine.in_flight]})
+            steps.append(
+                {
+                    "state": _storage_bytes(state),
+                    "held": engine.held_bytes().optimizer - inner,
+                    "expected": engine.expected_bytes().optimizer - engine.inner.expected_bytes().optimizer,
+                    "dtypes": sorted({str(t.dtype) for t in state}),
+                    "in_flight": [_storage_bytes(_tensors(x, set())) for x in engine.in_flight],
+                }
+            )
         exchanges = []
         for f, frag in enumerate(engine.fragments):  # one more exchange of each, counted while its all-to-all runs
             x = engine._start(f, STEPS, island.peer_group)
-            exchanges.append((_storage_bytes([x.pseudo, x.sent, x.received, x.full]),
-                              traffic.exchange_bytes(frag.numel, engine.islands, outer.quantize)))
+            exchanges.append(
+                (
+                    _storage_bytes([x.pseudo, x.sent, x.received, x.full]),
+                    traffic.exchange_bytes(frag.numel, engine.islands, outer.quantize),
+                )
+            )
             x.mean(island.peer_group)
         peers = comm.all_gather_object(engine.snapshot, group=island.peer_group, tag="test/peers")
         engine.close()
-        report[label] = {"steps": steps, "exchanges": exchanges, "ranges": [len(f.ranges) for f in engine.fragments],
-                         "expected_exchange": engine.expected_exchange_bytes(),
-                         "islands_equal": all(torch.equal(peers[0], p) for p in peers)}
+        report[label] = {
+            "steps": steps,
+            "exchanges": exchanges,
+            "ranges": [len(f.ranges) for f in engine.fragments],
+            "expected_exchange": engine.expected_exchange_bytes(),
+            "islands_equal": all(torch.equal(peers[0], p) for p in peers),
+        }
     return report
 
 
@@ -135,7 +165,9 @@ def test_engine_holds_exactly_the_formula(tmp_path):
             assert all(held == formula for held, formula in run["exchanges"]), where
             # overlap 1: an exchange started at a step is in flight until the next, its all-to-all still running
             assert [bool(s["in_flight"]) for s in run["steps"]] == [label.endswith("tau1")] * STEPS, where
-            assert all(b in [formula for _, formula in run["exchanges"]] for s in run["steps"] for b in s["in_flight"]), where
+            assert all(
+                b in [formula for _, formula in run["exchanges"]] for s in run["steps"] for b in s["in_flight"]
+            ), where
             assert run["expected_exchange"] == max(formula for _, formula in run["exchanges"]), where
             assert run["islands_equal"], where
     # qgZ aligns every tensor: padding splits a fragment into several ranges (gathered, scattered)

@@ -18,8 +18,19 @@ OUTER = ["--micro-batch-size", "4", "--ranks-per-node", "2", "--outer-algorithm"
 @pytest.mark.slow
 def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_path):
     save, tb = tmp_path / "ckpt", tmp_path / "tb"
-    proc = run_sh(run_sh_data_dir, *OUTER, "--train-iters", "12", "--save", str(save), "--tensorboard-dir", str(tb),
-                  "--log-interval", "1", nproc=4)
+    proc = run_sh(
+        run_sh_data_dir,
+        *OUTER,
+        "--train-iters",
+        "12",
+        "--save",
+        str(save),
+        "--tensorboard-dir",
+        str(tb),
+        "--log-interval",
+        "1",
+        nproc=4,
+    )
     out = proc.stdout + proc.stderr
     assert "two-level: 2 islands of 1 node(s), 2 DP rank(s) each" in out and "DiLoCo every 5 inner steps" in out
     synced = [line for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
@@ -45,7 +56,7 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
         layout = bucket["layout"]
         for name, off, shape in zip(layout["names"], layout["offsets"], layout["shapes"]):
             size = torch.Size(shape).numel()
-            assert torch.equal(weights[name], snapshot[start + off:start + off + size].view(shape)), name
+            assert torch.equal(weights[name], snapshot[start + off : start + off + size].view(shape)), name
             checked += 1
         start += layout["padded"]
     own = torch.cat([m.reshape(-1) for b in engines[0]["buckets"] for m in b["masters"]])
@@ -54,7 +65,17 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
 
 @pytest.mark.slow
 def test_run_sh_refuses_one_island(run_sh_data_dir):
-    proc = run_sh(run_sh_data_dir, "--micro-batch-size", "4", "--outer-algorithm", "diloco", "--train-iters", "2", nproc=4, ok=False)
+    proc = run_sh(
+        run_sh_data_dir,
+        "--micro-batch-size",
+        "4",
+        "--outer-algorithm",
+        "diloco",
+        "--train-iters",
+        "2",
+        nproc=4,
+        ok=False,
+    )
     one_line_refusal(proc, "one island")
 
 
@@ -64,8 +85,21 @@ def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path
     save at iteration 6 holds the one started at 6 in flight, and the resumed run lands it at 7
     and the next at 9, where the uninterrupted schedule puts them."""
     save = tmp_path / "ckpt"
-    flags = [*OUTER[:-2], "--outer-sync-every", "4", "--outer-fragments", "2", "--outer-overlap-steps", "1",
-             "--outer-quantize", "int4", "--log-interval", "1", "--save", str(save)]
+    flags = [
+        *OUTER[:-2],
+        "--outer-sync-every",
+        "4",
+        "--outer-fragments",
+        "2",
+        "--outer-overlap-steps",
+        "1",
+        "--outer-quantize",
+        "int4",
+        "--log-interval",
+        "1",
+        "--save",
+        str(save),
+    ]
     first = run_sh(run_sh_data_dir, *flags, "--train-iters", "6", nproc=4)
     out = first.stdout + first.stderr
     landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]

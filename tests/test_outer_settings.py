@@ -25,44 +25,92 @@ def _outer(flags: list[str], world: int = 4, per_node: int | None = 2) -> OuterO
 
 def test_flags_resolve_to_options():
     assert _outer([]) is None
-    o = _outer(["--outer-algorithm", "diloco", "--outer-sync-every", "5", "--outer-lr", "0.5",
-                "--outer-momentum", "0.8", "--outer-quantize", "bf16", "--outer-fragments", "2"])
+    o = _outer(
+        [
+            "--outer-algorithm",
+            "diloco",
+            "--outer-sync-every",
+            "5",
+            "--outer-lr",
+            "0.5",
+            "--outer-momentum",
+            "0.8",
+            "--outer-quantize",
+            "bf16",
+            "--outer-fragments",
+            "2",
+        ]
+    )
     assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2)
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
-    assert not _outer(["--outer-algorithm", "diloco", "--outer-quantize", "int4",
-                       "--no-outer-error-feedback"]).error_feedback
+    assert not _outer(
+        ["--outer-algorithm", "diloco", "--outer-quantize", "int4", "--no-outer-error-feedback"]
+    ).error_feedback
     # auto with islands: accepted here, the island's strategy is chosen once the ranks probed their links
     # (tests/test_outer_auto.py runs it)
     assert _outer(["--outer-algorithm", "diloco", "--paro-strategy", "auto"]).island_nodes == 1
 
 
-@pytest.mark.parametrize("flags, world, per_node, message", [
-    (["--outer-algorithm", "lococo"], 4, 2, "outer.algorithm = 'lococo': expected one of none, diloco"),
-    (["--outer-sync-every", "5"], 4, 2, "outer.sync_every = 5 is set but outer.algorithm is none"),
-    (["--outer-algorithm", "diloco", "--outer-sync-every", "0"], 4, 2, "outer.sync_every = 0"),
-    (["--outer-algorithm", "diloco", "--outer-lr", "0"], 4, 2, "outer.lr = 0.0"),
-    (["--outer-algorithm", "diloco", "--outer-momentum", "1"], 4, 2, "outer.momentum = 1.0"),
-    (["--outer-algorithm", "diloco", "--outer-quantize", "int8"], 4, 2, "outer.quantize = 'int8'"),
-    (["--outer-algorithm", "diloco", "--outer-fragments", "0"], 4, 2, "outer.fragments = 0"),
-    (["--outer-algorithm", "diloco", "--outer-fragments", "6", "--outer-sync-every", "5"], 4, 2,
-     "outer.fragments = 6 > outer.sync_every = 5"),
-    (["--outer-algorithm", "diloco", "--outer-overlap-steps", "5", "--outer-sync-every", "5"], 4, 2,
-     "outer.overlap_steps = 5: a fragment's exchange must land"),
-    (["--outer-algorithm", "diloco", "--outer-merge-alpha", "0.3"], 4, 2, "outer.overlap_steps is 0"),
-    (["--outer-algorithm", "diloco", "--outer-merge-alpha", "1.5", "--outer-overlap-steps", "1"], 4, 2,
-     "outer.merge_alpha = 1.5"),
-    (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
-    (["--outer-algorithm", "diloco", "--outer-quantize", "bf16", "--no-outer-error-feedback"], 4, 2,
-     "outer.error_feedback = false: only the int4 wire drops anything"),
-    (["--outer-algorithm", "diloco", "--outer-fragments", "3", "--outer-sync-every", "4", "--num-layers", "2"], 4, 2,
-     "a pipeline stage holds 2 layer(s)"),
-    (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
-    (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),
-    (["--outer-algorithm", "diloco", "--outer-island-nodes", "3"], 8, 2, "positive divisor of the 4 node(s)"),
-    # stages on different nodes: island 0 (DP rank 0 with both stages) spans nodes 0 and 2
-    (["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"], 8, 2, "spans nodes [0, 2], not 1 whole"),
-    (["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"], 4, 1, "cannot split the data-parallel size 2"),
-])
+@pytest.mark.parametrize(
+    "flags, world, per_node, message",
+    [
+        (["--outer-algorithm", "lococo"], 4, 2, "outer.algorithm = 'lococo': expected one of none, diloco"),
+        (["--outer-sync-every", "5"], 4, 2, "outer.sync_every = 5 is set but outer.algorithm is none"),
+        (["--outer-algorithm", "diloco", "--outer-sync-every", "0"], 4, 2, "outer.sync_every = 0"),
+        (["--outer-algorithm", "diloco", "--outer-lr", "0"], 4, 2, "outer.lr = 0.0"),
+        (["--outer-algorithm", "diloco", "--outer-momentum", "1"], 4, 2, "outer.momentum = 1.0"),
+        (["--outer-algorithm", "diloco", "--outer-quantize", "int8"], 4, 2, "outer.quantize = 'int8'"),
+        (["--outer-algorithm", "diloco", "--outer-fragments", "0"], 4, 2, "outer.fragments = 0"),
+        (
+            ["--outer-algorithm", "diloco", "--outer-fragments", "6", "--outer-sync-every", "5"],
+            4,
+            2,
+            "outer.fragments = 6 > outer.sync_every = 5",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--outer-overlap-steps", "5", "--outer-sync-every", "5"],
+            4,
+            2,
+            "outer.overlap_steps = 5: a fragment's exchange must land",
+        ),
+        (["--outer-algorithm", "diloco", "--outer-merge-alpha", "0.3"], 4, 2, "outer.overlap_steps is 0"),
+        (
+            ["--outer-algorithm", "diloco", "--outer-merge-alpha", "1.5", "--outer-overlap-steps", "1"],
+            4,
+            2,
+            "outer.merge_alpha = 1.5",
+        ),
+        (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
+        (
+            ["--outer-algorithm", "diloco", "--outer-quantize", "bf16", "--no-outer-error-feedback"],
+            4,
+            2,
+            "outer.error_feedback = false: only the int4 wire drops anything",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--outer-fragments", "3", "--outer-sync-every", "4", "--num-layers", "2"],
+            4,
+            2,
+            "a pipeline stage holds 2 layer(s)",
+        ),
+        (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
+        (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),
+        (["--outer-algorithm", "diloco", "--outer-island-nodes", "3"], 8, 2, "positive divisor of the 4 node(s)"),
+        # stages on different nodes: island 0 (DP rank 0 with both stages) spans nodes 0 and 2
+        (
+            ["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"],
+            8,
+            2,
+            "spans nodes [0, 2], not 1 whole",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--pipeline-model-parallel-size", "2"],
+            4,
+            1,
+            "cannot split the data-parallel size 2",
+        ),
+    ],
+)
 def test_refusals(flags, world, per_node, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _outer(flags, world, per_node)
@@ -71,9 +119,26 @@ def test_refusals(flags, world, per_node, message):
 def test_refused_before_any_rank_starts(tmp_path):
     """run.sh's once-per-job check refuses one island in one line, no rank started."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "megazpp.training.startup", "--world-size", "4",
-                           "--ranks-on-node", "4", "--node-rank", "0", "--outer-algorithm", "diloco"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megazpp.training.startup",
+            "--world-size",
+            "4",
+            "--ranks-on-node",
+            "4",
+            "--node-rank",
+            "0",
+            "--outer-algorithm",
+            "diloco",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "one island" in lines[0], proc.stderr
@@ -88,4 +153,5 @@ def test_checkpoints_saved_before_the_section_resume_unchanged():
     del saved["outer"]
     assert settings_diff(saved, load_config([]).to_dict()) == []
     assert settings_diff(saved, load_config(["--outer-algorithm", "diloco"]).to_dict()) == [
-        "outer.algorithm none -> diloco"]
+        "outer.algorithm none -> diloco"
+    ]

@@ -74,8 +74,9 @@ def _parts_collectives() -> dict:
     comm.counter.reset_step()
     out = {}
     gathered = torch.empty(ELEMS)
-    comm.all_gather_into_parts(list(gathered.chunk(4))[::-1], torch.full((ELEMS // 4,), float(rank)),
-                               tag="parts", async_op=True).wait()
+    comm.all_gather_into_parts(
+        list(gathered.chunk(4))[::-1], torch.full((ELEMS // 4,), float(rank)), tag="parts", async_op=True
+    ).wait()
     out["all_gather"] = gathered.tolist()
     full = torch.arange(ELEMS, dtype=torch.float) * (rank + 1)
     work = comm.reduce_scatter_parts(full, list(full.chunk(4))[::-1], tag="parts")
@@ -96,26 +97,53 @@ def _rank_main(report_dir: str) -> dict:
     res["emulated"] = _collectives("emulated")
     comm._EMULATED.clear()
     res["parts"] = _parts_collectives()
-    res["topo"] = dict(dp=topo.dp, node=topo.node, num_nodes=topo.num_nodes, dp_ranks=topo.dp_ranks,
-                       intra=topo.dp_intra_ranks, inter=topo.dp_inter_ranks, sub2=topo.dp_subgroup(2)[0],
-                       sub4=topo.dp_subgroup(4)[0], cross2=topo.dp_cross_subgroup(2)[0],
-                       cross1=topo.dp_cross_subgroup(1)[0])
+    res["topo"] = dict(
+        dp=topo.dp,
+        node=topo.node,
+        num_nodes=topo.num_nodes,
+        dp_ranks=topo.dp_ranks,
+        intra=topo.dp_intra_ranks,
+        inter=topo.dp_inter_ranks,
+        sub2=topo.dp_subgroup(2)[0],
+        sub4=topo.dp_subgroup(4)[0],
+        cross2=topo.dp_cross_subgroup(2)[0],
+        cross1=topo.dp_cross_subgroup(1)[0],
+    )
     t22 = Topology.from_env(tp=2, pp=2, ranks_per_node=2)
-    res["tp2pp2"] = dict(tp=t22.tp_ranks, pp=t22.pp_ranks, dp=t22.dp_ranks, emb=t22.embedding_ranks,
-                         tp_rank=t22.tp_rank, pp_rank=t22.pp_rank, layers=t22.layer_range(4),
-                         mp=t22.model_parallel_ranks)
+    res["tp2pp2"] = dict(
+        tp=t22.tp_ranks,
+        pp=t22.pp_ranks,
+        dp=t22.dp_ranks,
+        emb=t22.embedding_ranks,
+        tp_rank=t22.tp_rank,
+        pp_rank=t22.pp_rank,
+        layers=t22.layer_range(4),
+        mp=t22.model_parallel_ranks,
+    )
     t2 = Topology.from_env(tp=2, ranks_per_node=2)
     res["dp2tp2"] = dict(tp=t2.tp_ranks, dp=t2.dp_ranks, intra=t2.dp_intra_ranks, inter=t2.dp_inter_ranks)
     errors = {}
-    for name, kwargs in {"tp3": dict(tp=3), "tp_across_nodes": dict(tp=4, ranks_per_node=2),
-                         "rpn3": dict(ranks_per_node=3), "pp8": dict(pp=8)}.items():
+    for name, kwargs in {
+        "tp3": dict(tp=3),
+        "tp_across_nodes": dict(tp=4, ranks_per_node=2),
+        "rpn3": dict(ranks_per_node=3),
+        "pp8": dict(pp=8),
+    }.items():
         try:
             Topology.from_env(**kwargs)
         except TopologyError as err:
             errors[name] = str(err)
     res["errors"] = errors
-    sizes = SimpleNamespace(num_attention_heads=6, num_query_groups=2, vocab_size=512, ffn_hidden_size=64,
-                            num_layers=3, seq_length=16, num_experts=0, moe_ffn_hidden_size=None)
+    sizes = SimpleNamespace(
+        num_attention_heads=6,
+        num_query_groups=2,
+        vocab_size=512,
+        ffn_hidden_size=64,
+        num_layers=3,
+        seq_length=16,
+        num_experts=0,
+        moe_ffn_hidden_size=None,
+    )
     try:
         check_model_split(sizes, t22.tp, t22.pp)
     except TopologyError as err:
@@ -154,7 +182,7 @@ def test_collectives_count_bytes_by_formula(tmp_path):
             got = res[path]
             assert got["all_gather"] == [float(r) for r in range(4) for _ in range(ELEMS // 4)]
             full_sum = [float(i * 10) for i in range(ELEMS)]  # sum over ranks of i*(r+1)
-            assert got["reduce_scatter"] == full_sum[rank * 6:(rank + 1) * 6]
+            assert got["reduce_scatter"] == full_sum[rank * 6 : (rank + 1) * 6]
             assert got["all_reduce"] == [float(4 * i + 6) for i in range(ELEMS)]
             assert got["all_to_all"] == [float(100 * src + rank * 6 + j) for src in range(4) for j in range(6)]
             assert got["broadcast"] == [0.0] * ELEMS
@@ -171,10 +199,11 @@ def test_collectives_count_bytes_by_formula(tmp_path):
         parts = res["parts"]  # member r's piece in chunk 3 - r; counted as the plain operations
         assert parts["all_gather"] == [float(3 - c) for c in range(4) for _ in range(ELEMS // 4)]
         chunk = 3 - rank
-        assert parts["reduce_scatter"] == full_sum[chunk * 6:(chunk + 1) * 6] and parts["in_place"]
+        assert parts["reduce_scatter"] == full_sum[chunk * 6 : (chunk + 1) * 6] and parts["in_place"]
         expected = _expected_counts(rank)
-        assert {op: (row["intra"], row["inter"]) for op, row in parts["counts"]["ops"].items()} == \
-            {op: expected[op] for op in ("all_gather", "reduce_scatter")}
+        assert {op: (row["intra"], row["inter"]) for op, row in parts["counts"]["ops"].items()} == {
+            op: expected[op] for op in ("all_gather", "reduce_scatter")
+        }
     topo = [r["topo"] for r in results]
     assert [t["node"] for t in topo] == [0, 0, 1, 1]
     assert topo[0]["intra"] == [0, 1] and topo[3]["intra"] == [2, 3]
@@ -198,10 +227,13 @@ def test_collectives_count_bytes_by_formula(tmp_path):
     assert results[0]["model_error"] == "model num_layers = 3 is not divisible by pipeline_model_parallel_size = 2"
     world = json.loads((tmp_path / "world.json").read_text())
     assert world == results[1]["world"]
-    assert world["world"]["inter"] == sum(r[path]["counts"]["inter"] for r in results
-                                          for path in ("native", "emulated", "parts"))
+    assert world["world"]["inter"] == sum(
+        r[path]["counts"]["inter"] for r in results for path in ("native", "emulated", "parts")
+    )
     report = json.loads((tmp_path / "comm.json").read_text())
-    assert report["run"]["inter"] == sum(results[0][path]["counts"]["inter"] for path in ("native", "emulated", "parts"))
+    assert report["run"]["inter"] == sum(
+        results[0][path]["counts"]["inter"] for path in ("native", "emulated", "parts")
+    )
 
 
 def test_shape_checks_without_ranks():
@@ -220,9 +252,14 @@ def test_counter_scalars_and_steps():
     c = CommCounter()
     c.record("all_gather", "zero/param_gather", 10, 30)
     c.record("all_reduce", "dp/grads", 5, 0)
-    assert c.scalars() == {"comm/intra_bytes": 15, "comm/inter_bytes": 30,
-                           "comm/all_gather/intra_bytes": 10, "comm/all_gather/inter_bytes": 30,
-                           "comm/all_reduce/intra_bytes": 5, "comm/all_reduce/inter_bytes": 0}
+    assert c.scalars() == {
+        "comm/intra_bytes": 15,
+        "comm/inter_bytes": 30,
+        "comm/all_gather/intra_bytes": 10,
+        "comm/all_gather/inter_bytes": 30,
+        "comm/all_reduce/intra_bytes": 5,
+        "comm/all_reduce/inter_bytes": 0,
+    }
     assert c.end_step()["comm/inter_bytes"] == 30 and c.step_totals()["inter"] == 0
     c.record("all_gather", "zero/param_gather", 1, 2)
     assert c.step_totals()["inter"] == 2 and c.run_totals()["inter"] == 32 and c.steps == 1

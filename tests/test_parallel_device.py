@@ -18,20 +18,38 @@ from megazpp.parallel.device import rank_device, resolve_backend
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("requested,ranks,gpus,backend", [
-    ("auto", 1, 0, "gloo"), ("auto", 4, 0, "gloo"), ("gloo", 4, 0, "gloo"),
-    ("auto", 8, 8, "nccl"), ("nccl", 2, 8, "nccl"), ("auto", 1, 1, "nccl"),
-    ("gloo", 4, 1, "gloo"), ("gloo", 2, 2, "gloo")])
+@pytest.mark.parametrize(
+    "requested,ranks,gpus,backend",
+    [
+        ("auto", 1, 0, "gloo"),
+        ("auto", 4, 0, "gloo"),
+        ("gloo", 4, 0, "gloo"),
+        ("auto", 8, 8, "nccl"),
+        ("nccl", 2, 8, "nccl"),
+        ("auto", 1, 1, "nccl"),
+        ("gloo", 4, 1, "gloo"),
+        ("gloo", 2, 2, "gloo"),
+    ],
+)
 def test_backend_for_each_node_shape(requested, ranks, gpus, backend):
     assert resolve_backend(requested, ranks, gpus) == backend
 
 
-@pytest.mark.parametrize("requested,ranks,gpus,message", [
-    ("nccl", 1, 0, "parallel.distributed_backend = nccl: NCCL needs CUDA ranks and this machine has no usable GPU"),
-    ("nccl", 4, 1, "parallel.distributed_backend = nccl: 4 ranks per node on 1 GPU(s) would put several ranks "
-                   "on one GPU, which NCCL refuses; pass --distributed-backend gloo"),
-    ("auto", 3, 2, "start at most 2 ranks per node"),
-    ("mpi", 1, 0, "parallel.distributed_backend = 'mpi': expected auto, nccl or gloo")])
+@pytest.mark.parametrize(
+    "requested,ranks,gpus,message",
+    [
+        ("nccl", 1, 0, "parallel.distributed_backend = nccl: NCCL needs CUDA ranks and this machine has no usable GPU"),
+        (
+            "nccl",
+            4,
+            1,
+            "parallel.distributed_backend = nccl: 4 ranks per node on 1 GPU(s) would put several ranks "
+            "on one GPU, which NCCL refuses; pass --distributed-backend gloo",
+        ),
+        ("auto", 3, 2, "start at most 2 ranks per node"),
+        ("mpi", 1, 0, "parallel.distributed_backend = 'mpi': expected auto, nccl or gloo"),
+    ],
+)
 def test_backend_refusals_name_the_key_and_the_way_out(requested, ranks, gpus, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_backend(requested, ranks, gpus)
@@ -45,8 +63,14 @@ def test_ranks_share_gpus_round_robin():
 
 def _startup(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "megazpp.training.startup", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megazpp.training.startup", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_run_sh_check_refuses_nccl_on_a_cpu_machine_in_one_line():

@@ -32,8 +32,16 @@ TOL = 1e-5
 
 def _cfg(arch: str) -> ModelConfig:
     extra = {"num_query_groups": 2} if arch == "llama" else {}
-    return ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                       seq_length=SEQ, init_seed=7, **extra)
+    return ModelConfig(
+        arch=arch,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=SEQ,
+        init_seed=7,
+        **extra,
+    )
 
 
 def _global_micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,19 +67,31 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
     topo = Topology.from_env(tp=tp, pp=pp)
     cfg = _cfg(arch)
     check_model_split(cfg, tp, pp, sequence_parallel=sp)
-    model = GPTModel(cfg, tp_group=topo.tp_group, sequence_parallel=sp, pre_process=topo.is_first_stage,
-                     post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
+    model = GPTModel(
+        cfg,
+        tp_group=topo.tp_group,
+        sequence_parallel=sp,
+        pre_process=topo.is_first_stage,
+        post_process=topo.is_last_stage,
+        layer_range=topo.layer_range(cfg.num_layers),
+    )
     mp = [topo.model_parallel_group] if tp * pp > 1 else []
     if zero:
         engine = ZeroEngine(model, _optimizer(), PrecisionConfig(), ZeroOptions(strategy="NNN"), topo)
     else:
-        engine = LocalEngine(model, _optimizer(), PrecisionConfig(), norm_groups=mp,
-                             counts_in_norm=counts_in_norm(model, topo))
+        engine = LocalEngine(
+            model, _optimizer(), PrecisionConfig(), norm_groups=mp, counts_in_norm=counts_in_norm(model, topo)
+        )
     named = dict(model.named_parameters())
-    result = {"losses": [], "norms": [], "grads": {}, "dims": {n: tp_partition_dim(p) for n, p in named.items()},
-              "tp_rank": topo.tp_rank}
+    result = {
+        "losses": [],
+        "norms": [],
+        "grads": {},
+        "dims": {n: tp_partition_dim(p) for n, p in named.items()},
+        "tp_rank": topo.tp_rank,
+    }
     for step in range(STEPS):
-        mine = _global_micro_batches(step, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
+        mine = _global_micro_batches(step, MICRO * topo.dp)[topo.dp_rank * MICRO : (topo.dp_rank + 1) * MICRO]
         losses = forward_backward_1f1b(model, mine, engine, topology=topo, sequence_parallel=sp)
         if topo.dp > 1 and not zero:
             for p in named.values():
@@ -86,9 +106,10 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
         result["losses"].append(torch.stack(losses).mean().item())
         result["norms"].append(engine.step().grad_norm)
     result["params"] = {n: p.detach().clone() for n, p in named.items()}
-    held_out = _global_micro_batches(STEPS, MICRO * topo.dp)[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
-    eval_losses = torch.stack(forward_backward_1f1b(model, held_out, engine, topology=topo,
-                                                    sequence_parallel=sp, forward_only=True))
+    held_out = _global_micro_batches(STEPS, MICRO * topo.dp)[topo.dp_rank * MICRO : (topo.dp_rank + 1) * MICRO]
+    eval_losses = torch.stack(
+        forward_backward_1f1b(model, held_out, engine, topology=topo, sequence_parallel=sp, forward_only=True)
+    )
     if topo.dp > 1:
         comm.all_reduce(eval_losses, group=topo.dp_group, tag="test/dp_loss")
         eval_losses /= topo.dp
@@ -152,8 +173,13 @@ def _compare(results: list[dict], reference: dict, cfg: ModelConfig, label: str)
         check(res["params"], reference["params"], "final weight")
 
 
-FOUR_RANK: list[Layout] = [(2, 1, False, False), (2, 1, True, False), (1, 2, False, False),
-                           (2, 2, False, False), (2, 2, False, True)]
+FOUR_RANK: list[Layout] = [
+    (2, 1, False, False),
+    (2, 1, True, False),
+    (1, 2, False, False),
+    (2, 2, False, False),
+    (2, 2, False, True),
+]
 TWO_RANK: list[Layout] = [(2, 1, False, False), (1, 2, False, False)]
 
 
@@ -165,8 +191,12 @@ def _check_all(per_rank: list[dict], layouts: list[Layout]) -> None:
             dp = world // (tp * pp)
             if dp not in references:
                 references[dp] = _reference(arch, dp)
-            _compare([r[(arch, tp, pp, zero, sp)] for r in per_rank], references[dp], _cfg(arch),
-                     f"{arch} tp{tp} pp{pp} dp{dp}{' zero NNN' if zero else ''}{' sp' if sp else ''}")
+            _compare(
+                [r[(arch, tp, pp, zero, sp)] for r in per_rank],
+                references[dp],
+                _cfg(arch),
+                f"{arch} tp{tp} pp{pp} dp{dp}{' zero NNN' if zero else ''}{' sp' if sp else ''}",
+            )
 
 
 def test_four_rank_layouts_match_single_process():

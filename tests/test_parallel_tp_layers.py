@@ -27,15 +27,14 @@ HIDDEN, FFN, VOCAB, BATCH, SEQ = 8, 12, 16, 2, 4
 def _seeded(seed: int):
     def init(w: torch.Tensor) -> None:
         w.copy_(0.3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)))
+
     return init
 
 
 def _net(group, sequence_parallel: bool):
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, tp_group=group, init_method=_seeded(1))
-    up = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel,
-                              init_method=_seeded(2))
-    down = RowParallelLinear(FFN, HIDDEN, tp_group=group, sequence_parallel=sequence_parallel,
-                             init_method=_seeded(3))
+    up = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel, init_method=_seeded(2))
+    down = RowParallelLinear(FFN, HIDDEN, tp_group=group, sequence_parallel=sequence_parallel, init_method=_seeded(3))
     with torch.no_grad():
         full_bias = torch.arange(FFN, dtype=torch.float) * 0.01
         up.bias.copy_(full_bias.chunk(comm.group_size(group) if group else 1)[comm.group_rank(group) if group else 0])
@@ -57,9 +56,17 @@ def _run(group, sequence_parallel: bool):
         h = gather_from_sequence_parallel_region(h, group, grad_is_partial=False)
     loss = vocab_parallel_cross_entropy(head(h), labels, group)
     loss.sum().backward()
-    return loss.detach(), {n: (p, p.grad) for n, p in
-                           (("emb", emb.weight), ("up.w", up.weight), ("up.b", up.bias),
-                            ("down.w", down.weight), ("down.b", down.bias), ("head", head.weight))}
+    return loss.detach(), {
+        n: (p, p.grad)
+        for n, p in (
+            ("emb", emb.weight),
+            ("up.w", up.weight),
+            ("up.b", up.bias),
+            ("down.w", down.weight),
+            ("down.b", down.bias),
+            ("head", head.weight),
+        )
+    }
 
 
 def _reference():
@@ -84,11 +91,16 @@ def _rank_checks():
             out[f"{name}_sp{sp}_w"] = (p.detach() - ref_p).abs().max().item()
             out[f"{name}_sp{sp}_g"] = (g - ref_g).abs().max().item()
     out["sharded"] = {n: param_is_tp_sharded(p) for n, (p, _) in _run(group, False)[1].items()}
-    ref_ce = F.cross_entropy(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5)),
-                             torch.tensor([0, 7, 15]), reduction="none")
+    ref_ce = F.cross_entropy(
+        torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 7, 15]), reduction="none"
+    )
     full = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
-    out["ce_vs_torch"] = (vocab_parallel_cross_entropy(full.chunk(2, -1)[rank], torch.tensor([0, 7, 15]), group)
-                          - ref_ce).abs().max().item()
+    out["ce_vs_torch"] = (
+        (vocab_parallel_cross_entropy(full.chunk(2, -1)[rank], torch.tensor([0, 7, 15]), group) - ref_ce)
+        .abs()
+        .max()
+        .item()
+    )
     model_parallel_seed(1234, tp_rank=rank)
     with get_rng_tracker().fork():
         out["tp_stream"] = torch.rand(4).tolist()
@@ -103,8 +115,14 @@ def test_tp_layers_match_single_process():
         for key, value in out.items():
             if key.endswith(("_w", "_g")) or key.startswith(("loss", "ce_")):
                 assert value < 1e-5, (key, value)
-        assert out["sharded"] == {"emb": True, "up.w": True, "up.b": True, "down.w": True,
-                                  "down.b": False, "head": True}
+        assert out["sharded"] == {
+            "emb": True,
+            "up.w": True,
+            "up.b": True,
+            "down.w": True,
+            "down.b": False,
+            "head": True,
+        }
         assert out["tp_bytes"] > 0
     assert results[0]["tp_stream"] != results[1]["tp_stream"]
     assert results[0]["default_stream"] == results[1]["default_stream"]

@@ -32,8 +32,9 @@ def test_gloo_members_shares_add_up_to_the_rings_hops(ranks, rpn):
         assert sum(c[0] for c in counts) == (k - crossings) * per_hop, op
     reduced = [all_reduce_bytes(k * chunk, s) for s in shapes]
     assert sum(c[1] for c in reduced) == crossings * 2 * (k - 1) * chunk
-    assert [chunk_bytes("all_to_all", s, chunk) for s in shapes] == \
-        [chunk_bytes("all_to_all", GroupShape.of(ranks, me, rpn, "nccl"), chunk) for me in ranks]  # direct
+    assert [chunk_bytes("all_to_all", s, chunk) for s in shapes] == [
+        chunk_bytes("all_to_all", GroupShape.of(ranks, me, rpn, "nccl"), chunk) for me in ranks
+    ]  # direct
 
 
 def test_other_backends_count_the_volume_model():

@@ -38,13 +38,30 @@ _spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parent
 plan_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_cli)
 
-TINY = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                   vocab_size=96, seq_length=8, ffn_hidden_size=40)
+TINY = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 
 
 def _cluster(nodes: int, gpus: int, **kw) -> Cluster:
-    base = dict(nodes=nodes, gpus_per_node=gpus, memory_bytes=1e12, flops=1e12, intra_bw=1e10, inter_bw=1e9,
-                intra_latency=1e-5, inter_latency=1e-4, memory_bw=1e11)
+    base = dict(
+        nodes=nodes,
+        gpus_per_node=gpus,
+        memory_bytes=1e12,
+        flops=1e12,
+        intra_bw=1e10,
+        inter_bw=1e9,
+        intra_latency=1e-5,
+        inter_latency=1e-4,
+        memory_bw=1e11,
+    )
     return Cluster(**{**base, **kw})
 
 
@@ -59,14 +76,35 @@ def test_phases_add_up_to_formulas_step_bytes(nodes, gpus, tp):
         padded = [padded_numel(n, lay.dp_size, opt.zeropp.alignment()) for n in numels]
         reused = (True, False, True)  # kept groups: fetched once per step, not per forward and backward
         ph = phases(opt.strategy, padded, lay, opt.zeropp, workload, 3, cluster, reused)
-        norm = traffic.step_bytes(opt.strategy, [], lay.shapes, lay.hier, micro_batches=3, param_bytes=2,
-                                   accum_bytes=4, extra_norm_groups=lay.extra_norm_groups)
-        ours = (sum(p.intra * p.times for p in ph.values()) + norm[0],
-                sum(p.inter * p.times for p in ph.values()) + norm[1])
-        assert ours == traffic.step_bytes(opt.strategy, padded, lay.shapes, lay.hier, micro_batches=3,
-                                           param_bytes=2, accum_bytes=4, extra_norm_groups=lay.extra_norm_groups,
-                                           zeropp=opt.zeropp, reused=reused), (opt.name, nodes, gpus)
-        if opt.zeropp.hpz == 1 and opt.strategy.params != Level.N:  # the group not kept: a fetch per forward and backward
+        norm = traffic.step_bytes(
+            opt.strategy,
+            [],
+            lay.shapes,
+            lay.hier,
+            micro_batches=3,
+            param_bytes=2,
+            accum_bytes=4,
+            extra_norm_groups=lay.extra_norm_groups,
+        )
+        ours = (
+            sum(p.intra * p.times for p in ph.values()) + norm[0],
+            sum(p.inter * p.times for p in ph.values()) + norm[1],
+        )
+        assert ours == traffic.step_bytes(
+            opt.strategy,
+            padded,
+            lay.shapes,
+            lay.hier,
+            micro_batches=3,
+            param_bytes=2,
+            accum_bytes=4,
+            extra_norm_groups=lay.extra_norm_groups,
+            zeropp=opt.zeropp,
+            reused=reused,
+        ), (opt.name, nodes, gpus)
+        if (
+            opt.zeropp.hpz == 1 and opt.strategy.params != Level.N
+        ):  # the group not kept: a fetch per forward and backward
             assert ph["fetch_backward"].calls == ph["fetch_forward"].calls, opt.name
             assert ph["fetch_forward_once"].calls == 2 * ph["fetch_forward"].calls, opt.name
             assert (ph["fetch_forward"].times, ph["fetch_forward_once"].times) == (3, 1), opt.name
@@ -78,8 +116,12 @@ def test_zeropp_options_only_where_they_act():
     assert "GGG+qwZ+hpZ2+qgZ" in names and "NGG+qgZ" in names and "IIG+qwZ" in names
     assert not any(n.startswith("NN") and "+" in n for n in names)  # nothing to compress
     assert not any("hpZ" in n and not n.startswith("G") for n in names)
-    tied_pp = options(Workload(model=TINY, micro_batch=1, global_batch=4), _cluster(2, 2), ZeroPP(),
-                      allowed=lambda s: s.grads.name == "N")
+    tied_pp = options(
+        Workload(model=TINY, micro_batch=1, global_batch=4),
+        _cluster(2, 2),
+        ZeroPP(),
+        allowed=lambda s: s.grads.name == "N",
+    )
     assert sorted(o.name for o in tied_pp) == ["GNG", "ING", "INI", "NNG", "NNI", "NNN"]
     one_rank = options(Workload(model=TINY, micro_batch=1, global_batch=1), _cluster(1, 1))
     assert [o.name for o in one_rank] == [s.name for s in VALID_STRATEGIES]
@@ -92,11 +134,36 @@ def test_activation_formula_by_hand():
     assert layer_bytes(TINY, 2, 2, True, flash_attention=True) == s * b * h * 34 / 2
     # 1F1B: stage 0 of 2 keeps 2 micro-batches of its layer; checkpointing keeps inputs + one layer
     full = s * b * h * 34
-    assert stage_activation_bytes(TINY, micro_batch=2, micro_batches=4, tp=1, pp=2, stage=0, layers=1,
-                                  sequence_parallel=False, flash_attention=True, checkpointing=False) == 2 * full
-    assert stage_activation_bytes(TINY, micro_batch=2, micro_batches=4, tp=1, pp=2, stage=1, layers=1,
-                                  sequence_parallel=False, flash_attention=True,
-                                  checkpointing=True) == 2 * s * b * h + full + 2 * 4 * s * b * 96
+    assert (
+        stage_activation_bytes(
+            TINY,
+            micro_batch=2,
+            micro_batches=4,
+            tp=1,
+            pp=2,
+            stage=0,
+            layers=1,
+            sequence_parallel=False,
+            flash_attention=True,
+            checkpointing=False,
+        )
+        == 2 * full
+    )
+    assert (
+        stage_activation_bytes(
+            TINY,
+            micro_batch=2,
+            micro_batches=4,
+            tp=1,
+            pp=2,
+            stage=1,
+            layers=1,
+            sequence_parallel=False,
+            flash_attention=True,
+            checkpointing=True,
+        )
+        == 2 * s * b * h + full + 2 * 4 * s * b * 96
+    )
 
 
 def test_ddp_on_two_single_gpu_nodes_by_hand():
@@ -109,8 +176,7 @@ def test_ddp_on_two_single_gpu_nodes_by_hand():
     psi = 1000  # already a multiple of D = 2
     assert p.state == memory.StateBytes(2 * psi, 4 * psi, 12 * psi)
     assert p.step_bytes == (0, 4 * psi)  # all-reduce of 4-byte grads over 2 ranks: 2 N / 2 from the peer
-    t_f = TINY.seq_length * 2 * (6 * (2 * (32 * 64 + 32 * 32 + 3 * 32 * 40) + 96 * 32)
-                                 + 12 * 2 * 8 * 4 * 8) / 3 / 1e12
+    t_f = TINY.seq_length * 2 * (6 * (2 * (32 * 64 + 32 * 32 + 3 * 32 * 40) + 96 * 32) + 12 * 2 * 8 * 4 * 8) / 3 / 1e12
     t_acc = psi * (2 + 2 * 4) / 1e11
     assert p.compute_s == pytest.approx(2 * (t_f + 2 * t_f) + 2 * t_acc, rel=1e-12)
     boundary = 2 * 1e-4 + 4 * psi / 1e9  # 2 ring steps of inter latency + bytes over the node link
@@ -119,8 +185,17 @@ def test_ddp_on_two_single_gpu_nodes_by_hand():
     assert p.exposed["optimizer"] == pytest.approx(psi * (ADAM_TRAFFIC_FP32 + 2) / 1e11)
     assert p.step_s == pytest.approx(p.compute_s + boundary + psi * 30 / 1e11)
     assert p.memory_bytes == 18 * psi + stage_activation_bytes(
-        TINY, micro_batch=2, micro_batches=2, tp=1, pp=1, stage=0, layers=2, sequence_parallel=False,
-        flash_attention=True, checkpointing=False)
+        TINY,
+        micro_batch=2,
+        micro_batches=2,
+        tp=1,
+        pp=1,
+        stage=0,
+        layers=2,
+        sequence_parallel=False,
+        flash_attention=True,
+        checkpointing=False,
+    )
 
 
 def _shape(numel: int) -> list[StageShape]:
@@ -189,7 +264,9 @@ def test_config_shapes_match_parameter_count_and_tp_split():
     stages = shapes_of_config(TINY, pp=2, bucket_numel=4000)
     assert [s.layers for s in stages] == [1, 1] and sum(sum(s.fetch_groups) for s in stages) == parameter_count(TINY)
     peft = shapes_of_config(TINY, trainable_fraction=0.01, bucket_numel=4000)
-    assert sum(peft[0].fetch_groups) + peft[0].frozen == parameter_count(TINY) and peft[0].frozen > 0.9 * parameter_count(TINY)
+    assert sum(peft[0].fetch_groups) + peft[0].frozen == parameter_count(TINY) and peft[
+        0
+    ].frozen > 0.9 * parameter_count(TINY)
     with pytest.raises(TopologyError, match="not divisible by tensor_model_parallel_size = 3"):
         shapes_of_config(TINY, tp=3)
 
@@ -206,10 +283,40 @@ def test_bad_cluster_and_batch_are_config_errors():
 
 
 def test_plan_cli_prints_sorted_table_and_recommendation(capsys):
-    args = ["--nodes", "2", "--gpus-per-node", "2", "--inter-gbit", "1", "--memory-gib", "1", "--tflops", "0.05",
-            "--intra-gbs", "5", "--memory-bw-gbs", "10", "--backend", "gloo", "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--vocab-size", "512", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--dtype", "fp32"]
+    args = [
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--inter-gbit",
+        "1",
+        "--memory-gib",
+        "1",
+        "--tflops",
+        "0.05",
+        "--intra-gbs",
+        "5",
+        "--memory-bw-gbs",
+        "10",
+        "--backend",
+        "gloo",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--vocab-size",
+        "512",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--dtype",
+        "fp32",
+    ]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
     synchronous, two_level = out.split("Two-level options")  # the synchronous table, then the two-level one
@@ -227,8 +334,16 @@ def test_peft_frozen_weights_sharded_at_p():
     group, never reduced (as the engine does, and the PaRO paper counts); frozen elements in no
     group stay whole on every rank, with no traffic."""
     cluster = _cluster(2, 2)
-    paper_shape = StageShape(0, fetch_groups=(100, 300), buckets=(400,), frozen=9600, layers=2, first=True,
-                             last=True, frozen_groups=(2400, 7200))
+    paper_shape = StageShape(
+        0,
+        fetch_groups=(100, 300),
+        buckets=(400,),
+        frozen=9600,
+        layers=2,
+        first=True,
+        last=True,
+        frozen_groups=(2400, 7200),
+    )
     shape = dataclasses.replace(paper_shape, frozen_groups=())
     engine_view = Workload(model=TINY, micro_batch=1, global_batch=12, trainable_fraction=0.04)  # A = 3
     iig = parse_strategy("IIG")
@@ -240,10 +355,14 @@ def test_peft_frozen_weights_sharded_at_p():
     fetch = traffic.sequence_bytes(sequences.param_fetch_sequence(iig, 2, lay.hier), 9600, 2, lay.shapes)
     # the default reuse budget keeps the groups: fetched once per step for its 3 micro-batches
     assert paper.step_bytes == (plain.step_bytes[0] + fetch[0], plain.step_bytes[1] + fetch[1])
-    plain_off, paper_off = (predict_stage(iig, ZeroPP(), sh, dataclasses.replace(engine_view, max_live_parameters=0),
-                                          cluster, lay) for sh in (shape, paper_shape))
-    assert paper_off.step_bytes == (plain_off.step_bytes[0] + 2 * 3 * fetch[0],
-                                    plain_off.step_bytes[1] + 2 * 3 * fetch[1])
+    plain_off, paper_off = (
+        predict_stage(iig, ZeroPP(), sh, dataclasses.replace(engine_view, max_live_parameters=0), cluster, lay)
+        for sh in (shape, paper_shape)
+    )
+    assert paper_off.step_bytes == (
+        plain_off.step_bytes[0] + 2 * 3 * fetch[0],
+        plain_off.step_bytes[1] + 2 * 3 * fetch[1],
+    )
     nng = predict_stage(parse_strategy("NNG"), ZeroPP(), paper_shape, engine_view, cluster, lay)
     assert nng.frozen_bytes == 9600 * 2  # p = N keeps every weight whole
 
@@ -336,8 +455,9 @@ def _host_model(inter_gbit: float | None) -> Cluster:
         share = g.inter_peers / (g.size - 1)
         for op in ("all_gather", "reduce_scatter", "all_reduce"):
             wire = 2 if op == "reduce_scatter" else 1
-            times[f"{op}/{name}"] = tuple((b, CALL_S + wire * b * ((1 - share) / COPY_BPS + share / inter_rate))
-                                          for b in (4e3, 4e6))
+            times[f"{op}/{name}"] = tuple(
+                (b, CALL_S + wire * b * ((1 - share) / COPY_BPS + share / inter_rate)) for b in (4e3, 4e6)
+            )
     return _cluster(2, 2, backend="gloo", overlap=False, collective_times=times)
 
 
@@ -364,7 +484,9 @@ def test_hierarchical_auto_is_priced_by_the_host_model(inter_gbit, two_stage):
         seconds[h.gather] = sum(p.seconds * p.times for p in ph.values())
     assert (seconds[True] < seconds[False]) == two_stage
     predicted = predict_stage(ggg, zpp, shape, workload, cluster, lay)
-    assert predicted.calls == traffic.step_calls(ggg, padded, lay.shapes, hier, micro_batches=4,
-                                                  reused=reused) - 1  # the norm all-reduce is priced apart
-    assert predicted.step_bytes == traffic.step_bytes(ggg, padded, lay.shapes, hier, micro_batches=4,
-                                                       param_bytes=4, accum_bytes=4, reused=reused)
+    assert (
+        predicted.calls == traffic.step_calls(ggg, padded, lay.shapes, hier, micro_batches=4, reused=reused) - 1
+    )  # the norm all-reduce is priced apart
+    assert predicted.step_bytes == traffic.step_bytes(
+        ggg, padded, lay.shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4, reused=reused
+    )

@@ -44,8 +44,16 @@ from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zeropp import ZeroPP
 
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 MICRO, BUCKET = 2, 4000
 BLOCKS = dict(qwz_block=256, qgz_block=128)
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(fp16=True)
@@ -56,20 +64,24 @@ RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
     ("IIG", ZeroPP(qgz=True, **BLOCKS), FP32, False, LIVE),
     ("NGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, False, LIVE),
     ("GGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP16, False, LIVE),
-    ("GGG", ZeroPP(), FP32, True, LIVE), ("IIG", ZeroPP(), FP32, True, LIVE),
+    ("GGG", ZeroPP(), FP32, True, LIVE),
+    ("IIG", ZeroPP(), FP32, True, LIVE),
     ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, True, 0),
-    ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True, 0)]
+    ("IIG", ZeroPP(qwz=True, **BLOCKS), FP32, True, 0),
+]
 # a ring step inside a node dearer than three across: the latency model prices one stage over
 # DP (3 steps across) below two stages (1 step across + 1 inside) for these tiny groups
-SLOW_INTRA_STEP = PlannerSettings(intra_node_gbs=1.0, inter_node_gbit=10, intra_node_latency_us=3000,
-                                  inter_node_latency_us=100)
+SLOW_INTRA_STEP = PlannerSettings(
+    intra_node_gbs=1.0, inter_node_gbit=10, intra_node_latency_us=3000, inter_node_latency_us=100
+)
 # ZeRO++ with stage3_param_persistence_threshold: the norm gains (32 elements) kept whole
 PERSISTENCE = 100
-PERSIST_RUNS = [("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False, LIVE),
-                ("IGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, True, LIVE)]
+PERSIST_RUNS = [
+    ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, **BLOCKS), FP32, False, LIVE),
+    ("IGG", ZeroPP(qgz=True, loco=True, **BLOCKS), FP32, True, LIVE),
+]
 ALL_RUNS = [(run, 0) for run in RUNS] + [(run, PERSISTENCE) for run in PERSIST_RUNS]
-GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0,
-                        inter_node_gbit=0.1)
+GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, intra_node_gbs=1.0, inter_node_gbit=0.1)
 
 
 def _config() -> Config:
@@ -87,8 +99,9 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
         ids = torch.randint(0, LLAMA["vocab_size"], (MICRO, LLAMA["seq_length"] + 1), generator=g)
         engine.scale_loss(model(ids[:, :-1], ids[:, 1:]).mean() / MICRO).backward()
     engine.step()
-    rows = [r for tag, r in counter.step_totals()["tags"].items()
-            if tag.startswith("zero/") or tag == "train/grad_norm"]
+    rows = [
+        r for tag, r in counter.step_totals()["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"
+    ]
     return sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)
 
 
@@ -97,12 +110,23 @@ def _rank() -> dict:
     out = {"runs": []}
     for (name, zpp, precision, checkpointing, live), persistence in ALL_RUNS:
         model = GPTModel(ModelConfig(**LLAMA, activation_checkpointing=checkpointing))
-        shape = shape_of_model(model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"],
-                               persistence=persistence)
-        engine = ZeroEngine(model, OptimizerConfig(lr=1e-2), precision,
-                            ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=BUCKET,
-                                        stage3_max_live_parameters=live, zeropp=zpp,
-                                        stage3_param_persistence_threshold=persistence), topo)
+        shape = shape_of_model(
+            model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"], persistence=persistence
+        )
+        engine = ZeroEngine(
+            model,
+            OptimizerConfig(lr=1e-2),
+            precision,
+            ZeroOptions(
+                strategy=name,
+                micro_batches_per_step=MICRO,
+                reduce_bucket_size=BUCKET,
+                stage3_max_live_parameters=live,
+                zeropp=zpp,
+                stage3_param_persistence_threshold=persistence,
+            ),
+            topo,
+        )
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**LLAMA))
@@ -116,10 +140,16 @@ def _rank() -> dict:
     model = GPTModel(ModelConfig(**LLAMA))
     engine = build_zero_engine(model, cfg, topo, MICRO)
     counted = _one_step(model, engine, topo)
-    calls = sum(r["calls"] for tag, r in counter.step_totals()["tags"].items()
-                if tag.startswith("zero/") or tag == "train/grad_norm")
-    out["hier"] = {"engine": engine.hier, "counted": (counted, calls),
-                   "formulas": (engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))}
+    calls = sum(
+        r["calls"]
+        for tag, r in counter.step_totals()["tags"].items()
+        if tag.startswith("zero/") or tag == "train/grad_norm"
+    )
+    out["hier"] = {
+        "engine": engine.hier,
+        "counted": (counted, calls),
+        "formulas": (engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO)),
+    }
     try:
         auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
         out["refused"] = ""
@@ -134,17 +164,27 @@ def results():
 
 
 def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE, persistence: int = 0) -> Workload:
-    return Workload(model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing), micro_batch=MICRO,
-                    global_batch=MICRO * 4 * 2, param_bytes=2 if fp16 else 4, fp16=fp16, accum_bytes=4,
-                    bucket_numel=BUCKET, activation_checkpointing=checkpointing, max_live_parameters=live,
-                    persistence_threshold=persistence)
+    return Workload(
+        model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing),
+        micro_batch=MICRO,
+        global_batch=MICRO * 4 * 2,
+        param_bytes=2 if fp16 else 4,
+        fp16=fp16,
+        accum_bytes=4,
+        bucket_numel=BUCKET,
+        activation_checkpointing=checkpointing,
+        max_live_parameters=live,
+        persistence_threshold=persistence,
+    )
 
 
 def test_planner_memory_and_bytes_equal_the_engine(results):
-    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8,
-                      backend="gloo")  # the engines ran on gloo: the planner prices its links
-    from_config = {p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0]
-                   for p in (0, PERSISTENCE)}
+    cluster = Cluster(
+        nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8, backend="gloo"
+    )  # the engines ran on gloo: the planner prices its links
+    from_config = {
+        p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0] for p in (0, PERSISTENCE)
+    }
     persisting, plain = from_config[PERSISTENCE], from_config[0]
     assert persisting.persistent == 1 and persisting.fetch_groups[-1] == 5 * LLAMA["hidden_size"]  # 5 norm gains
     assert sum(persisting.fetch_groups) == sum(plain.fetch_groups)
@@ -173,14 +213,14 @@ def test_auto_choice_is_identical_on_every_rank(results):
     # 0.3 MiB: the replicated strategies' fp32 state does not fit, so the choice shards something
     assert given.strategy.name != "NNN" and not given.plan.rows[-1].fits
     assert {r["factory"] for r in results} == {given.strategy.name}  # stage 3 yields to auto
-    assert all(r["refused"].startswith("zero.paro_strategy = auto: set planner.achievable_tflops")
-               for r in results)
+    assert all(r["refused"].startswith("zero.paro_strategy = auto: set planner.achievable_tflops") for r in results)
     probed = results[0]["probed"].cluster
     assert probed.intra_bw > 0 and probed.inter_bw > 0 and probed.flops > 0
     # CPU ranks: the host model (cores move the bytes), with every op probed on every DP group
     assert not probed.overlap and probed.backend == "gloo" and probed.optimizer_rate > 0
-    assert sorted(probed.collective_times) == sorted(f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce")
-                                                    for g in ("cross", "dp", "hpz", "intra"))
+    assert sorted(probed.collective_times) == sorted(
+        f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce") for g in ("cross", "dp", "hpz", "intra")
+    )
     assert all(len(points) == 3 for points in probed.collective_times.values())
     assert all(r["probed"].cluster.collective_times == probed.collective_times for r in results)  # rank 0's
     assert dataclasses.replace(probed, flops=1.0) != probed
@@ -192,10 +232,18 @@ def test_hierarchical_auto_runs_the_planners_choice(results):
     cfg = _config()
     cfg.zero.stage = 3
     settings = SLOW_INTRA_STEP
-    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=math.inf, flops=math.inf,
-                      intra_bw=settings.intra_node_gbs * 1e9, inter_bw=settings.inter_node_gbit * 1e9 / 8,
-                      intra_latency=settings.intra_node_latency_us * 1e-6,
-                      inter_latency=settings.inter_node_latency_us * 1e-6, backend="gloo", overlap=False)
+    cluster = Cluster(
+        nodes=2,
+        gpus_per_node=2,
+        memory_bytes=math.inf,
+        flops=math.inf,
+        intra_bw=settings.intra_node_gbs * 1e9,
+        inter_bw=settings.inter_node_gbit * 1e9 / 8,
+        intra_latency=settings.intra_node_latency_us * 1e-6,
+        inter_latency=settings.inter_node_latency_us * 1e-6,
+        backend="gloo",
+        overlap=False,
+    )
     workload = workload_of_config(cfg)
     ggg = parse_strategy("GGG")
     lay = layout(workload, cluster)

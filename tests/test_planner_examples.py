@@ -15,7 +15,9 @@ import pytest
 
 from megazpp.errors import ConfigError
 
-_spec = importlib.util.spec_from_file_location("plan_examples", Path(__file__).parents[1] / "tools" / "plan_examples.py")
+_spec = importlib.util.spec_from_file_location(
+    "plan_examples", Path(__file__).parents[1] / "tools" / "plan_examples.py"
+)
 plan_examples = sys.modules["plan_examples"] = importlib.util.module_from_spec(_spec)  # its dataclass needs it
 _spec.loader.exec_module(plan_examples)
 
@@ -33,7 +35,8 @@ def test_example_output_is_what_plan_py_prints(index):
     example = EXAMPLES[index]
     assert plan_examples.output_of(example.args) == example.shown, (
         f"docs/planning.md's example {index} (python tools/plan.py {' '.join(example.args)}) is stale: "
-        "run python tools/plan_examples.py, then reread the commentary beside it")
+        "run python tools/plan_examples.py, then reread the commentary beside it"
+    )
 
 
 def test_a_marker_without_its_block_is_refused():

@@ -29,8 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SIZES = (1 << 8, 1 << 12, 1 << 18)  # fp32 elements per member
 # seconds per call of each op at SIZES on a group of 2 (twice that on 4); all_reduce's largest
 # size dips below the one before, as noise does, and the probe raises it to the previous time
-FAKE_COST = {"all_gather": (1e-3, 2e-3, 5e-3), "reduce_scatter": (2e-3, 3e-3, 9e-3),
-             "all_reduce": (4e-3, 6e-3, 5e-3)}
+FAKE_COST = {"all_gather": (1e-3, 2e-3, 5e-3), "reduce_scatter": (2e-3, 3e-3, 9e-3), "all_reduce": (4e-3, 6e-3, 5e-3)}
 RAISED = {**FAKE_COST, "all_reduce": (4e-3, 6e-3, 6e-3)}
 LINK_LATENCY, LINK_BW = 50e-6, 2e9  # seconds per ring step, bytes/s one rank receives
 ADAM_RATE = 3e7  # elements per second
@@ -63,6 +62,7 @@ def _faked(probe, clock: _Clock) -> dict:
         def run() -> None:
             call()
             clock.now += FAKE_COST[op][SIZES.index(numel)] * size / 2
+
         return run
 
     def costed_all_reduce(t: torch.Tensor, *, group, tag: str) -> None:
@@ -77,6 +77,7 @@ def _faked(probe, clock: _Clock) -> dict:
         def timed_step() -> None:
             step()
             clock.now += numel / ADAM_RATE
+
         optimizer.step = timed_step
         return optimizer
 
@@ -84,12 +85,16 @@ def _faked(probe, clock: _Clock) -> dict:
     probe._calls, probe.build_adamw = costed_calls, costed_adamw
     try:
         groups = {**probe.dp_groups(topo), "hpz": (None, 1)}
-        out = {"fits": probe.probe_collectives(groups, sizes=SIZES, repeats=2),
-               "adam": probe.probe_optimizer_rate(1 << 12, 2)}
+        out = {
+            "fits": probe.probe_collectives(groups, sizes=SIZES, repeats=2),
+            "adam": probe.probe_optimizer_rate(1 << 12, 2),
+        }
         # probe_link times comm.all_reduce itself (the probe's only use of it outside _calls)
         probe.comm = SimpleNamespace(all_reduce=costed_all_reduce, barrier=comm.barrier)
-        out["links"] = {"dp": probe.probe_link(topo.dp_group, topo.dp, repeats=1),
-                        "cross": probe.probe_link(topo.dp_inter_group, 2, repeats=1)}
+        out["links"] = {
+            "dp": probe.probe_link(topo.dp_group, topo.dp, repeats=1),
+            "cross": probe.probe_link(topo.dp_inter_group, 2, repeats=1),
+        }
         return out
     finally:
         probe._calls, probe.build_adamw, probe.time, probe.comm = real
@@ -111,8 +116,9 @@ def _probe_rank() -> dict:
 def test_collective_probe_fits_every_op_and_group():
     result = run_ranks(_probe_rank, 4, env={"LOCAL_WORLD_SIZE": "2"})[0]
     fits = result["fits"]
-    assert sorted(fits) == sorted(f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce")
-                                  for g in ("dp", "intra", "cross"))  # hpz has no peer: not probed
+    assert sorted(fits) == sorted(
+        f"{op}/{g}" for op in ("all_gather", "reduce_scatter", "all_reduce") for g in ("dp", "intra", "cross")
+    )  # hpz has no peer: not probed
     for points in fits.values():
         assert all(math.isfinite(t) and t > 0 for _, t in points)
     received, scatter = result["check"]
@@ -144,8 +150,12 @@ def _calibration_tool():
 
 def _verdict(report: str) -> tuple[float, float, str]:
     """(Spearman, largest error %, PASS / FAIL) of the tool's report; a missing line fails."""
-    found = re.search(r"Spearman rank correlation (\S+) \(target >= 0.8\); largest error ([0-9.]+) % "
-                      r"\(target <= 30 %\): (PASS|FAIL)$", report, re.M)
+    found = re.search(
+        r"Spearman rank correlation (\S+) \(target >= 0.8\); largest error ([0-9.]+) % "
+        r"\(target <= 30 %\): (PASS|FAIL)$",
+        report,
+        re.M,
+    )
     assert found, report
     return float(found[1]), float(found[2]), found[3]
 
@@ -162,10 +172,28 @@ def test_calibration_rank_correlation_on_fixed_timings():
 
     from megazpp.planner.cluster import Cluster
 
-    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=1e12, flops=1e10, intra_bw=1e9, inter_bw=1e8,
-                      memory_bw=1e10, backend="gloo", overlap=False, optimizer_rate=1e7)
-    a = SimpleNamespace(num_layers=2, hidden_size=32, seq_length=32, vocab_size=256, micro_batch_size=1,
-                        micro_batches=2, inter_gbit=None, breakdown=False)
+    cluster = Cluster(
+        nodes=2,
+        gpus_per_node=2,
+        memory_bytes=1e12,
+        flops=1e10,
+        intra_bw=1e9,
+        inter_bw=1e8,
+        memory_bw=1e10,
+        backend="gloo",
+        overlap=False,
+        optimizer_rate=1e7,
+    )
+    a = SimpleNamespace(
+        num_layers=2,
+        hidden_size=32,
+        seq_length=32,
+        vocab_size=256,
+        micro_batch_size=1,
+        micro_batches=2,
+        inter_gbit=None,
+        breakdown=False,
+    )
 
     def report(predicted: list[float], measured: list[float]) -> str:
         rows = [(f"S{i}", p, m, {}) for i, (p, m) in enumerate(zip(predicted, measured))]
@@ -184,9 +212,30 @@ def test_calibration_rank_correlation_on_fixed_timings():
 @pytest.mark.slow
 def test_calibration_tool_runs_locally():
     proc = subprocess.run(
-        [sys.executable, "tools/calibrate_planner.py", "--local", "--hidden-size", "32", "--num-layers", "2", "--steps", "2",
-         "--vocab-size", "256", "--seq-length", "32", "--strategies", "NNN", "GGG"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "tools/calibrate_planner.py",
+            "--local",
+            "--hidden-size",
+            "32",
+            "--num-layers",
+            "2",
+            "--steps",
+            "2",
+            "--vocab-size",
+            "256",
+            "--seq-length",
+            "32",
+            "--strategies",
+            "NNN",
+            "GGG",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\| (NNN|GGG) \| ([0-9.]+) \| ([0-9.]+) \| ([-+][0-9.]+) % \|$", proc.stdout, re.M)
     assert [r[0] for r in rows] == ["NNN", "GGG"]

@@ -32,13 +32,21 @@ from megazpp.zero.strategy import level_div
 from megazpp.zero.zeropp import ZeroPP
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ModelConfig(arch="llama", num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                    vocab_size=1024, seq_length=128)
+SMALL = ModelConfig(
+    arch="llama",
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=1024,
+    seq_length=128,
+)
 
 
 def _cluster(inter_gbit: float, nodes: int = 4) -> Cluster:
-    return Cluster(nodes=nodes, gpus_per_node=2, memory_bytes=8 * GIB, flops=1e12, intra_bw=1e10,
-                   inter_bw=gbit(inter_gbit))
+    return Cluster(
+        nodes=nodes, gpus_per_node=2, memory_bytes=8 * GIB, flops=1e12, intra_bw=1e10, inter_bw=gbit(inter_gbit)
+    )
 
 
 def _job() -> Workload:
@@ -75,14 +83,19 @@ def test_outer_bytes_state_and_exposed_time_follow_the_formulas(quantize):
         assert outer.traffic.mean_inter == sum(outer_traffic.sync_bytes(n, islands, quantize)[1] for n in frags) / 10
         # snapshot + momentum, int4's error buffers (each fragment padded to whole blocks per
         # island, and one chunk of it), and one fragment's sync at its peak
-        errors = sum(4 * (p + p // islands) for n in frags
-                     for p in [-(-n // (islands * 256)) * islands * 256]) if quantize == "int4" else 0
+        errors = (
+            sum(4 * (p + p // islands) for n in frags for p in [-(-n // (islands * 256)) * islands * 256])
+            if quantize == "int4"
+            else 0
+        )
         peak = max(outer_traffic.exchange_bytes(n, islands, quantize) + 2 * 4 * n for n in frags)
         assert outer.state_bytes == 2 * 4 * shard + errors + peak
         assert row.memory_bytes == stage.memory_bytes + outer.state_bytes
         per_rank = cluster.inter_bw / cluster.gpus_per_node
-        t = [2 * (islands - 1) * cluster.inter_latency + outer_traffic.sync_bytes(n, islands, quantize)[1] / per_rank
-             for n in frags]
+        t = [
+            2 * (islands - 1) * cluster.inter_latency + outer_traffic.sync_bytes(n, islands, quantize)[1] / per_rank
+            for n in frags
+        ]
         assert outer.sync_s == pytest.approx(t)
         republish = fragments * stage.exposed["refresh"] / 10
         if tau == 0:
@@ -128,10 +141,24 @@ def test_one_node_has_no_two_level_option():
 def test_6b_job_on_10_gbit_two_level_is_predicted_over_twice_the_best_synchronous():
     """The issue's job (4 x 8 H100, 10 Gbit/s): recorded, not tuned for (docs/planning.md)."""
     acc = ACCELERATORS["h100-80gb"]
-    cluster = Cluster(nodes=4, gpus_per_node=8, memory_bytes=acc.memory_gib * GIB, flops=acc.achievable_tflops * 1e12,
-                      intra_bw=acc.intra_gbs * 1e9, inter_bw=gbit(10), memory_bw=acc.memory_bandwidth_gbs * 1e9)
-    model = ModelConfig(arch="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                        vocab_size=32000, seq_length=4096)
+    cluster = Cluster(
+        nodes=4,
+        gpus_per_node=8,
+        memory_bytes=acc.memory_gib * GIB,
+        flops=acc.achievable_tflops * 1e12,
+        intra_bw=acc.intra_gbs * 1e9,
+        inter_bw=gbit(10),
+        memory_bw=acc.memory_bandwidth_gbs * 1e9,
+    )
+    model = ModelConfig(
+        arch="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=32000,
+        seq_length=4096,
+    )
     workload = Workload(model=model, micro_batch=2, global_batch=512, activation_checkpointing=True)
     shapes = shapes_of_config(model, bucket_numel=workload.bucket_numel)
     synchronous = plan(shapes, workload, cluster).choice
@@ -141,15 +168,44 @@ def test_6b_job_on_10_gbit_two_level_is_predicted_over_twice_the_best_synchronou
 
 def test_plan_tool_lists_two_level_options_apart():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "tools/plan.py", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-            "--vocab-size", "1024", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "32",
-            "--nodes", "4", "--gpus-per-node", "2", "--memory-gib", "8", "--tflops", "1", "--memory-bw-gbs", "100",
-            "--intra-gbs", "10", "--inter-gbit", "1"]
+    args = [
+        sys.executable,
+        "tools/plan.py",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "4",
+        "--vocab-size",
+        "1024",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "32",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--memory-gib",
+        "8",
+        "--tflops",
+        "1",
+        "--memory-bw-gbs",
+        "100",
+        "--intra-gbs",
+        "10",
+        "--inter-gbit",
+        "1",
+    ]
     out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "CHANGE THE OPTIMISATION" in out and "Two-level recommendation (changes the optimisation)" in out
     assert "--outer-algorithm diloco" in out
-    quiet = subprocess.run(args + ["--no-two-level"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                           check=True).stdout
+    quiet = subprocess.run(
+        args + ["--no-two-level"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert "Two-level" not in quiet
 
 
@@ -179,8 +235,9 @@ def test_overlap_hides_only_the_link_wait_where_the_cores_move_the_bytes(inter_g
     free = stage.step_s - stage.step_bytes[1] / (cluster.inter_bw / cluster.gpus_per_node)
     republish = stage.exposed["refresh"] / 10
     assert gpu.exposed_s == pytest.approx(max(max(0.0, t - free) / 10, t / 10 - free) + republish)
-    assert cpu.exposed_s == pytest.approx(host / 10 + max(max(0.0, t - host - free) / 10, (t - host) / 10 - free)
-                                          + republish)
+    assert cpu.exposed_s == pytest.approx(
+        host / 10 + max(max(0.0, t - host - free) / 10, (t - host) / 10 - free) + republish
+    )
     assert cpu.exposed_s >= gpu.exposed_s
     assert (t < free) == (inter_gbit == 100.0)
     if t < free:  # the link wait hides entirely: only the cores' share stays

@@ -29,18 +29,37 @@ def hashes(directory: Path) -> dict[str, str]:
 
 
 def topo(dp: int = 1, dp_rank: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(rank=dp_rank, world_size=dp, tp=1, pp=1, dp=dp, tp_rank=0, pp_rank=0,
-                           dp_rank=dp_rank)
+    return SimpleNamespace(rank=dp_rank, world_size=dp, tp=1, pp=1, dp=dp, tp_rank=0, pp_rank=0, dp_rank=dp_rank)
 
 
 def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
-        tmp_path, monkeypatch, tiny_indexed_prefix, tiny_tokenizer_model):
+    tmp_path, monkeypatch, tiny_indexed_prefix, tiny_tokenizer_model
+):
     ckpt = tmp_path / "ckpt"
-    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0",
-                     "--log-interval", "100", "--save", str(ckpt), "--save-interval", "2")
-    reference = pretrain_gpt.main(tiny_args(tiny_indexed_prefix, tiny_tokenizer_model,
-                                            "--eval-iters", "0", "--log-interval", "100",
-                                            "--train-iters", "4"))
+    args = tiny_args(
+        tiny_indexed_prefix,
+        tiny_tokenizer_model,
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "100",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+    )
+    reference = pretrain_gpt.main(
+        tiny_args(
+            tiny_indexed_prefix,
+            tiny_tokenizer_model,
+            "--eval-iters",
+            "0",
+            "--log-interval",
+            "100",
+            "--train-iters",
+            "4",
+        )
+    )
     pretrain_gpt.main(args + ["--train-iters", "4", "--exit-interval", "2"])
     before = hashes(ckpt / "iter_0000002")
 
@@ -49,8 +68,7 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
     with pytest.raises(InjectedFault, match="raise_after_rank_file at iteration 4 on rank 0"):
         pretrain_gpt.main(args + ["--train-iters", "4"])  # resumes from ckpt (auto), crashes at 4
     assert (ckpt / "latest").read_text() == "iter_0000002\n"
-    assert sorted(p.name for p in (ckpt / "iter_0000004.tmp").iterdir()) == [
-        "rank_tp00_pp000_dp0000.pt"]
+    assert sorted(p.name for p in (ckpt / "iter_0000004.tmp").iterdir()) == ["rank_tp00_pp000_dp0000.pt"]
     assert not (ckpt / "iter_0000004").exists()
     assert hashes(ckpt / "iter_0000002") == before
     assert load_checkpoint(ckpt, topo()).path.name == "iter_0000002"
@@ -74,16 +92,22 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
 
     # 4. the newest checkpoint rots on disk: refused, unless --load-fallback is given
     (ckpt / "iter_0000004" / "rank_tp00_pp000_dp0000.pt").write_bytes(b"\0" * 64)
-    with pytest.raises(CheckpointError, match=r"dp0000.pt: checksum mismatch \(sha256:f5a5fd42d16a\.\.\., "
-                                                 r"metadata.json records sha256:[0-9a-f]{12}\.\.\.\).*\(pass --load-fallback"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"dp0000.pt: checksum mismatch \(sha256:f5a5fd42d16a\.\.\., "
+        r"metadata.json records sha256:[0-9a-f]{12}\.\.\.\).*\(pass --load-fallback",
+    ):
         pretrain_gpt.main(args + ["--train-iters", "4"])
     # the same rot in a checkpoint that records no checksums (written before they existed)
     meta_file = ckpt / "iter_0000004" / "metadata.json"
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "checksums"}))
-    with pytest.raises(CheckpointError, match=r"dp0000.pt: cannot be loaded as checkpoint data "
-                                                 r"\(UnpicklingError: not tensors and plain data \(Unsupported operand 0\)\) "
-                                                 r"\(pass --load-fallback"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"dp0000.pt: cannot be loaded as checkpoint data "
+        r"\(UnpicklingError: not tensors and plain data \(Unsupported operand 0\)\) "
+        r"\(pass --load-fallback",
+    ):
         pretrain_gpt.main(args + ["--train-iters", "4"])
     with pytest.warns(UserWarning, match="loading .*iter_0000002 instead"):
         fallback = pretrain_gpt.main(args + ["--train-iters", "4", "--load-fallback"])
@@ -104,27 +128,27 @@ def _write(root: Path, iteration: int, layout: dict, files: dict[str, dict]) -> 
 def test_incomplete_or_inconsistent_checkpoints_are_refused_and_fallback_is_explicit(tmp_path):
     dp2 = {"world_size": 2, "tp": 1, "pp": 1, "dp": 2}
     good = {"iteration": 2, "model": {}, "layout": dp2}
-    _write(tmp_path, 2, dp2, {"rank_tp00_pp000_dp0000.pt": good,
-                              "rank_tp00_pp000_dp0001.pt": good})
+    _write(tmp_path, 2, dp2, {"rank_tp00_pp000_dp0000.pt": good, "rank_tp00_pp000_dp0001.pt": good})
     assert load_checkpoint(tmp_path, topo(2, 1)).path.name == "iter_0000002"
 
     # incomplete: rank 1's file never arrived
     newest = _write(tmp_path, 4, dp2, {"rank_tp00_pp000_dp0000.pt": {**good, "iteration": 4}})
-    with pytest.raises(CheckpointError, match=r"iter_0000004: incomplete checkpoint, missing "
-                                              r"rank files \['rank_tp00_pp000_dp0001.pt'\].*"
-                                              r"pass --load-fallback"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iter_0000004: incomplete checkpoint, missing "
+        r"rank files \['rank_tp00_pp000_dp0001.pt'\].*"
+        r"pass --load-fallback",
+    ):
         load_checkpoint(tmp_path, topo(2, 0))
     with pytest.warns(UserWarning, match="--load-fallback: loading .*iter_0000002 instead"):
         assert load_checkpoint(tmp_path, topo(2, 0), fallback=True).path.name == "iter_0000002"
 
     # shards disagree in step
     torch.save({**good, "iteration": 3}, newest / "rank_tp00_pp000_dp0001.pt")
-    with pytest.raises(CheckpointError, match="dp0001.pt: holds iteration 3, but metadata.json "
-                                              "says 4"):
+    with pytest.raises(CheckpointError, match="dp0001.pt: holds iteration 3, but metadata.json says 4"):
         load_checkpoint(tmp_path, topo(2, 1))
     # a shard written under another layout
-    torch.save({**good, "iteration": 4, "layout": {**dp2, "dp": 4}},
-               newest / "rank_tp00_pp000_dp0001.pt")
+    torch.save({**good, "iteration": 4, "layout": {**dp2, "dp": 4}}, newest / "rank_tp00_pp000_dp0001.pt")
     with pytest.raises(CheckpointError, match="written under parallel layout .*'dp': 4"):
         load_checkpoint(tmp_path, topo(2, 1))
     # the run's layout differs from the checkpoint's
@@ -132,8 +156,10 @@ def test_incomplete_or_inconsistent_checkpoints_are_refused_and_fallback_is_expl
         load_checkpoint(tmp_path, topo(1, 0))
     # nothing loadable even with fallback: every reason is named
     (tmp_path / "iter_0000002" / "metadata.json").write_text("{")
-    with pytest.raises(CheckpointError, match="no loadable checkpoint: .*iter_0000004.*"
-                                              "iter_0000002/metadata.json: missing or unreadable"):
+    with pytest.raises(
+        CheckpointError,
+        match="no loadable checkpoint: .*iter_0000004.*iter_0000002/metadata.json: missing or unreadable",
+    ):
         load_checkpoint(tmp_path, topo(2, 1), fallback=True)
     # no `latest` at all: a fresh run, not an error
     os.remove(tmp_path / "latest")
@@ -144,8 +170,9 @@ def _crash_between_shards(prefix: str, tokenizer: str, ckpt: str, report: str) -
     """Two DP ranks save iteration 2, then rank 0 dies after writing its shard of 4."""
     import torch.distributed as dist
 
-    args = tiny_args(prefix, tokenizer, "--eval-iters", "0", "--log-interval", "100",
-                     "--save", ckpt, "--save-interval", "2")
+    args = tiny_args(
+        prefix, tokenizer, "--eval-iters", "0", "--log-interval", "100", "--save", ckpt, "--save-interval", "2"
+    )
     pretrain_gpt.main(args + ["--train-iters", "4", "--exit-interval", "2"])
     if dist.get_rank() == 0:
         Path(report).write_text(json.dumps(hashes(Path(ckpt) / "iter_0000002")))
@@ -153,12 +180,18 @@ def _crash_between_shards(prefix: str, tokenizer: str, ckpt: str, report: str) -
     pretrain_gpt.main(args + ["--train-iters", "4"])
 
 
-def test_two_ranks_crash_between_shard_writes(tmp_path, tiny_indexed_prefix,
-                                               tiny_tokenizer_model):
+def test_two_ranks_crash_between_shard_writes(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt, report = tmp_path / "ckpt", tmp_path / "hashes.json"
     with pytest.raises(RuntimeError) as failure:
-        run_ranks(_crash_between_shards, 2, str(tiny_indexed_prefix), str(tiny_tokenizer_model),
-                  str(ckpt), str(report), timeout_s=20)
+        run_ranks(
+            _crash_between_shards,
+            2,
+            str(tiny_indexed_prefix),
+            str(tiny_tokenizer_model),
+            str(ckpt),
+            str(report),
+            timeout_s=20,
+        )
     text = str(failure.value)
     assert "InjectedFault: injected fault raise_after_rank_file at iteration 4 on rank 0" in text
     # rank 1 waited for rank 0 where the ranks meet after their writes, and was told which

@@ -49,8 +49,9 @@ def test_a_dead_or_hung_peer_is_named_not_waited_for(tmp_path):
         run_ranks(_peer_hangs_then_dies, 2, str(report), timeout_s=TIMEOUT_S)
     assert time.monotonic() - start < 60
     hung, dead = json.loads(report.read_text())
-    assert hung["error"].startswith("all_reduce (tag test/hung_peer) on rank 0 failed: a peer rank "
-                                    "died or the collective timed out")
+    assert hung["error"].startswith(
+        "all_reduce (tag test/hung_peer) on rank 0 failed: a peer rank died or the collective timed out"
+    )
     assert TIMEOUT_S - 1 < hung["seconds"] < TIMEOUT_S + 10
     # the asynchronous form reports at wait(), equally named
     assert dead["error"].startswith("all_reduce (tag test/dead_peer) on rank 0 failed")
@@ -63,8 +64,9 @@ def test_pretrain_passes_the_distributed_timeout(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(pretrain_gpt.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(pretrain_gpt.dist, "init_process_group",
-                        lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
+    monkeypatch.setattr(
+        pretrain_gpt.dist, "init_process_group", lambda backend, timeout: seen.update(backend=backend, timeout=timeout)
+    )
     cfg = load_config(["--distributed-timeout-minutes", "3"])
     assert pretrain_gpt.init_distributed(cfg, 2, "gloo")
     assert seen == {"backend": "gloo", "timeout": timedelta(minutes=3)}

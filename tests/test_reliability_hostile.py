@@ -34,8 +34,13 @@ from megazpp.interop.safetensors_io import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5
-FEW = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FEW = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class Hang(BaseException):
@@ -60,10 +65,18 @@ def succeeds_or_refuses(fn: Callable[..., Any], *args: Any) -> Any:
         signal.signal(signal.SIGALRM, previous)
 
 
-SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 _SCRATCH = tempfile.TemporaryDirectory(prefix="megazpp_hostile_")  # removed at exit
@@ -78,9 +91,12 @@ def _tmp_file(name: str, data: bytes) -> Path:
 
 # -- JSONL ---------------------------------------------------------------------------------
 
+
 @FEW
-@given(st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode()),
-       st.sampled_from(["text", "raw_content", "body"]))
+@given(
+    st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode()),
+    st.sampled_from(["text", "raw_content", "body"]),
+)
 def test_jsonl_lines(line: bytes, key: str) -> None:
     out = succeeds_or_refuses(extract_text, line, key)
     assert isinstance(out, (str, SkipReason))
@@ -96,11 +112,11 @@ def test_jsonl_files(data: bytes, gz: bool) -> None:
     succeeds_or_refuses(lambda: [line for chunk in iter_line_chunks(path, 64) for line in chunk])
     if not gz:  # a truncated gzip of real content
         path = _tmp_file("y.jsonl.gz", gzip.compress(data)[: max(1, len(data) // 2)])
-        succeeds_or_refuses(lambda: [line for chunk in iter_line_chunks(path, 64)
-                                     for line in chunk])
+        succeeds_or_refuses(lambda: [line for chunk in iter_line_chunks(path, 64) for line in chunk])
 
 
 # -- .idx / .bin -----------------------------------------------------------------------------
+
 
 @st.composite
 def index_files(draw: Any) -> tuple[bytes, int]:
@@ -116,8 +132,11 @@ def index_files(draw: Any) -> tuple[bytes, int]:
         itemsize = {4: 4, 8: 2, 1: 1}.get(code, 4)
         pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * itemsize if lengths else []
         docs = draw(st.lists(st.integers(-1, 6), min_size=n_doc % 8, max_size=n_doc % 8))
-        body = (np.asarray(lengths, np.int32).tobytes() + np.asarray(pointers, np.int64).tobytes()
-                + np.asarray(docs, np.int64).tobytes())
+        body = (
+            np.asarray(lengths, np.int32).tobytes()
+            + np.asarray(pointers, np.int64).tobytes()
+            + np.asarray(docs, np.int64).tobytes()
+        )
     else:
         body = draw(st.binary(max_size=120))
     cut = draw(st.none() | st.integers(0, 80))
@@ -150,8 +169,13 @@ def config_mappings(draw: Any) -> Any:
     out: dict[Any, Any] = {}
     for section in draw(st.lists(st.sampled_from(SECTION_NAMES), max_size=3, unique=True)):
         keys = FIELDS.get(section, ["x"]) + ["unknown_key"]
-        body = draw(st.dictionaries(st.sampled_from(keys), JSON | st.sampled_from(
-            ["3e-4", "none", "true", "-1", "1e400", "nan", "0"]), max_size=4))
+        body = draw(
+            st.dictionaries(
+                st.sampled_from(keys),
+                JSON | st.sampled_from(["3e-4", "none", "true", "-1", "1e400", "nan", "0"]),
+                max_size=4,
+            )
+        )
         out[section] = draw(st.sampled_from([body, body, None, [], "text"]))
     return draw(st.sampled_from([out, out, out, [out], "scalar", None]))
 
@@ -172,28 +196,57 @@ FLAGS = sorted(flag_table())
 
 
 @FEW
-@given(st.lists(st.sampled_from(FLAGS) | st.sampled_from(["--no-bf16", "--bogus", "-x", "--"])
-                | st.text(max_size=6) | st.sampled_from(["1", "0", "-3", "1e9", "nan", "true"]),
-                max_size=8), st.integers(1, 8))
+@given(
+    st.lists(
+        st.sampled_from(FLAGS)
+        | st.sampled_from(["--no-bf16", "--bogus", "-x", "--"])
+        | st.text(max_size=6)
+        | st.sampled_from(["1", "0", "-3", "1e9", "nan", "true"]),
+        max_size=8,
+    ),
+    st.integers(1, 8),
+)
 def test_config_flags(argv: list[str], world_size: int) -> None:
     if "--tokenizer-model" in argv or "--config" in argv or "--deepspeed_config" in argv:
         return  # files: covered by the file properties
     succeeds_or_refuses(_load_and_validate, argv, world_size)
 
 
-DS_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-           "gradient_clipping", "steps_per_print", "optimizer", "fp16", "bf16", "data_types",
-           "tensorboard", "zero_optimization", "scheduler", "activation_checkpointing", "unknown"]
-ZERO_KEYS = ["stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-             "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
-             "zeropp_loco_param", "offload_optimizer", "stage3_module_granularity_threshold"]
+DS_KEYS = [
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "steps_per_print",
+    "optimizer",
+    "fp16",
+    "bf16",
+    "data_types",
+    "tensorboard",
+    "zero_optimization",
+    "scheduler",
+    "activation_checkpointing",
+    "unknown",
+]
+ZERO_KEYS = [
+    "stage",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "zero_quantized_weights",
+    "zero_hpz_partition_size",
+    "zero_quantized_gradients",
+    "zeropp_loco_param",
+    "offload_optimizer",
+    "stage3_module_granularity_threshold",
+]
 
 
 @st.composite
 def deepspeed_configs(draw: Any) -> Any:
-    value = JSON | st.dictionaries(st.sampled_from(ZERO_KEYS + ["type", "params", "enabled",
-                                                                 "lr", "err_beta"]), JSON,
-                                   max_size=4)
+    value = JSON | st.dictionaries(
+        st.sampled_from(ZERO_KEYS + ["type", "params", "enabled", "lr", "err_beta"]), JSON, max_size=4
+    )
     return draw(st.dictionaries(st.sampled_from(DS_KEYS), value, max_size=5) | JSON)
 
 
@@ -209,19 +262,46 @@ def test_deepspeed_config(raw: Any, world_size: int) -> None:
 
 # -- the Hugging Face converter's config reader -----------------------------------------------
 
-HF_KEYS = ["model_type", "max_position_embeddings", "vocab_size", "hidden_size",
-           "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-           "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-           "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias",
-           "attention_dropout", "torch_dtype", "sliding_window"]
-HF_GOOD = {"model_type": "llama", "max_position_embeddings": 64, "vocab_size": 128,
-           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2}
+HF_KEYS = [
+    "model_type",
+    "max_position_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "attention_dropout",
+    "torch_dtype",
+    "sliding_window",
+]
+HF_GOOD = {
+    "model_type": "llama",
+    "max_position_embeddings": 64,
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 @settings(FEW, max_examples=200)
-@given(st.dictionaries(st.sampled_from(HF_KEYS), JSON | st.integers(-4, 64), max_size=6),
-       st.booleans(), st.binary(max_size=40))
+@given(
+    st.dictionaries(st.sampled_from(HF_KEYS), JSON | st.integers(-4, 64), max_size=6),
+    st.booleans(),
+    st.binary(max_size=40),
+)
 def test_hf_config(changes: dict[str, Any], start_good: bool, garbage: bytes) -> None:
     hf = {**(HF_GOOD if start_good else {}), **changes}
     path = _tmp_file("config.json", json.dumps(hf).encode())
@@ -237,6 +317,7 @@ def test_hf_config_good_example_builds() -> None:
 
 # -- code that would execute input -----------------------------------------------------------
 
+
 def _python_files() -> list[Path]:
     files = [ROOT / "pretrain_gpt.py"]
     for folder in ("megazpp", "kernels", "tools"):
@@ -247,15 +328,14 @@ def _python_files() -> list[Path]:
 def _calls(text: str, name: str) -> list[str]:
     """The full text of each call `name(...)` (balanced parentheses, possibly multi-line)."""
     out = []
-    for match in re.finditer(rf"(?<![\w.]){re.escape(name)}\(" if "." not in name
-                             else re.escape(name) + r"\(", text):
+    for match in re.finditer(rf"(?<![\w.]){re.escape(name)}\(" if "." not in name else re.escape(name) + r"\(", text):
         depth, i = 0, match.end() - 1
         while i < len(text):
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             if depth == 0:
                 break
             i += 1
-        out.append(text[match.start():i + 1])
+        out.append(text[match.start() : i + 1])
     return out
 
 
@@ -269,8 +349,9 @@ def test_no_code_executes_input() -> None:
         offences += [f"{where}: {c}" for name in ("eval", "exec") for c in _calls(text, name)]
         offences += [f"{where}: shell=True" for _ in re.finditer(r"shell\s*=\s*True", text)]
         offences += [f"{where}: {c}" for c in _calls(text, "yaml.load") if "SafeLoader" not in c]
-        offences += [f"{where}: {c}" for c in _calls(text, "torch.load")
-                     if not re.search(r"weights_only\s*=\s*True", c)]
+        offences += [
+            f"{where}: {c}" for c in _calls(text, "torch.load") if not re.search(r"weights_only\s*=\s*True", c)
+        ]
     assert offences == []
     # the scan itself finds what it looks for
     assert _calls("x = torch.load(f,\n map_location='cpu')", "torch.load")

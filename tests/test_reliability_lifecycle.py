@@ -53,13 +53,11 @@ def assert_latest_is_complete(save: Path) -> str | None:
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_launcher_takes_the_ranks_with_it(tmp_path, tiny_indexed_prefix,
-                                                         tiny_tokenizer_model):
+def test_kill_9_of_the_launcher_takes_the_ranks_with_it(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
     save = tmp_path / "ckpt"
     # a save after every step: the kill is likely to land in one
-    run = run_sh(tmp_path, data, "--train-iters", LONG, "--save", str(save), "--save-interval",
-                 "1", env_extra={})
+    run = run_sh(tmp_path, data, "--train-iters", LONG, "--save", str(save), "--save-interval", "1", env_extra={})
     run.wait_for(r"^iter +3/")
     launcher = run.proc.pid  # run.sh execs the launcher
     ranks = children(launcher)
@@ -101,21 +99,29 @@ def gloo_threads() -> list[str]:
     return sorted(n for n in names if "gloo" in n)
 
 
-SHUTDOWN_JOB = ["--train-iters", "2", "--zero-stage", "3", "--ranks-per-node", "1",
-                "--eval-interval", "2", "--log-interval", "1"]
+SHUTDOWN_JOB = [
+    "--train-iters",
+    "2",
+    "--zero-stage",
+    "3",
+    "--ranks-per-node",
+    "1",
+    "--eval-interval",
+    "2",
+    "--log-interval",
+    "1",
+]
 
 
 @pytest.mark.multirank
-def test_a_finished_job_ends_its_process_groups_and_their_threads(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+def test_a_finished_job_ends_its_process_groups_and_their_threads(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     """Before: the engines' parameter hooks (held by autograd's C++ side) and a torch module's
     default argument kept every group alive past destroy_process_group, and gloo's threads ran
     on into interpreter shutdown, where one could abort a finished run. ZeRO-3 over 2 virtual
     nodes (DP, intra- and inter-node groups), with an evaluation (a prefetch) and a save last."""
     from megazpp.parallel.local_launch import run_ranks
 
-    argv = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, *SHUTDOWN_JOB,
-                     "--save", str(tmp_path / "ckpt"))
+    argv = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, *SHUTDOWN_JOB, "--save", str(tmp_path / "ckpt"))
     for before, after in run_ranks(_train_then_release, 2, argv, timeout_s=240):
         assert "pt_gloo_runloop" in before  # the check below looks at the right threads
         assert after == [], after
@@ -176,9 +182,23 @@ def _start_job() -> list[subprocess.Popen]:
     port = str(free_port())
     ranks = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-                   [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        ranks.append(subprocess.Popen([sys.executable, "-c", SMALL_JOB], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", SMALL_JOB],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return ranks

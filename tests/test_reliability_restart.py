@@ -32,23 +32,62 @@ def per_step_losses(tb_dir: Path) -> dict[int, float]:
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 if value.tag == "train/loss":
-                    losses[event.step] = value.tensor.float_val[0] if value.HasField(
-                        "tensor") else value.simple_value
+                    losses[event.step] = value.tensor.float_val[0] if value.HasField("tensor") else value.simple_value
     return losses
 
 
 def launch(tmp: Path, data_dir: Path, name: str, env_extra: dict[str, str]) -> str:
-    env = {**os.environ, "DATA_DIR": str(data_dir), "NPROC_PER_NODE": "2",
-           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, **env_extra}
-    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--lr", "5e-3", "--min-lr", "5e-4",
-            "--lr-warmup-iters", "2", "--train-iters", str(TRAIN_ITERS), "--eval-iters", "0",
-            "--split", "90,10,0", "--hidden-dropout", "0.1", "--seed", "11",
-            "--log-interval", "1", "--save", str(tmp / name / "ckpt"), "--save-interval", "2",
-            "--tensorboard-dir", str(tmp / name / "tb")]
-    proc = subprocess.run(["bash", str(ROOT / "run.sh"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    env = {
+        **os.environ,
+        "DATA_DIR": str(data_dir),
+        "NPROC_PER_NODE": "2",
+        "MASTER_PORT": str(free_port()),
+        "PYTHON": sys.executable,
+        **env_extra,
+    }
+    args = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "5e-3",
+        "--min-lr",
+        "5e-4",
+        "--lr-warmup-iters",
+        "2",
+        "--train-iters",
+        str(TRAIN_ITERS),
+        "--eval-iters",
+        "0",
+        "--split",
+        "90,10,0",
+        "--hidden-dropout",
+        "0.1",
+        "--seed",
+        "11",
+        "--log-interval",
+        "1",
+        "--save",
+        str(tmp / name / "ckpt"),
+        "--save-interval",
+        "2",
+        "--tensorboard-dir",
+        str(tmp / name / "tb"),
+    ]
+    proc = subprocess.run(
+        ["bash", str(ROOT / "run.sh"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     output = proc.stdout + proc.stderr
     (tmp / f"{name}.log").write_text(output)
     assert proc.returncode == 0, f"{name} run failed (log: {tmp / name}.log):\n{output[-4000:]}"
@@ -57,7 +96,8 @@ def launch(tmp: Path, data_dir: Path, name: str, env_extra: dict[str, str]) -> s
 
 @pytest.mark.slow
 def test_killed_rank_restarts_and_reproduces_the_uninterrupted_losses(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
     data = tmp_path / "data"  # what run.sh expects, pointing at the shared tiny dataset
     (data / "corpus").mkdir(parents=True)
     (data / "tokenizer.model").symlink_to(tiny_tokenizer_model)
@@ -66,8 +106,7 @@ def test_killed_rank_restarts_and_reproduces_the_uninterrupted_losses(
 
     kill_step = random.Random(9).randint(3, TRAIN_ITERS - 1)  # seeded: the same step every run
     reference = launch(tmp_path, data, "reference", {"MAX_RESTARTS": "0"})
-    faulty = launch(tmp_path, data, "faulty", {
-        "MAX_RESTARTS": "1", "MEGAZPP_FAULT": f"kill_after_step@{kill_step}:1"})
+    faulty = launch(tmp_path, data, "faulty", {"MAX_RESTARTS": "1", "MEGAZPP_FAULT": f"kill_after_step@{kill_step}:1"})
 
     assert "resumed from" not in reference
     last_save = kill_step - kill_step % 2

@@ -24,8 +24,7 @@ import pretrain_gpt
 from megazpp.training.checkpoint import load_checkpoint
 
 RANK_FILE = "rank_tp00_pp000_dp0000.pt"
-ONE_RANK = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0,
-                           dp_rank=0)
+ONE_RANK = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0)
 
 
 def hashes(directory: Path) -> dict[str, str]:
@@ -54,43 +53,47 @@ def read_only(directory: Path) -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix,
-                                                 tiny_tokenizer_model):
-    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "2",
-                     "--eval-iters", "0")
+def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "2", "--eval-iters", "0")
     not_a_dir = tmp_path / "README.md"
     not_a_dir.write_text("notes\n")
     line = refused(pretrain(*args, "--save", str(not_a_dir)))  # trained, then FileExistsError
-    assert line.endswith(f"--save {not_a_dir} exists and is not a directory: give a directory "
-                         "(it is created when missing)")
+    assert line.endswith(
+        f"--save {not_a_dir} exists and is not a directory: give a directory (it is created when missing)"
+    )
     assert not_a_dir.read_text() == "notes\n"
     mount = tmp_path / "ro"
     with read_only(mount):  # failed only at the first save, after the steps before it
         line = refused(pretrain(*args, "--save", str(mount / "ckpt")))
-        assert line.endswith(f"--save {mount / 'ckpt'} is not writable: rank 0: cannot write "
-                             f"in {mount / 'ckpt'} (Read-only file system)")
+        assert line.endswith(
+            f"--save {mount / 'ckpt'} is not writable: rank 0: cannot write in {mount / 'ckpt'} (Read-only file system)"
+        )
 
 
 @pytest.mark.slow
-def test_a_mistyped_load_is_refused_and_latest_never_moves_back(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+def test_a_mistyped_load_is_refused_and_latest_never_moves_back(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     real, typo = tmp_path / "checkpoints" / "llama_tiny", tmp_path / "checkpoints" / "llama_tyni"
-    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0",
-                     "--log-interval", "100", "--save", str(real))
+    args = tiny_args(
+        tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0", "--log-interval", "100", "--save", str(real)
+    )
     pretrain_gpt.main(args + ["--train-iters", "4"])
     before = hashes(real / "iter_0000004")
 
     # the second run started from scratch and moved latest from 4 back to 3
     line = refused(pretrain(*args, "--train-iters", "3", "--load", str(typo)))
-    assert line.endswith(f"--load {typo}: nothing to load, {typo} does not exist (did you mean "
-                         f"{real}?); pass --load-optional to start from scratch when it holds "
-                         "no checkpoint")
+    assert line.endswith(
+        f"--load {typo}: nothing to load, {typo} does not exist (did you mean "
+        f"{real}?); pass --load-optional to start from scratch when it holds "
+        "no checkpoint"
+    )
     # starting from scratch on purpose still may not roll back the newer checkpoints
     line = refused(pretrain(*args, "--train-iters", "3", "--load", str(typo), "--load-optional"))
-    assert line.endswith(f"--save {real}: its latest names iter_0000004, newer than this run's "
-                         "start at iteration 0; saving would move latest back and overwrite the "
-                         "newer checkpoints. Resume it (--load with that directory), save "
-                         "elsewhere, or pass --overwrite-newer-checkpoints")
+    assert line.endswith(
+        f"--save {real}: its latest names iter_0000004, newer than this run's "
+        "start at iteration 0; saving would move latest back and overwrite the "
+        "newer checkpoints. Resume it (--load with that directory), save "
+        "elsewhere, or pass --overwrite-newer-checkpoints"
+    )
     assert (real / "latest").read_text() == "iter_0000004\n"
     assert hashes(real / "iter_0000004") == before
     # an empty --load directory is "nothing to load" as well
@@ -98,8 +101,9 @@ def test_a_mistyped_load_is_refused_and_latest_never_moves_back(
     with pytest.raises(Exception, match=f"--load {typo}: nothing to load, {typo} holds no latest"):
         pretrain_gpt.main(args + ["--train-iters", "3", "--load", str(typo)])
     # with both flags the user gets what they asked for
-    fresh = pretrain_gpt.main(args + ["--train-iters", "3", "--load", str(typo),
-                                      "--load-optional", "--overwrite-newer-checkpoints"])
+    fresh = pretrain_gpt.main(
+        args + ["--train-iters", "3", "--load", str(typo), "--load-optional", "--overwrite-newer-checkpoints"]
+    )
     assert fresh.resumed_from is None and sorted(fresh.losses) == [1, 2, 3]
     assert (real / "latest").read_text() == "iter_0000003\n"
 
@@ -121,11 +125,20 @@ def flip_exponent_bit(rank_file: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
-                                                  tiny_tokenizer_model):
+def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
-    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0",
-                     "--log-interval", "100", "--save", str(ckpt), "--save-interval", "2")
+    args = tiny_args(
+        tiny_indexed_prefix,
+        tiny_tokenizer_model,
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "100",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+    )
     pretrain_gpt.main(args + ["--train-iters", "4"])
     rank_file = ckpt / "iter_0000004" / RANK_FILE
     flip_exponent_bit(rank_file)
@@ -133,9 +146,11 @@ def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
     # continuing with a longer schedule is a settings change: --load says so (the resume rule)
     line = refused(pretrain(*args, "--train-iters", "6", "--load", str(ckpt)))
     assert f"{rank_file}: checksum mismatch (sha256:" in line
-    assert line.endswith("the file changed after it was written (disk, copy or memory "
-                         "corruption) (pass --load-fallback to load the previous complete "
-                         "checkpoint)")
+    assert line.endswith(
+        "the file changed after it was written (disk, copy or memory "
+        "corruption) (pass --load-fallback to load the previous complete "
+        "checkpoint)"
+    )
     # what the checksum prevents: without it the damaged file loads, one weight ~1e36
     meta_file = ckpt / "iter_0000004" / "metadata.json"
     meta = json.loads(meta_file.read_text())
@@ -150,9 +165,20 @@ def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_save_leaves_no_partial_and_latest_as_it_was(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
-    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--eval-iters", "0",
-                     "--log-interval", "100", "--save-interval", "2", "--train-iters", "4")
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
+    args = tiny_args(
+        tiny_indexed_prefix,
+        tiny_tokenizer_model,
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "100",
+        "--save-interval",
+        "2",
+        "--train-iters",
+        "4",
+    )
     probe = tmp_path / "probe"
     pretrain_gpt.main(args + ["--save", str(probe), "--exit-interval", "2"])
     rank_bytes = (probe / "iter_0000002" / RANK_FILE).stat().st_size
@@ -165,7 +191,8 @@ def test_a_full_disk_during_a_save_leaves_no_partial_and_latest_as_it_was(
         assert line.endswith(
             f"checkpoint iter_0000004 was not saved: rank 0: no space left on the device of "
             f"{ckpt / 'iter_0000004.tmp'} (writing {RANK_FILE}; No space left on device): the "
-            f"partial file was removed; {ckpt / 'latest'} is unchanged")
+            f"partial file was removed; {ckpt / 'latest'} is unchanged"
+        )
         assert (ckpt / "latest").read_text() == "iter_0000002\n"
         assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest"]
         # the same run: equal rank files (metadata.json also records each run's own --save)

@@ -27,10 +27,15 @@ class Run:
     without blocking forever."""
 
     def __init__(self, command: list[str], env_extra: dict[str, str] | None = None) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **(env_extra or {})}
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            **(env_extra or {}),
+        }
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -63,13 +68,19 @@ class Run:
 
 
 def pretrain_command(prefix, tokenizer, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "pretrain_gpt.py"),
-            *tiny_args(prefix, tokenizer, "--eval-iters", "0", "--log-interval", "1", *extra)]
+    return [
+        sys.executable,
+        str(ROOT / "pretrain_gpt.py"),
+        *tiny_args(prefix, tokenizer, "--eval-iters", "0", "--log-interval", "1", *extra),
+    ]
 
 
 def stopped_at(output: str, why: str, ckpt: Path) -> int:
-    match = re.search(rf"stopped after iteration (\d+) \({why}\): saved checkpoint "
-                      rf"{re.escape(str(ckpt))}/iter_(\d+)", output)
+    match = re.search(
+        rf"stopped after iteration (\d+) \({why}\): saved checkpoint "
+        rf"{re.escape(str(ckpt))}/iter_(\d+)",
+        output,
+    )
     assert match and match[1] == str(int(match[2])), output[-3000:]
     assert (ckpt / "latest").read_text() == f"iter_{int(match[1]):07d}\n"
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
@@ -77,11 +88,11 @@ def stopped_at(output: str, why: str, ckpt: Path) -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix,
-                                            tiny_tokenizer_model):
+def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
-    command = pretrain_command(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", LONG,
-                               "--save", str(ckpt), "--save-interval", "1000")
+    command = pretrain_command(
+        tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", LONG, "--save", str(ckpt), "--save-interval", "1000"
+    )
     run = Run(command)
     run.wait_for(r"^iter +3/")
     run.proc.send_signal(signal.SIGTERM)  # what a scheduler sends before SIGKILL
@@ -101,13 +112,23 @@ def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix,
 
 
 @pytest.mark.slow
-def test_a_second_signal_exits_at_once_and_exit_duration_stops(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
     # a long evaluation after step 3 keeps the first signal's stop pending
-    run = Run(pretrain_command(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", LONG,
-                               "--save", str(ckpt), "--eval-interval", "3",
-                               "--eval-iters", "3000"))
+    run = Run(
+        pretrain_command(
+            tiny_indexed_prefix,
+            tiny_tokenizer_model,
+            "--train-iters",
+            LONG,
+            "--save",
+            str(ckpt),
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "3000",
+        )
+    )
     run.wait_for(r"^iter +3/")
     run.proc.send_signal(signal.SIGINT)
     run.wait_for("SIGINT received: finishing this step")
@@ -118,8 +139,18 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(
     assert "second SIGINT received: exiting at once, without saving" in output
     assert not (ckpt / "latest").exists() and not list(ckpt.glob("iter_*"))
 
-    run = Run(pretrain_command(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", LONG,
-                               "--save", str(ckpt), "--exit-duration-in-mins", "0.002"))
+    run = Run(
+        pretrain_command(
+            tiny_indexed_prefix,
+            tiny_tokenizer_model,
+            "--train-iters",
+            LONG,
+            "--save",
+            str(ckpt),
+            "--exit-duration-in-mins",
+            "0.002",
+        )
+    )
     code, output = run.finish(timeout=240)
     assert code == 0, output[-3000:]
     # 0.12 s from the program's start, setup included (as Megatron counts): over by step 1
@@ -129,13 +160,40 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(
 def run_sh(tmp_path: Path, data_dir: Path, *extra: str, env_extra: dict[str, str]) -> Run:
     from test_reliability_restart import free_port
 
-    env = {"DATA_DIR": str(data_dir), "NPROC_PER_NODE": "2", "PYTHON": sys.executable,
-           "MASTER_PORT": str(free_port()), **env_extra}
-    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--lr-warmup-iters", "2", "--eval-iters", "0",
-            "--split", "90,10,0", "--log-interval", "1",
-            "--tensorboard-dir", str(tmp_path / "tb"), *extra]
+    env = {
+        "DATA_DIR": str(data_dir),
+        "NPROC_PER_NODE": "2",
+        "PYTHON": sys.executable,
+        "MASTER_PORT": str(free_port()),
+        **env_extra,
+    }
+    args = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr-warmup-iters",
+        "2",
+        "--eval-iters",
+        "0",
+        "--split",
+        "90,10,0",
+        "--log-interval",
+        "1",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+        *extra,
+    ]
     return Run(["bash", str(ROOT / "run.sh"), *args], env_extra=env)
 
 
@@ -150,7 +208,8 @@ def run_sh_data(tmp_path: Path, prefix: str, tokenizer: Path) -> Path:
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
     ckpt = tmp_path / "ckpt"
     run = run_sh(tmp_path, data, "--train-iters", LONG, "--save", str(ckpt), env_extra={})
@@ -158,16 +217,27 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(
     run.proc.send_signal(signal.SIGTERM)  # run.sh execs the launcher: this is its pid
     code, output = run.finish()
     assert code == 0, output[-3000:]
-    assert re.search(r"node_launch: SIGTERM received: forwarded to this node's ranks \[\d+, \d+\]",
-                     output), output[-3000:]
+    assert re.search(r"node_launch: SIGTERM received: forwarded to this node's ranks \[\d+, \d+\]", output), output[
+        -3000:
+    ]
     stopped = stopped_at(output, "SIGTERM", ckpt)
     assert sorted(p.name for p in (ckpt / f"iter_{stopped:07d}").iterdir()) == [
-        "metadata.json", "rank_tp00_pp000_dp0000.pt", "rank_tp00_pp000_dp0001.pt"]
+        "metadata.json",
+        "rank_tp00_pp000_dp0000.pt",
+        "rank_tp00_pp000_dp0001.pt",
+    ]
 
     # one rank alone signalled (after step 3): every rank stops after step 3
     ckpt = tmp_path / "ckpt_one_rank"
-    run = run_sh(tmp_path, data, "--train-iters", LONG, "--save", str(ckpt),
-                 env_extra={"MEGAZPP_FAULT": "sigterm_after_step@3:1"})
+    run = run_sh(
+        tmp_path,
+        data,
+        "--train-iters",
+        LONG,
+        "--save",
+        str(ckpt),
+        env_extra={"MEGAZPP_FAULT": "sigterm_after_step@3:1"},
+    )
     code, output = run.finish(timeout=240)
     assert code == 0, output[-3000:]
     assert stopped_at(output, "a signal on another rank", ckpt) == 3

@@ -34,9 +34,17 @@ from megazpp.training.startup import prepare
 from megazpp.zero.frozen import FROZEN_PREFIX, FROZEN_SAVED_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = {"arch": "llama", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-         "num_query_groups": 2, "ffn_hidden_size": 64, "vocab_size": 512, "seq_length": 32,
-         "rope_theta": 10000.0}
+LLAMA = {
+    "arch": "llama",
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 64,
+    "vocab_size": 512,
+    "seq_length": 32,
+    "rope_theta": 10000.0,
+}
 LORA = {**LLAMA, "lora_rank": 4, "lora_alpha": 8.0}
 RANK0 = "rank_tp00_pp000_dp0000.pt"
 
@@ -53,13 +61,21 @@ def _pretrain(argv: list[str]):
 
 
 def _config(tmp_path: Path, model: dict, data_prefix: str, tokenizer: Path, **training) -> str:
-    config = {"model": model,
-              "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
-              "optimizer": {"lr": 1e-2},
-              "training": {"micro_batch_size": 2, "global_batch_size": 2, "train_iters": 4,
-                           "eval_interval": 1000, "eval_iters": 1, **training},
-              "checkpoint": {"save_interval": 2, "save_adapters_only": True},
-              "logging": {"log_interval": 1000}}
+    config = {
+        "model": model,
+        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
+        "optimizer": {"lr": 1e-2},
+        "training": {
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "train_iters": 4,
+            "eval_interval": 1000,
+            "eval_iters": 1,
+            **training,
+        },
+        "checkpoint": {"save_interval": 2, "save_adapters_only": True},
+        "logging": {"log_interval": 1000},
+    }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -72,9 +88,18 @@ def _rank_state(save: Path, name: str = RANK0) -> dict:
 def _hf_import(tmp_path: Path, convert: ModuleType, name: str, seed: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(tmp_path / f"hf_{name}")
     assert convert.main(["import", "--hf-dir", str(tmp_path / f"hf_{name}"), "--save", str(tmp_path / name)]) == 0
@@ -82,7 +107,8 @@ def _hf_import(tmp_path: Path, convert: ModuleType, name: str, seed: int) -> Pat
 
 
 def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_and_exports_merged(
-        tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[interop])")
     from transformers import LlamaForCausalLM
 
@@ -103,7 +129,9 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
     assert sum(v.numel() for v in state["model"].values()) == adapter_numel
     assert len(state["engine"]["optimizer"]["state"]) == 20  # Adam moments of the adapters alone
     # weights, Adam moments and RNG states of 3.5k elements: under half the import's 53k weights
-    assert (tmp_path / "half" / "iter_0000002" / RANK0).stat().st_size * 2 < (base / "iter_0000000" / RANK0).stat().st_size
+    assert (tmp_path / "half" / "iter_0000002" / RANK0).stat().st_size * 2 < (
+        base / "iter_0000000" / RANK0
+    ).stat().st_size
 
     # the fine-tune flow resumes from --save (over --load's import) or from --load of the run itself
     resumed = _pretrain([*run, "--save", str(tmp_path / "half")])
@@ -138,20 +166,24 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
     model.load_state_dict({**weights, **adapters})
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits,
-                                   model(ids), rtol=0.0, atol=1e-5)
+        torch.testing.assert_close(
+            LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits, model(ids), rtol=0.0, atol=1e-5
+        )
 
 
 RANK_RUNS = {  # (model, training.trainable, flags, what a rank file's model state may hold)
-    "zero3_last_layer_bf16": (LLAMA, ["last:1"], ["--paro-strategy", "GGG", "--global-batch-size", "4", "--bf16"],
-                         lambda k: k.startswith("layers.1.")),
+    "zero3_last_layer_bf16": (
+        LLAMA,
+        ["last:1"],
+        ["--paro-strategy", "GGG", "--global-batch-size", "4", "--bf16"],
+        lambda k: k.startswith("layers.1."),
+    ),
     "pp2_lora": (LORA, [], ["--pipeline-model-parallel-size", "2"], is_adapter),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(RANK_RUNS))
-def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tiny_indexed_prefix,
-                                                            tiny_tokenizer_model):
+def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     model, trainable, flags, kept = RANK_RUNS[kind]
     config = _config(tmp_path, model, tiny_indexed_prefix, tiny_tokenizer_model, trainable=trainable)
     run = ["--config", config, *flags]
@@ -162,8 +194,9 @@ def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tin
         assert state["model"] and all(kept(k) for k in state["model"]), (file.name, sorted(state["model"]))
         if "buckets" in state["engine"]:  # ZeRO: no frozen bucket written
             assert state["engine"][FROZEN_SAVED_KEY] is False
-            assert state["engine"]["buckets"] and not [b["name"] for b in state["engine"]["buckets"]
-                                                       if b["name"].startswith(FROZEN_PREFIX)]
+            assert state["engine"]["buckets"] and not [
+                b["name"] for b in state["engine"]["buckets"] if b["name"].startswith(FROZEN_PREFIX)
+            ]
     meta = json.loads((tmp_path / "half" / "iter_0000002" / METADATA_FILE).read_text())
     assert meta[BASE_KEY] == {"load": None, "digest": "init_seed=1234"}
 
@@ -171,13 +204,20 @@ def test_two_rank_adapters_only_from_the_init_resume_bitwise(kind, tmp_path, tin
     for r, f in zip(resumed, full):  # pipeline: NaN on the first stage (no loss there) on both
         assert r.resumed_from == 2
         assert [r.losses[i] for i in (3, 4)] == [f.losses[i] for i in (3, 4)] or all(
-            r.losses[i] != r.losses[i] and f.losses[i] != f.losses[i] for i in (3, 4))
+            r.losses[i] != r.losses[i] and f.losses[i] != f.losses[i] for i in (3, 4)
+        )
     assert any(f.losses[4] == f.losses[4] for f in full)
-    with pytest.raises(CheckpointError, match=r"half/iter_0000002/metadata.json: an adapters-only checkpoint, "
-                                              r"expected its base the model init \(init_seed=1234\); the model's "
-                                              r"init_seed is 7"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"half/iter_0000002/metadata.json: an adapters-only checkpoint, "
+        r"expected its base the model init \(init_seed=1234\); the model's "
+        r"init_seed is 7",
+    ):
         prepare([*run, "--load", str(tmp_path / "half"), "--init-seed", "7"], 2)
     if kind == "zero3_last_layer_bf16":  # another strategy would reshard: it needs the frozen weights left out
-        with pytest.raises(RuntimeError, match=r"half/iter_0000002: an adapters-only checkpoint resumes only "
-                                               r"under the data-parallel size and PaRO strategy that saved it"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"half/iter_0000002: an adapters-only checkpoint resumes only "
+            r"under the data-parallel size and PaRO strategy that saved it",
+        ):
             run_ranks(_pretrain, 2, [*run, "--load", str(tmp_path / "half"), "--paro-strategy", "NNG"], timeout_s=300)

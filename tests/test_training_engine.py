@@ -20,8 +20,16 @@ from megazpp.training.schedule import forward_backward
 
 
 def tiny_llama() -> GPTModel:
-    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
-                      num_query_groups=2, vocab_size=64, seq_length=16, init_seed=7)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=64,
+        seq_length=16,
+        init_seed=7,
+    )
     return GPTModel(cfg.validate())
 
 
@@ -37,8 +45,9 @@ def test_gradient_accumulation_equals_one_large_batch():
         losses = forward_backward(model, micro, engine)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         engine.step()
-        results.append((torch.stack(losses).mean(), grads,
-                        {n: p.detach().clone() for n, p in model.named_parameters()}))
+        results.append(
+            (torch.stack(losses).mean(), grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+        )
     (loss4, grads4, params4), (loss1, grads1, params1) = results
     torch.testing.assert_close(loss4, loss1, rtol=1e-6, atol=0)
     assert grads4.keys() == grads1.keys()
@@ -107,8 +116,7 @@ def test_bf16_engine_keeps_fp32_masters():
     model = Affine()
     with torch.no_grad():
         model.proj.weight.fill_(1.0)
-    engine = LocalEngine(model, OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0),
-                         PrecisionConfig(bf16=True))
+    engine = LocalEngine(model, OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), PrecisionConfig(bf16=True))
     assert model.proj.weight.dtype == torch.bfloat16
     assert all(m.dtype == torch.float32 for m in engine.masters)
     x = torch.randn(8, 4)
@@ -142,8 +150,7 @@ def test_bf16_fp32_accumulation_beats_bf16_accumulation():
     for accum in ("fp32", "bf16"):
         torch.manual_seed(1)
         model = Affine()
-        engine = LocalEngine(model, OptimizerConfig(clip_grad=0.0),
-                             PrecisionConfig(bf16=True, grad_accum_dtype=accum))
+        engine = LocalEngine(model, OptimizerConfig(clip_grad=0.0), PrecisionConfig(bf16=True, grad_accum_dtype=accum))
         for x in xs:
             (model(x) / len(xs)).backward()
         grads = dict(engine._master_grads())

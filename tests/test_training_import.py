@@ -45,9 +45,19 @@ def _dp2(args: list[str]) -> dict[int, float]:
 
 def test_train_from_imported_weights(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     imported = _import(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
-    common = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, "--train-iters", "3",
-                       "--eval-iters", "0", "--log-interval", "100", "--bf16",
-                       "--global-batch-size", "8")
+    common = tiny_args(
+        tiny_indexed_prefix,
+        tiny_tokenizer_model,
+        "--train-iters",
+        "3",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "100",
+        "--bf16",
+        "--global-batch-size",
+        "8",
+    )
     reference = pretrain_gpt.main(common + ["--init-seed", str(SOURCE_SEED)])
 
     run = tmp_path / "run"
@@ -60,8 +70,7 @@ def test_train_from_imported_weights(tmp_path, tiny_indexed_prefix, tiny_tokeniz
     assert again.resumed_from == 2 and again.losses[3] == reference.losses[3]
 
     # two data-parallel ranks both start from DP rank 0's (the only) file
-    ranks = run_ranks(_dp2, 2, common + ["--init-seed", "5", "--load", str(imported)],
-                      timeout_s=120)
+    ranks = run_ranks(_dp2, 2, common + ["--init-seed", "5", "--load", str(imported)], timeout_s=120)
     for losses in ranks:
         assert losses[1] == pytest.approx(reference.losses[1], rel=1e-3)
         assert losses[3] == pytest.approx(reference.losses[3], abs=STEP3_TOL)

@@ -17,18 +17,49 @@ LAYOUTS = {  # name: (flags, reference, tolerance)
     "tp2": (["--tensor-model-parallel-size", "2"], "llama_fp32", 1e-5),
     "tp2_sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "llama_fp32", 1e-5),
     "pp2": (["--pipeline-model-parallel-size", "2"], "llama_fp32", 1e-5),
-    "pp2_gpt2_bf16": (["--pipeline-model-parallel-size", "2", *REFERENCES["gpt2_bf16"]],
-                      "gpt2_bf16", 2e-2),
+    "pp2_gpt2_bf16": (["--pipeline-model-parallel-size", "2", *REFERENCES["gpt2_bf16"]], "gpt2_bf16", 2e-2),
 }
 
 
 def common_args(prefix: str, tokenizer: str) -> list[str]:
-    return ["--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "90,10,0",
-            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--lr", "1e-2", "--adam-eps", "1e-3", "--train-iters", "4",
-            "--lr-warmup-iters", "1", "--eval-iters", "1", "--eval-interval", "2",
-            "--log-interval", "100", "--seed", "5"]
+    return [
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        tokenizer,
+        "--split",
+        "90,10,0",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--adam-eps",
+        "1e-3",
+        "--train-iters",
+        "4",
+        "--lr-warmup-iters",
+        "1",
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "2",
+        "--log-interval",
+        "100",
+        "--seed",
+        "5",
+    ]
 
 
 def _all_layouts(prefix: str, tokenizer: str) -> dict[str, tuple[dict, dict, int]]:
@@ -44,8 +75,7 @@ def _all_layouts(prefix: str, tokenizer: str) -> dict[str, tuple[dict, dict, int
 
 def test_parallel_layouts_match_single_process(tiny_indexed_prefix, tiny_tokenizer_model):
     args = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
-    references = {key: pretrain_gpt.main(common_args(*args) + flags)
-                  for key, flags in REFERENCES.items()}
+    references = {key: pretrain_gpt.main(common_args(*args) + flags) for key, flags in REFERENCES.items()}
     for reference in references.values():
         assert reference.losses[4] < reference.losses[1] - 0.05  # the steps change the model
     ranks = run_ranks(_all_layouts, 2, *args, timeout_s=300)

@@ -36,8 +36,16 @@ from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained, parameter_units
 
 STEPS, MICRO, SAVE_AT = 5, 2, 2
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 MOE = dict(LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
 GPT2 = dict(LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, position table
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
@@ -85,13 +93,20 @@ def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[di
         result = engine.step()
         totals = counter.step_totals()
         ours = [row for tag, row in totals["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"]
-        out.append({"loss": total, "norm": result.grad_norm,
-                    "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
-                    "all": (totals["intra"], totals["inter"]),
-                    "predicted": engine.expected_step_bytes(MICRO),
-                    "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
-                    "allocations": engine.groups.buffers.allocations, "pooled": engine.groups.buffers.held(),
-                    **stats})
+        out.append(
+            {
+                "loss": total,
+                "norm": result.grad_norm,
+                "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
+                "all": (totals["intra"], totals["inter"]),
+                "predicted": engine.expected_step_bytes(MICRO),
+                "calls": sum(r["calls"] for r in ours),
+                "predicted_calls": engine.expected_step_calls(MICRO),
+                "allocations": engine.groups.buffers.allocations,
+                "pooled": engine.groups.buffers.held(),
+                **stats,
+            }
+        )
     return out
 
 
@@ -117,19 +132,22 @@ def _reference_losses(cfg_dict: dict, topo: Topology) -> list[float]:
 
 def _model_params(engine: ZeroEngine) -> list[torch.Tensor]:
     return [b.param_store.clone() for b in engine.buckets] + [
-        m.param.clone() for b in engine.buckets for m in b.masters]
+        m.param.clone() for b in engine.buckets for m in b.masters
+    ]
 
 
 def _strategies_rank(ckpt_root: str) -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     cfg = ModelConfig(**LLAMA)
-    runs = ([(name, name, {}) for name in VALID_NAMES] +
-            [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT] +
-            [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE] +
-            [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF] +
-            [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})] +
-            [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()] +
-            [(f"{name}/persist", name, PERSIST) for name in SHARDED_P])
+    runs = (
+        [(name, name, {}) for name in VALID_NAMES]
+        + [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT]
+        + [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE]
+        + [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF]
+        + [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})]
+        + [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()]
+        + [(f"{name}/persist", name, PERSIST) for name in SHARDED_P]
+    )
     report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
     for label, name, options in runs:
         model = _model(LLAMA, topo)
@@ -145,7 +163,10 @@ def _strategies_rank(ckpt_root: str) -> dict:
         resumed.load_state_dict(load_checkpoint(ckpt, topo)["engine"])
         resumed_steps = _train_steps(resumed_model, resumed, topo, cfg, range(SAVE_AT, STEPS))
         report["runs"][label] = {
-            "steps": steps, "held": held, "expected": expected, "hier": engine.hier,
+            "steps": steps,
+            "held": held,
+            "expected": expected,
+            "hier": engine.hier,
             "resumed_losses": [s["loss"] for s in resumed_steps],
             "resumed_norms": [s["norm"] for s in resumed_steps],
             "resumed_equal": all(torch.equal(a, b) for a, b in zip(final, _model_params(resumed))),
@@ -155,16 +176,24 @@ def _strategies_rank(ckpt_root: str) -> dict:
         for label, options in ((f"{name}/ckpt", {}), (f"{name}/ckpt/noreuse", NO_REUSE)):
             model = _model(checkpointed, topo)
             engine = _engine(model, topo, name, **options)
-            report["runs"][label] = {"steps": _train_steps(model, engine, topo, cfg, range(SAVE_AT)),
-                                     "reused": engine.reused}
+            report["runs"][label] = {
+                "steps": _train_steps(model, engine, topo, cfg, range(SAVE_AT)),
+                "reused": engine.reused,
+            }
     return report
 
 
 def test_all_strategies_losses_bytes_and_resume(tmp_path):
     results = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
-    labels = (list(VALID_NAMES) + [f"{n}/flat" for n in FLAT] + [f"{n}/k4" for n in WIDE] +
-              [f"{n}/noreuse" for n in REUSE_OFF] + ["GGG/size"] + [f"{n}/mixed" for n in MIXED] +
-              [f"{n}/persist" for n in SHARDED_P])
+    labels = (
+        list(VALID_NAMES)
+        + [f"{n}/flat" for n in FLAT]
+        + [f"{n}/k4" for n in WIDE]
+        + [f"{n}/noreuse" for n in REUSE_OFF]
+        + ["GGG/size"]
+        + [f"{n}/mixed" for n in MIXED]
+        + [f"{n}/persist" for n in SHARDED_P]
+    )
     for rank, report in enumerate(results):
         base = [s["loss"] for s in report["runs"]["NNN"]["steps"]]
         assert max(abs(a - b) for a, b in zip(base, report["reference"])) < 1e-5, (rank, base)
@@ -221,24 +250,42 @@ def _pipeline_steps(topo: Topology, cfg_dict: dict, strategy: str, **options) ->
     """This stage of a model split over the two pipeline stages under 1F1B x ZeRO, 3 steps:
     per step the loss, the engine's counted bytes and calls, and their formulas."""
     cfg = ModelConfig(**cfg_dict)
-    model = GPTModel(cfg, pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
-                     layer_range=topo.layer_range(cfg.num_layers))
-    engine = ZeroEngine(model, OPT, PrecisionConfig(),
-                        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, **options), topo,
-                        counts_in_norm=counts_in_norm(model, topo), tied_embeddings=cfg.tie_embeddings,
-                        tied_weight=model.tied_embedding_weight())
+    model = GPTModel(
+        cfg,
+        pre_process=topo.is_first_stage,
+        post_process=topo.is_last_stage,
+        layer_range=topo.layer_range(cfg.num_layers),
+    )
+    engine = ZeroEngine(
+        model,
+        OPT,
+        PrecisionConfig(),
+        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, **options),
+        topo,
+        counts_in_norm=counts_in_norm(model, topo),
+        tied_embeddings=cfg.tie_embeddings,
+        tied_weight=model.tied_embedding_weight(),
+    )
     steps = []
     for _ in range(3):
         counter.reset_step()
         micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
         step_losses = forward_backward_1f1b(model, micro, engine, topology=topo)
         engine.step()
-        ours = [r for tag, r in counter.step_totals()["tags"].items()
-                if tag.startswith("zero/") or tag == "train/grad_norm"]
-        steps.append({"loss": sum(loss.item() for loss in step_losses) / MICRO,
-                      "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours),
-                                  sum(r["calls"] for r in ours)),
-                      "predicted": (*engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO))})
+        ours = [
+            r for tag, r in counter.step_totals()["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"
+        ]
+        steps.append(
+            {
+                "loss": sum(loss.item() for loss in step_losses) / MICRO,
+                "counted": (
+                    sum(r["intra"] for r in ours),
+                    sum(r["inter"] for r in ours),
+                    sum(r["calls"] for r in ours),
+                ),
+                "predicted": (*engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO)),
+            }
+        )
     return steps
 
 
@@ -324,8 +371,13 @@ def _accumulated_gradient_error(accum: str) -> float:
     topo = Topology.from_env()
     cfg = ModelConfig(**LLAMA)
     model = GPTModel(cfg)
-    engine = ZeroEngine(model, OPT, PrecisionConfig(bf16=True, grad_accum_dtype=accum),
-                        ZeroOptions(strategy="NNN", reduce_bucket_size=10**9), topo)
+    engine = ZeroEngine(
+        model,
+        OPT,
+        PrecisionConfig(bf16=True, grad_accum_dtype=accum),
+        ZeroOptions(strategy="NNN", reduce_bucket_size=10**9),
+        topo,
+    )
     bucket = engine.buckets[0]
     reference = torch.zeros(bucket.layout.padded, dtype=torch.float64)
     for micro in range(32):
@@ -333,7 +385,7 @@ def _accumulated_gradient_error(accum: str) -> float:
         loss = model(inputs, labels).float().mean() / 32
         grads = torch.autograd.grad(loss, bucket.layout.params, retain_graph=True)
         for off, g in zip(bucket.layout.offsets, grads):
-            reference[off:off + g.numel()] += g.reshape(-1).double()
+            reference[off : off + g.numel()] += g.reshape(-1).double()
         engine.scale_loss(loss).backward()
     return float((bucket.grad_acc.double() - reference).abs().max() / reference.abs().max())
 
@@ -353,8 +405,11 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
     losses = {}
     for name in ("local", "GGG"):
         model = GPTModel(ModelConfig(**cfg))
-        engine = (LocalEngine(model, OPT, PrecisionConfig()) if name == "local"
-                  else ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name), topo))
+        engine = (
+            LocalEngine(model, OPT, PrecisionConfig())
+            if name == "local"
+            else ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name), topo)
+        )
         inputs, labels = _batch(ModelConfig(**cfg), 0, 0)
         losses[name] = []
         for _ in range(4):
@@ -389,8 +444,11 @@ def test_half_precision_follows_local_engine_including_overflow_skips():
         runs = {}
         for name in ("local", "GGG"):
             model = GPTModel(cfg)
-            engine = (LocalEngine(model, OPT, precision) if name == "local"
-                      else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=name), topo))
+            engine = (
+                LocalEngine(model, OPT, precision)
+                if name == "local"
+                else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=name), topo)
+            )
             runs[name] = []
             for _ in range(5):
                 loss = model(inputs, labels).float().mean()

@@ -35,8 +35,16 @@ from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 
 STEPS, MICRO = 3, 2
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=8, ffn_hidden_size=40)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
 LORA = dict(LLAMA, lora_rank=4, lora_alpha=8.0)
 # (model, training.trainable): adapters only; the last layer and every norm of a plain model
 RUNS = {"lora": (LORA, []), "subset": (LLAMA, ["last:1", "*norm*"])}
@@ -51,8 +59,13 @@ def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, to
 
 
 def _model(cfg: ModelConfig, patterns: list[str], topo: Topology) -> GPTModel:
-    model = GPTModel(cfg, tp_group=topo.tp_group, pre_process=topo.is_first_stage,
-                     post_process=topo.is_last_stage, layer_range=topo.layer_range(cfg.num_layers))
+    model = GPTModel(
+        cfg,
+        tp_group=topo.tp_group,
+        pre_process=topo.is_first_stage,
+        post_process=topo.is_last_stage,
+        layer_range=topo.layer_range(cfg.num_layers),
+    )
     apply_trainable(model, patterns, cfg)
     return model
 
@@ -90,11 +103,18 @@ def _train(model: GPTModel, engine: ZeroEngine, cfg: ModelConfig, topo: Topology
             engine.scale_loss(loss).backward()
             total += loss.item()
         engine.step()
-        rows = [r for tag, r in counter.step_totals()["tags"].items()
-                if tag.startswith("zero/") or tag == "train/grad_norm"]
-        out.append({"loss": total, "counted": (sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)),
-                    "calls": sum(r["calls"] for r in rows), "predicted": engine.expected_step_bytes(MICRO),
-                    "predicted_calls": engine.expected_step_calls(MICRO)})
+        rows = [
+            r for tag, r in counter.step_totals()["tags"].items() if tag.startswith("zero/") or tag == "train/grad_norm"
+        ]
+        out.append(
+            {
+                "loss": total,
+                "counted": (sum(r["intra"] for r in rows), sum(r["inter"] for r in rows)),
+                "calls": sum(r["calls"] for r in rows),
+                "predicted": engine.expected_step_bytes(MICRO),
+                "predicted_calls": engine.expected_step_calls(MICRO),
+            }
+        )
     return out
 
 
@@ -107,9 +127,13 @@ def _strategies_rank() -> dict:
         for name in VALID_NAMES:
             model = _model(cfg, patterns, topo)
             before = _frozen(model)
-            engine = ZeroEngine(model, OPT, PrecisionConfig(),
-                                ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
-                                topo)
+            engine = ZeroEngine(
+                model,
+                OPT,
+                PrecisionConfig(),
+                ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                topo,
+            )
             steps = _train(model, engine, cfg, topo, range(1))
             # LoRA resumes adapters-only (frozen buckets left out: the fresh model's init is the
             # base), the subset from the whole state
@@ -118,24 +142,32 @@ def _strategies_rank() -> dict:
             with engine.gathered_parameters():
                 after = _frozen(model)
             resumed_model = _model(cfg, patterns, topo)
-            resumed = ZeroEngine(resumed_model, OPT, PrecisionConfig(),
-                                 ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
-                                 topo)
+            resumed = ZeroEngine(
+                resumed_model,
+                OPT,
+                PrecisionConfig(),
+                ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                topo,
+            )
             resumed.load_state_dict(saved)
             report[f"{kind}/{name}"] = {
                 "resumed_losses": [s["loss"] for s in _train(resumed_model, resumed, cfg, topo, range(1, STEPS))],
                 "saved_buckets": [b["name"] for b in saved["buckets"]],
-                "losses": [s["loss"] for s in steps], "steps": steps,
-                "held": engine.held_bytes(), "expected": engine.expected_bytes(),
-                "frozen_unchanged": before.keys() == after.keys() and all(
-                    torch.equal(before[n], after[n]) for n in before),
+                "losses": [s["loss"] for s in steps],
+                "steps": steps,
+                "held": engine.held_bytes(),
+                "expected": engine.expected_bytes(),
+                "frozen_unchanged": before.keys() == after.keys()
+                and all(torch.equal(before[n], after[n]) for n in before),
                 "trainable_padded": [b.layout.padded for b in engine.buckets],
-                "frozen_padded": [b.layout.padded for b in engine.frozen]}
+                "frozen_padded": [b.layout.padded for b in engine.frozen],
+            }
     cfg = ModelConfig(**LORA, activation_checkpointing=True)
     for name in CHECKPOINTED:
         model = _model(cfg, [], topo)
-        engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name, micro_batches_per_step=MICRO),
-                            topo)
+        engine = ZeroEngine(
+            model, OPT, PrecisionConfig(), ZeroOptions(strategy=name, micro_batches_per_step=MICRO), topo
+        )
         report[f"lora/{name}/ckpt"] = _train(model, engine, cfg, topo, range(STEPS))
     return report
 
@@ -177,13 +209,21 @@ def test_every_strategy_with_lora_and_a_frozen_subset_matches_nnn():
 def _model_parallel_rank() -> dict:
     report = {}
     cfg = ModelConfig(**LORA)
-    for label, topo in (("tp", Topology.from_env(tp=2, ranks_per_node=2)),
-                        ("pp", Topology.from_env(pp=2, ranks_per_node=2))):
+    for label, topo in (
+        ("tp", Topology.from_env(tp=2, ranks_per_node=2)),
+        ("pp", Topology.from_env(pp=2, ranks_per_node=2)),
+    ):
         report[f"{label}/reference"] = _reference(cfg, [], topo.dp, topo.dp_rank)
         for name in ("NNN", "GGG", "ING"):
             model = _model(cfg, [], topo)
-            engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name, micro_batches_per_step=MICRO),
-                                topo, counts_in_norm=counts_in_norm(model, topo))
+            engine = ZeroEngine(
+                model,
+                OPT,
+                PrecisionConfig(),
+                ZeroOptions(strategy=name, micro_batches_per_step=MICRO),
+                topo,
+                counts_in_norm=counts_in_norm(model, topo),
+            )
             losses = []
             for _ in range(STEPS):
                 micro = [_batch(cfg, topo.dp_rank, m) for m in range(MICRO)]
@@ -198,8 +238,12 @@ def _model_parallel_rank() -> dict:
                         total += loss.item()
                     losses.append(total)
                 engine.step()
-            report[f"{label}/{name}"] = {"losses": losses, "last_stage": topo.is_last_stage,
-                                         "held": engine.held_bytes(), "expected": engine.expected_bytes()}
+            report[f"{label}/{name}"] = {
+                "losses": losses,
+                "last_stage": topo.is_last_stage,
+                "held": engine.held_bytes(),
+                "expected": engine.expected_bytes(),
+            }
     return report
 
 
@@ -213,4 +257,10 @@ def test_lora_under_tensor_and_pipeline_parallelism_matches_one_process():
                 if label == "pp" and not run["last_stage"]:
                     continue  # only the last stage computes the loss
                 ref = report[f"{label}/reference"]
-                assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 1e-5, (label, name, rank, run["losses"], ref)
+                assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 1e-5, (
+                    label,
+                    name,
+                    rank,
+                    run["losses"],
+                    ref,
+                )

@@ -31,7 +31,7 @@ def _full(i: int, rank: int) -> torch.Tensor:
 
 
 def _shard(i: int, rank: int) -> torch.Tensor:
-    return _full(i, rank)[:NUMEL // 4].clone()
+    return _full(i, rank)[: NUMEL // 4].clone()
 
 
 # the G-piece a rank owns (rank = PaRO group * k + local; piece = local * m + group)
@@ -41,7 +41,7 @@ PIECE = {0: 0, 1: 2, 2: 1, 3: 3}
 def _gathered(i: int) -> list[float]:
     want = torch.empty(NUMEL)
     for r in range(4):
-        want[PIECE[r] * 8:(PIECE[r] + 1) * 8] = _shard(i, r)
+        want[PIECE[r] * 8 : (PIECE[r] + 1) * 8] = _shard(i, r)
     return want.tolist()
 
 
@@ -65,8 +65,11 @@ def _rank_main() -> dict:
     # 2. progress at rank-dependent moments, waits in reverse launch order: every rank issues the
     #    later stages in the same order, so the results are the exact ones
     comm.counter.reset_step()
-    seqs = [sequences.reduce_sequence(Level.N, Level.G, 2, TWO), sequences.gather_sequence(Level.G, Level.N, 2, TWO),
-            sequences.boundary_sequence(Strategy(Level.N, Level.N, Level.N), 2, TWO)]
+    seqs = [
+        sequences.reduce_sequence(Level.N, Level.G, 2, TWO),
+        sequences.gather_sequence(Level.G, Level.N, 2, TWO),
+        sequences.boundary_sequence(Strategy(Level.N, Level.N, Level.N), 2, TWO),
+    ]
     works = []
     for i in range(9):
         seq = seqs[i % 3]
@@ -90,7 +93,7 @@ def test_later_stages_start_at_progress_points_in_one_order() -> None:
         for i, got in enumerate(res["results"]):
             total = sum(_full(i, r) for r in range(4))
             if i % 3 == 0:  # reduce-scatter N -> G: my G-piece of the sum
-                assert got == total[piece * 8:(piece + 1) * 8].tolist()
+                assert got == total[piece * 8 : (piece + 1) * 8].tolist()
             elif i % 3 == 1:  # gather G -> N
                 assert got == _gathered(i)
             else:  # all-reduce in three stages

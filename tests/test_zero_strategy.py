@@ -36,8 +36,11 @@ def test_fourteen_strategies_aliases_and_rejection():
 def test_padding_and_tensors_tile_an_aligned_bucket():
     """ZeRO++ alignment leaves gaps between tensors; gradients are written tensor by tensor, so
     the engine zeroes `padding_ranges` explicitly: with the tensors they must cover the buffer."""
-    params = [("w", nn.Parameter(torch.zeros(7, 3))), ("b", nn.Parameter(torch.zeros(5))),
-              ("v", nn.Parameter(torch.zeros(9, 2)))]
+    params = [
+        ("w", nn.Parameter(torch.zeros(7, 3))),
+        ("b", nn.Parameter(torch.zeros(5))),
+        ("v", nn.Parameter(torch.zeros(9, 2))),
+    ]
     lay = BucketLayout.build(params, 2, 1, 0, align=8)
     tensors = [(off, off + shape.numel()) for off, shape in zip(lay.offsets, lay.shapes)]
     assert all(off % 8 == 0 for off, _ in tensors)
@@ -84,32 +87,35 @@ def test_step_bytes_worked_by_hand_for_ggg_and_nig():
     #           (16 B from the node peer) -> (16, 8) each;
     # reduce: intra reduce-scatter of 32 B (16 B) + cross reduce-scatter of 16 B (8 B);
     # norm: all-reduce of 4 B over 4 ranks: 2*4*1//4 = 2 intra, 2*4*2//4 = 4 inter.
-    assert traffic.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4,
-                               accum_bytes=4) == (2 * 16 + 16 + 2, 2 * 8 + 8 + 4)
+    assert traffic.step_bytes(ggg, [8], shapes, hier, micro_batches=1, param_bytes=4, accum_bytes=4) == (
+        2 * 16 + 16 + 2,
+        2 * 8 + 8 + 4,
+    )
     # two groups of 8, the second kept (gathered once, before its first forward, to the step):
     # per micro-batch the first group's forward and backward fetches and both reductions, as
     # above, plus the kept group's one fetch; calls: per micro-batch 2 two-stage fetches (4
     # calls) + 2 reduce sequences (4), the kept fetch (2), the norm
-    assert traffic.step_bytes(ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                               reused=[False, True]) == (2 * (2 * 16 + 2 * 16) + 16 + 2, 2 * (2 * 8 + 2 * 8) + 8 + 4)
+    assert traffic.step_bytes(
+        ggg, [8, 8], shapes, hier, micro_batches=2, param_bytes=4, accum_bytes=4, reused=[False, True]
+    ) == (2 * (2 * 16 + 2 * 16) + 16 + 2, 2 * (2 * 8 + 2 * 8) + 8 + 4)
     assert traffic.step_calls(ggg, [8, 8], shapes, hier, micro_batches=2, reused=[False, True]) == 2 * (4 + 4) + 2 + 1
     assert traffic.step_calls(ggg, [8, 8], shapes, sequences.Hierarchy(), micro_batches=2) == 2 * (4 + 2) + 1
     # under hpZ over the node pair the backward fetch is one intra-node call (16 B from the peer)
     hpz = sequences.dp_shapes([0, 1, 2, 3], 2, me=0, ranks_per_node=2, hpz=2)
-    parts = traffic.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4,
-                                zeropp=ZeroPP(hpz=2))
+    parts = traffic.step_parts(ggg, [8], hpz, hier, micro_batches=2, param_bytes=4, accum_bytes=4, zeropp=ZeroPP(hpz=2))
     assert list(parts) == list(traffic.STEP_PHASES)
     assert parts["fetch_backward"].bytes_once(hpz) == (16, 0) and parts["fetch_backward"].calls_once(hpz) == 1
     nig = parse_strategy("NIG")
     # per micro-batch: intra reduce-scatter of 32 B -> 16 intra; boundary: cross reduce-scatter
     # of the 16 B I-chunk -> 8 inter; refresh p=N from G: cross + intra all-gather (8 inter, 16
     # intra); norm over all DP ranks. Three micro-batches.
-    assert traffic.step_bytes(nig, [8], shapes, hier, micro_batches=3, param_bytes=4,
-                               accum_bytes=4) == (3 * 16 + 16 + 2, 8 + 8 + 4)
+    assert traffic.step_bytes(nig, [8], shapes, hier, micro_batches=3, param_bytes=4, accum_bytes=4) == (
+        3 * 16 + 16 + 2,
+        8 + 8 + 4,
+    )
     flat = sequences.Hierarchy()
     # single-stage all-gather over 4 ranks: 8 B from each peer, 2 peers on the other node
-    assert traffic.sequence_bytes(sequences.gather_sequence(Level.G, Level.N, 2, flat), 8, 4,
-                                   shapes) == (8, 16)
+    assert traffic.sequence_bytes(sequences.gather_sequence(Level.G, Level.N, 2, flat), 8, 4, shapes) == (8, 16)
 
 
 def test_state_bytes_per_level():
@@ -129,7 +135,11 @@ def test_degenerate_groups_are_never_hierarchical():
 class _Expert(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gate, self.up, self.down = nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False), nn.Linear(2, 4, bias=False)
+        self.gate, self.up, self.down = (
+            nn.Linear(4, 2, bias=False),
+            nn.Linear(4, 2, bias=False),
+            nn.Linear(2, 4, bias=False),
+        )
 
 
 class _MoE(nn.Module):
@@ -163,12 +173,30 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
     from megazpp.config import ZeroConfig
     from megazpp.training.zero_factory import zero_options
 
-    opts = zero_options(ZeroConfig(stage=3, module_granularity_threshold=5000, reduce_bucket_size=1234,
-                                   allgather_bucket_size=7, stage3_max_live_parameters=0, fetch_groups="size",
-                                   hierarchical="never", overlap_comm=False), 4)
-    assert (opts.strategy, opts.module_granularity_threshold, opts.reduce_bucket_size, opts.allgather_bucket_size,
-            opts.stage3_max_live_parameters, opts.fetch_groups, opts.hierarchical, opts.overlap_comm,
-            opts.micro_batches_per_step) == ("GGG", 5000, 1234, 7, 0, "size", "never", False, 4)
+    opts = zero_options(
+        ZeroConfig(
+            stage=3,
+            module_granularity_threshold=5000,
+            reduce_bucket_size=1234,
+            allgather_bucket_size=7,
+            stage3_max_live_parameters=0,
+            fetch_groups="size",
+            hierarchical="never",
+            overlap_comm=False,
+        ),
+        4,
+    )
+    assert (
+        opts.strategy,
+        opts.module_granularity_threshold,
+        opts.reduce_bucket_size,
+        opts.allgather_bucket_size,
+        opts.stage3_max_live_parameters,
+        opts.fetch_groups,
+        opts.hierarchical,
+        opts.overlap_comm,
+        opts.micro_batches_per_step,
+    ) == ("GGG", 5000, 1234, 7, 0, "size", "never", False, 4)
     # one vocabulary: the engine's options carry the section's names and defaults
     defaults = zero_options(ZeroConfig(stage=3))
     for f in dataclasses.fields(defaults):
@@ -176,11 +204,16 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
             assert getattr(defaults, f.name) == getattr(ZeroConfig(stage=3), f.name) or f.name == "strategy", f.name
     assert zero_options(ZeroConfig(paro_strategy="nig", paro_group_size=2)).strategy == "NIG"
     assert zero_options(ZeroConfig(paro_strategy="ggg", stage=3)).strategy == "GGG"
-    for bad in (ZeroConfig(paro_strategy="NIG", stage=3), ZeroConfig(paro_strategy="GNN"),
-                ZeroConfig(stage=3, reduce_scatter=False),
-                ZeroConfig(stage=1, zero_quantized_weights=True), ZeroConfig(stage=2, zero_hpz_partition_size=2),
-                ZeroConfig(stage=1, zero_quantized_gradients=True), ZeroConfig(stage=3, loco=True),
-                ZeroConfig(stage=2, stage3_param_persistence_threshold=100)):
+    for bad in (
+        ZeroConfig(paro_strategy="NIG", stage=3),
+        ZeroConfig(paro_strategy="GNN"),
+        ZeroConfig(stage=3, reduce_scatter=False),
+        ZeroConfig(stage=1, zero_quantized_weights=True),
+        ZeroConfig(stage=2, zero_hpz_partition_size=2),
+        ZeroConfig(stage=1, zero_quantized_gradients=True),
+        ZeroConfig(stage=3, loco=True),
+        ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
+    ):
         with pytest.raises(ConfigError):
             zero_options(bad)
 
@@ -190,16 +223,19 @@ def test_config_validate_refuses_bad_zero_values_before_any_process_group():
     named there, with the key."""
     from megazpp.config import Config, ZeroConfig
 
-    for zero, key in ((ZeroConfig(paro_strategy="GNN"), "zero.paro_strategy"),
-                      (ZeroConfig(paro_strategy="NIG", stage=3), "zero.paro_strategy"),
-                      (ZeroConfig(stage=3, loco_err_beta=1.5), "zero.loco_err_beta"),
-                      (ZeroConfig(stage=3, fetch_groups="module"), "zero.fetch_groups"),
-                      (ZeroConfig(stage=3, hierarchical="on"), "zero.hierarchical"),
-                      (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance"),
-                      (ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
-                       "zero.stage3_param_persistence_threshold = 100: strategy NGG keeps every parameter"),
-                      (ZeroConfig(stage=3, stage3_param_persistence_threshold=-1),
-                       "zero.stage3_param_persistence_threshold")):
+    for zero, key in (
+        (ZeroConfig(paro_strategy="GNN"), "zero.paro_strategy"),
+        (ZeroConfig(paro_strategy="NIG", stage=3), "zero.paro_strategy"),
+        (ZeroConfig(stage=3, loco_err_beta=1.5), "zero.loco_err_beta"),
+        (ZeroConfig(stage=3, fetch_groups="module"), "zero.fetch_groups"),
+        (ZeroConfig(stage=3, hierarchical="on"), "zero.hierarchical"),
+        (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance"),
+        (
+            ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
+            "zero.stage3_param_persistence_threshold = 100: strategy NGG keeps every parameter",
+        ),
+        (ZeroConfig(stage=3, stage3_param_persistence_threshold=-1), "zero.stage3_param_persistence_threshold"),
+    ):
         with pytest.raises(ConfigError, match=key):
             validate_config(Config(zero=zero), 1)
     validate_config(Config(zero=ZeroConfig(paro_strategy="auto")), 1)  # the planner decides later
@@ -235,8 +271,12 @@ def test_fetch_groups_by_layer_or_by_size():
     assert [g.numel for g in fetch_groups(model, units, "size", 10**9)] == [40 + 2 * 4384 + 768]
     # 4200: embed + attn; the first MoE (router + 24 expert linears of 8); the second attn, its
     # router and one expert linear; the other 23 expert linears, the norm and the head
-    assert [g.numel for g in fetch_groups(model, units, "size", 4200)] == [40 + 4160, 224, 4160 + 32 + 8,
-                                                                          23 * 8 + 128 + 640]
+    assert [g.numel for g in fetch_groups(model, units, "size", 4200)] == [
+        40 + 4160,
+        224,
+        4160 + 32 + 8,
+        23 * 8 + 128 + 640,
+    ]
 
 
 def test_persistent_parameters_leave_their_units_for_buckets_of_their_own():
@@ -270,8 +310,7 @@ def test_kept_groups_are_fetched_once_per_step():
     shapes = sequences.dp_shapes([0, 1, 2, 3], 2, 0, 2)
     ggg, hier = parse_strategy("GGG"), sequences.Hierarchy(True, True, True)
     numels, reused = [400, 800, 1200], (False, True, True)
-    parts = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4,
-                                reused=reused)
+    parts = traffic.step_parts(ggg, numels, shapes, hier, micro_batches=4, param_bytes=4, accum_bytes=4, reused=reused)
     assert (parts["fetch_forward"].numels, parts["fetch_forward"].times) == ((400,), 4)
     assert (parts["fetch_forward_once"].numels, parts["fetch_forward_once"].times) == ((800, 1200), 1)
     assert (parts["fetch_backward"].numels, parts["fetch_backward"].times) == ((400,), 4)

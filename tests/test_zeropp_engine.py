@@ -47,8 +47,16 @@ from megazpp.zero.paths import CommPaths
 from megazpp.zero.zeropp import ZeroPP
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zeropp_tutorial.json"
-LLAMA = dict(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-             vocab_size=128, seq_length=16, ffn_hidden_size=256)
+LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=128,
+    seq_length=16,
+    ffn_hidden_size=256,
+)
 OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0)
 BF16 = PrecisionConfig(bf16=True)
 STEPS, MICRO, SAVE_AT, COMPILED_STEPS = 30, 2, 3, 3
@@ -88,11 +96,17 @@ def _batch(cfg: ModelConfig, dp_rank: int, step: int, micro: int) -> tuple[torch
     return ids[:, :-1], ids[:, 1:]
 
 
-def _engine(topo: Topology, strategy: str, zeropp: ZeroPP, precision: PrecisionConfig = BF16,
-            **options) -> tuple[GPTModel, ZeroEngine]:
+def _engine(
+    topo: Topology, strategy: str, zeropp: ZeroPP, precision: PrecisionConfig = BF16, **options
+) -> tuple[GPTModel, ZeroEngine]:
     model = GPTModel(ModelConfig(**LLAMA))
-    opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, module_granularity_threshold=THRESHOLD,
-                       zeropp=zeropp, **options)
+    opts = ZeroOptions(
+        strategy=strategy,
+        micro_batches_per_step=MICRO,
+        module_granularity_threshold=THRESHOLD,
+        zeropp=zeropp,
+        **options,
+    )
     return model, ZeroEngine(model, OPT, precision, opts, topo)
 
 
@@ -111,11 +125,17 @@ def _train(model: GPTModel, engine: ZeroEngine, topo: Topology, steps: range) ->
         tags = counter.step_totals()["tags"]
         ours = [row for tag, row in tags.items() if tag.startswith("zero/") or tag == "train/grad_norm"]
         backward = tags.get("zero/param_gather/backward", {"intra": 0, "inter": 0})
-        out.append({"loss": total, "skipped": result.skipped,
-                    "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
-                    "predicted": engine.expected_step_bytes(MICRO),
-                    "calls": sum(r["calls"] for r in ours), "predicted_calls": engine.expected_step_calls(MICRO),
-                    "backward_gather": (backward["intra"], backward["inter"])})
+        out.append(
+            {
+                "loss": total,
+                "skipped": result.skipped,
+                "counted": (sum(r["intra"] for r in ours), sum(r["inter"] for r in ours)),
+                "predicted": engine.expected_step_bytes(MICRO),
+                "calls": sum(r["calls"] for r in ours),
+                "predicted_calls": engine.expected_step_calls(MICRO),
+                "backward_gather": (backward["intra"], backward["inter"]),
+            }
+        )
     return out
 
 
@@ -124,9 +144,11 @@ def _summary(steps: list[dict], engine: ZeroEngine) -> dict:
 
 
 def _state(engine: ZeroEngine) -> list[torch.Tensor]:
-    return ([b.param_store.clone() for b in engine.buckets] + [m.param.detach().clone() for b in engine.buckets
-                                                               for m in b.masters] +
-            [v.clone() for b in engine.buckets for v in b.extra_state.values()])
+    return (
+        [b.param_store.clone() for b in engine.buckets]
+        + [m.param.detach().clone() for b in engine.buckets for m in b.masters]
+        + [v.clone() for b in engine.buckets for v in b.extra_state.values()]
+    )
 
 
 # -- bounds: the paths on known tensors ---------------------------------------------------------
@@ -143,8 +165,15 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
     out = {"qgz_excess": [], "qgz_err": [], "qwz_equal": [], "qwz_excess": [], "qwz_vectors_rounded": []}
     for i, b in enumerate(engine.buckets):
         n = b.layout.padded
-        grads = torch.stack([torch.randn(n, generator=torch.Generator().manual_seed(7 * i + r)) *
-                             torch.logspace(-6, 0, n) for r in range(d)]) / d
+        grads = (
+            torch.stack(
+                [
+                    torch.randn(n, generator=torch.Generator().manual_seed(7 * i + r)) * torch.logspace(-6, 0, n)
+                    for r in range(d)
+                ]
+            )
+            / d
+        )
         mine = grads[topo.dp_rank].clone()
         if zeropp.qgz:
             got = engine.paths.start_grad_reduce(b, mine.clone()).wait()
@@ -165,8 +194,9 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
                 vectors[a:z] = True
             want[vectors] = full_exact[vectors]  # 1-D tensors travel exactly
             out["qwz_equal"].append(torch.equal(full_q, want))
-            out["qwz_vectors_rounded"].append(bool((want != kernels.dequantize(codes, scales, 8, PP["qwz_block"]))
-                                                   [vectors].any()))
+            out["qwz_vectors_rounded"].append(
+                bool((want != kernels.dequantize(codes, scales, 8, PP["qwz_block"]))[vectors].any())
+            )
             w_bound = kernels.quantization_error_bound(scales, 8, PP["qwz_block"], n)
             out["qwz_excess"].append(float(((full_q - full_exact).abs() - w_bound).max()))
     return out
@@ -190,8 +220,14 @@ def _fp16_skip(topo: Topology) -> dict:
     nonzero = any(bool(v.abs().sum() > 0) for v in before)
     _train(model, engine, topo, range(2, 3))  # the third completed step resets (reset_t = 3)
     reset = all(bool((v == 0).all()) for b in engine.buckets for v in b.extra_state.values())
-    return {"skipped": result.skipped, "ratio": ratio, "unchanged": unchanged, "nonzero": nonzero,
-            "reset": reset, "held_as_expected": engine.held_bytes() == engine.expected_bytes()}
+    return {
+        "skipped": result.skipped,
+        "ratio": ratio,
+        "unchanged": unchanged,
+        "nonzero": nonzero,
+        "reset": reset,
+        "held_as_expected": engine.held_bytes() == engine.expected_bytes(),
+    }
 
 
 def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
@@ -209,8 +245,10 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
     eager = _train(model, engine, topo, range(COMPILED_STEPS))
     model2, engine2 = _engine(topo, "GGG", dataclasses.replace(ALL3_LOCO, cpu_kernels="compiled"))
     compiled = _train(model2, engine2, topo, range(COMPILED_STEPS))
-    report["compiled"] = {"losses": ([s["loss"] for s in eager], [s["loss"] for s in compiled]),
-                          "state_equal": all(torch.equal(a, b) for a, b in zip(_state(engine), _state(engine2)))}
+    report["compiled"] = {
+        "losses": ([s["loss"] for s in eager], [s["loss"] for s in compiled]),
+        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(engine), _state(engine2))),
+    }
 
     # checkpoint with LoCo: buffers restored, resumed run bitwise equal
     model, engine = _engine(topo, "GGG", ALL3_LOCO)
@@ -228,7 +266,8 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
         "buffers_restored": all(torch.equal(a, b) for a, b in zip(saved_buffers, restored)),
         "buffers_nonzero": any(bool(v.abs().sum() > 0) for v in saved_buffers),
         "losses": ([s["loss"] for s in tail], [s["loss"] for s in tail2]),
-        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(engine), _state(engine2)))}
+        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(engine), _state(engine2))),
+    }
 
     report["combos"] = {}
     for label, (strategy, zeropp, options) in COMBOS.items():
@@ -251,31 +290,69 @@ def _tutorial(prefix: str, tokenizer: str) -> dict:
     import pretrain_gpt
 
     before = dict(counter.run_totals()["tags"])
-    history = pretrain_gpt.main(["--deepspeed_config", str(TUTORIAL), "--ranks-per-node", "2",
-                                 "--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "90,10,0",
-                                 "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                                 "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
-                                 "--global-batch-size", "8", "--lr", "1e-2", "--train-iters", "3",
-                                 "--lr-warmup-iters", "1", "--eval-iters", "1", "--eval-interval", "3",
-                                 "--log-interval", "100", "--seed", "5",
-                                 # groups released after forward, so backward gathers (hpZ: intra-node)
-                                 "--stage3-max-live-parameters", "0"])
+    history = pretrain_gpt.main(
+        [
+            "--deepspeed_config",
+            str(TUTORIAL),
+            "--ranks-per-node",
+            "2",
+            "--data-path",
+            prefix,
+            "--tokenizer-model",
+            tokenizer,
+            "--split",
+            "90,10,0",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--num-query-groups",
+            "2",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "1",
+            "--eval-iters",
+            "1",
+            "--eval-interval",
+            "3",
+            "--log-interval",
+            "100",
+            "--seed",
+            "5",
+            # groups released after forward, so backward gathers (hpZ: intra-node)
+            "--stage3-max-live-parameters",
+            "0",
+        ]
+    )
     after = counter.run_totals()["tags"]
 
     def moved(tag: str) -> tuple[int, int]:
         a, b = after.get(tag, {"intra": 0, "inter": 0}), before.get(tag, {"intra": 0, "inter": 0})
         return a["intra"] - b["intra"], a["inter"] - b["inter"]
 
-    return {"losses": history.losses, "grad_reduce": moved("zero/grad_reduce"),
-            "ops": {op: row["calls"] for op, row in counter.run_totals()["ops"].items()},
-            "backward_gather": moved("zero/param_gather/backward")}
+    return {
+        "losses": history.losses,
+        "grad_reduce": moved("zero/grad_reduce"),
+        "ops": {op: row["calls"] for op, row in counter.run_totals()["ops"].items()},
+        "backward_gather": moved("zero/param_gather/backward"),
+    }
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, tiny_indexed_prefix, tiny_tokenizer_model) -> list[dict]:
     root = tmp_path_factory.mktemp("zeropp")
-    return run_ranks(_rank, 4, str(root / "ckpt"), str(tiny_indexed_prefix), str(tiny_tokenizer_model),
-                     timeout_s=600)
+    return run_ranks(_rank, 4, str(root / "ckpt"), str(tiny_indexed_prefix), str(tiny_tokenizer_model), timeout_s=600)
 
 
 def test_qgz_and_qwz_within_derived_bounds(report):
@@ -301,8 +378,7 @@ def test_inter_node_bytes_and_hpz_backward(report):
         plain = runs["zero3"]["steps"][-1]["counted"][1]
         for label in ("zeropp", "zeropp_loco"):
             inter = runs[label]["steps"][-1]["counted"][1]
-            print(f"rank {rank} {label}: inter-node bytes per step {inter} = "
-                  f"{inter / plain:.4f} x ZeRO-3's {plain}")
+            print(f"rank {rank} {label}: inter-node bytes per step {inter} = {inter / plain:.4f} x ZeRO-3's {plain}")
             assert inter <= RATIO * plain, (rank, label, inter / plain)
             for s in runs[label]["steps"]:
                 assert s["backward_gather"][1] == 0 and s["backward_gather"][0] > 0, (rank, s)
@@ -320,8 +396,7 @@ def test_training_follows_zero3(report):
     assert base[-1] < base[0] - 2.0, base  # the model learns in 30 steps
     for label in ("zeropp", "zeropp_loco"):
         gaps = [abs(a - b) for a, b in zip(_mean_losses(report, label), base)]
-        print(f"{label}: |loss - ZeRO-3| over {STEPS} steps: max {max(gaps):.4f}, "
-              f"mean {sum(gaps) / len(gaps):.4f}")
+        print(f"{label}: |loss - ZeRO-3| over {STEPS} steps: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}")
         assert max(gaps) <= MAX_GAP and sum(gaps) / len(gaps) <= MEAN_GAP, (label, gaps)
 
 

@@ -60,8 +60,9 @@ class _Transport:
         self._calls: dict[tuple, int] = defaultdict(int)
         self._posted: dict[tuple, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
 
-    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, *, group: tuple, async_op: bool,
-                          tag: str) -> _Work:
+    def all_to_all_single(
+        self, recv: torch.Tensor, send: torch.Tensor, *, group: tuple, async_op: bool, tag: str
+    ) -> _Work:
         kind, members, me = group
         n = self._calls[kind, members, me]
         self._calls[kind, members, me] += 1
@@ -89,8 +90,14 @@ def _groups(rank: int) -> ZeroGroups:
     intra = tuple(node * LOCAL + i for i in range(LOCAL))
     cross = tuple(n * LOCAL + local for n in range(NODES))
     dp = tuple(range(RANKS))
-    return ZeroGroups(("dp", dp, rank), ("intra", intra, local), ("cross", cross, node), RANKS, LOCAL,
-                      later={"intra": ("intra-later", intra, local), "cross": ("cross-later", cross, node)})
+    return ZeroGroups(
+        ("dp", dp, rank),
+        ("intra", intra, local),
+        ("cross", cross, node),
+        RANKS,
+        LOCAL,
+        later={"intra": ("intra-later", intra, local), "cross": ("cross-later", cross, node)},
+    )
 
 
 class _Rank:
@@ -104,8 +111,9 @@ class _Rank:
         self.paths = ZeroPPPaths(strategy, self.groups, choose_hierarchy(shapes, "always"), shapes, zeropp, 0)
         weight = nn.Parameter(torch.zeros(SIDE, SIDE))
         layout = BucketLayout.build([("weight", weight)], RANKS, LOCAL, rank, zeropp.alignment())
-        self.bucket = Bucket("bucket0", layout, [], layout.flatten(torch.float32),
-                             torch.zeros(layout.shard_size(Level.G)), [], [])
+        self.bucket = Bucket(
+            "bucket0", layout, [], layout.flatten(torch.float32), torch.zeros(layout.shard_size(Level.G)), [], []
+        )
         self.paths.init_bucket(self.bucket)
 
 

@@ -71,9 +71,9 @@ def _exact_os(engine: ZeroEngine, step: int, micro: int, scale: float) -> list[t
             tw, tb = _targets(step, m, r)
             grads = {"w": tw * scale, "b": tb * scale}
             for name, off, shape in zip(b.layout.names, b.layout.offsets, b.layout.shapes):
-                flat[off:off + shape.numel()] += grads[name].reshape(-1) / engine.groups.dp_size
+                flat[off : off + shape.numel()] += grads[name].reshape(-1) / engine.groups.dp_size
     lo, _ = b.layout.shard_range(engine.strategy.optimizer_state)
-    return [flat[lo + p.start:lo + p.end] for p in b.masters]
+    return [flat[lo + p.start : lo + p.end] for p in b.masters]
 
 
 def _spike_run(topo: Topology) -> dict:
@@ -108,8 +108,11 @@ def _spike_run(topo: Topology) -> dict:
             vector_err = _vector_error(engine, seen["applied"], exact)
         if step == SPIKE_AT:
             after = _buffers(engine)
-            scaled_ok = (seen["rescale"] == coef and any(bool(v.abs().sum() > 0) for v in after) and
-                         all(torch.equal(a, v * coef) for v, a in zip(seen["before"], after)))
+            scaled_ok = (
+                seen["rescale"] == coef
+                and any(bool(v.abs().sum() > 0) for v in after)
+                and all(torch.equal(a, v * coef) for v, a in zip(seen["before"], after))
+            )
     return {"errors": errors, "norms": norms, "scaled_ok": scaled_ok, "vector_err": vector_err}
 
 
@@ -120,7 +123,7 @@ def _vector_error(engine: ZeroEngine, applied: list[torch.Tensor], exact: list[t
     vector = torch.zeros(hi - lo, dtype=torch.bool)
     for a, z in b.layout.vector_ranges():
         if max(a, lo) < min(z, hi):
-            vector[max(a, lo) - lo:min(z, hi) - lo] = True
+            vector[max(a, lo) - lo : min(z, hi) - lo] = True
     diff = (torch.cat(applied) - torch.cat(exact)).abs()
     return (float(diff[vector].max()) if vector.any() else 0.0, float(diff[~vector].max()), int(vector.sum()))
 
@@ -138,6 +141,7 @@ def _accumulation_run(topo: Topology) -> dict:
         def run(*args, **kwargs):
             calls[name] += 1
             return inner(*args, **kwargs)
+
         return run
 
     engine.paths._ops = SimpleNamespace(**{**vars(ops), **{n: counted(n) for n in calls}})
@@ -149,8 +153,12 @@ def _accumulation_run(topo: Topology) -> dict:
             now = [v for b in engine.buckets for k, v in b.extra_state.items() if "stage1" in k]
             stage1_changes.append(any(not torch.equal(a, b) for a, b in zip(stage1, now)))
         engine.step()
-    return {"calls": calls, "stage1_changes": stage1_changes, "buckets": len(engine.buckets),
-            "stages": len(engine.paths._stages)}
+    return {
+        "calls": calls,
+        "stage1_changes": stage1_changes,
+        "buckets": len(engine.buckets),
+        "stages": len(engine.paths._stages),
+    }
 
 
 def _skip_run(topo: Topology, precision: PrecisionConfig) -> dict:
@@ -165,14 +173,21 @@ def _skip_run(topo: Topology, precision: PrecisionConfig) -> dict:
     model(tw * poison, tb).backward()
     result = engine.step()
     after = _buffers(engine)
-    return {"skipped": result.skipped, "nonzero": any(bool(v.abs().sum() > 0) for v in before),
-            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+    return {
+        "skipped": result.skipped,
+        "nonzero": any(bool(v.abs().sum() > 0) for v in before),
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+    }
 
 
 def _rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
-    return {"spike": _spike_run(topo), "accumulation": _accumulation_run(topo),
-            "skip_fp32": _skip_run(topo, FP32), "skip_bf16": _skip_run(topo, PrecisionConfig(bf16=True))}
+    return {
+        "spike": _spike_run(topo),
+        "accumulation": _accumulation_run(topo),
+        "skip_fp32": _skip_run(topo, FP32),
+        "skip_bf16": _skip_run(topo, PrecisionConfig(bf16=True)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +201,8 @@ def test_spike_rescales_buffers_by_the_clip_coefficient_and_leaves_no_echo(repor
         assert s["norms"][SPIKE_AT] > 100 * OPT.clip_grad, s["norms"]  # the spike was clipped hard
         assert s["scaled_ok"], rank
         calm = max(s["errors"][1:SPIKE_AT])  # relative deviation from the exact (clipped) update
-        echo = max(s["errors"][SPIKE_AT + 1:])
-        print(f"rank {rank}: relative deviation from the exact update before the spike {calm:.3f}, "
-              f"after it {echo:.3f}")
+        echo = max(s["errors"][SPIKE_AT + 1 :])
+        print(f"rank {rank}: relative deviation from the exact update before the spike {calm:.3f}, after it {echo:.3f}")
         assert echo <= 2 * calm, (rank, s["errors"])
 
 
@@ -221,21 +235,25 @@ def test_skipped_step_leaves_buffers_as_before(report, precision):
 
 
 def test_no_block_holds_values_of_two_tensors():
-    params = [("a.weight", nn.Parameter(torch.randn(7, 9))), ("a.bias", nn.Parameter(torch.randn(9))),
-              ("n.weight", nn.Parameter(torch.randn(5))), ("c.weight", nn.Parameter(torch.randn(300, 3)))]
+    params = [
+        ("a.weight", nn.Parameter(torch.randn(7, 9))),
+        ("a.bias", nn.Parameter(torch.randn(9))),
+        ("n.weight", nn.Parameter(torch.randn(5))),
+        ("c.weight", nn.Parameter(torch.randn(300, 3))),
+    ]
     align = LOCO.alignment()
     layout = BucketLayout.build(params, d=4, k=2, dp_index=0, align=align)
     owner = torch.full((layout.padded,), -1)
     for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
-        owner[off:off + shape.numel()] = i
+        owner[off : off + shape.numel()] = i
     for block in owner.view(-1, BLOCK):
         assert len(set(block.tolist()) - {-1}) <= 1, block
     # every tensor quantizes against its own largest value, not a neighbour's 1000x larger one
     flat = layout.flatten(torch.float32)
-    flat[layout.offsets[0]:layout.offsets[0] + 63] *= 1000.0
+    flat[layout.offsets[0] : layout.offsets[0] + 63] *= 1000.0
     codes, scales = kernels.quantize(flat, 4, BLOCK)
     back = kernels.dequantize(codes, scales, 4, BLOCK)
     for i in range(1, len(params)):
         off, n = layout.offsets[i], layout.shapes[i].numel()
-        own = flat[off:off + n]
-        assert float((back[off:off + n] - own).abs().max()) <= float(own.abs().max()) / 14 * (1 + 1e-6)
+        own = flat[off : off + n]
+        assert float((back[off : off + n] - own).abs().max()) <= float(own.abs().max()) / 14 * (1 + 1e-6)

@@ -55,11 +55,12 @@ def matmul_peak_flops(n: int, dtype: torch.dtype, repeats: int, device: torch.de
         torch.matmul(a, b, out=out)
         _sync(device)
         best = min(best, time.perf_counter() - start)
-    return 2.0 * n ** 3 / best
+    return 2.0 * n**3 / best
 
 
-def tokens_per_second(model: nn.Module, loss_of: Callable[[], torch.Tensor], tokens: int, device: torch.device,
-                      warmup: int, steps: int) -> tuple[float, float]:
+def tokens_per_second(
+    model: nn.Module, loss_of: Callable[[], torch.Tensor], tokens: int, device: torch.device, warmup: int, steps: int
+) -> tuple[float, float]:
     """(tokens/s of full training steps: forward, backward, fused AdamW; the loss of the first
     step, before any update)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -84,14 +85,28 @@ def tokens_per_second(model: nn.Module, loss_of: Callable[[], torch.Tensor], tok
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_flags(parser, {"arch": "llama", "num_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
-                             "num_query_groups": None, "vocab_size": 32000, "seq_length": 512,
-                             "micro_batch_size": 4})
+    add_shape_flags(
+        parser,
+        {
+            "arch": "llama",
+            "num_layers": 6,
+            "hidden_size": 512,
+            "num_attention_heads": 8,
+            "num_query_groups": None,
+            "vocab_size": 32000,
+            "seq_length": 512,
+            "micro_batch_size": 4,
+        },
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--compile", action="store_true", help="torch.compile megazpp's layers (training.compile)")
-    parser.add_argument("--peer", choices=("auto", "hf", "none"), default="auto",
-                        help="Hugging Face LlamaForCausalLM beside megazpp (auto: when transformers is installed)")
+    parser.add_argument(
+        "--peer",
+        choices=("auto", "hf", "none"),
+        default="auto",
+        help="Hugging Face LlamaForCausalLM beside megazpp (auto: when transformers is installed)",
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -119,30 +134,47 @@ def main(argv: list[str] | None = None) -> dict:
     peer = hf_peer(model, cfg) if run_peer else None  # before megazpp's first update: same weights
     if args.compile:
         compile_layers(model.layers)
-    rate, loss = tokens_per_second(model, lambda: model(inputs, labels).mean(), tokens, device,
-                                   args.warmup, args.steps)
+    rate, loss = tokens_per_second(model, lambda: model(inputs, labels).mean(), tokens, device, args.warmup, args.steps)
     result = {
-        "arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "seq_length": cfg.seq_length, "micro_batch_size": args.micro_batch_size,
-        "vocab_size": cfg.vocab_size, "dtype": args.dtype, "device": args.device, "compile": args.compile,
-        "threads": torch.get_num_threads(), "tokens_per_s": round(rate, 1),
+        "arch": cfg.arch,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "vocab_size": cfg.vocab_size,
+        "dtype": args.dtype,
+        "device": args.device,
+        "compile": args.compile,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": round(rate, 1),
         "model_tflops": round(flops_per_token * rate / 1e12, 4),
         "matmul_peak_tflops": round(peak / 1e12, 4),
-        "mfu": round(flops_per_token * rate / peak, 4), "first_loss": loss,
+        "mfu": round(flops_per_token * rate / peak, 4),
+        "first_loss": loss,
     }
     name = "cuda" if device.type == "cuda" else f"{result['threads']} threads"
-    print(f"{cfg.arch} {cfg.num_layers}x{cfg.hidden_size} seq {cfg.seq_length} mbs {args.micro_batch_size} "
-          f"{args.dtype}, {name}: matmul peak {peak / 1e9:.2f} GFLOP/s")
-    print(f"  megazpp{' (compiled)' if args.compile else ''}: {rate:.1f} tokens/s, "
-          f"{flops_per_token * rate / 1e9:.2f} GFLOP/s, MFU {100 * result['mfu']:.1f}%, first loss {loss:.6f}")
+    print(
+        f"{cfg.arch} {cfg.num_layers}x{cfg.hidden_size} seq {cfg.seq_length} mbs {args.micro_batch_size} "
+        f"{args.dtype}, {name}: matmul peak {peak / 1e9:.2f} GFLOP/s"
+    )
+    print(
+        f"  megazpp{' (compiled)' if args.compile else ''}: {rate:.1f} tokens/s, "
+        f"{flops_per_token * rate / 1e9:.2f} GFLOP/s, MFU {100 * result['mfu']:.1f}%, first loss {loss:.6f}"
+    )
     if peer is not None:
         del model  # the peer's step gets the memory megazpp's used
-        peer_rate, peer_first = tokens_per_second(peer, lambda: peer_loss(peer, inputs, labels), tokens, device,
-                                                  args.warmup, args.steps)
-        result["peer"] = {"name": "transformers LlamaForCausalLM", "tokens_per_s": round(peer_rate, 1),
-                          "mfu": round(flops_per_token * peer_rate / peak, 4), "first_loss": peer_first}
-        print(f"  HF Llama: {peer_rate:.1f} tokens/s, MFU {100 * result['peer']['mfu']:.1f}%, "
-              f"first loss {peer_first:.6f}")
+        peer_rate, peer_first = tokens_per_second(
+            peer, lambda: peer_loss(peer, inputs, labels), tokens, device, args.warmup, args.steps
+        )
+        result["peer"] = {
+            "name": "transformers LlamaForCausalLM",
+            "tokens_per_s": round(peer_rate, 1),
+            "mfu": round(flops_per_token * peer_rate / peak, 4),
+            "first_loss": peer_first,
+        }
+        print(
+            f"  HF Llama: {peer_rate:.1f} tokens/s, MFU {100 * result['peer']['mfu']:.1f}%, first loss {peer_first:.6f}"
+        )
     print(json.dumps(result))
     return result
 

@@ -52,11 +52,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--rates", default="1gbit,10gbit,loopback",
-                   help="comma-separated link settings, in order (tc rates or 'loopback')")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--rates",
+        default="1gbit,10gbit,loopback",
+        help="comma-separated link settings, in order (tc rates or 'loopback')",
+    )
     p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
     p.add_argument("--list", action="store_true", help="print the configuration names and exit")
     p.add_argument("--steps", type=int, default=10, help="training steps per configuration")
@@ -67,18 +71,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--delay", default="0", help="netlab link delay (tc syntax; 0: none)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--deepspeed-python", default=sys.executable,
-                   help="python that can import deepspeed (the `bench` extra)")
-    p.add_argument("--torchft-python", default=sys.executable,
-                   help="python that can import torchft (the `torchft` extra)")
+    p.add_argument(
+        "--deepspeed-python", default=sys.executable, help="python that can import deepspeed (the `bench` extra)"
+    )
+    p.add_argument(
+        "--torchft-python", default=sys.executable, help="python that can import torchft (the `torchft` extra)"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="LoRA adapters of this rank on every linear (0: full training)")
-    p.add_argument("--pick", default="paro-ING",
-                   help="with --lora-rank: the configuration the verdict compares with zero3")
-    p.add_argument("--plot-only", action="store_true",
-                   help="only redraw OUT/netlab.png from the <setting>.json files already in --out")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear (0: full training)"
+    )
+    p.add_argument(
+        "--pick", default="paro-ING", help="with --lora-rank: the configuration the verdict compares with zero3"
+    )
+    p.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="only redraw OUT/netlab.png from the <setting>.json files already in --out",
+    )
     ns = p.parse_args(argv)
     ns.extra = extra
     ns.rates = [r for r in ns.rates.split(",") if r]
@@ -101,8 +112,10 @@ def check_data(data_dir: str) -> tuple[str, str]:
     tokenizer = os.path.join(data_dir, "tokenizer.model")
     for path in (prefix + ".idx", prefix + ".bin", tokenizer):
         if not os.path.exists(path):
-            raise DataError(f"{path} is missing: build the sample data first (`bash run.sh` or "
-                            f"tools/run_loco_experiment.sh build it under {data_dir}/)")
+            raise DataError(
+                f"{path} is missing: build the sample data first (`bash run.sh` or "
+                f"tools/run_loco_experiment.sh build it under {data_dir}/)"
+            )
     return prefix, tokenizer
 
 
@@ -110,22 +123,44 @@ def shared_run_args(ns: argparse.Namespace) -> list[str]:
     """pretrain_gpt.py's arguments common to every run of `ns` (a configuration's flags go on top);
     tools/bench_netlab_check.py rebuilds a recorded run's jobs from them."""
     prefix, tokenizer = check_data(ns.data_dir)
-    return ["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer,
-            "--train-iters", str(ns.steps), "--ranks-per-node", str(ns.ranks_per_node), *ns.extra]
+    return [
+        "--config",
+        ns.config,
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        tokenizer,
+        "--train-iters",
+        str(ns.steps),
+        "--ranks-per-node",
+        str(ns.ranks_per_node),
+        *ns.extra,
+    ]
 
 
-def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_args: list[str],
-            layout: launch.Layout, tokens_per_step: int, port: int) -> results.Row:
+def run_one(
+    ns: argparse.Namespace,
+    setting: str,
+    config: BenchConfig,
+    shared_args: list[str],
+    layout: launch.Layout,
+    tokens_per_step: int,
+    port: int,
+) -> results.Row:
     run_dir = os.path.abspath(os.path.join(ns.out, setting, config.name))
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     python = {DEEPSPEED: ns.deepspeed_python, TORCHFT: ns.torchft_python}.get(config.runner, sys.executable)
     args = [*config.script_args(), *shared_args, "--tensorboard-dir", os.path.join(run_dir, "tb")]
-    env = {**launch.CPU_RANK_ENV, **{k: os.environ[k] for k in launch.CPU_RANK_ENV if k in os.environ},
-           "MEGAZPP_COMM_REPORT_DIR": run_dir}
+    env = {
+        **launch.CPU_RANK_ENV,
+        **{k: os.environ[k] for k in launch.CPU_RANK_ENV if k in os.environ},
+        "MEGAZPP_COMM_REPORT_DIR": run_dir,
+    }
     command = launch.replica_group_command if config.runner == TORCHFT else launch.node_command
-    commands = [command(setting, n, layout, port, python, run_dir, config.script, args, env)
-                for n in range(layout.nodes)]
+    commands = [
+        command(setting, n, layout, port, python, run_dir, config.script, args, env) for n in range(layout.nodes)
+    ]
     logs = [os.path.join(run_dir, f"node{n}.log") for n in range(layout.nodes)]
     on_netlab = setting != launch.LOOPBACK
     before = launch.netlab_rx_bytes(layout.nodes) if on_netlab else None
@@ -134,15 +169,33 @@ def run_one(ns: argparse.Namespace, setting: str, config: BenchConfig, shared_ar
     wall = time.perf_counter() - start
     wire = launch.netlab_rx_bytes(layout.nodes) - before if before is not None else None  # on netlab
     try:
-        return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
-                                   tokens_per_step=tokens_per_step, world_size=layout.world_size,
-                                   wire_bytes=wire, wall_s=wall, failure=failure, warmup=ns.warmup,
-                                   amortised=config.sync_every is not None)
+        return results.collect_row(
+            config.name,
+            config.runner,
+            run_dir,
+            steps=ns.steps,
+            tokens_per_step=tokens_per_step,
+            world_size=layout.world_size,
+            wire_bytes=wire,
+            wall_s=wall,
+            failure=failure,
+            warmup=ns.warmup,
+            amortised=config.sync_every is not None,
+        )
     except MegazppError as exc:
-        return results.collect_row(config.name, config.runner, run_dir, steps=ns.steps,
-                                   tokens_per_step=tokens_per_step, world_size=layout.world_size,
-                                   wire_bytes=wire, wall_s=wall, failure=f"unreadable results: {exc}",
-                                   warmup=ns.warmup, amortised=config.sync_every is not None)
+        return results.collect_row(
+            config.name,
+            config.runner,
+            run_dir,
+            steps=ns.steps,
+            tokens_per_step=tokens_per_step,
+            world_size=layout.world_size,
+            wire_bytes=wire,
+            wall_s=wall,
+            failure=f"unreadable results: {exc}",
+            warmup=ns.warmup,
+            amortised=config.sync_every is not None,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         left = [c.name for c in configs if not steps_fit(c, ns.steps, ns.warmup)]
         configs = [c for c in configs if c.name not in left]
         if left:
-            print(f"leaving out {', '.join(left)}: --steps {ns.steps} --warmup {ns.warmup} do not measure whole "
-                  f"outer intervals (name them with --only to be told what fits)", flush=True)
+            print(
+                f"leaving out {', '.join(left)}: --steps {ns.steps} --warmup {ns.warmup} do not measure whole "
+                f"outer intervals (name them with --only to be told what fits)",
+                flush=True,
+            )
     check_steps(configs, ns.steps, ns.warmup)
     shared = shared_run_args(ns)
     cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
@@ -182,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                 port += launch.replica_group_ports(layout.nodes) if config.runner == TORCHFT else 1
                 md, _ = results.write_setting(ns.out, setting, rows, command)
                 plot_settings(ns.out, os.path.join(ns.out, PNG))
-                print(f"[{setting}] {config.name}: {rows[-1].status}, "
-                      f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}", flush=True)
+                print(
+                    f"[{setting}] {config.name}: {rows[-1].status}, "
+                    f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}",
+                    flush=True,
+                )
         finally:
             if setting != launch.LOOPBACK:
                 launch.netlab_down()

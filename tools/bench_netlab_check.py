@@ -85,7 +85,7 @@ def bench_jobs(path: str) -> BenchJobs:
     with open(path) as f:
         recorded = json.load(f)
     words = shlex.split(recorded["command"])
-    ns = bench_args(words[words.index("tools/bench_netlab.py") + 1:])
+    ns = bench_args(words[words.index("tools/bench_netlab.py") + 1 :])
     flags = {c.name: c.script_args() for c in two_level_configs()}
     measured, skipped = [], []
     for row in recorded["rows"]:
@@ -98,7 +98,9 @@ def bench_jobs(path: str) -> BenchJobs:
         else:
             measured.append((name, float(row["step_time_s"])))
     if not measured:
-        raise ConfigError(f"{path}: no two-level row measured ok (rows: {', '.join(r['config'] for r in recorded['rows'])})")
+        raise ConfigError(
+            f"{path}: no two-level row measured ok (rows: {', '.join(r['config'] for r in recorded['rows'])})"
+        )
     shared = shared_run_args(ns)  # the data the runs read (the tokenizer sizes the vocabulary)
     jobs = [(name, shared + flags[name], seconds) for name, seconds in measured]
     return BenchJobs(recorded["setting"], ns.nodes * ns.ranks_per_node, ns.ranks_per_node, jobs, skipped)
@@ -109,8 +111,10 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     bench: BenchJobs = a.bench
     topo = Topology.from_env(ranks_per_node=a.ranks_per_node)  # None: the launcher's LOCAL_WORLD_SIZE
     if (topo.world_size, topo.ranks_per_node) != (bench.world_size, bench.ranks_per_node):
-        raise ConfigError(f"{a.results}: measured on {bench.world_size} ranks, {bench.ranks_per_node} per node; "
-                          f"this run has {topo.world_size}, {topo.ranks_per_node} per node")
+        raise ConfigError(
+            f"{a.results}: measured on {bench.world_size} ranks, {bench.ranks_per_node} per node; "
+            f"this run has {topo.world_size}, {topo.ranks_per_node} per node"
+        )
     jobs = []
     for name, argv, measured in bench.jobs:
         cfg = load_config(argv)
@@ -118,30 +122,46 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
         jobs.append((name, cfg, resolve_outer(cfg, topo.world_size, topo.ranks_per_node), measured))
     island_nodes = {outer.island_nodes for _, _, outer, _ in jobs}
     if len(island_nodes) != 1:
-        raise ConfigError(f"{a.results}: the rows use islands of {sorted(island_nodes)} nodes; check one size at a time")
+        raise ConfigError(
+            f"{a.results}: the rows use islands of {sorted(island_nodes)} nodes; check one size at a time"
+        )
     island = topo.island_view(island_nodes.pop())
     first = jobs[0][1]
-    flops = probe_model_flops(first.model, first.num_micro_batches(topo.world_size), first.training.micro_batch_size,
-                              a.rounds, topo.rank)
+    flops = probe_model_flops(
+        first.model, first.num_micro_batches(topo.world_size), first.training.micro_batch_size, a.rounds, topo.rank
+    )
     # the island's links: its node's DP ranks, and the peer group (my place in every island) the outer syncs use
-    intra, inter = (probe_link(group, size) if size > 1 else LinkProbe(math.inf, 0.0)
-                    for group, size in ((island.dp_intra_group, len(island.dp_intra_ranks)),
-                                        (island.peer_group, island.islands)))
+    intra, inter = (
+        probe_link(group, size) if size > 1 else LinkProbe(math.inf, 0.0)
+        for group, size in ((island.dp_intra_group, len(island.dp_intra_ranks)), (island.peer_group, island.islands))
+    )
     fits, adam = probe_host(island)
     comm.barrier(tag="calibrate")
     rpn = topo.ranks_per_node
-    values = broadcast_values([flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
-                               intra.latency, inter.latency])
+    values = broadcast_values(
+        [flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn, intra.latency, inter.latency]
+    )
     times = fits if a.collective_probe else None
-    cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=rpn, memory_bytes=float(1 << 40), flops=values[0],
-                      intra_bw=values[2], inter_bw=gbit(a.inter_gbit) if a.inter_gbit else values[3],
-                      intra_latency=values[4], inter_latency=values[5], memory_bw=values[1], backend="gloo",
-                      overlap=a.overlap == "on", optimizer_rate=adam)
+    cluster = Cluster(
+        nodes=topo.num_nodes,
+        gpus_per_node=rpn,
+        memory_bytes=float(1 << 40),
+        flops=values[0],
+        intra_bw=values[2],
+        inter_bw=gbit(a.inter_gbit) if a.inter_gbit else values[3],
+        intra_latency=values[4],
+        inter_latency=values[5],
+        memory_bw=values[1],
+        backend="gloo",
+        overlap=a.overlap == "on",
+        optimizer_rate=adam,
+    )
     rows = []
     for name, cfg, outer, measured in jobs:
         shape = stage_shape(GPTModel(cfg.model), cfg, island)
-        zpp = dataclasses.replace(zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size,
-                                                               len(island.dp_intra_ranks)))
+        zpp = dataclasses.replace(
+            zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(island.dp_intra_ranks))
+        )
         workload = workload_of_config(cfg)
         job, on_island, _ = island_job(workload, cluster, outer.island_nodes, times)
         inner = predict(Option(resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage), zpp), [shape], job, on_island)
@@ -150,45 +170,67 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
         rows.append((name, row.step_s, measured, {"compute": c.compute_s, **c.exposed, "outer": row.exposed_s}))
     if topo.rank != 0:
         return None
-    return {"rows": rows, "cluster": dataclasses.replace(cluster, collective_times=times), "probed_inter": values[3],
-            "model": first.model}
+    return {
+        "rows": rows,
+        "cluster": dataclasses.replace(cluster, collective_times=times),
+        "probed_inter": values[3],
+        "model": first.model,
+    }
 
 
 def report(result: dict, a: argparse.Namespace) -> str:
     """Predicted vs measured per two-level row, the errors, against issue 28's 15 %."""
     bench: BenchJobs = a.bench
     m, c = result["model"], result["cluster"]
-    lines = [f"{m.arch.capitalize()} {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, vocab "
-             f"{m.vocab_size}, benchmark results {a.results} (setting {bench.setting}), gloo; {c.nodes} nodes x "
-             f"{c.gpus_per_node} ranks. {measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}", "",
-             "Two-level rows (out of sample: no two-level run built or chose the model; see the tool's docstring):",
-             "", "| row | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
+    lines = [
+        f"{m.arch.capitalize()} {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, vocab "
+        f"{m.vocab_size}, benchmark results {a.results} (setting {bench.setting}), gloo; {c.nodes} nodes x "
+        f"{c.gpus_per_node} ranks. {measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}",
+        "",
+        "Two-level rows (out of sample: no two-level run built or chose the model; see the tool's docstring):",
+        "",
+        "| row | predicted s/step | measured s/step | error |",
+        "|---|---|---|---|",
+    ]
     errors = []
     for name, predicted, measured, _ in result["rows"]:
         errors.append(predicted / measured - 1)
         lines.append(f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * errors[-1]:+.1f} % |")
     worst = max(abs(e) for e in errors)
-    lines += ["", f"largest error {100 * worst:.1f} % (target <= {100 * TARGET:.0f} %): "
-                  f"{'PASS' if worst <= TARGET else 'FAIL'}"]
+    lines += [
+        "",
+        f"largest error {100 * worst:.1f} % (target <= {100 * TARGET:.0f} %): {'PASS' if worst <= TARGET else 'FAIL'}",
+    ]
     lines += [f"not checked: {', '.join(bench.skipped)}"] if bench.skipped else []
     if a.breakdown:
         lines += ["", "Predicted seconds per step, by term:"]
-        lines += [f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
-                  for name, _, _, terms in result["rows"]]
+        lines += [
+            f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
+            for name, _, _, terms in result["rows"]
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="tools/bench_netlab.py's OUT/<setting>.json")
-    p.add_argument("--local", action="store_true",
-                   help="spawn the results' ranks here (its nodes as virtual nodes over loopback)")
+    p.add_argument(
+        "--local", action="store_true", help="spawn the results' ranks here (its nodes as virtual nodes over loopback)"
+    )
     p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE (the results' with --local)")
     p.add_argument("--inter-gbit", type=float, help="the link's rate instead of the probed one")
-    p.add_argument("--overlap", choices=("on", "off"), default="off",
-                   help="'off' (default, CPU ranks): communication is not hidden behind compute; 'on': the GPU model")
-    p.add_argument("--no-collective-probe", dest="collective_probe", action="store_false",
-                   help="time the island's collectives by latency and link bandwidth instead of each op's probed line")
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="off",
+        help="'off' (default, CPU ranks): communication is not hidden behind compute; 'on': the GPU model",
+    )
+    p.add_argument(
+        "--no-collective-probe",
+        dest="collective_probe",
+        action="store_false",
+        help="time the island's collectives by latency and link bandwidth instead of each op's probed line",
+    )
     p.add_argument("--rounds", type=int, default=5, help="compute-rate rounds (x 2, after 2 warm-up rounds)")
     p.add_argument("--breakdown", action="store_true", help="also print each prediction's terms")
     a = p.parse_args(argv)

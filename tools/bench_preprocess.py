@@ -36,8 +36,13 @@ TOOLS = Path(__file__).resolve().parent
 
 def encode_ceiling(corpus: str, model: Path) -> tuple[int, float]:
     """(tokens, seconds) of one process encoding every document, with no I/O or JSON in the timing."""
-    texts = [t for path in resolve_inputs(corpus) for chunk in iter_line_chunks(path, 1 << 22)
-             for t in (extract_text(line, "text") for line in chunk) if not isinstance(t, SkipReason)]
+    texts = [
+        t
+        for path in resolve_inputs(corpus)
+        for chunk in iter_line_chunks(path, 1 << 22)
+        for t in (extract_text(line, "text") for line in chunk)
+        if not isinstance(t, SkipReason)
+    ]
     tok = Tokenizer(model)
     start = time.perf_counter()
     ids = tok.encode_batch(texts)
@@ -58,8 +63,10 @@ def time_runs(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> 
     ceiling = tokens / seconds
     print("| input | workers | tokens | seconds | tokens/s | vs 1 worker | vs encode ceiling |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| SentencePiece encode, one process (ceiling per core) | - | {tokens} | {seconds:.2f} | "
-          f"{ceiling:,.0f} | - | 100% |")
+    print(
+        f"| SentencePiece encode, one process (ceiling per core) | - | {tokens} | {seconds:.2f} | "
+        f"{ceiling:,.0f} | - | 100% |"
+    )
     inputs = {"jsonl": corpus} if "jsonl" in args.formats else {}
     if "zst" in args.formats:
         inputs["jsonl.zst"] = compress_corpus(corpus, tmp / "corpus_zst")
@@ -67,15 +74,29 @@ def time_runs(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> 
     for fmt, path in inputs.items():
         base = None
         for workers in args.workers:
-            best = min((preprocess(path, model, tmp / f"out_{fmt}_{workers}", workers=workers, progress=False)
-                        for _ in range(args.repeat)), key=lambda s: s.seconds)
+            best = min(
+                (
+                    preprocess(path, model, tmp / f"out_{fmt}_{workers}", workers=workers, progress=False)
+                    for _ in range(args.repeat)
+                ),
+                key=lambda s: s.seconds,
+            )
             rate = best.tokens_per_second
             base = rate if workers == 1 else base
-            runs.append({"input": fmt, "workers": workers, "tokens": best.new_tokens, "seconds": best.seconds,
-                         "tokens_per_s": rate})
+            runs.append(
+                {
+                    "input": fmt,
+                    "workers": workers,
+                    "tokens": best.new_tokens,
+                    "seconds": best.seconds,
+                    "tokens_per_s": rate,
+                }
+            )
             ratio = f"{rate / base:.2f}x" if base else "-"
-            print(f"| preprocess_data.py, .{fmt} | {workers} | {best.new_tokens} | {best.seconds:.2f} | {rate:,.0f} | "
-                  f"{ratio} | {rate / ceiling:.0%} |")
+            print(
+                f"| preprocess_data.py, .{fmt} | {workers} | {best.new_tokens} | {best.seconds:.2f} | {rate:,.0f} | "
+                f"{ratio} | {rate / ceiling:.0%} |"
+            )
     return runs, ceiling
 
 
@@ -118,9 +139,23 @@ def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TOOLS.parent), os.environ.get("PYTHONPATH", "")]))
     for workers in args.workers:
         out = tmp / f"mem{workers}"
-        proc = subprocess.Popen([sys.executable, str(TOOLS / "preprocess_data.py"), "--input", str(big),
-                                 "--tokenizer-model", str(model), "--output-prefix", str(out), "--workers",
-                                 str(workers), "--no-progress"], stdout=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(TOOLS / "preprocess_data.py"),
+                "--input",
+                str(big),
+                "--tokenizer-model",
+                str(model),
+                "--output-prefix",
+                str(out),
+                "--workers",
+                str(workers),
+                "--no-progress",
+            ],
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )
         peak_one = peak_all = 0
         try:
             while proc.poll() is None:
@@ -136,8 +171,15 @@ def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path
         ds = IndexedDataset(f"{out}_text_document")
         documents, tokens = len(ds), int(ds.sequence_lengths.sum(dtype=np.int64))
         del ds
-        results.append({"workers": workers, "documents": documents, "tokens": tokens,
-                        "peak_rss_one": peak_one, "peak_rss_all": peak_all})
+        results.append(
+            {
+                "workers": workers,
+                "documents": documents,
+                "tokens": tokens,
+                "peak_rss_one": peak_one,
+                "peak_rss_all": peak_all,
+            }
+        )
         print(f"| {workers} | {documents:,} | {tokens:,} | {peak_one / 2**20:,.0f} MiB | {peak_all / 2**20:,.0f} MiB |")
         for suffix in (".bin", ".idx"):
             Path(f"{out}_text_document{suffix}").unlink()
@@ -145,20 +187,34 @@ def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--corpus", help="JSONL file/dir/glob (default: build the sample corpus in a temp dir)")
-    parser.add_argument("--total-bytes", type=int, default=DEFAULT_TOTAL_BYTES,
-                        help="size of the sample corpus when --corpus is not given")
+    parser.add_argument(
+        "--total-bytes",
+        type=int,
+        default=DEFAULT_TOTAL_BYTES,
+        help="size of the sample corpus when --corpus is not given",
+    )
     parser.add_argument("--tokenizer-model", help="SentencePiece model (default: train one on the corpus)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocab of the trained tokenizer (default 8192)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
-    parser.add_argument("--formats", nargs="+", choices=["jsonl", "zst"], default=["jsonl", "zst"],
-                        help="inputs to time: the corpus as .jsonl and/or as .jsonl.zst (default both)")
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=["jsonl", "zst"],
+        default=["jsonl", "zst"],
+        help="inputs to time: the corpus as .jsonl and/or as .jsonl.zst (default both)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per setting; the best is reported (default 3)")
-    parser.add_argument("--memory-bytes", type=int,
-                        help="measure resident memory on one .jsonl.zst of this many uncompressed bytes instead")
+    parser.add_argument(
+        "--memory-bytes",
+        type=int,
+        help="measure resident memory on one .jsonl.zst of this many uncompressed bytes instead",
+    )
     parser.add_argument("--tmp-dir", help="where the corpus and outputs go (default: the system temp dir)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -168,12 +224,18 @@ def main(argv: list[str] | None = None) -> int:
         if corpus is None:
             corpus = str(tmp / "corpus")
             build_sample_corpus(corpus, total_bytes=args.total_bytes)
-        model = Path(args.tokenizer_model) if args.tokenizer_model else \
-            train_tokenizer(resolve_inputs(corpus), args.vocab_size, tmp / "tok")[0]
+        model = (
+            Path(args.tokenizer_model)
+            if args.tokenizer_model
+            else train_tokenizer(resolve_inputs(corpus), args.vocab_size, tmp / "tok")[0]
+        )
         corpus_bytes = sum(p.stat().st_size for p in resolve_inputs(corpus))
-        print(f"corpus: {corpus_bytes} bytes, tokenizer: {model.name} (vocab {Tokenizer(model).vocab_size}), "
-              f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
-              + ("" if args.memory_bytes else f", best of {args.repeat}") + "\n")
+        print(
+            f"corpus: {corpus_bytes} bytes, tokenizer: {model.name} (vocab {Tokenizer(model).vocab_size}), "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+            + ("" if args.memory_bytes else f", best of {args.repeat}")
+            + "\n"
+        )
         if args.memory_bytes:
             results: dict = {"memory": measure_memory(args, corpus, model, tmp)}
         else:

@@ -44,8 +44,7 @@ def _tensors(result: object) -> list[torch.Tensor]:
     raise TypeError(f"a benchmarked op returned {type(result).__name__}, not tensors")
 
 
-def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str,
-           ops: kernels.KernelOps) -> list[Case]:
+def _cases(numel: int, parts: int, int4_block: int, int8_block: int, device: str, ops: kernels.KernelOps) -> list[Case]:
     gen = torch.Generator(device=device).manual_seed(0)
     grad = torch.randn(numel, device=device, generator=gen)
     weight = grad.to(torch.bfloat16)
@@ -159,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--cpu-kernels", default=",".join(kernels.CPU_KERNELS),
-                        help="comma-separated CPU implementations to measure (kernels.CPU_KERNELS)")
+    parser.add_argument(
+        "--cpu-kernels",
+        default=",".join(kernels.CPU_KERNELS),
+        help="comma-separated CPU implementations to measure (kernels.CPU_KERNELS)",
+    )
     args = parser.parse_args(argv)
     devices = {"auto": ["cpu"] + (["cuda"] if torch.cuda.is_available() else []), "cpu": ["cpu"], "cuda": ["cuda"]}
     if args.devices == "cuda" and not torch.cuda.is_available():

@@ -37,9 +37,14 @@ WORLD, RANKS_PER_NODE = 4, 2
 
 
 def _model_cfg(args: argparse.Namespace, experts: int = 0) -> ModelConfig:
-    return model_config(args, arch="llama", num_attention_heads=max(1, args.hidden_size // 16),
-                        num_experts=experts, moe_top_k=2,
-                        moe_ffn_hidden_size=max(1, args.hidden_size // 4) if experts else None)
+    return model_config(
+        args,
+        arch="llama",
+        num_attention_heads=max(1, args.hidden_size // 16),
+        num_experts=experts,
+        moe_top_k=2,
+        moe_ffn_hidden_size=max(1, args.hidden_size // 4) if experts else None,
+    )
 
 
 def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.Namespace) -> dict:
@@ -60,9 +65,15 @@ def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
     totals = counter.step_totals()
-    return {"held": engine.held_bytes(), "counted": (totals["intra"], totals["inter"]),
-            "predicted": engine.expected_step_bytes(args.micro_batches), "hier": engine.hier,
-            "wall": statistics.median(walls), "cpu": statistics.median(cpus), "stats": stats[-1]}
+    return {
+        "held": engine.held_bytes(),
+        "counted": (totals["intra"], totals["inter"]),
+        "predicted": engine.expected_step_bytes(args.micro_batches),
+        "hier": engine.hier,
+        "wall": statistics.median(walls),
+        "cpu": statistics.median(cpus),
+        "stats": stats[-1],
+    }
 
 
 def _rank_main(args: argparse.Namespace) -> dict:
@@ -81,8 +92,7 @@ def _rank_main(args: argparse.Namespace) -> dict:
         threshold *= 2
     out["threshold"] = threshold
     for t in (0, threshold):
-        opts = ZeroOptions(strategy="GGG", micro_batches_per_step=args.micro_batches,
-                           module_granularity_threshold=t)
+        opts = ZeroOptions(strategy="GGG", micro_batches_per_step=args.micro_batches, module_granularity_threshold=t)
         out[f"moe/{t}"] = _run(moe, topo, opts, args)
     return out
 
@@ -92,38 +102,49 @@ def _mib(n: int) -> str:
 
 
 def _table(results: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, micro-batch "
-             f"{args.micro_batch_size} x {args.micro_batches}, fp32; 4 ranks = 2 virtual nodes x 2; "
-             f"times: median of {args.steps} steps, slowest rank.", "",
-             "| strategy | params MiB | grads MiB | optimizer MiB | total MiB | intra MiB/step | "
-             "inter MiB/step | = formula | step s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, micro-batch "
+        f"{args.micro_batch_size} x {args.micro_batches}, fp32; 4 ranks = 2 virtual nodes x 2; "
+        f"times: median of {args.steps} steps, slowest rank.",
+        "",
+        "| strategy | params MiB | grads MiB | optimizer MiB | total MiB | intra MiB/step | "
+        "inter MiB/step | = formula | step s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     first = results[0]
     for name in args.strategies:
         r = first["strategies"][name]
         held = r["held"]
         exact = all(res["strategies"][name]["counted"] == res["strategies"][name]["predicted"] for res in results)
         wall = max(res["strategies"][name]["wall"] for res in results)
-        lines.append(f"| {name} | {_mib(held.params)} | {_mib(held.grads)} | {_mib(held.optimizer)} | "
-                     f"{_mib(held.total)} | {_mib(r['counted'][0])} | {_mib(r['counted'][1])} | "
-                     f"{'yes' if exact else 'NO'} | {wall:.3f} |")
+        lines.append(
+            f"| {name} | {_mib(held.params)} | {_mib(held.grads)} | {_mib(held.optimizer)} | "
+            f"{_mib(held.total)} | {_mib(r['counted'][0])} | {_mib(r['counted'][1])} | "
+            f"{'yes' if exact else 'NO'} | {wall:.3f} |"
+        )
     t = first["threshold"]
-    lines += ["", f"MoE ({args.experts} experts per layer, 3 linears each), GGG:", "",
-              "| module_granularity_threshold | fetch hooks/step | param all-gathers/step | "
-              "host CPU s/step | step s |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"MoE ({args.experts} experts per layer, 3 linears each), GGG:",
+        "",
+        "| module_granularity_threshold | fetch hooks/step | param all-gathers/step | host CPU s/step | step s |",
+        "|---|---|---|---|---|",
+    ]
     for key in (0, t):
         r = first[f"moe/{key}"]
         cpu = max(res[f"moe/{key}"]["cpu"] for res in results)
         wall = max(res[f"moe/{key}"]["wall"] for res in results)
-        lines.append(f"| {key} | {r['stats']['fetch_hooks']} | {r['stats']['param_all_gathers']} | "
-                     f"{cpu:.3f} | {wall:.3f} |")
+        lines.append(
+            f"| {key} | {r['stats']['fetch_hooks']} | {r['stats']['param_all_gathers']} | {cpu:.3f} | {wall:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_flags(parser, {"num_layers": 4, "hidden_size": 256, "seq_length": 128, "vocab_size": 4096,
-                             "micro_batch_size": 2})
+    add_shape_flags(
+        parser, {"num_layers": 4, "hidden_size": 256, "seq_length": 128, "vocab_size": 4096, "micro_batch_size": 2}
+    )
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)

@@ -70,9 +70,13 @@ def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
 def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
     model = GPTModel(cfg)
     shape = shape_of_model(model, bucket_numel=a.bucket_numel, threshold=0, layers=cfg.num_layers)
-    engine = ZeroEngine(model, OptimizerConfig(lr=1e-4), PrecisionConfig(),
-                        ZeroOptions(strategy=strategy, micro_batches_per_step=a.micro_batches,
-                                    reduce_bucket_size=a.bucket_numel), topo)
+    engine = ZeroEngine(
+        model,
+        OptimizerConfig(lr=1e-4),
+        PrecisionConfig(),
+        ZeroOptions(strategy=strategy, micro_batches_per_step=a.micro_batches, reduce_bucket_size=a.bucket_numel),
+        topo,
+    )
     batches = _batches(cfg, a, topo.dp_rank)
     times = []
     for step in range(a.warmup + a.steps):
@@ -91,20 +95,39 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     rpn = topo.ranks_per_node
     cfg = _model_cfg(a)
     flops = probe_model_flops(cfg, a.micro_batches, a.micro_batch_size, a.steps, topo.rank)
-    intra, inter = (probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
-                    for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks),
-                                         (topo.dp_inter_group, topo.dp_inter_ranks)))
+    intra, inter = (
+        probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
+        for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks), (topo.dp_inter_group, topo.dp_inter_ranks))
+    )
     fits, adam = probe_host(topo)
     comm.barrier(tag="calibrate")
-    values = broadcast_values([flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn,
-                               intra.latency, inter.latency])
+    values = broadcast_values(
+        [flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn, intra.latency, inter.latency]
+    )
     inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]
-    cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=rpn, memory_bytes=float(1 << 40), flops=values[0],
-                      intra_bw=values[2], inter_bw=inter_bw, intra_latency=values[4], inter_latency=values[5],
-                      memory_bw=values[1], backend="gloo", overlap=a.overlap == "on",
-                      optimizer_rate=adam, collective_times=fits if a.collective_probe else None)
-    workload = Workload(model=cfg, micro_batch=a.micro_batch_size, global_batch=a.micro_batch_size * a.micro_batches * topo.dp,
-                        param_bytes=4, accum_bytes=4, bucket_numel=a.bucket_numel)
+    cluster = Cluster(
+        nodes=topo.num_nodes,
+        gpus_per_node=rpn,
+        memory_bytes=float(1 << 40),
+        flops=values[0],
+        intra_bw=values[2],
+        inter_bw=inter_bw,
+        intra_latency=values[4],
+        inter_latency=values[5],
+        memory_bw=values[1],
+        backend="gloo",
+        overlap=a.overlap == "on",
+        optimizer_rate=adam,
+        collective_times=fits if a.collective_probe else None,
+    )
+    workload = Workload(
+        model=cfg,
+        micro_batch=a.micro_batch_size,
+        global_batch=a.micro_batch_size * a.micro_batches * topo.dp,
+        param_bytes=4,
+        accum_bytes=4,
+        bucket_numel=a.bucket_numel,
+    )
     rows = []
     for name in a.strategies:
         mine, shape = _measure_step(cfg, a, topo, name)
@@ -118,6 +141,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation with tied values given their average rank."""
+
     def ranks(v: list[float]) -> list[float]:
         order = sorted(range(len(v)), key=v.__getitem__)
         r = [0.0] * len(v)
@@ -130,6 +154,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
                 r[order[k]] = (i + j) / 2
             i = j + 1
         return r
+
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((p - mx) * (q - my) for p, q in zip(rx, ry))
@@ -142,11 +167,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def report(result: dict, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
-    lines = [f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, micro-batch {a.micro_batch_size} "
-             f"x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. "
-             f"{measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}",
-             "",
-             "| strategy | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
+    lines = [
+        f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, "
+        f"micro-batch {a.micro_batch_size} x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. "
+        f"{measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}",
+        "",
+        "| strategy | predicted s/step | measured s/step | error |",
+        "|---|---|---|---|",
+    ]
     errors = []
     for name, predicted, measured, _ in result["rows"]:
         errors.append(predicted / measured - 1)
@@ -154,12 +182,17 @@ def report(result: dict, a: argparse.Namespace) -> str:
     rho = spearman([r[1] for r in result["rows"]], [r[2] for r in result["rows"]])
     worst = max(abs(e) for e in errors)
     ok = rho >= 0.8 and worst <= 0.3
-    lines += ["", f"Spearman rank correlation {rho:.3f} (target >= 0.8); largest error {100 * worst:.1f} % "
-              f"(target <= 30 %): {'PASS' if ok else 'FAIL'}"]
+    lines += [
+        "",
+        f"Spearman rank correlation {rho:.3f} (target >= 0.8); largest error {100 * worst:.1f} % "
+        f"(target <= 30 %): {'PASS' if ok else 'FAIL'}",
+    ]
     if a.breakdown:
         lines += ["", "Predicted seconds per step, by term:"]
-        lines += [f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
-                  for name, _, _, terms in result["rows"]]
+        lines += [
+            f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
+            for name, _, _, terms in result["rows"]
+        ]
     return "\n".join(lines)
 
 
@@ -168,14 +201,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="spawn 4 gloo ranks here (2 virtual nodes x 2)")
     p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE (2 with --local)")
     p.add_argument("--inter-gbit", type=float, help="the link's rate (netlab's) instead of the probed one")
-    p.add_argument("--overlap", choices=("on", "off"), default="off",
-                   help="'off' (default): gloo's threads move the bytes on the cores that compute, so "
-                        "communication is not hidden behind compute (Cluster.overlap); 'on': the GPU model")
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="off",
+        help="'off' (default): gloo's threads move the bytes on the cores that compute, so "
+        "communication is not hidden behind compute (Cluster.overlap); 'on': the GPU model",
+    )
     p.add_argument("--breakdown", action="store_true", help="also print each prediction's terms")
-    p.add_argument("--no-collective-probe", dest="collective_probe", action="store_false",
-                   help="time collectives by latency and link bandwidth instead of each op's probed line")
-    add_shape_flags(p, {"num_layers": 4, "hidden_size": 256, "seq_length": 64, "vocab_size": 8192,
-                        "micro_batch_size": 1})
+    p.add_argument(
+        "--no-collective-probe",
+        dest="collective_probe",
+        action="store_false",
+        help="time collectives by latency and link bandwidth instead of each op's probed line",
+    )
+    add_shape_flags(
+        p, {"num_layers": 4, "hidden_size": 256, "seq_length": 64, "vocab_size": 8192, "micro_batch_size": 1}
+    )
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--bucket-numel", type=int, default=1 << 20)
     p.add_argument("--warmup", type=int, default=1)

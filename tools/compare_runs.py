@@ -24,16 +24,25 @@ from megazpp.errors import MegazppError
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="a run's TensorBoard directory (or a directory holding exactly one); "
-                             "the first run is the reference for the gap column")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="a run's TensorBoard directory (or a directory holding exactly one); "
+        "the first run is the reference for the gap column",
+    )
     add_out_flag(parser, required=True, help="directory for the PNGs and summary.md")
-    parser.add_argument("--smoothing", type=float, default=None,
-                        help="TensorBoard-style EMA weight in [0, 1) for the smoothed curves "
-                             "(default: adapted to the run length, up to 0.9, none for 10 "
-                             "points or fewer; the raw curve is always drawn)")
-    parser.add_argument("--labels", default=None,
-                        help="comma-separated names, one per RUN_DIR (default: directory names)")
+    parser.add_argument(
+        "--smoothing",
+        type=float,
+        default=None,
+        help="TensorBoard-style EMA weight in [0, 1) for the smoothed curves "
+        "(default: adapted to the run length, up to 0.9, none for 10 "
+        "points or fewer; the raw curve is always drawn)",
+    )
+    parser.add_argument(
+        "--labels", default=None, help="comma-separated names, one per RUN_DIR (default: directory names)"
+    )
     return parser.parse_args(argv)
 
 

@@ -31,8 +31,9 @@ from megazpp.interop.safetensors_io import CONFIG_FILE, read_json
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face Llama directory -> megazpp checkpoint")
     imp.add_argument("--hf-dir", required=True, help="directory with config.json and weights")
@@ -41,17 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     imp.add_argument("--seq-length", type=int, help="default: max_position_embeddings")
     imp.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
-    imp.add_argument("--tokenizer-model", help="check and copy this tokenizer.model "
-                                               "(default: the HF directory's, if any)")
+    imp.add_argument(
+        "--tokenizer-model", help="check and copy this tokenizer.model (default: the HF directory's, if any)"
+    )
     exp = sub.add_parser("export", help="megazpp checkpoint -> Hugging Face Llama directory")
     exp.add_argument("--load", required=True, help="save directory (its latest) or iter_N dir")
     exp.add_argument("--hf-dir", required=True, help="new output directory")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
-    exp.add_argument("--masters", action="store_true",
-                     help="export the fp32 master weights of a bf16/fp16 run")
+    exp.add_argument("--masters", action="store_true", help="export the fp32 master weights of a bf16/fp16 run")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
-    exp.add_argument("--tokenizer-model", help="check and copy a tokenizer.model alongside "
-                                               "(default: the run's, from the checkpoint)")
+    exp.add_argument(
+        "--tokenizer-model", help="check and copy a tokenizer.model alongside (default: the run's, from the checkpoint)"
+    )
     return parser
 
 
@@ -60,24 +62,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "import":
         if rest:
             _parser().error(f"unrecognized arguments: {' '.join(rest)}")
-        path = import_hf(args.hf_dir, args.save, tp=args.tp, pp=args.pp,
-                         seq_length=args.seq_length, dtype=parse_dtype(args.dtype),
-                         tokenizer_model=args.tokenizer_model)
+        path = import_hf(
+            args.hf_dir,
+            args.save,
+            tp=args.tp,
+            pp=args.pp,
+            seq_length=args.seq_length,
+            dtype=parse_dtype(args.dtype),
+            tokenizer_model=args.tokenizer_model,
+        )
         print(f"wrote {path} (tp={args.tp}, pp={args.pp})")
         trained = read_json(Path(args.hf_dir) / CONFIG_FILE).get("max_position_embeddings")
         if args.seq_length and isinstance(trained, int) and args.seq_length > trained:
-            print(f"note: --seq-length {args.seq_length} exceeds the model's "
-                  f"max_position_embeddings {trained}: RoPE runs at any length, but positions "
-                  f"beyond {trained} were never trained (expect worse loss there until the "
-                  "model is trained at the new length)")
+            print(
+                f"note: --seq-length {args.seq_length} exceeds the model's "
+                f"max_position_embeddings {trained}: RoPE runs at any length, but positions "
+                f"beyond {trained} were never trained (expect worse loss there until the "
+                "model is trained at the new length)"
+            )
         return 0
     cfg = load_config(rest).model if rest else None
     tokenizer = args.tokenizer_model or saved_tokenizer(args.load)
-    out = export_hf(args.load, args.hf_dir, cfg=cfg, dtype=parse_dtype(args.dtype),
-                    masters=args.masters, max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                    tokenizer_model=tokenizer)
-    print(f"wrote {out}" + (f" (with {tokenizer})" if tokenizer else
-                            " (no tokenizer: give --tokenizer-model to add one)"))
+    out = export_hf(
+        args.load,
+        args.hf_dir,
+        cfg=cfg,
+        dtype=parse_dtype(args.dtype),
+        masters=args.masters,
+        max_shard_bytes=int(args.max_shard_gb * 1024**3),
+        tokenizer_model=tokenizer,
+    )
+    print(
+        f"wrote {out}" + (f" (with {tokenizer})" if tokenizer else " (no tokenizer: give --tokenizer-model to add one)")
+    )
     note = two_level_note(args.load)
     if note:
         print(note)

@@ -23,17 +23,16 @@ from megazpp.interop.convert import export_safetensors
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--load", required=True, help="save directory (its latest) or iter_N dir")
     add_out_flag(parser, required=True, help="the .safetensors file to write (must not exist)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: as stored")
-    parser.add_argument("--masters", action="store_true",
-                        help="export the fp32 master weights of a bf16/fp16 run")
+    parser.add_argument("--masters", action="store_true", help="export the fp32 master weights of a bf16/fp16 run")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(rest).model if rest else None
-    out = export_safetensors(args.load, args.out, cfg=cfg, dtype=parse_dtype(args.dtype),
-                             masters=args.masters)
+    out = export_safetensors(args.load, args.out, cfg=cfg, dtype=parse_dtype(args.dtype), masters=args.masters)
     print(f"wrote {out}")
     note = two_level_note(args.load)
     if note:

@@ -38,17 +38,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-SHAPE = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-query-groups", "8",
-         "--seq-length", "2048", "--micro-batch-size", "4"]
-ENGINE_COMMON = ["--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "5", "--log-interval", "1",
-                 "--eval-interval", "1000"]
+SHAPE = [
+    "--num-layers",
+    "24",
+    "--hidden-size",
+    "2048",
+    "--num-attention-heads",
+    "16",
+    "--num-query-groups",
+    "8",
+    "--seq-length",
+    "2048",
+    "--micro-batch-size",
+    "4",
+]
+ENGINE_COMMON = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    "5",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+]
 # (name, ranks, flags): the strategies that run on ranks sharing one GPU
 ENGINE_JOBS: list[tuple[str, int, list[str]]] = [
     ("zero1", 2, ["--zero-stage", "1"]),
     ("zero3", 2, ["--zero-stage", "3"]),
     ("paro-IGG", 4, ["--paro-strategy", "IGG", "--ranks-per-node", "2"]),
-    ("zeropp-loco", 4, ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2",
-                        "--zero-quantized-gradients", "--loco", "--ranks-per-node", "2"]),
+    (
+        "zeropp-loco",
+        4,
+        [
+            "--zero-stage",
+            "3",
+            "--zero-quantized-weights",
+            "--zero-hpz-partition-size",
+            "2",
+            "--zero-quantized-gradients",
+            "--loco",
+            "--ranks-per-node",
+            "2",
+        ],
+    ),
 ]
 # Loss bounds, relative, CUDA ranks vs CPU ranks after 5 fp32 steps. Plain strategies: fp32
 # reductions summed in another order (GPU matmul and softmax kernels) differ by a few ulps,
@@ -113,13 +148,21 @@ def start(ctx: Context, name: str, cmd: Sequence[str], timeout: float, env: dict
     with open(log, "w") as handle:
         handle.write("$ " + " ".join(cmd) + "\n")
         handle.flush()
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env or ctx.env(), stdout=handle,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=ROOT,
+            env=env or ctx.env(),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     return Job(proc, log, timeout)
 
 
-def run(ctx: Context, name: str, cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None
-        ) -> tuple[int, str]:
+def run(
+    ctx: Context, name: str, cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     return start(ctx, name, cmd, timeout, env).collect()
 
 
@@ -128,6 +171,7 @@ def tail(text: str, n: int = 15) -> list[str]:
 
 
 # --- parsers (tested on CPU output in tests/test_gpu_check.py) ---------------------------------
+
 
 def bandwidth_rows(markdown: str) -> list[tuple[str, float]]:
     """(op, share of copy bandwidth) from bench_quant.py's CUDA table."""
@@ -151,8 +195,7 @@ def log_lines(text: str) -> list[dict[str, float]]:
     """The trainer's console lines: iteration, loss, tokens/s, peak_mem (MiB) of each."""
     found = []
     for m in re.finditer(r"iter\s+(\d+)/\d+ \| loss ([\d.]+) .*?tokens/s (\d+) .*?peak_mem ([\d.]+) MiB", text):
-        found.append({"iter": int(m[1]), "loss": float(m[2]), "tokens_per_s": float(m[3]),
-                      "peak_mib": float(m[4])})
+        found.append({"iter": int(m[1]), "loss": float(m[2]), "tokens_per_s": float(m[3]), "peak_mib": float(m[4])})
     return found
 
 
@@ -176,6 +219,7 @@ def tb_losses(directory: Path) -> list[float]:
 
 # --- steps ----------------------------------------------------------------------------------------
 
+
 def step_kernels_bitwise(ctx: Context) -> Outcome:
     rc, text = run(ctx, "kernels-bitwise", [PY, "-m", "kernels.cuda_bitwise_check"], min(180, ctx.left()))
     fails = [line for line in text.splitlines() if line.startswith("FAIL")]
@@ -185,15 +229,23 @@ def step_kernels_bitwise(ctx: Context) -> Outcome:
 
 
 def step_kernels_bandwidth(ctx: Context) -> Outcome:
-    rc, text = run(ctx, "kernels-bandwidth", [PY, "tools/bench_quant.py", "--devices", "cuda", "--numel",
-                                              str(2 ** 28), "--iters", "10"], min(150, ctx.left()))
+    rc, text = run(
+        ctx,
+        "kernels-bandwidth",
+        [PY, "tools/bench_quant.py", "--devices", "cuda", "--numel", str(2**28), "--iters", "10"],
+        min(150, ctx.left()),
+    )
     if rc != 0:
         return Outcome("FAILED", f"bench_quant.py exited {rc}", tail(text))
     rows = bandwidth_rows(text)
     low = [op for op, share in rows if share < TARGETS["bandwidth"]]
     table = [line for line in text.splitlines() if line.startswith(("|", "Copy", "###"))]
-    return Outcome("ok", f"{len(rows)} ops, {len(rows) - len(low)} at >= 85% of copy", table,
-                   [(f"{op} >= 85% of copy", share >= TARGETS["bandwidth"], f"{share:.0%}") for op, share in rows])
+    return Outcome(
+        "ok",
+        f"{len(rows)} ops, {len(rows) - len(low)} at >= 85% of copy",
+        table,
+        [(f"{op} >= 85% of copy", share >= TARGETS["bandwidth"], f"{share:.0%}") for op, share in rows],
+    )
 
 
 def _run_sh(ctx: Context, name: str, flags: list[str], *, ranks: int, gpu: bool, timeout: float) -> Job:
@@ -209,10 +261,19 @@ def _run_sh(ctx: Context, name: str, flags: list[str], *, ranks: int, gpu: bool,
 
 
 def step_data(ctx: Context) -> Outcome:
-    rc, text = _run_sh(ctx, "data", ["--train-iters", "1", "--log-interval", "1", "--eval-interval", "1000"],
-                       ranks=1, gpu=False, timeout=min(240, ctx.left())).collect()
-    return Outcome("ok" if rc == 0 else "FAILED", f"corpus, tokenizer and dataset under {ctx.out / 'data'}",
-                   [] if rc == 0 else tail(text))
+    rc, text = _run_sh(
+        ctx,
+        "data",
+        ["--train-iters", "1", "--log-interval", "1", "--eval-interval", "1000"],
+        ranks=1,
+        gpu=False,
+        timeout=min(240, ctx.left()),
+    ).collect()
+    return Outcome(
+        "ok" if rc == 0 else "FAILED",
+        f"corpus, tokenizer and dataset under {ctx.out / 'data'}",
+        [] if rc == 0 else tail(text),
+    )
 
 
 def step_engine(ctx: Context) -> Outcome:
@@ -222,8 +283,9 @@ def step_engine(ctx: Context) -> Outcome:
         for gpu in (True, False):
             extra = ["--distributed-backend", "gloo"] if gpu else []
             label = f"engine-{name}-{'cuda' if gpu else 'cpu'}"
-            procs[label] = _run_sh(ctx, label, ENGINE_COMMON + flags + extra, ranks=ranks, gpu=gpu,
-                                   timeout=min(300, ctx.left()))
+            procs[label] = _run_sh(
+                ctx, label, ENGINE_COMMON + flags + extra, ranks=ranks, gpu=gpu, timeout=min(300, ctx.left())
+            )
     results = {label: job.collect() for label, job in procs.items()}
     lines = ["| job | ranks | CUDA losses | CPU losses | max relative gap | bound |", "|---|---:|---|---|---:|---:|"]
     status, worst, failures = "ok", [], []
@@ -232,8 +294,11 @@ def step_engine(ctx: Context) -> Outcome:
         if cuda[0] != 0 or cpu[0] != 0:
             status = "FAILED"
             lines.append(f"| {name} | {ranks} | exit {cuda[0]} | exit {cpu[0]} | | |")
-            failures += [f"{label}, exit {rc}:" for label, (rc, _) in
-                         ((f"{name} on CUDA", cuda), (f"{name} on CPU", cpu)) if rc != 0]
+            failures += [
+                f"{label}, exit {rc}:"
+                for label, (rc, _) in ((f"{name} on CUDA", cuda), (f"{name} on CPU", cpu))
+                if rc != 0
+            ]
             failures += [line for rc, text in (cuda, cpu) if rc != 0 for line in tail(text, 12)]
             continue
         a = tb_losses(ctx.out / "tb" / f"engine-{name}-cuda")
@@ -242,16 +307,34 @@ def step_engine(ctx: Context) -> Outcome:
         if gap > ENGINE_BOUND[name]:
             status = "MISMATCH" if status == "ok" else status
             worst.append(name)
-        lines.append(f"| {name} | {ranks} | {', '.join(f'{x:.6f}' for x in a)} | {', '.join(f'{x:.6f}' for x in b)} "
-                     f"| {gap:.2e} | {ENGINE_BOUND[name]:.0e} |")
+        lines.append(
+            f"| {name} | {ranks} | {', '.join(f'{x:.6f}' for x in a)} | {', '.join(f'{x:.6f}' for x in b)} "
+            f"| {gap:.2e} | {ENGINE_BOUND[name]:.0e} |"
+        )
     summary = f"{len(ENGINE_JOBS)} jobs on CUDA ranks sharing the GPU vs CPU ranks" + (
-        f"; outside the bound: {', '.join(worst)}" if worst else "")
+        f"; outside the bound: {', '.join(worst)}" if worst else ""
+    )
     return Outcome(status, summary, lines + ([""] + failures if failures else []))
 
 
 def step_model(ctx: Context) -> Outcome:
-    bench = [PY, "tools/bench_model.py", "--device", "cuda", "--dtype", "bf16", *SHAPE, "--vocab-size", "32000",
-             "--warmup", "2", "--steps", "4", "--peak-size", "8192"]
+    bench = [
+        PY,
+        "tools/bench_model.py",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        *SHAPE,
+        "--vocab-size",
+        "32000",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--peak-size",
+        "8192",
+    ]
     rc, text = run(ctx, "model-step", bench + ["--peer", "hf"], min(300, ctx.left()))
     if rc != 0:
         return Outcome("FAILED", f"bench_model.py exited {rc}", tail(text))
@@ -261,62 +344,154 @@ def step_model(ctx: Context) -> Outcome:
         return Outcome("FAILED", f"bench_model.py --compile exited {rc}", tail(text))
     compiled = last_json(text)
     peer = eager.get("peer", {})
-    gaps = {"HF peer": abs(peer.get("first_loss", float("inf")) - eager["first_loss"]) / eager["first_loss"],
-            "compiled": abs(compiled["first_loss"] - eager["first_loss"]) / eager["first_loss"]}
-    lines = ["| model | tokens/s | MFU | first loss |", "|---|---:|---:|---:|",
-             f"| megazpp | {eager['tokens_per_s']} | {eager['mfu']:.1%} | {eager['first_loss']:.5f} |",
-             f"| megazpp compiled | {compiled['tokens_per_s']} | {compiled['mfu']:.1%} | {compiled['first_loss']:.5f} |",
-             f"| HF LlamaForCausalLM | {peer.get('tokens_per_s')} | {peer.get('mfu', 0):.1%} | "
-             f"{peer.get('first_loss', float('nan')):.5f} |", "",
-             f"matmul peak {eager['matmul_peak_tflops']} TFLOP/s; first-loss gaps (relative): "
-             + ", ".join(f"{k} {v:.2e}" for k, v in gaps.items()) + f" (bound {PEER_BOUND:.0e})"]
+    gaps = {
+        "HF peer": abs(peer.get("first_loss", float("inf")) - eager["first_loss"]) / eager["first_loss"],
+        "compiled": abs(compiled["first_loss"] - eager["first_loss"]) / eager["first_loss"],
+    }
+    lines = [
+        "| model | tokens/s | MFU | first loss |",
+        "|---|---:|---:|---:|",
+        f"| megazpp | {eager['tokens_per_s']} | {eager['mfu']:.1%} | {eager['first_loss']:.5f} |",
+        f"| megazpp compiled | {compiled['tokens_per_s']} | {compiled['mfu']:.1%} | {compiled['first_loss']:.5f} |",
+        f"| HF LlamaForCausalLM | {peer.get('tokens_per_s')} | {peer.get('mfu', 0):.1%} | "
+        f"{peer.get('first_loss', float('nan')):.5f} |",
+        "",
+        f"matmul peak {eager['matmul_peak_tflops']} TFLOP/s; first-loss gaps (relative): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in gaps.items())
+        + f" (bound {PEER_BOUND:.0e})",
+    ]
     status = "ok" if all(g <= PEER_BOUND for g in gaps.values()) else "MISMATCH"
-    return Outcome(status, f"MFU {eager['mfu']:.1%} eager, {compiled['mfu']:.1%} compiled, "
-                           f"HF {peer.get('mfu', 0):.1%}", lines,
-                   [("compiled step >= 68% MFU", compiled["mfu"] >= TARGETS["mfu_compiled"], f"{compiled['mfu']:.1%}")])
+    return Outcome(
+        status,
+        f"MFU {eager['mfu']:.1%} eager, {compiled['mfu']:.1%} compiled, HF {peer.get('mfu', 0):.1%}",
+        lines,
+        [("compiled step >= 68% MFU", compiled["mfu"] >= TARGETS["mfu_compiled"], f"{compiled['mfu']:.1%}")],
+    )
 
 
 def step_end_to_end(ctx: Context) -> Outcome:
-    rc, text = run(ctx, "bare-step", [PY, "tools/bench_model.py", "--device", "cuda", "--dtype", "bf16", *SHAPE,
-                                      "--vocab-size", "2048", "--peer", "none", "--warmup", "2", "--steps", "5",
-                                      "--peak-size", "8192"], min(180, ctx.left()))
+    rc, text = run(
+        ctx,
+        "bare-step",
+        [
+            PY,
+            "tools/bench_model.py",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            *SHAPE,
+            "--vocab-size",
+            "2048",
+            "--peer",
+            "none",
+            "--warmup",
+            "2",
+            "--steps",
+            "5",
+            "--peak-size",
+            "8192",
+        ],
+        min(180, ctx.left()),
+    )
     if rc != 0:
         return Outcome("FAILED", f"bare step exited {rc}", tail(text))
     bare = last_json(text)
-    flags = ["--bf16", *SHAPE, "--global-batch-size", "4", "--train-iters", "30", "--log-interval", "5",
-             "--eval-interval", "1000"]
+    flags = [
+        "--bf16",
+        *SHAPE,
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "30",
+        "--log-interval",
+        "5",
+        "--eval-interval",
+        "1000",
+    ]
     rc, text = _run_sh(ctx, "end-to-end", flags, ranks=1, gpu=True, timeout=min(300, ctx.left())).collect()
     logged = log_lines(text)
     if rc != 0 or not logged:
         return Outcome("FAILED", f"run.sh --bf16 exited {rc}", tail(text))
-    rc, plan = run(ctx, "plan", [PY, "tools/plan.py", *SHAPE, "--vocab-size", "2048", "--global-batch-size", "4",
-                                 "--dtype", "bf16", "--nodes", "1", "--gpus-per-node", "1", "--inter-gbit", "100",
-                                 "--accelerator", "h100-80gb"], min(60, ctx.left()))
+    rc, plan = run(
+        ctx,
+        "plan",
+        [
+            PY,
+            "tools/plan.py",
+            *SHAPE,
+            "--vocab-size",
+            "2048",
+            "--global-batch-size",
+            "4",
+            "--dtype",
+            "bf16",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--inter-gbit",
+            "100",
+            "--accelerator",
+            "h100-80gb",
+        ],
+        min(60, ctx.left()),
+    )
     predicted = planned_peak_gib(plan) if rc == 0 else float("nan")
     steady = logged[-1]
     ratio = steady["tokens_per_s"] / bare["tokens_per_s"]
     peak_gib = steady["peak_mib"] / 1024
     off = abs(peak_gib - predicted) / predicted
-    lines = [f"bare step: {bare['tokens_per_s']} tokens/s ({bare['mfu']:.1%} MFU); run.sh --bf16 last logged "
-             f"interval: {steady['tokens_per_s']:.0f} tokens/s ({ratio:.1%} of the bare step), peak "
-             f"{peak_gib:.2f} GiB against the planner's {predicted:.2f} GiB (NNN)", *tail(text, 8)]
-    return Outcome("ok", f"{ratio:.1%} of the bare step's tokens/s; peak {peak_gib:.1f} GiB vs planned "
-                         f"{predicted:.1f} GiB", lines,
-                   [("end to end >= 95% of the bare step's tokens/s", ratio >= TARGETS["e2e_tokens"], f"{ratio:.1%}"),
-                    ("peak memory within 10% of the plan", off <= TARGETS["peak_memory"], f"{off:+.1%}")])
+    lines = [
+        f"bare step: {bare['tokens_per_s']} tokens/s ({bare['mfu']:.1%} MFU); run.sh --bf16 last logged "
+        f"interval: {steady['tokens_per_s']:.0f} tokens/s ({ratio:.1%} of the bare step), peak "
+        f"{peak_gib:.2f} GiB against the planner's {predicted:.2f} GiB (NNN)",
+        *tail(text, 8),
+    ]
+    return Outcome(
+        "ok",
+        f"{ratio:.1%} of the bare step's tokens/s; peak {peak_gib:.1f} GiB vs planned {predicted:.1f} GiB",
+        lines,
+        [
+            ("end to end >= 95% of the bare step's tokens/s", ratio >= TARGETS["e2e_tokens"], f"{ratio:.1%}"),
+            ("peak memory within 10% of the plan", off <= TARGETS["peak_memory"], f"{off:+.1%}"),
+        ],
+    )
 
 
 STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
     ("kernels-bitwise", "python -m kernels.cuda_bitwise_check", 75, step_kernels_bitwise),
-    ("kernels-bandwidth", "python tools/bench_quant.py --devices cuda --numel 268435456 --iters 10", 25,
-     step_kernels_bandwidth),
+    (
+        "kernels-bandwidth",
+        "python tools/bench_quant.py --devices cuda --numel 268435456 --iters 10",
+        25,
+        step_kernels_bandwidth,
+    ),
     ("data", "DATA_DIR=OUT/data CUDA_VISIBLE_DEVICES= bash run.sh --train-iters 1 (builds the dataset)", 50, step_data),
-    ("engine", "8 run.sh jobs at once: " + ", ".join(f"{n} ({r} ranks)" for n, r, _ in ENGINE_JOBS)
-     + " on CUDA ranks (--distributed-backend gloo) and on CPU ranks", 80, step_engine),
-    ("model-step", "tools/bench_model.py --device cuda --dtype bf16 " + " ".join(SHAPE)
-     + " --vocab-size 32000 --peer hf; again with --compile --peer none", 140, step_model),
-    ("end-to-end", "tools/bench_model.py (vocab 2048, --peer none); bash run.sh --bf16 " + " ".join(SHAPE)
-     + " --train-iters 30; tools/plan.py at that shape", 90, step_end_to_end),
+    (
+        "engine",
+        "8 run.sh jobs at once: "
+        + ", ".join(f"{n} ({r} ranks)" for n, r, _ in ENGINE_JOBS)
+        + " on CUDA ranks (--distributed-backend gloo) and on CPU ranks",
+        80,
+        step_engine,
+    ),
+    (
+        "model-step",
+        "tools/bench_model.py --device cuda --dtype bf16 "
+        + " ".join(SHAPE)
+        + " --vocab-size 32000 --peer hf; again with --compile --peer none",
+        140,
+        step_model,
+    ),
+    (
+        "end-to-end",
+        "tools/bench_model.py (vocab 2048, --peer none); bash run.sh --bf16 "
+        + " ".join(SHAPE)
+        + " --train-iters 30; tools/plan.py at that shape",
+        90,
+        step_end_to_end,
+    ),
 ]
 
 
@@ -335,8 +510,13 @@ def dry_run() -> int:
         validate_config(cfg, ranks)
         zero_options(cfg.zero, cfg.num_micro_batches(ranks))
         print(f"  engine job {name}: {ranks} ranks, flags valid: {' '.join(flags)}")
-    for path in ("run.sh", "tools/bench_quant.py", "tools/bench_model.py", "tools/plan.py",
-                 "kernels/cuda_bitwise_check.py"):
+    for path in (
+        "run.sh",
+        "tools/bench_quant.py",
+        "tools/bench_model.py",
+        "tools/plan.py",
+        "kernels/cuda_bitwise_check.py",
+    ):
         if not (ROOT / path).exists():
             print(f"missing {path}")
             return 1
@@ -350,19 +530,32 @@ def write_report(out: Path, outcomes: list[tuple[str, Outcome, float]]) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"{device}; torch {torch.__version__}, Triton {triton_version}; commit {commit}.", "",
-             "| step | status | result | seconds |", "|---|---|---|---:|"]
+    commit = (
+        subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        or "unknown"
+    )
+    lines = [
+        f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"{device}; torch {torch.__version__}, Triton {triton_version}; commit {commit}.",
+        "",
+        "| step | status | result | seconds |",
+        "|---|---|---|---:|",
+    ]
     lines += [f"| {name} | {o.status} | {o.summary} | {s:.0f} |" for name, o, s in outcomes]
     targets = [t for _, o, _ in outcomes for t in o.targets]
     if targets:
-        lines += ["", "## Targets (measurements; they do not change the exit status)", "",
-                  "| target | met | value |", "|---|---|---:|"]
+        lines += [
+            "",
+            "## Targets (measurements; they do not change the exit status)",
+            "",
+            "| target | met | value |",
+            "|---|---|---:|",
+        ]
         lines += [f"| {t} | {'yes' if met else 'no'} | {value} |" for t, met, value in targets]
     for name, o, _ in outcomes:
         lines += ["", f"## {name}: {o.status}", "", o.summary, "", *o.lines]

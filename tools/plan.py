@@ -41,8 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model (or --config)")
     m.add_argument("--config", help="megazpp YAML config (model, training, precision, parallel, zero)")
-    add_shape_flags(m, {"arch": "llama", "num_layers": None, "hidden_size": None, "num_attention_heads": None,
-                        "num_query_groups": None, "ffn_hidden_size": None, "vocab_size": None, "seq_length": None})
+    add_shape_flags(
+        m,
+        {
+            "arch": "llama",
+            "num_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_query_groups": None,
+            "ffn_hidden_size": None,
+            "vocab_size": None,
+            "seq_length": None,
+        },
+    )
     m.add_argument("--params", type=float, help="total parameters (e.g. 7e9): sets the FFN width")
     j = p.add_argument_group("job (override --config)")
     add_shape_flags(j, {"micro_batch_size": None, "global_batch_size": None})
@@ -52,12 +63,18 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--dtype", choices=sorted(DTYPE_BYTES))
     j.add_argument("--grad-accum", choices=sorted(DTYPE_BYTES))
     j.add_argument("--activation-checkpointing", action="store_true", default=None)
-    j.add_argument("--no-flash-attention", action="store_true",
-                   help="count the attention score matrix in activations (no fused attention kernel)")
-    j.add_argument("--trainable-fraction", type=float,
-                   help="PEFT: fraction of the weights that is trained; the frozen rest is held at level p "
-                        "and gathered like trainable weights, never reduced (default: from --config's "
-                        "model.lora_rank / training.trainable, else 1)")
+    j.add_argument(
+        "--no-flash-attention",
+        action="store_true",
+        help="count the attention score matrix in activations (no fused attention kernel)",
+    )
+    j.add_argument(
+        "--trainable-fraction",
+        type=float,
+        help="PEFT: fraction of the weights that is trained; the frozen rest is held at level p "
+        "and gathered like trainable weights, never reduced (default: from --config's "
+        "model.lora_rank / training.trainable, else 1)",
+    )
     j.add_argument("--paro-group-size", type=int)
     j.add_argument("--hpz", type=int, help="hpZ partition size (default: DP ranks per node)")
     c = p.add_argument_group("cluster")
@@ -76,10 +93,17 @@ def _parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--no-zeropp", action="store_true", help="plain PaRO strategies only")
     o.add_argument("--top", type=int, help="print only the first N rows")
-    o.add_argument("--no-two-level", action="store_true",
-                   help="leave out the two-level options (DiLoCo across islands of whole nodes)")
-    o.add_argument("--tie", type=float, default=2.0,
-                   help="percent: options this close to the fastest count as tied; the smallest footprint wins")
+    o.add_argument(
+        "--no-two-level",
+        action="store_true",
+        help="leave out the two-level options (DiLoCo across islands of whole nodes)",
+    )
+    o.add_argument(
+        "--tie",
+        type=float,
+        default=2.0,
+        help="percent: options this close to the fastest count as tied; the smallest footprint wins",
+    )
     return p
 
 
@@ -89,24 +113,36 @@ def _pick(*values):
 
 def _cluster(a: argparse.Namespace) -> Cluster:
     acc = ACCELERATORS.get(a.accelerator)
-    values = {"memory_gib": _pick(a.memory_gib, acc and acc.memory_gib),
-              "tflops": _pick(a.tflops, acc and acc.achievable_tflops),
-              "memory_bw_gbs": _pick(a.memory_bw_gbs, acc and acc.memory_bandwidth_gbs),
-              "intra_gbs": _pick(a.intra_gbs, acc and acc.intra_gbs)}
+    values = {
+        "memory_gib": _pick(a.memory_gib, acc and acc.memory_gib),
+        "tflops": _pick(a.tflops, acc and acc.achievable_tflops),
+        "memory_bw_gbs": _pick(a.memory_bw_gbs, acc and acc.memory_bandwidth_gbs),
+        "intra_gbs": _pick(a.intra_gbs, acc and acc.intra_gbs),
+    }
     missing = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
     if missing:
         raise ConfigError(f"cluster: give {', '.join(missing)} or an --accelerator preset")
-    return Cluster(nodes=a.nodes, gpus_per_node=a.gpus_per_node, memory_bytes=values["memory_gib"] * GIB,
-                   flops=values["tflops"] * 1e12, intra_bw=values["intra_gbs"] * 1e9, inter_bw=gbit(a.inter_gbit),
-                   intra_latency=a.intra_latency_us * 1e-6, inter_latency=a.inter_latency_us * 1e-6,
-                   memory_bw=values["memory_bw_gbs"] * 1e9, usable_memory_fraction=a.usable_memory_fraction,
-                   backend=a.backend)
+    return Cluster(
+        nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node,
+        memory_bytes=values["memory_gib"] * GIB,
+        flops=values["tflops"] * 1e12,
+        intra_bw=values["intra_gbs"] * 1e9,
+        inter_bw=gbit(a.inter_gbit),
+        intra_latency=a.intra_latency_us * 1e-6,
+        inter_latency=a.inter_latency_us * 1e-6,
+        memory_bw=values["memory_bw_gbs"] * 1e9,
+        usable_memory_fraction=a.usable_memory_fraction,
+        backend=a.backend,
+    )
 
 
 def _ffn_for(params: float, base: ModelConfig) -> int:
     """FFN width whose parameter count is closest to `params` (the count is linear in it)."""
+
     def count(ffn: int) -> int:
         return parameter_count(dataclasses.replace(base, ffn_hidden_size=ffn, moe_ffn_hidden_size=None))
+
     slope = (count(128) - count(64)) / 64
     return max(64, round((64 + (params - count(64)) / slope) / 64) * 64)
 
@@ -130,19 +166,36 @@ def _workload(a: argparse.Namespace) -> Workload:
     """The config's job (if any) with every flag given on the command line taking precedence."""
     base = load_config(["--config", a.config]) if a.config else None
     model = _model(a, base)
-    job = workload_of_config(base) if base else Workload(model=model, micro_batch=a.micro_batch_size,
-                                                        global_batch=a.global_batch_size)
-    flags = {"micro_batch": a.micro_batch_size, "global_batch": a.global_batch_size, "tp": a.tp, "pp": a.pp,
-             "param_bytes": a.dtype and DTYPE_BYTES[a.dtype], "fp16": a.dtype and a.dtype == "fp16",
-             "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
-             "activation_checkpointing": a.activation_checkpointing, "sequence_parallel": a.sequence_parallel,
-             "paro_group_size": a.paro_group_size, "hpz_size": a.hpz}
-    job = dataclasses.replace(job, model=model, flash_attention=not a.no_flash_attention,
-                              **({"trainable_fraction": a.trainable_fraction} if a.trainable_fraction is not None else {}),
-                              **{k: v for k, v in flags.items() if v is not None})
+    job = (
+        workload_of_config(base)
+        if base
+        else Workload(model=model, micro_batch=a.micro_batch_size, global_batch=a.global_batch_size)
+    )
+    flags = {
+        "micro_batch": a.micro_batch_size,
+        "global_batch": a.global_batch_size,
+        "tp": a.tp,
+        "pp": a.pp,
+        "param_bytes": a.dtype and DTYPE_BYTES[a.dtype],
+        "fp16": a.dtype and a.dtype == "fp16",
+        "accum_bytes": a.grad_accum and DTYPE_BYTES[a.grad_accum],
+        "activation_checkpointing": a.activation_checkpointing,
+        "sequence_parallel": a.sequence_parallel,
+        "paro_group_size": a.paro_group_size,
+        "hpz_size": a.hpz,
+    }
+    job = dataclasses.replace(
+        job,
+        model=model,
+        flash_attention=not a.no_flash_attention,
+        **({"trainable_fraction": a.trainable_fraction} if a.trainable_fraction is not None else {}),
+        **{k: v for k, v in flags.items() if v is not None},
+    )
     if job.micro_batch is None or job.global_batch is None:
-        raise ConfigError("job: give --micro-batch-size and --global-batch-size (or a --config that sets "
-                          "training.micro_batch_size and training.global_batch_size)")
+        raise ConfigError(
+            "job: give --micro-batch-size and --global-batch-size (or a --config that sets "
+            "training.micro_batch_size and training.global_batch_size)"
+        )
     return job
 
 
@@ -151,14 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = _cluster(a)
         workload = _workload(a)
-        shapes = shapes_of_config(workload.model, tp=workload.tp, pp=workload.pp, bucket_numel=workload.bucket_numel,
-                                  threshold=workload.module_granularity_threshold, fetch_mode=workload.fetch_groups,
-                                  trainable_fraction=workload.trainable_fraction,
-                                  persistence=workload.persistence_threshold)
+        shapes = shapes_of_config(
+            workload.model,
+            tp=workload.tp,
+            pp=workload.pp,
+            bucket_numel=workload.bucket_numel,
+            threshold=workload.module_granularity_threshold,
+            fetch_mode=workload.fetch_groups,
+            trainable_fraction=workload.trainable_fraction,
+            persistence=workload.persistence_threshold,
+        )
         fixed = ZeroPP() if a.no_zeropp else None
         result = plan(shapes, workload, cluster, fixed_zeropp=fixed, tie=a.tie / 100)
-        two_level = (None if a.no_two_level or cluster.nodes < 2
-                     else plan_two_level(shapes, workload, cluster, fixed_zeropp=fixed))
+        two_level = (
+            None
+            if a.no_two_level or cluster.nodes < 2
+            else plan_two_level(shapes, workload, cluster, fixed_zeropp=fixed)
+        )
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_PATH = ROOT / "docs" / "planning.md"
 BEGIN = "<!-- tools/plan.py example (python tools/plan_examples.py writes its output) -->"
 END = "<!-- end of tools/plan.py example -->"
-_BLOCK = re.compile(re.escape(BEGIN) + r"\n```\npython tools/plan\.py \\\n(?P<args>[^`]*?)\n```\n(?P<output>.*?)"
-                    + re.escape(END), re.S)
+_BLOCK = re.compile(
+    re.escape(BEGIN) + r"\n```\npython tools/plan\.py \\\n(?P<args>[^`]*?)\n```\n(?P<output>.*?)" + re.escape(END), re.S
+)
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,15 @@ class Example:
 
 def examples(text: str) -> list[Example]:
     """The marked blocks of `text`, in order; a begin marker without a well-formed block is an error."""
-    found = [Example(shlex.split(m["args"].replace("\\\n", " ")), m["output"], m.span("output"))
-             for m in _BLOCK.finditer(text)]
+    found = [
+        Example(shlex.split(m["args"].replace("\\\n", " ")), m["output"], m.span("output"))
+        for m in _BLOCK.finditer(text)
+    ]
     if len(found) != text.count(BEGIN):
-        raise ConfigError(f"{DOC_PATH.name}: a '{BEGIN}' marker is not followed by a ```python tools/plan.py "
-                         f"\\ ...``` block and '{END}'")
+        raise ConfigError(
+            f"{DOC_PATH.name}: a '{BEGIN}' marker is not followed by a ```python tools/plan.py "
+            f"\\ ...``` block and '{END}'"
+        )
     return found
 
 

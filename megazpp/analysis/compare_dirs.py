@@ -28,9 +28,13 @@ class ComparisonFiles:
     smoothing: float  # the EMA weight of loss.png's smoothed curves
 
 
-def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
-                        smoothing: float | None = None,
-                        labels: Sequence[str] | None = None) -> ComparisonFiles:
+def compare_directories(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    smoothing: float | None = None,
+    labels: Sequence[str] | None = None,
+) -> ComparisonFiles:
     """Read every run, compare them (the first is the reference), write the three files.
 
     Every run is read before anything is written, so a bad run directory costs no output.
@@ -49,18 +53,18 @@ def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
             comparison.notes.append(
                 f"{d} holds {len(runs)} runs with different configs (TensorBoard shows them "
                 f"merged into one curve); compared separately as "
-                f"{', '.join(run.label for run in runs)}")
+                f"{', '.join(run.label for run in runs)}"
+            )
     if smoothing is None:
-        lengths = [len(run.scalars[TRAIN_LOSS]) for run in comparison.runs
-                   if TRAIN_LOSS in run.scalars]
+        lengths = [len(run.scalars[TRAIN_LOSS]) for run in comparison.runs if TRAIN_LOSS in run.scalars]
         smoothing = auto_weight(min(lengths, default=0))
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     from megazpp.analysis.plots import plot_loss, plot_throughput
-    files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD,
-                            smoothing)
+
+    files = ComparisonFiles(comparison, out / LOSS_PNG, out / THROUGHPUT_PNG, out / SUMMARY_MD, smoothing)
     plot_loss(comparison, files.loss_png, smoothing)
     plot_throughput(comparison, files.throughput_png)
     _write_text(files.summary_md, render_markdown(comparison))
@@ -70,23 +74,31 @@ def compare_directories(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
 def closing_line(files: ComparisonFiles) -> str:
     """One line for the console: how many runs, on which steps, who ended lowest."""
     comparison = files.comparison
-    steps = (f"steps {comparison.step_range[0]}..{comparison.step_range[1]}"
-             if comparison.step_range else "their whole lengths")
+    steps = (
+        f"steps {comparison.step_range[0]}..{comparison.step_range[1]}"
+        if comparison.step_range
+        else "their whole lengths"
+    )
     ranked = [row for row in comparison.summaries if row.final_loss is not None]
     best = min(ranked, key=lambda row: cast(float, row.final_loss), default=None)  # ranked: rows with a loss
-    lowest = (f"lowest final train loss {best.label} {format_loss(best.final_loss)}"
-              if best else "no run has a training loss")
+    lowest = (
+        f"lowest final train loss {best.label} {format_loss(best.final_loss)}" if best else "no run has a training loss"
+    )
     notes = f"{len(comparison.notes)} note(s)" if comparison.notes else "no notes"
-    return (f"compared {len(comparison.runs)} run(s) on {steps}: {lowest}; {notes}; "
-            f"smoothing {files.smoothing:.2g}; wrote {files.loss_png}, {files.throughput_png}, "
-            f"{files.summary_md}")
+    return (
+        f"compared {len(comparison.runs)} run(s) on {steps}: {lowest}; {notes}; "
+        f"smoothing {files.smoothing:.2g}; wrote {files.loss_png}, {files.throughput_png}, "
+        f"{files.summary_md}"
+    )
 
 
 def _labels(run_dirs: Sequence[str | Path], labels: Sequence[str] | None) -> list[str]:
     if labels is not None:
         if len(labels) != len(run_dirs):
-            raise ConfigError(f"--labels has {len(labels)} name(s) for {len(run_dirs)} run "
-                              f"directories (expected one label per RUN_DIR)")
+            raise ConfigError(
+                f"--labels has {len(labels)} name(s) for {len(run_dirs)} run "
+                f"directories (expected one label per RUN_DIR)"
+            )
         if len(set(labels)) != len(labels) or not all(labels):
             raise ConfigError(f"--labels {','.join(labels)} must be distinct and non-empty")
         return list(labels)

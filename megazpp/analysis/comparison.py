@@ -26,9 +26,11 @@ INTER_BYTES = "comm/inter_bytes"
 PEAK_MEMORY = "mem/peak_bytes"
 COMPARED_TAGS = (TRAIN_LOSS, VAL_LOSS, TOKENS_PER_SEC, INTER_BYTES, PEAK_MEMORY)
 # tokens/s is a wall-clock rate: another job on the same cores or GPUs slows a run down
-THROUGHPUT_CAVEAT = ("tokens/s depends on the machine's load while each run ran (other jobs on the "
-                     "same cores or GPUs slow it): compare it only between runs made alone on the "
-                     "same machine.")
+THROUGHPUT_CAVEAT = (
+    "tokens/s depends on the machine's load while each run ran (other jobs on the "
+    "same cores or GPUs slow it): compare it only between runs made alone on the "
+    "same machine."
+)
 
 
 @dataclass(frozen=True)
@@ -62,15 +64,21 @@ def compare_runs(runs: Sequence[Run]) -> Comparison:
     that every gap is measured against (gap = final loss - reference's final loss)."""
     if not runs:
         raise DataError("no runs to compare (give at least one run directory)")
-    notes = [_lacking_note([run.label for run in runs if not _has(run, tag)], tag)
-             for tag in COMPARED_TAGS if not all(_has(run, tag) for run in runs)]
+    notes = [
+        _lacking_note([run.label for run in runs if not _has(run, tag)], tag)
+        for tag in COMPARED_TAGS
+        if not all(_has(run, tag) for run in runs)
+    ]
     step_range = _common_steps(runs, notes)
     first, last = step_range if step_range else (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
     clipped = [{tag: s.within(first, last) for tag, s in run.scalars.items()} for run in runs]
     if step_range:
-        notes += [f"run {run.label} has no {tag} point in steps {first}..{last}"
-                  for run, scalars in zip(runs, clipped) for tag in COMPARED_TAGS
-                  if _has(run, tag) and not len(scalars[tag])]
+        notes += [
+            f"run {run.label} has no {tag} point in steps {first}..{last}"
+            for run, scalars in zip(runs, clipped)
+            for tag in COMPARED_TAGS
+            if _has(run, tag) and not len(scalars[tag])
+        ]
     rows = [_with_own_end(_summarise(run.label, scalars), run) for run, scalars in zip(runs, clipped)]
     rows = _with_gaps(rows, notes)
     final_steps = {r.final_step for r in rows if r.final_step is not None}
@@ -100,11 +108,9 @@ def _common_steps(runs: Sequence[Run], notes: list[str]) -> tuple[int, int] | No
     last = min(hi for _, hi in spans.values())
     listed = ", ".join(f"{label}: steps {lo}..{hi}" for label, (lo, hi) in spans.items())
     if first > last:
-        raise DataError(f"the runs share no {TRAIN_LOSS} steps ({listed}); "
-                        "compare runs whose training steps overlap")
+        raise DataError(f"the runs share no {TRAIN_LOSS} steps ({listed}); compare runs whose training steps overlap")
     if len(set(spans.values())) > 1:
-        notes.append(f"the runs differ in length ({listed}); every column uses the common "
-                     f"steps {first}..{last}")
+        notes.append(f"the runs differ in length ({listed}); every column uses the common steps {first}..{last}")
     return first, last
 
 
@@ -147,5 +153,4 @@ def _with_gaps(rows: list[RunSummary], notes: list[str]) -> list[RunSummary]:
     if reference is None:
         notes.append(f"gaps need the first run's {TRAIN_LOSS}, which {rows[0].label} lacks")
         return rows
-    return [replace(row, gap=None if row.final_loss is None else row.final_loss - reference)
-            for row in rows]
+    return [replace(row, gap=None if row.final_loss is None else row.final_loss - reference) for row in rows]

@@ -72,8 +72,7 @@ def read_runs(run_dir: str | Path, label: str) -> list[Run]:
     directory, _ = _locate(Path(run_dir))
     groups: list[list[Path]] = []
     current_config: str | None = None
-    for _, first_step, config, path in sorted(_file_starts(directory),
-                                               key=lambda start: (start[0], str(start[3]))):
+    for _, first_step, config, path in sorted(_file_starts(directory), key=lambda start: (start[0], str(start[3]))):
         fresh = first_step == 1 and config is not None and config != current_config
         if not groups or (fresh and current_config is not None):
             groups.append([])
@@ -115,8 +114,7 @@ def _merged_run(files: list[Path], label: str, directory: Path) -> Run:
             old = scalars.get(tag)
             if old is not None and len(new):
                 old = old.within(int(old.steps[0]) if len(old) else 0, int(new.steps[0]) - 1)
-                new = Series(np.concatenate([old.steps, new.steps]),
-                             np.concatenate([old.values, new.values]))
+                new = Series(np.concatenate([old.steps, new.steps]), np.concatenate([old.values, new.values]))
             scalars[tag] = new
         if CONFIG_TEXT_TAG in tags["tensors"]:
             config = _config(accumulator)
@@ -128,20 +126,26 @@ def _locate(run_dir: Path) -> tuple[Path, event_accumulator.EventAccumulator]:
     that holds events with scalars (a run dir whose TensorBoard output sits in a
     subdirectory, e.g. `RUN/tensorboard/`)."""
     if not run_dir.is_dir():
-        raise DataError(f"run directory {run_dir} does not exist or is not a directory "
-                        f"(expected a directory holding TensorBoard event files {EVENT_FILE_GLOB})")
+        raise DataError(
+            f"run directory {run_dir} does not exist or is not a directory "
+            f"(expected a directory holding TensorBoard event files {EVENT_FILE_GLOB})"
+        )
     if any(p.is_file() for p in run_dir.glob(EVENT_FILE_GLOB)):
         return run_dir, _load(run_dir)
     candidates = sorted({p.parent for p in run_dir.rglob(EVENT_FILE_GLOB) if p.is_file()})
     if not candidates:
-        raise DataError(f"run directory {run_dir} holds no TensorBoard event files "
-                        f"({EVENT_FILE_GLOB}); was logging.tensorboard_dir set for that run?")
+        raise DataError(
+            f"run directory {run_dir} holds no TensorBoard event files "
+            f"({EVENT_FILE_GLOB}); was logging.tensorboard_dir set for that run?"
+        )
     loaded = [(d, _load(d)) for d in candidates]
     with_scalars = [(d, acc) for d, acc in loaded if acc.Tags()["scalars"]]
     if len(with_scalars) != 1:
         found = ", ".join(str(d) for d, _ in (with_scalars or loaded))
-        raise DataError(f"run directory {run_dir} does not hold exactly one directory of "
-                        f"event files with scalars (found: {found}); pass that directory itself")
+        raise DataError(
+            f"run directory {run_dir} does not hold exactly one directory of "
+            f"event files with scalars (found: {found}); pass that directory itself"
+        )
     return with_scalars[0]
 
 
@@ -149,7 +153,8 @@ def _load(directory: Path) -> event_accumulator.EventAccumulator:
     # Size guidance 0 keeps every point: the default reservoir samples scalars down to
     # 10,000, which would make "final" and "best" depend on chance for long runs.
     accumulator = event_accumulator.EventAccumulator(
-        str(directory), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0})
+        str(directory), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    )
     try:
         accumulator.Reload()
     except Exception as exc:  # the reader raises assorted protobuf / IO errors

@@ -20,7 +20,7 @@ from megazpp.analysis.comparison import INTER_BYTES, THROUGHPUT_CAVEAT, TOKENS_P
 from megazpp.analysis.event_reader import Run
 from megazpp.analysis.smoothing import ema_debiased
 
-MIB = 2.0 ** 20
+MIB = 2.0**20
 
 
 def plot_loss(comparison: Comparison, path: Path, smoothing: float) -> None:
@@ -30,20 +30,44 @@ def plot_loss(comparison: Comparison, path: Path, smoothing: float) -> None:
     for color, run in zip(_colors(len(comparison.runs)), comparison.runs):
         train = run.scalars.get(TRAIN_LOSS)
         if train is not None and len(train):
-            axes.plot(train.steps, train.values, color=color, linewidth=1.0, alpha=0.45,
-                      marker="." if len(train) <= 50 else None,
-                      label=f"{run.label} train (raw)")
+            axes.plot(
+                train.steps,
+                train.values,
+                color=color,
+                linewidth=1.0,
+                alpha=0.45,
+                marker="." if len(train) <= 50 else None,
+                label=f"{run.label} train (raw)",
+            )
             if smoothing > 0:
-                axes.plot(train.steps, ema_debiased(train.values, smoothing), color=color,
-                          linewidth=1.8, label=f"{run.label} train (smoothing {smoothing:.2g})")
+                axes.plot(
+                    train.steps,
+                    ema_debiased(train.values, smoothing),
+                    color=color,
+                    linewidth=1.8,
+                    label=f"{run.label} train (smoothing {smoothing:.2g})",
+                )
         val = run.scalars.get(VAL_LOSS)
         if val is not None and len(val):
-            axes.plot(val.steps, val.values, linestyle="none", marker="o", markersize=6,
-                      markerfacecolor="white", markeredgecolor=color, markeredgewidth=1.5,
-                      label=f"{run.label} val")
+            axes.plot(
+                val.steps,
+                val.values,
+                linestyle="none",
+                marker="o",
+                markersize=6,
+                markerfacecolor="white",
+                markeredgecolor=color,
+                markeredgewidth=1.5,
+                label=f"{run.label} val",
+            )
     if comparison.step_range and _lengths_differ(comparison):
-        axes.axvline(comparison.step_range[1], color="grey", linestyle="--", linewidth=1,
-                     label=f"end of common steps ({comparison.step_range[1]})")
+        axes.axvline(
+            comparison.step_range[1],
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label=f"end of common steps ({comparison.step_range[1]})",
+        )
     axes.set(xlabel="step", ylabel="loss", title="Training loss")
     _annotate_missing(axes, _missing(comparison, TRAIN_LOSS), TRAIN_LOSS)
     if axes.get_legend_handles_labels()[0]:
@@ -65,10 +89,22 @@ def plot_seed_bands(groups: dict[str, list[Run]], path: Path, smoothing: float =
             if len(series) != len(runs):  # a run without this tag
                 continue
             steps = sorted(set.intersection(*(set(np.asarray(s.steps).tolist()) for s in series)))
-            curves = np.stack([ema_debiased(np.asarray(s.values)[np.isin(s.steps, steps)], smooth)
-                               if smooth else np.asarray(s.values)[np.isin(s.steps, steps)] for s in series])
-            axes.plot(steps, curves.mean(axis=0), color=color, linewidth=1.8,
-                      marker="o" if tag == VAL_LOSS else None, label=f"{label} (mean of {len(runs)})")
+            curves = np.stack(
+                [
+                    ema_debiased(np.asarray(s.values)[np.isin(s.steps, steps)], smooth)
+                    if smooth
+                    else np.asarray(s.values)[np.isin(s.steps, steps)]
+                    for s in series
+                ]
+            )
+            axes.plot(
+                steps,
+                curves.mean(axis=0),
+                color=color,
+                linewidth=1.8,
+                marker="o" if tag == VAL_LOSS else None,
+                label=f"{label} (mean of {len(runs)})",
+            )
             axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.2)
     left.set(xlabel="step", ylabel="loss", title=f"Training loss (smoothing {smoothing:g}), min..max over seeds")
     right.set(xlabel="step", ylabel="loss", title="Validation loss, min..max over seeds")
@@ -85,15 +121,18 @@ def plot_throughput(comparison: Comparison, path: Path) -> None:
     figure = Figure(figsize=(9, 7), dpi=110)
     top, bottom = figure.subplots(2, 1, sharex=True)
     colors = _colors(len(comparison.runs))
-    for axes, tag, scale, ylabel in ((top, TOKENS_PER_SEC, 1.0, "tokens/s"),
-                                     (bottom, INTER_BYTES, MIB, "inter-node MiB / step")):
+    for axes, tag, scale, ylabel in (
+        (top, TOKENS_PER_SEC, 1.0, "tokens/s"),
+        (bottom, INTER_BYTES, MIB, "inter-node MiB / step"),
+    ):
         for color, run in zip(colors, comparison.runs):
             series = run.scalars.get(tag)
             if series is not None and len(series):
-                axes.plot(series.steps, series.values / scale, color=color, marker=".",
-                          linewidth=1.2, label=run.label)
-        axes.set(ylabel=ylabel, title=f"{tag} (depends on the machine's load during each run)"
-                 if tag == TOKENS_PER_SEC else tag)
+                axes.plot(series.steps, series.values / scale, color=color, marker=".", linewidth=1.2, label=run.label)
+        axes.set(
+            ylabel=ylabel,
+            title=f"{tag} (depends on the machine's load during each run)" if tag == TOKENS_PER_SEC else tag,
+        )
         axes.set_ylim(bottom=0)  # from zero, so the height ratio between runs is their speed ratio
         _annotate_missing(axes, _missing(comparison, tag), tag)
         if axes.get_legend_handles_labels()[0]:
@@ -110,20 +149,28 @@ def _colors(count: int) -> list[str]:
 
 
 def _lengths_differ(comparison: Comparison) -> bool:
-    lasts = {int(run.scalars[TRAIN_LOSS].steps[-1]) for run in comparison.runs
-             if TRAIN_LOSS in run.scalars and len(run.scalars[TRAIN_LOSS])}
+    lasts = {
+        int(run.scalars[TRAIN_LOSS].steps[-1])
+        for run in comparison.runs
+        if TRAIN_LOSS in run.scalars and len(run.scalars[TRAIN_LOSS])
+    }
     return len(lasts) > 1
 
 
 def _missing(comparison: Comparison, tag: str) -> list[str]:
-    return [run.label for run in comparison.runs
-            if tag not in run.scalars or not len(run.scalars[tag])]
+    return [run.label for run in comparison.runs if tag not in run.scalars or not len(run.scalars[tag])]
 
 
 def _annotate_missing(axes, labels: list[str], tag: str) -> None:
     if labels:
-        axes.text(0.01, 0.02, f"no {tag} logged by: {', '.join(labels)}",
-                  transform=axes.transAxes, fontsize="small", color="dimgrey")
+        axes.text(
+            0.01,
+            0.02,
+            f"no {tag} logged by: {', '.join(labels)}",
+            transform=axes.transAxes,
+            fontsize="small",
+            color="dimgrey",
+        )
 
 
 def save_png(figure: Figure, path: Path, description: str | None = None) -> None:

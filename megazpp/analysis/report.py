@@ -36,8 +36,11 @@ def render_markdown(comparison: Comparison) -> str:
     lines += [f"- **{run.label}**: `{run.directory}`" for run in comparison.runs]
     if comparison.step_range:
         first, last = comparison.step_range
-        lines += ["", f"The columns use the common training steps {first}..{last} (the steps every run "
-                      "logged), except the last two: each run's own last step and final train loss."]
+        lines += [
+            "",
+            f"The columns use the common training steps {first}..{last} (the steps every run "
+            "logged), except the last two: each run's own last step and final train loss.",
+        ]
     lines += ["", *_table(comparison.summaries, comparison.runs[0].label), "", THROUGHPUT_CAVEAT]
     if comparison.notes:
         lines += ["", "## Notes", "", *[f"- {note}" for note in comparison.notes]]
@@ -46,18 +49,37 @@ def render_markdown(comparison: Comparison) -> str:
 
 
 def _table(rows: Sequence[RunSummary], reference: str) -> list[str]:
-    header = ["run", "final step", "final train loss", "best train loss", "final val loss",
-              "best val loss", f"gap to {reference}", "tokens/s (mean)",
-              "inter-node bytes/step (mean)", "peak memory", "own last step", "own final train loss"]
+    header = [
+        "run",
+        "final step",
+        "final train loss",
+        "best train loss",
+        "final val loss",
+        "best val loss",
+        f"gap to {reference}",
+        "tokens/s (mean)",
+        "inter-node bytes/step (mean)",
+        "peak memory",
+        "own last step",
+        "own final train loss",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, row in enumerate(rows):
         gap = NA if row.gap is None else ("reference" if i == 0 else f"{row.gap:+.4f}")
-        cells = [row.label, NA if row.final_step is None else str(row.final_step),
-                 format_loss(row.final_loss), format_loss(row.best_loss),
-                 format_loss(row.final_val_loss), format_loss(row.best_val_loss), gap,
-                 NA if row.tokens_per_sec is None else f"{row.tokens_per_sec:,.1f}",
-                 format_bytes(row.inter_bytes_per_step), format_bytes(row.peak_memory_bytes),
-                 NA if row.own_last_step is None else str(row.own_last_step), format_loss(row.own_final_loss)]
+        cells = [
+            row.label,
+            NA if row.final_step is None else str(row.final_step),
+            format_loss(row.final_loss),
+            format_loss(row.best_loss),
+            format_loss(row.final_val_loss),
+            format_loss(row.best_val_loss),
+            gap,
+            NA if row.tokens_per_sec is None else f"{row.tokens_per_sec:,.1f}",
+            format_bytes(row.inter_bytes_per_step),
+            format_bytes(row.peak_memory_bytes),
+            NA if row.own_last_step is None else str(row.own_last_step),
+            format_loss(row.own_final_loss),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -78,6 +100,5 @@ def _config_differences(runs: Sequence[Run]) -> list[str]:
         return lines
     lines += ["| key | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
     for key in differing:
-        lines.append(f"| {key} | " + " | ".join(f"`{f[key]}`" if key in f else "unset"
-                                               for f in flat) + " |")
+        lines.append(f"| {key} | " + " | ".join(f"`{f[key]}`" if key in f else "unset" for f in flat) + " |")
     return lines

@@ -30,15 +30,16 @@ def ema_debiased(values: np.ndarray, weight: float) -> np.ndarray:
             continue
         mean = weight * mean + (1.0 - weight) * value
         count += 1
-        smoothed[i] = mean / (1.0 - weight ** count)
+        smoothed[i] = mean / (1.0 - weight**count)
     return smoothed
 
 
 def check_weight(weight: float) -> None:
     """Refuse a weight of 1 or more (the average would never move) or below 0."""
     if not 0.0 <= weight < 1.0:
-        raise ConfigError(f"smoothing weight {weight} is outside [0, 1) "
-                          "(0 = no smoothing, 0.9 = TensorBoard's usual setting)")
+        raise ConfigError(
+            f"smoothing weight {weight} is outside [0, 1) (0 = no smoothing, 0.9 = TensorBoard's usual setting)"
+        )
 
 
 def auto_weight(points: int) -> float:

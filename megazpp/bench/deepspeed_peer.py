@@ -41,8 +41,14 @@ from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
 
 # zero settings both engines read under the same name and meaning: the peer gets megazpp's values
-SHARED_ZERO_KEYS = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                    "stage3_max_live_parameters", "stage3_max_reuse_distance")
+SHARED_ZERO_KEYS = (
+    "overlap_comm",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+)
 
 
 def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict[str, Any]:
@@ -53,8 +59,7 @@ def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict
     """
     t = cfg.training
     if cfg.precision.bf16 or cfg.precision.fp16:
-        raise ConfigError("deepspeed_peer: the peer runs fp32 only (CPU benchmark); "
-                          "drop --bf16 / --fp16")
+        raise ConfigError("deepspeed_peer: the peer runs fp32 only (CPU benchmark); drop --bf16 / --fp16")
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -62,15 +67,18 @@ def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict
         "gradient_clipping": cfg.optimizer.clip_grad,
         "steps_per_print": 1 << 30,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "contiguous_gradients": True,
-                              **{key: getattr(cfg.zero, key) for key in SHARED_ZERO_KEYS}, **zero},
+        "zero_optimization": {
+            "stage": 3,
+            "contiguous_gradients": True,
+            **{key: getattr(cfg.zero, key) for key in SHARED_ZERO_KEYS},
+            **zero,
+        },
     }
 
 
 def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ds-zero", default="{}",
-                        help="JSON object merged into DeepSpeed's zero_optimization")
+    parser.add_argument("--ds-zero", default="{}", help="JSON object merged into DeepSpeed's zero_optimization")
     ns, rest = parser.parse_known_args(argv)
     try:
         zero = json.loads(ns.ds_zero)
@@ -89,21 +97,25 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
     rank = dist.get_rank()
     t = cfg.training
     eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
-    train_ds, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples,
-                                         eval_samples), t.seed)
+    train_ds, _, _ = build_gpt_datasets(
+        cfg.data.data_path,
+        cfg.data.split,
+        cfg.model.seq_length,
+        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples),
+        t.seed,
+    )
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
-    optimizer = build_adamw(param_groups(named_trainable(model), cfg.optimizer.weight_decay),
-                            cfg.optimizer)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config=deepspeed_config(cfg, world, zero))
-    schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters,
-                          t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+    optimizer = build_adamw(param_groups(named_trainable(model), cfg.optimizer.weight_decay), cfg.optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world, zero))
+    schedule = LRSchedule(
+        cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style
+    )
     samples = iter(PretrainingSampler(len(train_ds), 0, t.micro_batch_size, rank, world, t.seed))
     writer = None
     if rank == 0 and cfg.logging.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(cfg.logging.tensorboard_dir)
     tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     for iteration in range(1, t.train_iters + 1):
@@ -120,11 +132,17 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
         mean = torch.stack(losses).mean()
         dist.all_reduce(mean)
         elapsed = time.perf_counter() - start
-        values = {"train/loss": float(mean) / world, "perf/tokens_per_sec": tokens_per_step / elapsed,
-                  "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu")))}
+        values = {
+            "train/loss": float(mean) / world,
+            "perf/tokens_per_sec": tokens_per_step / elapsed,
+            "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu"))),
+        }
         if rank == 0:
-            print(f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | "
-                  f"tokens/s {values['perf/tokens_per_sec']:.0f}", flush=True)
+            print(
+                f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | "
+                f"tokens/s {values['perf/tokens_per_sec']:.0f}",
+                flush=True,
+            )
             if writer is not None:
                 for tag, value in values.items():
                     writer.add_scalar(tag, value, iteration)

@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 NETLAB = "tools/netlab.sh"
-NETLAB_ENV = {"NETLAB_PREFIX": os.environ.get("NETLAB_PREFIX", "mzbench"),
-              "NETLAB_SUBNET": os.environ.get("NETLAB_SUBNET", "10.78.0")}
+NETLAB_ENV = {
+    "NETLAB_PREFIX": os.environ.get("NETLAB_PREFIX", "mzbench"),
+    "NETLAB_SUBNET": os.environ.get("NETLAB_SUBNET", "10.78.0"),
+}
 LOOPBACK = "loopback"
 # Every CPU rank of every runner (megazpp and DeepSpeed alike) starts with these, as run.sh
 # starts its CPU ranks: one intra-op thread per rank (4 ranks share 2 cores), and glibc's
@@ -43,8 +45,9 @@ class Layout:
 
 def _netlab(*args: str, capture: bool = False) -> str:
     env = {**os.environ, **NETLAB_ENV}
-    done = subprocess.run(["bash", NETLAB, *args], env=env, check=True, text=True,
-                          stdout=subprocess.PIPE if capture else None)
+    done = subprocess.run(
+        ["bash", NETLAB, *args], env=env, check=True, text=True, stdout=subprocess.PIPE if capture else None
+    )
     return done.stdout if capture else ""
 
 
@@ -72,13 +75,39 @@ def master_addr(setting: str) -> str:
     return node_addr(setting, 0)
 
 
-def node_command(setting: str, node: int, layout: Layout, port: int, python: str,
-                 probe_dir: str, script: str, args: Sequence[str], env: dict[str, str]) -> list[str]:
+def node_command(
+    setting: str,
+    node: int,
+    layout: Layout,
+    port: int,
+    python: str,
+    probe_dir: str,
+    script: str,
+    args: Sequence[str],
+    env: dict[str, str],
+) -> list[str]:
     """The command that starts node `node`'s ranks (inside its namespace on netlab)."""
-    launch = [python, "-m", "torch.distributed.run", "--nnodes", str(layout.nodes),
-              "--node-rank", str(node), "--nproc-per-node", str(layout.ranks_per_node),
-              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr(setting)}:{port}",
-              "-m", "megazpp.bench.rank_probe", "--out", probe_dir, script, *args]
+    launch = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(layout.nodes),
+        "--node-rank",
+        str(node),
+        "--nproc-per-node",
+        str(layout.ranks_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{master_addr(setting)}:{port}",
+        "-m",
+        "megazpp.bench.rank_probe",
+        "--out",
+        probe_dir,
+        script,
+        *args,
+    ]
     return _on_node(setting, node, env, launch)
 
 
@@ -88,8 +117,17 @@ def replica_group_ports(nodes: int) -> int:
     return 2 + nodes
 
 
-def replica_group_command(setting: str, node: int, layout: Layout, port: int, python: str, probe_dir: str,
-                          script: str, args: Sequence[str], env: dict[str, str]) -> list[str]:
+def replica_group_command(
+    setting: str,
+    node: int,
+    layout: Layout,
+    port: int,
+    python: str,
+    probe_dir: str,
+    script: str,
+    args: Sequence[str],
+    env: dict[str, str],
+) -> list[str]:
     """The command that starts node `node` as its own replica group (torchft's layout): a
     one-node launcher over the node's ranks, rendezvous on the node's address at `port + 2 +
     node` (distinct on the loopback). Group 0's first rank starts the lighthouse at node 0's
@@ -98,11 +136,35 @@ def replica_group_command(setting: str, node: int, layout: Layout, port: int, py
     The rank probe numbers ranks over all groups (MEGAZPP_PROBE_RANK_BASE), so their files do
     not collide."""
     master = master_addr(setting)
-    launch = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(layout.ranks_per_node),
-              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{node_addr(setting, node)}:{port + 2 + node}",
-              "-m", "megazpp.bench.rank_probe", "--out", probe_dir, script,
-              "--replica-group", str(node), "--replica-groups", str(layout.nodes), "--lighthouse", f"{master}:{port}",
-              "--loss-store", f"{master}:{port + 1}", "--advertise", node_addr(setting, node), *args]
+    launch = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(layout.ranks_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{node_addr(setting, node)}:{port + 2 + node}",
+        "-m",
+        "megazpp.bench.rank_probe",
+        "--out",
+        probe_dir,
+        script,
+        "--replica-group",
+        str(node),
+        "--replica-groups",
+        str(layout.nodes),
+        "--lighthouse",
+        f"{master}:{port}",
+        "--loss-store",
+        f"{master}:{port + 1}",
+        "--advertise",
+        node_addr(setting, node),
+        *args,
+    ]
     return _on_node(setting, node, {**env, "MEGAZPP_PROBE_RANK_BASE": str(node * layout.ranks_per_node)}, launch)
 
 
@@ -121,8 +183,11 @@ def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s
     procs = []
     for cmd, log in zip(commands, log_paths):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **NETLAB_ENV}, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **NETLAB_ENV}, start_new_session=True
+                )
+            )
     deadline = time.monotonic() + timeout_s
     failure = None
     try:

@@ -54,8 +54,10 @@ def describe(kind: str, fp32: float | None, int4: float | None, loco: float | No
     if closed is None:
         return f"{kind}: {losses}; int4 is not worse than fp32, so there is no gap to close"
     verdict = "meets" if closed >= TARGET else "misses"
-    return (f"{kind}: {losses}; int4 gap {int4 - fp32:+.4f}, LoCo gap {loco - fp32:+.4f}: "
-            f"LoCo closes {100 * closed:.0f}% of the gap ({verdict} the >= {100 * TARGET:.0f}% target)")
+    return (
+        f"{kind}: {losses}; int4 gap {int4 - fp32:+.4f}, LoCo gap {loco - fp32:+.4f}: "
+        f"LoCo closes {100 * closed:.0f}% of the gap ({verdict} the >= {100 * TARGET:.0f}% target)"
+    )
 
 
 def _spread(measured: list[float | None]) -> str:
@@ -64,8 +66,7 @@ def _spread(measured: list[float | None]) -> str:
         return "n/a"
     if len(values) == 1:
         return f"{values[0]:.4f}"
-    return (f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f} "
-            f"[{min(values):.4f}, {max(values):.4f}]")
+    return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
 
 
 def _mean(measured: list[float | None]) -> float | None:
@@ -79,8 +80,10 @@ NAMES = ("fp32", "int4", "int4+LoCo")
 def _split(run_dirs: Sequence[str]) -> list[list[str]]:
     per_run = [d.split(",") for d in run_dirs]
     if len({len(dirs) for dirs in per_run}) != 1:
-        raise MegazppError(f"loco_gap: the three runs list {[len(d) for d in per_run]} seed directories; "
-                           f"expected the same seeds for fp32, int4 and int4+LoCo")
+        raise MegazppError(
+            f"loco_gap: the three runs list {[len(d) for d in per_run]} seed directories; "
+            f"expected the same seeds for fp32, int4 and int4+LoCo"
+        )
     return per_run
 
 
@@ -112,8 +115,7 @@ def report(run_dirs: Sequence[str], train_window: int | None = None) -> list[str
     kinds = [("train", "final train loss", train), ("validation", "final validation loss", val)]
     if train_window is not None:
         windowed = [[window_mean(c, i, train_window) for c in seeds] for i in range(3)]
-        kinds.append((f"last-{train_window}-steps train", f"train loss over the last {train_window} steps",
-                      windowed))
+        kinds.append((f"last-{train_window}-steps train", f"train loss over the last {train_window} steps", windowed))
     n = len(seeds)
     over = "" if n == 1 else f" (mean of {n} seeds)"
     lines = [describe(f"{title}{over}", *map(_mean, losses)) for _, title, losses in kinds]
@@ -137,8 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(run, help="run directory, or comma-separated directories (one per seed)")
     p.add_argument("--out", help="also write these lines to this Markdown file")
     p.add_argument("--plot", help="also draw each run's mean loss over seeds, with bands, to this PNG")
-    p.add_argument("--train-window", type=int, metavar="STEPS",
-                   help="also estimate the final train loss as the mean over the last STEPS steps")
+    p.add_argument(
+        "--train-window",
+        type=int,
+        metavar="STEPS",
+        help="also estimate the final train loss as the mean over the last STEPS steps",
+    )
     ns = p.parse_args(argv)
     if ns.train_window is not None and ns.train_window < 1:
         p.error(f"--train-window {ns.train_window}: expected a positive number of steps")

@@ -37,8 +37,7 @@ from megazpp.errors import MegazppError
 REFERENCE = "sync"
 TARGET_GAP = 0.05
 TARGET_RUNS = ("h10", "h25")
-ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "h1_diloco", "h10_diloco",
-         "h25_diloco")
+ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "h1_diloco", "h10_diloco", "h25_diloco")
 FINISHED = "DONE"
 
 
@@ -49,10 +48,15 @@ def describe(name: str, config: dict | None) -> str:
         return name
     if outer["algorithm"] == "none":
         return f"synchronous ZeRO-{config['zero']['stage']}" if "zero" in config else "synchronous"
-    feedback = "" if outer["quantize"] != "int4" else (" + error feedback" if outer["error_feedback"] else
-                                                       ", no error feedback")
-    return (f"H = {outer['sync_every']}, {outer['quantize']}{feedback}, outer lr {outer['lr']:g} "
-            f"momentum {outer['momentum']:g}")
+    feedback = (
+        ""
+        if outer["quantize"] != "int4"
+        else (" + error feedback" if outer["error_feedback"] else ", no error feedback")
+    )
+    return (
+        f"H = {outer['sync_every']}, {outer['quantize']}{feedback}, outer lr {outer['lr']:g} "
+        f"momentum {outer['momentum']:g}"
+    )
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,13 @@ def seed_result(run: Run, seed: int, window: int) -> SeedResult:
             raise MegazppError(f"{run.directory}: no '{tag}' scalars; expected a finished training run")
     train = run.scalars[TRAIN_LOSS]
     last = int(train.steps[-1])
-    return SeedResult(seed, float(train.values[-1]), float(train.within(last - window + 1, last).values.mean()),
-                      float(run.scalars[VAL_LOSS].values[-1]), float(np.mean(run.scalars[INTER_BYTES].values)))
+    return SeedResult(
+        seed,
+        float(train.values[-1]),
+        float(train.within(last - window + 1, last).values.mean()),
+        float(run.scalars[VAL_LOSS].values[-1]),
+        float(np.mean(run.scalars[INTER_BYTES].values)),
+    )
 
 
 def finished_runs(out: Path) -> dict[str, dict[int, Path]]:
@@ -82,8 +91,10 @@ def finished_runs(out: Path) -> dict[str, dict[int, Path]]:
         if seed:
             found.setdefault(marker.parent.name, {})[int(seed.group(1))] = marker.parent
     if REFERENCE not in found:
-        raise MegazppError(f"{out}: no finished '{REFERENCE}' run (seed*/{REFERENCE}/{FINISHED}); "
-                           f"expected tools/run_outer_experiment.sh's output directory")
+        raise MegazppError(
+            f"{out}: no finished '{REFERENCE}' run (seed*/{REFERENCE}/{FINISHED}); "
+            f"expected tools/run_outer_experiment.sh's output directory"
+        )
     rank = {name: i for i, name in enumerate(ORDER)}
     return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(ORDER)), item[0])))
 
@@ -101,23 +112,29 @@ def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult
     results = {name: [seed_result(run, s, window) for s, run in seeds.items()] for name, seeds in read.items()}
     names = {name: describe(name, next(iter(seeds.values())).config) for name, seeds in read.items()}
     reference = {r.seed: r for r in results[REFERENCE]}
-    lines = [f"| run | seeds | final train loss | train loss, last {window} steps | final val loss | "
-             f"val gap to {REFERENCE} (same seeds) | inter-node MB per step, rank 0 |",
-             "|---|---|---|---|---|---|---:|"]
+    lines = [
+        f"| run | seeds | final train loss | train loss, last {window} steps | final val loss | "
+        f"val gap to {REFERENCE} (same seeds) | inter-node MB per step, rank 0 |",
+        "|---|---|---|---|---|---|---:|",
+    ]
     verdicts = []
     for name, rows in results.items():
         paired = [r.final_val - reference[r.seed].final_val for r in rows if r.seed in reference]
         gap = "reference" if name == REFERENCE else (f"{statistics.mean(paired):+.4f}" if paired else "n/a")
-        lines.append(f"| {names[name]} | {','.join(str(r.seed) for r in rows)} | "
-                     f"{_spread([r.final_train for r in rows])} | {_spread([r.window_train for r in rows])} | "
-                     f"{_spread([r.final_val for r in rows])} | {gap} | "
-                     f"{statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6:.3f} |")
+        lines.append(
+            f"| {names[name]} | {','.join(str(r.seed) for r in rows)} | "
+            f"{_spread([r.final_train for r in rows])} | {_spread([r.window_train for r in rows])} | "
+            f"{_spread([r.final_val for r in rows])} | {gap} | "
+            f"{statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6:.3f} |"
+        )
         if name in TARGET_RUNS and paired:
             mean_gap = statistics.mean(paired)
             verdict = "meets" if mean_gap <= TARGET_GAP else "misses"
-            verdicts.append(f"{names[name]}: mean val gap {mean_gap:+.4f} over seeds "
-                            f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
-                            f"<= {TARGET_GAP} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})")
+            verdicts.append(
+                f"{names[name]}: mean val gap {mean_gap:+.4f} over seeds "
+                f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
+                f"<= {TARGET_GAP} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})"
+            )
     return lines + [""] + verdicts, {names[name]: rows for name, rows in results.items()}
 
 
@@ -129,11 +146,20 @@ def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) ->
         x = statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6
         values = [r.final_val for r in rows]
         mean = statistics.mean(values)
-        axes.errorbar([x], [mean], yerr=[[mean - min(values)], [max(values) - mean]], fmt="o", capsize=4,
-                      label=f"{name} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
+        axes.errorbar(
+            [x],
+            [mean],
+            yerr=[[mean - min(values)], [max(values) - mean]],
+            fmt="o",
+            capsize=4,
+            label=f"{name} ({len(rows)} seed{'s' if len(rows) > 1 else ''})",
+        )
     axes.set_xscale("log")
-    axes.set(xlabel="inter-node MB per step (rank 0, counted)", ylabel="final validation loss",
-             title="Two-level training: quality against inter-node traffic (equal tokens)")
+    axes.set(
+        xlabel="inter-node MB per step (rank 0, counted)",
+        ylabel="final validation loss",
+        title="Two-level training: quality against inter-node traffic (equal tokens)",
+    )
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
@@ -143,8 +169,13 @@ def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) ->
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("directory", help="tools/run_outer_experiment.sh's output directory (runs/outer)")
-    p.add_argument("--train-window", type=int, default=100, metavar="STEPS",
-                   help="steps of the windowed final training loss (default 100)")
+    p.add_argument(
+        "--train-window",
+        type=int,
+        default=100,
+        metavar="STEPS",
+        help="steps of the windowed final training loss (default 100)",
+    )
     p.add_argument("--out", help="also write the table to this Markdown file")
     p.add_argument("--plot", help="also draw loss against bytes to this PNG, and the curves beside it (_curves.png)")
     ns = p.parse_args(argv)
@@ -156,8 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_loss_against_bytes(results, Path(ns.plot))
             runs = finished_runs(Path(ns.directory))
             curves = Path(ns.plot).with_name(Path(ns.plot).stem + "_curves.png")
-            plot_seed_bands({name: [read_run(d, name) for d in seeds.values()]
-                             for name, seeds in zip(results, runs.values())}, curves)
+            plot_seed_bands(
+                {name: [read_run(d, name) for d in seeds.values()] for name, seeds in zip(results, runs.values())},
+                curves,
+            )
     except MegazppError as exc:
         print(f"outer_sweep: error: {exc}", file=sys.stderr)
         return 2

@@ -28,11 +28,19 @@ def verdict(rows: Sequence[Row], pick: str, base: str = "zero3") -> str:
     (at least 1.5x the tokens/s at no more than 1.25x the peak memory)."""
     by_name = {r.config: r for r in rows}
     mine, theirs = by_name.get(pick), by_name.get(base)
-    if (mine is None or theirs is None or mine.tokens_per_s is None or theirs.tokens_per_s is None
-            or mine.peak_rss_bytes is None or theirs.peak_rss_bytes is None):
+    if (
+        mine is None
+        or theirs is None
+        or mine.tokens_per_s is None
+        or theirs.tokens_per_s is None
+        or mine.peak_rss_bytes is None
+        or theirs.peak_rss_bytes is None
+    ):
         return f"verdict: {pick} against {base}: not measured (both must have run)"
     speed = mine.tokens_per_s / theirs.tokens_per_s
     memory = mine.peak_rss_bytes / theirs.peak_rss_bytes
     met = speed >= TARGET_SPEEDUP and memory <= MEMORY_SLACK
-    return (f"verdict: {pick} {speed:.2f}x {base}'s tokens/s at {memory:.2f}x its peak RSS: target "
-            f"(>= {TARGET_SPEEDUP}x at <= {MEMORY_SLACK}x) {'met' if met else 'NOT met'}")
+    return (
+        f"verdict: {pick} {speed:.2f}x {base}'s tokens/s at {memory:.2f}x its peak RSS: target "
+        f"(>= {TARGET_SPEEDUP}x at <= {MEMORY_SLACK}x) {'met' if met else 'NOT met'}"
+    )

@@ -39,8 +39,12 @@ def plot_settings(out_dir: str | Path, png: str | Path) -> Path:
         by_name = {r["config"]: r for r in rows}
         ys = [j + i * height for j in range(len(configs))]
         speed.barh(ys, [(by_name.get(c) or {}).get("tokens_per_s") or 0 for c in configs], height, label=setting)
-        traffic.barh(ys, [((by_name.get(c) or {}).get("counted_inter_bytes_per_step") or 0) / 1e6 for c in configs],
-                     height, label=setting)
+        traffic.barh(
+            ys,
+            [((by_name.get(c) or {}).get("counted_inter_bytes_per_step") or 0) / 1e6 for c in configs],
+            height,
+            label=setting,
+        )
     speed.set_yticks([j + 0.4 - height / 2 for j in range(len(configs))], configs)
     speed.invert_yaxis()
     speed.set_xlabel("tokens/s (higher is better)")

@@ -35,11 +35,33 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from megazpp.parallel.counter import write_json_atomic
 
 COUNTED_FUNCTIONS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
-    "all_gather_coalesced", "all_reduce_coalesced", "_broadcast_coalesced", "reduce_scatter", "reduce_scatter_tensor",
-    "reduce_scatter_single", "_reduce_scatter_base", "all_to_all",
-    "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "_broadcast_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 
 
 class CallCounter:
@@ -60,6 +82,7 @@ class CallCounter:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
+
         return functools.wraps(fn)(counted)
 
     def install(self) -> None:
@@ -112,10 +135,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise
     finally:
         os.makedirs(ns.out, exist_ok=True)
-        write_json_atomic(probe_path(ns.out, rank), {
-            "rank": rank,
-            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-            "exit": status, "calls_at_steps": calls.at_steps})
+        write_json_atomic(
+            probe_path(ns.out, rank),
+            {
+                "rank": rank,
+                "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+                "exit": status,
+                "calls_at_steps": calls.at_steps,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,7 @@ class Row:
     wall_s: float | None = None
 
 
-def step_time(tokens_per_sec: Sequence[float], tokens_per_step: int, warmup: int = 1,
-              amortised: bool = False) -> float:
+def step_time(tokens_per_sec: Sequence[float], tokens_per_step: int, warmup: int = 1, amortised: bool = False) -> float:
     """The median step after `warmup`; with `amortised` (two-level rows, whose outer syncs fall
     on one step in H) the mean, so the syncs' time is spread over the steps as their bytes are."""
     times = [tokens_per_step / v for v in tokens_per_sec if v > 0 and math.isfinite(v)]
@@ -88,9 +87,20 @@ def _read_json_files(pattern: str) -> list[dict[str, Any]]:
     return found
 
 
-def collect_row(name: str, runner: str, run_dir: str, *, steps: int, tokens_per_step: int,
-                world_size: int, wire_bytes: int | None, wall_s: float,
-                failure: str | None = None, warmup: int = 1, amortised: bool = False) -> Row:
+def collect_row(
+    name: str,
+    runner: str,
+    run_dir: str,
+    *,
+    steps: int,
+    tokens_per_step: int,
+    world_size: int,
+    wire_bytes: int | None,
+    wall_s: float,
+    failure: str | None = None,
+    warmup: int = 1,
+    amortised: bool = False,
+) -> Row:
     """The row of one finished (or failed) run whose files are under `run_dir`."""
     row = Row(name, runner, "ok" if failure is None else f"failed: {failure}", steps, wall_s=wall_s)
     if failure is not None:
@@ -129,21 +139,30 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 def render_markdown(setting: str, rows: Sequence[Row], command: str) -> str:
     """The table of one link setting; speed-up is tokens/s over this setting's zero3 row."""
     ref = next((r.tokens_per_s for r in rows if r.config == REFERENCE and r.tokens_per_s), None)
-    lines = [f"## {setting}", "", f"Command: `{command}`", "",
-             "| config | runner | step time (s) | tokens/s | vs zero3 | inter-node MB/step counted "
-             "| inter-node MB/step on the wire | wire / counted | calls/step (max rank) "
-             "| peak RSS MiB per rank | final loss | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {setting}",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| config | runner | step time (s) | tokens/s | vs zero3 | inter-node MB/step counted "
+        "| inter-node MB/step on the wire | wire / counted | calls/step (max rank) "
+        "| peak RSS MiB per rank | final loss | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         speedup = r.tokens_per_s / ref if ref and r.tokens_per_s else None
-        ratio = (r.wire_inter_bytes_per_step / r.counted_inter_bytes_per_step
-                 if r.wire_inter_bytes_per_step and r.counted_inter_bytes_per_step else None)
+        ratio = (
+            r.wire_inter_bytes_per_step / r.counted_inter_bytes_per_step
+            if r.wire_inter_bytes_per_step and r.counted_inter_bytes_per_step
+            else None
+        )
         lines.append(
             f"| {r.config} | {r.runner} | {fmt(r.step_time_s, digits=3)} | {fmt(r.tokens_per_s, digits=0)} "
             f"| {fmt(speedup)} | {fmt(r.counted_inter_bytes_per_step, 1e6)} "
             f"| {fmt(r.wire_inter_bytes_per_step, 1e6)} | {fmt(ratio)} "
             f"| {fmt(r.calls_per_step, digits=0)} | {_per_rank_mib(r)} | {fmt(r.final_loss, digits=4)} "
-            f"| {r.status.replace('|', '/')} |")
+            f"| {r.status.replace('|', '/')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

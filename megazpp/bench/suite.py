@@ -52,7 +52,11 @@ def all_configs(ranks_per_node: int) -> list[BenchConfig]:
     """Every configuration, in table order. hpZ's secondary group is one node's DP ranks."""
     hpz = str(ranks_per_node)
     zero3 = ("--zero-stage", "3")
-    qwz, hpz_flags, qgz = ("--zero-quantized-weights",), ("--zero-hpz-partition-size", hpz), ("--zero-quantized-gradients",)
+    qwz, hpz_flags, qgz = (
+        ("--zero-quantized-weights",),
+        ("--zero-hpz-partition-size", hpz),
+        ("--zero-quantized-gradients",),
+    )
     configs = [
         BenchConfig("zero3", MEGAZPP, zero3),
         BenchConfig("zero3+qwz", MEGAZPP, zero3 + qwz),
@@ -85,18 +89,24 @@ def two_level_configs() -> list[BenchConfig]:
     (megazpp/outer/settings.py, docs/flags.md); these rows change the optimisation, so their
     losses are not the synchronous rows'."""
     base = ("--zero-stage", "3", "--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
-    return [BenchConfig("diloco-h20-bf16", MEGAZPP, base + ("--outer-quantize", "bf16")),
-            BenchConfig("diloco-h20-int4", MEGAZPP, base + ("--outer-quantize", "int4")),
-            BenchConfig("diloco-h20-bf16-stream", MEGAZPP,
-                        base + ("--outer-quantize", "bf16", "--outer-fragments", "4", "--outer-overlap-steps", "1"))]
+    return [
+        BenchConfig("diloco-h20-bf16", MEGAZPP, base + ("--outer-quantize", "bf16")),
+        BenchConfig("diloco-h20-int4", MEGAZPP, base + ("--outer-quantize", "int4")),
+        BenchConfig(
+            "diloco-h20-bf16-stream",
+            MEGAZPP,
+            base + ("--outer-quantize", "bf16", "--outer-fragments", "4", "--outer-overlap-steps", "1"),
+        ),
+    ]
 
 
 def torchft_config() -> BenchConfig:
     """torchft's DiLoCo beside the two-level rows: one replica group per node (FSDP2 inside),
     H = 20, DiLoCo's outer lr 0.7 and momentum 0.9 (the outer section's defaults), fp32 outer
     gradients (torchft's only wire format on CPU)."""
-    return BenchConfig("torchft-diloco-h20", TORCHFT,
-                       ("--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY)))
+    return BenchConfig(
+        "torchft-diloco-h20", TORCHFT, ("--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
+    )
 
 
 def steps_fit(c: BenchConfig, steps: int, warmup: int) -> bool:
@@ -113,10 +123,12 @@ def check_steps(configs: Sequence[BenchConfig], steps: int, warmup: int) -> None
     for c in configs:
         h = c.sync_every
         if h is not None and not steps_fit(c, steps, warmup):  # a synchronous row always fits
-            raise ConfigError(f"--steps {steps} --warmup {warmup}: {c.name} syncs every {h} inner steps; give "
-                              f"--steps and --steps minus --warmup as multiples of {h} (e.g. --steps {2 * h} "
-                              f"--warmup {h}) so the per-step numbers include its outer syncs, or leave it out "
-                              f"with --only")
+            raise ConfigError(
+                f"--steps {steps} --warmup {warmup}: {c.name} syncs every {h} inner steps; give "
+                f"--steps and --steps minus --warmup as multiples of {h} (e.g. --steps {2 * h} "
+                f"--warmup {h}) so the per-step numbers include its outer syncs, or leave it out "
+                f"with --only"
+            )
 
 
 def select(configs: Sequence[BenchConfig], names: Sequence[str] | None) -> list[BenchConfig]:
@@ -126,7 +138,9 @@ def select(configs: Sequence[BenchConfig], names: Sequence[str] | None) -> list[
     known = {c.name for c in configs}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"--only: unknown configuration(s) {', '.join(unknown)}; expected names "
-                          f"from: {', '.join(c.name for c in configs)}")
+        raise ConfigError(
+            f"--only: unknown configuration(s) {', '.join(unknown)}; expected names "
+            f"from: {', '.join(c.name for c in configs)}"
+        )
     wanted = set(names)
     return [c for c in configs if c.name in wanted]

@@ -59,14 +59,21 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replica-group", type=int, required=True, help="this launcher's group (its node)")
     parser.add_argument("--replica-groups", type=int, required=True, help="groups in all (nodes)")
-    parser.add_argument("--lighthouse", required=True,
-                        help="HOST:PORT of the lighthouse, which group 0's first rank starts")
-    parser.add_argument("--loss-store", required=True,
-                        help="HOST:PORT of the store (hosted by group 0's first rank) of the process group "
-                             "over all ranks that averages the logged loss")
-    parser.add_argument("--advertise", required=True,
-                        help="this node's address as the other groups reach it (its rendezvous store, "
-                             "where torchft forms the outer process group)")
+    parser.add_argument(
+        "--lighthouse", required=True, help="HOST:PORT of the lighthouse, which group 0's first rank starts"
+    )
+    parser.add_argument(
+        "--loss-store",
+        required=True,
+        help="HOST:PORT of the store (hosted by group 0's first rank) of the process group "
+        "over all ranks that averages the logged loss",
+    )
+    parser.add_argument(
+        "--advertise",
+        required=True,
+        help="this node's address as the other groups reach it (its rendezvous store, "
+        "where torchft forms the outer process group)",
+    )
     ns, rest = parser.parse_known_args(argv)
     if ns.replica_groups < 2:
         raise ConfigError(f"--replica-groups {ns.replica_groups}: DiLoCo needs at least 2 replica groups")
@@ -84,18 +91,26 @@ def check_config(cfg: Config, world: int, ranks_per_group: int) -> OuterOptions:
     if cfg.precision.bf16 or cfg.precision.fp16:
         raise ConfigError("torchft_peer: the peer runs fp32 only (CPU benchmark); drop --bf16 / --fp16")
     if cfg.tp > 1 or cfg.pp > 1 or cfg.model.lora_rank:
-        raise ConfigError("torchft_peer: tensor/pipeline parallelism and LoRA are not part of torchft's DiLoCo "
-                          "over FSDP replica groups; run it with TP = PP = 1 and full training")
+        raise ConfigError(
+            "torchft_peer: tensor/pipeline parallelism and LoRA are not part of torchft's DiLoCo "
+            "over FSDP replica groups; run it with TP = PP = 1 and full training"
+        )
     options = resolve_outer(cfg, world, ranks_per_group)
     if options is None:
-        raise ConfigError("torchft_peer: outer.algorithm is none; the peer runs DiLoCo "
-                          "(--outer-algorithm diloco --outer-sync-every H)")
+        raise ConfigError(
+            "torchft_peer: outer.algorithm is none; the peer runs DiLoCo "
+            "(--outer-algorithm diloco --outer-sync-every H)"
+        )
     if options.quantize != "none":
-        raise ConfigError(f"outer.quantize = {options.quantize!r}: torchft's outer all-reduce on CPU moves fp32 "
-                          f"(its quantized path is a Triton kernel, torchft/manager.py:458); use none")
+        raise ConfigError(
+            f"outer.quantize = {options.quantize!r}: torchft's outer all-reduce on CPU moves fp32 "
+            f"(its quantized path is a Triton kernel, torchft/manager.py:458); use none"
+        )
     if options.fragments != 1 or options.overlap_steps or options.island_nodes != 1:
-        raise ConfigError("torchft_peer: outer.fragments, outer.overlap_steps and outer.island_nodes are not "
-                          "mapped onto torchft's replica groups; the peer runs plain DiLoCo, one group per node")
+        raise ConfigError(
+            "torchft_peer: outer.fragments, outer.overlap_steps and outer.island_nodes are not "
+            "mapped onto torchft's replica groups; the peer runs plain DiLoCo, one group per node"
+        )
     return options
 
 
@@ -126,8 +141,10 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
     except ImportError as exc:
-        raise ConfigError(f"torchft_peer: {sys.executable} cannot import torchft ({exc}): install the extra "
-                          f"(pip install -e '.[torchft]') or give bench_netlab.py --torchft-python") from None
+        raise ConfigError(
+            f"torchft_peer: {sys.executable} cannot import torchft ({exc}): install the extra "
+            f"(pip install -e '.[torchft]') or give bench_netlab.py --torchft-python"
+        ) from None
 
     dist.init_process_group("gloo")
     local_rank, per_group = dist.get_rank(), dist.get_world_size()
@@ -139,8 +156,13 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
     losses_pg = loss_group(ns.loss_store, rank, world)
     t = cfg.training
     eval_samples = t.eval_iters * t.global_batch_size
-    train_ds, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                        (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seed)
+    train_ds, _, _ = build_gpt_datasets(
+        cfg.data.data_path,
+        cfg.data.split,
+        cfg.model.seq_length,
+        (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
+        t.seed,
+    )
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
     shard(model)
@@ -148,22 +170,44 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
     outer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=options.momentum, nesterov=True)
     # every group starts from the same seeded weights, so no start-up sync (init_sync=False);
     # min_replica_size = all groups: every outer step averages all of them, as megazpp's does
-    manager = Manager(pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=None, state_dict=None,
-                      min_replica_size=ns.replica_groups, use_async_quorum=False, replica_id=f"group{ns.replica_group}",
-                      lighthouse_addr=f"http://{host}:{port}", store_addr=ns.advertise, hostname=ns.advertise,
-                      store_port=int(os.environ["MASTER_PORT"]), rank=local_rank, world_size=per_group,
-                      init_sync=False, timeout=TIMEOUT, quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT)
-    schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters,
-                          t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=ns.replica_groups,
+        use_async_quorum=False,
+        replica_id=f"group{ns.replica_group}",
+        lighthouse_addr=f"http://{host}:{port}",
+        store_addr=ns.advertise,
+        hostname=ns.advertise,
+        store_port=int(os.environ["MASTER_PORT"]),
+        rank=local_rank,
+        world_size=per_group,
+        init_sync=False,
+        timeout=TIMEOUT,
+        quorum_timeout=TIMEOUT,
+        connect_timeout=TIMEOUT,
+    )
+    schedule = LRSchedule(
+        cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style
+    )
     samples = iter(PretrainingSampler(len(train_ds), 0, t.micro_batch_size, rank, world, t.seed))
     writer = None
     if rank == 0 and cfg.logging.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(cfg.logging.tensorboard_dir)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     micro_batches = cfg.num_micro_batches(world)
-    with DiLoCo(manager, [model], inner, outer, sync_every=options.sync_every,
-                backup_device=torch.device("cpu"), pin_memory=False):
+    with DiLoCo(
+        manager,
+        [model],
+        inner,
+        outer,
+        sync_every=options.sync_every,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+    ):
         for iteration in range(1, t.train_iters + 1):
             start = time.perf_counter()
             set_lr(inner, schedule.lr)
@@ -181,11 +225,17 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
             mean = torch.stack(losses).mean()
             losses_pg.allreduce([mean]).wait()
             elapsed = time.perf_counter() - start
-            values = {"train/loss": float(mean) / world, "perf/tokens_per_sec": tokens_per_step / elapsed,
-                      "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu")))}
+            values = {
+                "train/loss": float(mean) / world,
+                "perf/tokens_per_sec": tokens_per_step / elapsed,
+                "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu"))),
+            }
             if rank == 0:
-                print(f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | tokens/s "
-                      f"{values['perf/tokens_per_sec']:.0f} | outer steps {manager.current_step()}", flush=True)
+                print(
+                    f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | tokens/s "
+                    f"{values['perf/tokens_per_sec']:.0f} | outer steps {manager.current_step()}",
+                    flush=True,
+                )
                 if writer is not None:
                     for tag, value in values.items():
                         writer.add_scalar(tag, value, iteration)
@@ -194,8 +244,10 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
         writer.close()
     expected = t.train_iters // options.sync_every
     if manager.current_step() != expected:
-        raise RuntimeError(f"torchft committed {manager.current_step()} outer steps of {expected}: a quorum or "
-                           f"all-reduce failed and torchft discarded the step (see the log above)")
+        raise RuntimeError(
+            f"torchft committed {manager.current_step()} outer steps of {expected}: a quorum or "
+            f"all-reduce failed and torchft discarded the step (see the log above)"
+        )
     manager.shutdown(wait=False)
     losses_pg.barrier().wait()  # no group's store (the loss group's, its launcher's) goes while another uses it
     dist.destroy_process_group()

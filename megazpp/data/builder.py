@@ -37,8 +37,10 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     if all(number(s) is None for s in items):
         return [(1.0 / len(items), p) for p in items]
     if len(items) % 2 or any(number(w) is None for w in items[::2]) or any(number(p) is not None for p in items[1::2]):
-        raise DataError(f"data path {items} does not match the 'weight prefix weight prefix ...' form: "
-                        f"every prefix needs exactly one weight before it")
+        raise DataError(
+            f"data path {items} does not match the 'weight prefix weight prefix ...' form: "
+            f"every prefix needs exactly one weight before it"
+        )
     weights = [w for w in map(number, items[::2]) if w is not None]  # every one is a number (checked above)
     if any(not math.isfinite(w) or w <= 0 for w in weights):
         raise DataError(f"data path weights must be positive, got {weights} for prefixes {items[1::2]}")
@@ -58,8 +60,10 @@ def parse_split(split: str, where: str = "split") -> list[float]:
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise ConfigError(f"{where} = {split!r}: expected finite non-negative weights like '969,30,1'")
     if sum(values) <= 0:
-        raise ConfigError(f"{where} = {split!r}: the weights sum to zero, so no document would go to "
-                          "any split; give at least one a positive weight (the train one, e.g. '98,2,0')")
+        raise ConfigError(
+            f"{where} = {split!r}: the weights sum to zero, so no document would go to "
+            "any split; give at least one a positive weight (the train one, e.g. '98,2,0')"
+        )
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
 
@@ -71,9 +75,15 @@ def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[i
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, num_samples: Sequence[int],
-                       seed: int, cache_dir: str | os.PathLike | None = None,
-                       vocab_size: int | None = None):
+def build_gpt_datasets(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    num_samples: Sequence[int],
+    seed: int,
+    cache_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+):
     """(train, valid, test); a valid or test split with no documents or no requested samples is
     None.
 
@@ -106,22 +116,27 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, nu
         parts = []
         for j, i in enumerate(members):
             need = int(np.count_nonzero(dataset_index == j))
-            parts.append(GPTDataset(indexed[i], ranges[i][s], need, seq_length, seed + i, name, cache_dir)
-                         if need else None)
+            parts.append(
+                GPTDataset(indexed[i], ranges[i][s], need, seq_length, seed + i, name, cache_dir) if need else None
+            )
         out.append(BlendedDataset(parts, dataset_index, sample_index))
     return tuple(out)
 
 
 def _check_dataset(ds: IndexedDataset, vocab_size: int | None) -> None:
     if ds.num_documents == 0:
-        raise DataError(f"dataset {ds.prefix!r} holds no documents ({ds.idx_path}): nothing to train "
-                        "on; remove it from --data-path or preprocess it again")
+        raise DataError(
+            f"dataset {ds.prefix!r} holds no documents ({ds.idx_path}): nothing to train "
+            "on; remove it from --data-path or preprocess it again"
+        )
     if vocab_size is not None:
         top = ds.max_token_id()
         if top >= vocab_size:
-            raise DataError(f"dataset {ds.prefix!r} holds token id {top}, but the model's vocabulary has "
-                            f"{vocab_size} entries (ids 0..{vocab_size - 1}): was it tokenized with another, "
-                            "larger tokenizer than --tokenizer-model?")
+            raise DataError(
+                f"dataset {ds.prefix!r} holds token id {top}, but the model's vocabulary has "
+                f"{vocab_size} entries (ids 0..{vocab_size - 1}): was it tokenized with another, "
+                "larger tokenizer than --tokenizer-model?"
+            )
 
 
 def _report_missing(name: str, split: str, missing: Sequence[IndexedDataset]) -> None:
@@ -130,6 +145,7 @@ def _report_missing(name: str, split: str, missing: Sequence[IndexedDataset]) ->
     listing = ", ".join(f"{ds.prefix!r} ({ds.num_documents} documents)" for ds in missing)
     message = f"--split {split!r} leaves the {name} split no documents of {listing}"
     if name == "train":
-        raise DataError(f"{message}: it would train without them; give a split with a larger "
-                        "training share or more documents")
+        raise DataError(
+            f"{message}: it would train without them; give a split with a larger training share or more documents"
+        )
     warnings.warn(f"{message}: {name} losses are computed without them", stacklevel=3)

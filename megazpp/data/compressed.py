@@ -37,7 +37,8 @@ def open_binary(path: Path) -> BinaryIO:
         return cast(BinaryIO, gzip.open(path, "rb"))  # a GzipFile reads like any binary file
     if path.name.endswith(".zst"):
         reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
-            open(path, "rb"), read_across_frames=True, closefd=True)
+            open(path, "rb"), read_across_frames=True, closefd=True
+        )
         return io.BufferedReader(reader, buffer_size=READ_BUFFER_BYTES)
     return open(path, "rb")
 

@@ -29,14 +29,24 @@ _INDEX_FORMAT = 1  # bump when the index construction changes: old caches then s
 class GPTDataset:
     """`ds[i]` -> int64 array of `seq_length + 1` tokens; `len(ds) == num_samples`."""
 
-    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int,
-                 seq_length: int, seed: int, name: str = "train", cache_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        document_range: tuple[int, int],
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        name: str = "train",
+        cache_dir: str | os.PathLike | None = None,
+    ):
         if seq_length < 1 or num_samples < 1:
             raise DataError(f"{indexed.prefix}: seq_length ({seq_length}) and num_samples ({num_samples}) must be >= 1")
         first, last = document_range
         if not 0 <= first < last <= indexed.num_documents:
-            raise DataError(f"{indexed.prefix}: document range [{first}, {last}) is empty or outside "
-                            f"the {indexed.num_documents} documents")
+            raise DataError(
+                f"{indexed.prefix}: document range [{first}, {last}) is empty or outside "
+                f"the {indexed.num_documents} documents"
+            )
         self.indexed, self.seq_length, self.num_samples, self.name = indexed, seq_length, num_samples, name
         docs = indexed.document_indices
         # Every sequence of the documents in range; with GPT preprocessing, one per document.
@@ -44,8 +54,14 @@ class GPTDataset:
         lengths = indexed.sequence_lengths[self.sequence_ids]
         if int(lengths.sum()) == 0:
             raise DataError(f"{indexed.prefix}: documents [{first}, {last}) hold no tokens")
-        description = {"format": _INDEX_FORMAT, "range": [first, last], "num_samples": num_samples,
-                       "seq_length": seq_length, "seed": seed, "name": name}
+        description = {
+            "format": _INDEX_FORMAT,
+            "range": [first, last],
+            "num_samples": num_samples,
+            "seq_length": seq_length,
+            "seed": seed,
+            "name": name,
+        }
         key = cache_key(description, lengths)
         base = Path(cache_dir) / Path(indexed.prefix).name if cache_dir else Path(indexed.prefix)
         paths = {kind: Path(f"{base}_{name}_{key}_{kind}_index.npy") for kind in ("document", "sample", "shuffle")}
@@ -69,9 +85,10 @@ class GPTDataset:
         offset = starts - (ends[position] - stream_lengths[position])
         sample_index = np.stack([position, offset], axis=1)
         in_full_epochs = ((epochs - 1) * tokens_per_epoch - 1) // seq if epochs > 1 else 0
-        shuffle_index = np.concatenate([rng.permutation(in_full_epochs),
-                                        in_full_epochs + rng.permutation(total - in_full_epochs)])
-        return {"document": document_index, "sample": sample_index, "shuffle": shuffle_index[:self.num_samples]}
+        shuffle_index = np.concatenate(
+            [rng.permutation(in_full_epochs), in_full_epochs + rng.permutation(total - in_full_epochs)]
+        )
+        return {"document": document_index, "sample": sample_index, "shuffle": shuffle_index[: self.num_samples]}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -84,8 +101,8 @@ class GPTDataset:
         out = np.empty(needed, dtype=np.int64)
         filled = 0
         while filled < needed:
-            tokens = self.indexed.get(int(self.document_index[position]), offset)[:needed - filled]
-            out[filled:filled + len(tokens)] = tokens
+            tokens = self.indexed.get(int(self.document_index[position]), offset)[: needed - filled]
+            out[filled : filled + len(tokens)] = tokens
             filled += len(tokens)
             position, offset = position + 1, 0
         return out

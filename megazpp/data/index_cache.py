@@ -39,7 +39,9 @@ def save_atomic(path: Path, array: np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_or_build(paths: dict[str, Path], build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+def load_or_build(
+    paths: dict[str, Path], build: Callable[[], dict[str, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], bool]:
     """The arrays named in `paths`, loaded memory-mapped if all files exist, else built and saved.
 
     Returns (arrays, built). A cache directory that cannot be written (a read-only dataset)
@@ -70,7 +72,9 @@ def _say_uncached(directory: Path, error: OSError) -> None:
     if directory in _told:
         return
     _told.add(directory)
-    log.info("data: cannot write the dataset's index caches in %s (%s): its indices (sample order, "
-             "largest token id) are rebuilt at every start instead of loaded; training is unaffected",
-             directory,
-             error.strerror or error)
+    log.info(
+        "data: cannot write the dataset's index caches in %s (%s): its indices (sample order, "
+        "largest token id) are rebuilt at every start instead of loaded; training is unaffected",
+        directory,
+        error.strerror or error,
+    )

@@ -33,7 +33,14 @@ from megazpp.errors import DataError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[int, type] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
@@ -67,8 +74,10 @@ class IndexedDataset:
         bin_size = self.bin_path.stat().st_size
         expected = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         if bin_size != expected:
-            raise DataError(f"{self.bin_path}: {bin_size} bytes, but {self.idx_path} describes "
-                            f"{expected} bytes of {self.dtype.name} tokens (truncated or mismatched pair)")
+            raise DataError(
+                f"{self.bin_path}: {bin_size} bytes, but {self.idx_path} describes "
+                f"{expected} bytes of {self.dtype.name} tokens (truncated or mismatched pair)"
+            )
         self._data = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
 
     def _parse_index(self) -> None:
@@ -76,7 +85,7 @@ class IndexedDataset:
         size = 0 if idx is None else len(idx)
         if idx is None or size < _HEADER.size:
             raise DataError(f"{name}: {size} bytes is shorter than the {_HEADER.size}-byte index header (truncated)")
-        magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[:_HEADER.size]))
+        magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[: _HEADER.size]))
         if magic != MAGIC:
             raise DataError(f"{name}: not a Megatron indexed-dataset index (magic {magic!r}, expected {MAGIC!r})")
         if version != VERSION:
@@ -86,8 +95,10 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _HEADER.size + 4 * n_seq + 8 * n_seq + 8 * n_doc
         if size < expected:
-            raise DataError(f"{name}: {size} bytes, but its header announces {n_seq} sequences and {n_doc} "
-                            f"document-index entries needing {expected} bytes (truncated)")
+            raise DataError(
+                f"{name}: {size} bytes, but its header announces {n_seq} sequences and {n_doc} "
+                f"document-index entries needing {expected} bytes (truncated)"
+            )
         offset = _HEADER.size
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=offset)
         offset += 4 * n_seq
@@ -97,18 +108,27 @@ class IndexedDataset:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        name, lengths, pointers, docs = self.idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices
+        name, lengths, pointers, docs = (
+            self.idx_path,
+            self.sequence_lengths,
+            self.sequence_pointers,
+            self.document_indices,
+        )
         if len(lengths) and lengths.min() < 0:
             raise DataError(f"{name}: negative sequence length at sequence {int(np.argmin(lengths))}")
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=starts[1:])
         bad = np.flatnonzero(pointers != starts * self.dtype.itemsize)
         if len(bad):
-            raise DataError(f"{name}: sequence {int(bad[0])} starts at byte {int(pointers[bad[0]])}, but the "
-                            f"lengths before it put it at byte {int(starts[bad[0]] * self.dtype.itemsize)}")
+            raise DataError(
+                f"{name}: sequence {int(bad[0])} starts at byte {int(pointers[bad[0]])}, but the "
+                f"lengths before it put it at byte {int(starts[bad[0]] * self.dtype.itemsize)}"
+            )
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
-            raise DataError(f"{name}: document index must rise from 0 to the sequence count {len(lengths)}, "
-                            f"got {len(docs)} entries starting {docs[:3].tolist()} ending {docs[-3:].tolist()}")
+            raise DataError(
+                f"{name}: document index must rise from 0 to the sequence count {len(lengths)}, "
+                f"got {len(docs)} entries starting {docs[:3].tolist()} ending {docs[-3:].tolist()}"
+            )
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -132,7 +152,7 @@ class IndexedDataset:
 
     def _scan_max(self) -> int:
         chunk = 1 << 26  # tokens per read: bounded memory for the scan of a large corpus
-        return max(int(self._data[i:i + chunk].max()) for i in range(0, len(self._data), chunk))
+        return max(int(self._data[i : i + chunk].max()) for i in range(0, len(self._data), chunk))
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence i, a view into the mapped file."""
@@ -140,7 +160,7 @@ class IndexedDataset:
             raise IndexError(f"sequence {i} out of range for {self.prefix} ({len(self)} sequences)")
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         n = int(self.sequence_lengths[i]) - offset if length is None else length
-        return self._data[start:start + n]
+        return self._data[start : start + n]
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
@@ -235,8 +255,9 @@ def merge_indexed_datasets(prefixes: list[str], output_prefix: str | os.PathLike
         n_seq += len(ds)
         n_doc += ds.num_documents
     if len(dtypes) != 1:
-        raise DataError(f"cannot merge datasets of different token dtypes {sorted(d.name for d in dtypes)} "
-                        f"into {output_prefix}")
+        raise DataError(
+            f"cannot merge datasets of different token dtypes {sorted(d.name for d in dtypes)} into {output_prefix}"
+        )
     dtype = dtypes.pop()
     suffix = f".tmp{os.getpid()}"
     tmp_bin, tmp_idx = Path(f"{data_file(output_prefix)}{suffix}"), Path(f"{index_file(output_prefix)}{suffix}")

@@ -51,7 +51,7 @@ def is_document_file(path: Path) -> bool:
 def strip_jsonl_suffix(name: str) -> str:
     for suffix in sorted(JSONL_SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
-            return name[:-len(suffix)]
+            return name[: -len(suffix)]
     return name
 
 
@@ -68,8 +68,10 @@ def resolve_inputs(pattern: str | os.PathLike) -> list[Path]:
         paths = [Path(p) for p in glob.glob(pattern, recursive=True)]
     files = sorted(p for p in paths if p.is_file())
     if not files:
-        raise DataError(f"input {pattern!r} matches no JSONL file (expected a .jsonl/.jsonl.gz/.jsonl.zst "
-                        f"file, a directory holding them, or a glob)")
+        raise DataError(
+            f"input {pattern!r} matches no JSONL file (expected a .jsonl/.jsonl.gz/.jsonl.zst "
+            f"file, a directory holding them, or a glob)"
+        )
     return files
 
 
@@ -124,7 +126,7 @@ def parse_record(line: bytes) -> JsonRecord | SkipReason:
     (which editors on Windows put at the start of a file) is not part of the record: it is
     dropped, as Python's `utf-8-sig` codec does, instead of losing the file's first document."""
     if line.startswith(codecs.BOM_UTF8):
-        line = line[len(codecs.BOM_UTF8):]
+        line = line[len(codecs.BOM_UTF8) :]
     if not line.strip():
         return SkipReason.BLANK_LINE
     try:

@@ -84,10 +84,10 @@ class Chunk:
     shard: int
     lines: list[bytes]
     source: str
-    first_row: int                      # row of lines[0] in its file
-    id_prefix: str | None               # RedPajama-V2 document id = id_prefix + row
+    first_row: int  # row of lines[0] in its file
+    id_prefix: str | None  # RedPajama-V2 document id = id_prefix + row
     signals: list[bytes | None] | None  # quality-signal lines in step with `lines`, when rules need them
-    duplicates: np.ndarray              # indices into `lines` listed as duplicates
+    duplicates: np.ndarray  # indices into `lines` listed as duplicates
     last: bool = False
     damage: tuple[str, ...] = ()
 
@@ -108,8 +108,14 @@ class ChunkResult:
 class ChunkEncoder:
     """Turns a chunk of raw lines into token arrays; one instance lives in each worker."""
 
-    def __init__(self, tokenizer_model: str, json_keys: tuple[str, ...], append_eod: bool,
-                 split_by_source: bool = False, filters: FilterSpec = FilterSpec()):
+    def __init__(
+        self,
+        tokenizer_model: str,
+        json_keys: tuple[str, ...],
+        append_eod: bool,
+        split_by_source: bool = False,
+        filters: FilterSpec = FilterSpec(),
+    ):
         self.tokenizer = Tokenizer(tokenizer_model)
         self.json_keys = json_keys
         self.append_eod = append_eod
@@ -173,8 +179,9 @@ class ChunkEncoder:
 _worker_encoder: ChunkEncoder | None = None
 
 
-def _init_worker(tokenizer_model: str, json_keys: tuple[str, ...], append_eod: bool, split_by_source: bool,
-                 filters: FilterSpec) -> None:
+def _init_worker(
+    tokenizer_model: str, json_keys: tuple[str, ...], append_eod: bool, split_by_source: bool, filters: FilterSpec
+) -> None:
     global _worker_encoder
     # Ctrl-C reaches the whole process group: the main process alone handles it (it stops the
     # pool and cleans up), rather than every worker printing its own KeyboardInterrupt traceback
@@ -200,11 +207,11 @@ def output_label(key: str, source: str) -> str:
 
 @dataclass(kw_only=True)
 class PreprocessSummary(DocumentCounts):
-    outputs: dict[str, str]                     # label -> merged prefix (empty when kept per shard)
+    outputs: dict[str, str]  # label -> merged prefix (empty when kept per shard)
     files: list[Path]
     shard_outputs: dict[str, list[str]] = field(default_factory=dict)  # label -> shard prefixes, in file order
-    resumed: int = 0                            # shards finished by an earlier run and not redone
-    new_tokens: int = 0                         # tokenized by this run (the rate's numerator)
+    resumed: int = 0  # shards finished by an earlier run and not redone
+    new_tokens: int = 0  # tokenized by this run (the rate's numerator)
     seconds: float = 0.0
 
     @property
@@ -218,25 +225,38 @@ class PreprocessSummary(DocumentCounts):
 
     def line(self) -> str:
         skipped = ", ".join(f"{r}={n}" for r, n in sorted(self.skipped.items())) or "none"
-        text = (f"preprocessed {len(self.files)} files: {sum(self.documents.values())} documents, "
-                f"{sum(self.tokens.values())} tokens in {self.seconds:.1f} s "
-                f"({self.tokens_per_second:,.0f} tokens/s); skipped: {skipped}")
+        text = (
+            f"preprocessed {len(self.files)} files: {sum(self.documents.values())} documents, "
+            f"{sum(self.tokens.values())} tokens in {self.seconds:.1f} s "
+            f"({self.tokens_per_second:,.0f} tokens/s); skipped: {skipped}"
+        )
         if self.resumed:
             text += f"; {self.resumed} files were done by an earlier run (the rate counts this run's tokens)"
         if self.dropped:
-            rules = ", ".join(f"[{rule}]={n}" + (f" ({self.unevaluable[rule]} unevaluable)" if self.unevaluable[rule]
-                                                 else "") for rule, n in self.dropped.items())
+            rules = ", ".join(
+                f"[{rule}]={n}" + (f" ({self.unevaluable[rule]} unevaluable)" if self.unevaluable[rule] else "")
+                for rule, n in self.dropped.items()
+            )
             text += f"; dropped by rule: {rules}"
         if self.damage:
             text += f"; damaged input files: {len(self.damage)} (warnings above)"
         return text
 
 
-def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathLike,
-               output_prefix: str | os.PathLike, workers: int = 1, json_keys: tuple[str, ...] = ("text",),
-               append_eod: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
-               filters: FilterSpec = FilterSpec(), split_by_source: bool = False, per_shard: bool = False,
-               keep_shards: bool = False) -> PreprocessSummary:
+def preprocess(
+    input_pattern: str | os.PathLike,
+    tokenizer_model: str | os.PathLike,
+    output_prefix: str | os.PathLike,
+    workers: int = 1,
+    json_keys: tuple[str, ...] = ("text",),
+    append_eod: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: bool = True,
+    filters: FilterSpec = FilterSpec(),
+    split_by_source: bool = False,
+    per_shard: bool = False,
+    keep_shards: bool = False,
+) -> PreprocessSummary:
     """Tokenizes every record of the matched files into one indexed dataset per JSON key (and
     source, with `split_by_source`): merged, or one per input file with `per_shard`."""
     start = time.perf_counter()
@@ -251,16 +271,21 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
     if not per_shard:
         _refuse_existing_outputs(output_prefix, json_keys, split_by_source, shard_dir)
     record = TokenizerRecord.of(tokenizer_model, tokenizer.vocab_size)
-    fingerprint = options_fingerprint(Path(tokenizer_model), {
-        "json_keys": json_keys, "append_eod": append_eod, "split_by_source": split_by_source,
-        "filters": filters.describe()})
+    fingerprint = options_fingerprint(
+        Path(tokenizer_model),
+        {
+            "json_keys": json_keys,
+            "append_eod": append_eod,
+            "split_by_source": split_by_source,
+            "filters": filters.describe(),
+        },
+    )
     identities = [file_identity(_inputs_of(shard, filters)) for shard in shards]
     results = [read_marker(marker_path(shard_dir, s), ident, fingerprint) for s, ident in zip(shards, identities)]
     pending = [i for i, r in enumerate(results) if r is None]
     summary = PreprocessSummary(outputs={}, files=[s.path for s in shards], resumed=len(shards) - len(pending))
     bar = Progress(len(shards), summary.resumed, bars=progress)
-    writer = _ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size),
-                          record)
+    writer = _ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size), record)
     try:
         chunks = _chunks(shards, pending, chunk_bytes, filters)
         init_args = (str(tokenizer_model), json_keys, append_eod, split_by_source, filters)
@@ -275,8 +300,9 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
         for result in finished:
             summary.add(result)
         _refuse_empty_keys(json_keys, summary, shards, shard_dir, finished)
-        summary.dropped = Counter({rule: summary.dropped[rule] for rule in filters.rule_order()
-                                   if rule in summary.dropped})
+        summary.dropped = Counter(
+            {rule: summary.dropped[rule] for rule in filters.rule_order() if rule in summary.dropped}
+        )
         if not per_shard:
             for label, prefixes in summary.shard_outputs.items():
                 source, _, key = label.rpartition(":")
@@ -300,13 +326,16 @@ def preprocess(input_pattern: str | os.PathLike, tokenizer_model: str | os.PathL
 def _interrupted(results: list[ShardResult | None], shard_dir: Path) -> str:
     """What a Ctrl-C left: finished shards stay for the same command to resume from."""
     done = sum(r is not None for r in results)
-    text = (f"{done} of {len(results)} input files were finished and are kept under {shard_dir}/ (the same "
-            "command resumes from them)")
+    text = (
+        f"{done} of {len(results)} input files were finished and are kept under {shard_dir}/ (the same "
+        "command resumes from them)"
+    )
     return text + ("; the file in flight was removed" if done < len(results) else "")
 
 
-def _refuse_existing_outputs(output_prefix: str | os.PathLike, json_keys: tuple[str, ...], split_by_source: bool,
-                             shard_dir: Path) -> None:
+def _refuse_existing_outputs(
+    output_prefix: str | os.PathLike, json_keys: tuple[str, ...], split_by_source: bool, shard_dir: Path
+) -> None:
     """A dataset already at the output prefix is refused (outputs are never overwritten), unless
     the prefix's shard directory is there: then this run resumes an interrupted one, or updates
     a `--keep-shards` one, from those shards."""
@@ -315,12 +344,21 @@ def _refuse_existing_outputs(output_prefix: str | os.PathLike, json_keys: tuple[
     for key in json_keys:
         pattern = output_prefix_for(glob.escape(str(output_prefix)), key, "*" if split_by_source else "")
         for existing in sorted(glob.glob(f"{pattern}.idx") + glob.glob(f"{pattern}.bin"))[:1]:
-            refuse_existing(existing, DataError, found="already exists (a preprocessed dataset)",
-                            instead="choose another --output-prefix, or remove that dataset first")
+            refuse_existing(
+                existing,
+                DataError,
+                found="already exists (a preprocessed dataset)",
+                instead="choose another --output-prefix, or remove that dataset first",
+            )
 
 
-def _refuse_empty_keys(json_keys: tuple[str, ...], summary: PreprocessSummary, shards: list[Shard],
-                       shard_dir: Path, results: list[ShardResult]) -> None:
+def _refuse_empty_keys(
+    json_keys: tuple[str, ...],
+    summary: PreprocessSummary,
+    shards: list[Shard],
+    shard_dir: Path,
+    results: list[ShardResult],
+) -> None:
     """A key under which no record held a document would make a 0-document dataset: refused,
     naming the key and the keys the records do have (the shards this run wrote are removed:
     they hold nothing under that key)."""
@@ -333,11 +371,15 @@ def _refuse_empty_keys(json_keys: tuple[str, ...], summary: PreprocessSummary, s
         skipped = ", ".join(f"{r}={n}" for r, n in sorted(summary.skipped.items()))
         seen = record_keys([s.path for s in shards])
         if not skipped:
-            raise DataError(f"no document under key {names} in {where}: "
-                            f"{'they hold' if len(shards) > 1 else 'it holds'} no records; nothing to write")
-        raise DataError(f"no document under key {names} in {where} (skipped: {skipped}; keys seen in the records: "
-                        f"{', '.join(map(repr, seen)) or 'none'}): nothing to write; give --json-keys the key "
-                        "that holds the text")
+            raise DataError(
+                f"no document under key {names} in {where}: "
+                f"{'they hold' if len(shards) > 1 else 'it holds'} no records; nothing to write"
+            )
+        raise DataError(
+            f"no document under key {names} in {where} (skipped: {skipped}; keys seen in the records: "
+            f"{', '.join(map(repr, seen)) or 'none'}): nothing to write; give --json-keys the key "
+            "that holds the text"
+        )
 
 
 def _inputs_of(shard: Shard, filters: FilterSpec) -> list[Path]:
@@ -353,12 +395,16 @@ def _inputs_of(shard: Shard, filters: FilterSpec) -> list[Path]:
 def _check_filters(shards: list[Shard], filters: FilterSpec) -> None:
     """Filters that cannot act on these inputs are refused before any work."""
     if filters.needs_signals and not any(s.v2 is not None and s.v2.signals is not None for s in shards):
-        raise DataError(f"filter rules need RedPajama-V2 quality signals, but none of the {len(shards)} input "
-                        f"files has quality_signals/<name>.signals.json.gz beside its documents/ directory")
+        raise DataError(
+            f"filter rules need RedPajama-V2 quality signals, but none of the {len(shards)} input "
+            f"files has quality_signals/<name>.signals.json.gz beside its documents/ directory"
+        )
     if filters.drop_duplicates:
         if not any(s.v2 is not None for s in shards):
-            raise DataError("--drop-duplicates needs RedPajama-V2's layout (documents/ beside duplicates/), "
-                            "but no input file sits under a documents/ directory")
+            raise DataError(
+                "--drop-duplicates needs RedPajama-V2's layout (documents/ beside duplicates/), "
+                "but no input file sits under a documents/ directory"
+            )
         parquet = next((s.v2.duplicates for s in shards if s.v2 is not None and s.v2.duplicates is not None), None)
         if parquet is not None and not have_pyarrow():
             raise DataError(f"--drop-duplicates reads {parquet}, a parquet file, which needs pyarrow: {PYARROW_HINT}")
@@ -403,8 +449,15 @@ def _chunks(shards: list[Shard], indices: list[int], chunk_bytes: int, filters: 
                     yield held
                 n = len(lines)
                 lo, hi = np.searchsorted(duplicate_rows, [row, row + n])
-                held = Chunk(index, lines, shard.source, row, v2.id_prefix if v2 else None,
-                             signals.take(n) if signals else None, duplicate_rows[lo:hi] - row)
+                held = Chunk(
+                    index,
+                    lines,
+                    shard.source,
+                    row,
+                    v2.id_prefix if v2 else None,
+                    signals.take(n) if signals else None,
+                    duplicate_rows[lo:hi] - row,
+                )
                 row += n
         except DataError as e:
             damage.append(f"{e}; kept the lines before it, skipped the rest of the file")
@@ -416,8 +469,15 @@ def _chunks(shards: list[Shard], indices: list[int], chunk_bytes: int, filters: 
 class _ShardWriter:
     """Writes the open shard's outputs; `finish` completes them and returns the shard's result."""
 
-    def __init__(self, shards: list[Shard], shard_dir: Path, json_keys: tuple[str, ...], split_by_source: bool,
-                 dtype: np.dtype, record: TokenizerRecord):
+    def __init__(
+        self,
+        shards: list[Shard],
+        shard_dir: Path,
+        json_keys: tuple[str, ...],
+        split_by_source: bool,
+        dtype: np.dtype,
+        record: TokenizerRecord,
+    ):
         self.shards, self.shard_dir, self.json_keys = shards, shard_dir, json_keys
         self.split_by_source, self.dtype, self.record = split_by_source, dtype, record
         self.index: int | None = None
@@ -476,9 +536,15 @@ class _ShardWriter:
         self.builders = {}
 
 
-def _consume(results: Iterable[ChunkResult], writer: _ShardWriter, shard_results: list[ShardResult | None],
-             identities: list[list[list[object]]], fingerprint: str, summary: PreprocessSummary,
-             bar: Progress) -> None:
+def _consume(
+    results: Iterable[ChunkResult],
+    writer: _ShardWriter,
+    shard_results: list[ShardResult | None],
+    identities: list[list[list[object]]],
+    fingerprint: str,
+    summary: PreprocessSummary,
+    bar: Progress,
+) -> None:
     for result in results:
         tokens = writer.add(result)
         summary.new_tokens += tokens
@@ -486,8 +552,9 @@ def _consume(results: Iterable[ChunkResult], writer: _ShardWriter, shard_results
             bar.write(f"warning: {message}")
         if result.last:
             done = writer.finish()
-            write_marker(marker_path(writer.shard_dir, writer.shards[result.shard]), identities[result.shard],
-                         fingerprint, done)
+            write_marker(
+                marker_path(writer.shard_dir, writer.shards[result.shard]), identities[result.shard], fingerprint, done
+            )
             shard_results[result.shard] = done
         bar.update(files=int(result.last), tokens=tokens)
 
@@ -499,8 +566,10 @@ def _remove_shards(shard_dir: Path, shards: list[Shard], results: list[ShardResu
             for path in (data_file(prefix), index_file(prefix), record_file(prefix)):
                 path.unlink(missing_ok=True)
         marker_path(shard_dir, shard).unlink(missing_ok=True)
-    for directory in sorted({p for s in shards for p in (shard_dir / s.name).parents
-                             if p == shard_dir or shard_dir in p.parents}, key=lambda p: -len(p.parts)):
+    for directory in sorted(
+        {p for s in shards for p in (shard_dir / s.name).parents if p == shard_dir or shard_dir in p.parents},
+        key=lambda p: -len(p.parts),
+    ):
         try:
             directory.rmdir()
         except OSError:

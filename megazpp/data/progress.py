@@ -21,8 +21,9 @@ class Progress:
         self.interval = interval
         self.start = self._last = time.perf_counter()
         if bars:
-            self._files = tqdm(total=total_files, initial=done_files, desc="files", unit=" file",
-                               dynamic_ncols=True, position=0)
+            self._files = tqdm(
+                total=total_files, initial=done_files, desc="files", unit=" file", dynamic_ncols=True, position=0
+            )
             self._tokens = tqdm(desc="tokens", unit=" tok", unit_scale=True, dynamic_ncols=True, position=1)
 
     def update(self, files: int = 0, tokens: int = 0) -> None:
@@ -37,8 +38,10 @@ class Progress:
 
     def line(self) -> str:
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        return (f"progress: {self.files}/{self.total_files} files, {self.tokens:,} tokens, "
-                f"{self.tokens / seconds:,.0f} tokens/s")
+        return (
+            f"progress: {self.files}/{self.total_files} files, {self.tokens:,} tokens, "
+            f"{self.tokens / seconds:,.0f} tokens/s"
+        )
 
     def write(self, message: str) -> None:
         """A message that must not be torn by a bar's redraw."""

@@ -34,7 +34,7 @@ PYARROW_HINT = "pip install 'megazpp[redpajama]' (or pip install pyarrow)"
 class V2Files:
     """One documents file's place in the layout and its companion files (None where absent)."""
 
-    base_tag: str           # "<snapshot>/<shard>/<lang>_<bucket>"
+    base_tag: str  # "<snapshot>/<shard>/<lang>_<bucket>"
     snapshot: str
     signals: Path | None
     duplicates: Path | None
@@ -54,9 +54,12 @@ def v2_files(path: Path) -> V2Files | None:
     base_tag = strip_jsonl_suffix(relative.as_posix())
     signals = root.parent / SIGNALS_DIR / f"{base_tag}{SIGNALS_SUFFIX}"
     duplicates = root.parent / DUPLICATES_DIR / f"{base_tag}{DUPLICATES_SUFFIX}"
-    return V2Files(base_tag=base_tag, snapshot=relative.parts[0] if len(relative.parts) > 1 else base_tag,
-                   signals=signals if signals.is_file() else None,
-                   duplicates=duplicates if duplicates.is_file() else None)
+    return V2Files(
+        base_tag=base_tag,
+        snapshot=relative.parts[0] if len(relative.parts) > 1 else base_tag,
+        signals=signals if signals.is_file() else None,
+        duplicates=duplicates if duplicates.is_file() else None,
+    )
 
 
 def have_pyarrow() -> bool:
@@ -75,8 +78,11 @@ def load_duplicate_rows(path: Path, id_prefix: str) -> np.ndarray:
         ids = pq.read_table(path, columns=["doc_id"])["doc_id"].to_pylist()
     except (OSError, KeyError, ValueError) as e:  # pyarrow's errors derive from these
         raise DataError(f"{path}: cannot read the duplicate ids ({type(e).__name__}: {e})") from e
-    rows = [int(i[len(id_prefix):]) for i in ids
-            if isinstance(i, str) and i.startswith(id_prefix) and i[len(id_prefix):].isdigit()]
+    rows = [
+        int(i[len(id_prefix) :])
+        for i in ids
+        if isinstance(i, str) and i.startswith(id_prefix) and i[len(id_prefix) :].isdigit()
+    ]
     return np.unique(np.asarray(rows, dtype=np.int64))
 
 

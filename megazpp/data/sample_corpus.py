@@ -90,8 +90,9 @@ def _record(text: str, source: str, path: str) -> str:
     return json.dumps({"meta": meta, "text": text}, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def build_sample_corpus(out_dir: str | os.PathLike, total_bytes: int = DEFAULT_TOTAL_BYTES,
-                        root: Path | None = None, progress: bool = False) -> CorpusSummary:
+def build_sample_corpus(
+    out_dir: str | os.PathLike, total_bytes: int = DEFAULT_TOTAL_BYTES, root: Path | None = None, progress: bool = False
+) -> CorpusSummary:
     """Writes `<out_dir>/stdlib_code.jsonl` and `<out_dir>/stdlib_docs.jsonl`, about `total_bytes`.
 
     Docstrings are the scarcer source, so they get up to half of the budget and code fills the
@@ -102,8 +103,9 @@ def build_sample_corpus(out_dir: str | os.PathLike, total_bytes: int = DEFAULT_T
     if not root.is_dir():
         raise DataError(f"standard library directory {root} does not exist; cannot build the sample corpus")
     modules = list(tqdm(iter_stdlib_modules(root), desc="reading stdlib", unit=" file", disable=not progress))
-    docs_lines = _lines(DOCS_SOURCE, ((rel, docstrings_of(src, _module_name(rel))) for rel, src in modules),
-                        total_bytes // 2)
+    docs_lines = _lines(
+        DOCS_SOURCE, ((rel, docstrings_of(src, _module_name(rel))) for rel, src in modules), total_bytes // 2
+    )
     docs_size = sum(map(len, docs_lines))
     code_lines = _lines(CODE_SOURCE, modules, total_bytes - docs_size)
     out = Path(out_dir)

@@ -27,13 +27,16 @@ from megazpp.errors import DataError
 CORPUS, TOKENIZER, DATASET = "corpus", "tokenizer.model", "corpus_text_document"
 # Everything run.sh's build writes under DATA_DIR: the finished names, the temp names each step
 # writes before its rename (".tmp" and a pid), and the training job's index caches.
-_SAMPLE_NAMES = re.compile(r"""(
+_SAMPLE_NAMES = re.compile(
+    r"""(
     corpus(\.tmp)?                                      # the JSONL corpus directory
   | tokenizer(\.tmp)?(\.tmp\d+)?\.(model|vocab)          # SentencePiece's two files
   | corpus(\.tmp)?_text_document\.(bin|idx|tokenizer\.json)(\.tmp\d+)?
   | corpus\.tmp_shards                                  # preprocessing's resumable shards
   | corpus_text_document_\w+\.npy(\.tmp\d+)?            # sample / max-token index caches
-)""", re.VERBOSE)
+)""",
+    re.VERBOSE,
+)
 _CORPUS_FILES = {f"{source}.jsonl" for source in (CODE_SOURCE, DOCS_SOURCE)}
 _SHOWN = 5
 
@@ -49,8 +52,9 @@ def foreign_entries(data_dir: Path) -> list[str]:
     return sorted(foreign)
 
 
-def describe(data_dir: str | os.PathLike, data_path: list[str] | None = None,
-             tokenizer_model: str | None = None) -> str:
+def describe(
+    data_dir: str | os.PathLike, data_path: list[str] | None = None, tokenizer_model: str | None = None
+) -> str:
     """The line run.sh prints: what DATA_DIR holds and what the job will use (the job's own
     `data_path` / `tokenizer_model` when given); a DataError when run.sh must not build or
     train there."""
@@ -67,19 +71,25 @@ def _holds(root: Path) -> str:
     if root.exists() and not root.is_dir():
         raise DataError(f"DATA_DIR={root} is not a directory: give run.sh a directory for its sample data")
     if not root.exists() or not any(root.iterdir()):
-        return (f"DATA_DIR={root} is {'empty' if root.exists() else 'absent'}: building the sample data there "
-                f"(a corpus from Python's standard library, its tokenizer {tokenizer}, the dataset {dataset})")
+        return (
+            f"DATA_DIR={root} is {'empty' if root.exists() else 'absent'}: building the sample data there "
+            f"(a corpus from Python's standard library, its tokenizer {tokenizer}, the dataset {dataset})"
+        )
     foreign = foreign_entries(root)
     if foreign:
         shown = ", ".join(foreign[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else "")
-        raise DataError(f"DATA_DIR={root} holds files that are not run.sh's sample data ({shown}): run.sh builds "
-                        "and trains on its sample data only in an empty directory or one it built; give another "
-                        "DATA_DIR (your own data goes in with --data-path PREFIX --tokenizer-model FILE)")
+        raise DataError(
+            f"DATA_DIR={root} holds files that are not run.sh's sample data ({shown}): run.sh builds "
+            "and trains on its sample data only in an empty directory or one it built; give another "
+            "DATA_DIR (your own data goes in with --data-path PREFIX --tokenizer-model FILE)"
+        )
     done = tokenizer.is_file() and Path(f"{dataset}.idx").is_file() and Path(f"{dataset}.bin").is_file()
     if done:
         return f"DATA_DIR={root} holds run.sh's sample data: training on {dataset} with the tokenizer {tokenizer}"
-    return (f"DATA_DIR={root} holds an unfinished build of run.sh's sample data: finishing it (tokenizer "
-            f"{tokenizer}, dataset {dataset})")
+    return (
+        f"DATA_DIR={root} holds an unfinished build of run.sh's sample data: finishing it (tokenizer "
+        f"{tokenizer}, dataset {dataset})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,19 +22,24 @@ _BLOCK_SAMPLES = 1 << 16
 class PretrainingSampler:
     """Yields lists of sample indices, one micro-batch of this DP rank each."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int):
+    def __init__(
+        self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int
+    ):
         if micro_batch_size < 1 or dp_size < 1:
             raise ConfigError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be >= 1")
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         self.step = micro_batch_size * dp_size
         if total_samples < self.step:
-            raise ConfigError(f"total_samples {total_samples} is fewer than one global micro-step "
-                              f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
+            raise ConfigError(
+                f"total_samples {total_samples} is fewer than one global micro-step "
+                f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})"
+            )
         if not 0 <= consumed_samples <= total_samples or consumed_samples % self.step:
-            raise ConfigError(f"consumed_samples {consumed_samples} must be a multiple of {self.step} "
-                              f"in [0, {total_samples}] (a position saved by the same DP layout)")
+            raise ConfigError(
+                f"consumed_samples {consumed_samples} must be a multiple of {self.step} "
+                f"in [0, {total_samples}] (a position saved by the same DP layout)"
+            )
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.dp_rank, self.dp_size, self.seed = micro_batch_size, dp_rank, dp_size, seed
         self.usable = total_samples - total_samples % self.step  # the last partial step is dropped
@@ -55,5 +60,5 @@ class PretrainingSampler:
             block_no = position // self.block
             order = self._block_order(block_no)
             for begin in range(position - block_no * self.block, len(order), self.step):
-                yield order[begin + lo:begin + lo + self.micro_batch_size].tolist()
+                yield order[begin + lo : begin + lo + self.micro_batch_size].tolist()
             position = (block_no + 1) * self.block

@@ -29,8 +29,8 @@ MARKER_VERSION = 1
 @dataclass(frozen=True)
 class Shard:
     path: Path
-    name: str        # path relative to the input root, JSONL suffix removed
-    source: str      # the source directory, for --split-by-source when a record names none
+    name: str  # path relative to the input root, JSONL suffix removed
+    source: str  # the source directory, for --split-by-source when a record names none
     v2: V2Files | None
 
 
@@ -52,8 +52,7 @@ def plan_shards(files: list[Path], root: Path) -> list[Shard]:
             relative = Path(path.name)
         name = strip_jsonl_suffix(relative.as_posix())
         if name in seen:
-            raise DataError(f"inputs {seen[name]} and {path} would both write shard {name!r}; "
-                            f"keep one of them")
+            raise DataError(f"inputs {seen[name]} and {path} would both write shard {name!r}; keep one of them")
         seen[name] = path
         v2 = v2_files(path)
         source = v2.snapshot if v2 else (relative.parts[0] if len(relative.parts) > 1 else name)
@@ -90,9 +89,13 @@ class DocumentCounts:
     damage: list[str] = field(default_factory=list)  # one line per damaged input file
 
     def add_counts(self, other: DocumentCounts) -> None:
-        for counts, more in ((self.documents, other.documents), (self.tokens, other.tokens),
-                             (self.skipped, other.skipped), (self.dropped, other.dropped),
-                             (self.unevaluable, other.unevaluable)):
+        for counts, more in (
+            (self.documents, other.documents),
+            (self.tokens, other.tokens),
+            (self.skipped, other.skipped),
+            (self.dropped, other.dropped),
+            (self.unevaluable, other.unevaluable),
+        ):
             counts.update(more)
         self.damage.extend(other.damage)
 
@@ -114,11 +117,18 @@ def read_marker(path: Path, identity: list[list[object]], fingerprint: str) -> S
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if (not isinstance(data, dict) or data.get("version") != MARKER_VERSION or data.get("inputs") != identity
-            or data.get("fingerprint") != fingerprint):
+    if (
+        not isinstance(data, dict)
+        or data.get("version") != MARKER_VERSION
+        or data.get("inputs") != identity
+        or data.get("fingerprint") != fingerprint
+    ):
         return None
-    result = ShardResult(outputs=data["outputs"], damage=data["damage"],
-                         **{k: Counter(data[k]) for k in ("documents", "tokens", "skipped", "dropped", "unevaluable")})
+    result = ShardResult(
+        outputs=data["outputs"],
+        damage=data["damage"],
+        **{k: Counter(data[k]) for k in ("documents", "tokens", "skipped", "dropped", "unevaluable")},
+    )
     if not all(Path(f"{p}{s}").is_file() for p in result.outputs.values() for s in (".bin", ".idx")):
         return None
     return result
@@ -127,8 +137,12 @@ def read_marker(path: Path, identity: list[list[object]], fingerprint: str) -> S
 def write_marker(path: Path, identity: list[list[object]], fingerprint: str, result: ShardResult) -> None:
     """Written last, atomically: a marker on disk means the shard's outputs are complete."""
     # not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs
-    data = {"version": MARKER_VERSION, "inputs": identity, "fingerprint": fingerprint,
-            **{f.name: getattr(result, f.name) for f in fields(result)}}
+    data = {
+        "version": MARKER_VERSION,
+        "inputs": identity,
+        "fingerprint": fingerprint,
+        **{f.name: getattr(result, f.name) for f in fields(result)},
+    }
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)

@@ -39,16 +39,25 @@ Predicate = Callable[[Signals], bool]
 DUPLICATE_RULE = "not a duplicate"
 LINE_SIGNAL_PREFIX = "rps_lines_"
 
-_TOKEN = re.compile(r"""\s*(?:
+_TOKEN = re.compile(
+    r"""\s*(?:
     (?P<number>-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)
   | (?P<string>"[^"]*"|'[^']*')
   | (?P<op><=|>=|==|!=|<|>)
   | (?P<paren>[()])
   | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<bad>\S)
-)""", re.VERBOSE)
-_COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-            "==": operator.eq, "!=": operator.ne}
+)""",
+    re.VERBOSE,
+)
+_COMPARE = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
 _KEYWORDS = {"and", "or", "not"}
 
 
@@ -90,6 +99,7 @@ def _aggregate(kind: str, name: str) -> Getter:
         if kind == "mean":
             return sum(numbers) / len(numbers)
         return float(min(numbers) if kind == "min" else max(numbers))
+
     return get
 
 
@@ -100,6 +110,7 @@ def _single(name: str) -> Getter:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # JSON: not null, list, dict
             raise Unavailable(name)
         return value
+
     return get
 
 
@@ -129,8 +140,10 @@ class _Parser:
     def _take(self, kind: str, value: str | None = None, expected: str = "") -> tuple[str, str, int]:
         token = self._peek()
         if token is None or token[0] != kind or (value is not None and token[1] != value):
-            self._fail(f"expected {expected or value or kind}" + (f", got {token[1]!r}" if token else ""),
-                       token[2] if token else None)
+            self._fail(
+                f"expected {expected or value or kind}" + (f", got {token[1]!r}" if token else ""),
+                token[2] if token else None,
+            )
         self.pos += 1
         return token
 
@@ -153,8 +166,7 @@ class _Parser:
     def _and(self) -> Predicate:
         return self._joined("and", self._not, all)
 
-    def _joined(self, word: str, term: Callable[[], Predicate],
-                combine: Callable[[Iterable[bool]], bool]) -> Predicate:
+    def _joined(self, word: str, term: Callable[[], Predicate], combine: Callable[[Iterable[bool]], bool]) -> Predicate:
         """`term (word term)*`, true when `combine` (any / all) of the terms is."""
         terms = [term()]
         while self._is("name", word):
@@ -182,6 +194,7 @@ class _Parser:
             if isinstance(a, str) != isinstance(b, str):
                 raise Unavailable(f"{a!r} {op} {b!r}")
             return bool(compare(a, b))
+
         return predicate
 
     def _value(self) -> Getter:
@@ -248,8 +261,10 @@ def load_filter_file(path: str | Path) -> FilterSpec:
     except (OSError, yaml.YAMLError) as e:
         raise DataError(f"filter file {path}: cannot read ({e})") from e
     if not isinstance(data, dict) or set(data) - {"rules", "drop_duplicates"}:
-        raise DataError(f"filter file {path}: expected a mapping with keys 'rules' (a list of rule strings) "
-                        f"and 'drop_duplicates' (true/false), got {data!r:.100}")
+        raise DataError(
+            f"filter file {path}: expected a mapping with keys 'rules' (a list of rule strings) "
+            f"and 'drop_duplicates' (true/false), got {data!r:.100}"
+        )
     rules = data.get("rules") or []
     if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
         raise DataError(f"filter file {path}: 'rules' must be a list of strings, got {rules!r:.100}")

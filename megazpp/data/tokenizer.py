@@ -33,8 +33,10 @@ class Tokenizer:
         self.eos_id: int = self._sp.eos_id()
         self.pad_id: int = self._sp.pad_id()
         if self.eos_id < 0:
-            raise DataError(f"tokenizer model {self.model_path} has no end-of-sequence token; "
-                            f"megazpp needs one to separate documents")
+            raise DataError(
+                f"tokenizer model {self.model_path} has no end-of-sequence token; "
+                f"megazpp needs one to separate documents"
+            )
 
     @property
     def eod_id(self) -> int:

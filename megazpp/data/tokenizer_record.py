@@ -54,9 +54,19 @@ def write_record(prefix: str | os.PathLike, record: TokenizerRecord) -> None:
     """Written atomically (temp name, then rename) after the dataset itself is in place."""
     path = record_file(prefix)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": RECORD_VERSION, "tokenizer_sha256": record.sha256,
-                               "tokenizer_model": record.model, "vocab_size": record.vocab_size},
-                              indent=1, sort_keys=True) + "\n")
+    tmp.write_text(
+        json.dumps(
+            {
+                "version": RECORD_VERSION,
+                "tokenizer_sha256": record.sha256,
+                "tokenizer_model": record.model,
+                "vocab_size": record.vocab_size,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+        + "\n"
+    )
     os.replace(tmp, path)
 
 
@@ -67,15 +77,17 @@ def read_record(prefix: str | os.PathLike) -> TokenizerRecord | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return TokenizerRecord(str(data["tokenizer_sha256"]), str(data["tokenizer_model"]),
-                               int(data["vocab_size"]))
+        return TokenizerRecord(str(data["tokenizer_sha256"]), str(data["tokenizer_model"]), int(data["vocab_size"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: not a tokenizer record ({type(e).__name__}: {e}); remove it "
-                        "to train without the check, or preprocess the data again") from None
+        raise DataError(
+            f"{path}: not a tokenizer record ({type(e).__name__}: {e}); remove it "
+            "to train without the check, or preprocess the data again"
+        ) from None
 
 
-def check_tokenizer_records(prefixes: Sequence[str], tokenizer_model: str | os.PathLike,
-                            allow_mismatch: bool) -> list[str]:
+def check_tokenizer_records(
+    prefixes: Sequence[str], tokenizer_model: str | os.PathLike, allow_mismatch: bool
+) -> list[str]:
     """Compare every dataset's record with `tokenizer_model`: a DataError for a mismatch unless
     `allow_mismatch`; notes (for the start-up banner) for what was accepted without a check.
     Datasets or a model that do not exist are left to the readers that report them."""
@@ -90,15 +102,21 @@ def check_tokenizer_records(prefixes: Sequence[str], tokenizer_model: str | os.P
         if record is None:
             unrecorded.append(prefix)
         elif record.sha256 != digest:
-            what = (f"dataset {prefix!r} was tokenized by {record.model} (sha256 {record.sha256[:16]}, "
-                    f"{record_file(prefix)}), but --tokenizer-model {tokenizer_model} is sha256 "
-                    f"{digest[:16]}")
+            what = (
+                f"dataset {prefix!r} was tokenized by {record.model} (sha256 {record.sha256[:16]}, "
+                f"{record_file(prefix)}), but --tokenizer-model {tokenizer_model} is sha256 "
+                f"{digest[:16]}"
+            )
             if not allow_mismatch:
-                raise DataError(f"{what}: train with the tokenizer that made the data, or pass "
-                                "--allow-tokenizer-mismatch to accept it")
+                raise DataError(
+                    f"{what}: train with the tokenizer that made the data, or pass "
+                    "--allow-tokenizer-mismatch to accept it"
+                )
             notes.append(f"{what} (accepted: --allow-tokenizer-mismatch)")
     if unrecorded:
-        notes.append(f"{', '.join(repr(p) for p in unrecorded)}: no tokenizer record "
-                     f"({RECORD_SUFFIX}; made before megazpp wrote one, or by Megatron), so "
-                     f"--tokenizer-model {tokenizer_model} cannot be checked against it")
+        notes.append(
+            f"{', '.join(repr(p) for p in unrecorded)}: no tokenizer record "
+            f"({RECORD_SUFFIX}; made before megazpp wrote one, or by Megatron), so "
+            f"--tokenizer-model {tokenizer_model} cannot be checked against it"
+        )
     return notes

@@ -51,10 +51,16 @@ def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> It
         log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
 
 
-def train_tokenizer(files: Sequence[str | os.PathLike], vocab_size: int, output_prefix: str | os.PathLike,
-                    key: str = "text", input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
-                    seed: int = 1234, progress: bool = False,
-                    log: Callable[[str], None] | None = None) -> tuple[Path, Counter]:
+def train_tokenizer(
+    files: Sequence[str | os.PathLike],
+    vocab_size: int,
+    output_prefix: str | os.PathLike,
+    key: str = "text",
+    input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
+    seed: int = 1234,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Path, Counter]:
     """Trains and writes `<output_prefix>.model` / `.vocab`; returns the model path and skip counts.
 
     SentencePiece reads every line first, then learns its merges without reporting progress;
@@ -76,13 +82,19 @@ def train_tokenizer(files: Sequence[str | os.PathLike], vocab_size: int, output_
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=_announce_end(
-                tqdm(iter_training_lines(paths, key, skipped), desc="reading lines",
-                     unit=" line", disable=not progress), log),
+                tqdm(
+                    iter_training_lines(paths, key, skipped), desc="reading lines", unit=" line", disable=not progress
+                ),
+                log,
+            ),
             model_prefix=str(tmp_prefix),
             model_type="bpe",
             vocab_size=vocab_size,
             byte_fallback=True,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
             add_dummy_prefix=False,
@@ -100,11 +112,13 @@ def train_tokenizer(files: Sequence[str | os.PathLike], vocab_size: int, output_
         for suffix in (".vocab", ".model"):  # the .model last: its presence means a finished build
             os.replace(f"{tmp_prefix}{suffix}", f"{prefix}{suffix}")
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(f"{prefix}.model and {prefix}.vocab were not written (the partial files were "
-                                "removed)") from None
+        raise KeyboardInterrupt(
+            f"{prefix}.model and {prefix}.vocab were not written (the partial files were removed)"
+        ) from None
     except RuntimeError as e:  # SentencePiece reports bad settings for this corpus this way
-        raise DataError(f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} "
-                        f"failed: {e}") from e
+        raise DataError(
+            f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} failed: {e}"
+        ) from e
     finally:
         for suffix in (".model", ".vocab"):
             Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)

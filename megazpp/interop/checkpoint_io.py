@@ -60,8 +60,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise CheckpointError(f"{path}: neither a checkpoint directory (no {METADATA_FILE}) nor "
-                              f"a save directory (no {LATEST_FILE})")
+        raise CheckpointError(
+            f"{path}: neither a checkpoint directory (no {METADATA_FILE}) nor a save directory (no {LATEST_FILE})"
+        )
     return found
 
 
@@ -88,8 +89,9 @@ class CheckpointReader:
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{meta_file}: unreadable ({exc})") from exc
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{meta_file}: unknown checkpoint format "
-                                  f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+            raise CheckpointError(
+                f"{meta_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r}"
+            )
         for key in ("iteration", "tp", "pp", "dp"):
             if not isinstance(meta.get(key), int) or meta[key] < (0 if key == "iteration" else 1):
                 raise CheckpointError(f"{meta_file}: {key} = {meta.get(key)!r} is not valid")
@@ -103,18 +105,22 @@ class CheckpointReader:
         saved = self.meta.get(MODEL_CONFIG_KEY)
         if saved is None:
             if given is None:
-                raise ConfigError(f"{self.path / METADATA_FILE} does not record the model "
-                                  "config: give the training run's config (--config FILE)")
+                raise ConfigError(
+                    f"{self.path / METADATA_FILE} does not record the model "
+                    "config: give the training run's config (--config FILE)"
+                )
             return given.validate()
         try:
             cfg = ModelConfig(**saved).validate()
         except TypeError as exc:
-            raise CheckpointError(f"{self.path / METADATA_FILE}: {MODEL_CONFIG_KEY} is not a "
-                                  f"model config ({exc})") from exc
+            raise CheckpointError(
+                f"{self.path / METADATA_FILE}: {MODEL_CONFIG_KEY} is not a model config ({exc})"
+            ) from exc
         if given is not None and dataclasses.asdict(given) != dataclasses.asdict(cfg):
             diff = sorted(k for k, v in dataclasses.asdict(cfg).items() if getattr(given, k) != v)
-            raise ConfigError(f"the given model config differs from the one saved in "
-                              f"{self.path / METADATA_FILE} in {diff}")
+            raise ConfigError(
+                f"the given model config differs from the one saved in {self.path / METADATA_FILE} in {diff}"
+            )
         return cfg
 
     def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Path:
@@ -129,14 +135,12 @@ class CheckpointReader:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any unpickling failure means an unusable file
-            raise CheckpointError(f"{file}: cannot be loaded "
-                                  f"({type(exc).__name__}: {exc})") from exc
+            raise CheckpointError(f"{file}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise CheckpointError(f"{file}: holds no 'model' state dict")
         return state
 
-    def part_weights(self, tp_rank: int, pp_rank: int, stage: StageLayout,
-                     masters: bool) -> dict[str, torch.Tensor]:
+    def part_weights(self, tp_rank: int, pp_rank: int, stage: StageLayout, masters: bool) -> dict[str, torch.Tensor]:
         """The (tp_rank, pp_rank) part's state dict: the model's tensors as saved, or with
         `masters` the optimizer's fp32 master copies where the run kept them (bf16/fp16)."""
         file = self.rank_file(tp_rank, pp_rank)
@@ -154,8 +158,7 @@ class CheckpointReader:
             return model
         saved = engine["masters"]
         if len(saved) != len(stage.parameter_names):
-            raise CheckpointError(f"{file}: {len(saved)} fp32 masters for "
-                                  f"{len(stage.parameter_names)} parameters")
+            raise CheckpointError(f"{file}: {len(saved)} fp32 masters for {len(stage.parameter_names)} parameters")
         out = dict(model)
         out.update(zip(stage.parameter_names, saved))
         return out
@@ -169,9 +172,14 @@ def saved_tokenizer(path: str | os.PathLike) -> str | None:
     return name if name and Path(name).is_file() else None
 
 
-def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
-                             full: Mapping[str, torch.Tensor], tp: int, pp: int,
-                             extra_meta: Mapping[str, Any] | None = None) -> Path:
+def write_weights_checkpoint(
+    save_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    full: Mapping[str, torch.Tensor],
+    tp: int,
+    pp: int,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> Path:
     """Write `full` weights as iteration 0 of a tp x pp (dp = 1) checkpoint in a new or empty
     `save_dir`; return the checkpoint directory.
 
@@ -196,9 +204,15 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, cfg: ModelConfig,
             state = {"iteration": 0, "consumed_samples": 0, "model": part}
             file_name = rank_file_name(tp_rank, stage.pp_rank, 0)
             checksums[file_name] = write_atomically(tmp / file_name, functools.partial(torch.save, state))
-    meta = {"format": FORMAT_VERSION, "iteration": 0, **layout_of(layout_topology(tp, pp)),
-            WEIGHTS_ONLY_KEY: True, MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
-            CHECKSUMS_KEY: checksums, **(extra_meta or {})}
+    meta = {
+        "format": FORMAT_VERSION,
+        "iteration": 0,
+        **layout_of(layout_topology(tp, pp)),
+        WEIGHTS_ONLY_KEY: True,
+        MODEL_CONFIG_KEY: dataclasses.asdict(cfg),
+        CHECKSUMS_KEY: checksums,
+        **(extra_meta or {}),
+    }
     write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     tmp.rename(final)
     write_atomically(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))

@@ -51,8 +51,9 @@ def base_weights(reader: CheckpointReader, cfg: ModelConfig) -> dict[str, torch.
     return consolidated_weights(imported, imported.model_config())
 
 
-def consolidated_weights(reader: CheckpointReader, cfg: ModelConfig, *,
-                         masters: bool = False) -> dict[str, torch.Tensor]:
+def consolidated_weights(
+    reader: CheckpointReader, cfg: ModelConfig, *, masters: bool = False
+) -> dict[str, torch.Tensor]:
     """Full weights keyed like the single-process model's parameters. `masters` takes the
     fp32 master copies of a bf16/fp16 run (the precise values the optimizer updates) instead
     of the rounded model weights."""
@@ -67,8 +68,7 @@ def consolidated_weights(reader: CheckpointReader, cfg: ModelConfig, *,
                 absent = [k for k in stage.keys if k not in part]
                 part = {**shard_for_rank(base, stage, cfg, reader.tp, tp_rank, absent), **part}
             parts.append(part)
-        merged.append(merge_tp_shards(parts, stage, f"{reader.path} (pipeline stage "
-                                                    f"{stage.pp_rank})"))
+        merged.append(merge_tp_shards(parts, stage, f"{reader.path} (pipeline stage {stage.pp_rank})"))
     return merge_stages(merged, cfg, str(reader.path))
 
 
@@ -81,6 +81,8 @@ def two_level_note(path: str) -> str | None:
     if outer.get("algorithm", "none") == "none":
         return None
     every = int(outer["sync_every"])
-    return (f"note: {reader.path} is a two-level ({outer['algorithm']}) checkpoint at iteration {reader.iteration}: "
-            f"exported are the islands' averaged parameters at the last outer sync (iteration "
-            f"{reader.iteration // every * every}, every {every} steps), not any island's own since")
+    return (
+        f"note: {reader.path} is a two-level ({outer['algorithm']}) checkpoint at iteration {reader.iteration}: "
+        f"exported are the islands' averaged parameters at the last outer sync (iteration "
+        f"{reader.iteration // every * every}, every {every} steps), not any island's own since"
+    )

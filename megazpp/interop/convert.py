@@ -49,9 +49,16 @@ def _copy_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def import_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, *, tp: int = 1,
-              pp: int = 1, seq_length: int | None = None, dtype: torch.dtype | None = None,
-              tokenizer_model: str | os.PathLike | None = None) -> Path:
+def import_hf(
+    hf_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    seq_length: int | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer_model: str | os.PathLike | None = None,
+) -> Path:
     """Convert; return the written checkpoint directory (`save_dir/iter_0000000`)."""
     hf_dir = Path(hf_dir)
     hf_config = read_json(hf_dir / CONFIG_FILE)
@@ -60,15 +67,15 @@ def import_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, *, tp: int
     if tokenizer_model or tokenizer.exists():
         check_tokenizer(tokenizer, cfg.vocab_size, hf_config)
     full = cast(hf_to_megazpp(WeightFiles(hf_dir), cfg, where=str(hf_dir)), dtype)
-    path = write_weights_checkpoint(save_dir, cfg, full, tp, pp,
-                                    {"source": f"Hugging Face Llama {hf_dir.resolve()}"})
+    path = write_weights_checkpoint(save_dir, cfg, full, tp, pp, {"source": f"Hugging Face Llama {hf_dir.resolve()}"})
     if tokenizer.exists():
         _copy_file(tokenizer, Path(save_dir) / TOKENIZER_FILE)
     return path
 
 
-def _full_weights(load: str | os.PathLike, cfg: ModelConfig | None, masters: bool,
-                  dtype: torch.dtype | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _full_weights(
+    load: str | os.PathLike, cfg: ModelConfig | None, masters: bool, dtype: torch.dtype | None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = CheckpointReader(load)
     model_cfg = reader.model_config(cfg)
     full = consolidated_weights(reader, model_cfg, masters=masters)
@@ -78,14 +85,21 @@ def _full_weights(load: str | os.PathLike, cfg: ModelConfig | None, masters: boo
     return model_cfg, cast(full, dtype)
 
 
-def export_hf(load: str | os.PathLike, out_dir: str | os.PathLike, *,
-              cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-              masters: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              tokenizer_model: str | os.PathLike | None = None) -> Path:
+def export_hf(
+    load: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    cfg: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    masters: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_model: str | os.PathLike | None = None,
+) -> Path:
     """Write config.json + safetensors weights (+ tokenizer.model) into `out_dir`."""
     out = Path(out_dir)
-    refuse_existing(out / CONFIG_FILE, CheckpointError, found="already exists (a model)",
-                    instead="choose a new directory")
+    refuse_existing(
+        out / CONFIG_FILE, CheckpointError, found="already exists (a model)", instead="choose a new directory"
+    )
     model_cfg, full = _full_weights(load, cfg, masters, dtype)
     hf_weights = megazpp_to_hf(full, model_cfg)
     if tokenizer_model:
@@ -100,14 +114,18 @@ def export_hf(load: str | os.PathLike, out_dir: str | os.PathLike, *,
     return out
 
 
-def export_safetensors(load: str | os.PathLike, output: str | os.PathLike, *,
-                       cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-                       masters: bool = False) -> Path:
+def export_safetensors(
+    load: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    cfg: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    masters: bool = False,
+) -> Path:
     """One safetensors file of full weights, megazpp names, model config in its metadata."""
     out = Path(output)
     refuse_existing(out, CheckpointError, instead="choose a new file")
     model_cfg, full = _full_weights(load, cfg, masters, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out, full, {"format": "pt", SAFETENSORS_CONFIG_KEY:
-                                  json.dumps(dataclasses.asdict(model_cfg))})
+    write_safetensors(out, full, {"format": "pt", SAFETENSORS_CONFIG_KEY: json.dumps(dataclasses.asdict(model_cfg))})
     return out

@@ -31,16 +31,47 @@ from megazpp.errors import CheckpointError, ConfigError, MegazppError, required
 from megazpp.model.config import ModelConfig
 
 # Fields that describe the file or generation defaults, not the function the weights compute.
-_IGNORED_FIELDS = frozenset({
-    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "tokenizer_class", "use_cache",
-    "initializer_range", "pretraining_tp", "output_attentions", "output_hidden_states",
-    "return_dict"})
-_MAPPED_FIELDS = frozenset({
-    "model_type", "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act", "attention_bias",
-    "mlp_bias", "attention_dropout"})
+_IGNORED_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tokenizer_class",
+        "use_cache",
+        "initializer_range",
+        "pretraining_tp",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+_MAPPED_FIELDS = frozenset(
+    {
+        "model_type",
+        "max_position_embeddings",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "attention_dropout",
+    }
+)
 _DEFAULT_ROPE_THETA = 10000.0
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -58,10 +89,10 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     """rope_theta from the legacy top-level field or transformers 5's `rope_parameters`;
     any RoPE variant other than the default (llama3, linear, dynamic, yarn...) is refused."""
     scaling = hf.get("rope_scaling")
-    if scaling is not None and (not isinstance(scaling, dict) or
-                                scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise ConfigError(f"{where}: rope_scaling = {scaling!r} is not supported (megazpp "
-                          "implements plain RoPE only)")
+    if scaling is not None and (
+        not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "default"
+    ):
+        raise ConfigError(f"{where}: rope_scaling = {scaling!r} is not supported (megazpp implements plain RoPE only)")
     theta = hf.get("rope_theta")
     params = hf.get("rope_parameters")
     if params is not None:
@@ -69,18 +100,20 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
             raise ConfigError(f"{where}: rope_parameters = {params!r}: expected an object")
         extra = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
         if params.get("rope_type", "default") != "default" or extra:
-            raise ConfigError(f"{where}: rope_parameters = {params!r} is not supported (megazpp "
-                              "implements plain RoPE only: rope_type 'default', rope_theta)")
+            raise ConfigError(
+                f"{where}: rope_parameters = {params!r} is not supported (megazpp "
+                "implements plain RoPE only: rope_type 'default', rope_theta)"
+            )
         nested = params.get("rope_theta")
         if theta is not None and nested is not None and float(theta) != float(nested):
-            raise ConfigError(f"{where}: rope_theta = {theta!r} contradicts "
-                              f"rope_parameters.rope_theta = {nested!r}")
+            raise ConfigError(f"{where}: rope_theta = {theta!r} contradicts rope_parameters.rope_theta = {nested!r}")
         theta = nested if nested is not None else theta
     return float(_DEFAULT_ROPE_THETA if theta is None else theta)
 
 
-def model_config_from_hf(hf: Mapping[str, Any], *, seq_length: int | None = None,
-                         where: str = "config.json") -> ModelConfig:
+def model_config_from_hf(
+    hf: Mapping[str, Any], *, seq_length: int | None = None, where: str = "config.json"
+) -> ModelConfig:
     """The megazpp ModelConfig computing the same function as HF Llama config `hf`.
 
     `seq_length` defaults to the checkpoint's max_position_embeddings (RoPE has no table, so
@@ -95,44 +128,49 @@ def model_config_from_hf(hf: Mapping[str, Any], *, seq_length: int | None = None
         raise ConfigError(f"{where}: a field has the wrong type or value ({exc})") from exc
 
 
-def _model_config_from_hf(hf: Mapping[str, Any], seq_length: int | None,
-                          where: str) -> ModelConfig:
+def _model_config_from_hf(hf: Mapping[str, Any], seq_length: int | None, where: str) -> ModelConfig:
     unknown = sorted(set(hf) - _IGNORED_FIELDS - _MAPPED_FIELDS)
     if unknown:
-        raise ConfigError(f"{where}: field {unknown[0]!r} = {hf[unknown[0]]!r} is not understood "
-                          f"by the Llama converter (unknown fields: {unknown})")
+        raise ConfigError(
+            f"{where}: field {unknown[0]!r} = {hf[unknown[0]]!r} is not understood "
+            f"by the Llama converter (unknown fields: {unknown})"
+        )
     model_type = _require(hf, "model_type", where)
     if model_type != "llama":
-        raise ConfigError(f"{where}: model_type = {model_type!r} is not supported (expected "
-                          "'llama')")
+        raise ConfigError(f"{where}: model_type = {model_type!r} is not supported (expected 'llama')")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{where}: hidden_act = {act!r} is not supported (megazpp's Llama "
-                          "MLP is SwiGLU: 'silu')")
+        raise ConfigError(f"{where}: hidden_act = {act!r} is not supported (megazpp's Llama MLP is SwiGLU: 'silu')")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key, False):
-            raise ConfigError(f"{where}: {key} = {hf[key]!r} is not supported (megazpp's Llama "
-                              "has no biases)")
+            raise ConfigError(f"{where}: {key} = {hf[key]!r} is not supported (megazpp's Llama has no biases)")
     hidden = _require(hf, "hidden_size", where)
     heads = _require(hf, "num_attention_heads", where)
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
-        raise ConfigError(f"{where}: head_dim = {head_dim} is not hidden_size / "
-                          f"num_attention_heads = {hidden} / {heads} (megazpp derives the head "
-                          "size from them)")
+        raise ConfigError(
+            f"{where}: head_dim = {head_dim} is not hidden_size / "
+            f"num_attention_heads = {hidden} / {heads} (megazpp derives the head "
+            "size from them)"
+        )
     max_positions = hf.get("max_position_embeddings")
     length = seq_length if seq_length is not None else max_positions
     if length is None:
-        raise ConfigError(f"{where}: max_position_embeddings is missing; give the sequence "
-                          "length explicitly")
+        raise ConfigError(f"{where}: max_position_embeddings is missing; give the sequence length explicitly")
     cfg = ModelConfig(
-        arch="llama", num_layers=_require(hf, "num_hidden_layers", where), hidden_size=hidden,
-        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        arch="llama",
+        num_layers=_require(hf, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=_require(hf, "intermediate_size", where),
-        vocab_size=_require(hf, "vocab_size", where), seq_length=length,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf, where),
+        vocab_size=_require(hf, "vocab_size", where),
+        seq_length=length,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(hf, where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_dropout=float(hf.get("attention_dropout", 0.0)))
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+    )
     try:
         return cfg.validate()
     except ConfigError as exc:
@@ -141,11 +179,9 @@ def _model_config_from_hf(hf: Mapping[str, Any], seq_length: int | None,
 
 def check_exportable(cfg: ModelConfig) -> None:
     if not cfg.is_llama:
-        raise ConfigError(f"model.arch = {cfg.arch!r}: only 'llama' models export to Hugging "
-                          "Face Llama")
+        raise ConfigError(f"model.arch = {cfg.arch!r}: only 'llama' models export to Hugging Face Llama")
     if cfg.num_experts:
-        raise ConfigError(f"model.num_experts = {cfg.num_experts}: MoE models have no Hugging "
-                          "Face Llama equivalent")
+        raise ConfigError(f"model.num_experts = {cfg.num_experts}: MoE models have no Hugging Face Llama equivalent")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -153,15 +189,23 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]
     and as rope_parameters (transformers 5), so either version reads the same model."""
     check_exportable(cfg)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
         "attention_dropout": cfg.attention_dropout,
-        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": cfg.seq_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": bool(cfg.tie_embeddings),
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -187,13 +231,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
     return torch.cat([q, k, v], dim=1).reshape(-1, cfg.hidden_size)
 
 
-def split_qkv(qkv: torch.Tensor,
-              cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv`."""
     groups, d = required(cfg.num_query_groups, "model.num_query_groups"), cfg.head_dim
     per_group = cfg.num_attention_heads // groups
-    q, k, v = qkv.reshape(groups, (per_group + 2) * d, cfg.hidden_size).split(
-        [per_group * d, d, d], dim=1)
+    q, k, v = qkv.reshape(groups, (per_group + 2) * d, cfg.hidden_size).split([per_group * d, d, d], dim=1)
     q = pairs_to_rotate_half(q.reshape(-1, cfg.hidden_size), cfg.num_attention_heads, d)
     k = pairs_to_rotate_half(k.reshape(-1, cfg.hidden_size), groups, d)
     return q.contiguous(), k.contiguous(), v.reshape(-1, cfg.hidden_size).contiguous()
@@ -218,8 +260,9 @@ def _top_level_renames(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def hf_to_megazpp(hf: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                  where: str = "checkpoint") -> dict[str, torch.Tensor]:
+def hf_to_megazpp(
+    hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
     """HF LlamaForCausalLM weights (any mapping name -> tensor, read lazily) -> megazpp's
     full weights. Every HF tensor must be used: a leftover means a layout this converter does
     not understand, and dropping it would change the model."""
@@ -240,13 +283,15 @@ def hf_to_megazpp(hf: Mapping[str, torch.Tensor], cfg: ModelConfig,
         out[f"layers.{i}.attention.qkv.weight"] = fuse_qkv(q, k, v, cfg)
     if cfg.tie_embeddings and "lm_head.weight" in hf:
         if not torch.equal(take("lm_head.weight"), out[EMBEDDING]):
-            raise CheckpointError(f"{where}: tie_word_embeddings is true but lm_head.weight "
-                                  "differs from model.embed_tokens.weight")
-    leftover = sorted(n for n in hf if n not in expected
-                      and not n.endswith(_DERIVED_HF_TENSOR_SUFFIX))
+            raise CheckpointError(
+                f"{where}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
+            )
+    leftover = sorted(n for n in hf if n not in expected and not n.endswith(_DERIVED_HF_TENSOR_SUFFIX))
     if leftover:
-        raise CheckpointError(f"{where}: tensor {leftover[0]!r} is not part of a Llama model "
-                              f"with this config.json ({len(leftover)} unexpected tensors)")
+        raise CheckpointError(
+            f"{where}: tensor {leftover[0]!r} is not part of a Llama model "
+            f"with this config.json ({len(leftover)} unexpected tensors)"
+        )
     return out
 
 

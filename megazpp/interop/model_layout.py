@@ -62,14 +62,14 @@ class StageLayout:
         return torch.Size(shape)
 
 
-def layout_topology(tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0, *, dp: int = 1,
-                    dp_rank: int = 0) -> Topology:
+def layout_topology(tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0, *, dp: int = 1, dp_rank: int = 0) -> Topology:
     """The Topology rank (tp_rank, dp_rank, pp_rank) of a tp x dp x pp world would have, for
     naming its checkpoint file and finding its layers, without any process group (the
     converters run in one process)."""
     world = tp * pp * dp
-    return Topology(rank=tp_rank + tp * (dp_rank + dp * pp_rank), world_size=world, tp=tp,
-                    pp=pp, dp=dp, ranks_per_node=world)
+    return Topology(
+        rank=tp_rank + tp * (dp_rank + dp * pp_rank), world_size=world, tp=tp, pp=pp, dp=dp, ranks_per_node=world
+    )
 
 
 def stage_layouts(cfg: ModelConfig, tp: int, pp: int) -> list[StageLayout]:
@@ -79,16 +79,20 @@ def stage_layouts(cfg: ModelConfig, tp: int, pp: int) -> list[StageLayout]:
     for pp_rank in range(pp):
         topo = layout_topology(tp, pp, pp_rank=pp_rank)
         with torch.device("meta"):
-            model = GPTModel(cfg, pre_process=topo.is_first_stage,
-                             post_process=topo.is_last_stage,
-                             layer_range=topo.layer_range(cfg.num_layers))
+            model = GPTModel(
+                cfg,
+                pre_process=topo.is_first_stage,
+                post_process=topo.is_last_stage,
+                layer_range=topo.layer_range(cfg.num_layers),
+            )
         dims: dict[str, int | None] = {}
         for module_name, module in model.named_modules():
             for param_name, dim in _split_dims(module).items():
                 dims[f"{module_name}.{param_name}" if module_name else param_name] = dim
         shapes = {k: v.shape for k, v in model.state_dict().items()}
-        stages.append(StageLayout(pp_rank, shapes, {k: dims.get(k) for k in shapes},
-                                  [n for n, _ in model.named_parameters()]))
+        stages.append(
+            StageLayout(pp_rank, shapes, {k: dims.get(k) for k in shapes}, [n for n, _ in model.named_parameters()])
+        )
     return stages
 
 
@@ -101,8 +105,14 @@ def _full_source(key: str, cfg: ModelConfig) -> str:
     return EMBEDDING_WEIGHT if cfg.tie_embeddings and key == TIED_OUTPUT_WEIGHT else key
 
 
-def shard_for_rank(full: Mapping[str, torch.Tensor], stage: StageLayout, cfg: ModelConfig,
-                   tp: int, tp_rank: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def shard_for_rank(
+    full: Mapping[str, torch.Tensor],
+    stage: StageLayout,
+    cfg: ModelConfig,
+    tp: int,
+    tp_rank: int,
+    keys: Iterable[str] | None = None,
+) -> dict[str, torch.Tensor]:
     """The state dict of the model part on (tp_rank, stage), cut from full weights (only its
     `keys` when given)."""
     out = {}
@@ -112,15 +122,17 @@ def shard_for_rank(full: Mapping[str, torch.Tensor], stage: StageLayout, cfg: Mo
             raise CheckpointError(f"full weights lack {source!r}")
         tensor = full[source]
         if tensor.shape != stage.full_shapes[key]:
-            raise CheckpointError(f"{source!r} has shape {tuple(tensor.shape)}, the model "
-                                  f"expects {tuple(stage.full_shapes[key])}")
+            raise CheckpointError(
+                f"{source!r} has shape {tuple(tensor.shape)}, the model expects {tuple(stage.full_shapes[key])}"
+            )
         dim = stage.split_dims[key]
         out[key] = tensor if dim is None else tensor.chunk(tp, dim=dim)[tp_rank].clone()
     return out
 
 
-def merge_tp_shards(shards: list[Mapping[str, torch.Tensor]], stage: StageLayout,
-                    where: str) -> dict[str, torch.Tensor]:
+def merge_tp_shards(
+    shards: list[Mapping[str, torch.Tensor]], stage: StageLayout, where: str
+) -> dict[str, torch.Tensor]:
     """Inverse of `shard_for_rank` over all TP ranks of a stage. Every key must be present
     with its shard shape; replicated tensors must agree across ranks (if they do not, the
     checkpoint is inconsistent and any choice would silently pick one)."""
@@ -136,7 +148,8 @@ def merge_tp_shards(shards: list[Mapping[str, torch.Tensor]], stage: StageLayout
                 raise CheckpointError(
                     f"{where}: tp rank {tp_rank} holds {key!r} with shape {tuple(piece.shape)}, "
                     f"expected {tuple(stage.shard_shape(key, tp))} (full "
-                    f"{tuple(stage.full_shapes[key])} at tp={tp}); different model config?")
+                    f"{tuple(stage.full_shapes[key])} at tp={tp}); different model config?"
+                )
             pieces.append(piece)
         dim = stage.split_dims[key]
         if dim is not None:
@@ -144,18 +157,17 @@ def merge_tp_shards(shards: list[Mapping[str, torch.Tensor]], stage: StageLayout
             continue
         for tp_rank, piece in enumerate(pieces[1:], start=1):
             if not torch.equal(piece, pieces[0]):
-                raise CheckpointError(f"{where}: replicated tensor {key!r} differs between "
-                                      f"tp ranks 0 and {tp_rank}")
+                raise CheckpointError(f"{where}: replicated tensor {key!r} differs between tp ranks 0 and {tp_rank}")
         out[key] = pieces[0]
     extra = sorted(set().union(*map(set, shards)) - set(stage.keys))
     if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (different model "
-                              "config?)")
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (different model config?)")
     return out
 
 
-def merge_stages(stage_weights: list[Mapping[str, torch.Tensor]], cfg: ModelConfig,
-                 where: str) -> dict[str, torch.Tensor]:
+def merge_stages(
+    stage_weights: list[Mapping[str, torch.Tensor]], cfg: ModelConfig, where: str
+) -> dict[str, torch.Tensor]:
     """Full weights from each stage's (TP-merged) tensors. A tied output layer held by the
     last stage must equal the first stage's embedding (the pipeline keeps them in sync)."""
     merged: dict[str, torch.Tensor] = {}
@@ -167,7 +179,8 @@ def merge_stages(stage_weights: list[Mapping[str, torch.Tensor]], cfg: ModelConf
     if cfg.tie_embeddings and len(stage_weights) > 1:
         copy = stage_weights[-1].get(TIED_OUTPUT_WEIGHT)
         if copy is not None and not torch.equal(copy, merged[EMBEDDING_WEIGHT]):
-            raise CheckpointError(f"{where}: the last stage's tied output weight differs from "
-                                  "the first stage's embedding")
+            raise CheckpointError(
+                f"{where}: the last stage's tied output weight differs from the first stage's embedding"
+            )
     names = full_weight_names(cfg)
     return {name: merged[name] for name in names}

@@ -40,9 +40,11 @@ from megazpp.zero.engine import ZeroEngine
 def _reader(path: str | os.PathLike, topology: Topology) -> CheckpointReader:
     reader = CheckpointReader(path)
     if (reader.tp, reader.pp) != (topology.tp, topology.pp):
-        raise CheckpointError(f"{reader.path}: saved with tp {reader.tp}, pp {reader.pp}; this run has "
-                              f"tp {topology.tp}, pp {topology.pp} (resharding changes only the "
-                              "data-parallel layout; change tp/pp by export and import)")
+        raise CheckpointError(
+            f"{reader.path}: saved with tp {reader.tp}, pp {reader.pp}; this run has "
+            f"tp {topology.tp}, pp {topology.pp} (resharding changes only the "
+            "data-parallel layout; change tp/pp by export and import)"
+        )
     return reader
 
 
@@ -57,10 +59,18 @@ def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology)
         return isinstance(saved, dict) and "strategy" in saved
     if not isinstance(saved, dict) or "strategy" not in saved:
         return True
-    mine = (engine.strategy.name, engine.groups.dp_size, engine.groups.group_size,
-            [b.layout.describe() for b in engine.buckets])
-    return (saved["strategy"], saved.get("dp"), saved.get("k"),
-            [b.get("layout") for b in saved.get("buckets", [])]) != mine
+    mine = (
+        engine.strategy.name,
+        engine.groups.dp_size,
+        engine.groups.group_size,
+        [b.layout.describe() for b in engine.buckets],
+    )
+    return (
+        saved["strategy"],
+        saved.get("dp"),
+        saved.get("k"),
+        [b.get("layout") for b in saved.get("buckets", [])],
+    ) != mine
 
 
 def needs_reshard(path: str | os.PathLike, engine: Engine, topology: Topology) -> bool:
@@ -78,8 +88,9 @@ def needs_reshard(path: str | os.PathLike, engine: Engine, topology: Topology) -
     return any(a for a, _ in answers)
 
 
-def load_resharded(path: str | os.PathLike, topology: Topology, model: torch.nn.Module,
-                   engine: ZeroEngine) -> LoadedCheckpoint:
+def load_resharded(
+    path: str | os.PathLike, topology: Topology, model: torch.nn.Module, engine: ZeroEngine
+) -> LoadedCheckpoint:
     """Collectively read checkpoint `path` for this rank of a run with another DP layout: the
     returned state resumes through `Trainer.resume` like one of this run's own checkpoints.
 
@@ -91,8 +102,10 @@ def load_resharded(path: str | os.PathLike, topology: Topology, model: torch.nn.
     try:
         reader = _reader(path, topology)
         if not isinstance(engine, ZeroEngine):
-            raise CheckpointError(f"{reader.path}: resharding resumes into the ZeRO engine; this run "
-                                  "uses LocalEngine (set a zero stage or paro_strategy)")
+            raise CheckpointError(
+                f"{reader.path}: resharding resumes into the ZeRO engine; this run "
+                "uses LocalEngine (set a zero stage or paro_strategy)"
+            )
         part = full_part_state(reader, topology.tp_rank, topology.pp_rank)
         base = reader.rank_state(topology.tp_rank, topology.pp_rank, 0)
         verdict = ""
@@ -112,6 +125,5 @@ def load_resharded(path: str | os.PathLike, topology: Topology, model: torch.nn.
             model_state[key] = now  # released by the engine: its load fills the shard
         else:
             model_state[key] = base["model"][key]  # a buffer, identical on every DP rank
-    state = {**base, "model": model_state, "engine": part.engine_state(),
-             "layout": layout_of(topology)}
+    state = {**base, "model": model_state, "engine": part.engine_state(), "layout": layout_of(topology)}
     return LoadedCheckpoint(Path(reader.path), dict(reader.meta), state)

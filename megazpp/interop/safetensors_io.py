@@ -55,8 +55,7 @@ def _index_files(directory: Path, index_name: str) -> dict[str, Path]:
     for name, file in weight_map.items():
         path = directory / str(file)
         if path.parent != directory or not path.is_file():
-            raise CheckpointError(f"{index}: tensor {name!r} is listed in {file!r}, which is "
-                                  f"not a file in {directory}")
+            raise CheckpointError(f"{index}: tensor {name!r} is listed in {file!r}, which is not a file in {directory}")
         files[name] = path
     return files
 
@@ -71,16 +70,17 @@ def _weight_files(directory: Path) -> tuple[str, dict[str, Path] | list[Path]]:
         return "pickle", _index_files(directory, PICKLE_INDEX)
     if (directory / PICKLE_SINGLE).exists():
         return "pickle", [directory / PICKLE_SINGLE]
-    raise CheckpointError(f"{directory}: no weights found (expected {SAFETENSORS_SINGLE}, "
-                          f"{SAFETENSORS_INDEX}, {PICKLE_SINGLE} or {PICKLE_INDEX})")
+    raise CheckpointError(
+        f"{directory}: no weights found (expected {SAFETENSORS_SINGLE}, "
+        f"{SAFETENSORS_INDEX}, {PICKLE_SINGLE} or {PICKLE_INDEX})"
+    )
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # any unpickling failure means an unusable (or unsafe) file
-        raise CheckpointError(f"{path}: cannot be loaded as plain tensors "
-                              f"({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"{path}: cannot be loaded as plain tensors ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a flat name -> tensor dictionary")
     return state
@@ -103,8 +103,9 @@ class WeightFiles(Mapping):
         if isinstance(files, dict):
             for name, path in files.items():
                 if self._where.get(name) != path:
-                    raise CheckpointError(f"{self.directory}: index lists tensor {name!r} in "
-                                          f"{path.name}, which does not contain it")
+                    raise CheckpointError(
+                        f"{self.directory}: index lists tensor {name!r} in {path.name}, which does not contain it"
+                    )
 
     @staticmethod
     def _open(kind: str, path: Path) -> Any:
@@ -142,11 +143,11 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
     _replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=2) + "\n"))
 
 
-def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """One safetensors file (tensors made contiguous and unshared, as the format needs)."""
-    plain = {name: t.detach().clone() if _shares_storage(t) else t.detach().contiguous()
-             for name, t in tensors.items()}
+    plain = {name: t.detach().clone() if _shares_storage(t) else t.detach().contiguous() for name, t in tensors.items()}
 
     def write(tmp: Path) -> None:
         save_file(plain, str(tmp), metadata=metadata)
@@ -169,8 +170,9 @@ def _shares_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
 
 
-def write_hf_weights(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+def write_hf_weights(
+    directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[Path]:
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus the index when
     the total exceeds `max_shard_bytes` (HF's own naming, so any HF loader finds them)."""
     out = Path(directory)
@@ -194,6 +196,5 @@ def write_hf_weights(directory: str | os.PathLike, tensors: Mapping[str, torch.T
         paths.append(path)
         weight_map.update({name: path.name for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(out / SAFETENSORS_INDEX, {"metadata": {"total_size": total},
-                                         "weight_map": weight_map})
+    write_json(out / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return paths

@@ -17,14 +17,17 @@ from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
 
 
-def check_tokenizer(tokenizer_model: str | os.PathLike, vocab_size: int,
-                    hf_config: Mapping[str, Any] | None = None) -> Tokenizer:
+def check_tokenizer(
+    tokenizer_model: str | os.PathLike, vocab_size: int, hf_config: Mapping[str, Any] | None = None
+) -> Tokenizer:
     """Load the tokenizer and check it against the model's vocabulary (and the HF config's
     special ids, when given); raise DataError naming the mismatch."""
     tokenizer = Tokenizer(tokenizer_model)
     if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"tokenizer model {tokenizer_model} has {tokenizer.vocab_size} pieces, "
-                        f"more than the model's vocab_size {vocab_size}")
+        raise DataError(
+            f"tokenizer model {tokenizer_model} has {tokenizer.vocab_size} pieces, "
+            f"more than the model's vocab_size {vocab_size}"
+        )
     for key, actual in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)):
         expected = (hf_config or {}).get(key)
         if isinstance(expected, list):  # Llama 3 style: several eos ids; ours must be one of them
@@ -32,6 +35,8 @@ def check_tokenizer(tokenizer_model: str | os.PathLike, vocab_size: int,
         else:
             ok = expected is None or actual == expected
         if not ok:
-            raise DataError(f"tokenizer model {tokenizer_model}: {key.removesuffix('_token_id')} "
-                            f"id is {actual}, but config.json has {key} = {expected!r}")
+            raise DataError(
+                f"tokenizer model {tokenizer_model}: {key.removesuffix('_token_id')} "
+                f"id is {actual}, but config.json has {key} = {expected!r}"
+            )
     return tokenizer

@@ -49,11 +49,17 @@ class FullPartState:
     def engine_state(self) -> dict[str, Any]:
         """The input of `ZeroEngine.load_state_dict` for a layout other than the saved one."""
         has_moments = self.adam_step is not None
-        return {"format": FULL_STATE_FORMAT, "source": self.source, "step_count": self.step_count,
-                "loss_scaler": self.loss_scaler, "adam_step": self.adam_step,
-                "params": self.tensors["params"], "masters": self.tensors["masters"],
-                "exp_avg": self.tensors["exp_avg"] if has_moments else None,
-                "exp_avg_sq": self.tensors["exp_avg_sq"] if has_moments else None}
+        return {
+            "format": FULL_STATE_FORMAT,
+            "source": self.source,
+            "step_count": self.step_count,
+            "loss_scaler": self.loss_scaler,
+            "adam_step": self.adam_step,
+            "params": self.tensors["params"],
+            "masters": self.tensors["masters"],
+            "exp_avg": self.tensors["exp_avg"] if has_moments else None,
+            "exp_avg_sq": self.tensors["exp_avg_sq"] if has_moments else None,
+        }
 
 
 OUTER_KEY = "outer"  # two-level training's state in a rank's engine state (megazpp.outer.diloco)
@@ -74,7 +80,7 @@ def _at_last_sync(engine: dict[str, Any]) -> dict[str, Any]:
     for b in engine["buckets"]:
         masters = []
         for m in b["masters"]:
-            masters.append(snapshot[start:start + m.numel()].view_as(m).clone())
+            masters.append(snapshot[start : start + m.numel()].view_as(m).clone())
             start += m.numel()
         if masters:  # a frozen bucket (no masters) keeps its parameters: they never change
             b = {**b, "masters": masters, "param_store": None, "param_dtype": b["param_store"].dtype}
@@ -92,26 +98,33 @@ def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[
         file = reader.rank_file(tp_rank, pp_rank, dp_rank)
         state = reader.rank_state(tp_rank, pp_rank, dp_rank)
         if state.get("iteration") != reader.iteration:
-            raise CheckpointError(f"{file}: holds iteration {state.get('iteration')}, the checkpoint's "
-                                  f"metadata says {reader.iteration}")
+            raise CheckpointError(
+                f"{file}: holds iteration {state.get('iteration')}, the checkpoint's metadata says {reader.iteration}"
+            )
         engine = state.get("engine")
         if not isinstance(engine, dict) or "strategy" not in engine:
             raise CheckpointError(f"{file}: holds no ZeRO engine state to reassemble")
         if "optimizer_slots" not in engine or any("ranges" not in b for b in engine["buckets"]):
-            raise CheckpointError(f"{file}: ZeRO state (strategy {engine['strategy']}) without shard "
-                                  "placement (saved by an older megazpp): its shards cannot be "
-                                  "reassembled; it resumes only at its own layout")
+            raise CheckpointError(
+                f"{file}: ZeRO state (strategy {engine['strategy']}) without shard "
+                "placement (saved by an older megazpp): its shards cannot be "
+                "reassembled; it resumes only at its own layout"
+            )
         if engine["dp_rank"] != dp_rank or engine["dp"] != dp:
-            raise CheckpointError(f"{file}: engine state of dp rank {engine['dp_rank']} of "
-                                  f"{engine['dp']}, expected {dp_rank} of {dp}")
+            raise CheckpointError(
+                f"{file}: engine state of dp rank {engine['dp_rank']} of {engine['dp']}, expected {dp_rank} of {dp}"
+            )
         states.append(_at_last_sync(engine) if islands > 1 else engine)
+
     def shared(engine: dict[str, Any]) -> list[dict[str, Any]]:
         return [{k: v for k, v in b["layout"].items() if k != "dp_index"} for b in engine["buckets"]]
 
     for dp_rank, engine in enumerate(states[1:], start=1):
         if shared(engine) != shared(states[0]):
-            raise CheckpointError(f"{reader.rank_file(tp_rank, pp_rank, dp_rank)}: bucket layouts "
-                                  f"differ from dp rank 0's (files of different runs?)")
+            raise CheckpointError(
+                f"{reader.rank_file(tp_rank, pp_rank, dp_rank)}: bucket layouts "
+                f"differ from dp rank 0's (files of different runs?)"
+            )
     return states
 
 
@@ -126,8 +139,7 @@ def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str,
         if kind not in flats:
             flats[kind] = torch.zeros(padded, dtype=tensor.dtype)
         if hi - lo != tensor.numel():
-            raise CheckpointError(f"{where}: {kind} piece of {tensor.numel()} elements for range "
-                                  f"[{lo}, {hi})")
+            raise CheckpointError(f"{where}: {kind} piece of {tensor.numel()} elements for range [{lo}, {hi})")
         flats[kind][lo:hi] = tensor.reshape(-1)
         covered[kind][lo:hi] = True
 
@@ -151,10 +163,13 @@ def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str,
             continue
         missing = (~covered[kind][:numel]).nonzero()
         if len(missing):
-            raise CheckpointError(f"{where}: bucket {layout['names'][:1]}... {kind}: no rank file "
-                                  f"covers flat element {int(missing[0])}")
-        out[kind] = {name: flats[kind][off:off + torch.Size(shape).numel()].view(shape)
-                     for name, off, shape in zip(layout["names"], layout["offsets"], layout["shapes"])}
+            raise CheckpointError(
+                f"{where}: bucket {layout['names'][:1]}... {kind}: no rank file covers flat element {int(missing[0])}"
+            )
+        out[kind] = {
+            name: flats[kind][off : off + torch.Size(shape).numel()].view(shape)
+            for name, off, shape in zip(layout["names"], layout["offsets"], layout["shapes"])
+        }
     return out
 
 
@@ -182,12 +197,18 @@ def full_part_state(reader: PartReader, tp_rank: int, pp_rank: int) -> FullPartS
     step = _adam_step(states)
     if step is not None and len(tensors["exp_avg"]) != len(tensors["masters"]):
         raise CheckpointError(f"{where}: Adam moments saved for only some parameters")
-    return FullPartState(tensors, step, int(first["step_count"]), first.get("loss_scaler"),
-                         f"strategy {first['strategy']}, dp {first['dp']}, paro group {first['k']}")
+    return FullPartState(
+        tensors,
+        step,
+        int(first["step_count"]),
+        first.get("loss_scaler"),
+        f"strategy {first['strategy']}, dp {first['dp']}, paro group {first['k']}",
+    )
 
 
-def consolidated_part(reader: PartReader, tp_rank: int, pp_rank: int,
-                      model: dict[str, torch.Tensor], masters: bool) -> dict[str, torch.Tensor]:
+def consolidated_part(
+    reader: PartReader, tp_rank: int, pp_rank: int, model: dict[str, torch.Tensor], masters: bool
+) -> dict[str, torch.Tensor]:
     """DP rank 0's `model` state of a ZeRO part with every parameter whole (from the shards;
     the fp32 masters instead with `masters`). A tied output layer is the embedding's tensor."""
     full = full_part_state(reader, tp_rank, pp_rank).tensors["masters" if masters else "params"]

@@ -31,8 +31,16 @@ from megazpp.errors import LaunchError
 from megazpp.launch.node import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
-FORWARDED = ("CONFIG", "DATA_DIR", "VOCAB_SIZE", "PYTHON", "PYTHONPATH", "MAX_RESTARTS",
-             "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+FORWARDED = (
+    "CONFIG",
+    "DATA_DIR",
+    "VOCAB_SIZE",
+    "PYTHON",
+    "PYTHONPATH",
+    "MAX_RESTARTS",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
 FORWARDED_PREFIXES = ("MEGAZPP_", "NCCL_", "GLOO_", "TORCH_")
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
@@ -57,8 +65,9 @@ def parse_hostfile(path: Path) -> list[Host]:
             continue
         slots = words[1].removeprefix("slots=") if len(words) == 2 else ""
         if not (words[1:] and words[1].startswith("slots=") and slots.isdigit() and int(slots) > 0):
-            raise LaunchError(f"hostfile {path} line {number}: expected 'HOST slots=N' with N > 0, "
-                              f"got {line.strip()!r}")
+            raise LaunchError(
+                f"hostfile {path} line {number}: expected 'HOST slots=N' with N > 0, got {line.strip()!r}"
+            )
         if any(h.name == words[0] for h in hosts):
             raise LaunchError(f"hostfile {path} line {number}: host {words[0]!r} is listed twice")
         hosts.append(Host(words[0], int(slots)))
@@ -66,8 +75,10 @@ def parse_hostfile(path: Path) -> list[Host]:
         raise LaunchError(f"hostfile {path}: no 'HOST slots=N' line")
     if len({h.slots for h in hosts}) > 1:
         counts = ", ".join(f"{h.name}: {h.slots}" for h in hosts)
-        raise LaunchError(f"hostfile {path}: hosts have different slot counts ({counts}); megazpp runs the "
-                          f"same number of ranks on every node")
+        raise LaunchError(
+            f"hostfile {path}: hosts have different slot counts ({counts}); megazpp runs the "
+            f"same number of ranks on every node"
+        )
     return hosts
 
 
@@ -82,8 +93,9 @@ def remote_shell() -> list[str]:
         return ["pdsh", "-S", "-N", "-w"]
     if shutil.which("ssh"):
         return ["ssh", "-o", "BatchMode=yes"]
-    raise LaunchError("neither pdsh nor ssh is installed: set MEGAZPP_RSH to a command that runs "
-                      "'HOST CMDLINE' on a host")
+    raise LaunchError(
+        "neither pdsh nor ssh is installed: set MEGAZPP_RSH to a command that runs 'HOST CMDLINE' on a host"
+    )
 
 
 def forwarded_env(env: dict[str, str]) -> dict[str, str]:
@@ -108,24 +120,52 @@ class Launch:
         return f"/tmp/megazpp-launch-{self.launch_id}-node{node_rank}.pid"
 
     def run_line(self, node_rank: int, run_args: list[str]) -> str:
-        node_env = {**self.env, "NNODES": str(len(self.hosts)), "NODE_RANK": str(node_rank),
-                    "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
-                    "NPROC_PER_NODE": str(self.hosts[node_rank].slots)}
+        node_env = {
+            **self.env,
+            "NNODES": str(len(self.hosts)),
+            "NODE_RANK": str(node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "NPROC_PER_NODE": str(self.hosts[node_rank].slots),
+        }
         assignments = [f"{k}={v}" for k, v in node_env.items()]
-        command = ["env", *assignments, self.python, "-m", "megazpp.launch.node", "--pidfile",
-                   self.pidfile(node_rank), "--", "bash", "run.sh", *run_args]
+        command = [
+            "env",
+            *assignments,
+            self.python,
+            "-m",
+            "megazpp.launch.node",
+            "--pidfile",
+            self.pidfile(node_rank),
+            "--",
+            "bash",
+            "run.sh",
+            *run_args,
+        ]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
     def stop_line(self, node_rank: int) -> str:
-        command = [self.python, "-m", "megazpp.launch.node", "--stop", self.pidfile(node_rank),
-                   "--grace", str(self.stop_grace_s)]
+        command = [
+            self.python,
+            "-m",
+            "megazpp.launch.node",
+            "--stop",
+            self.pidfile(node_rank),
+            "--grace",
+            str(self.stop_grace_s),
+        ]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
     def on_host(self, node_rank: int, line: str, *, stdout: int, stderr: int) -> subprocess.Popen:
         # A session of its own: Ctrl-C in the terminal reaches the launcher, which stops the
         # hosts in order, instead of killing every ssh client at once.
-        return subprocess.Popen([*self.rsh, self.hosts[node_rank].name, line], start_new_session=True,
-                                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+        return subprocess.Popen(
+            [*self.rsh, self.hosts[node_rank].name, line],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+        )
 
 
 def _stream(name: str, source: BinaryIO, lock: threading.Lock) -> None:
@@ -152,8 +192,11 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 
 def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen]) -> None:
     """Stop every still-running host through its guard, then end the local clients."""
-    stoppers = [launch.on_host(r, launch.stop_line(r), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for r, proc in running.items() if proc.poll() is None]
+    stoppers = [
+        launch.on_host(r, launch.stop_line(r), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r, proc in running.items()
+        if proc.poll() is None
+    ]
     deadline = time.monotonic() + launch.stop_grace_s + 30
     for proc in [*stoppers, *running.values()]:
         try:
@@ -170,8 +213,9 @@ def run_launch(launch: Launch, run_args: list[str]) -> int:
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for rank, host in enumerate(launch.hosts):
-            proc = launch.on_host(rank, launch.run_line(rank, run_args), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
+            proc = launch.on_host(
+                rank, launch.run_line(rank, run_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
             procs[rank] = proc
             reader = threading.Thread(target=_stream, args=(host.name, proc.stdout, lock), daemon=True)
             reader.start()
@@ -211,26 +255,43 @@ def master_port(value: str | None) -> int | None:
 
 def free_port(rsh: list[str], host: str, python: str) -> int:
     """A port nobody listens on at the master, asked of the master itself."""
-    out = subprocess.run([*rsh, host, shlex.join([python, "-c", FREE_PORT])], capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, timeout=120, check=False)
+    out = subprocess.run(
+        [*rsh, host, shlex.join([python, "-c", FREE_PORT])],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+        check=False,
+    )
     words = out.stdout.split()
     if out.returncode != 0 or not words or not words[-1].isdigit():
-        raise LaunchError(f"cannot reach the master host {host} ({shlex.join(rsh)}): "
-                          f"{(out.stderr or out.stdout).strip()[-300:] or f'exit code {out.returncode}'}")
+        raise LaunchError(
+            f"cannot reach the master host {host} ({shlex.join(rsh)}): "
+            f"{(out.stderr or out.stdout).strip()[-300:] or f'exit code {out.returncode}'}"
+        )
     return int(words[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tools/launch_hosts.sh", allow_abbrev=False,
+        prog="tools/launch_hosts.sh",
+        allow_abbrev=False,
         description="Start run.sh on every host of a hostfile ('HOST slots=N' lines).",
         epilog="Environment: MASTER_ADDR / MASTER_PORT override the first host and a free port on it; "
-               f"MEGAZPP_RSH replaces ssh/pdsh; {', '.join(FORWARDED)} and every variable starting with "
-               f"{', '.join(FORWARDED_PREFIXES)} are passed on to the hosts.")
-    parser.add_argument("--workdir", default=str(REPO),
-                        help="the checkout on the hosts (default: this one's path, the same on every host)")
-    parser.add_argument("--stop-grace", type=float, default=60.0,
-                        help="seconds a stopped host gets to save and exit before it is killed (default 60)")
+        f"MEGAZPP_RSH replaces ssh/pdsh; {', '.join(FORWARDED)} and every variable starting with "
+        f"{', '.join(FORWARDED_PREFIXES)} are passed on to the hosts.",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=str(REPO),
+        help="the checkout on the hosts (default: this one's path, the same on every host)",
+    )
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=60.0,
+        help="seconds a stopped host gets to save and exit before it is killed (default 60)",
+    )
     parser.add_argument("hostfile", type=Path)
     parser.add_argument("run_args", nargs=argparse.REMAINDER, help="passed to run.sh on every host")
     args = parser.parse_args(argv)
@@ -244,8 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"launch_hosts: error: {exc}", file=sys.stderr)
         return 2
-    launch = Launch(hosts, rsh, args.workdir, master, port, forwarded_env(dict(os.environ)), python,
-                    uuid.uuid4().hex[:12], args.stop_grace)
+    launch = Launch(
+        hosts,
+        rsh,
+        args.workdir,
+        master,
+        port,
+        forwarded_env(dict(os.environ)),
+        python,
+        uuid.uuid4().hex[:12],
+        args.stop_grace,
+    )
     _note(f"{len(hosts)} hosts x {hosts[0].slots} ranks, master {master}:{port}, via {rsh[0]}")
     return run_launch(launch, run_args)
 

@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--pidfile", type=Path, help="run the command after '--', publishing its process group here")
     mode.add_argument("--stop", type=Path, metavar="PIDFILE", help="stop the run published in PIDFILE")
-    parser.add_argument("--grace", type=float, default=60.0,
-                        help="seconds between TERM and KILL when stopping (default 60)")
+    parser.add_argument(
+        "--grace", type=float, default=60.0, help="seconds between TERM and KILL when stopping (default 60)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

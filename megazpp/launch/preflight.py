@@ -58,6 +58,7 @@ def _sha256(path: Path) -> str:
 def code_version(root: Path = REPO) -> str:
     """`commit <sha>` (with a hash of uncommitted changes to tracked files), or, without git,
     a hash of the sources."""
+
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=False)
 
@@ -117,20 +118,27 @@ def first_difference(reports: list[NodeReport], save_dir: str | None) -> str | N
     ref = reports[0]
     for report in reports:
         if report.code != ref.code:
-            problems.append(f"{report.name} runs {report.code} but {ref.name} runs {ref.code}; "
-                            f"check out the same commit on every node")
+            problems.append(
+                f"{report.name} runs {report.code} but {ref.name} runs {ref.code}; "
+                f"check out the same commit on every node"
+            )
         elif report.files != ref.files:
             path = next(p for p in ref.files if report.files.get(p) != ref.files[p])
-            problems.append(f"{report.name} has {path}: {report.files.get(path)}, but {ref.name}: "
-                            f"{ref.files[path]}; every node needs the same data files")
+            problems.append(
+                f"{report.name} has {path}: {report.files.get(path)}, but {ref.name}: "
+                f"{ref.files[path]}; every node needs the same data files"
+            )
         elif report.node != 0 and (report.node in ref.unseen or 0 in report.unseen):
-            problems.append(f"{report.name} and {ref.name} do not see each other's probe files in the save "
-                            f"directory {save_dir}: it must be one directory shared by all nodes")
+            problems.append(
+                f"{report.name} and {ref.name} do not see each other's probe files in the save "
+                f"directory {save_dir}: it must be one directory shared by all nodes"
+            )
     return "; ".join(problems) or None
 
 
-def check_nodes(topology: Topology, data_path: Sequence[str], tokenizer_model: str | None,
-                save_dir: str | None) -> None:
+def check_nodes(
+    topology: Topology, data_path: Sequence[str], tokenizer_model: str | None, save_dir: str | None
+) -> None:
     """Collective over the world. Raises LaunchError on every rank when a node differs."""
     nodes = topology.world_size // topology.ranks_per_node
     if nodes == 1:

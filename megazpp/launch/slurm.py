@@ -59,8 +59,9 @@ def _expand_group(nodelist: str, group: str) -> list[str]:
     for entry in group.split(","):
         match = _RANGE.fullmatch(entry)
         if match is None:
-            raise LaunchError(f"node list {nodelist!r}: '[{group}]' holds {entry!r}, expected N or N-M "
-                              f"(decimal numbers)")
+            raise LaunchError(
+                f"node list {nodelist!r}: '[{group}]' holds {entry!r}, expected N or N-M (decimal numbers)"
+            )
         first, last = match.group(1), match.group(2) or match.group(1)
         if int(last) < int(first):
             raise LaunchError(f"node list {nodelist!r}: range {entry!r} runs backwards")
@@ -90,8 +91,7 @@ def job_hosts(nodelist: str) -> list[str]:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return expand_nodelist(nodelist)
-    out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise LaunchError(f"'scontrol show hostnames {nodelist}' failed: {out.stderr.strip()}")
     return out.stdout.split()
@@ -120,18 +120,24 @@ def _check_step(env: Mapping[str, str], nnodes: int) -> None:
     """`run.sh` starts torchrun, which starts the ranks: it needs exactly one task on every node."""
     if "SLURM_STEP_NUM_NODES" not in env:
         if nnodes > 1:
-            raise LaunchError(f"this is the batch script of a {nnodes}-node SLURM job, not a step on every "
-                              f"node: start run.sh with 'srun --ntasks-per-node=1 bash run.sh'")
+            raise LaunchError(
+                f"this is the batch script of a {nnodes}-node SLURM job, not a step on every "
+                f"node: start run.sh with 'srun --ntasks-per-node=1 bash run.sh'"
+            )
         return
     step_nodes, step_tasks = _int(env, "SLURM_STEP_NUM_NODES"), _int(env, "SLURM_STEP_NUM_TASKS")
     if step_nodes != nnodes:
-        raise LaunchError(f"the srun step runs on {step_nodes} of the job's {nnodes} nodes "
-                          f"(SLURM_STEP_NUM_NODES={step_nodes}, SLURM_NNODES={nnodes}); run.sh needs a step "
-                          f"over all of them")
+        raise LaunchError(
+            f"the srun step runs on {step_nodes} of the job's {nnodes} nodes "
+            f"(SLURM_STEP_NUM_NODES={step_nodes}, SLURM_NNODES={nnodes}); run.sh needs a step "
+            f"over all of them"
+        )
     if step_tasks != step_nodes:
-        raise LaunchError(f"the srun step starts {step_tasks} tasks on {step_nodes} nodes; run.sh starts every "
-                          f"rank of its node itself and needs one task per node: "
-                          f"srun --ntasks-per-node=1 bash run.sh")
+        raise LaunchError(
+            f"the srun step starts {step_tasks} tasks on {step_nodes} nodes; run.sh starts every "
+            f"rank of its node itself and needs one task per node: "
+            f"srun --ntasks-per-node=1 bash run.sh"
+        )
 
 
 def slurm_node_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -140,15 +146,19 @@ def slurm_node_env(env: Mapping[str, str]) -> dict[str, str]:
     if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:
         return {}
     if "SLURM_NNODES" not in env:
-        raise LaunchError("SLURM_JOB_ID and SLURM_NODEID are set but SLURM_NNODES is not: run.sh reads the "
-                          "job's node count from it")
+        raise LaunchError(
+            "SLURM_JOB_ID and SLURM_NODEID are set but SLURM_NNODES is not: run.sh reads the job's node count from it"
+        )
     nnodes, node_rank = _int(env, "SLURM_NNODES"), _int(env, "SLURM_NODEID")
     if not (env.get("NNODES") and env.get("NODE_RANK")):  # both set by hand: no SLURM layout used
         _check_step(env, nnodes)
     if node_rank >= nnodes:
         raise LaunchError(f"SLURM_NODEID={node_rank} is not below SLURM_NNODES={nnodes}")
-    derived = {"NNODES": str(nnodes), "NODE_RANK": str(node_rank),
-               "MASTER_PORT": str(PORT_BASE + _int(env, "SLURM_JOB_ID") % PORT_SPAN)}
+    derived = {
+        "NNODES": str(nnodes),
+        "NODE_RANK": str(node_rank),
+        "MASTER_PORT": str(PORT_BASE + _int(env, "SLURM_JOB_ID") % PORT_SPAN),
+    }
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if nodelist:
         hosts = job_hosts(nodelist)
@@ -156,8 +166,9 @@ def slurm_node_env(env: Mapping[str, str]) -> dict[str, str]:
             raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} names {len(hosts)} hosts but SLURM_NNODES={nnodes}")
         derived["MASTER_ADDR"] = hosts[0]
     elif not env.get("MASTER_ADDR"):
-        raise LaunchError("SLURM_JOB_NODELIST is not set and neither is MASTER_ADDR: cannot tell which host "
-                          "is the master")
+        raise LaunchError(
+            "SLURM_JOB_NODELIST is not set and neither is MASTER_ADDR: cannot tell which host is the master"
+        )
     nproc = _ranks_per_node(env)
     if nproc is not None:
         derived["NPROC_PER_NODE"] = str(nproc)

@@ -25,8 +25,16 @@ from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        name: str,
+        init: Initializer,
+        *,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        rotary: RotaryEmbedding | None,
+    ) -> None:
         super().__init__()
         tp = 1 if tp_group is None else comm.group_size(tp_group)
         self.sharded = tp > 1
@@ -39,12 +47,22 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         qkv_size = (cfg.num_attention_heads + 2 * groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, qkv_size, bias=cfg.use_bias, tp_group=tp_group,
-            sequence_parallel=sequence_parallel, init_method=init.normal(f"{name}.qkv.weight"))
+            cfg.hidden_size,
+            qkv_size,
+            bias=cfg.use_bias,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.normal(f"{name}.qkv.weight"),
+        )
         self.out = RowParallelLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.use_bias,
-            input_is_parallel=True, tp_group=tp_group, sequence_parallel=sequence_parallel,
-            init_method=init.scaled(f"{name}.out.weight"))
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=cfg.use_bias,
+            input_is_parallel=True,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.scaled(f"{name}.out.weight"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [b, s, local (heads + 2 groups) * head_dim]; s is the full sequence
@@ -61,10 +79,9 @@ class SelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         # Each TP rank holds other heads, so their dropout masks must differ: draw them from
         # the per-rank TP-region stream.
-        rng = (get_rng_tracker().fork() if dropout > 0 and self.sharded
-               else contextlib.nullcontext())
+        rng = get_rng_tracker().fork() if dropout > 0 and self.sharded else contextlib.nullcontext()
         with rng:
             context = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout,
-                enable_gqa=self.local_groups != self.local_heads)
+                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.local_groups != self.local_heads
+            )
         return self.out(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

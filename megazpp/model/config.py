@@ -15,8 +15,7 @@ from megazpp.errors import ConfigError, required
 
 ARCHITECTURES = ("llama", "gpt2")
 # the linears of a layer that can carry a LoRA adapter, per architecture (attribute names)
-LORA_TARGETS = {"llama": ("qkv", "out", "gate_proj", "up_proj", "down_proj"),
-                "gpt2": ("qkv", "out", "fc1", "fc2")}
+LORA_TARGETS = {"llama": ("qkv", "out", "gate_proj", "up_proj", "down_proj"), "gpt2": ("qkv", "out", "fc1", "fc2")}
 
 
 def _llama_ffn_size(hidden_size: int) -> int:
@@ -63,9 +62,7 @@ class ModelConfig:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
-            self.ffn_hidden_size = (
-                4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size)
-            )
+            self.ffn_hidden_size = 4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size)
         if self.tie_embeddings is None:
             self.tie_embeddings = self.arch == "gpt2"
         if self.moe_ffn_hidden_size is None and isinstance(self.ffn_hidden_size, int):
@@ -88,23 +85,33 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         """Raise ConfigError on the first inconsistent value; return self for chaining."""
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                    "ffn_hidden_size", "vocab_size", "seq_length"):
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "vocab_size",
+            "seq_length",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model.{key} = {value!r}: expected a positive integer")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size = {self.hidden_size} is not divisible by "
-                f"model.num_attention_heads = {self.num_attention_heads}")
+                f"model.num_attention_heads = {self.num_attention_heads}"
+            )
         if self.num_attention_heads % required(self.num_query_groups, "model.num_query_groups"):
             raise ConfigError(
                 f"model.num_attention_heads = {self.num_attention_heads} is not divisible by "
-                f"model.num_query_groups = {self.num_query_groups}")
+                f"model.num_query_groups = {self.num_query_groups}"
+            )
         if self.is_llama and self.head_dim % 2:
             raise ConfigError(
                 f"model.hidden_size / model.num_attention_heads = {self.head_dim}: rotary "
-                "embeddings need an even head dimension")
+                "embeddings need an even head dimension"
+            )
         for key in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
@@ -120,8 +127,7 @@ class ModelConfig:
 
     def _validate_lora(self) -> None:
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise ConfigError(f"model.lora_rank = {self.lora_rank!r}: expected 0 (no adapters) or a "
-                              "positive integer")
+            raise ConfigError(f"model.lora_rank = {self.lora_rank!r}: expected 0 (no adapters) or a positive integer")
         if self.lora_rank == 0:
             return
         if not self.lora_alpha > 0:
@@ -129,32 +135,31 @@ class ModelConfig:
         valid = LORA_TARGETS[self.arch]
         unknown = [t for t in required(self.lora_targets, "model.lora_targets") if t not in valid]
         if unknown or not self.lora_targets:
-            raise ConfigError(f"model.lora_targets = {self.lora_targets!r}: "
-                              f"{'unknown module ' + repr(unknown[0]) if unknown else 'empty'}; "
-                              f"expected names among {list(valid)} (arch {self.arch})")
+            raise ConfigError(
+                f"model.lora_targets = {self.lora_targets!r}: "
+                f"{'unknown module ' + repr(unknown[0]) if unknown else 'empty'}; "
+                f"expected names among {list(valid)} (arch {self.arch})"
+            )
 
     def _validate_moe(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
-            raise ConfigError(
-                f"model.num_experts = {self.num_experts!r}: expected 0 (dense) or a positive "
-                "integer")
+            raise ConfigError(f"model.num_experts = {self.num_experts!r}: expected 0 (dense) or a positive integer")
         if self.num_experts == 0:
             return
         if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.num_experts:
             raise ConfigError(
                 f"model.moe_top_k = {self.moe_top_k!r}: expected an integer in "
-                f"[1, model.num_experts = {self.num_experts}]")
+                f"[1, model.num_experts = {self.num_experts}]"
+            )
         if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size <= 0:
-            raise ConfigError(
-                f"model.moe_ffn_hidden_size = {self.moe_ffn_hidden_size!r}: expected a positive "
-                "integer")
+            raise ConfigError(f"model.moe_ffn_hidden_size = {self.moe_ffn_hidden_size!r}: expected a positive integer")
         if self.moe_aux_loss_coeff < 0:
-            raise ConfigError(
-                f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: expected a value >= 0")
+            raise ConfigError(f"model.moe_aux_loss_coeff = {self.moe_aux_loss_coeff!r}: expected a value >= 0")
         if not self.is_llama:
             raise ConfigError(
                 "model.num_experts > 0 with model.arch = 'gpt2': the MoE experts are SwiGLU "
-                "(Qwen2-MoE-like) and are only implemented for arch 'llama'")
+                "(Qwen2-MoE-like) and are only implemented for arch 'llama'"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

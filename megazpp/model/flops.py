@@ -24,7 +24,9 @@ def _attention_weights(cfg: ModelConfig) -> int:
 def _attention_biases(cfg: ModelConfig) -> int:
     if not cfg.use_bias:
         return 0
-    return (cfg.num_attention_heads + 2 * required(cfg.num_query_groups, "model.num_query_groups")) * cfg.head_dim + cfg.hidden_size
+    return (
+        cfg.num_attention_heads + 2 * required(cfg.num_query_groups, "model.num_query_groups")
+    ) * cfg.head_dim + cfg.hidden_size
 
 
 def _expert_weights(cfg: ModelConfig) -> int:

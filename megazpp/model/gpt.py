@@ -80,6 +80,7 @@ def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, co
 
     return forward_context(), recompute_context()
 
+
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 
@@ -90,15 +91,16 @@ class Embedding(nn.Module):
     for the whole sequence and keeps its chunk, exactly the single-process mask.
     """
 
-    def __init__(self, cfg: ModelConfig, init: Initializer, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, init: Initializer, *, tp_group: ProcessGroup | None, sequence_parallel: bool
+    ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, tp_group=tp_group,
-            init_method=init.normal(EMBEDDING_WEIGHT))
+            cfg.vocab_size, cfg.hidden_size, tp_group=tp_group, init_method=init.normal(EMBEDDING_WEIGHT)
+        )
         self.position_embeddings = None
         if not cfg.is_llama:
             self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size)
@@ -116,25 +118,34 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 pre_process: bool = True, post_process: bool = True,
-                 layer_range: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         cfg.validate()
         start, end = layer_range if layer_range is not None else (0, cfg.num_layers)
         if not 0 <= start <= end <= cfg.num_layers:
             raise ConfigError(
-                f"layer_range = {layer_range!r}: expected 0 <= start <= end <= "
-                f"model.num_layers = {cfg.num_layers}")
+                f"layer_range = {layer_range!r}: expected 0 <= start <= end <= model.num_layers = {cfg.num_layers}"
+            )
         if cfg.num_experts > 0 and sequence_parallel:
             raise ConfigError(
                 "sequence parallelism with model.num_experts > 0 is not implemented: the router "
-                "would see only this rank's sequence chunk; turn one of them off")
+                "would see only this rank's sequence chunk; turn one of them off"
+            )
         if cfg.num_experts > 0 and cfg.moe_aux_loss_coeff > 0 and end > start and not post_process:
             raise ConfigError(
                 "model.num_experts > 0 with pipeline parallelism: the MoE load-balancing loss of "
                 "a stage without the loss head cannot reach the loss (not implemented); set "
-                "model.moe_aux_loss_coeff: 0 or use one pipeline stage")
+                "model.moe_aux_loss_coeff: 0 or use one pipeline stage"
+            )
         check_model_split(cfg, 1 if tp_group is None else comm.group_size(tp_group), 1)
         self.cfg = cfg
         self.tp_group = tp_group
@@ -145,22 +156,30 @@ class GPTModel(nn.Module):
         init = Initializer(cfg.init_seed, cfg.init_std, cfg.num_layers)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta) if cfg.is_llama else None
 
-        self.embedding = (Embedding(cfg, init, tp_group=tp_group,
-                                    sequence_parallel=sequence_parallel)
-                          if pre_process else None)
-        self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, f"layers.{i}", init, tp_group=tp_group,
-                                     sequence_parallel=sequence_parallel, rotary=rotary)
-            for i in range(start, end)})
-        self.final_norm = (Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
-                           if post_process else None)
+        self.embedding = (
+            Embedding(cfg, init, tp_group=tp_group, sequence_parallel=sequence_parallel) if pre_process else None
+        )
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    cfg, f"layers.{i}", init, tp_group=tp_group, sequence_parallel=sequence_parallel, rotary=rotary
+                )
+                for i in range(start, end)
+            }
+        )
+        self.final_norm = Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel) if post_process else None
         self.output_layer = None
         if post_process:
             head_name = EMBEDDING_WEIGHT if cfg.tie_embeddings else "output_layer.weight"
             self.output_layer = ColumnParallelLinear(
-                cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
-                tp_group=tp_group, sequence_parallel=sequence_parallel,
-                init_method=init.normal(head_name))
+                cfg.hidden_size,
+                cfg.vocab_size,
+                bias=False,
+                gather_output=False,
+                tp_group=tp_group,
+                sequence_parallel=sequence_parallel,
+                init_method=init.normal(head_name),
+            )
             if cfg.tie_embeddings and self.embedding is not None:  # a first stage
                 self.output_layer.weight = self.embedding.word_embeddings.weight
         add_adapters(self, cfg)
@@ -184,13 +203,13 @@ class GPTModel(nn.Module):
         if self.pre_process and inputs.shape[1] > self.cfg.seq_length:
             raise ConfigError(
                 f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
-                f"model.seq_length = {self.cfg.seq_length}")
+                f"model.seq_length = {self.cfg.seq_length}"
+            )
         hidden = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
         aux_terms = []
         for layer in self.layers.values():
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                hidden, aux = checkpoint(layer, hidden, use_reentrant=False,
-                                         context_fn=_tp_rng_preserving_contexts)
+                hidden, aux = checkpoint(layer, hidden, use_reentrant=False, context_fn=_tp_rng_preserving_contexts)
             else:
                 hidden, aux = layer(hidden)
             if aux is not None:

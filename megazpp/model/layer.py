@@ -27,26 +27,39 @@ from megazpp.parallel.tensor_parallel import get_rng_tracker
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool, rotary: RotaryEmbedding | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        name: str,
+        init: Initializer,
+        *,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        rotary: RotaryEmbedding | None,
+    ) -> None:
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         # Under sequence parallelism each TP rank holds other tokens, so the residual dropout
         # masks must come from the per-rank TP-region stream; otherwise the activations are
         # replicated and the shared default stream keeps the replicas identical.
-        self.sharded_tokens = (sequence_parallel and tp_group is not None
-                               and comm.group_size(tp_group) > 1)
+        self.sharded_tokens = sequence_parallel and tp_group is not None and comm.group_size(tp_group) > 1
         self.input_norm = Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
-        self.attention = SelfAttention(cfg, f"{name}.attention", init, tp_group=tp_group,
-                                       sequence_parallel=sequence_parallel, rotary=rotary)
-        self.post_attention_norm = Norm(cfg, tp_group=tp_group,
-                                        sequence_parallel=sequence_parallel)
+        self.attention = SelfAttention(
+            cfg, f"{name}.attention", init, tp_group=tp_group, sequence_parallel=sequence_parallel, rotary=rotary
+        )
+        self.post_attention_norm = Norm(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         if cfg.num_experts > 0:
             self.mlp: nn.Module = MoEMLP(cfg, f"{name}.mlp", init, tp_group=tp_group)
         else:
             mlp_class = SwiGLUMLP if cfg.is_llama else GeluMLP
-            self.mlp = mlp_class(cfg.hidden_size, required(cfg.ffn_hidden_size, "model.ffn_hidden_size"), f"{name}.mlp", init,
-                                 tp_group=tp_group, sequence_parallel=sequence_parallel)
+            self.mlp = mlp_class(
+                cfg.hidden_size,
+                required(cfg.ffn_hidden_size, "model.ffn_hidden_size"),
+                f"{name}.mlp",
+                init,
+                tp_group=tp_group,
+                sequence_parallel=sequence_parallel,
+            )
         self.is_moe = cfg.num_experts > 0
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,11 @@ def add_adapters(model: nn.Module, cfg: ModelConfig) -> int:
         return 0
     added = 0
     for name, module in model.named_modules():
-        if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("layers.")
-                and name.rsplit(".", 1)[-1] in required(cfg.lora_targets, "model.lora_targets")):
+        if (
+            isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            and name.startswith("layers.")
+            and name.rsplit(".", 1)[-1] in required(cfg.lora_targets, "model.lora_targets")
+        ):
             a = torch.empty(cfg.lora_rank, module.in_features, device=module.weight.device)
             normal_init(cfg.init_seed, f"{name}.lora.a", 1.0 / math.sqrt(module.in_features))(a)
             module.add_adapter(cfg.lora_rank, cfg.lora_alpha, a)

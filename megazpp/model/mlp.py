@@ -21,15 +21,34 @@ from megazpp.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 class GeluMLP(nn.Module):
     """GPT-2: fc1 -> GELU (tanh approximation, as GPT-2 was trained) -> fc2, with biases."""
 
-    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        name: str,
+        init: Initializer,
+        *,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+    ) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden, ffn, bias=True, tp_group=tp_group,
-                                        sequence_parallel=sequence_parallel,
-                                        init_method=init.normal(f"{name}.fc1.weight"))
-        self.fc2 = RowParallelLinear(ffn, hidden, bias=True, input_is_parallel=True,
-                                     tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                     init_method=init.scaled(f"{name}.fc2.weight"))
+        self.fc1 = ColumnParallelLinear(
+            hidden,
+            ffn,
+            bias=True,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.normal(f"{name}.fc1.weight"),
+        )
+        self.fc2 = RowParallelLinear(
+            ffn,
+            hidden,
+            bias=True,
+            input_is_parallel=True,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.scaled(f"{name}.fc2.weight"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
@@ -38,18 +57,42 @@ class GeluMLP(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama / one MoE expert: down(silu(gate(x)) * up(x)), no biases."""
 
-    def __init__(self, hidden: int, ffn: int, name: str, init: Initializer, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        name: str,
+        init: Initializer,
+        *,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+    ) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, ffn, bias=False, tp_group=tp_group,
-                                              sequence_parallel=sequence_parallel,
-                                              init_method=init.normal(f"{name}.gate_proj.weight"))
-        self.up_proj = ColumnParallelLinear(hidden, ffn, bias=False, tp_group=tp_group,
-                                            sequence_parallel=sequence_parallel,
-                                            init_method=init.normal(f"{name}.up_proj.weight"))
-        self.down_proj = RowParallelLinear(ffn, hidden, bias=False, input_is_parallel=True,
-                                           tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                           init_method=init.scaled(f"{name}.down_proj.weight"))
+        self.gate_proj = ColumnParallelLinear(
+            hidden,
+            ffn,
+            bias=False,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.normal(f"{name}.gate_proj.weight"),
+        )
+        self.up_proj = ColumnParallelLinear(
+            hidden,
+            ffn,
+            bias=False,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.normal(f"{name}.up_proj.weight"),
+        )
+        self.down_proj = RowParallelLinear(
+            ffn,
+            hidden,
+            bias=False,
+            input_is_parallel=True,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            init_method=init.scaled(f"{name}.down_proj.weight"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -48,9 +48,16 @@ class MoEMLP(nn.Module):
         self.top_k = cfg.moe_top_k
         self.router = Router(cfg.hidden_size, cfg.num_experts, f"{name}.router", init)
         self.experts = nn.ModuleList(
-            SwiGLUMLP(cfg.hidden_size, required(cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"), f"{name}.experts.{e}", init,
-                      tp_group=tp_group, sequence_parallel=False)
-            for e in range(cfg.num_experts))
+            SwiGLUMLP(
+                cfg.hidden_size,
+                required(cfg.moe_ffn_hidden_size, "model.moe_ffn_hidden_size"),
+                f"{name}.experts.{e}",
+                init,
+                tp_group=tp_group,
+                sequence_parallel=False,
+            )
+            for e in range(cfg.num_experts)
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output shaped like x, load-balancing loss as a 0-dim fp32 tensor)."""
@@ -64,7 +71,7 @@ class MoEMLP(nn.Module):
         routed = tokens[token_of]
         outputs, start = [], 0
         for expert, count in zip(self.experts, counts.tolist()):
-            outputs.append(expert(routed[start:start + count]))
+            outputs.append(expert(routed[start : start + count]))
             start += count
         combine = weights.flatten()[order].to(x.dtype).unsqueeze(-1)
         mixed = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outputs) * combine)

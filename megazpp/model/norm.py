@@ -20,7 +20,9 @@ from megazpp.parallel.tensor_parallel import copy_to_tp_region
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.rms = cfg.is_llama
         self.eps = cfg.norm_eps

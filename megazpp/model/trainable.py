@@ -26,10 +26,11 @@ TIED_COPY = "output_layer.weight"
 def _expand(pattern: str, num_layers: int) -> list[str]:
     if not pattern.startswith("last:"):
         return [pattern]
-    count = pattern[len("last:"):]
+    count = pattern[len("last:") :]
     if not count.isdigit() or not 1 <= int(count) <= num_layers:
-        raise ConfigError(f"training.trainable = {pattern!r}: expected last:N with N in "
-                          f"[1, model.num_layers = {num_layers}]")
+        raise ConfigError(
+            f"training.trainable = {pattern!r}: expected last:N with N in [1, model.num_layers = {num_layers}]"
+        )
     return [f"layers.{i}.*" for i in range(num_layers - int(count), num_layers)]
 
 
@@ -45,8 +46,10 @@ def trainable_rule(patterns: list[str], cfg: ModelConfig) -> TrainableRule:
     names = whole_model_names(cfg) if patterns else []
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(n, g) for g in _expand(pattern, cfg.num_layers) for n in names):
-            raise ConfigError(f"training.trainable = {pattern!r}: matches no parameter of the model "
-                              f"(names look like {names[0]!r}, {names[-1]!r})")
+            raise ConfigError(
+                f"training.trainable = {pattern!r}: matches no parameter of the model "
+                f"(names look like {names[0]!r}, {names[-1]!r})"
+            )
     return TrainableRule(globs, cfg.lora_rank > 0, bool(cfg.tie_embeddings))
 
 
@@ -60,8 +63,11 @@ class TrainableRule:
     def trains(self, name: str) -> bool:
         if self.tied and name == TIED_COPY:
             name = EMBEDDING_WEIGHT
-        return ((not self.globs and not self.adapters) or (self.adapters and is_adapter(name))
-                or any(fnmatch.fnmatchcase(name, g) for g in self.globs))
+        return (
+            (not self.globs and not self.adapters)
+            or (self.adapters and is_adapter(name))
+            or any(fnmatch.fnmatchcase(name, g) for g in self.globs)
+        )
 
 
 def apply_trainable(model: nn.Module, patterns: list[str], cfg: ModelConfig) -> int:
@@ -76,8 +82,10 @@ def apply_trainable(model: nn.Module, patterns: list[str], cfg: ModelConfig) -> 
     if count == 0:
         layers = [n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")]
         where = f"layers {layers[0]}..{layers[-1]}" if layers else "no layers"
-        raise ConfigError(f"training.trainable = {patterns!r}: selects no parameter of this pipeline "
-                          f"stage ({where}); every stage needs one (or use fewer stages)")
+        raise ConfigError(
+            f"training.trainable = {patterns!r}: selects no parameter of this pipeline "
+            f"stage ({where}); every stage needs one (or use fewer stages)"
+        )
     return count
 
 

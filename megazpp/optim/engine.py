@@ -106,9 +106,15 @@ class LocalEngine(ScaledOptimizerEngine):
     parameter's gradient in that norm (a TP-replicated tensor only on one TP rank).
     """
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 *, norm_groups: Sequence[ProcessGroup] = (),
-                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerConfig,
+        precision: PrecisionConfig,
+        *,
+        norm_groups: Sequence[ProcessGroup] = (),
+        counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
+    ) -> None:
         named = named_trainable(model)
         self.params: list[torch.Tensor] = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -123,8 +129,7 @@ class LocalEngine(ScaledOptimizerEngine):
         else:
             self.masters = self.params
         names = [n for n, _ in named]
-        self.optimizer = build_adamw(param_groups(zip(names, self.masters), optimizer.weight_decay),
-                                     optimizer)
+        self.optimizer = build_adamw(param_groups(zip(names, self.masters), optimizer.weight_decay), optimizer)
         self._fp32_accum = self._mixed and precision.grad_accum_dtype == "fp32"
         self._main_grads: list[torch.Tensor] = []
         self._touched: list[bool] = []
@@ -132,8 +137,9 @@ class LocalEngine(ScaledOptimizerEngine):
         if self._fp32_accum:
             self._main_grads = [torch.zeros_like(m) for m in self.masters]
             self._touched = [False] * len(self.params)
-            self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
-                           for i, p in enumerate(self.params)]
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._accumulate_hook(i)) for i, p in enumerate(self.params)
+            ]
         self.scaler = scaler_for(precision)
 
     def _accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -176,8 +182,7 @@ class LocalEngine(ScaledOptimizerEngine):
         if self.scaler is not None and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         device = self.masters[0].device if self.masters else "cpu"
-        norm = float(global_grad_norm([g for i, g in indexed if self._counted[i]],
-                                      self.norm_groups, device))
+        norm = float(global_grad_norm([g for i, g in indexed if self._counted[i]], self.norm_groups, device))
         finite = math.isfinite(norm)
         if finite:
             clip_by_norm_(grads, norm, self.clip_grad)
@@ -218,13 +223,15 @@ class LocalEngine(ScaledOptimizerEngine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         masters = state.get("masters")
         if self._mixed != (masters is not None) or (self.scaler is None) != (state.get("loss_scaler") is None):
-            raise CheckpointError("engine state was saved with a different precision setting "
-                                  f"(this run: {self.dtype}, fp16 scaler: {self.scaler is not None})")
+            raise CheckpointError(
+                "engine state was saved with a different precision setting "
+                f"(this run: {self.dtype}, fp16 scaler: {self.scaler is not None})"
+            )
         if masters is not None:
-            if len(masters) != len(self.masters) or any(
-                    a.shape != b.shape for a, b in zip(masters, self.masters)):
-                raise CheckpointError("engine state: fp32 master weights do not match the "
-                                      "model's parameters (different model shape?)")
+            if len(masters) != len(self.masters) or any(a.shape != b.shape for a, b in zip(masters, self.masters)):
+                raise CheckpointError(
+                    "engine state: fp32 master weights do not match the model's parameters (different model shape?)"
+                )
             with torch.no_grad():
                 torch._foreach_copy_(self.masters, masters)
                 torch._foreach_copy_(self.params, self.masters)

@@ -15,8 +15,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[ProcessGroup | None] = (),
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], groups: Sequence[ProcessGroup | None] = (), device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """L2 norm (fp32 scalar tensor) over `grads` on all ranks of `groups`; inf/NaN propagate.
 
     `device` places the zero of a rank that counts no gradient (it must still join the sum).

@@ -13,8 +13,15 @@ from typing import Any
 
 
 class LossScaler:
-    def __init__(self, initial_scale: float, *, dynamic: bool = True, min_scale: float = 1.0,
-                 growth_interval: int = 1000, hysteresis: int = 1) -> None:
+    def __init__(
+        self,
+        initial_scale: float,
+        *,
+        dynamic: bool = True,
+        min_scale: float = 1.0,
+        growth_interval: int = 1000,
+        hysteresis: int = 1,
+    ) -> None:
         self.scale = float(initial_scale)
         self.dynamic, self.min_scale = dynamic, float(min_scale)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
@@ -37,8 +44,7 @@ class LossScaler:
             self.scale *= 2.0
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "good_steps": self._good_steps,
-                "hysteresis_left": self._hysteresis_left}
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
@@ -52,6 +58,10 @@ def scaler_for(precision: Any) -> LossScaler | None:
     if not precision.fp16:
         return None
     dynamic = precision.loss_scale == 0
-    return LossScaler(precision.initial_loss_scale if dynamic else precision.loss_scale,
-                      dynamic=dynamic, min_scale=precision.min_loss_scale,
-                      growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis)
+    return LossScaler(
+        precision.initial_loss_scale if dynamic else precision.loss_scale,
+        dynamic=dynamic,
+        min_scale=precision.min_loss_scale,
+        growth_interval=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
+    )

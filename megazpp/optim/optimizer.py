@@ -26,8 +26,7 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
     no_decay: list[torch.Tensor] = []
     for name, param in named:
         (decay if is_decayed(name, param) else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 

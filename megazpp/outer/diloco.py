@@ -57,8 +57,9 @@ def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tens
     return local.mul(alpha).add_(synced, alpha=1 - alpha)
 
 
-def outer_update(snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor,
-                 lr: float, momentum: float) -> None:
+def outer_update(
+    snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor, lr: float, momentum: float
+) -> None:
     """Nesterov SGD (torch.optim.SGD's form, no dampening) on `snapshot`, in place; the outer
     momentum buffer starts at zero, so the first step's buffer is the pseudo-gradient itself."""
     momentum_buf.mul_(momentum).add_(mean_pseudo_grad)
@@ -114,14 +115,14 @@ class Fragment:
             return
         pos = 0
         for a, b in self.ranges:
-            vec[a:b].copy_(values[pos:pos + b - a])
+            vec[a:b].copy_(values[pos : pos + b - a])
             pos += b - a
 
     def masters(self, masters: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(start, stop) in the fragment's vector and the 1-D view of the masters there."""
         pos = 0
         for a, b, m, lo in self.segments:
-            yield pos, pos + b - a, masters[m].view(-1)[lo:lo + b - a]
+            yield pos, pos + b - a, masters[m].view(-1)[lo : lo + b - a]
             pos += b - a
 
 
@@ -129,8 +130,15 @@ def fragment_of(ranges: list[Range], pieces: list[Range]) -> Fragment:
     """The fragment over `ranges` of the flat shard, whose masters cover `pieces` of it (in
     order, each master one piece)."""
     merged = merge_ranges(ranges)
-    return Fragment(merged, [(max(a, pa), min(b, pb), m, max(a, pa) - pa) for a, b in merged
-                             for m, (pa, pb) in enumerate(pieces) if max(a, pa) < min(b, pb)])
+    return Fragment(
+        merged,
+        [
+            (max(a, pa), min(b, pb), m, max(a, pa) - pa)
+            for a, b in merged
+            for m, (pa, pb) in enumerate(pieces)
+            if max(a, pa) < min(b, pb)
+        ],
+    )
 
 
 def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
@@ -158,10 +166,21 @@ class DiLoCoEngine:
         self._norm_ranges = self._build_norm_ranges()
         self.fragments = self._build_fragments(options.fragments)
         self.in_flight: list[Exchange] = []
-        self._int4 = Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback) if options.quantize == "int4" else None
+        self._int4 = (
+            Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback)
+            if options.quantize == "int4"
+            else None
+        )
         self.errors = [self._new_errors(frag.numel) for frag in self.fragments] if self._int4 else []
-        log.info("outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
-                 self.islands, island.dp, options.sync_every, options.lr, options.momentum, options.quantize)
+        log.info(
+            "outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
+            self.islands,
+            island.dp,
+            options.sync_every,
+            options.lr,
+            options.momentum,
+            options.quantize,
+        )
 
     # -- what the outer step reads and writes ---------------------------------------------------
     def _masters(self) -> list[torch.Tensor]:
@@ -181,19 +200,31 @@ class DiLoCoEngine:
         rank's shard holds; each as ranges of the flat shard (one, unless padding splits it)."""
         params = self._parameters()
         if count > len(params):
-            raise ConfigError(f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
-                              f"parameter tensors, the units fragments are made of")
+            raise ConfigError(
+                f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
+                f"parameter tensors, the units fragments are made of"
+            )
         level = self.inner.strategy.optimizer_state
         offsets = [0]
         for b in self.inner.buckets:
             offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
-        pieces = [(offsets[i] + m.start, offsets[i] + m.end) for i, b in enumerate(self.inner.buckets) for m in b.masters]
+        pieces = [
+            (offsets[i] + m.start, offsets[i] + m.end) for i, b in enumerate(self.inner.buckets) for m in b.masters
+        ]
         out = []
         for run in traffic.fragment_runs(len(params), count):
-            out.append(fragment_of([(offsets[i] + lo, offsets[i] + hi)
-                                    for i, j in params[run.start:run.stop]
-                                    for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
-                                        level, [k == j for k in range(self.inner.buckets[i].num_params)])], pieces))
+            out.append(
+                fragment_of(
+                    [
+                        (offsets[i] + lo, offsets[i] + hi)
+                        for i, j in params[run.start : run.stop]
+                        for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
+                            level, [k == j for k in range(self.inner.buckets[i].num_params)]
+                        )
+                    ],
+                    pieces,
+                )
+            )
         return out
 
     def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +236,10 @@ class DiLoCoEngine:
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment."""
         params, count = self._parameters(), len(self.fragments)
-        return [[self.inner.buckets[i].layout.names[j] for i, j in params[run.start:run.stop]]
-                for run in traffic.fragment_runs(len(params), count)]
+        return [
+            [self.inner.buckets[i].layout.names[j] for i, j in params[run.start : run.stop]]
+            for run in traffic.fragment_runs(len(params), count)
+        ]
 
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
@@ -236,7 +269,9 @@ class DiLoCoEngine:
             cuts = sorted({a, b} | {min(max(x, a), b) for r in self._norm_ranges for x in r})
             for lo, hi in zip(cuts, cuts[1:]):
                 inside = any(n_lo <= lo and hi <= n_hi for n_lo, n_hi in self._norm_ranges)
-                torch.mul(values[pos + lo - a:pos + hi - a], value if inside else 0.0, out=out[pos + lo - a:pos + hi - a])
+                torch.mul(
+                    values[pos + lo - a : pos + hi - a], value if inside else 0.0, out=out[pos + lo - a : pos + hi - a]
+                )
             pos += b - a
         return out.mul_(values).sum()
 
@@ -290,8 +325,12 @@ class DiLoCoEngine:
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
         if not (scalars or started):
             return result
-        scalars.update({"outer/intra_bytes": float(after["intra"] - before["intra"]),
-                        "outer/inter_bytes": float(after["inter"] - before["inter"])})
+        scalars.update(
+            {
+                "outer/intra_bytes": float(after["intra"] - before["intra"]),
+                "outer/inter_bytes": float(after["inter"] - before["inter"]),
+            }
+        )
         return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **scalars})
 
     # -- the outer step -----------------------------------------------------------------------
@@ -305,8 +344,18 @@ class DiLoCoEngine:
         for lo, hi, master in frag.masters(masters):
             torch.sub(snapshot[lo:hi], master, out=padded[lo:hi])
         del snapshot
-        return Exchange.start(f, lands, padded, frag.numel, self.islands, self.options.quantize, self._wire, group,
-                              self._int4, self.errors[f] if self._int4 else None)
+        return Exchange.start(
+            f,
+            lands,
+            padded,
+            frag.numel,
+            self.islands,
+            self.options.quantize,
+            self._wire,
+            group,
+            self._int4,
+            self.errors[f] if self._int4 else None,
+        )
 
     def _land(self, exchanges: list[Exchange]) -> dict[str, float]:
         """Apply landed exchanges (collective over every rank): each fragment's Nesterov step on
@@ -320,8 +369,9 @@ class DiLoCoEngine:
             frag = self.fragments[x.fragment]
             mean = x.mean(self.island.peer_group)
             scratch = torch.empty_like(mean)
-            sums += torch.stack([self._weighted_squares(frag, mean, scratch),
-                                 self._weighted_squares(frag, x.pseudo, scratch)])
+            sums += torch.stack(
+                [self._weighted_squares(frag, mean, scratch), self._weighted_squares(frag, x.pseudo, scratch)]
+            )
             del scratch
             synced, momentum = frag.gather(self.snapshot), frag.gather(self.momentum)
             outer_update(synced, mean, momentum, self.options.lr, self.options.momentum)
@@ -338,24 +388,38 @@ class DiLoCoEngine:
         comm.all_reduce(sums, tag=STATS_TAG)
         self.inner.publish_masters()
         mean_sq, own_sq = (float(x) / self.islands for x in sums)
-        return {"outer/pseudo_grad_norm": math.sqrt(mean_sq),
-                "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0))}
+        return {
+            "outer/pseudo_grad_norm": math.sqrt(mean_sq),
+            "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0)),
+        }
 
     # -- accounting ---------------------------------------------------------------------------
     def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]:
         """(intra, inter) of the exchange of `fragments` (default all; tag `outer/sync`), by
         the traffic formula."""
-        each = [traffic.sync_bytes(frag.numel, self.islands, self.options.quantize)
-                for f, frag in enumerate(self.fragments) if fragments is None or f in fragments]
+        each = [
+            traffic.sync_bytes(frag.numel, self.islands, self.options.quantize)
+            for f, frag in enumerate(self.fragments)
+            if fragments is None or f in fragments
+        ]
         return sum(a for a, _ in each), sum(b for _, b in each)
 
     def expected_publish(self) -> tuple[int, int, int]:
         """(intra, inter, calls) of re-publishing the new masters to level p inside the island
         (`ZeroEngine.publish_masters`): the inner step's refresh phases, once."""
         e = self.inner
-        parts = traffic_zero.step_parts(e.strategy, e.padded_numels(), e.shapes, e.hier, micro_batches=1,
-                                        param_bytes=e.param_dtype.itemsize, accum_bytes=e.accum_dtype.itemsize,
-                                        zeropp=e.zeropp, reused=e.reused, persistent=e.persistent)
+        parts = traffic_zero.step_parts(
+            e.strategy,
+            e.padded_numels(),
+            e.shapes,
+            e.hier,
+            micro_batches=1,
+            param_bytes=e.param_dtype.itemsize,
+            accum_bytes=e.accum_dtype.itemsize,
+            zeropp=e.zeropp,
+            reused=e.reused,
+            persistent=e.persistent,
+        )
         intra = inter = calls = 0
         for part in (parts["refresh"], parts["refresh_persistent"]):
             a, b = part.bytes_once(e.shapes)
@@ -363,8 +427,9 @@ class DiLoCoEngine:
         return intra, inter, calls
 
     def expected_stats_bytes(self) -> tuple[int, int]:
-        world = GroupShape.of(range(self.island.world_size * self.islands), self.island.rank,
-                              self.island.ranks_per_node, comm.backend())
+        world = GroupShape.of(
+            range(self.island.world_size * self.islands), self.island.rank, self.island.ranks_per_node, comm.backend()
+        )
         return traffic.stats_bytes(world)
 
     def held_bytes(self) -> memory.StateBytes:
@@ -376,8 +441,9 @@ class DiLoCoEngine:
     def expected_bytes(self) -> memory.StateBytes:
         inner = self.inner.expected_bytes()
         g = self.inner.groups
-        outer = memory.outer_state_bytes(self.inner.strategy, self.inner.padded_numels(), g.dp_size,
-                                         g.group_size, fp32_copies=2)
+        outer = memory.outer_state_bytes(
+            self.inner.strategy, self.inner.padded_numels(), g.dp_size, g.group_size, fp32_copies=2
+        )
         if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
             outer += sum(traffic.error_buffer_bytes(frag.numel, self.islands) for frag in self.fragments)
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
@@ -390,8 +456,10 @@ class DiLoCoEngine:
         F fragments divide it by about F."""
         tau, h = self.options.overlap_steps, self.options.sync_every
         each = [traffic.exchange_bytes(frag.numel, self.islands, self.options.quantize) for frag in self.fragments]
-        return max(sum(each[f] for s in range(t - max(tau - 1, 0), t + 1) for f in self.due(s))
-                   for t in range(1, 2 * h + tau + 1))
+        return max(
+            sum(each[f] for s in range(t - max(tau - 1, 0), t + 1) for f in self.due(s))
+            for t in range(1, 2 * h + tau + 1)
+        )
 
     def expected_sync_peak_bytes(self) -> int:
         """Bytes a sync adds on top of `expected_bytes` at its peak: the exchanges alive at once
@@ -410,13 +478,20 @@ class DiLoCoEngine:
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
         """The inner engine's state dict plus the outer state under `OUTER_STATE_KEY`."""
-        return {**self.inner.state_dict(frozen=frozen),
-                OUTER_STATE_KEY: {"inner_steps": self.inner_steps, "islands": self.islands,
-                                  "sync_every": self.options.sync_every, "quantize": self.options.quantize,
-                                  "fragments": [range_indices(frag.ranges) for frag in self.fragments],
-                                  "snapshot": self.snapshot.clone(), "momentum": self.momentum.clone(),
-                                  "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
-                                  "errors": [[t.clone() for t in pair] for pair in self.errors]}}
+        return {
+            **self.inner.state_dict(frozen=frozen),
+            OUTER_STATE_KEY: {
+                "inner_steps": self.inner_steps,
+                "islands": self.islands,
+                "sync_every": self.options.sync_every,
+                "quantize": self.options.quantize,
+                "fragments": [range_indices(frag.ranges) for frag in self.fragments],
+                "snapshot": self.snapshot.clone(),
+                "momentum": self.momentum.clone(),
+                "in_flight": [x.state_dict(self.island.peer_group) for x in self.in_flight],
+                "errors": [[t.clone() for t in pair] for pair in self.errors],
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
@@ -427,23 +502,31 @@ class DiLoCoEngine:
             self.snapshot = self._masters_flat()
             self.momentum = torch.zeros_like(self.snapshot)
             self.inner_steps = self.inner.step_count
-            log.warning("outer: the checkpoint has no outer state (a synchronous run): the first outer "
-                        "interval starts at its weights, with zero outer momentum")
+            log.warning(
+                "outer: the checkpoint has no outer state (a synchronous run): the first outer "
+                "interval starts at its weights, with zero outer momentum"
+            )
             return
         if saved["snapshot"].numel() != self.numel:
-            raise CheckpointError(f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
-                                  f"{self.numel} (saved under another island layout)")
+            raise CheckpointError(
+                f"outer state of {saved['snapshot'].numel()} elements, this rank's shard has "
+                f"{self.numel} (saved under another island layout)"
+            )
         saved_fragments = saved.get("fragments", [])
         if len(saved_fragments) != len(self.fragments) or not all(
-                torch.equal(a, range_indices(b.ranges)) for a, b in zip(saved_fragments, self.fragments)):
-            raise CheckpointError(f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
-                                  f"run's {len(self.fragments)} (outer.fragments changed?)")
+            torch.equal(a, range_indices(b.ranges)) for a, b in zip(saved_fragments, self.fragments)
+        ):
+            raise CheckpointError(
+                f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
+                f"run's {len(self.fragments)} (outer.fragments changed?)"
+            )
         self.snapshot = saved["snapshot"].clone()
         self.momentum = saved["momentum"].clone()
         self.inner_steps = int(saved["inner_steps"])
         self.in_flight = [Exchange.from_state(x, self._int4) for x in saved.get("in_flight", [])]
         if self._int4 is not None:
             if len(saved.get("errors", [])) != len(self.fragments):
-                raise CheckpointError("outer state has no int4 error buffers for these fragments (saved with another "
-                                      "outer.quantize?)")
+                raise CheckpointError(
+                    "outer state has no int4 error buffers for these fragments (saved with another outer.quantize?)"
+                )
             self.errors = [(a.clone(), b.clone()) for a, b in saved["errors"]]

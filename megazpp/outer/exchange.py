@@ -56,20 +56,24 @@ class Int4Wire:
         for p in range(parts):  # a slice of whole blocks at a time: each block quantizes alone, so the same bits
             for lo in range(0, chunk, step):
                 hi, at = min(lo + step, chunk), p * chunk
-                codes, scales, _ = self.ops.loco_quantize(values[at + lo:at + hi], err[at + lo:at + hi], NO_BLEND,
-                                                          self.block, INT4_BITS)
-                rows[p, lo // 2:hi // 2] = codes
-                rows[p, chunk // 2 + lo // self.block * 4:chunk // 2 + hi // self.block * 4] = scales.view(torch.uint8)
+                codes, scales, _ = self.ops.loco_quantize(
+                    values[at + lo : at + hi], err[at + lo : at + hi], NO_BLEND, self.block, INT4_BITS
+                )
+                rows[p, lo // 2 : hi // 2] = codes
+                rows[p, chunk // 2 + lo // self.block * 4 : chunk // 2 + hi // self.block * 4] = scales.view(
+                    torch.uint8
+                )
         return rows
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
         parts, width = rows.shape
         chunk = width * 2 * self.block // (self.block + 8)
-        codes = rows[:, :chunk // 2].contiguous()
-        scales = rows[:, chunk // 2:].contiguous().view(torch.float32)
-        return torch.stack([self.ops.dequantize(codes[i], scales[i], INT4_BITS, self.block, chunk)
-                            for i in range(parts)])
+        codes = rows[:, : chunk // 2].contiguous()
+        scales = rows[:, chunk // 2 :].contiguous().view(torch.float32)
+        return torch.stack(
+            [self.ops.dequantize(codes[i], scales[i], INT4_BITS, self.block, chunk) for i in range(parts)]
+        )
 
 
 def padded_size(numel: int, islands: int, quantize: str, int4: Int4Wire | None) -> int:
@@ -101,9 +105,19 @@ class Exchange:
     islands: int = 1
 
     @classmethod
-    def start(cls, fragment: int, lands: int, padded: torch.Tensor, numel: int, islands: int, quantize: str,
-              wire: torch.dtype, group: ProcessGroup | None, int4: Int4Wire | None = None,
-              errors: tuple[torch.Tensor, torch.Tensor] | None = None) -> Exchange:
+    def start(
+        cls,
+        fragment: int,
+        lands: int,
+        padded: torch.Tensor,
+        numel: int,
+        islands: int,
+        quantize: str,
+        wire: torch.dtype,
+        group: ProcessGroup | None,
+        int4: Int4Wire | None = None,
+        errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Exchange:
         """Issue stage 1. `padded` (fp32, `padded_size` elements) holds this island's
         pseudo-gradient of the fragment in its first `numel` elements and zeros after; it is
         kept (as `pseudo`, a view), not copied. Under int4 `wire` is ignored and `errors` (fp32,
@@ -132,7 +146,7 @@ class Exchange:
         else:  # a slice of columns at a time: each the same mean over islands, no fp32 copy of them all
             mine = torch.empty(self.received.shape[1], dtype=self.full.dtype)
             for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
-                mine[lo:lo + AVERAGE_COLUMNS] = average_chunks(self.received[:, lo:lo + AVERAGE_COLUMNS])
+                mine[lo : lo + AVERAGE_COLUMNS] = average_chunks(self.received[:, lo : lo + AVERAGE_COLUMNS])
         self.received = None
         self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
         self.stage = 2
@@ -146,15 +160,27 @@ class Exchange:
             self.work, self.stage = None, 3
         values = self.full if self.int4 is None else self.int4.decode(self.full.view(self.islands, -1))
         values = values.reshape(-1)
-        return values[:self.pseudo.numel()].float()
+        return values[: self.pseudo.numel()].float()
 
     def state_dict(self, group: ProcessGroup | None) -> dict[str, Any]:
         """Finished first (every rank saves at the same step), so the state is tensors only."""
         self.mean(group)
-        return {"fragment": self.fragment, "lands": self.lands, "pseudo": self.pseudo.clone(), "full": self.full.clone(),
-                "islands": self.islands}
+        return {
+            "fragment": self.fragment,
+            "lands": self.lands,
+            "pseudo": self.pseudo.clone(),
+            "full": self.full.clone(),
+            "islands": self.islands,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> Exchange:
-        return cls(int(state["fragment"]), int(state["lands"]), state["pseudo"].clone(), 3, state["full"].clone(),
-                   int4=int4, islands=int(state["islands"]))
+        return cls(
+            int(state["fragment"]),
+            int(state["lands"]),
+            state["pseudo"].clone(),
+            3,
+            state["full"].clone(),
+            int4=int4,
+            islands=int(state["islands"]),
+        )

@@ -18,6 +18,7 @@ from megazpp.errors import ConfigError
 ALGORITHMS = ("none", "diloco")
 QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.outer.traffic)
 
+
 @dataclass(frozen=True)
 class OuterOptions:
     """Two-level training as resolved: DiLoCo every `sync_every` inner steps, Nesterov SGD with
@@ -60,11 +61,16 @@ class OuterSettings:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"outer.algorithm = {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "none":
-            changed = [f"outer.{f.name} = {getattr(self, f.name)!r}" for f in fields(self)
-                       if f.name != "algorithm" and getattr(self, f.name) != f.default]
+            changed = [
+                f"outer.{f.name} = {getattr(self, f.name)!r}"
+                for f in fields(self)
+                if f.name != "algorithm" and getattr(self, f.name) != f.default
+            ]
             if changed:
-                raise ConfigError(f"{changed[0]} is set but outer.algorithm is none, so nothing would use it: "
-                                  f"set outer.algorithm diloco (--outer-algorithm diloco) or drop the setting")
+                raise ConfigError(
+                    f"{changed[0]} is set but outer.algorithm is none, so nothing would use it: "
+                    f"set outer.algorithm diloco (--outer-algorithm diloco) or drop the setting"
+                )
             return None
         if self.sync_every < 1:
             raise ConfigError(f"outer.sync_every = {self.sync_every}: expected at least 1 inner step per outer step")
@@ -83,19 +89,35 @@ class OuterSettings:
         if not 0 <= self.merge_alpha <= 1:
             raise ConfigError(f"outer.merge_alpha = {self.merge_alpha}: expected a value in [0, 1]")
         if self.fragments > self.sync_every:
-            raise ConfigError(f"outer.fragments = {self.fragments} > outer.sync_every = {self.sync_every}: each "
-                              f"fragment syncs once per interval at its own step, so at most H fragments")
+            raise ConfigError(
+                f"outer.fragments = {self.fragments} > outer.sync_every = {self.sync_every}: each "
+                f"fragment syncs once per interval at its own step, so at most H fragments"
+            )
         if self.overlap_steps >= self.sync_every:
-            raise ConfigError(f"outer.overlap_steps = {self.overlap_steps}: a fragment's exchange must land before "
-                              f"its next one starts, so at most outer.sync_every - 1 = {self.sync_every - 1}")
+            raise ConfigError(
+                f"outer.overlap_steps = {self.overlap_steps}: a fragment's exchange must land before "
+                f"its next one starts, so at most outer.sync_every - 1 = {self.sync_every - 1}"
+            )
         default_alpha = next(f.default for f in fields(self) if f.name == "merge_alpha")
         if self.merge_alpha != default_alpha and not self.overlap_steps:
-            raise ConfigError(f"outer.merge_alpha = {self.merge_alpha} mixes an overlapped exchange into the "
-                              f"island's parameters, and outer.overlap_steps is 0 (nothing overlaps): set "
-                              f"outer.overlap_steps or drop outer.merge_alpha")
+            raise ConfigError(
+                f"outer.merge_alpha = {self.merge_alpha} mixes an overlapped exchange into the "
+                f"island's parameters, and outer.overlap_steps is 0 (nothing overlaps): set "
+                f"outer.overlap_steps or drop outer.merge_alpha"
+            )
         if not self.error_feedback and self.quantize != "int4":
-            raise ConfigError(f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
-                              f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting")
-        return OuterOptions(self.sync_every, self.lr, self.momentum, self.quantize,  # type: ignore[arg-type]
-                            self.island_nodes, self.fragments, self.overlap_steps, self.merge_alpha,
-                            self.error_feedback)
+            raise ConfigError(
+                f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
+                f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting"
+            )
+        return OuterOptions(
+            self.sync_every,
+            self.lr,
+            self.momentum,
+            self.quantize,  # type: ignore[arg-type]
+            self.island_nodes,
+            self.fragments,
+            self.overlap_steps,
+            self.merge_alpha,
+            self.error_feedback,
+        )

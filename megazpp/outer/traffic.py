@@ -121,8 +121,9 @@ def fragment_runs(tensors: int, fragments: int) -> list[range]:
     return [range(f * tensors // fragments, (f + 1) * tensors // fragments) for f in range(fragments)]
 
 
-def per_step(fragment_numels: Sequence[int], islands: int, quantize: str, sync_every: int,
-             block: int = DEFAULT_BLOCK) -> OuterTraffic:
+def per_step(
+    fragment_numels: Sequence[int], islands: int, quantize: str, sync_every: int, block: int = DEFAULT_BLOCK
+) -> OuterTraffic:
     """The outer traffic of one rank amortised over `sync_every` (H) inner steps: every
     fragment (its shard's elements in `fragment_numels`) is synced once per H steps, at its own
     step, staggered by H / F, so no two fragments share an inner step when F <= H (else the
@@ -136,8 +137,12 @@ def per_step(fragment_numels: Sequence[int], islands: int, quantize: str, sync_e
     for f, (_, b) in enumerate(each):
         step = f * sync_every // len(each)
         at_step[step] = at_step.get(step, 0) + b
-    return OuterTraffic(intra / sync_every, inter / sync_every, max(at_step.values(), default=0),
-                        sync_calls(islands) * len(fragment_numels))
+    return OuterTraffic(
+        intra / sync_every,
+        inter / sync_every,
+        max(at_step.values(), default=0),
+        sync_calls(islands) * len(fragment_numels),
+    )
 
 
 def stats_bytes(world: GroupShape) -> tuple[int, int]:

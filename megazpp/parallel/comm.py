@@ -168,8 +168,9 @@ def _native(name: str, call: Any) -> Any:
 
 
 @named_failures("all_reduce")
-def all_reduce(t: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False,
-               tag: str | None = None) -> Any:
+def all_reduce(
+    t: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False, tag: str | None = None
+) -> Any:
     if not dist.is_initialized():
         return Done() if async_op else None
     _record_all_reduce(tag, group, _nbytes(t))
@@ -189,8 +190,13 @@ def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: ProcessGro
 
 
 @named_failures("all_gather_into_tensor")
-def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, group: ProcessGroup | None = None,
-                          async_op: bool = False, tag: str | None = None) -> Any:
+def all_gather_into_parts(
+    parts: Sequence[torch.Tensor],
+    inp: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: str | None = None,
+) -> Any:
     """Member r's `inp` into `parts[r]`, counted as `all_gather_into_tensor` (the same bytes).
 
     Why: a caller whose buffer is not in group-rank order (ZeRO's flat DP gather, whose layout
@@ -200,23 +206,31 @@ def all_gather_into_parts(parts: Sequence[torch.Tensor], inp: torch.Tensor, grou
         parts[0].copy_(inp.reshape(parts[0].shape))
         return Done() if async_op else None
     if len(parts) != group_size(group) or any(p.numel() != inp.numel() for p in parts):
-        raise ValueError(f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
-                         f"elements, expected {group_size(group)} of {inp.numel()}")
+        raise ValueError(
+            f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
+            f"elements, expected {group_size(group)} of {inp.numel()}"
+        )
     _record_chunks("all_gather", tag, group, _nbytes(inp))
     work = dist.all_gather(list(parts), inp.reshape(-1).contiguous(), group=group, async_op=async_op)
     return work if async_op else None
 
 
 @named_failures("all_gather_into_tensor")
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
-                           async_op: bool = False, tag: str | None = None) -> Any:
+def all_gather_into_tensor(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: str | None = None,
+) -> Any:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
         return Done() if async_op else None
     if out.numel() != inp.numel() * group_size(group):
-        raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
-                         f"{group_size(group)} x {inp.numel()}")
+        raise ValueError(
+            f"all_gather_into_tensor: output has {out.numel()} elements, expected {group_size(group)} x {inp.numel()}"
+        )
     _record_chunks("all_gather", tag, group, _nbytes(inp))
     if "all_gather" not in _EMULATED:
         work = _native("all_gather", lambda: _all_gather_native(out, inp, group, async_op))
@@ -225,14 +239,16 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: ProcessG
     return _all_gather_emulated(out, inp, group, async_op)
 
 
-def _reduce_scatter_native(out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None,
-                           async_op: bool) -> Any:
+def _reduce_scatter_native(
+    out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None, async_op: bool
+) -> Any:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, inp, op=op, group=group, async_op=async_op)
 
 
-def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None,
-                             async_op: bool) -> Any:
+def _reduce_scatter_emulated(
+    out: torch.Tensor, inp: torch.Tensor, op: Any, group: ProcessGroup | None, async_op: bool
+) -> Any:
     """All-reduce a copy of the input, keep this rank's chunk: twice the native wire bytes."""
     full = inp.detach().clone()
     mine = group_rank(group)
@@ -248,15 +264,22 @@ def _reduce_scatter_emulated(out: torch.Tensor, inp: torch.Tensor, op: Any, grou
 
 
 @named_failures("reduce_scatter_tensor")
-def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = SUM, group: ProcessGroup | None = None,
-                          async_op: bool = False, tag: str | None = None) -> Any:
+def reduce_scatter_tensor(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: Any = SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: str | None = None,
+) -> Any:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
         return Done() if async_op else None
     if inp.numel() != out.numel() * group_size(group):
-        raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
-                         f"{group_size(group)} x {out.numel()}")
+        raise ValueError(
+            f"reduce_scatter_tensor: input has {inp.numel()} elements, expected {group_size(group)} x {out.numel()}"
+        )
     _record_chunks("reduce_scatter", tag, group, _nbytes(out))
     if "reduce_scatter" not in _EMULATED:
         work = _native("reduce_scatter", lambda: _reduce_scatter_native(out, inp, op, group, async_op))
@@ -279,8 +302,13 @@ class _Kept:
 
 
 @named_failures("reduce_scatter_tensor")
-def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any = SUM,
-                         group: ProcessGroup | None = None, tag: str | None = None) -> _Kept:
+def reduce_scatter_parts(
+    t: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    op: Any = SUM,
+    group: ProcessGroup | None = None,
+    tag: str | None = None,
+) -> _Kept:
     """Reduce `t` over the group, asynchronously; member r keeps `parts[r]` (views of `t` that
     tile it), reduced in place. Counted as `reduce_scatter_tensor`. The caller gives `t` up:
     what lies outside its own part is left undefined.
@@ -293,8 +321,10 @@ def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any
     order (NCCL's in-place form: the output is the member's own chunk of the input)."""
     k = group_size(group)
     if len(parts) != k or sum(p.numel() for p in parts) != t.numel():
-        raise ValueError(f"reduce_scatter_parts: {len(parts)} parts covering {sum(p.numel() for p in parts)} "
-                         f"elements, expected {k} covering {t.numel()}")
+        raise ValueError(
+            f"reduce_scatter_parts: {len(parts)} parts covering {sum(p.numel() for p in parts)} "
+            f"elements, expected {k} covering {t.numel()}"
+        )
     if not dist.is_initialized():
         return _Kept(Done(), parts[0])
     mine = parts[group_rank(group)]
@@ -306,8 +336,14 @@ def reduce_scatter_parts(t: torch.Tensor, parts: Sequence[torch.Tensor], op: Any
     return _Kept(_reduce_scatter_native(mine.view(-1), src, op, group, async_op=True), mine)
 
 
-def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-                         in_splits: list[int], group: ProcessGroup | None, async_op: bool) -> Any:
+def _all_to_all_emulated(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: ProcessGroup | None,
+    async_op: bool,
+) -> Any:
     """One batched isend/irecv per peer: the same wire bytes as the native operation."""
     ranks, mine = group_ranks(group), group_rank(group)
     outs = out.split(out_splits)
@@ -327,9 +363,15 @@ def _all_to_all_emulated(out: torch.Tensor, inp: torch.Tensor, out_splits: list[
 
 
 @named_failures("all_to_all_single")
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: ProcessGroup | None = None,
-                      async_op: bool = False, tag: str | None = None) -> Any:
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: str | None = None,
+) -> Any:
     """Member j receives slice j (along dim 0) of every member's `inp`, in member order."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
@@ -343,8 +385,12 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
     else:
         _record_from_peers("all_to_all", tag, group, [s * row for s in output_split_sizes])
     if "all_to_all" not in _EMULATED:
-        work = _native("all_to_all", lambda: dist.all_to_all_single(
-            out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op))
+        work = _native(
+            "all_to_all",
+            lambda: dist.all_to_all_single(
+                out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            ),
+        )
         if "all_to_all" not in _EMULATED:
             return work
     out_splits = output_split_sizes or [out.shape[0] // k] * k
@@ -353,8 +399,9 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: 
 
 
 @named_failures("broadcast")
-def broadcast(t: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False,
-              tag: str | None = None) -> Any:
+def broadcast(
+    t: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False, tag: str | None = None
+) -> Any:
     """`src` is a global rank, as in torch.distributed."""
     if not dist.is_initialized():
         return Done() if async_op else None
@@ -408,8 +455,7 @@ def _start_p2p(ops: list[P2POp]) -> list[Any]:
             staged.append(dist.P2POp(dist.isend, _host_copy(op.tensor), op.peer, op.group))
             finish.append(None)
     works = dist.batch_isend_irecv(staged)
-    return [w if pair is None else Then(w, functools.partial(_copy_into, *pair))
-            for w, pair in zip(works, finish)]
+    return [w if pair is None else Then(w, functools.partial(_copy_into, *pair)) for w, pair in zip(works, finish)]
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -462,8 +508,11 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None, tag: str | No
     dist.all_gather_object(out, obj, group=group)
     sizes = [len(pickle.dumps(o)) for o in out]
     if dist.get_backend(group) in wire.RING_BACKENDS:  # torch gathers the sizes, then each object padded to the largest
-        counter.record("all_gather_object", tag or "all_gather_object",
-                       *wire.chunk_bytes("all_gather", _shape(group), max(sizes) + 8))
+        counter.record(
+            "all_gather_object",
+            tag or "all_gather_object",
+            *wire.chunk_bytes("all_gather", _shape(group), max(sizes) + 8),
+        )
     else:
         _record_from_peers("all_gather_object", tag, group, sizes)
     return out
@@ -483,10 +532,12 @@ def write_world_report(path: str, group: ProcessGroup | None = None) -> dict[str
     Returns the report on every rank."""
     mine = counter.run_totals()
     per_rank = all_gather_object(mine, group=group, tag="report/gather")
-    report = {"convention": CONVENTION, "steps": counter.steps,
-              "world": {"intra": sum(r["intra"] for r in per_rank),
-                        "inter": sum(r["inter"] for r in per_rank)},
-              "per_rank": per_rank}
+    report = {
+        "convention": CONVENTION,
+        "steps": counter.steps,
+        "world": {"intra": sum(r["intra"] for r in per_rank), "inter": sum(r["inter"] for r in per_rank)},
+        "per_rank": per_rank,
+    }
     if group_rank(group) == 0:
         write_json_atomic(path, report)
     return report

@@ -90,13 +90,16 @@ class CommCounter:
 
     def write_report(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write this rank's run totals as JSON atomically (temp name, then rename)."""
-        write_json_atomic(path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(),
-                           **(extra or {})})
+        write_json_atomic(
+            path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(), **(extra or {})}
+        )
 
 
-CONVENTION = ("bytes the backend's algorithm puts on the links for each rank (gloo: an equal share of "
-              "each ring's hops, reduce-scatter as the all-reduce gloo runs; nccl: the logical payload "
-              "from each peer), classed intra/inter by the link; world sums count every transfer once")
+CONVENTION = (
+    "bytes the backend's algorithm puts on the links for each rank (gloo: an equal share of "
+    "each ring's hops, reduce-scatter as the all-reduce gloo runs; nccl: the logical payload "
+    "from each peer), classed intra/inter by the link; world sums count every transfer once"
+)
 
 
 def write_json_atomic(path: str, report: dict[str, Any]) -> None:
@@ -121,8 +124,10 @@ def _write_rank_report_at_exit() -> None:
     if not directory or rank is None:  # not a launched rank (e.g. the process that spawned them)
         return
     os.makedirs(directory, exist_ok=True)
-    counter.write_report(os.path.join(directory, f"comm_rank{rank}.json"),
-                         extra={"rank": int(rank), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))})
+    counter.write_report(
+        os.path.join(directory, f"comm_rank{rank}.json"),
+        extra={"rank": int(rank), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
+    )
 
 
 atexit.register(_write_rank_report_at_exit)

@@ -31,14 +31,17 @@ def resolve_backend(requested: str, ranks_per_node: int, gpus: int) -> str:
         return "gloo"
     if gpus == 0:
         if requested == "nccl":
-            raise ConfigError(f"{KEY} = nccl: NCCL needs CUDA ranks and this machine has no usable "
-                              "GPU; use gloo (or auto)")
+            raise ConfigError(
+                f"{KEY} = nccl: NCCL needs CUDA ranks and this machine has no usable GPU; use gloo (or auto)"
+            )
         return "gloo"
     if ranks_per_node > gpus:
-        raise ConfigError(f"{KEY} = {requested}: {ranks_per_node} ranks per node on {gpus} GPU(s) "
-                          f"would put several ranks on one GPU, which NCCL refuses; pass "
-                          f"--distributed-backend gloo (the ranks then share the GPUs round robin) "
-                          f"or start at most {gpus} ranks per node")
+        raise ConfigError(
+            f"{KEY} = {requested}: {ranks_per_node} ranks per node on {gpus} GPU(s) "
+            f"would put several ranks on one GPU, which NCCL refuses; pass "
+            f"--distributed-backend gloo (the ranks then share the GPUs round robin) "
+            f"or start at most {gpus} ranks per node"
+        )
     return "nccl"
 
 

@@ -46,6 +46,5 @@ def die_with_launcher() -> None:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     if os.getppid() != int(launcher):  # it ended before the signal was armed
-        os.write(2, f"rank {os.environ.get('RANK', '?')}: its launcher (pid {launcher}) has "
-                    "ended: exiting\n".encode())
+        os.write(2, f"rank {os.environ.get('RANK', '?')}: its launcher (pid {launcher}) has ended: exiting\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)

@@ -48,16 +48,26 @@ def release_process_groups(*, finished: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def _rank_entry(rank: int, world_size: int, store_path: str, out_dir: str, timeout_s: float,
-                env: dict[str, str], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _rank_entry(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    out_dir: str,
+    timeout_s: float,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -69,8 +79,14 @@ def _rank_entry(rank: int, world_size: int, store_path: str, out_dir: str, timeo
         pickle.dump(payload, f)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
 
     `fn` must be importable by name (a module-level function), since ranks are spawned.
@@ -78,8 +94,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """
     with tempfile.TemporaryDirectory(prefix="megazpp_ranks_") as tmp:
         store_path = os.path.join(tmp, "store")
-        ctx = mp.spawn(_rank_entry, nprocs=world_size, join=False,
-                       args=(world_size, store_path, tmp, timeout_s, dict(env or {}), fn, args, kwargs))
+        ctx = mp.spawn(
+            _rank_entry,
+            nprocs=world_size,
+            join=False,
+            args=(world_size, store_path, tmp, timeout_s, dict(env or {}), fn, args, kwargs),
+        )
         while not ctx.join(timeout=None):  # join() returns at each rank's exit; wait for all
             pass
         results = []

@@ -93,7 +93,8 @@ def check_port_free(addr: str, port: int) -> None:
             raise CommunicationError(
                 f"rendezvous port {port} (MASTER_PORT) is already in use on this host, by "
                 "another job's rendezvous or another program: choose another MASTER_PORT, or "
-                "leave it unset on a single node to get a free one") from None
+                "leave it unset on a single node to get a free one"
+            ) from None
 
 
 class _Reporter:
@@ -122,9 +123,13 @@ def wait_reachable(addr: str, port: int, timeout: float, interval: float) -> Non
     """Until `timeout`, retry connecting to node 0's rendezvous (it may start after us)."""
     deadline = time.monotonic() + timeout
     last = "no attempt"
-    with _Reporter(lambda s: f"waiting for node 0's rendezvous at {addr}:{port} to accept "
-                             f"connections ({s:.0f} s of {timeout:.0f} s; last attempt: {last})",
-                   interval):
+    with _Reporter(
+        lambda s: (
+            f"waiting for node 0's rendezvous at {addr}:{port} to accept "
+            f"connections ({s:.0f} s of {timeout:.0f} s; last attempt: {last})"
+        ),
+        interval,
+    ):
         while True:
             left = deadline - time.monotonic()
             try:
@@ -136,7 +141,8 @@ def wait_reachable(addr: str, port: int, timeout: float, interval: float) -> Non
                 raise CommunicationError(
                     f"cannot reach the rendezvous at {addr}:{port} (MASTER_ADDR:MASTER_PORT) "
                     f"after {timeout:.0f} s: {last}; is node 0 started with the same "
-                    "MASTER_PORT, is the address this node can route to, is the port open?")
+                    "MASTER_PORT, is the address this node can route to, is the port open?"
+                )
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
@@ -157,8 +163,7 @@ class _WatchedRendezvous:
         return getattr(self._inner, name)
 
 
-def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout: float,
-                      interval: float) -> None:
+def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout: float, interval: float) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -169,9 +174,12 @@ def _register_backend(nnodes: int, node_rank: int, addr: str, port: int, timeout
         backend, store = create_backend(params)
         return _WatchedRendezvous(
             create_handler(store, backend, params),
-            lambda s: (f"rendezvous at {addr}:{port}: waiting for all {nnodes} nodes to join "
-                       f"(this is node {node_rank}; {s:.0f} s of {timeout:.0f} s)"),
-            interval)
+            lambda s: (
+                f"rendezvous at {addr}:{port}: waiting for all {nnodes} nodes to join "
+                f"(this is node {node_rank}; {s:.0f} s of {timeout:.0f} s)"
+            ),
+            interval,
+        )
 
     # duck-typed: _WatchedRendezvous forwards every RendezvousHandler method to the handler it wraps
     rendezvous_handler_registry.register(BACKEND, create)  # type: ignore[arg-type]
@@ -229,17 +237,25 @@ def launch(args: argparse.Namespace) -> int:
     port = resolve_port(args.master_port, args.nnodes)
     if args.node_rank == 0:
         check_port_free(args.master_addr, port)
-    _register_backend(args.nnodes, args.node_rank, args.master_addr, port, args.rdzv_timeout,
-                      args.report_interval)
+    _register_backend(args.nnodes, args.node_rank, args.master_addr, port, args.rdzv_timeout, args.report_interval)
     endpoint = f"{args.master_addr}:{port}"
     torchrun_args = [
-        "--nnodes", str(args.nnodes),  # the node rank matters to node 0 hosting (is_host)
-        "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-        "--rdzv-backend", BACKEND, "--rdzv-endpoint", endpoint,
-        "--signals-to-handle", TORCHRUN_SIGNALS,
-        "--rdzv-conf", f"join_timeout={max(1, round(args.rdzv_timeout))},"
-                       f"is_host={'true' if args.node_rank == 0 else 'false'}",
-        *args.command]
+        "--nnodes",
+        str(args.nnodes),  # the node rank matters to node 0 hosting (is_host)
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--max-restarts",
+        str(args.max_restarts),
+        "--rdzv-backend",
+        BACKEND,
+        "--rdzv-endpoint",
+        endpoint,
+        "--signals-to-handle",
+        TORCHRUN_SIGNALS,
+        "--rdzv-conf",
+        f"join_timeout={max(1, round(args.rdzv_timeout))},is_host={'true' if args.node_rank == 0 else 'false'}",
+        *args.command,
+    ]
     for sig in FORWARDED:
         signal.signal(sig, _forward)
     name_launcher()  # the ranks die with this process, a `kill -9` included (lifeline.py)
@@ -255,11 +271,13 @@ def launch(args: argparse.Namespace) -> int:
             f"rendezvous at {endpoint} timed out after {args.rdzv_timeout:.0f} s (RDZV_TIMEOUT): "
             f"not all {args.nnodes} nodes joined; start the same command on every node with "
             f"NNODES={args.nnodes}, NODE_RANK 0..{args.nnodes - 1} and this MASTER_ADDR and "
-            "MASTER_PORT") from None
+            "MASTER_PORT"
+        ) from None
     except (RendezvousError, dist.DistError) as exc:
         cause = exc.__cause__ or exc
-        raise CommunicationError(f"rendezvous at {endpoint} failed on node {args.node_rank}: "
-                                 f"{_one_line(cause)}") from None
+        raise CommunicationError(
+            f"rendezvous at {endpoint} failed on node {args.node_rank}: {_one_line(cause)}"
+        ) from None
     return 0
 
 
@@ -269,24 +287,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", default="",
-                        help="empty: a free port on a single node, 29500 on several")
-    parser.add_argument("--rdzv-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="seconds to wait for node 0 and for every node to join")
-    parser.add_argument("--report-interval", type=float, default=DEFAULT_REPORT_S,
-                        help="seconds between 'waiting for ...' lines")
+    parser.add_argument("--master-port", default="", help="empty: a free port on a single node, 29500 on several")
+    parser.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait for node 0 and for every node to join",
+    )
+    parser.add_argument(
+        "--report-interval", type=float, default=DEFAULT_REPORT_S, help="seconds between 'waiting for ...' lines"
+    )
     parser.add_argument("--max-restarts", type=int, default=0)
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the training script and its arguments")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(list(argv))
     if not args.command:
         parser.error("give the training script to run, e.g. pretrain_gpt.py --config FILE")
     if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"NODE_RANK = {args.node_rank}: expected 0..{args.nnodes - 1} "
-                          f"for NNODES = {args.nnodes}")
+        raise ConfigError(f"NODE_RANK = {args.node_rank}: expected 0..{args.nnodes - 1} for NNODES = {args.nnodes}")
     if args.rdzv_timeout <= 0 or args.report_interval <= 0:
-        raise ConfigError(f"RDZV_TIMEOUT = {args.rdzv_timeout} and the report interval "
-                          f"{args.report_interval} must be > 0 seconds")
+        raise ConfigError(
+            f"RDZV_TIMEOUT = {args.rdzv_timeout} and the report interval {args.report_interval} must be > 0 seconds"
+        )
     return args
 
 

@@ -35,18 +35,25 @@ def _rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
 
 def check_shape(world_size: int, tp: int, pp: int, ranks_per_node: int) -> int:
     """Validate the parallel shape before any group exists; return dp."""
-    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                        ("ranks_per_node", ranks_per_node)):
+    for name, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("ranks_per_node", ranks_per_node),
+    ):
         if not isinstance(value, int) or value < 1:
             raise TopologyError(f"{name} must be a positive integer, got {value!r}")
     if world_size % (tp * pp):
-        raise TopologyError(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} "
-                            f"x pipeline_model_parallel_size {pp} = {tp * pp}")
+        raise TopologyError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} "
+            f"x pipeline_model_parallel_size {pp} = {tp * pp}"
+        )
     if world_size % ranks_per_node:
         raise TopologyError(f"world size {world_size} is not divisible by ranks_per_node {ranks_per_node}")
     if ranks_per_node % tp:
-        raise TopologyError(f"tensor_model_parallel_size {tp} must divide ranks_per_node {ranks_per_node}: "
-                            f"a tensor-parallel group has to fit inside one node")
+        raise TopologyError(
+            f"tensor_model_parallel_size {tp} must divide ranks_per_node {ranks_per_node}: "
+            f"a tensor-parallel group has to fit inside one node"
+        )
     dp = world_size // (tp * pp)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
@@ -56,7 +63,8 @@ def check_shape(world_size: int, tp: int, pp: int, ranks_per_node: int) -> int:
                 raise TopologyError(
                     f"data-parallel group {members} spreads unevenly over nodes of {ranks_per_node} ranks "
                     f"({dict(per_node)} members per node); choose tp/pp/ranks_per_node so that every node "
-                    f"holds the same number of members of each data-parallel group")
+                    f"holds the same number of members of each data-parallel group"
+                )
     return dp
 
 
@@ -69,13 +77,17 @@ def island_layout(world_size: int, tp: int, pp: int, ranks_per_node: int, island
     dp = check_shape(world_size, tp, pp, ranks_per_node)
     nodes = world_size // ranks_per_node
     if not isinstance(island_nodes, int) or island_nodes < 1 or nodes % island_nodes:
-        raise TopologyError(f"outer.island_nodes {island_nodes!r} must be a positive divisor of the "
-                            f"{nodes} node(s) of {ranks_per_node} ranks")
+        raise TopologyError(
+            f"outer.island_nodes {island_nodes!r} must be a positive divisor of the "
+            f"{nodes} node(s) of {ranks_per_node} ranks"
+        )
     islands = nodes // island_nodes
     if islands < 2:
-        raise TopologyError(f"outer.island_nodes {island_nodes} makes one island of all {nodes} node(s): two-level "
-                            f"training needs at least two islands (use fewer nodes per island, or "
-                            f"outer.algorithm none)")
+        raise TopologyError(
+            f"outer.island_nodes {island_nodes} makes one island of all {nodes} node(s): two-level "
+            f"training needs at least two islands (use fewer nodes per island, or "
+            f"outer.algorithm none)"
+        )
     if dp % islands:
         raise TopologyError(f"{islands} islands cannot split the data-parallel size {dp} evenly")
     per = dp // islands
@@ -83,9 +95,11 @@ def island_layout(world_size: int, tp: int, pp: int, ranks_per_node: int, island
         ranks = {_rank_of(t, d, p, tp, dp) for t in range(tp) for p in range(pp) for d in range(i * per, (i + 1) * per)}
         held = {r // ranks_per_node for r in ranks}
         if len(held) != island_nodes or len(ranks) != island_nodes * ranks_per_node:
-            raise TopologyError(f"island {i} (data-parallel ranks {i * per}..{(i + 1) * per - 1} with every tp x pp "
-                                f"rank) spans nodes {sorted(held)}, not {island_nodes} whole node(s); choose "
-                                f"outer.island_nodes so that each island holds whole model replicas on whole nodes")
+            raise TopologyError(
+                f"island {i} (data-parallel ranks {i * per}..{(i + 1) * per - 1} with every tp x pp "
+                f"rank) spans nodes {sorted(held)}, not {island_nodes} whole node(s); choose "
+                f"outer.island_nodes so that each island holds whole model replicas on whole nodes"
+            )
     return islands, per
 
 
@@ -117,7 +131,8 @@ class Topology:
     peer_ranks: list[int] = field(default_factory=list)  # island view: my place in every island
     peer_group: ProcessGroup | None = None
     _subgroups: dict[tuple[str, int, int], tuple[list[int], ProcessGroup | None]] = field(
-        default_factory=dict, repr=False)
+        default_factory=dict, repr=False
+    )
 
     @property
     def tp_rank(self) -> int:
@@ -177,9 +192,21 @@ class Topology:
         if not dist.is_initialized():
             check_shape(1, tp, pp, 1)
             comm.set_ranks_per_node(1)
-            return cls(rank=0, world_size=1, tp=1, pp=1, dp=1, ranks_per_node=1, tp_ranks=[0],
-                       dp_ranks=[0], pp_ranks=[0], dp_intra_ranks=[0], dp_inter_ranks=[0],
-                       embedding_ranks=[0], model_parallel_ranks=[0])
+            return cls(
+                rank=0,
+                world_size=1,
+                tp=1,
+                pp=1,
+                dp=1,
+                ranks_per_node=1,
+                tp_ranks=[0],
+                dp_ranks=[0],
+                pp_ranks=[0],
+                dp_intra_ranks=[0],
+                dp_inter_ranks=[0],
+                embedding_ranks=[0],
+                model_parallel_ranks=[0],
+            )
         world, rank = dist.get_world_size(), dist.get_rank()
         from_launcher = ranks_per_node is None
         if ranks_per_node is None:
@@ -187,9 +214,11 @@ class Topology:
         dp = check_shape(world, tp, pp, ranks_per_node)
         group_rank = os.environ.get("GROUP_RANK")
         if from_launcher and group_rank is not None and rank // ranks_per_node != int(group_rank):
-            raise TopologyError(f"rank {rank} runs on node GROUP_RANK={group_rank}, but with "
-                                f"LOCAL_WORLD_SIZE={ranks_per_node} consecutive ranks per node it would be on "
-                                f"node {rank // ranks_per_node}; launch the same number of ranks on every node")
+            raise TopologyError(
+                f"rank {rank} runs on node GROUP_RANK={group_rank}, but with "
+                f"LOCAL_WORLD_SIZE={ranks_per_node} consecutive ranks per node it would be on "
+                f"node {rank // ranks_per_node}; launch the same number of ranks on every node"
+            )
         comm.set_ranks_per_node(ranks_per_node)
         topo = cls(rank=rank, world_size=world, tp=tp, pp=pp, dp=dp, ranks_per_node=ranks_per_node)
         topo._create_groups()
@@ -227,8 +256,7 @@ class Topology:
                 ends = sorted({_rank_of(t, d, 0, tp, dp), _rank_of(t, d, pp - 1, tp, dp)})
                 self._new_group(ends, "embedding_group")
         for d in range(dp):
-            self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)],
-                            "model_parallel_group")
+            self._new_group([_rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)], "model_parallel_group")
 
     def island_view(self, island_nodes: int) -> Topology:
         """This rank's island as a Topology of its own, for the engine (collective: every rank
@@ -238,12 +266,23 @@ class Topology:
         if self.islands != 1:
             raise TopologyError("island_view: this topology is already an island's")
         islands, per = island_layout(self.world_size, self.tp, self.pp, self.ranks_per_node, island_nodes)
-        view = Topology(rank=self.rank, world_size=self.world_size // islands, tp=self.tp, pp=self.pp, dp=per,
-                        ranks_per_node=self.ranks_per_node, islands=islands,
-                        tp_ranks=self.tp_ranks, pp_ranks=self.pp_ranks, embedding_ranks=self.embedding_ranks,
-                        model_parallel_ranks=self.model_parallel_ranks, tp_group=self.tp_group,
-                        pp_group=self.pp_group, embedding_group=self.embedding_group,
-                        model_parallel_group=self.model_parallel_group)
+        view = Topology(
+            rank=self.rank,
+            world_size=self.world_size // islands,
+            tp=self.tp,
+            pp=self.pp,
+            dp=per,
+            ranks_per_node=self.ranks_per_node,
+            islands=islands,
+            tp_ranks=self.tp_ranks,
+            pp_ranks=self.pp_ranks,
+            embedding_ranks=self.embedding_ranks,
+            model_parallel_ranks=self.model_parallel_ranks,
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            embedding_group=self.embedding_group,
+            model_parallel_group=self.model_parallel_group,
+        )
         for p in range(self.pp):
             for t in range(self.tp):
                 for i in range(islands):
@@ -275,8 +314,9 @@ class Topology:
 
     def _dp_partition(self, kind: str, size: int, copy: int) -> tuple[list[int], ProcessGroup | None]:
         if not isinstance(size, int) or size < 1 or self.dp % size:
-            raise TopologyError(f"data-parallel sub-group size {size!r} must be a positive divisor of "
-                                f"the data-parallel size {self.dp}")
+            raise TopologyError(
+                f"data-parallel sub-group size {size!r} must be a positive divisor of the data-parallel size {self.dp}"
+            )
         key = (kind, size, copy)
         if key not in self._subgroups:
             if not dist.is_initialized():

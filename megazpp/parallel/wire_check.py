@@ -56,8 +56,9 @@ def measure(elems: int, iface: str, repeats: int) -> dict[str, dict[str, int]]:
             run()
         comm.barrier(tag="wire/barrier")
         after = _rx_bytes(iface) if local_rank == 0 else 0
-        counted = torch.tensor([comm.counter.run_totals()["inter"] - counted_before, after - before],
-                               dtype=torch.float64)
+        counted = torch.tensor(
+            [comm.counter.run_totals()["inter"] - counted_before, after - before], dtype=torch.float64
+        )
         comm.all_reduce(counted, tag="wire/bookkeeping")  # after both snapshots: not measured
         results[name] = {"counted_inter_bytes": int(counted[0]), "kernel_rx_bytes": int(counted[1])}
     return results
@@ -76,10 +77,17 @@ def main() -> None:
     elems = int(args.mib * 2**20 / 4) // world * world
     results = measure(elems, args.iface, args.repeats)
     if dist.get_rank() == 0:
-        write_json_atomic(args.out, {"backend": dist.get_backend(), "world_size": world,
-                               "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
-                               "bytes_per_full_tensor": elems * 4, "repeats": args.repeats,
-                               "operations": results})
+        write_json_atomic(
+            args.out,
+            {
+                "backend": dist.get_backend(),
+                "world_size": world,
+                "ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"]),
+                "bytes_per_full_tensor": elems * 4,
+                "repeats": args.repeats,
+                "operations": results,
+            },
+        )
     dist.destroy_process_group()
 
 

@@ -47,9 +47,11 @@ class Then:
 
 def failure(op: str, tag: str | None, exc: BaseException) -> CommunicationError:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return CommunicationError(f"{op} (tag {tag or op}) on rank {rank} failed: a peer rank died "
-                              f"or the collective timed out ({type(exc).__name__}: "
-                              f"{str(exc).strip()[:400]})")
+    return CommunicationError(
+        f"{op} (tag {tag or op}) on rank {rank} failed: a peer rank died "
+        f"or the collective timed out ({type(exc).__name__}: "
+        f"{str(exc).strip()[:400]})"
+    )
 
 
 class NamedWork:

@@ -24,8 +24,7 @@ from __future__ import annotations
 from megazpp.model.config import ModelConfig
 
 
-def layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sequence_parallel: bool,
-                flash_attention: bool) -> float:
+def layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sequence_parallel: bool, flash_attention: bool) -> float:
     """Bytes one layer keeps for backward, per micro-batch, without checkpointing."""
     s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     scores = 0.0 if flash_attention else 5 * a * s / h
@@ -36,9 +35,19 @@ def layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sequence_parallel: 
     return s * b * h * (10 + 24 / tp + scores / tp)
 
 
-def stage_activation_bytes(cfg: ModelConfig, *, micro_batch: int, micro_batches: int, tp: int, pp: int,
-                           stage: int, layers: int, sequence_parallel: bool, flash_attention: bool,
-                           checkpointing: bool) -> float:
+def stage_activation_bytes(
+    cfg: ModelConfig,
+    *,
+    micro_batch: int,
+    micro_batches: int,
+    tp: int,
+    pp: int,
+    stage: int,
+    layers: int,
+    sequence_parallel: bool,
+    flash_attention: bool,
+    checkpointing: bool,
+) -> float:
     """Peak activation bytes of one rank of pipeline stage `stage`."""
     s, b, h = cfg.seq_length, micro_batch, cfg.hidden_size
     in_flight = min(pp - stage, micro_batches)

@@ -54,9 +54,13 @@ class Choice:
     cluster: Cluster  # the one the engine's DP groups run on (an island's, with islands)
 
 
-def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Cluster,
-                    zeropp: ZeroPP = ZeroPP(),
-                    allowed: Callable[[Strategy], bool] = lambda s: True) -> Choice:
+def choose_strategy(
+    shapes: list[StageShape],
+    workload: Workload,
+    cluster: Cluster,
+    zeropp: ZeroPP = ZeroPP(),
+    allowed: Callable[[Strategy], bool] = lambda s: True,
+) -> Choice:
     """The recommended strategy among those the run's ZeRO++ switches apply to and `allowed`
     accepts (pure, local)."""
     result = plan(shapes, workload, cluster, fixed_zeropp=zeropp, allowed=allowed)
@@ -66,14 +70,21 @@ def choose_strategy(shapes: list[StageShape], workload: Workload, cluster: Clust
     return Choice(result.choice.option.strategy, runner, result, cluster)
 
 
-def choose_island_strategy(shapes: list[StageShape], workload: Workload, island: Cluster, islands: int,
-                           outer: OuterChoice, zeropp: ZeroPP = ZeroPP(),
-                           allowed: Callable[[Strategy], bool] = lambda s: True) -> Choice:
+def choose_island_strategy(
+    shapes: list[StageShape],
+    workload: Workload,
+    island: Cluster,
+    islands: int,
+    outer: OuterChoice,
+    zeropp: ZeroPP = ZeroPP(),
+    allowed: Callable[[Strategy], bool] = lambda s: True,
+) -> Choice:
     """The strategy each of `islands` islands (on `island`, whose `collective_times` were probed
     on the island's groups) runs under `outer`, for the whole job's `workload` (pure, local)."""
     whole = dataclasses.replace(island, nodes=island.nodes * islands, collective_times=None)
-    result = plan_island(shapes, workload, whole, outer, fixed_zeropp=zeropp, allowed=allowed,
-                         island_times=island.collective_times)
+    result = plan_island(
+        shapes, workload, whole, outer, fixed_zeropp=zeropp, allowed=allowed, island_times=island.collective_times
+    )
     if result.choice is None:
         raise ConfigError(f"zero.paro_strategy = auto with outer.algorithm diloco: {result.reason}")
     runner = result.runner_up.inner.option.strategy.name if result.runner_up else None
@@ -82,8 +93,9 @@ def choose_island_strategy(shapes: list[StageShape], workload: Workload, island:
 
 def _zeropp_of(cfg: Config, topology: Topology) -> ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
-    return dataclasses.replace(zeropp_of(cfg.zero),
-                               hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks)))
+    return dataclasses.replace(
+        zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks))
+    )
 
 
 def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
@@ -101,12 +113,18 @@ def _device_memory(settings: PlannerSettings) -> float:
         return settings.accelerator_memory_gib * GIB
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    raise ConfigError("zero.paro_strategy = auto: set planner.accelerator_memory_gib (no CUDA device "
-                      "to read it from)")
+    raise ConfigError("zero.paro_strategy = auto: set planner.accelerator_memory_gib (no CUDA device to read it from)")
 
 
-def _link(given: float | None, key: str, needed: bool, group: ProcessGroup | None, size: int, settings: PlannerSettings,
-          latency_us: float) -> tuple[float, float]:
+def _link(
+    given: float | None,
+    key: str,
+    needed: bool,
+    group: ProcessGroup | None,
+    size: int,
+    settings: PlannerSettings,
+    latency_us: float,
+) -> tuple[float, float]:
     """(bytes/s, latency) of one link: from the settings, else probed, else unused (infinite)."""
     if not needed:
         return math.inf, 0.0  # no collective of this run crosses it
@@ -138,15 +156,30 @@ def measure_links(settings: PlannerSettings, topology: Topology, across_islands:
     inter-node link is the one between islands, probed on the peer group (the outer syncs'),
     which every rank of a node crosses at once. Collective when probing."""
     dp_intra = len(topology.dp_intra_ranks)
-    intra_group, intra_size = ((topology.dp_intra_group, dp_intra) if dp_intra > 1
-                               else (topology.tp_group, topology.tp))
-    intra = _link(settings.intra_node_gbs and settings.intra_node_gbs * 1e9, "intra_node_gbs",
-                  intra_size > 1, intra_group, intra_size, settings, settings.intra_node_latency_us)
-    inter_group, inter_size = ((topology.peer_group, topology.islands) if across_islands
-                               else (topology.dp_inter_group, len(topology.dp_inter_ranks)))
-    inter = _link(settings.inter_node_gbit and settings.inter_node_gbit * 1e9 / 8 / topology.ranks_per_node,
-                  "inter_node_gbit", topology.num_nodes > 1 or across_islands, inter_group, inter_size, settings,
-                  settings.inter_node_latency_us)
+    intra_group, intra_size = (topology.dp_intra_group, dp_intra) if dp_intra > 1 else (topology.tp_group, topology.tp)
+    intra = _link(
+        settings.intra_node_gbs and settings.intra_node_gbs * 1e9,
+        "intra_node_gbs",
+        intra_size > 1,
+        intra_group,
+        intra_size,
+        settings,
+        settings.intra_node_latency_us,
+    )
+    inter_group, inter_size = (
+        (topology.peer_group, topology.islands)
+        if across_islands
+        else (topology.dp_inter_group, len(topology.dp_inter_ranks))
+    )
+    inter = _link(
+        settings.inter_node_gbit and settings.inter_node_gbit * 1e9 / 8 / topology.ranks_per_node,
+        "inter_node_gbit",
+        topology.num_nodes > 1 or across_islands,
+        inter_group,
+        inter_size,
+        settings,
+        settings.inter_node_latency_us,
+    )
     return [intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
 
 
@@ -154,14 +187,26 @@ def stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape
     workload = workload_of_config(cfg)
     bucket_numel, fraction = workload.bucket_numel, workload.trainable_fraction
     if fraction < 1:  # frozen weights: that share of every group, as tools/plan.py models it
-        return shapes_of_config(cfg.model, tp=topology.tp, pp=topology.pp, bucket_numel=bucket_numel,
-                                threshold=cfg.zero.module_granularity_threshold, fetch_mode=cfg.zero.fetch_groups,
-                                trainable_fraction=fraction)[topology.pp_rank]
-    return shape_of_model(model, bucket_numel=bucket_numel, threshold=cfg.zero.module_granularity_threshold,
-                          fetch_mode=cfg.zero.fetch_groups, stage=topology.pp_rank,
-                          layers=len(range(*topology.layer_range(cfg.model.num_layers))),
-                          first=topology.is_first_stage, last=topology.is_last_stage,
-                          persistence=cfg.zero.stage3_param_persistence_threshold)
+        return shapes_of_config(
+            cfg.model,
+            tp=topology.tp,
+            pp=topology.pp,
+            bucket_numel=bucket_numel,
+            threshold=cfg.zero.module_granularity_threshold,
+            fetch_mode=cfg.zero.fetch_groups,
+            trainable_fraction=fraction,
+        )[topology.pp_rank]
+    return shape_of_model(
+        model,
+        bucket_numel=bucket_numel,
+        threshold=cfg.zero.module_granularity_threshold,
+        fetch_mode=cfg.zero.fetch_groups,
+        stage=topology.pp_rank,
+        layers=len(range(*topology.layer_range(cfg.model.num_layers))),
+        first=topology.is_first_stage,
+        last=topology.is_last_stage,
+        persistence=cfg.zero.stage3_param_persistence_threshold,
+    )
 
 
 def _cluster(settings: PlannerSettings, topology: Topology, measured: list[float], optimizer: bool = True) -> Cluster:
@@ -171,12 +216,22 @@ def _cluster(settings: PlannerSettings, topology: Topology, measured: list[float
     memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measured)
     cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
     fits, adam = probe_host(topology, optimizer) if cpu and settings.probe else (None, None)
-    return Cluster(nodes=topology.num_nodes, gpus_per_node=topology.ranks_per_node, memory_bytes=memory,
-                   flops=flops, intra_bw=intra_bw, inter_bw=inter_bw, intra_latency=intra_lat,
-                   inter_latency=inter_lat, memory_bw=settings.memory_bandwidth_gbs * 1e9,
-                   usable_memory_fraction=settings.usable_memory_fraction,
-                   backend=_backend(cpu), overlap=not cpu, collective_times=fits,
-                   optimizer_rate=adam)
+    return Cluster(
+        nodes=topology.num_nodes,
+        gpus_per_node=topology.ranks_per_node,
+        memory_bytes=memory,
+        flops=flops,
+        intra_bw=intra_bw,
+        inter_bw=inter_bw,
+        intra_latency=intra_lat,
+        inter_latency=inter_lat,
+        memory_bw=settings.memory_bandwidth_gbs * 1e9,
+        usable_memory_fraction=settings.usable_memory_fraction,
+        backend=_backend(cpu),
+        overlap=not cpu,
+        collective_times=fits,
+        optimizer_rate=adam,
+    )
 
 
 def _backend(cpu: bool) -> str:
@@ -193,8 +248,9 @@ def _workload(cfg: Config, topology: Topology) -> Workload:
     return workload
 
 
-def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings,
-                  outer: OuterOptions | None = None) -> Choice:
+def auto_strategy(
+    model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings, outer: OuterOptions | None = None
+) -> Choice:
     """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage.
     With `outer` (two-level training), `topology` is this rank's `Topology.island_view` and the
     choice is the islands' strategy (`choose_island_strategy`)."""
@@ -206,38 +262,62 @@ def auto_strategy(model: nn.Module, cfg: Config, topology: Topology, settings: P
     if outer is None:
         choice = choose_strategy(stages, workload, cluster, _zeropp_of(cfg, topology), _allowed(cfg, topology))
     else:
-        choice = choose_island_strategy(stages, workload, cluster, topology.islands, OuterChoice.of(outer),
-                                        _zeropp_of(cfg, topology), _allowed(cfg, topology))
+        choice = choose_island_strategy(
+            stages,
+            workload,
+            cluster,
+            topology.islands,
+            OuterChoice.of(outer),
+            _zeropp_of(cfg, topology),
+            _allowed(cfg, topology),
+        )
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
     name, runner = names[0]
     if topology.rank == 0 and isinstance(choice.plan, IslandPlan):
-        log.info("zero: paro_strategy auto with islands -> %s in each of %d islands (runner-up %s), priced as "
-                 "the two-level job: %s\n%s", name, topology.islands, runner, choice.plan.reason,
-                 island_table(choice.plan))
+        log.info(
+            "zero: paro_strategy auto with islands -> %s in each of %d islands (runner-up %s), priced as "
+            "the two-level job: %s\n%s",
+            name,
+            topology.islands,
+            runner,
+            choice.plan.reason,
+            island_table(choice.plan),
+        )
     elif topology.rank == 0:
-        log.info("zero: paro_strategy auto -> %s (runner-up %s): %s\n%s", name, runner, choice.plan.reason,
-                 table(choice.plan))
+        log.info(
+            "zero: paro_strategy auto -> %s (runner-up %s): %s\n%s",
+            name,
+            runner,
+            choice.plan.reason,
+            table(choice.plan),
+        )
         if cluster.nodes > 1:
-            log.info("zero: paro_strategy auto: %s", two_level_note([shapes[s] for s in sorted(shapes)], workload,
-                                                                    cluster, choice.plan,
-                                                                    _zeropp_of(cfg, topology)))
+            log.info(
+                "zero: paro_strategy auto: %s",
+                two_level_note(
+                    [shapes[s] for s in sorted(shapes)], workload, cluster, choice.plan, _zeropp_of(cfg, topology)
+                ),
+            )
     if name != choice.strategy.name:
-        log.warning("zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s",
-                    choice.strategy.name, name)
+        log.warning(
+            "zero: paro_strategy auto: this rank's plan chose %s, running rank 0's %s", choice.strategy.name, name
+        )
         choice = Choice(parse_strategy(name), runner, choice.plan, choice.cluster)
     return choice
 
 
-def two_level_note(shapes: list[StageShape], workload: Workload, cluster: Cluster, synchronous: Plan,
-                   zeropp: ZeroPP) -> str:
+def two_level_note(
+    shapes: list[StageShape], workload: Workload, cluster: Cluster, synchronous: Plan, zeropp: ZeroPP
+) -> str:
     """The two-level options beside the synchronous choice (never chosen by `auto`: they change
     the optimisation; a user opts in with the `outer` section, whose flags the note gives)."""
     two = plan_two_level(shapes, workload, cluster, fixed_zeropp=zeropp)
     return f"{two_level_reason(two, synchronous)}\n{two_level_table(two, synchronous)}"
 
 
-def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
-                   cluster: Cluster | None = None) -> sequences.Hierarchy | None:
+def auto_hierarchy(
+    model: nn.Module, cfg: Config, topology: Topology, cluster: Cluster | None = None
+) -> sequences.Hierarchy | None:
     """`zero.hierarchical: auto` for the run's strategy on this rank's stage, priced by the
     planner (`cost.fastest_hierarchy`) on `cluster` (the one `paro_strategy: auto` measured),
     else on the links of the `planner` section: given bandwidths or, with `planner.probe`, the
@@ -252,12 +332,15 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
         return None
     if cluster is None:
         if not settings.probe and None in (settings.intra_node_gbs, settings.inter_node_gbit):
-            log.info("zero: hierarchical auto by inter-node bytes (no planner.intra_node_gbs / "
-                     "planner.inter_node_gbit and no planner.probe to price calls with)")
+            log.info(
+                "zero: hierarchical auto by inter-node bytes (no planner.intra_node_gbs / "
+                "planner.inter_node_gbit and no planner.probe to price calls with)"
+            )
             return None
         # only the links are priced: memory and compute rate play no part in a collective's time
-        cluster = _cluster(settings, topology, [math.inf, math.inf, *measure_links(settings, topology)],
-                           optimizer=False)
+        cluster = _cluster(
+            settings, topology, [math.inf, math.inf, *measure_links(settings, topology)], optimizer=False
+        )
     strategy = resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage)
     zpp = _zeropp_of(cfg, topology)
     workload = _workload(cfg, topology)
@@ -267,8 +350,11 @@ def auto_hierarchy(model: nn.Module, cfg: Config, topology: Topology,
     reused = reused_groups(strategy, workload, padded, shape.persistent)
     hier = fastest_hierarchy(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
     seconds = hierarchy_seconds(strategy, zpp, padded, lay, workload, cluster, reused, shape.persistent)
-    log.info("zero: hierarchical auto -> %s, from the planner's predicted collective seconds per step "
-             "(one stage, two stages) %s on %s", hier,
-             {kind: (round(flat, 4), round(two, 4)) for kind, (flat, two) in seconds.items()},
-             "probed collective times" if cluster.collective_times else "the planner section's links")
+    log.info(
+        "zero: hierarchical auto -> %s, from the planner's predicted collective seconds per step "
+        "(one stage, two stages) %s on %s",
+        hier,
+        {kind: (round(flat, 4), round(two, 4)) for kind, (flat, two) in seconds.items()},
+        "probed collective times" if cluster.collective_times else "the planner section's links",
+    )
     return hier

@@ -74,8 +74,9 @@ class Cluster:
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster.{name} = {getattr(self, name)!r}: expected a number >= 0")
         if not 0 < self.usable_memory_fraction <= 1:
-            raise ConfigError(f"cluster.usable_memory_fraction = {self.usable_memory_fraction!r}: "
-                              f"expected a fraction in (0, 1]")
+            raise ConfigError(
+                f"cluster.usable_memory_fraction = {self.usable_memory_fraction!r}: expected a fraction in (0, 1]"
+            )
         if self.backend not in ("nccl", "gloo"):
             raise ConfigError(f"cluster.backend = {self.backend!r}: expected 'nccl' or 'gloo'")
 

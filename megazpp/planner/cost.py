@@ -76,10 +76,23 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     rpn = cluster.gpus_per_node
     tp_group = sequences.GroupShape.of(list(range(workload.tp)), 0, rpn, cluster.backend)
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
-    extra = tuple(g for g, size in ((tp_group, workload.tp),
-                                    (sequences.GroupShape.of(pp_ranks, 0, rpn, cluster.backend), workload.pp)) if size > 1)
-    return Layout(d, k, shapes, traffic.choose_hierarchy(shapes, workload.hierarchical), extra, tp_group,
-                  workload.pp > 1 and pp_ranks[1] // rpn != 0)
+    extra = tuple(
+        g
+        for g, size in (
+            (tp_group, workload.tp),
+            (sequences.GroupShape.of(pp_ranks, 0, rpn, cluster.backend), workload.pp),
+        )
+        if size > 1
+    )
+    return Layout(
+        d,
+        k,
+        shapes,
+        traffic.choose_hierarchy(shapes, workload.hierarchical),
+        extra,
+        tp_group,
+        workload.pp > 1 and pp_ranks[1] // rpn != 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -94,27 +107,55 @@ class Phase:
     host: float = 0.0  # of `seconds`, the part the host's cores are busy (`timing.host_time`)
 
     def __add__(self, other: Phase) -> Phase:
-        return Phase(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
-                     self.calls + other.calls, self.times, self.host + other.host)
+        return Phase(
+            self.intra + other.intra,
+            self.inter + other.inter,
+            self.seconds + other.seconds,
+            self.calls + other.calls,
+            self.times,
+            self.host + other.host,
+        )
 
 
-def phases(s: Strategy, padded: list[int], lay: Layout, zpp: ZeroPP, workload: Workload,
-           micro_batches: int, cluster: Cluster, reused: tuple[bool, ...] = (),
-           persistent: int = 0) -> dict[str, Phase]:
+def phases(
+    s: Strategy,
+    padded: list[int],
+    lay: Layout,
+    zpp: ZeroPP,
+    workload: Workload,
+    micro_batches: int,
+    cluster: Cluster,
+    reused: tuple[bool, ...] = (),
+    persistent: int = 0,
+) -> dict[str, Phase]:
     """`traffic.step_parts` timed: one Phase per entry of `traffic.STEP_PHASES`.
     `reused`: per fetch group, kept gathered from forward to backward (`traffic.reuse_mask`);
     `persistent`: the last buckets of `padded` are kept whole (never fetched)."""
-    parts = traffic.step_parts(s, padded, lay.shapes, lay.hier, micro_batches=micro_batches,
-                                param_bytes=workload.param_bytes, accum_bytes=workload.accum_bytes,
-                                zeropp=zpp, reused=reused, persistent=persistent)
+    parts = traffic.step_parts(
+        s,
+        padded,
+        lay.shapes,
+        lay.hier,
+        micro_batches=micro_batches,
+        param_bytes=workload.param_bytes,
+        accum_bytes=workload.accum_bytes,
+        zeropp=zpp,
+        reused=reused,
+        persistent=persistent,
+    )
     out = {}
     for name, part in parts.items():
         total = Phase(times=part.times)
         for n in part.numels:
             for c in part.sequence:
                 intra, inter, secs = collective_time(c, n, part.elem, lay.shapes, cluster)
-                total = total + Phase(intra, inter, secs, 1 if getattr(lay.shapes, c.group).size > 1 else 0,
-                                      host=host_time(c, intra, inter, secs, lay.shapes, cluster))
+                total = total + Phase(
+                    intra,
+                    inter,
+                    secs,
+                    1 if getattr(lay.shapes, c.group).size > 1 else 0,
+                    host=host_time(c, intra, inter, secs, lay.shapes, cluster),
+                )
         out[name] = total
     return out
 
@@ -167,12 +208,21 @@ def reused_groups(s: Strategy, workload: Workload, padded: list[int], persistent
     from forward to backward, as the engine decides it."""
     if s.params == Level.N:
         return ()
-    return traffic.reuse_mask(padded[:len(padded) - persistent], workload.max_live_parameters,
-                               workload.max_reuse_distance)
+    return traffic.reuse_mask(
+        padded[: len(padded) - persistent], workload.max_live_parameters, workload.max_reuse_distance
+    )
 
 
-def _sharded_frozen(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload, lay: Layout,
-                    padded: list[int], micro_batches: int, cluster: Cluster) -> tuple[int, dict[str, Phase], int]:
+def _sharded_frozen(
+    s: Strategy,
+    zpp: ZeroPP,
+    stage: StageShape,
+    workload: Workload,
+    lay: Layout,
+    padded: list[int],
+    micro_batches: int,
+    cluster: Cluster,
+) -> tuple[int, dict[str, Phase], int]:
     """Frozen weights of each fetch group sharded at p and gathered with it (forward, backward
     unless kept), never reduced or updated, as the engine holds them (`zero/frozen.py`; the PaRO
     paper's PEFT accounting). Returns (frozen bytes held, the extra fetch phases, the largest
@@ -189,8 +239,16 @@ def _sharded_frozen(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workl
     return held, fetched, max(p + f for p, f in zip(padded, fpadded))
 
 
-def fastest_hierarchy(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, workload: Workload,
-                      cluster: Cluster, reused: tuple[bool, ...], persistent: int = 0) -> sequences.Hierarchy:
+def fastest_hierarchy(
+    s: Strategy,
+    zpp: ZeroPP,
+    padded: list[int],
+    lay: Layout,
+    workload: Workload,
+    cluster: Cluster,
+    reused: tuple[bool, ...],
+    persistent: int = 0,
+) -> sequences.Hierarchy:
     """`zero.hierarchical: auto` by predicted time: per kind of G-level collective (the fields
     of `sequences.Hierarchy`: gather, reduce, all-reduce), two stages where the step's
     collectives of that kind take less time in two stages than in one over all DP ranks.
@@ -203,14 +261,26 @@ def fastest_hierarchy(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, 
     """
     if lay.group_size in (1, lay.dp_size):
         return sequences.Hierarchy()
-    return sequences.Hierarchy(**{kind: two < flat for kind, (flat, two) in
-                                 hierarchy_seconds(s, zpp, padded, lay, workload, cluster, reused,
-                                                   persistent).items()})
+    return sequences.Hierarchy(
+        **{
+            kind: two < flat
+            for kind, (flat, two) in hierarchy_seconds(
+                s, zpp, padded, lay, workload, cluster, reused, persistent
+            ).items()
+        }
+    )
 
 
-def hierarchy_seconds(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, workload: Workload,
-                      cluster: Cluster, reused: tuple[bool, ...],
-                      persistent: int = 0) -> dict[str, tuple[float, float]]:
+def hierarchy_seconds(
+    s: Strategy,
+    zpp: ZeroPP,
+    padded: list[int],
+    lay: Layout,
+    workload: Workload,
+    cluster: Cluster,
+    reused: tuple[bool, ...],
+    persistent: int = 0,
+) -> dict[str, tuple[float, float]]:
     """Per field of `sequences.Hierarchy`: the step's predicted collective seconds with that kind
     in one stage and in two (the other kinds in one stage): what `fastest_hierarchy` compares."""
     a = workload.micro_batches(cluster)
@@ -220,18 +290,19 @@ def hierarchy_seconds(s: Strategy, zpp: ZeroPP, padded: list[int], lay: Layout, 
         return sum(p.seconds * p.times for p in ph.values())
 
     flat = seconds(sequences.Hierarchy())
-    return {f.name: (flat, seconds(sequences.Hierarchy(**{f.name: True})))
-            for f in dataclasses.fields(sequences.Hierarchy)}
+    return {
+        f.name: (flat, seconds(sequences.Hierarchy(**{f.name: True}))) for f in dataclasses.fields(sequences.Hierarchy)
+    }
 
 
-def stage_padded(s: Strategy, zpp: ZeroPP, stage: StageShape,
-                 lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
+def stage_padded(s: Strategy, zpp: ZeroPP, stage: StageShape, lay: Layout) -> list[tuple[int, list[tuple[int, int]]]]:
     """Per fetch group (p sharded) or gradient bucket of `stage`: its padded size and tensor ranges."""
     return [tensor_layout(t, lay.dp_size, zpp.alignment()) for t in stage.group_tensors(s)]
 
 
-def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload,
-                  cluster: Cluster, lay: Layout) -> StagePrediction:
+def predict_stage(
+    s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workload, cluster: Cluster, lay: Layout
+) -> StagePrediction:
     """With `zero.hierarchical: auto`, under the hierarchy `fastest_hierarchy` picks for this
     stage, as the engine runs it (the builder asks the same function)."""
     a = workload.micro_batches(cluster)
@@ -241,23 +312,48 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
     persistent = stage.persistent if s.params != Level.N else 0
     reused = reused_groups(s, workload, padded, persistent)
     if workload.hierarchical == "auto":
-        lay = dataclasses.replace(lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused,
-                                                              persistent))
+        lay = dataclasses.replace(
+            lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused, persistent)
+        )
     plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent)
-    state = memory.StateBytes(plain.params, plain.grads, plain.optimizer,
-                                memory.zeropp_state_bytes(padded, lay.shapes, lay.hier, zpp, pb, s, persistent))
-    step = traffic.step_bytes(s, padded, lay.shapes, lay.hier, micro_batches=a, param_bytes=pb,
-                               accum_bytes=ab, extra_norm_groups=lay.extra_norm_groups, zeropp=zpp,
-                               reused=reused, exact_ranges=[r for _, r in laid], persistent=persistent)
+    state = memory.StateBytes(
+        plain.params,
+        plain.grads,
+        plain.optimizer,
+        memory.zeropp_state_bytes(padded, lay.shapes, lay.hier, zpp, pb, s, persistent),
+    )
+    step = traffic.step_bytes(
+        s,
+        padded,
+        lay.shapes,
+        lay.hier,
+        micro_batches=a,
+        param_bytes=pb,
+        accum_bytes=ab,
+        extra_norm_groups=lay.extra_norm_groups,
+        zeropp=zpp,
+        reused=reused,
+        exact_ranges=[r for _, r in laid],
+        persistent=persistent,
+    )
     cfg = workload.model
     activations = stage_activation_bytes(
-        cfg, micro_batch=workload.batches()[0], micro_batches=a, tp=workload.tp, pp=workload.pp,
-        stage=stage.stage, layers=stage.layers, sequence_parallel=workload.sequence_parallel,
-        flash_attention=workload.flash_attention, checkpointing=workload.activation_checkpointing)
+        cfg,
+        micro_batch=workload.batches()[0],
+        micro_batches=a,
+        tp=workload.tp,
+        pp=workload.pp,
+        stage=stage.stage,
+        layers=stage.layers,
+        sequence_parallel=workload.sequence_parallel,
+        flash_attention=workload.flash_attention,
+        checkpointing=workload.activation_checkpointing,
+    )
     biggest = max(padded, default=0)
     kept = sum(n for n, again in zip(padded, reused) if again) * pb  # gathered from forward into backward
-    transient = ((2 * biggest * pb + kept if s.params != Level.N else 0)
-                 + (2 * biggest * pb if s.grads != Level.N else 0))
+    transient = (2 * biggest * pb + kept if s.params != Level.N else 0) + (
+        2 * biggest * pb if s.grads != Level.N else 0
+    )
 
     tokens = workload.batches()[0] * cfg.seq_length
     forward_flops = training_flops_per_token(cfg) / 3 * tokens / (workload.tp * workload.pp)
@@ -292,18 +388,18 @@ def predict_stage(s: Strategy, zpp: ZeroPP, stage: StageShape, workload: Workloa
         "backward_comm": (a - 1) * hidden(backward, t_b) + hidden(last, t_b),
         "refresh": ph["refresh"].seconds + ph["refresh_persistent"].seconds,
         "norm": norm_phase(s, lay, cluster).seconds,
-        "optimizer": optimizer_time(sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb,
-                                    cluster),
+        "optimizer": optimizer_time(
+            sum(padded) // level_div(s.optimizer_state, lay.dp_size, lay.group_size), pb, cluster
+        ),
     }
     act = tokens * cfg.hidden_size * pb / (workload.tp if workload.sequence_parallel else 1)
     if workload.tp > 1:
         per_layer = (6 if workload.activation_checkpointing else 4) * group_all_reduce_time(
-            tokens * cfg.hidden_size * pb, lay.tp_group, cluster)
+            tokens * cfg.hidden_size * pb, lay.tp_group, cluster
+        )
         exposed["tensor_parallel"] = a * stage.layers * per_layer
     if workload.pp > 1:
         hop = link_time(0, act, cluster) if lay.pp_neighbor_inter else link_time(act, 0, cluster)
         exposed["pipeline_p2p"] = 2 * a * hop
     calls = sum(p.calls * p.times for p in ph.values())
-    return StagePrediction(stage.stage, state, frozen_bytes, activations, transient, step, compute,
-                           calls, exposed)
-
+    return StagePrediction(stage.stage, state, frozen_bytes, activations, transient, step, compute, calls, exposed)

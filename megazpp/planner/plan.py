@@ -42,8 +42,12 @@ def applies(zpp: ZeroPP, s: Strategy) -> bool:
     return not (zpp.qgz and s.grads == Level.N)
 
 
-def options(workload: Workload, cluster: Cluster, fixed: ZeroPP | None = None,
-            allowed: Callable[[Strategy], bool] = lambda s: True) -> list[Option]:
+def options(
+    workload: Workload,
+    cluster: Cluster,
+    fixed: ZeroPP | None = None,
+    allowed: Callable[[Strategy], bool] = lambda s: True,
+) -> list[Option]:
     """All 14 strategies, each with every useful ZeRO++ combination (or only `fixed`).
 
     qwZ where parameters are gathered (p in {I, G}), qgZ where gradients are reduced per
@@ -131,46 +135,69 @@ def _reason(choice: Prediction | None, runner: Prediction | None, rows: list[Pre
     if choice is None:
         least = min(rows, key=lambda p: p.memory_bytes)
         m = least.fullest
-        shares = {"model state": m.state.total, "frozen weights": m.frozen_bytes, "activations": m.activation_bytes,
-                  "buffers": m.transient_bytes}
+        shares = {
+            "model state": m.state.total,
+            "frozen weights": m.frozen_bytes,
+            "activations": m.activation_bytes,
+            "buffers": m.transient_bytes,
+        }
         largest = max(shares, key=lambda k: shares[k])
-        remedy = {"model state": "raise TP / PP (or add nodes)",
-                  "frozen weights": "raise TP / PP or shard parameters (p = I or G)",
-                  "activations": "turn on activation checkpointing, shrink the micro-batch or raise TP "
-                                 "(with sequence parallelism)",
-                  "buffers": "use smaller gradient buckets (zero.reduce_bucket_size) or parameter units "
-                             "(zero.module_granularity_threshold 0)"}
-        return (f"nothing fits: the smallest footprint, {least.name}, needs {_gib(least.memory_bytes)} of "
-                f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(shares[largest])}): "
-                f"{remedy[largest]}")
+        remedy = {
+            "model state": "raise TP / PP (or add nodes)",
+            "frozen weights": "raise TP / PP or shard parameters (p = I or G)",
+            "activations": "turn on activation checkpointing, shrink the micro-batch or raise TP "
+            "(with sequence parallelism)",
+            "buffers": "use smaller gradient buckets (zero.reduce_bucket_size) or parameter units "
+            "(zero.module_granularity_threshold 0)",
+        }
+        return (
+            f"nothing fits: the smallest footprint, {least.name}, needs {_gib(least.memory_bytes)} of "
+            f"{_gib(least.memory_limit)} usable, most of it {largest} ({_gib(shares[largest])}): "
+            f"{remedy[largest]}"
+        )
     c = choice.critical
-    parts = [f"{choice.name} fits ({_gib(choice.memory_bytes)} of {_gib(choice.memory_limit)} usable) and is "
-             f"predicted at {choice.step_s:.3f} s/step: compute {c.compute_s:.3f} s + exposed communication / "
-             f"update {c.exposed_s:.3f} s; it receives {c.step_bytes[1] / 1e9:.2f} GB inter-node and "
-             f"{c.step_bytes[0] / 1e9:.2f} GB intra-node per rank per step"]
+    parts = [
+        f"{choice.name} fits ({_gib(choice.memory_bytes)} of {_gib(choice.memory_limit)} usable) and is "
+        f"predicted at {choice.step_s:.3f} s/step: compute {c.compute_s:.3f} s + exposed communication / "
+        f"update {c.exposed_s:.3f} s; it receives {c.step_bytes[1] / 1e9:.2f} GB inter-node and "
+        f"{c.step_bytes[0] / 1e9:.2f} GB intra-node per rank per step"
+    ]
     fastest = rows[0]
     if fastest is not choice:
-        parts.append(f"{fastest.name} is {100 * (1 - fastest.step_s / choice.step_s):.1f} % faster, within "
-                     f"the {100 * tie:.0f} % tie margin, but holds {_gib(fastest.memory_bytes)}, so the "
-                     f"smaller footprint wins")
+        parts.append(
+            f"{fastest.name} is {100 * (1 - fastest.step_s / choice.step_s):.1f} % faster, within "
+            f"the {100 * tie:.0f} % tie margin, but holds {_gib(fastest.memory_bytes)}, so the "
+            f"smaller footprint wins"
+        )
     if runner is not None:
         r = runner.critical
         gap = 100 * (runner.step_s / choice.step_s - 1)
-        parts.append(f"runner-up {runner.name}: {runner.step_s:.3f} s/step ({gap:+.1f} %), "
-                     f"{_gib(runner.memory_bytes)}, {r.step_bytes[1] / 1e9:.2f} GB inter-node")
+        parts.append(
+            f"runner-up {runner.name}: {runner.step_s:.3f} s/step ({gap:+.1f} %), "
+            f"{_gib(runner.memory_bytes)}, {r.step_bytes[1] / 1e9:.2f} GB inter-node"
+        )
     unfit = [p for p in rows if not p.fits and p.step_s < choice.step_s]
     if unfit:
-        parts.append(f"{len(unfit)} faster option(s) do not fit, e.g. {unfit[0].name} needs "
-                     f"{_gib(unfit[0].memory_bytes)}")
+        parts.append(
+            f"{len(unfit)} faster option(s) do not fit, e.g. {unfit[0].name} needs {_gib(unfit[0].memory_bytes)}"
+        )
     return "; ".join(parts)
 
 
-def plan(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
-         fixed_zeropp: ZeroPP | None = None, tie: float = TIE,
-         allowed: Callable[[Strategy], bool] = lambda s: True) -> Plan:
+def plan(
+    shapes: list[StageShape],
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    fixed_zeropp: ZeroPP | None = None,
+    tie: float = TIE,
+    allowed: Callable[[Strategy], bool] = lambda s: True,
+) -> Plan:
     """Predict every option, sort (fitting, fastest, smallest) and pick the recommendation."""
-    rows = sorted((predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp, allowed)),
-                  key=_sort_key)
+    rows = sorted(
+        (predict(o, shapes, workload, cluster) for o in options(workload, cluster, fixed_zeropp, allowed)),
+        key=_sort_key,
+    )
     choice, runner = pick(rows, tie)
     return Plan(rows, choice, runner, _reason(choice, runner, rows, tie))
 
@@ -184,6 +211,7 @@ class Priced(Protocol):
     def step_s(self) -> float: ...
     @property
     def memory_bytes(self) -> float: ...
+
     memory_limit: float
 
 
@@ -200,4 +228,3 @@ def pick(rows: Sequence[P], tie: float = TIE) -> tuple[P | None, P | None]:
     least = min(p.memory_bytes for p in close)
     choice = next(p for p in close if p.memory_bytes <= least + SAME_MEMORY * p.memory_limit)
     return choice, next((p for p in fitting if p is not choice), None)
-

@@ -59,8 +59,9 @@ def probe_link(group: ProcessGroup | None, size: int, repeats: int = 5) -> LinkP
     return LinkProbe(bandwidth, latency)
 
 
-def probe_matmul_flops(n: int = 1024, repeats: int = 5, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> float:
+def probe_matmul_flops(
+    n: int = 1024, repeats: int = 5, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
     """FLOP/s of an n x n x n matmul on this rank (a ceiling of what training reaches)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -105,12 +106,17 @@ def dp_groups(topology: Topology) -> dict[str, tuple[ProcessGroup | None, int]]:
     """The launcher's data-parallel groups under the names `sequences.DPShapes` gives them (the
     PaRO group and the hpZ group default to the node's DP ranks)."""
     node = (topology.dp_intra_group, len(topology.dp_intra_ranks))
-    return {"dp": (topology.dp_group, topology.dp), "intra": node, "hpz": node,
-            "cross": (topology.dp_inter_group, len(topology.dp_inter_ranks))}
+    return {
+        "dp": (topology.dp_group, topology.dp),
+        "intra": node,
+        "hpz": node,
+        "cross": (topology.dp_inter_group, len(topology.dp_inter_ranks)),
+    }
 
 
-def probe_host(topology: Topology, optimizer: bool = True) -> tuple[dict[str, tuple[tuple[float, float], ...]],
-                                                                      float | None]:
+def probe_host(
+    topology: Topology, optimizer: bool = True
+) -> tuple[dict[str, tuple[tuple[float, float], ...]], float | None]:
     """Rank 0's collective times and (with `optimizer`) AdamW rate, on every rank: the host
     model's inputs (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective. Without
     `optimizer` no optimizer steps (pricing collectives needs none, and a benchmark that counts
@@ -118,11 +124,17 @@ def probe_host(topology: Topology, optimizer: bool = True) -> tuple[dict[str, tu
     times = probe_collectives(dp_groups(topology))
     keys = sorted(times)  # the same on every rank: the topology is symmetric
     comm.barrier(tag="planner/probe")  # every rank at once, as in a step: they share the cores
-    flat = broadcast_values([*(x for k in keys for point in times[k] for x in point),
-                             probe_optimizer_rate() if optimizer else 0.0])
+    flat = broadcast_values(
+        [*(x for k in keys for point in times[k] for x in point), probe_optimizer_rate() if optimizer else 0.0]
+    )
     per_key = len(flat[:-1]) // max(len(keys), 1)
-    return ({k: tuple(zip(flat[i * per_key:(i + 1) * per_key:2], flat[i * per_key + 1:(i + 1) * per_key:2]))
-             for i, k in enumerate(keys)}, flat[-1] if optimizer else None)
+    return (
+        {
+            k: tuple(zip(flat[i * per_key : (i + 1) * per_key : 2], flat[i * per_key + 1 : (i + 1) * per_key : 2]))
+            for i, k in enumerate(keys)
+        },
+        flat[-1] if optimizer else None,
+    )
 
 
 def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: int = 4) -> float:
@@ -162,8 +174,11 @@ def _recorded(call: Any) -> float:
     return float(after["intra"] + after["inter"] - before["intra"] - before["inter"])
 
 
-def probe_collectives(groups: dict[str, tuple[ProcessGroup | None, int]], sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
-                      repeats: int = 5) -> dict[str, tuple[tuple[float, float], ...]]:
+def probe_collectives(
+    groups: dict[str, tuple[ProcessGroup | None, int]],
+    sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
+    repeats: int = 5,
+) -> dict[str, tuple[tuple[float, float], ...]]:
     """Ascending (received bytes, seconds per call) points of each op in `COLLECTIVE_OPS` on each
     named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at
     `sizes` elements per member: 4 KiB (the call itself), 256 KiB and 4 MiB of fp32 (parameter

@@ -3,8 +3,8 @@
 Why the engine's own grouping: padding (every bucket is rounded up to the DP size, times
 ZeRO++'s quantization block) and the number of collective calls (latency) depend on how
 parameters are grouped, so the planner calls the engine's own grouping (`zero.units.engine_groups`)
-for the exact fetch groups and buckets the engine would build, instead of treating the model as one flat block. With a live
-model (`paro_strategy: auto`) this is exact; from a config the model is built on the meta
+for the exact fetch groups and buckets the engine would build, instead of treating the model as
+one flat block. With a live model (`paro_strategy: auto`) this is exact; from a config the model is built on the meta
 device (no memory), and tensor parallelism is applied by dividing the sizes of the layers that
 shard (column / row parallel weights, vocabulary embedding), so bucket boundaries under TP > 1
 are approximate (padding differs by at most D elements per bucket).
@@ -105,9 +105,20 @@ def _tensors(specs: list[ParamGroupSpec], sizes: dict[int, int]) -> tuple[tuple[
     return tuple(tuple((sizes[id(p)], is_vector(p.shape)) for _, p in layout_order(spec.params)) for spec in specs)
 
 
-def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch_mode: str = "layer",
-                   stage: int = 0, layers: int, first: bool = True, last: bool = True, tp_divisor: int = 1,
-                   trainable_fraction: float = 1.0, persistence: int = 0) -> StageShape:
+def shape_of_model(
+    model: nn.Module,
+    *,
+    bucket_numel: int,
+    threshold: int,
+    fetch_mode: str = "layer",
+    stage: int = 0,
+    layers: int,
+    first: bool = True,
+    last: bool = True,
+    tp_divisor: int = 1,
+    trainable_fraction: float = 1.0,
+    persistence: int = 0,
+) -> StageShape:
     """The exact grouping the engine builds for `model` (this rank's model): `bucket_numel`
     bounds every bucket and fetch group (the smaller of `zero.reduce_bucket_size` and
     `zero.allgather_bucket_size`), `fetch_mode` is `zero.fetch_groups`, `persistence` is
@@ -122,23 +133,43 @@ def shape_of_model(model: nn.Module, *, bucket_numel: int, threshold: int, fetch
     sizes = _rank_numel(model, tp_divisor)
     frozen_params = sum(sizes[id(p)] for p in model.parameters() if not p.requires_grad)
     bound = bucket_numel * tp_divisor
-    sharded, kept_whole = engine_groups(model, sharded=True, threshold=threshold, fetch_mode=fetch_mode,
-                                        persistence=persistence, bucket_numel=bound)
+    sharded, kept_whole = engine_groups(
+        model, sharded=True, threshold=threshold, fetch_mode=fetch_mode, persistence=persistence, bucket_numel=bound
+    )
     specs = sharded + kept_whole
-    bucket_specs, _ = engine_groups(model, sharded=False, threshold=threshold, fetch_mode=fetch_mode,
-                                    persistence=0, bucket_numel=bound)
+    bucket_specs, _ = engine_groups(
+        model, sharded=False, threshold=threshold, fetch_mode=fetch_mode, persistence=0, bucket_numel=bound
+    )
     groups, frozen_g = _numels(specs, sizes, trainable_fraction)
     buckets, _ = _numels(bucket_specs, sizes, trainable_fraction)
     frozen_groups = tuple(frozen_g) if any(frozen_g) else ()
     whole = trainable_fraction >= 1
-    return StageShape(stage, tuple(groups), tuple(buckets), frozen_params + sum(frozen_g), layers, first, last,
-                      frozen_groups, _tensors(specs, sizes) if whole else (),
-                      _tensors(bucket_specs, sizes) if whole else (), len(kept_whole))
+    return StageShape(
+        stage,
+        tuple(groups),
+        tuple(buckets),
+        frozen_params + sum(frozen_g),
+        layers,
+        first,
+        last,
+        frozen_groups,
+        _tensors(specs, sizes) if whole else (),
+        _tensors(bucket_specs, sizes) if whole else (),
+        len(kept_whole),
+    )
 
 
-def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel: int = 500_000_000,
-                     threshold: int = 0, fetch_mode: str = "layer",
-                     trainable_fraction: float = 1.0, persistence: int = 0) -> list[StageShape]:
+def shapes_of_config(
+    cfg: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    bucket_numel: int = 500_000_000,
+    threshold: int = 0,
+    fetch_mode: str = "layer",
+    trainable_fraction: float = 1.0,
+    persistence: int = 0,
+) -> list[StageShape]:
     """One StageShape per pipeline stage, from models built on the meta device (no memory);
     a model that does not split over `tp` x `pp` is refused as the job's start-up check refuses
     it (`parallel.topology.check_model_split`)."""
@@ -148,11 +179,22 @@ def shapes_of_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bucket_numel
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
         with torch.device("meta"):
-            model = GPTModel(cfg, pre_process=first, post_process=last,
-                             layer_range=stage_layer_range(cfg.num_layers, pp, stage))
-        shapes.append(shape_of_model(model, bucket_numel=bucket_numel, threshold=threshold, fetch_mode=fetch_mode,
-                                     stage=stage,
-                                     layers=cfg.num_layers // pp, first=first, last=last, tp_divisor=tp,
-                                     trainable_fraction=trainable_fraction, persistence=persistence))
+            model = GPTModel(
+                cfg, pre_process=first, post_process=last, layer_range=stage_layer_range(cfg.num_layers, pp, stage)
+            )
+        shapes.append(
+            shape_of_model(
+                model,
+                bucket_numel=bucket_numel,
+                threshold=threshold,
+                fetch_mode=fetch_mode,
+                stage=stage,
+                layers=cfg.num_layers // pp,
+                first=first,
+                last=last,
+                tp_divisor=tp,
+                trainable_fraction=trainable_fraction,
+                persistence=persistence,
+            )
+        )
     return shapes
-

@@ -58,8 +58,9 @@ def _call_time(c: sequences.Collective, group: sequences.GroupShape, cluster: Cl
     return steps * (cluster.inter_latency if group.inter_peers else cluster.intra_latency)
 
 
-def collective_time(c: sequences.Collective, numel: int, elem: traffic.ElemFormat,
-                    shapes: sequences.DPShapes, cluster: Cluster) -> tuple[int, int, float]:
+def collective_time(
+    c: sequences.Collective, numel: int, elem: traffic.ElemFormat, shapes: sequences.DPShapes, cluster: Cluster
+) -> tuple[int, int, float]:
     """(intra bytes, inter bytes, seconds) of one call of collective `c` on `numel` elements."""
     intra, inter = traffic.collective_bytes(c, numel, elem, shapes)
     group: sequences.GroupShape = getattr(shapes, c.group)
@@ -84,8 +85,9 @@ def measured_time(points: Sequence[tuple[float, float]], received: float) -> flo
     return t1 + (t1 - t0) * (received - b1) / (b1 - b0)
 
 
-def host_time(c: sequences.Collective, intra: int, inter: int, seconds: float, shapes: sequences.DPShapes,
-              cluster: Cluster) -> float:
+def host_time(
+    c: sequences.Collective, intra: int, inter: int, seconds: float, shapes: sequences.DPShapes, cluster: Cluster
+) -> float:
     """Of a collective's `seconds`, the part the host's own cores are busy with: the call itself
     plus every byte at the intra-node rate, the fastest the cores move bytes; the remainder is
     waiting on a slower link."""

@@ -70,18 +70,21 @@ class OuterChoice:
     @classmethod
     def of(cls, options: OuterOptions) -> OuterChoice:
         """The setting a run's resolved `outer` section stands for."""
-        return cls(options.island_nodes, options.sync_every, options.fragments, options.overlap_steps,
-                   options.quantize)
+        return cls(options.island_nodes, options.sync_every, options.fragments, options.overlap_steps, options.quantize)
 
     @property
     def name(self) -> str:
-        return (f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}, "
-                f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}")
+        return (
+            f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}, "
+            f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}"
+        )
 
     def flags(self) -> str:
-        return (f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
-                f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
-                f"{self.overlap_steps} --outer-quantize {self.quantize}")
+        return (
+            f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
+            f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
+            f"{self.overlap_steps} --outer-quantize {self.quantize}"
+        )
 
 
 @dataclass(frozen=True)
@@ -144,24 +147,40 @@ def fragment_numels(tensor_numels: list[int], fragments: int) -> list[int]:
     """Elements in each of `fragments` runs of the stage's parameter tensors (in bucket order),
     cut as the runtime cuts them (`outer.traffic.fragment_runs`)."""
     runs = outer_traffic.fragment_runs(len(tensor_numels), fragments)
-    return [sum(tensor_numels[run.start:run.stop]) for run in runs]
+    return [sum(tensor_numels[run.start : run.stop]) for run in runs]
 
 
-def island_job(workload: Workload, cluster: Cluster, island_nodes: int,
-               island_times: dict[str, tuple[tuple[float, float], ...]] | None = None
-               ) -> tuple[Workload, Cluster, int]:
+def island_job(
+    workload: Workload,
+    cluster: Cluster,
+    island_nodes: int,
+    island_times: dict[str, tuple[tuple[float, float], ...]] | None = None,
+) -> tuple[Workload, Cluster, int]:
     """One island's workload and cluster, and the number of islands: each island reads
     1 / islands of every global batch. The whole job's probed collective times
     (`Cluster.collective_times`) are left out: they were measured on its groups, not the
     island's; `island_times`, probed on the island's own groups (`probe.probe_host` on a
-    `Topology.island_view`, as `paro_strategy: auto` and tools/bench_netlab_check.py do), price the island's collectives instead; without them its links and latencies do."""
+    `Topology.island_view`, as `paro_strategy: auto` and tools/bench_netlab_check.py do), price
+    the island's collectives instead; without them its links and latencies do."""
     islands = cluster.nodes // island_nodes
-    return (dataclasses.replace(workload, global_batch=workload.global_batch // islands),
-            dataclasses.replace(cluster, nodes=island_nodes, collective_times=island_times), islands)
+    return (
+        dataclasses.replace(workload, global_batch=workload.batches()[1] // islands),
+        dataclasses.replace(cluster, nodes=island_nodes, collective_times=island_times),
+        islands,
+    )
 
 
-def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], tensors: list[int],
-                strategy: Strategy, dp_size: int, group_size: int, islands: int, cluster: Cluster) -> OuterStage:
+def outer_stage(
+    choice: OuterChoice,
+    inner: StagePrediction,
+    padded: list[int],
+    tensors: list[int],
+    strategy: Strategy,
+    dp_size: int,
+    group_size: int,
+    islands: int,
+    cluster: Cluster,
+) -> OuterStage:
     """The outer cost of one stage's ranks under `choice`; `padded`: the stage's buckets (fetch
     groups when p is sharded) as the island's engine pads them; `tensors`: the elements of its
     parameter tensors in bucket order (a rank's fragment is its os shard's share of a run)."""
@@ -169,27 +188,35 @@ def outer_stage(choice: OuterChoice, inner: StagePrediction, padded: list[int], 
     frags = [n // div for n in fragment_numels(tensors, choice.fragments)]
     moved = outer_traffic.per_step(frags, islands, choice.quantize, choice.sync_every)
     calls_s = outer_traffic.sync_calls(islands) * (islands - 1) * cluster.inter_latency
-    sync_s = tuple(calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank
-                   for n in frags)
+    sync_s = tuple(
+        calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank for n in frags
+    )
     republish = inner.exposed.get("refresh", 0.0)
     h = choice.sync_every
     if choice.overlap_steps:
         # where the cores move the bytes (`Cluster.overlap` false), their share (the calls, the
         # bytes at the host's copy rate) hides nothing, as in the synchronous model
-        host = [0.0 if cluster.overlap else min(t, calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1]
-                                                / cluster.intra_bw) for t, n in zip(sync_s, frags)]
+        host = [
+            0.0
+            if cluster.overlap
+            else min(t, calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.intra_bw)
+            for t, n in zip(sync_s, frags)
+        ]
         wait = [t - c for t, c in zip(sync_s, host)]
         free = max(0.0, inner.step_s - inner.step_bytes[1] / cluster.inter_bw_per_rank)
-        link = sum(host) / h + max(sum(max(0.0, w - choice.overlap_steps * free) for w in wait) / h,
-                                   sum(wait) / h - free)
+        link = sum(host) / h + max(
+            sum(max(0.0, w - choice.overlap_steps * free) for w in wait) / h, sum(wait) / h - free
+        )
     else:
         link = sum(sync_s) / h
     # the snapshot and momentum, int4's error buffers, and the sync's peak (one fragment in
     # flight: the planner's overlap is at most one step), as DiLoCoEngine.expected_bytes and
     # expected_sync_peak_bytes count them
-    state = (memory.outer_state_bytes(strategy, padded, dp_size, group_size, fp32_copies=2)
-             + (sum(outer_traffic.error_buffer_bytes(n, islands) for n in frags) if choice.quantize == "int4" else 0)
-             + max(outer_traffic.sync_peak_bytes(n, islands, choice.quantize) for n in frags))
+    state = (
+        memory.outer_state_bytes(strategy, padded, dp_size, group_size, fp32_copies=2)
+        + (sum(outer_traffic.error_buffer_bytes(n, islands) for n in frags) if choice.quantize == "int4" else 0)
+        + max(outer_traffic.sync_peak_bytes(n, islands, choice.quantize) for n in frags)
+    )
     return OuterStage(moved, sync_s, republish, link + len(frags) * republish / h, state)
 
 
@@ -198,17 +225,28 @@ def island_sizes(cluster: Cluster) -> list[int]:
     return [n for n in range(1, cluster.nodes // 2 + 1) if cluster.nodes % n == 0]
 
 
-def predict_two_level(choice: OuterChoice, inner: Prediction, shapes: list[StageShape], workload: Workload,
-                      cluster: Cluster) -> TwoLevelPrediction:
+def predict_two_level(
+    choice: OuterChoice, inner: Prediction, shapes: list[StageShape], workload: Workload, cluster: Cluster
+) -> TwoLevelPrediction:
     """`choice` on top of the island's synchronous prediction `inner` (`island_job`'s workload
     and cluster are derived here from the whole job's)."""
     job, island, islands = island_job(workload, cluster, choice.island_nodes)
     opt = inner.option
     lay = layout(job, island, opt.zeropp.hpz)
-    stages = [outer_stage(choice, pred, [n for n, _ in stage_padded(opt.strategy, opt.zeropp, st, lay)],
-                          [n for group in st.group_tensors(opt.strategy) for n, _ in group],
-                          opt.strategy, lay.dp_size, lay.group_size, islands, cluster)
-              for st, pred in zip(shapes, inner.stages)]
+    stages = [
+        outer_stage(
+            choice,
+            pred,
+            [n for n, _ in stage_padded(opt.strategy, opt.zeropp, st, lay)],
+            [n for group in st.group_tensors(opt.strategy) for n, _ in group],
+            opt.strategy,
+            lay.dp_size,
+            lay.group_size,
+            islands,
+            cluster,
+        )
+        for st, pred in zip(shapes, inner.stages)
+    ]
     return TwoLevelPrediction(choice, inner, stages, inner.memory_limit)
 
 
@@ -230,10 +268,17 @@ class IslandPlan:
     reason: str
 
 
-def plan_island(shapes: list[StageShape], workload: Workload, cluster: Cluster, outer: OuterChoice, *,
-                fixed_zeropp: ZeroPP | None = None, allowed: Callable[[Strategy], bool] = lambda s: True,
-                island_times: dict[str, tuple[tuple[float, float], ...]] | None = None,
-                tie: float = TIE) -> IslandPlan:
+def plan_island(
+    shapes: list[StageShape],
+    workload: Workload,
+    cluster: Cluster,
+    outer: OuterChoice,
+    *,
+    fixed_zeropp: ZeroPP | None = None,
+    allowed: Callable[[Strategy], bool] = lambda s: True,
+    island_times: dict[str, tuple[tuple[float, float], ...]] | None = None,
+    tie: float = TIE,
+) -> IslandPlan:
     """Every option `plan.options` lists for one island's job (the run's ZeRO++ switches,
     `allowed` strategies), each priced as a two-level row under `outer`: its inner step over
     the island's links (`island_times`: see `island_job`), plus its outer syncs amortised over
@@ -241,27 +286,38 @@ def plan_island(shapes: list[StageShape], workload: Workload, cluster: Cluster, 
     level); sorted and recommended by the synchronous plan's rule (`plan.pick`). `workload`
     and `cluster` are the whole job's."""
     job, island, _ = island_job(workload, cluster, outer.island_nodes, island_times)
-    rows = sorted((predict_two_level(outer, predict(o, shapes, job, island), shapes, workload, cluster)
-                   for o in options(job, island, fixed_zeropp, allowed)),
-                  key=lambda p: (not p.fits, p.step_s, p.memory_bytes, p.inner.name))
+    rows = sorted(
+        (
+            predict_two_level(outer, predict(o, shapes, job, island), shapes, workload, cluster)
+            for o in options(job, island, fixed_zeropp, allowed)
+        ),
+        key=lambda p: (not p.fits, p.step_s, p.memory_bytes, p.inner.name),
+    )
     choice, runner = pick(rows, tie)
     return IslandPlan(outer, rows, choice, runner, _island_reason(choice, runner, rows))
 
 
-def _island_reason(choice: TwoLevelPrediction | None, runner: TwoLevelPrediction | None,
-                   rows: list[TwoLevelPrediction]) -> str:
+def _island_reason(
+    choice: TwoLevelPrediction | None, runner: TwoLevelPrediction | None, rows: list[TwoLevelPrediction]
+) -> str:
     if choice is None:
         least = min(rows, key=lambda p: p.memory_bytes)
-        return (f"nothing fits under {least.outer.name}: the smallest footprint, {least.inner.name} with its outer "
-                f"state, needs {least.memory_bytes / GIB:.1f} GiB of {least.memory_limit / GIB:.1f} GiB usable")
-    parts = [f"{choice.inner.name} inside each island fits ({choice.memory_bytes / GIB:.2f} GiB of "
-             f"{choice.memory_limit / GIB:.2f} GiB usable, outer state included) and is predicted at "
-             f"{choice.step_s:.3f} s/step under {choice.outer.name}: inner step {choice.inner_step_s:.3f} s "
-             f"+ exposed outer {choice.exposed_s:.3f} s ({choice.mean_inter_bytes / 1e9:.4f} GB outer "
-             f"inter-node per rank per inner step)"]
+        return (
+            f"nothing fits under {least.outer.name}: the smallest footprint, {least.inner.name} with its outer "
+            f"state, needs {least.memory_bytes / GIB:.1f} GiB of {least.memory_limit / GIB:.1f} GiB usable"
+        )
+    parts = [
+        f"{choice.inner.name} inside each island fits ({choice.memory_bytes / GIB:.2f} GiB of "
+        f"{choice.memory_limit / GIB:.2f} GiB usable, outer state included) and is predicted at "
+        f"{choice.step_s:.3f} s/step under {choice.outer.name}: inner step {choice.inner_step_s:.3f} s "
+        f"+ exposed outer {choice.exposed_s:.3f} s ({choice.mean_inter_bytes / 1e9:.4f} GB outer "
+        f"inter-node per rank per inner step)"
+    ]
     if runner is not None:
-        parts.append(f"runner-up {runner.inner.name}: {runner.step_s:.3f} s/step "
-                     f"({100 * (runner.step_s / choice.step_s - 1):+.1f} %), {runner.memory_bytes / GIB:.2f} GiB")
+        parts.append(
+            f"runner-up {runner.inner.name}: {runner.step_s:.3f} s/step "
+            f"({100 * (runner.step_s / choice.step_s - 1):+.1f} %), {runner.memory_bytes / GIB:.2f} GiB"
+        )
     return "; ".join(parts)
 
 
@@ -280,8 +336,9 @@ def recommend(rows: list[TwoLevelPrediction]) -> TwoLevelPrediction | None:
     return min(fitting, key=lambda p: (p.step_s, p.outer.sync_every), default=None)
 
 
-def plan_two_level(shapes: list[StageShape], workload: Workload, cluster: Cluster, *,
-                   fixed_zeropp: ZeroPP | None = None) -> TwoLevelPlan:
+def plan_two_level(
+    shapes: list[StageShape], workload: Workload, cluster: Cluster, *, fixed_zeropp: ZeroPP | None = None
+) -> TwoLevelPlan:
     """Every island size, H, fragment count, overlap and outer quantization on the island's
     fastest fitting synchronous option (the next fastest where the outer state does not fit).
     Fragments are at most H and at most the stage's layers (the runtime's limits)."""

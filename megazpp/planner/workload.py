@@ -42,11 +42,15 @@ class Workload:
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
-            raise ConfigError(f"{cluster.world_size} accelerators ({cluster.nodes} nodes x "
-                              f"{cluster.gpus_per_node}) are not divisible by TP {self.tp} x PP {self.pp}")
+            raise ConfigError(
+                f"{cluster.world_size} accelerators ({cluster.nodes} nodes x "
+                f"{cluster.gpus_per_node}) are not divisible by TP {self.tp} x PP {self.pp}"
+            )
         if cluster.gpus_per_node % self.tp:
-            raise ConfigError(f"tensor-parallel size {self.tp} must divide the {cluster.gpus_per_node} "
-                              f"accelerators of a node (a TP group may not span nodes)")
+            raise ConfigError(
+                f"tensor-parallel size {self.tp} must divide the {cluster.gpus_per_node} "
+                f"accelerators of a node (a TP group may not span nodes)"
+            )
         return cluster.world_size // (self.tp * self.pp)
 
     def batches(self) -> tuple[int, int]:
@@ -60,8 +64,10 @@ class Workload:
         micro, global_batch = self.batches()
         per_step = micro * self.dp(cluster)
         if micro < 1 or global_batch < per_step or global_batch % per_step:
-            raise ConfigError(f"global batch {global_batch} is not a positive multiple of micro batch "
-                              f"{micro} x data-parallel size {self.dp(cluster)} = {per_step}")
+            raise ConfigError(
+                f"global batch {global_batch} is not a positive multiple of micro batch "
+                f"{micro} x data-parallel size {self.dp(cluster)} = {per_step}"
+            )
         return global_batch // per_step
 
 
@@ -74,14 +80,24 @@ def workload_of_config(cfg: Config) -> Workload:
     prec, par, z, t = cfg.precision, cfg.parallel, cfg.zero, cfg.training
     dtype = "bf16" if prec.bf16 else "fp16" if prec.fp16 else "fp32"
     return Workload(
-        model=cfg.model, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
-        tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-        param_bytes=DTYPE_BYTES[dtype], fp16=prec.fp16, accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
-        activation_checkpointing=cfg.model.activation_checkpointing, sequence_parallel=par.sequence_parallel,
+        model=cfg.model,
+        micro_batch=t.micro_batch_size,
+        global_batch=t.global_batch_size,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        param_bytes=DTYPE_BYTES[dtype],
+        fp16=prec.fp16,
+        accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,
         hpz_size=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else None,
         bucket_numel=bucket_bound(z.reduce_bucket_size, z.allgather_bucket_size),
-        module_granularity_threshold=z.module_granularity_threshold, fetch_groups=z.fetch_groups,
-        max_live_parameters=z.stage3_max_live_parameters, max_reuse_distance=z.stage3_max_reuse_distance,
-        hierarchical=z.hierarchical, persistence_threshold=z.stage3_param_persistence_threshold,
-        trainable_fraction=trainable_fraction(cfg.model, t.trainable))
+        module_granularity_threshold=z.module_granularity_threshold,
+        fetch_groups=z.fetch_groups,
+        max_live_parameters=z.stage3_max_live_parameters,
+        max_reuse_distance=z.stage3_max_reuse_distance,
+        hierarchical=z.hierarchical,
+        persistence_threshold=z.stage3_param_persistence_threshold,
+        trainable_fraction=trainable_fraction(cfg.model, t.trainable),
+    )

@@ -32,8 +32,11 @@ def _strategy(cfg: Config, engine: Engine) -> str:
     strategy = engine.strategy
     z = cfg.zero
     if z.paro_strategy is not None and str(z.paro_strategy).lower() == "auto":
-        source = ("zero.paro_strategy auto: the planner's choice for each island, priced as the two-level job, "
-                  "reason above" if two_level else "zero.paro_strategy auto: the planner's choice, reason above")
+        source = (
+            "zero.paro_strategy auto: the planner's choice for each island, priced as the two-level job, reason above"
+            if two_level
+            else "zero.paro_strategy auto: the planner's choice, reason above"
+        )
     elif z.paro_strategy is not None:
         source = f"zero.paro_strategy {z.paro_strategy}"
     elif z.stage:
@@ -41,27 +44,35 @@ def _strategy(cfg: Config, engine: Engine) -> str:
     else:
         source = "data parallel with no ZeRO stage: plain DDP"
     groups, hier = engine.groups, engine.hier
-    two_stage = [name for name, on in (("gather", hier.gather), ("reduce", hier.reduce),
-                                       ("all-reduce", hier.all_reduce)) if on]
-    layout = (f"dp {groups.dp_size}, PaRO group {groups.group_size}; G collectives "
-              f"{'in two stages (group, then across): ' + ', '.join(two_stage) if two_stage else 'in one stage'}")
+    two_stage = [
+        name for name, on in (("gather", hier.gather), ("reduce", hier.reduce), ("all-reduce", hier.all_reduce)) if on
+    ]
+    layout = (
+        f"dp {groups.dp_size}, PaRO group {groups.group_size}; G collectives "
+        f"{'in two stages (group, then across): ' + ', '.join(two_stage) if two_stage else 'in one stage'}"
+    )
     zpp = engine.zeropp
-    zeropp = [name for name, on in (("qwZ", zpp.qwz), (f"hpZ {zpp.hpz}", zpp.hpz > 1),
-                                    ("qgZ", zpp.qgz), ("LoCo", zpp.loco)) if on]
+    zeropp = [
+        name
+        for name, on in (("qwZ", zpp.qwz), (f"hpZ {zpp.hpz}", zpp.hpz > 1), ("qgZ", zpp.qgz), ("LoCo", zpp.loco))
+        if on
+    ]
     asked = z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1 or z.loco
     if asked and not zpp.enabled:
-        zeropp_note = ("; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress "
-                       "(exact paths)")
+        zeropp_note = "; ZeRO++ off: one data-parallel rank, nothing crosses a link to compress (exact paths)"
     elif z.zero_hpz_partition_size > zpp.hpz > 1:
-        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size} lowered to {zpp.hpz}, the "
-                       "data-parallel ranks of one node (hpZ's secondary copy stays inside a node)")
+        zeropp_note = (
+            f"; zero_hpz_partition_size {z.zero_hpz_partition_size} lowered to {zpp.hpz}, the "
+            "data-parallel ranks of one node (hpZ's secondary copy stays inside a node)"
+        )
     elif z.zero_hpz_partition_size > zpp.hpz:
-        zeropp_note = (f"; zero_hpz_partition_size {z.zero_hpz_partition_size}: hpZ off, a node holds one "
-                       "data-parallel rank (backward gathers the primary shards)")
+        zeropp_note = (
+            f"; zero_hpz_partition_size {z.zero_hpz_partition_size}: hpZ off, a node holds one "
+            "data-parallel rank (backward gathers the primary shards)"
+        )
     else:
         zeropp_note = ""
-    return (f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}; {layout}"
-            f"{zeropp_note}")
+    return f"PaRO {strategy} ({source}){' + ' + ', '.join(zeropp) if zeropp else ''}; {layout}{zeropp_note}"
 
 
 def _trains(cfg: Config) -> str:
@@ -80,22 +91,31 @@ def _two_level(engine: Engine) -> list[str]:
         return []
     o, island = engine.options, engine.island
     inter = engine.expected_sync_bytes()[1]
-    return [f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
-            f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
-            f"{o.momentum:g}, {o.quantize} outer gradients: {inter / 1e6:.3g} MB inter-node per rank per sync"]
+    return [
+        f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
+        f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
+        f"{o.momentum:g}, {o.quantize} outer gradients: {inter / 1e6:.3g} MB inter-node per rank per sync"
+    ]
 
 
-def banner(cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[Sized | None],
-           start: Startup) -> list[str]:
+def banner(
+    cfg: Config, topology: Topology, engine: Engine, datasets: Sequence[Sized | None], start: Startup
+) -> list[str]:
     m, t, ck = cfg.model, cfg.training, cfg.checkpoint
     precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
     train_ds, valid_ds = datasets
     if train_ds is None:
         raise ValueError("the startup banner needs the training dataset")
     sizes = f"train {len(train_ds)} samples" + (
-        f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation")
-    saving = (f"{ck.save} every {ck.save_interval} steps and at the last" if ck.save and
-              ck.save_interval else f"{ck.save} at the last step" if ck.save else "not saved")
+        f", valid {len(valid_ds)}" if valid_ds is not None else ", no validation"
+    )
+    saving = (
+        f"{ck.save} every {ck.save_interval} steps and at the last"
+        if ck.save and ck.save_interval
+        else f"{ck.save} at the last step"
+        if ck.save
+        else "not saved"
+    )
     if ck.save and ck.save_adapters_only and start.base is not None:
         saving += f", adapters only (frozen base: {start.base.describe()})"
     lines = [

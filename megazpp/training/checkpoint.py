@@ -71,8 +71,7 @@ def rank_file_name(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 
 
 def layout_of(topology: Topology) -> dict[str, int]:
-    return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp,
-            "dp": topology.dp}
+    return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -107,10 +106,11 @@ class _HashingWriter:
 
 def _write_failure(path: Path, exc: OSError) -> CheckpointError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CheckpointError(f"no space left on the device of {path.parent} (writing "
-                               f"{path.name}; {exc.strerror}): the partial file was removed")
-    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file "
-                           "was removed")
+        return CheckpointError(
+            f"no space left on the device of {path.parent} (writing "
+            f"{path.name}; {exc.strerror}): the partial file was removed"
+        )
+    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file was removed")
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> str:
@@ -146,13 +146,15 @@ def verify_checksum(file: Path, metadata: dict[str, Any]) -> None:
         return
     actual = file_checksum(file)
     if actual != expected:
-        raise CheckpointError(f"{file}: checksum mismatch ({actual[:19]}..., {METADATA_FILE} "
-                              f"records {str(expected)[:19]}...): the file changed after it "
-                              "was written (disk, copy or memory corruption)")
+        raise CheckpointError(
+            f"{file}: checksum mismatch ({actual[:19]}..., {METADATA_FILE} "
+            f"records {str(expected)[:19]}...): the file changed after it "
+            "was written (disk, copy or memory corruption)"
+        )
 
 
 def file_checksum(path: Path) -> str:
-    """"sha256:<hex>" of a file's bytes, read in blocks (rank files can be gigabytes)."""
+    """ "sha256:<hex>" of a file's bytes, read in blocks (rank files can be gigabytes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -166,12 +168,18 @@ def _barrier() -> None:
 
 def expected_rank_files(layout: dict[str, Any]) -> list[str]:
     """Every rank file a complete checkpoint of `layout` (tp, pp, dp) holds."""
-    return [rank_file_name(t, p, d)
-            for p in range(layout["pp"]) for d in range(layout["dp"]) for t in range(layout["tp"])]
+    return [
+        rank_file_name(t, p, d) for p in range(layout["pp"]) for d in range(layout["dp"]) for t in range(layout["tp"])
+    ]
 
 
-def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str, Any],
-                    topology: Topology, extra_metadata: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    state: dict[str, Any],
+    topology: Topology,
+    extra_metadata: dict[str, Any] | None = None,
+) -> Path:
     """Collectively save this rank's `state` as checkpoint `iteration`; return its directory.
 
     Each rank file is stamped with the layout it was written under, so a loader can tell a
@@ -188,8 +196,10 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
         tmp.mkdir()
     _barrier()
     if not tmp.is_dir():
-        raise CheckpointError(f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
-                              "--save must be a directory on storage every node shares")
+        raise CheckpointError(
+            f"rank {topology.rank}: {tmp} (made by rank 0) is not visible here: "
+            "--save must be a directory on storage every node shares"
+        )
     stamped = {**state, "layout": layout_of(topology)}
     file_name = rank_file_name(topology.tp_rank, topology.pp_rank, topology.dp_rank)
     try:
@@ -202,16 +212,19 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, state: dict[str
     _raise_if_failed(root, tmp, iteration, [f for _, _, f in written], topology.rank)
     failure = ""
     if topology.rank == 0:
-        meta = {"format": FORMAT_VERSION, "iteration": iteration, **layout_of(topology),
-                CHECKSUMS_KEY: {name: digest for name, digest, _ in written},
-                **(extra_metadata or {})}
+        meta = {
+            "format": FORMAT_VERSION,
+            "iteration": iteration,
+            **layout_of(topology),
+            CHECKSUMS_KEY: {name: digest for name, digest, _ in written},
+            **(extra_metadata or {}),
+        }
         try:
             write_atomically(tmp / METADATA_FILE, lambda f: f.write(json.dumps(meta).encode()))
             _commit(root, tmp, final, iteration)
         except CheckpointError as exc:
             failure = f"rank 0: {exc}"
-    _raise_if_failed(root, tmp, iteration,
-                     comm.all_gather_object(failure, tag="checkpoint/commit"), topology.rank)
+    _raise_if_failed(root, tmp, iteration, comm.all_gather_object(failure, tag="checkpoint/commit"), topology.rank)
     return final
 
 
@@ -233,8 +246,7 @@ def _commit(root: Path, tmp: Path, final: Path, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str],
-                     rank: int) -> None:
+def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str], rank: int) -> None:
     """After a failed write: rank 0 removes the unfinished directory (it would keep a full
     disk full), and every rank raises the same error; `latest` was not touched."""
     failures = [f for f in failures if f]
@@ -242,8 +254,11 @@ def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str],
         return
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    raise CheckpointError(f"checkpoint {checkpoint_name(iteration)} was not saved: "
-                          + "; ".join(failures) + f"; {root / LATEST_FILE} is unchanged")
+    raise CheckpointError(
+        f"checkpoint {checkpoint_name(iteration)} was not saved: "
+        + "; ".join(failures)
+        + f"; {root / LATEST_FILE} is unchanged"
+    )
 
 
 def check_save_dir(save_dir: str | os.PathLike, topology: Topology) -> None:
@@ -288,8 +303,10 @@ def check_loadable(load_dir: str | os.PathLike) -> None:
         close = difflib.get_close_matches(root.name, siblings, n=1, cutoff=0.6)
         if close:
             found += f" (did you mean {parent / close[0]}?)"
-    raise CheckpointError(f"--load {load_dir}: nothing to load, {found}; pass --load-optional "
-                          "to start from scratch when it holds no checkpoint")
+    raise CheckpointError(
+        f"--load {load_dir}: nothing to load, {found}; pass --load-optional "
+        "to start from scratch when it holds no checkpoint"
+    )
 
 
 def check_not_behind(save_dir: str | os.PathLike, start_iteration: int) -> None:
@@ -308,7 +325,8 @@ def check_not_behind(save_dir: str | os.PathLike, start_iteration: int) -> None:
             f"--save {save_dir}: its {LATEST_FILE} names {name}, newer than this run's start at "
             f"iteration {start_iteration}; saving would move {LATEST_FILE} back and overwrite the "
             "newer checkpoints. Resume it (--load with that directory), save elsewhere, or pass "
-            "--overwrite-newer-checkpoints")
+            "--overwrite-newer-checkpoints"
+        )
 
 
 def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
@@ -319,12 +337,10 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
         return None
     name = pointer.read_text().strip()
     if not _NAME.match(name):
-        raise CheckpointError(f"{pointer}: expected a checkpoint name like 'iter_0000100', "
-                              f"found {name[:80]!r}")
+        raise CheckpointError(f"{pointer}: expected a checkpoint name like 'iter_0000100', found {name[:80]!r}")
     path = root / name
     if not (path / METADATA_FILE).exists():
-        raise CheckpointError(f"{path}: checkpoint named by {pointer} is missing or incomplete "
-                              f"(no {METADATA_FILE})")
+        raise CheckpointError(f"{path}: checkpoint named by {pointer} is missing or incomplete (no {METADATA_FILE})")
     return path
 
 
@@ -358,11 +374,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / METADATA_FILE}: missing or unreadable ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path / METADATA_FILE}: unknown checkpoint format "
-                              f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+        raise CheckpointError(
+            f"{path / METADATA_FILE}: unknown checkpoint format "
+            f"{meta.get('format') if isinstance(meta, dict) else meta!r}"
+        )
     if not isinstance(meta.get("iteration"), int) or any(
-            not isinstance(meta.get(k), int) or meta[k] < 1
-            for k in ("world_size", "tp", "pp", "dp")):
+        not isinstance(meta.get(k), int) or meta[k] < 1 for k in ("world_size", "tp", "pp", "dp")
+    ):
         raise CheckpointError(f"{path / METADATA_FILE}: iteration or layout missing or invalid")
     return meta
 
@@ -379,28 +397,32 @@ def _read_verified(path: Path, topology: Topology) -> tuple[dict[str, Any], dict
     keys = ("tp", "pp") if weights_only else tuple(mine)
     saved = {k: meta[k] for k in keys}
     if saved != {k: mine[k] for k in keys}:
-        raise CheckpointError(f"{path}: saved with parallel layout {saved}, this run has "
-                              f"{ {k: mine[k] for k in keys} }")
+        raise CheckpointError(
+            f"{path}: saved with parallel layout {saved}, this run has { {k: mine[k] for k in keys} }"
+        )
     missing = [f for f in expected_rank_files(meta) if not (path / f).is_file()]
     if missing:
-        raise CheckpointError(f"{path}: incomplete checkpoint, missing rank files {missing[:4]}"
-                              f"{' ...' if len(missing) > 4 else ''}")
+        raise CheckpointError(
+            f"{path}: incomplete checkpoint, missing rank files {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+        )
     file = path / rank_file_name(topology.tp_rank, topology.pp_rank, 0 if weights_only else topology.dp_rank)
     verify_checksum(file, meta)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means an unusable file
-        raise CheckpointError(f"{file}: cannot be loaded as checkpoint data "
-                              f"({_load_failure(exc)})") from exc
+        raise CheckpointError(f"{file}: cannot be loaded as checkpoint data ({_load_failure(exc)})") from exc
     if not isinstance(state, dict) or state.get("iteration") != meta["iteration"]:
-        raise CheckpointError(f"{file}: holds iteration "
-                              f"{state.get('iteration') if isinstance(state, dict) else '?'}, "
-                              f"but {METADATA_FILE} says {meta['iteration']}")
+        raise CheckpointError(
+            f"{file}: holds iteration "
+            f"{state.get('iteration') if isinstance(state, dict) else '?'}, "
+            f"but {METADATA_FILE} says {meta['iteration']}"
+        )
     stamp = state.get("layout")
     described = {k: meta[k] for k in layout_of(topology)}
     if stamp is not None and stamp != described:
-        raise CheckpointError(f"{file}: written under parallel layout {stamp}, but "
-                              f"{METADATA_FILE} describes {described}")
+        raise CheckpointError(
+            f"{file}: written under parallel layout {stamp}, but {METADATA_FILE} describes {described}"
+        )
     return meta, state
 
 
@@ -426,14 +448,21 @@ def _candidates(root: Path, fallback: bool) -> list[Path]:
     if not fallback:
         return [named] if named is not None else []
     limit = int(named.name[5:]) if named is not None else None
-    older = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()
-                    and (limit is None or int(p.name[5:]) < limit)),
-                   key=lambda p: int(p.name[5:]), reverse=True)
+    older = sorted(
+        (
+            p
+            for p in root.iterdir()
+            if _NAME.match(p.name) and p.is_dir() and (limit is None or int(p.name[5:]) < limit)
+        ),
+        key=lambda p: int(p.name[5:]),
+        reverse=True,
+    )
     return ([named] if named is not None else []) + older
 
 
-def load_checkpoint(load_dir: str | os.PathLike, topology: Topology, *,
-                    fallback: bool = False) -> LoadedCheckpoint | None:
+def load_checkpoint(
+    load_dir: str | os.PathLike, topology: Topology, *, fallback: bool = False
+) -> LoadedCheckpoint | None:
     """Collectively load the checkpoint `latest` names (None when `latest` does not exist).
 
     Every rank verifies its part and all ranks agree on the verdict, so either every rank
@@ -455,19 +484,18 @@ def load_checkpoint(load_dir: str | os.PathLike, topology: Topology, *,
         reasons = sorted({v for v in verdicts if v})
         if not reasons:
             if refused:
-                warnings.warn(f"--load-fallback: loading {path} instead; refused: "
-                              + "; ".join(refused), stacklevel=2)
+                warnings.warn(f"--load-fallback: loading {path} instead; refused: " + "; ".join(refused), stacklevel=2)
             return LoadedCheckpoint(path, meta, state)
         refused.append("; ".join(reasons))
     if not refused:
-        raise CheckpointError(f"{root}: {LATEST_FILE} names no checkpoint and no complete "
-                              "iter_N directory exists")
+        raise CheckpointError(f"{root}: {LATEST_FILE} names no checkpoint and no complete iter_N directory exists")
     hint = "" if fallback else " (pass --load-fallback to load the previous complete checkpoint)"
     raise CheckpointError(f"{root}: no loadable checkpoint: " + " | ".join(refused) + hint)
 
 
-def load_model_weights(model: torch.nn.Module, weights: dict[str, Any],
-                       keep_own: Callable[[str], bool] | None = None) -> None:
+def load_model_weights(
+    model: torch.nn.Module, weights: dict[str, Any], keep_own: Callable[[str], bool] | None = None
+) -> None:
     """`model.load_state_dict(weights)`, with a mismatch (another model shape or layout)
     reported as a CheckpointError naming the first differing tensors. Tensors the checkpoint
     lacks and `keep_own(name)` accepts keep the model's values (the LoRA adapters a fine-tune
@@ -478,8 +506,7 @@ def load_model_weights(model: torch.nn.Module, weights: dict[str, Any],
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint weights do not fit this model: "
-                              f"{str(exc).strip()[:600]}") from exc
+        raise CheckpointError(f"checkpoint weights do not fit this model: {str(exc).strip()[:600]}") from exc
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -488,8 +515,13 @@ def capture_rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     return {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "tp_streams": get_rng_tracker().states(),
@@ -500,8 +532,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -38,8 +38,14 @@ from torch import nn
 from megazpp.errors import ConfigError
 
 ENV = "MEGAZPP_FAULT"
-POINTS = ("kill_after_step", "sigterm_after_step", "raise_after_rank_file",
-          "raise_before_latest", "nan_loss", "loss_spike")
+POINTS = (
+    "kill_after_step",
+    "sigterm_after_step",
+    "raise_after_rank_file",
+    "raise_before_latest",
+    "nan_loss",
+    "loss_spike",
+)
 _OUTPUT_FACTORS = {"nan_loss": float("nan"), "loss_spike": 10.0}
 
 
@@ -55,8 +61,9 @@ def _parse(spec: str) -> list[tuple[str, range, int | None]]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         match = _ITEM.match(item)
         if match is None or match[1] not in POINTS:
-            raise ConfigError(f"{ENV} = {spec!r}: expected POINT@N[-M][:RANK] items with "
-                              f"POINT one of {list(POINTS)}, got {item!r}")
+            raise ConfigError(
+                f"{ENV} = {spec!r}: expected POINT@N[-M][:RANK] items with POINT one of {list(POINTS)}, got {item!r}"
+            )
         first = int(match[2])
         last = int(match[3]) if match[3] else first
         faults.append((match[1], range(first, last + 1), int(match[4]) if match[4] else None))
@@ -68,8 +75,7 @@ def armed(point: str, iteration: int, rank: int) -> bool:
     spec = os.environ.get(ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return False
-    return any(p == point and iteration in its and r in (None, rank)
-               for p, its, r in _parse(spec))
+    return any(p == point and iteration in its and r in (None, rank) for p, its, r in _parse(spec))
 
 
 def check_spec() -> None:

@@ -65,10 +65,15 @@ def recorded_base(path: Path, meta: dict[str, Any]) -> FrozenBase | None:
     saved = meta.get(BASE_KEY)
     if saved is None:
         return None
-    if not isinstance(saved, dict) or not isinstance(saved.get("digest"), str) or not (
-            saved.get("load") is None or isinstance(saved["load"], str)):
-        raise CheckpointError(f"{path / METADATA_FILE}: {BASE_KEY} = {saved!r} is not a base record "
-                              "({'load': DIR or null, 'digest': STR})")
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("digest"), str)
+        or not (saved.get("load") is None or isinstance(saved["load"], str))
+    ):
+        raise CheckpointError(
+            f"{path / METADATA_FILE}: {BASE_KEY} = {saved!r} is not a base record "
+            "({'load': DIR or null, 'digest': STR})"
+        )
     return FrozenBase(saved["load"], saved["digest"])
 
 
@@ -112,9 +117,11 @@ def run_base(cfg: Config, load_dir: str | None) -> FrozenBase | None:
         base = recorded_base(path, meta)
         if base is None:
             if cfg.checkpoint.save_adapters_only:
-                raise ConfigError(f"checkpoint.save_adapters_only: this run resumes {path}, a full "
-                                  "checkpoint, so its frozen weights have no base to record; continue "
-                                  "it with full checkpoints, or start from the import or the init")
+                raise ConfigError(
+                    f"checkpoint.save_adapters_only: this run resumes {path}, a full "
+                    "checkpoint, so its frozen weights have no base to record; continue "
+                    "it with full checkpoints, or start from the import or the init"
+                )
             return None
         given = _weights_only_load(cfg)
         if given is not None and import_base(given) != base:
@@ -125,8 +132,9 @@ def run_base(cfg: Config, load_dir: str | None) -> FrozenBase | None:
 
 
 def _refusal(path: Path, base: FrozenBase, found: str) -> CheckpointError:
-    return CheckpointError(f"{path / METADATA_FILE}: an adapters-only checkpoint, expected its base "
-                           f"{base.describe()}; {found}")
+    return CheckpointError(
+        f"{path / METADATA_FILE}: an adapters-only checkpoint, expected its base {base.describe()}; {found}"
+    )
 
 
 def check_base(path: Path, base: FrozenBase, init_seed: int) -> None:

@@ -33,8 +33,17 @@ import torch
 
 from megazpp.optim.engine import StepResult
 
-TAGS = ("train/loss", "val/loss", "train/lr", "train/grad_norm", "train/loss_scale",
-        "train/skipped_steps", "perf/tokens_per_sec", "perf/tflops", "mem/peak_bytes")
+TAGS = (
+    "train/loss",
+    "val/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/loss_scale",
+    "train/skipped_steps",
+    "perf/tokens_per_sec",
+    "perf/tflops",
+    "mem/peak_bytes",
+)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -53,10 +62,20 @@ def _hms(seconds: float) -> str:
 class TrainingLogger:
     """Collects step results; emits on the logging rank (others only keep the clock)."""
 
-    def __init__(self, *, enabled: bool, tensorboard_dir: str | None, log_interval: int,
-                 train_iters: int, tokens_per_step: int, flops_per_step: float, world_size: int,
-                 device: torch.device, print_fn: Callable[[str], None] | None = None,
-                 fp16: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        tensorboard_dir: str | None,
+        log_interval: int,
+        train_iters: int,
+        tokens_per_step: int,
+        flops_per_step: float,
+        world_size: int,
+        device: torch.device,
+        print_fn: Callable[[str], None] | None = None,
+        fp16: bool = False,
+    ) -> None:
         self.enabled = enabled
         self.fp16 = fp16  # the console shows the loss scale only where there is one
         self.log_interval, self.train_iters = log_interval, train_iters
@@ -136,13 +155,19 @@ class TrainingLogger:
             self.write_scalars(values, iteration)
             if self.writer is not None:
                 self.writer.flush()  # a killed rank must not take logged steps with it
-            scaling = (f"loss_scale {loss_scale:g} | skipped {self._skipped} | " if self.fp16
-                       else f"skipped {self._skipped} | " if self._skipped else "")
+            scaling = (
+                f"loss_scale {loss_scale:g} | skipped {self._skipped} | "
+                if self.fp16
+                else f"skipped {self._skipped} | "
+                if self._skipped
+                else ""
+            )
             self.print(
                 f"iter {iteration:>6}/{self.train_iters} | loss {values['train/loss']:.4f} | "
                 f"lr {lr:.3e} | grad_norm {values['train/grad_norm']:.3f} | {scaling}"
                 f"tokens/s {tokens_per_sec:.0f} | tflops {tflops:.4f} | "
-                f"peak_mem {values['mem/peak_bytes'] / 2**20:.1f} MiB | {self._clock(iteration, now)}")
+                f"peak_mem {values['mem/peak_bytes'] / 2**20:.1f} MiB | {self._clock(iteration, now)}"
+            )
         self._reset(now)
 
     def _clock(self, iteration: int, now: float) -> str:

@@ -20,8 +20,7 @@ from megazpp.errors import ConfigError
 
 
 class LRSchedule:
-    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
-                 style: str) -> None:
+    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str) -> None:
         if style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr decay style {style!r}: expected cosine, linear or constant")
         self.max_lr, self.min_lr, self.style = max_lr, min_lr, style

@@ -64,10 +64,11 @@ def available_memory(ranks_on_node: int, usable_fraction: float) -> Available | 
         count = torch.cuda.device_count()
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(count))
         share = -(-ranks_on_node // count)
-        return Available(free * usable_fraction / share,
-                         f"{free / GIB:.1f} GiB free on the fullest GPU x planner."
-                         f"usable_memory_fraction {usable_fraction}"
-                         + (f" / {share} ranks on it" if share > 1 else ""))
+        return Available(
+            free * usable_fraction / share,
+            f"{free / GIB:.1f} GiB free on the fullest GPU x planner."
+            f"usable_memory_fraction {usable_fraction}" + (f" / {share} ranks on it" if share > 1 else ""),
+        )
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
@@ -75,8 +76,9 @@ def available_memory(ranks_on_node: int, usable_fraction: float) -> Available | 
     kib = next((int(line.split()[1]) for line in lines if line.startswith("MemAvailable:")), None)
     if kib is None:
         return None
-    return Available(kib * 1024 / ranks_on_node,
-                     f"MemAvailable {kib / 2**20:.1f} GiB / {ranks_on_node} ranks on this node")
+    return Available(
+        kib * 1024 / ranks_on_node, f"MemAvailable {kib / 2**20:.1f} GiB / {ranks_on_node} ranks on this node"
+    )
 
 
 def runtime_bytes() -> float:
@@ -115,20 +117,34 @@ def estimate_peak(cfg: Config, world_size: int, ranks_per_node: int) -> Estimate
         rpn = world_size  # the node split changes only the default PaRO / hpZ group sizes
     dp_on_node = max(1, min(dp, rpn // cfg.tp))
     # ZeRO++ as the engine runs it: hpZ lowered to the DP ranks of a node, off with one DP rank
-    zeropp = (dataclasses.replace(zeropp_of(z), hpz=min(z.zero_hpz_partition_size, dp_on_node))
-              if zero and dp > 1 else ZeroPP())
-    shapes = shapes_of_config(cfg.model, tp=cfg.tp, pp=cfg.pp, bucket_numel=workload.bucket_numel,
-                              threshold=z.module_granularity_threshold, fetch_mode=z.fetch_groups,
-                              trainable_fraction=workload.trainable_fraction,
-                              persistence=z.stage3_param_persistence_threshold)
-    cluster = Cluster(nodes=max(1, world_size // rpn), gpus_per_node=rpn, memory_bytes=1.0,
-                      flops=_UNUSED_RATE, intra_bw=_UNUSED_RATE, inter_bw=_UNUSED_RATE,
-                      backend="nccl" if torch.cuda.is_available() else "gloo")
+    zeropp = (
+        dataclasses.replace(zeropp_of(z), hpz=min(z.zero_hpz_partition_size, dp_on_node))
+        if zero and dp > 1
+        else ZeroPP()
+    )
+    shapes = shapes_of_config(
+        cfg.model,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        bucket_numel=workload.bucket_numel,
+        threshold=z.module_granularity_threshold,
+        fetch_mode=z.fetch_groups,
+        trainable_fraction=workload.trainable_fraction,
+        persistence=z.stage3_param_persistence_threshold,
+    )
+    cluster = Cluster(
+        nodes=max(1, world_size // rpn),
+        gpus_per_node=rpn,
+        memory_bytes=1.0,
+        flops=_UNUSED_RATE,
+        intra_bw=_UNUSED_RATE,
+        inter_bw=_UNUSED_RATE,
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+    )
     fullest = predict(Option(strategy, zeropp), shapes, workload, cluster).fullest
     # the planner counts 16-bit activations (Megatron's estimate); an fp32 model keeps 4-byte ones
     activations = fullest.activation_bytes * workload.param_bytes / 2
-    return Estimate(fullest.state.total + fullest.frozen_bytes, activations,
-                    fullest.transient_bytes, runtime_bytes())
+    return Estimate(fullest.state.total + fullest.frozen_bytes, activations, fullest.transient_bytes, runtime_bytes())
 
 
 def _gib(x: float) -> str:
@@ -152,4 +168,5 @@ def check_memory(cfg: Config, world_size: int, ranks_on_node: int) -> None:
         f"{_gib(available.bytes_per_rank)} is available per rank ({available.where}): lower "
         f"--seq-length ({m.seq_length}) or --micro-batch-size ({t.micro_batch_size}), add "
         "--recompute-activations, shard more (a higher zero stage, more ranks) or use a smaller "
-        "model; or pass --skip-memory-check to run anyway")
+        "model; or pass --skip-memory-check to run anyway"
+    )

@@ -95,11 +95,15 @@ def _precision(bf16: bool | None, fp16: bool | None) -> str:
 
 def _convert_hint(arch: str, load_dir: str) -> str:
     if arch == "llama":
-        return (f"convert it: python tools/convert_hf.py export --load {load_dir} --hf-dir HF, then "
-                "python tools/convert_hf.py import --hf-dir HF --save NEW --tp T --pp P, and "
-                "--load NEW (its weights only: a new optimizer state, from iteration 0)")
-    return (f"no converter exists for model.arch {arch} (tools/export_checkpoint.py writes its "
-            "full weights as one safetensors file)")
+        return (
+            f"convert it: python tools/convert_hf.py export --load {load_dir} --hf-dir HF, then "
+            "python tools/convert_hf.py import --hf-dir HF --save NEW --tp T --pp P, and "
+            "--load NEW (its weights only: a new optimizer state, from iteration 0)"
+        )
+    return (
+        f"no converter exists for model.arch {arch} (tools/export_checkpoint.py writes its "
+        "full weights as one safetensors file)"
+    )
 
 
 def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
@@ -121,7 +125,8 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
             f"{meta['pp']}; this run has {tp} and {pp}. A checkpoint resumes only under its own "
             f"tp and pp (resharding changes the data-parallel size and PaRO strategy only): run "
             f"with --tensor-model-parallel-size {meta['tp']} --pipeline-model-parallel-size "
-            f"{meta['pp']}, or " + _convert_hint(cfg.model.arch, load_dir))
+            f"{meta['pp']}, or " + _convert_hint(cfg.model.arch, load_dir)
+        )
     saved_model = meta.get(MODEL_CONFIG_KEY) or (meta.get(CONFIG_KEY) or {}).get("model")
     if isinstance(saved_model, dict):
         diff = _model_diff(saved_model, cfg.model)
@@ -130,7 +135,8 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
             raise CheckpointError(
                 f"{where} holds another model ({shown}): its weights do not fit this one. "
                 f"Load it with the model settings it was saved with ({path / METADATA_FILE}), "
-                "or start this model from scratch with another --save")
+                "or start this model from scratch with another --save"
+            )
     saved = meta.get(CONFIG_KEY)
     if meta.get(WEIGHTS_ONLY_KEY) or not isinstance(saved, dict):
         return  # an import starts any data-parallel layout; an old run's config is unknown
@@ -139,17 +145,24 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
     dp = world_size // (tp * pp)
     now_zero = uses_zero_engine(dp, cfg.zero.stage, cfg.zero.paro_strategy)
     if was_zero != now_zero:
-        engine = {True: "the ZeRO engine", False: "the single-replica engine (one data-parallel "
-                  "rank, zero stage 0, no paro_strategy)"}
-        back = (f"resume it with {meta['world_size']} rank(s) and its zero settings (stage "
-                f"{zero.get('stage', 0)}, paro_strategy {zero.get('paro_strategy')})")
+        engine = {
+            True: "the ZeRO engine",
+            False: "the single-replica engine (one data-parallel rank, zero stage 0, no paro_strategy)",
+        }
+        back = (
+            f"resume it with {meta['world_size']} rank(s) and its zero settings (stage "
+            f"{zero.get('stage', 0)}, paro_strategy {zero.get('paro_strategy')})"
+        )
         raise CheckpointError(
             f"{where} was saved by {engine[was_zero]} over {meta['dp']} data-parallel rank(s); "
             f"this run uses {engine[now_zero]} over {dp}, and resharding converts only between "
-            f"ZeRO layouts: {back}, or " + _convert_hint(cfg.model.arch, load_dir))
+            f"ZeRO layouts: {back}, or " + _convert_hint(cfg.model.arch, load_dir)
+        )
     precision = saved.get("precision", {})
-    was, now = _precision(precision.get("bf16"), precision.get("fp16")), _precision(
-        cfg.precision.bf16, cfg.precision.fp16)
+    was, now = (
+        _precision(precision.get("bf16"), precision.get("fp16")),
+        _precision(cfg.precision.bf16, cfg.precision.fp16),
+    )
     # the fp16 loss scaler's state, and LocalEngine's fp32 masters of a 16-bit model, are
     # saved only by runs that have them (`optim.engine`, `zero.engine_state`)
     if was != now and ("fp16" in (was, now) or not now_zero):
@@ -157,9 +170,11 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
             f"{where} was saved in {was}; this run is in {now}, and its engine state (fp32 "
             f"masters, fp16 loss scaler) resumes only under {was}"
             f"{' or, with the ZeRO engine, the other of fp32 / bf16' if was != 'fp16' else ''}: "
-            f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir))
+            f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir)
+        )
     if BASE_KEY in meta and meta["dp"] != dp:
         raise CheckpointError(
             f"{where} is adapters-only (--save-adapters-only) and was saved over {meta['dp']} "
             f"data-parallel ranks; this run has {dp}: it resumes only under the layout that "
-            "saved it (resharding needs the frozen weights it leaves out)")
+            "saved it (resharding needs the frozen weights it leaves out)"
+        )

@@ -64,12 +64,17 @@ def _start_ticks(pid: int) -> int | None:
     except OSError:
         return None
     # field 2 (the command) may hold spaces and parentheses: count from its closing one
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def this_process() -> Holder:
-    return Holder(socket.gethostname(), os.getpid(), _start_ticks(os.getpid()), _boot_id(),
-                  time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    return Holder(
+        socket.gethostname(),
+        os.getpid(),
+        _start_ticks(os.getpid()),
+        _boot_id(),
+        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    )
 
 
 def read_holder(lock: Path) -> Holder | None:
@@ -77,8 +82,13 @@ def read_holder(lock: Path) -> Holder | None:
     crash while writing it) is treated as a lock of nobody: stale."""
     try:
         data = json.loads(lock.read_text())
-        return Holder(str(data["host"]), int(data["pid"]), data.get("start_ticks"),
-                      data.get("boot_id"), str(data.get("since", "?")))
+        return Holder(
+            str(data["host"]),
+            int(data["pid"]),
+            data.get("start_ticks"),
+            data.get("boot_id"),
+            str(data.get("since", "?")),
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -124,12 +134,14 @@ def check_save_lock(save_dir: str) -> None:
         raise CheckpointError(
             f"--save {save_dir} is locked by {holder.describe()} ({lock}): a job on another "
             f"host cannot be checked from {socket.gethostname()}; if that job is no longer "
-            f"running, remove the lock (rm {lock}) and start again")
+            f"running, remove the lock (rm {lock}) and start again"
+        )
     if why_stale(holder) is None:
         raise CheckpointError(
             f"--save {save_dir} is in use by another job: {lock} is held by "
             f"{holder.describe()}, which is running; one job writes a save directory at a time: "
-            "wait for it, stop it, or give another --save")
+            "wait for it, stop it, or give another --save"
+        )
 
 
 def _write_new(lock: Path, me: Holder) -> bool:
@@ -153,8 +165,7 @@ def acquire(save_dir: str) -> Path:
     check_save_lock(save_dir)
     holder = read_holder(lock)
     if holder is not None and not _is_me(holder):
-        log.warning("--save %s: taking over the lock of %s: %s", save_dir, holder.describe(),
-                    why_stale(holder))
+        log.warning("--save %s: taking over the lock of %s: %s", save_dir, holder.describe(), why_stale(holder))
     tmp = lock.with_name(f"{LOCK_FILE}.{me.pid}")
     tmp.write_text(json.dumps(asdict(me)) + "\n")
     os.replace(tmp, lock)

@@ -22,8 +22,9 @@ from megazpp.optim.engine import Engine
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input token ids [b, s], labels [b, s])
 
 
-def forward_backward(model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Engine, *,
-                     forward_only: bool = False) -> list[torch.Tensor]:
+def forward_backward(
+    model: nn.Module, micro_batches: Sequence[MicroBatch], engine: Engine, *, forward_only: bool = False
+) -> list[torch.Tensor]:
     """Run every micro-batch; return each one's detached mean loss (unscaled, undivided)."""
     losses = []
     count = len(micro_batches)

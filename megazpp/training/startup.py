@@ -45,9 +45,15 @@ from megazpp.training.zero_factory import zero_options
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait, the transport and compilation, whether a tokenizer
 # mismatch is accepted, whether the memory check runs. Everything else shapes the run's state.
-RUN_ONLY_KEYS = ("checkpoint.", "logging.", "parallel.distributed_timeout_minutes",
-                 "parallel.distributed_backend", "training.compile", "data.allow_tokenizer_mismatch",
-                 "training.skip_memory_check")
+RUN_ONLY_KEYS = (
+    "checkpoint.",
+    "logging.",
+    "parallel.distributed_timeout_minutes",
+    "parallel.distributed_backend",
+    "training.compile",
+    "data.allow_tokenizer_mismatch",
+    "training.skip_memory_check",
+)
 
 
 @dataclass
@@ -71,8 +77,10 @@ def check_inputs(cfg: Config) -> list[str]:
     """Refuse missing data settings, and data made by another tokenizer than --tokenizer-model
     (unless --allow-tokenizer-mismatch); notes for what could not be checked."""
     if not cfg.data.data_path:
-        raise ConfigError("data.data_path is empty: give --data-path PREFIX (a preprocessed "
-                          "'..._text_document' prefix) or set it in the config file")
+        raise ConfigError(
+            "data.data_path is empty: give --data-path PREFIX (a preprocessed "
+            "'..._text_document' prefix) or set it in the config file"
+        )
     if not cfg.data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
     prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
@@ -89,20 +97,19 @@ def check_output_dir(flag: str, path: str) -> None:
             if ancestor.is_dir():
                 return
             where = "" if ancestor == target else f" lies under {ancestor}, which"
-            raise ConfigError(f"{flag} {path}{where} exists and is not a directory: give a "
-                              "directory (it is created when missing)")
+            raise ConfigError(
+                f"{flag} {path}{where} exists and is not a directory: give a directory (it is created when missing)"
+            )
 
 
 def check_outputs(cfg: Config) -> None:
-    for flag, path in (("--save", cfg.checkpoint.save),
-                       ("--tensorboard-dir", cfg.logging.tensorboard_dir)):
+    for flag, path in (("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.logging.tensorboard_dir)):
         if path:
             check_output_dir(flag, path)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, body in config.items()
-            for key, value in body.items()}
+    return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
 
 
 def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -112,8 +119,7 @@ def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     defaults = _flatten(Config().to_dict())
     old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
-    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
-            for k in keys if old.get(k) != new.get(k)]
+    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys if old.get(k) != new.get(k)]
 
 
 def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
@@ -142,20 +148,25 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
         return ck.save, f"torchrun restart {restarts}"
     saved = read_metadata(path).get(CONFIG_KEY)
     if saved is None:
-        raise ConfigError(f"--save {ck.save} already holds {path.name}, which records no "
-                          f"settings: pass --load {ck.save} to continue it, or give another "
-                          "--save directory to start a new run")
+        raise ConfigError(
+            f"--save {ck.save} already holds {path.name}, which records no "
+            f"settings: pass --load {ck.save} to continue it, or give another "
+            "--save directory to start a new run"
+        )
     diff = settings_diff(saved, cfg.to_dict())
     if diff:
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-        raise ConfigError(f"--save {ck.save} already holds {path.name} of a run with other "
-                          f"settings ({shown}): pass --load {ck.save} to continue it with "
-                          "these settings, or give another --save directory to start a new run")
+        raise ConfigError(
+            f"--save {ck.save} already holds {path.name} of a run with other "
+            f"settings ({shown}): pass --load {ck.save} to continue it with "
+            "these settings, or give another --save directory to start a new run"
+        )
     return ck.save, f"--save {ck.save} (same settings)"
 
 
-def prepare(argv: Sequence[str], world_size: int, restarts: int = 0,
-            ranks_on_node: int | None = None, check_lock: bool = False) -> Startup:
+def prepare(
+    argv: Sequence[str], world_size: int, restarts: int = 0, ranks_on_node: int | None = None, check_lock: bool = False
+) -> Startup:
     """Load and validate the config for `world_size` ranks (the model's tp x pp split
     included), choose the backend for this node's GPUs, check inputs, output paths and fault
     specs, choose the checkpoint and check that it can start this run (`resume_check`) and the
@@ -197,10 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, required=True)
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
-        raise ConfigError(f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
-                          f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0")
-    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node,
-            check_lock=known.node_rank == 0)
+        raise ConfigError(
+            f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
+            f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0"
+        )
+    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node, check_lock=known.node_rank == 0)
     return 0
 
 

@@ -42,8 +42,7 @@ class StopRequests:
     def __init__(self, exit_duration_mins: float | None) -> None:
         self.signal_name: str | None = None
         self._first_signal_at = 0.0
-        self._deadline = (PROGRAM_START + 60.0 * exit_duration_mins
-                          if exit_duration_mins is not None else None)
+        self._deadline = PROGRAM_START + 60.0 * exit_duration_mins if exit_duration_mins is not None else None
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> StopRequests:
@@ -52,8 +51,9 @@ class StopRequests:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]  # what signal() returned
         self._previous.clear()
@@ -63,8 +63,10 @@ class StopRequests:
         now = time.monotonic()
         if self.signal_name is None:
             self.signal_name, self._first_signal_at = name, now
-            _say(f"{name} received: finishing this step, then saving (when --save is set) and "
-                 f"stopping; send it again to exit at once")
+            _say(
+                f"{name} received: finishing this step, then saving (when --save is set) and "
+                f"stopping; send it again to exit at once"
+            )
         elif now - self._first_signal_at >= SAME_REQUEST_S:
             _say(f"second {name} received: exiting at once, without saving")
             os._exit(128 + signum)

@@ -77,10 +77,20 @@ def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: nn.Module, engine: Engine, topology: Topology,
-                 train_ds: Any, valid_ds: Any, logger: TrainingLogger, device: torch.device,
-                 *, forward_backward_fn: ForwardBackward = forward_backward,
-                 base: FrozenBase | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        engine: Engine,
+        topology: Topology,
+        train_ds: Any,
+        valid_ds: Any,
+        logger: TrainingLogger,
+        device: torch.device,
+        *,
+        forward_backward_fn: ForwardBackward = forward_backward,
+        base: FrozenBase | None = None,
+    ) -> None:
         """`base`: where the frozen weights came from (`frozen_base.run_base`), recorded by
         adapters-only saves."""
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
@@ -90,14 +100,19 @@ class Trainer:
         self.forward_backward = forward_backward_fn
         t = cfg.training
         self.num_micro_batches = cfg.num_micro_batches(topology.world_size)
-        self.lr_schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters,
-                                      t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+        self.lr_schedule = LRSchedule(
+            cfg.optimizer.lr,
+            cfg.optimizer.min_lr,
+            t.lr_warmup_iters,
+            t.lr_decay_iters or t.train_iters,
+            t.lr_decay_style,
+        )
         self.iteration = 0
         self.consumed_samples = 0
         self.last_checkpoint: Path | None = None
-        self.numerics = NumericsMonitor(fp16=cfg.precision.fp16,
-                                        spike_factor=t.loss_spike_factor,
-                                        spike_window=t.loss_spike_window)
+        self.numerics = NumericsMonitor(
+            fp16=cfg.precision.fp16, spike_factor=t.loss_spike_factor, spike_window=t.loss_spike_window
+        )
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -130,8 +145,7 @@ class Trainer:
         return its iteration."""
         missing = [key for key in RESUME_KEYS if key not in loaded.state]
         if missing:
-            raise CheckpointError(f"{loaded.path}: this rank's file lacks {missing} (not a "
-                                  "training checkpoint?)")
+            raise CheckpointError(f"{loaded.path}: this rank's file lacks {missing} (not a training checkpoint?)")
         self.load_state_dict(loaded.state, adapters_only=BASE_KEY in loaded.metadata)
         self.last_checkpoint = loaded.path
         return self.iteration
@@ -146,30 +160,41 @@ class Trainer:
             raise NumericalError(
                 f"iteration {self.iteration}: refusing to save a checkpoint with non-finite "
                 f"weights (rank {self.topology.rank} finite: {finite}); last good checkpoint: "
-                f"{self.last_checkpoint or 'none'}")
+                f"{self.last_checkpoint or 'none'}"
+            )
         if self.cfg.checkpoint.save is None:
             raise ConfigError("saving a checkpoint needs checkpoint.save (--save)")
         self.last_checkpoint = save_checkpoint(
-            self.cfg.checkpoint.save, self.iteration, self.state_dict(), self.topology,
-            extra_metadata={MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
-                            CONFIG_KEY: self.cfg.to_dict(), **self._base_record()})
-        self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved "
-                         f"checkpoint {self.last_checkpoint}")
+            self.cfg.checkpoint.save,
+            self.iteration,
+            self.state_dict(),
+            self.topology,
+            extra_metadata={
+                MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
+                CONFIG_KEY: self.cfg.to_dict(),
+                **self._base_record(),
+            },
+        )
+        self.logger.info(
+            f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved checkpoint {self.last_checkpoint}"
+        )
 
     def _base_record(self) -> dict[str, Any]:
         """metadata.json's record of the base an adapters-only checkpoint needs."""
         if not self.cfg.checkpoint.save_adapters_only:
             return {}
         if self.base is None:
-            raise CheckpointError("checkpoint.save_adapters_only: the trainer was given no base "
-                                  "(frozen_base.run_base) to record")
+            raise CheckpointError(
+                "checkpoint.save_adapters_only: the trainer was given no base (frozen_base.run_base) to record"
+            )
         return {BASE_KEY: self.base.record()}
 
     # -- the loop -----------------------------------------------------------------------------
     def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:
         t = self.cfg.training
-        return PretrainingSampler(len(dataset), consumed, t.micro_batch_size,
-                                  self.topology.dp_rank, self.topology.dp, t.seed)
+        return PretrainingSampler(
+            len(dataset), consumed, t.micro_batch_size, self.topology.dp_rank, self.topology.dp, t.seed
+        )
 
     def _dp_mean(self, losses: list[torch.Tensor]) -> float:
         """Mean micro-batch loss over all data-parallel ranks (NaN where no loss is computed,
@@ -197,8 +222,7 @@ class Trainer:
         self.model.train()
         counter.end_step()  # setup traffic (engine init, resume) is not a training step's
         while self.iteration < t.train_iters:
-            micro = [make_micro_batch(self.train_ds, next(samples), self.device)
-                     for _ in range(self.num_micro_batches)]
+            micro = [make_micro_batch(self.train_ds, next(samples), self.device) for _ in range(self.num_micro_batches)]
             lr = self.lr_schedule.lr
             self.engine.set_lr(lr)
             with faults.poisoned_output(self.model, self.iteration + 1, self.topology.rank):
@@ -214,21 +238,28 @@ class Trainer:
             self.logger.record_step(self.iteration, loss, lr, result)
             self.logger.write_scalars({**counter.end_step(), **result.scalars}, self.iteration)
             if result.scalars:
-                self.logger.info(f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items()))
+                self.logger.info(
+                    f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items())
+                )
             bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()
             faults.maybe_signal(self.iteration, self.topology.rank)
             stop_code = self._agreed_stop(stop)
-            evaluating = self.valid_ds is not None and t.eval_iters > 0 and (
-                self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters)
+            evaluating = (
+                self.valid_ds is not None
+                and t.eval_iters > 0
+                and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters)
+            )
             if evaluating:
                 history.val_losses[self.iteration] = self.evaluate()
                 self.logger.record_eval(self.iteration, history.val_losses[self.iteration])
-            exiting = stop_code != NO_STOP or (
-                ck.exit_interval is not None and self.iteration % ck.exit_interval == 0)
-            saving = bool(ck.save) and ((ck.save_interval and self.iteration % ck.save_interval == 0)
-                                        or exiting or self.iteration == t.train_iters)
+            exiting = stop_code != NO_STOP or (ck.exit_interval is not None and self.iteration % ck.exit_interval == 0)
+            saving = bool(ck.save) and (
+                (ck.save_interval and self.iteration % ck.save_interval == 0)
+                or exiting
+                or self.iteration == t.train_iters
+            )
             if saving and bad:
                 self.logger.info(f"iter {self.iteration}: not saving after a non-finite step")
                 saving = False
@@ -255,19 +286,20 @@ class Trainer:
         return code
 
     def _report_stop(self, code: int, stop: StopRequests, saved: bool) -> None:
-        why = (f"{stop.signal_name or 'a signal on another rank'}" if code == SIGNAL else
-               f"--exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins}")
+        why = (
+            f"{stop.signal_name or 'a signal on another rank'}"
+            if code == SIGNAL
+            else f"--exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins}"
+        )
         if saved:
             where = f"saved checkpoint {self.last_checkpoint}"
         elif self.cfg.checkpoint.save:
-            where = (f"not saved (non-finite step); last good checkpoint: "
-                     f"{self.last_checkpoint or 'none'}")
+            where = f"not saved (non-finite step); last good checkpoint: {self.last_checkpoint or 'none'}"
         else:
             where = "nothing saved (no --save)"
         self.logger.info(f"stopped after iteration {self.iteration} ({why}): {where}")
 
-    def _check_numerics(self, loss: float | None, result: StepResult,
-                        history: TrainHistory) -> bool:
+    def _check_numerics(self, loss: float | None, result: StepResult, history: TrainHistory) -> bool:
         """Report spikes and bad steps; stop after `max_bad_steps` bad steps in a row. The
         decision rests on the globally reduced gradient norm (and the loss, which a NaN turns
         into a NaN norm too), so every rank stops at the same step."""
@@ -275,15 +307,18 @@ class Trainer:
         if health.spike_ratio is not None:
             history.loss_spikes[self.iteration] = health.spike_ratio
             self.logger.write_scalars({"train/loss_spike": health.spike_ratio}, self.iteration)
-            self.logger.info(f"iter {self.iteration}: loss spike, {loss:.4f} is "
-                             f"{health.spike_ratio:.1f}x the recent mean")
+            self.logger.info(
+                f"iter {self.iteration}: loss spike, {loss:.4f} is {health.spike_ratio:.1f}x the recent mean"
+            )
         if not health.bad:
             return False
         limit = self.cfg.training.max_bad_steps
-        message = (f"iteration {self.iteration} on rank {self.topology.rank}: loss {loss}, "
-                   f"grad norm {result.grad_norm} ({health.consecutive_bad} consecutive "
-                   f"non-finite steps, limit --max-bad-steps {limit}); last good checkpoint: "
-                   f"{self.last_checkpoint or 'none'}")
+        message = (
+            f"iteration {self.iteration} on rank {self.topology.rank}: loss {loss}, "
+            f"grad norm {result.grad_norm} ({health.consecutive_bad} consecutive "
+            f"non-finite steps, limit --max-bad-steps {limit}); last good checkpoint: "
+            f"{self.last_checkpoint or 'none'}"
+        )
         if health.consecutive_bad >= limit:
             raise NumericalError(message)
         self.logger.info(f"skipped update: {message}")

@@ -49,46 +49,72 @@ def held_bytes(e: AccountedEngine) -> memory.StateBytes:
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
+
     params = sum(nbytes(b.param_store) for b in e.buckets + e.frozen)
     grads = sum(nbytes(b.grad_acc) for b in e.buckets)
     optim = 0
     for b in e.buckets:
         for m in b.masters:
             moments = e.optimizer.state.get(m.param, {})
-            optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq")
-                                           if k in moments)
+            optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq") if k in moments)
     return memory.StateBytes(params, grads, optim, e.paths.state_nbytes())
 
 
 def expected_bytes(e: AccountedEngine) -> memory.StateBytes:
-    plain = memory.state_bytes(e.strategy, e.padded_numels(), e.groups.dp_size, e.groups.group_size,
-                                 e.param_dtype.itemsize, e.accum_dtype.itemsize, e.persistent)
-    extra = memory.zeropp_state_bytes(e.padded_numels(), e.shapes, e.hier, e.zeropp,
-                                        e.param_dtype.itemsize, e.strategy, e.persistent)
-    frozen = frozen_param_bytes(e.strategy, [b.layout.padded for b in e.frozen], e.groups.dp_size,
-                                e.groups.group_size, e.param_dtype.itemsize)
+    plain = memory.state_bytes(
+        e.strategy,
+        e.padded_numels(),
+        e.groups.dp_size,
+        e.groups.group_size,
+        e.param_dtype.itemsize,
+        e.accum_dtype.itemsize,
+        e.persistent,
+    )
+    extra = memory.zeropp_state_bytes(
+        e.padded_numels(), e.shapes, e.hier, e.zeropp, e.param_dtype.itemsize, e.strategy, e.persistent
+    )
+    frozen = frozen_param_bytes(
+        e.strategy, [b.layout.padded for b in e.frozen], e.groups.dp_size, e.groups.group_size, e.param_dtype.itemsize
+    )
     return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
 
 def _model_parallel_norm_groups(e: AccountedEngine) -> list[sequences.GroupShape]:
     topo = e.topology
-    return [sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node, e.shapes.dp.backend)
-            for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp)) if size > 1]
+    return [
+        sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node, e.shapes.dp.backend)
+        for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp))
+        if size > 1
+    ]
 
 
 def _frozen_fetches(e: AccountedEngine, micro_batches: int) -> list[traffic.StepPart]:
-    return frozen_fetch_parts(e.strategy, [b.layout.padded for b in e.frozen], e.shapes, e.hier,
-                              micro_batches=micro_batches, param_bytes=e.param_dtype.itemsize,
-                              reused=e.frozen_reused)
+    return frozen_fetch_parts(
+        e.strategy,
+        [b.layout.padded for b in e.frozen],
+        e.shapes,
+        e.hier,
+        micro_batches=micro_batches,
+        param_bytes=e.param_dtype.itemsize,
+        reused=e.frozen_reused,
+    )
 
 
 def expected_step_bytes(e: AccountedEngine, micro_batches: int) -> tuple[int, int]:
-    intra, inter = traffic.step_bytes(e.strategy, e.padded_numels(), e.shapes, e.hier,
-                                       micro_batches=micro_batches, param_bytes=e.param_dtype.itemsize,
-                                       accum_bytes=e.accum_dtype.itemsize,
-                                       extra_norm_groups=_model_parallel_norm_groups(e), zeropp=e.zeropp,
-                                       reused=e.reused, persistent=e.persistent,
-                                       exact_ranges=[b.layout.vector_ranges() for b in e.buckets])
+    intra, inter = traffic.step_bytes(
+        e.strategy,
+        e.padded_numels(),
+        e.shapes,
+        e.hier,
+        micro_batches=micro_batches,
+        param_bytes=e.param_dtype.itemsize,
+        accum_bytes=e.accum_dtype.itemsize,
+        extra_norm_groups=_model_parallel_norm_groups(e),
+        zeropp=e.zeropp,
+        reused=e.reused,
+        persistent=e.persistent,
+        exact_ranges=[b.layout.vector_ranges() for b in e.buckets],
+    )
     for part in _frozen_fetches(e, micro_batches):
         a, b = part.bytes_once(e.shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -96,7 +122,15 @@ def expected_step_bytes(e: AccountedEngine, micro_batches: int) -> tuple[int, in
 
 
 def expected_step_calls(e: AccountedEngine, micro_batches: int) -> int:
-    calls = traffic.step_calls(e.strategy, e.padded_numels(), e.shapes, e.hier,
-                                micro_batches=micro_batches, extra_norm_groups=_model_parallel_norm_groups(e),
-                                zeropp=e.zeropp, reused=e.reused, persistent=e.persistent)
+    calls = traffic.step_calls(
+        e.strategy,
+        e.padded_numels(),
+        e.shapes,
+        e.hier,
+        micro_batches=micro_batches,
+        extra_norm_groups=_model_parallel_norm_groups(e),
+        zeropp=e.zeropp,
+        reused=e.reused,
+        persistent=e.persistent,
+    )
     return calls + sum(part.times * part.calls_once(e.shapes) for part in _frozen_fetches(e, micro_batches))

@@ -80,18 +80,26 @@ class Bucket:
         return self.grad_acc.numel() == 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "padded": self.layout.padded,
-                "param_store": self.param_store.clone(), "grad_acc": self.grad_acc.clone(),
-                "masters": [m.param.detach().clone() for m in self.masters],
-                "extra_state": {k: v.clone() for k, v in self.extra_state.items()}}
+        return {
+            "name": self.name,
+            "padded": self.layout.padded,
+            "param_store": self.param_store.clone(),
+            "grad_acc": self.grad_acc.clone(),
+            "masters": [m.param.detach().clone() for m in self.masters],
+            "extra_state": {k: v.clone() for k, v in self.extra_state.items()},
+        }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if saved["name"] != self.name or saved["padded"] != self.layout.padded:
-            raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "
-                                  f"elements) does not match {self.name} ({self.layout.padded})")
+            raise CheckpointError(
+                f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "
+                f"elements) does not match {self.name} ({self.layout.padded})"
+            )
         if set(saved["extra_state"]) != set(self.extra_state):
-            raise CheckpointError(f"ZeRO checkpoint bucket {self.name} holds path state "
-                                  f"{sorted(saved['extra_state'])}, this run keeps {sorted(self.extra_state)}")
+            raise CheckpointError(
+                f"ZeRO checkpoint bucket {self.name} holds path state "
+                f"{sorted(saved['extra_state'])}, this run keeps {sorted(self.extra_state)}"
+            )
         with torch.no_grad():
             self.param_store.copy_(saved["param_store"])
             self.grad_acc.copy_(saved["grad_acc"])

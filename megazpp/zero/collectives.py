@@ -165,8 +165,7 @@ def zero_groups(topo: Topology, k: int | None, h: int) -> tuple[ZeroGroups, DPSh
     if k is None:
         k = max(1, sum(1 for r in topo.dp_ranks if topo.node_of(r) == topo.node))
     if k < 1 or d % k:
-        raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the "
-                          f"data-parallel size {d}")
+        raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the data-parallel size {d}")
     intra = topo.dp_subgroup(k)[1]
     cross = topo.dp_cross_subgroup(k)[1]
     hpz = topo.dp_subgroup(h)[1] if h > 1 else None
@@ -189,8 +188,9 @@ def _parts(flat: torch.Tensor, groups: ZeroGroups, name: str) -> list[torch.Tens
     return list(flat.view(-1).chunk(size_of(groups, name)))
 
 
-def _start(c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str,
-           out: torch.Tensor | None) -> tuple[Work, torch.Tensor]:
+def _start(
+    c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str, out: torch.Tensor | None
+) -> tuple[Work, torch.Tensor]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
     result). An all-gather writes into `out` (required); a reduce-scatter or all-reduce works in
     place, so `t` is given up (its result is a view of it)."""

@@ -62,10 +62,18 @@ class _Finished:
 class ZeroEngine(ScaledOptimizerEngine):
     """The optimizer-engine protocol (scale_loss, step, zero_grad, state_dict) over DP ranks."""
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerConfig, precision: PrecisionConfig,
-                 options: ZeroOptions, topology: Topology, *,
-                 counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
-                 tied_embeddings: bool = False, tied_weight: nn.Parameter | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerConfig,
+        precision: PrecisionConfig,
+        options: ZeroOptions,
+        topology: Topology,
+        *,
+        counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
+        tied_embeddings: bool = False,
+        tied_weight: nn.Parameter | None = None,
+    ) -> None:
         """`model` is built in fp32 (as for LocalEngine); masters are taken from it before the
         parameters are cast to the precision's model dtype. `counts_in_norm(name, param)`
         says whether this rank counts a parameter in the gradient norm (default: TP-sharded
@@ -75,14 +83,14 @@ class ZeroEngine(ScaledOptimizerEngine):
         only as a module tree."""
         self.model = model
         self.topology = topology
-        self._counts_in_norm = counts_in_norm or (
-            lambda name, p: param_is_tp_sharded(p) or topology.tp_rank == 0)
+        self._counts_in_norm = counts_in_norm or (lambda name, p: param_is_tp_sharded(p) or topology.tp_rank == 0)
         self.strategy: Strategy = parse_strategy(options.strategy)
         self.options = options
         self.clip_grad = optimizer.clip_grad
         if precision.grad_accum_dtype not in DTYPES:
-            raise ConfigError(f"precision.grad_accum_dtype = {precision.grad_accum_dtype!r}: expected "
-                              f"one of {sorted(DTYPES)}")
+            raise ConfigError(
+                f"precision.grad_accum_dtype = {precision.grad_accum_dtype!r}: expected one of {sorted(DTYPES)}"
+            )
         self.accum_dtype = DTYPES[precision.grad_accum_dtype]
         self.param_dtype = model_dtype(precision)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -92,9 +100,13 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
         self.groups, self.shapes = zero_groups(topology, options.paro_group_size, self.zeropp.hpz)
         self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
-        self.paths = (ZeroPPPaths(self.strategy, self.groups, self.hier, self.shapes, self.zeropp,
-                                  topology.dp_rank % self.zeropp.hpz)
-                      if self.zeropp.enabled else CommPaths(self.strategy, self.groups, self.hier))
+        self.paths = (
+            ZeroPPPaths(
+                self.strategy, self.groups, self.hier, self.shapes, self.zeropp, topology.dp_rank % self.zeropp.hpz
+            )
+            if self.zeropp.enabled
+            else CommPaths(self.strategy, self.groups, self.hier)
+        )
         self._tied = self._pipeline_tied_weight(tied_embeddings, tied_weight)
         self.step_count = 0
         self._micro_batches = 0
@@ -108,42 +120,66 @@ class ZeroEngine(ScaledOptimizerEngine):
         # one rank takes LocalEngine's arithmetic exactly on every CPU (the buckets' own order,
         # weights before norms, matched it only on some vector widths)
         position = {id(p): i for i, p in enumerate(model.parameters())}
-        self._norm_order = [(k, lo, hi) for _, k, lo, hi in sorted(
-            (position[id(b.layout.params[j])], k, lo, hi)
-            for k, b in enumerate(self.buckets) for j, lo, hi in b.norm_ranges)]
+        self._norm_order = [
+            (k, lo, hi)
+            for _, k, lo, hi in sorted(
+                (position[id(b.layout.params[j])], k, lo, hi)
+                for k, b in enumerate(self.buckets)
+                for j, lo, hi in b.norm_ranges
+            )
+        ]
         self.frozen = self._build_frozen()
-        keep = (execution_keep(self.fetched, self.frozen, model, options.stage3_max_live_parameters,
-                               options.stage3_max_reuse_distance) if self.strategy.params != Level.N else {})
+        keep = (
+            execution_keep(
+                self.fetched, self.frozen, model, options.stage3_max_live_parameters, options.stage3_max_reuse_distance
+            )
+            if self.strategy.params != Level.N
+            else {}
+        )
         self.reused = tuple(keep[id(b)] for b in self.fetched) if keep else ()
         self.frozen_reused = tuple(keep[id(b)] for b in self.frozen) if keep else ()
         model.to(self.param_dtype)
-        groups = [{"params": [m.param for b in self.buckets for m in b.masters if m.decays],
-                   "weight_decay": optimizer.weight_decay},
-                  {"params": [m.param for b in self.buckets for m in b.masters if not m.decays],
-                   "weight_decay": 0.0}]
+        groups = [
+            {
+                "params": [m.param for b in self.buckets for m in b.masters if m.decays],
+                "weight_decay": optimizer.weight_decay,
+            },
+            {"params": [m.param for b in self.buckets for m in b.masters if not m.decays], "weight_decay": 0.0},
+        ]
         self.optimizer = build_adamw([g for g in groups if g["params"]], optimizer)
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
         if self.strategy.params != Level.N:
-            self.fetcher = ParamFetcher(self.fetched + self.frozen, self.paths, self._unit_modules(),
-                                        self._unit_parents(), self._queue_backward_callback, keep,
-                                        options.stage3_prefetch_bucket_size if options.overlap_comm else 0)
+            self.fetcher = ParamFetcher(
+                self.fetched + self.frozen,
+                self.paths,
+                self._unit_modules(),
+                self._unit_parents(),
+                self._queue_backward_callback,
+                keep,
+                options.stage3_prefetch_bucket_size if options.overlap_comm else 0,
+            )
             self._hooks.append(model.register_forward_hook(lambda *_: self.fetcher.forward_finished()))
 
     # -- construction ------------------------------------------------------------------------
     def _build_buckets(self) -> list[Bucket]:
         o = self.options
-        specs, whole = engine_groups(self.model, sharded=self.strategy.params != Level.N,
-                                     threshold=o.module_granularity_threshold, fetch_mode=o.fetch_groups,
-                                     persistence=o.stage3_param_persistence_threshold,
-                                     bucket_numel=bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size))
+        specs, whole = engine_groups(
+            self.model,
+            sharded=self.strategy.params != Level.N,
+            threshold=o.module_granularity_threshold,
+            fetch_mode=o.fetch_groups,
+            persistence=o.stage3_param_persistence_threshold,
+            bucket_numel=bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size),
+        )
         dp_index = self.topology.dp_rank
         s = self.strategy
         buckets = []
         for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
-            layout = BucketLayout.build(spec.params, self.groups.dp_size, self.groups.group_size, dp_index,
-                                        self.zeropp.alignment())
+            layout = BucketLayout.build(
+                spec.params, self.groups.dp_size, self.groups.group_size, dp_index, self.zeropp.alignment()
+            )
             flat = layout.flatten(torch.float32)
             p_level = Level.N if persistent else s.params
             lo, hi = layout.shard_range(p_level)
@@ -151,12 +187,21 @@ class ZeroEngine(ScaledOptimizerEngine):
             if p_level == Level.N:
                 layout.view_params_into(store)
             os_lo, _ = layout.shard_range(s.optimizer_state)
-            masters = [MasterPiece(a, b, decays, flat[os_lo + a:os_lo + b].clone())
-                       for a, b, decays in layout.decay_split(s.optimizer_state)]
+            masters = [
+                MasterPiece(a, b, decays, flat[os_lo + a : os_lo + b].clone())
+                for a, b, decays in layout.decay_split(s.optimizer_state)
+            ]
             keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
-            bucket = Bucket(spec.name, layout, spec.modules, store,
-                            flat.new_zeros(layout.shard_size(s.grads), dtype=self.accum_dtype),
-                            masters, layout.ranges_in_shard(s.optimizer_state, keep), persistent)
+            bucket = Bucket(
+                spec.name,
+                layout,
+                spec.modules,
+                store,
+                flat.new_zeros(layout.shard_size(s.grads), dtype=self.accum_dtype),
+                masters,
+                layout.ranges_in_shard(s.optimizer_state, keep),
+                persistent,
+            )
             self.paths.init_bucket(bucket)
             buckets.append(bucket)
         return buckets
@@ -167,9 +212,17 @@ class ZeroEngine(ScaledOptimizerEngine):
             return []
         o = self.options
         check_frozen_support(self.strategy, self.zeropp.qwz, self.zeropp.hpz, o.stage3_param_persistence_threshold)
-        return frozen_buckets(self.model, self.strategy, self.groups.dp_size, self.groups.group_size,
-                              self.topology.dp_rank, self.param_dtype, o.module_granularity_threshold,
-                              o.fetch_groups, bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size))
+        return frozen_buckets(
+            self.model,
+            self.strategy,
+            self.groups.dp_size,
+            self.groups.group_size,
+            self.topology.dp_rank,
+            self.param_dtype,
+            o.module_granularity_threshold,
+            o.fetch_groups,
+            bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size),
+        )
 
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
@@ -181,22 +234,26 @@ class ZeroEngine(ScaledOptimizerEngine):
         if self.topology.pp == 1:
             return None
         if tied_embeddings and self.strategy.grads != Level.N:  # refused on every stage alike
-            raise ConfigError(f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.grads.name}) "
-                              f"cannot be combined with tied embeddings split over pipeline stages; "
-                              f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false")
+            raise ConfigError(
+                f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.grads.name}) "
+                f"cannot be combined with tied embeddings split over pipeline stages; "
+                f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false"
+            )
         return weight if weight is not None and weight.requires_grad else None
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's accumulated, not yet reduced gradient of `param` (a view the pipeline may
         modify in place before `step()`); only for g = N, where it exists whole."""
         if self.strategy.grads != Level.N:
-            raise ConfigError(f"zero strategy {self.strategy}: gradients are sharded, there is no whole "
-                              f"accumulated gradient of a parameter to hand out")
+            raise ConfigError(
+                f"zero strategy {self.strategy}: gradients are sharded, there is no whole "
+                f"accumulated gradient of a parameter to hand out"
+            )
         b, i = self._bucket_of[id(param)]
         if b.boundary_pending is not None:
             raise RuntimeError(f"grad_for: bucket {b.name} is already being reduced")
         off, shape = b.layout.offsets[i], b.layout.shapes[i]
-        return b.grad_acc[off:off + shape.numel()].view(shape)
+        return b.grad_acc[off : off + shape.numel()].view(shape)
 
     def _unit_modules(self) -> dict[int, list[nn.Module]]:
         """The group's unit roots plus any module elsewhere that registers one of its parameters
@@ -236,11 +293,11 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise RuntimeError("a gradient hook fired for a parameter without a gradient")
         grad = p.grad.reshape(-1)
         if self.strategy.grads == Level.N:
-            b.grad_acc[off:off + n].add_(grad)
+            b.grad_acc[off : off + n].add_(grad)
         else:  # copy and the 1/D pre-division in one pass; the rest is zeroed when launching
             if b.staging is None:
                 b.staging = self._staging(b)
-            torch.mul(grad, 1.0 / self.groups.dp_size, out=b.staging[off:off + n])
+            torch.mul(grad, 1.0 / self.groups.dp_size, out=b.staging[off : off + n])
         p.grad = None
         b.arrived.add(i)
         if len(b.arrived) == b.num_params:
@@ -283,8 +340,11 @@ class ZeroEngine(ScaledOptimizerEngine):
         if staging is None:
             raise RuntimeError("zeroing the unwritten slices of a bucket that has no staging buffer")
         unwritten = [staging[lo:hi] for lo, hi in layout.padding_ranges]
-        unwritten += [staging[off:off + shape.numel()]
-                      for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)) if i not in b.arrived]
+        unwritten += [
+            staging[off : off + shape.numel()]
+            for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes))
+            if i not in b.arrived
+        ]
         if unwritten:
             torch._foreach_zero_(unwritten)  # one fused call, not one per range
 
@@ -343,8 +403,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Groups whose ranks' os shards together hold each gradient element exactly once, then
         the tensor / pipeline groups (as `_model_parallel_norm_groups`)."""
         topo = self.topology
-        return ([self.groups.get(n) for n in sequences.norm_groups(self.strategy) if getattr(self.shapes, n).size > 1]
-                + [group for group, size in ((topo.tp_group, topo.tp), (topo.pp_group, topo.pp)) if size > 1])
+        return [
+            self.groups.get(n) for n in sequences.norm_groups(self.strategy) if getattr(self.shapes, n).size > 1
+        ] + [group for group, size in ((topo.tp_group, topo.tp), (topo.pp_group, topo.pp)) if size > 1]
 
     def step(self) -> StepResult:
         if self.fetcher is not None:
@@ -373,7 +434,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         norm = float(global_grad_norm(counted, self._norm_groups()))
         if not math.isfinite(norm):
             return norm, 1.0
-        pieces = [(m, g[m.start:m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
+        pieces = [(m, g[m.start : m.end]) for b, g in zip(self.buckets, grads) for m in b.masters]
         for m, g in pieces:
             m.param.grad = g
         clip = clip_by_norm_([g for _, g in pieces], norm, self.clip_grad)
@@ -465,8 +526,7 @@ class ZeroEngine(ScaledOptimizerEngine):
         """Fetch hooks and parameter all-gather calls since the last step (0 when p = N)."""
         if self.fetcher is None:
             return {"fetch_hooks": 0, "param_all_gathers": 0}
-        return {"fetch_hooks": self.fetcher.fetch_hook_calls,
-                "param_all_gathers": self.fetcher.all_gather_calls}
+        return {"fetch_hooks": self.fetcher.fetch_hook_calls, "param_all_gathers": self.fetcher.all_gather_calls}
 
     # -- checkpoints (`engine_state`) ----------------------------------------------------------
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:

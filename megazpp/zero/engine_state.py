@@ -41,6 +41,7 @@ class CheckpointedEngine(Protocol):
     param_dtype: torch.dtype
     paths: CommPaths
 
+
 # `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, Adam
 # moments) rather than one rank's shards: what resharding across DP sizes / strategies feeds in
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
@@ -53,22 +54,31 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[s
     master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen` the
     frozen buckets are left out (an adapters-only checkpoint)."""
     held = engine.buckets + engine.frozen if frozen else engine.buckets
-    return {"strategy": engine.strategy.name, "dp": engine.groups.dp_size, "k": engine.groups.group_size,
-            "dp_rank": engine.topology.dp_rank, "step_count": engine.step_count,
-            FROZEN_SAVED_KEY: frozen,
-            "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in held],
-            "optimizer": engine.optimizer.state_dict(),
-            "optimizer_slots": [list(slot) for slot in _optimizer_slots(engine)],
-            "loss_scaler": engine.scaler.state_dict() if engine.scaler else None}
+    return {
+        "strategy": engine.strategy.name,
+        "dp": engine.groups.dp_size,
+        "k": engine.groups.group_size,
+        "dp_rank": engine.topology.dp_rank,
+        "step_count": engine.step_count,
+        FROZEN_SAVED_KEY: frozen,
+        "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in held],
+        "optimizer": engine.optimizer.state_dict(),
+        "optimizer_slots": [list(slot) for slot in _optimizer_slots(engine)],
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
+    }
 
 
 def _placement(engine: CheckpointedEngine, b: Bucket) -> dict[str, Any]:
     s = engine.strategy
     os_lo, _ = b.layout.shard_range(s.optimizer_state)
-    return {"layout": b.layout.describe(),
-            "ranges": {"param_store": list(b.layout.shard_range(Level.N if b.persistent else s.params)),
-                       "grad_acc": list(b.layout.shard_range(s.grads)),
-                       "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters]}}
+    return {
+        "layout": b.layout.describe(),
+        "ranges": {
+            "param_store": list(b.layout.shard_range(Level.N if b.persistent else s.params)),
+            "grad_acc": list(b.layout.shard_range(s.grads)),
+            "masters": [[os_lo + m.start, os_lo + m.end] for m in b.masters],
+        },
+    }
 
 
 def _optimizer_slots(engine: CheckpointedEngine) -> list[tuple[int, int]]:
@@ -89,19 +99,25 @@ def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None
     mine = (engine.strategy.name, engine.groups.dp_size, engine.groups.group_size, engine.topology.dp_rank)
     theirs = (state.get("strategy"), state.get("dp"), state.get("k"), state.get("dp_rank"))
     if mine != theirs:
-        raise CheckpointError(f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
-                              f"= {theirs}, this run is {mine}; a checkpoint of another layout "
-                              f"resumes through megazpp.interop.reshard")
+        raise CheckpointError(
+            f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
+            f"= {theirs}, this run is {mine}; a checkpoint of another layout "
+            f"resumes through megazpp.interop.reshard"
+        )
     # without its frozen buckets: they hold the base the model was built with, never updated
     held = engine.buckets + engine.frozen if state.get(FROZEN_SAVED_KEY, True) else engine.buckets
     if len(state["buckets"]) != len(held):
-        raise CheckpointError(f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
-                              f"here has {len(held)} (trainable and frozen)")
+        raise CheckpointError(
+            f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
+            f"here has {len(held)} (trainable and frozen)"
+        )
     for b, saved in zip(held, state["buckets"]):
         if "layout" in saved and saved["layout"] != b.layout.describe():
-            raise CheckpointError(f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
-                                  f"(parameters, padding or ZeRO++ alignment); it resumes through "
-                                  f"megazpp.interop.reshard")
+            raise CheckpointError(
+                f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
+                f"(parameters, padding or ZeRO++ alignment); it resumes through "
+                f"megazpp.interop.reshard"
+            )
         b.load_state_dict(saved)
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.step_count = state["step_count"]
@@ -122,9 +138,11 @@ def _flat(b: Bucket, tensors: dict[str, torch.Tensor], what: str, dtype: torch.d
     for name, off, shape in zip(b.layout.names, b.layout.offsets, b.layout.shapes):
         t = tensors.get(name)
         if t is None or tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"resharded state: {what} of {name!r} is "
-                                  f"{'missing' if t is None else tuple(t.shape)}, expected {tuple(shape)}")
-        flat[off:off + shape.numel()].copy_(t.reshape(-1))
+            raise CheckpointError(
+                f"resharded state: {what} of {name!r} is "
+                f"{'missing' if t is None else tuple(t.shape)}, expected {tuple(shape)}"
+            )
+        flat[off : off + shape.numel()].copy_(t.reshape(-1))
     return flat
 
 
@@ -150,15 +168,21 @@ def _load_full_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
                 a, z = os_lo + m.start, os_lo + m.end
                 m.param.copy_(masters[a:z])
                 if moments:
-                    per_param[id(m.param)] = {"step": state["adam_step"].clone(),
-                                              **{k: v[a:z].clone() for k, v in cut.items()}}
+                    per_param[id(m.param)] = {
+                        "step": state["adam_step"].clone(),
+                        **{k: v[a:z].clone() for k, v in cut.items()},
+                    }
             for v in b.extra_state.values():
                 v.zero_()
             if b.extra_state:
                 reset.append(b.name)
     if reset:
-        log.warning("zero: resharded from %s; LoCo error buffers of %d buckets start from zero "
-                    "(they are in the old layout's sender coordinates)", state.get("source"), len(reset))
+        log.warning(
+            "zero: resharded from %s; LoCo error buffers of %d buckets start from zero "
+            "(they are in the old layout's sender coordinates)",
+            state.get("source"),
+            len(reset),
+        )
     template = engine.optimizer.state_dict()
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
     template["state"] = {i: per_param[id(p)] for i, p in enumerate(params) if id(p) in per_param}

@@ -40,17 +40,30 @@ def check_frozen_support(strategy: Strategy, qwz: bool, hpz: int, persistence_th
     if strategy.params == Level.N:
         return
     if qwz or hpz > 1:
-        raise ConfigError(f"zero strategy {strategy} with qwZ / hpZ and frozen parameters "
-                          f"(training.trainable, LoRA) is not implemented: turn off "
-                          f"zero.zero_quantized_weights and zero.zero_hpz_partition_size")
+        raise ConfigError(
+            f"zero strategy {strategy} with qwZ / hpZ and frozen parameters "
+            f"(training.trainable, LoRA) is not implemented: turn off "
+            f"zero.zero_quantized_weights and zero.zero_hpz_partition_size"
+        )
     if persistence_threshold > 0:
-        raise ConfigError(f"zero strategy {strategy} with zero.stage3_param_persistence_threshold "
-                          f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
-                          f"threshold to 0")
+        raise ConfigError(
+            f"zero strategy {strategy} with zero.stage3_param_persistence_threshold "
+            f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
+            f"threshold to 0"
+        )
 
 
-def frozen_buckets(model: nn.Module, strategy: Strategy, d: int, k: int, dp_index: int, dtype: torch.dtype,
-                   threshold: int, mode: str, max_numel: int) -> list[Bucket]:
+def frozen_buckets(
+    model: nn.Module,
+    strategy: Strategy,
+    d: int,
+    k: int,
+    dp_index: int,
+    dtype: torch.dtype,
+    threshold: int,
+    mode: str,
+    max_numel: int,
+) -> list[Bucket]:
     """One parameter-only bucket per fetch group of the model's frozen parameters."""
     specs = fetch_groups(model, parameter_units(model, threshold, trainable=False), mode, max_numel)
     buckets = []
@@ -69,8 +82,9 @@ def frozen_param_bytes(strategy: Strategy, padded_numels: list[int], d: int, k: 
     return memory.state_bytes(strategy, padded_numels, d, k, param_bytes, 0).params
 
 
-def execution_keep(trainable: list[Bucket], frozen: list[Bucket], model: nn.Module, max_live: int,
-                   max_reuse_distance: int) -> dict[int, bool]:
+def execution_keep(
+    trainable: list[Bucket], frozen: list[Bucket], model: nn.Module, max_live: int, max_reuse_distance: int
+) -> dict[int, bool]:
     """Which groups stay gathered from forward to backward (`traffic.reuse_mask`), over the
     trainable and frozen groups together in the order their modules are registered."""
     position = {id(m): i for i, m in enumerate(model.modules())}
@@ -82,15 +96,30 @@ def execution_keep(trainable: list[Bucket], frozen: list[Bucket], model: nn.Modu
 FETCH_PHASES = ("fetch_forward", "fetch_forward_once", "fetch_backward")
 
 
-def frozen_fetch_parts(strategy: Strategy, padded_numels: list[int], shapes: sequences.DPShapes,
-                       hier: sequences.Hierarchy, *, micro_batches: int, param_bytes: int,
-                       reused: tuple[bool, ...]) -> list[traffic.StepPart]:
+def frozen_fetch_parts(
+    strategy: Strategy,
+    padded_numels: list[int],
+    shapes: sequences.DPShapes,
+    hier: sequences.Hierarchy,
+    *,
+    micro_batches: int,
+    param_bytes: int,
+    reused: tuple[bool, ...],
+) -> list[traffic.StepPart]:
     """The fetch phases of `traffic.step_parts` on the frozen groups (none with p = N): a kept
     group's one gather per step, a forward and a backward gather per micro-batch of each other,
     counted as if the backward passed through every frozen group (one that lies before the
     first trainable parameter, such as a frozen embedding, is not gathered in backward)."""
     if strategy.params == Level.N or not padded_numels:
         return []
-    parts = traffic.step_parts(strategy, padded_numels, shapes, hier, micro_batches=micro_batches,
-                                param_bytes=param_bytes, accum_bytes=0, reused=reused)
+    parts = traffic.step_parts(
+        strategy,
+        padded_numels,
+        shapes,
+        hier,
+        micro_batches=micro_batches,
+        param_bytes=param_bytes,
+        accum_bytes=0,
+        reused=reused,
+    )
     return [parts[name] for name in FETCH_PHASES]

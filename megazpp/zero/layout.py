@@ -47,16 +47,26 @@ class BucketLayout:
     dp_index: int
 
     @staticmethod
-    def build(named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int,
-              align: int = 1) -> BucketLayout:
+    def build(
+        named_params: list[tuple[str, nn.Parameter]], d: int, k: int, dp_index: int, align: int = 1
+    ) -> BucketLayout:
         """`align`: each DP shard and each tensor's offset is a multiple of it (ZeRO++'s
         quantization blocks)."""
         ordered = layout_order(named_params)
         offsets, end = tensor_offsets([p.numel() for _, p in ordered], align)
         decayed = [off + p.numel() for off, (name, p) in zip(offsets, ordered) if is_decayed(name, p)]
-        return BucketLayout([n for n, _ in ordered], [p for _, p in ordered],
-                            [p.shape for _, p in ordered], offsets, max(decayed, default=0), end,
-                            padded_numel(end, d, align), d, k, dp_index)
+        return BucketLayout(
+            [n for n, _ in ordered],
+            [p for _, p in ordered],
+            [p.shape for _, p in ordered],
+            offsets,
+            max(decayed, default=0),
+            end,
+            padded_numel(end, d, align),
+            d,
+            k,
+            dp_index,
+        )
 
     @property
     def num_groups(self) -> int:
@@ -121,20 +131,28 @@ class BucketLayout:
         """The layout without tensors, in terms any reader understands (global parameter names,
         shapes, flat offsets): what a checkpoint needs to place its shards without rebuilding
         the model or re-deriving the nested I/G order."""
-        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
-                "offsets": list(self.offsets), "decay_numel": self.decay_numel, "numel": self.numel,
-                "padded": self.padded, "d": self.dp_size, "k": self.group_size, "dp_index": self.dp_index}
+        return {
+            "names": list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "offsets": list(self.offsets),
+            "decay_numel": self.decay_numel,
+            "numel": self.numel,
+            "padded": self.padded,
+            "d": self.dp_size,
+            "k": self.group_size,
+            "dp_index": self.dp_index,
+        }
 
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
         for off, p in zip(self.offsets, self.params):
-            flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
         return flat
 
     def view_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view of `flat` (the gathered or replicated buffer)."""
         for off, p, shape in zip(self.offsets, self.params, self.shapes):
-            p.data = flat[off:off + shape.numel()].view(shape)
+            p.data = flat[off : off + shape.numel()].view(shape)
 
 
 def is_vector(shape: torch.Size) -> bool:
@@ -144,8 +162,7 @@ def is_vector(shape: torch.Size) -> bool:
 
 def layout_order(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
     """The order parameters take in a bucket: weight-decayed ones first (module docstring)."""
-    return ([np for np in named_params if is_decayed(*np)] +
-            [np for np in named_params if not is_decayed(*np)])
+    return [np for np in named_params if is_decayed(*np)] + [np for np in named_params if not is_decayed(*np)]
 
 
 def dp_piece_order(k: int, m: int) -> list[int]:

@@ -32,8 +32,9 @@ class StateBytes:
         return self.params + self.grads + self.optimizer + self.path_state
 
 
-def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int,
-                accum_bytes: int, persistent: int = 0) -> StateBytes:
+def state_bytes(
+    s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int, accum_bytes: int, persistent: int = 0
+) -> StateBytes:
     """Parameters at p (model dtype), gradient accumulators at g, fp32 master + Adam at os; the
     last `persistent` buckets hold their parameters whole (`units.split_persistent`)."""
     params = grads = optim = 0
@@ -45,8 +46,15 @@ def state_bytes(s: Strategy, padded_numels: Iterable[int], d: int, k: int, param
     return StateBytes(params, grads, optim)
 
 
-def zeropp_state_bytes(padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, zeropp: ZeroPP,
-                       param_bytes: int, strategy: Strategy, persistent: int = 0) -> int:
+def zeropp_state_bytes(
+    padded_numels: Iterable[int],
+    shapes: DPShapes,
+    hier: Hierarchy,
+    zeropp: ZeroPP,
+    param_bytes: int,
+    strategy: Strategy,
+    persistent: int = 0,
+) -> int:
     """Per-rank bytes of ZeRO++ path state: hpZ's secondary shard (model dtype; not for the last
     `persistent` buckets, never fetched) and LoCo's error buffers (fp32, one per qgZ stage), twice:
     the live buffers and the copy a skipped step restores (`loco.LocoState`)."""

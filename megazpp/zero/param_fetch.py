@@ -46,10 +46,16 @@ class ParamFetcher:
     """`keep[id(b)]`: group b stays gathered from its forward to its backward; `prefetch_numel`:
     elements of the groups ahead that may be gathering at once (0: no prefetch)."""
 
-    def __init__(self, buckets: list[Bucket], paths: CommPaths,
-                 modules_of: dict[int, list[nn.Module]],
-                 parents: list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]],
-                 on_backward_start: Callable[[], None], keep: dict[int, bool], prefetch_numel: int) -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        paths: CommPaths,
+        modules_of: dict[int, list[nn.Module]],
+        parents: list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]],
+        on_backward_start: Callable[[], None],
+        keep: dict[int, bool],
+        prefetch_numel: int,
+    ) -> None:
         self._buckets = buckets
         self.paths = paths
         self._on_backward_start = on_backward_start
@@ -68,12 +74,16 @@ class ParamFetcher:
         for b in buckets:
             self.release(b)
             for module in modules_of[id(b)]:
-                self._hooks += [module.register_forward_pre_hook(self._pre_forward(b, module)),
-                                module.register_forward_hook(self._post_forward(b))]
+                self._hooks += [
+                    module.register_forward_pre_hook(self._pre_forward(b, module)),
+                    module.register_forward_hook(self._post_forward(b)),
+                ]
         self._parent_hooks = []
         for parent, children in parents:
-            handles = (parent.register_forward_pre_hook(self._parent_pre_forward(children)),
-                       parent.register_forward_hook(self._parent_post_forward(children)))
+            handles = (
+                parent.register_forward_pre_hook(self._parent_pre_forward(children)),
+                parent.register_forward_hook(self._parent_post_forward(children)),
+            )
             self._parent_hooks.append((children, handles))
             self._hooks += handles
 
@@ -190,6 +200,7 @@ class ParamFetcher:
             self.fetch(b, "backward" if self.backward_active else "forward")
             if not self.backward_active:
                 self._prefetch(b, +1)
+
         return hook
 
     def _post_forward(self, b: Bucket) -> Callable:
@@ -199,6 +210,7 @@ class ParamFetcher:
                     if t.requires_grad:
                         t.register_hook(self._pre_backward(b))
             self._exit(b)
+
         return hook
 
     def _pre_backward(self, b: Bucket) -> Callable:
@@ -209,6 +221,7 @@ class ParamFetcher:
             self.paths.groups.order.progress()
             self.fetch(b, "backward")
             self._prefetch(b, -1)
+
         return hook
 
     def _uncalled(self, children: list[tuple[nn.Module, Bucket]]) -> list[Bucket]:
@@ -229,6 +242,7 @@ class ParamFetcher:
             for b in todo:
                 self._enter(b)
                 self.fetch(b, "backward" if self.backward_active else "forward")
+
         return hook
 
     def _parent_post_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
@@ -249,6 +263,7 @@ class ParamFetcher:
                         t.register_hook(before_backward)
             for b in todo:
                 self._exit(b)
+
         return hook
 
     def forward_finished(self) -> None:

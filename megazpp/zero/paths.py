@@ -54,8 +54,7 @@ class CommPaths:
 
     def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
         """Updated os-level parameters of `b` up to its p-level shard (whole when persistent)."""
-        return PendingSequence(self._sync_whole if b.persistent else self._sync, new_os, self.groups,
-                               "zero/param_sync")
+        return PendingSequence(self._sync_whole if b.persistent else self._sync, new_os, self.groups, "zero/param_sync")
 
     def init_bucket(self, b: Bucket) -> None:
         """A bucket was built: create any per-bucket path state in `b.extra_state`."""

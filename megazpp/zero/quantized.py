@@ -33,8 +33,13 @@ from megazpp.zero.sequences import Collective
 from megazpp.zero.traffic import chunk_ranges, most_per_chunk
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Tensor | None = None,
-         order: list[int] | None = None) -> torch.Tensor:
+def pack(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    parts: int,
+    exact: torch.Tensor | None = None,
+    order: list[int] | None = None,
+) -> torch.Tensor:
     """One uint8 buffer of `parts` equal chunks, each: its codes, its scales' bytes, then its
     row of `exact` ([parts, width]; qgZ: fp32, qwZ: the model dtype), if any. `order`: the
     chunk of the input each output chunk takes (default: in order)."""
@@ -46,16 +51,24 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, parts: int, exact: torch.Ten
     return torch.cat(rows, dim=1).reshape(-1)
 
 
-def unpack(buf: torch.Tensor, parts: int, code_bytes: int, code_dtype: torch.dtype,
-           exact_width: int = 0, exact_dtype: torch.dtype = torch.float32
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack(
+    buf: torch.Tensor,
+    parts: int,
+    code_bytes: int,
+    code_dtype: torch.dtype,
+    exact_width: int = 0,
+    exact_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `pack`: codes [parts, code_bytes], fp32 scales [parts, blocks] and the
     exact values [parts, exact_width] of `exact_dtype`."""
     rows = buf.view(parts, -1)
     tail = rows.shape[1] - exact_width * exact_dtype.itemsize
     codes = rows[:, :code_bytes].contiguous().view(code_dtype)
-    return (codes, rows[:, code_bytes:tail].contiguous().view(torch.float32),
-            rows[:, tail:].contiguous().view(exact_dtype))
+    return (
+        codes,
+        rows[:, code_bytes:tail].contiguous().view(torch.float32),
+        rows[:, tail:].contiguous().view(exact_dtype),
+    )
 
 
 def _positions(pieces: Sequence[tuple[int, int]], offset: int = 0) -> torch.Tensor:
@@ -78,8 +91,13 @@ class ExactPlan:
     last: torch.Tensor
 
     @staticmethod
-    def build(ranges: Sequence[tuple[int, int]], numel: int, stages: Sequence[tuple[int, int]],
-              widths: Sequence[int], device: torch.device | str = "cpu") -> ExactPlan | None:
+    def build(
+        ranges: Sequence[tuple[int, int]],
+        numel: int,
+        stages: Sequence[tuple[int, int]],
+        widths: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> ExactPlan | None:
         """`ranges`: flat ranges sent exactly; `stages`: (parts, my chunk index) per stage; the
         index tensors live on `device` (the bucket's), so no reduction copies them there."""
         if not ranges:
@@ -87,12 +105,18 @@ class ExactPlan:
         current, size, dests, keeps = list(ranges), numel, [], []
         for (parts, me), width in zip(stages, widths):
             chunks = chunk_ranges(current, size, parts)
-            dests.append(torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk))
-                                    for j, chunk in enumerate(chunks)]))
+            dests.append(
+                torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk)) for j, chunk in enumerate(chunks)])
+            )
             current, size = chunks[me], size // parts
             keeps.append(sum(b - a for a, b in current))
-        return ExactPlan(_positions(ranges).to(device), tuple(d.to(device) for d in dests), tuple(widths),
-                         tuple(keeps), _positions(current).to(device))
+        return ExactPlan(
+            _positions(ranges).to(device),
+            tuple(d.to(device) for d in dests),
+            tuple(widths),
+            tuple(keeps),
+            _positions(current).to(device),
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +132,9 @@ class ExactGather:
     dst: torch.Tensor
 
     @staticmethod
-    def build(ranges: Sequence[tuple[int, int]], numel: int, shards: int, me: int,
-              device: torch.device | str = "cpu") -> ExactGather | None:
+    def build(
+        ranges: Sequence[tuple[int, int]], numel: int, shards: int, me: int, device: torch.device | str = "cpu"
+    ) -> ExactGather | None:
         """`ranges`: flat ranges sent exactly; the buffer of `numel` is `shards` equal shards,
         mine the `me`-th."""
         if not ranges:
@@ -125,15 +150,23 @@ class PendingQuantizedGather:
     """qwZ: quantize my parameter shard to int8, gather codes + scales (+ the `exact` values)
     along the strategy's exact gather sequence, decode the whole buffer into the model dtype."""
 
-    def __init__(self, seq: list[Collective], shard: torch.Tensor, groups: ZeroGroups, block: int,
-                 tag: str, ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactGather | None = None) -> None:
+    def __init__(
+        self,
+        seq: list[Collective],
+        shard: torch.Tensor,
+        groups: ZeroGroups,
+        block: int,
+        tag: str,
+        ops: kernels.KernelOps = kernels.kernel_set(),
+        exact: ExactGather | None = None,
+    ) -> None:
         codes, scales = ops.quantize(shard, 8, block)
         self._ops, self._block, self._dtype, self._exact = ops, block, shard.dtype, exact
         self._code_bytes = codes.numel()
         values = None
         if exact is not None:
             values = shard.new_zeros(exact.width)
-            values[:exact.mine.numel()] = shard[exact.mine]
+            values[: exact.mine.numel()] = shard[exact.mine]
         send = pack(codes, scales, 1, values)
         self._blob = send.numel()
         self._pending = PendingSequence(seq, send, groups, tag)
@@ -162,9 +195,18 @@ class PendingQuantizedReduce(StagedWork):
     rank skips it.
     """
 
-    def __init__(self, grad: torch.Tensor, groups: ZeroGroups, stages: list[str], block: int, tag: str,
-                 loco: list[torch.Tensor] | None = None, err_beta: float = 0.0,
-                 ops: kernels.KernelOps = kernels.kernel_set(), exact: ExactPlan | None = None) -> None:
+    def __init__(
+        self,
+        grad: torch.Tensor,
+        groups: ZeroGroups,
+        stages: list[str],
+        block: int,
+        tag: str,
+        loco: list[torch.Tensor] | None = None,
+        err_beta: float = 0.0,
+        ops: kernels.KernelOps = kernels.kernel_set(),
+        exact: ExactPlan | None = None,
+    ) -> None:
         super().__init__(groups, stages)
         self.overflow = not bool(ops.all_finite(grad))
         if self.overflow:
@@ -172,8 +214,7 @@ class PendingQuantizedReduce(StagedWork):
         self._sizes = [size_of(groups, name) for name in stages]
         # over all DP ranks the buffer's pieces go out in member order (`layout.dp_piece_order`)
         k, m = groups.group_size, groups.num_groups
-        self._orders = [dp_piece_order(k, m) if name == "dp" and 1 < k < groups.dp_size else None
-                        for name in stages]
+        self._orders = [dp_piece_order(k, m) if name == "dp" and 1 < k < groups.dp_size else None for name in stages]
         self._block, self._tag = block, tag
         self._loco, self._beta, self._ops = loco, err_beta, ops
         self._exact = exact
@@ -205,14 +246,15 @@ class PendingQuantizedReduce(StagedWork):
             total = exact[0].clone()
             for row in exact[1:]:
                 total += row
-            self._values = total[:self._exact.keeps[j]]
+            self._values = total[: self._exact.keeps[j]]
         if j + 1 == len(self._sizes):
             self._result = self._ops.dequant_reduce(codes, scales, 4, self._block)
             if self._exact is not None:
                 self._result[self._exact.last] = self._exact_values()
         elif self._loco:
             self._codes, self._scales, _ = self._ops.dequant_reduce_loco_quantize(
-                codes, scales, 4, self._block, self._loco[j + 1], self._beta)
+                codes, scales, 4, self._block, self._loco[j + 1], self._beta
+            )
         else:
             self._codes, self._scales = self._ops.dequant_reduce_quantize(codes, scales, 4, self._block)
 

@@ -43,20 +43,22 @@ class DPShapes:
 def paro_group_ranks(dp_ranks: Sequence[int], k: int, dp_index: int) -> tuple[list[int], list[int]]:
     """(my PaRO group, my cross group) as global ranks, for DP member `dp_index` of `dp_ranks`."""
     gi, local = divmod(dp_index, k)
-    intra = list(dp_ranks[gi * k:(gi + 1) * k])
+    intra = list(dp_ranks[gi * k : (gi + 1) * k])
     cross = [dp_ranks[j * k + local] for j in range(len(dp_ranks) // k)]
     return intra, cross
 
 
-def dp_shapes(dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int, hpz: int = 1,
-              backend: str = "nccl") -> DPShapes:
+def dp_shapes(
+    dp_ranks: Sequence[int], k: int, me: int, ranks_per_node: int, hpz: int = 1, backend: str = "nccl"
+) -> DPShapes:
     """The groups of DP member `me`; `backend` decides what their collectives put on which link
     (`megazpp.parallel.wire`)."""
     index = list(dp_ranks).index(me)
     intra, cross = paro_group_ranks(dp_ranks, k, index)
     secondary, _ = paro_group_ranks(dp_ranks, hpz, index)
-    return DPShapes(*(GroupShape.of(ranks, me, ranks_per_node, backend)
-                      for ranks in (dp_ranks, intra, cross, secondary)))
+    return DPShapes(
+        *(GroupShape.of(ranks, me, ranks_per_node, backend) for ranks in (dp_ranks, intra, cross, secondary))
+    )
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,11 @@ def boundary_sequence(s: Strategy, k: int, hier: Hierarchy) -> list[Collective]:
     """Once per step: take the accumulated gradient from level g to the full sum at level os."""
     if s.optimizer_state == Level.N:  # NNN: plain data parallelism
         if hier.all_reduce:
-            return [Collective("reduce_scatter", "intra", 1), Collective("all_reduce", "cross", k),
-                    Collective("all_gather", "intra", 1)]
+            return [
+                Collective("reduce_scatter", "intra", 1),
+                Collective("all_reduce", "cross", k),
+                Collective("all_gather", "intra", 1),
+            ]
         return [Collective("all_reduce", "dp", 1)]
     seq = reduce_sequence(s.grads, s.optimizer_state, k, hier)
     if s.optimizer_state == Level.I:  # the group sum of the I-chunk still lacks the other groups

@@ -53,13 +53,22 @@ def _is_valid(p: Level, g: Level, os_: Level) -> bool:
 
 
 VALID_STRATEGIES: tuple[Strategy, ...] = tuple(
-    Strategy(p, g, o) for o, p, g in itertools.product(Level, Level, Level) if _is_valid(p, g, o))
+    Strategy(p, g, o) for o, p, g in itertools.product(Level, Level, Level) if _is_valid(p, g, o)
+)
 VALID_NAMES: tuple[str, ...] = tuple(s.name for s in VALID_STRATEGIES)
 
 # DeepSpeed stage numbers and the named systems of the PaRO paper.
-ALIASES: dict[str, str] = {"0": "NNN", "1": "NNG", "2": "NGG", "3": "GGG",
-                           "DDP": "NNN", "ZERO1": "NNG", "ZERO2": "NGG", "ZERO3": "GGG",
-                           "MICS": "III"}
+ALIASES: dict[str, str] = {
+    "0": "NNN",
+    "1": "NNG",
+    "2": "NGG",
+    "3": "GGG",
+    "DDP": "NNN",
+    "ZERO1": "NNG",
+    "ZERO2": "NGG",
+    "ZERO3": "GGG",
+    "MICS": "III",
+}
 
 
 def parse_strategy(value: str | int | Strategy, *, key: str = "paro_strategy") -> Strategy:
@@ -72,11 +81,14 @@ def parse_strategy(value: str | int | Strategy, *, key: str = "paro_strategy") -
         p, g, o = (Level[c] for c in text)
         if _is_valid(p, g, o):
             return Strategy(p, g, o)
-        raise ConfigError(f"{key}={value!r}: optimizer state must be sharded at least as finely as "
-                          f"parameters and gradients (N < I < G); valid strategies: "
-                          f"{', '.join(VALID_NAMES)} (or ZeRO stage 0-3, 'mics')")
-    raise ConfigError(f"{key}={value!r} is not a strategy; expected one of {', '.join(VALID_NAMES)}, "
-                      f"a ZeRO stage 0-3, or 'mics'")
+        raise ConfigError(
+            f"{key}={value!r}: optimizer state must be sharded at least as finely as "
+            f"parameters and gradients (N < I < G); valid strategies: "
+            f"{', '.join(VALID_NAMES)} (or ZeRO stage 0-3, 'mics')"
+        )
+    raise ConfigError(
+        f"{key}={value!r} is not a strategy; expected one of {', '.join(VALID_NAMES)}, a ZeRO stage 0-3, or 'mics'"
+    )
 
 
 def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
@@ -86,6 +98,8 @@ def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
         return parse_strategy(stage, key="zero.stage")
     strategy = parse_strategy(paro_strategy, key="zero.paro_strategy")
     if stage != 0 and parse_strategy(stage) != strategy:
-        raise ConfigError(f"zero.paro_strategy = {paro_strategy!r} and zero.stage = {stage} disagree "
-                          f"(stage {stage} is {parse_strategy(stage)}); set one of them")
+        raise ConfigError(
+            f"zero.paro_strategy = {paro_strategy!r} and zero.stage = {stage} disagree "
+            f"(stage {stage} is {parse_strategy(stage)}); set one of them"
+        )
     return strategy

@@ -39,8 +39,9 @@ def _nbytes(numel: int, fmt: ElemFormat) -> int:
     return fmt.nbytes(numel) if isinstance(fmt, QuantFormat) else numel * fmt
 
 
-def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes,
-                     side: int = 0) -> tuple[int, int]:
+def collective_bytes(
+    c: Collective, padded_numel: int, elem: ElemFormat, shapes: DPShapes, side: int = 0
+) -> tuple[int, int]:
     """(intra, inter) bytes this rank is counted for collective `c` (`wire`'s model for the
     group's backend); `side`: bytes each peer's chunk carries besides `elem` (qgZ's exactly
     sent values)."""
@@ -53,8 +54,9 @@ def collective_bytes(c: Collective, padded_numel: int, elem: ElemFormat, shapes:
     return chunk_bytes(c.op, g, nbytes // g.size + side)
 
 
-def sequence_bytes(seq: Iterable[Collective], padded_numel: int, elem: ElemFormat,
-                   shapes: DPShapes, sides: Sequence[int] = ()) -> tuple[int, int]:
+def sequence_bytes(
+    seq: Iterable[Collective], padded_numel: int, elem: ElemFormat, shapes: DPShapes, sides: Sequence[int] = ()
+) -> tuple[int, int]:
     """`sides`: per collective of `seq`, the `side` bytes of `collective_bytes` (default none)."""
     intra = inter = 0
     for i, c in enumerate(seq):
@@ -85,16 +87,24 @@ def choose_hierarchy(shapes: DPShapes, mode: str | Hierarchy = "auto") -> Hierar
     unit = shapes.dp_size * shapes.group_size * 8
     flat, hier = Hierarchy(), Hierarchy(True, True, True)
     pick = {}
-    for name, seq_of in (("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.group_size, h)),
-                         ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.group_size, h)),
-                         ("all_reduce", lambda h: boundary_sequence(Strategy(Level.N, Level.N, Level.N),
-                                                                    shapes.group_size, h))):
+    for name, seq_of in (
+        ("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.group_size, h)),
+        ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.group_size, h)),
+        ("all_reduce", lambda h: boundary_sequence(Strategy(Level.N, Level.N, Level.N), shapes.group_size, h)),
+    ):
         pick[name] = sequence_bytes(seq_of(hier), unit, 1, shapes)[1] < sequence_bytes(seq_of(flat), unit, 1, shapes)[1]
     return Hierarchy(**pick)
 
 
-STEP_PHASES = ("fetch_forward", "fetch_forward_once", "fetch_backward", "micro_reduce", "boundary", "refresh",
-               "refresh_persistent")
+STEP_PHASES = (
+    "fetch_forward",
+    "fetch_forward_once",
+    "fetch_backward",
+    "micro_reduce",
+    "boundary",
+    "refresh",
+    "refresh_persistent",
+)
 
 
 def reuse_mask(numels: Sequence[int], max_live: int, max_reuse_distance: int) -> tuple[bool, ...]:
@@ -143,10 +153,20 @@ class StepPart:
         return len(self.numels) * sum(1 for c in self.sequence if getattr(shapes, c.group).size > 1)
 
 
-def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
-               micro_batches: int, param_bytes: int, accum_bytes: int, zeropp: ZeroPP | None = None,
-               reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
-               persistent: int = 0) -> dict[str, StepPart]:
+def step_parts(
+    s: Strategy,
+    padded_numels: Iterable[int],
+    shapes: DPShapes,
+    hier: Hierarchy,
+    *,
+    micro_batches: int,
+    param_bytes: int,
+    accum_bytes: int,
+    zeropp: ZeroPP | None = None,
+    reused: Sequence[bool] = (),
+    exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
+    persistent: int = 0,
+) -> dict[str, StepPart]:
     """The phases `step_bytes` sums (keys `STEP_PHASES`), for callers that also need to know
     when the bytes move (the planner's overlap model).
 
@@ -170,7 +190,7 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     k = shapes.group_size
     pp = zeropp or ZeroPP()
     numels = tuple(padded_numels)
-    fetched, whole = numels[:len(numels) - persistent], numels[len(numels) - persistent:]
+    fetched, whole = numels[: len(numels) - persistent], numels[len(numels) - persistent :]
     kept = [i < len(reused) and reused[i] for i in range(len(fetched))]
     again = tuple(n for n, keep in zip(fetched, kept) if not keep)
     once = tuple(n for n, keep in zip(fetched, kept) if keep)
@@ -178,32 +198,41 @@ def step_parts(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     weights: ElemFormat = pp.weights if pp.qwz else param_bytes
     fetch_sides: tuple[tuple[int, ...], ...] = ()
     if pp.qwz and exact_ranges:
-        fetch_sides = tuple(qwz_exact_sides(fetch, shapes, n, level_div(s.params, shapes.dp_size, k), r, param_bytes)
-                            for n, r in zip(fetched, exact_ranges))
+        fetch_sides = tuple(
+            qwz_exact_sides(fetch, shapes, n, level_div(s.params, shapes.dp_size, k), r, param_bytes)
+            for n, r in zip(fetched, exact_ranges)
+        )
 
     def sides_where(keep: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
         return tuple(side for side, yes in zip(fetch_sides, keep) if yes)
 
     again_sides = sides_where([not keep for keep in kept])
-    backward = ((tuple(hpz_fetch_sequence()), param_bytes, micro_batches, again) if pp.hpz > 1
-                else (fetch, weights, micro_batches, again, again_sides))
+    backward = (
+        (tuple(hpz_fetch_sequence()), param_bytes, micro_batches, again)
+        if pp.hpz > 1
+        else (fetch, weights, micro_batches, again, again_sides)
+    )
     sides: tuple[tuple[int, ...], ...] = ()
     if pp.qgz:
         qseq = qgz_sequence(s, shapes, hier)
         micro: tuple[tuple[Collective, ...], ElemFormat] = (tuple(qseq), pp.grads)
         if exact_ranges:
-            sides = tuple(tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r))
-                          for n, r in zip(numels, exact_ranges))
+            sides = tuple(
+                tuple(4 * w for w in qgz_exact_widths(qseq, shapes, n, r)) for n, r in zip(numels, exact_ranges)
+            )
     else:
         micro = (tuple(micro_batch_reduce_sequence(s, k, hier)), param_bytes)
-    return {"fetch_forward": StepPart(fetch, weights, micro_batches, again, again_sides),
-            "fetch_forward_once": StepPart(fetch, weights, 1, once, sides_where(kept)),
-            "fetch_backward": StepPart(*backward),
-            "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
-            "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
-            "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, fetched),
-            "refresh_persistent": StepPart(tuple(gather_sequence(s.optimizer_state, Level.N, k, hier)), param_bytes, 1,
-                                           whole)}
+    return {
+        "fetch_forward": StepPart(fetch, weights, micro_batches, again, again_sides),
+        "fetch_forward_once": StepPart(fetch, weights, 1, once, sides_where(kept)),
+        "fetch_backward": StepPart(*backward),
+        "micro_reduce": StepPart(*micro, micro_batches, numels, sides),
+        "boundary": StepPart(tuple(boundary_sequence(s, k, hier)), accum_bytes, 1, numels),
+        "refresh": StepPart(tuple(param_sync_sequence(s, k, hier)), param_bytes, 1, fetched),
+        "refresh_persistent": StepPart(
+            tuple(gather_sequence(s.optimizer_state, Level.N, k, hier)), param_bytes, 1, whole
+        ),
+    }
 
 
 def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[GroupShape] = ()) -> list[GroupShape]:
@@ -212,18 +241,38 @@ def norm_shapes(s: Strategy, shapes: DPShapes, extra_norm_groups: Sequence[Group
     return [getattr(shapes, g) for g in norm_groups(s)] + list(extra_norm_groups)
 
 
-def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
-               micro_batches: int, param_bytes: int, accum_bytes: int,
-               extra_norm_groups: Sequence[GroupShape] = (), zeropp: ZeroPP | None = None,
-               reused: Sequence[bool] = (), exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
-               persistent: int = 0) -> tuple[int, int]:
+def step_bytes(
+    s: Strategy,
+    padded_numels: Iterable[int],
+    shapes: DPShapes,
+    hier: Hierarchy,
+    *,
+    micro_batches: int,
+    param_bytes: int,
+    accum_bytes: int,
+    extra_norm_groups: Sequence[GroupShape] = (),
+    zeropp: ZeroPP | None = None,
+    reused: Sequence[bool] = (),
+    exact_ranges: Sequence[Sequence[tuple[int, int]]] = (),
+    persistent: int = 0,
+) -> tuple[int, int]:
     """(intra, inter) bytes one rank receives in one optimizer step of `micro_batches`: the
     phases of `step_parts`, plus one fp32 all-reduce of the squared norm over the os owners
     and over `extra_norm_groups` (tensor / pipeline groups)."""
     intra = inter = 0
-    parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=param_bytes,
-                       accum_bytes=accum_bytes, zeropp=zeropp, reused=reused, exact_ranges=exact_ranges,
-                       persistent=persistent)
+    parts = step_parts(
+        s,
+        padded_numels,
+        shapes,
+        hier,
+        micro_batches=micro_batches,
+        param_bytes=param_bytes,
+        accum_bytes=accum_bytes,
+        zeropp=zeropp,
+        reused=reused,
+        exact_ranges=exact_ranges,
+        persistent=persistent,
+    )
     for part in parts.values():
         a, b = part.bytes_once(shapes)
         intra, inter = intra + part.times * a, inter + part.times * b
@@ -233,15 +282,34 @@ def step_bytes(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier
     return intra, inter
 
 
-def step_calls(s: Strategy, padded_numels: Iterable[int], shapes: DPShapes, hier: Hierarchy, *,
-               micro_batches: int, extra_norm_groups: Sequence[GroupShape] = (),
-               zeropp: ZeroPP | None = None, reused: Sequence[bool] = (), persistent: int = 0) -> int:
+def step_calls(
+    s: Strategy,
+    padded_numels: Iterable[int],
+    shapes: DPShapes,
+    hier: Hierarchy,
+    *,
+    micro_batches: int,
+    extra_norm_groups: Sequence[GroupShape] = (),
+    zeropp: ZeroPP | None = None,
+    reused: Sequence[bool] = (),
+    persistent: int = 0,
+) -> int:
     """Collective calls one rank issues in one optimizer step: every collective of every phase
     of `step_parts` on every bucket, except those over a group of one (the engine skips them),
     plus one norm all-reduce per norm group of more than one rank. On CPU ranks each call costs
     a fixed host time whatever its size, which is why fetch groups exist (units.fetch_groups)."""
-    parts = step_parts(s, padded_numels, shapes, hier, micro_batches=micro_batches, param_bytes=1,
-                       accum_bytes=1, zeropp=zeropp, reused=reused, persistent=persistent)
+    parts = step_parts(
+        s,
+        padded_numels,
+        shapes,
+        hier,
+        micro_batches=micro_batches,
+        param_bytes=1,
+        accum_bytes=1,
+        zeropp=zeropp,
+        reused=reused,
+        persistent=persistent,
+    )
     calls = sum(part.times * part.calls_once(shapes) for part in parts.values())
     return calls + sum(1 for g in norm_shapes(s, shapes, extra_norm_groups) if g.size > 1)
 
@@ -259,8 +327,9 @@ def chunk_ranges(ranges: Sequence[tuple[int, int]], numel: int, parts: int) -> l
     return out
 
 
-def qgz_exact_widths(seq: Sequence[Collective], shapes: DPShapes, padded: int,
-                     exact: Sequence[tuple[int, int]]) -> list[int]:
+def qgz_exact_widths(
+    seq: Sequence[Collective], shapes: DPShapes, padded: int, exact: Sequence[tuple[int, int]]
+) -> list[int]:
     """fp32 values each peer's chunk carries besides its int4 codes, per qgZ stage.
 
     qgZ sends the tensors in `exact` (norm gains, biases: `BucketLayout.vector_ranges`)
@@ -275,8 +344,14 @@ def most_per_chunk(ranges: Sequence[tuple[int, int]], numel: int, parts: int) ->
     return max((sum(b - a for a, b in piece) for piece in chunk_ranges(ranges, numel, parts)), default=0)
 
 
-def qwz_exact_sides(seq: Sequence[Collective], shapes: DPShapes, padded: int, p_div: int,
-                    exact: Sequence[tuple[int, int]], param_bytes: int) -> tuple[int, ...]:
+def qwz_exact_sides(
+    seq: Sequence[Collective],
+    shapes: DPShapes,
+    padded: int,
+    p_div: int,
+    exact: Sequence[tuple[int, int]],
+    param_bytes: int,
+) -> tuple[int, ...]:
     """Bytes each peer's chunk carries besides its int8 codes, per collective of qwZ's gather.
 
     qwZ sends the tensors in `exact` exactly, like qgZ: each of the `p_div` p-level shards

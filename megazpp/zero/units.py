@@ -99,8 +99,7 @@ def _blocks(model: nn.Module) -> dict[int, nn.Module]:
     return block_of
 
 
-def fetch_groups(model: nn.Module, units: list[ParamGroupSpec], mode: str,
-                 max_numel: int) -> list[ParamGroupSpec]:
+def fetch_groups(model: nn.Module, units: list[ParamGroupSpec], mode: str, max_numel: int) -> list[ParamGroupSpec]:
     """Consecutive `units` merged into fetch groups (`mode` in FETCH_GROUP_MODES)."""
     block_of = _blocks(model)
     groups: list[ParamGroupSpec] = []
@@ -147,8 +146,9 @@ def bucket_bound(reduce_bucket_size: int, allgather_bucket_size: int) -> int:
     return min(reduce_bucket_size, allgather_bucket_size)
 
 
-def engine_groups(model: nn.Module, *, sharded: bool, threshold: int, fetch_mode: str, persistence: int,
-                  bucket_numel: int) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+def engine_groups(
+    model: nn.Module, *, sharded: bool, threshold: int, fetch_mode: str, persistence: int, bucket_numel: int
+) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
     """The groups a ZeroEngine builds for `model`'s trainable parameters, as (groups, kept
     whole): with parameters `sharded` (p = I, G) the fetch groups of its units
     (`threshold`: `module_granularity_threshold`, `fetch_mode`: `fetch_groups`) and the
@@ -164,12 +164,15 @@ def engine_groups(model: nn.Module, *, sharded: bool, threshold: int, fetch_mode
 def check_persistence(strategy: Strategy, threshold: int) -> None:
     """`stage3_param_persistence_threshold` acts only where parameters are sharded (p = I, G)."""
     if threshold > 0 and strategy.params == Level.N:
-        raise ConfigError(f"zero.stage3_param_persistence_threshold = {threshold}: strategy {strategy} keeps "
-                          f"every parameter whole already (p = N); set it to 0 or shard parameters (p = I or G)")
+        raise ConfigError(
+            f"zero.stage3_param_persistence_threshold = {threshold}: strategy {strategy} keeps "
+            f"every parameter whole already (p = N); set it to 0 or shard parameters (p = I or G)"
+        )
 
 
-def split_persistent(units: list[ParamGroupSpec], threshold: int,
-                     bucket_numel: int) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+def split_persistent(
+    units: list[ParamGroupSpec], threshold: int, bucket_numel: int
+) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
     """DeepSpeed's `stage3_param_persistence_threshold`: parameters of fewer than `threshold`
     elements leave their units before units form fetch groups, and are kept whole on every
     rank, in buckets of their own, last-registered first like gradient buckets (the order

@@ -76,17 +76,23 @@ class ZeroPP:
 def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
     """ConfigError, naming the reason, for a ZeRO++ request the strategy gives nothing to act on."""
     if zeropp.loco and not zeropp.qgz:
-        raise ConfigError("zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
-                          "it needs zero.zero_quantized_gradients = true")
+        raise ConfigError(
+            "zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
+            "it needs zero.zero_quantized_gradients = true"
+        )
     where = f"zero strategy {strategy}"
     if (zeropp.qwz or zeropp.hpz > 1) and strategy.params == Level.N:
-        raise ConfigError(f"{where}: zero_quantized_weights / zero_hpz_partition_size act on parameter "
-                          f"all-gathers, and p = N keeps parameters whole on every rank (nothing is "
-                          f"gathered); use a strategy with p in {{I, G}}, e.g. stage 3")
+        raise ConfigError(
+            f"{where}: zero_quantized_weights / zero_hpz_partition_size act on parameter "
+            f"all-gathers, and p = N keeps parameters whole on every rank (nothing is "
+            f"gathered); use a strategy with p in {{I, G}}, e.g. stage 3"
+        )
     if zeropp.qgz and strategy.grads == Level.N:
-        raise ConfigError(f"{where}: zero_quantized_gradients quantizes the per-micro-batch gradient "
-                          f"reduction, and g = N has none (gradients are reduced once per step in the "
-                          f"accumulation dtype); use a strategy with g in {{I, G}}, e.g. stage 2 or 3")
+        raise ConfigError(
+            f"{where}: zero_quantized_gradients quantizes the per-micro-batch gradient "
+            f"reduction, and g = N has none (gradients are reduced once per step in the "
+            f"accumulation dtype); use a strategy with g in {{I, G}}, e.g. stage 2 or 3"
+        )
     check_block_size(zeropp.qwz_block)
     check_block_size(zeropp.qgz_block)
     check_err_beta(zeropp.err_beta)
@@ -97,9 +103,17 @@ def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
 
 def zeropp_of(z: ZeroConfig) -> ZeroPP:
     """The ZeRO++ settings of a `zero` config section (hpZ not yet fitted to the topology)."""
-    return ZeroPP(qwz=z.zero_quantized_weights, hpz=z.zero_hpz_partition_size, qgz=z.zero_quantized_gradients,
-                  loco=z.loco, qwz_block=z.qwz_block_size, qgz_block=z.qgz_block_size, err_beta=z.loco_err_beta,
-                  reset_t=z.loco_reset_t, cpu_kernels=z.cpu_quant_kernels)
+    return ZeroPP(
+        qwz=z.zero_quantized_weights,
+        hpz=z.zero_hpz_partition_size,
+        qgz=z.zero_quantized_gradients,
+        loco=z.loco,
+        qwz_block=z.qwz_block_size,
+        qgz_block=z.qgz_block_size,
+        err_beta=z.loco_err_beta,
+        reset_t=z.loco_reset_t,
+        cpu_kernels=z.cpu_quant_kernels,
+    )
 
 
 def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Topology) -> ZeroPP:
@@ -133,12 +147,15 @@ def _hpz_size(requested: int, topology: Topology) -> int:
     if size == 1:
         return 1
     if len(dp_ranks) % size:
-        raise ConfigError(f"zero.zero_hpz_partition_size = {size}: expected a divisor of the "
-                          f"data-parallel size {len(dp_ranks)}")
+        raise ConfigError(
+            f"zero.zero_hpz_partition_size = {size}: expected a divisor of the data-parallel size {len(dp_ranks)}"
+        )
     for start in range(0, len(dp_ranks), size):
-        nodes = {topology.node_of(r) for r in dp_ranks[start:start + size]}
+        nodes = {topology.node_of(r) for r in dp_ranks[start : start + size]}
         if len(nodes) > 1:
-            raise ConfigError(f"zero.zero_hpz_partition_size = {size}: the group of DP ranks "
-                              f"{dp_ranks[start:start + size]} spans nodes {sorted(nodes)}; hpZ's "
-                              f"group must lie inside one node (use a divisor of the DP ranks per node)")
+            raise ConfigError(
+                f"zero.zero_hpz_partition_size = {size}: the group of DP ranks "
+                f"{dp_ranks[start : start + size]} spans nodes {sorted(nodes)}; hpZ's "
+                f"group must lie inside one node (use a divisor of the DP ranks per node)"
+            )
     return size

@@ -36,13 +36,12 @@ from megazpp.zero.zeropp import ZeroPP
 class _FillSecondary:
     """A forward gather that, once complete, leaves hpZ's secondary shard behind."""
 
-    def __init__(self, pending: Waitable, secondary: torch.Tensor, lo: int,
-                 on_filled: Callable[[], None]) -> None:
+    def __init__(self, pending: Waitable, secondary: torch.Tensor, lo: int, on_filled: Callable[[], None]) -> None:
         self._pending, self._secondary, self._lo, self._on_filled = pending, secondary, lo, on_filled
 
     def wait(self) -> torch.Tensor:
         full = self._pending.wait()
-        self._secondary.copy_(full[self._lo:self._lo + self._secondary.numel()])
+        self._secondary.copy_(full[self._lo : self._lo + self._secondary.numel()])
         self._on_filled()
         return full
 
@@ -50,8 +49,15 @@ class _FillSecondary:
 class ZeroPPPaths(CommPaths):
     """The ZeRO++ paths of one engine; `hpz_index` is my position in my hpZ group."""
 
-    def __init__(self, strategy: Strategy, groups: ZeroGroups, hier: sequences.Hierarchy,
-                 shapes: sequences.DPShapes, zeropp: ZeroPP, hpz_index: int) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        groups: ZeroGroups,
+        hier: sequences.Hierarchy,
+        shapes: sequences.DPShapes,
+        zeropp: ZeroPP,
+        hpz_index: int,
+    ) -> None:
         super().__init__(strategy, groups, hier)
         self.zeropp = zeropp
         self._ops = kernels.kernel_set(zeropp.cpu_kernels)
@@ -66,8 +72,11 @@ class ZeroPPPaths(CommPaths):
         self._buckets: list[Bucket] = []
         self._secondary: dict[int, torch.Tensor] = {}
         self._fresh: set[int] = set()
-        self._loco = (LocoState([c.numel_div for c in self._qgz_seq], zeropp.qgz_block, zeropp.reset_t)
-                      if zeropp.loco and self._qgz_seq else None)
+        self._loco = (
+            LocoState([c.numel_div for c in self._qgz_seq], zeropp.qgz_block, zeropp.reset_t)
+            if zeropp.loco and self._qgz_seq
+            else None
+        )
         self._overflow = False
 
     # -- per-bucket state ----------------------------------------------------------------------
@@ -79,9 +88,13 @@ class ZeroPPPaths(CommPaths):
             self._loco.add_bucket(b)
         if self._qwz:
             lo, hi = b.layout.shard_range(self.strategy.params)
-            self._exact_gather[id(b)] = ExactGather.build(b.layout.vector_ranges(), b.layout.padded,
-                                                          b.layout.padded // (hi - lo), lo // (hi - lo),
-                                                          b.param_store.device)
+            self._exact_gather[id(b)] = ExactGather.build(
+                b.layout.vector_ranges(),
+                b.layout.padded,
+                b.layout.padded // (hi - lo),
+                lo // (hi - lo),
+                b.param_store.device,
+            )
         if self._stages:
             group, local = divmod(b.layout.dp_index, b.layout.group_size)
             position = {"intra": local, "cross": group, "dp": local * self.groups.num_groups + group}
@@ -99,23 +112,39 @@ class ZeroPPPaths(CommPaths):
         if phase == "backward" and id(b) in self._fresh:
             return PendingSequence(sequences.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
         if self._qwz:
-            pending: Waitable = PendingQuantizedGather(self._fetch, b.param_store, self.groups,
-                                                       self.zeropp.qwz_block, tag, self._ops,
-                                                       self._exact_gather[id(b)])
+            pending: Waitable = PendingQuantizedGather(
+                self._fetch,
+                b.param_store,
+                self.groups,
+                self.zeropp.qwz_block,
+                tag,
+                self._ops,
+                self._exact_gather[id(b)],
+            )
         else:
             pending = super().start_param_gather(b, phase)
         if self.zeropp.hpz > 1 and id(b) not in self._fresh:
             secondary = self._secondary[id(b)]
-            return _FillSecondary(pending, secondary, self._hpz_index * secondary.numel(),
-                                  lambda: self._fresh.add(id(b)))
+            return _FillSecondary(
+                pending, secondary, self._hpz_index * secondary.numel(), lambda: self._fresh.add(id(b))
+            )
         return pending
 
     def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Reduction:
         if not self._stages:
             return super().start_grad_reduce(b, grad)
         loco = self._loco.for_reduction(b) if self._loco is not None else None
-        pending = PendingQuantizedReduce(grad, self.groups, self._stages, self.zeropp.qgz_block, "zero/grad_reduce",
-                                         loco, self.zeropp.err_beta, self._ops, self._exact[id(b)])
+        pending = PendingQuantizedReduce(
+            grad,
+            self.groups,
+            self._stages,
+            self.zeropp.qgz_block,
+            "zero/grad_reduce",
+            loco,
+            self.zeropp.err_beta,
+            self._ops,
+            self._exact[id(b)],
+        )
         self._overflow |= pending.overflow
         return pending
 
@@ -137,6 +166,7 @@ class ZeroPPPaths(CommPaths):
     def state_nbytes(self) -> int:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
+
         total = sum(nbytes(t) for t in self._secondary.values())
         total += sum(nbytes(t) for b in self._buckets for t in b.extra_state.values())
         return total + (self._loco.nbytes() if self._loco is not None else 0)

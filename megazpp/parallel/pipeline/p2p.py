@@ -21,11 +21,17 @@ def _peer(rank: int | None, which: str) -> int:
     return rank
 
 
-def exchange(topo: Topology, *, send_next: torch.Tensor | None = None,
-             send_prev: torch.Tensor | None = None, recv_prev: bool = False,
-             recv_next: bool = False, shape: tuple[int, ...] = (),
-             dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def exchange(
+    topo: Topology,
+    *,
+    send_next: torch.Tensor | None = None,
+    send_prev: torch.Tensor | None = None,
+    recv_prev: bool = False,
+    recv_next: bool = False,
+    shape: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send/receive with the neighbours; returns (from_prev, from_next) where requested.
 
     `from_prev` (an activation) requires grad, so backward can hand its gradient upstream.

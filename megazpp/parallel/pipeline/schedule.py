@@ -30,8 +30,14 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 class _Stage:
     """One stage's forward/backward steps over micro-batches, with its boundary shapes."""
 
-    def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch], engine: PipelineEngine,
-                 topo: Topology, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[MicroBatch],
+        engine: PipelineEngine,
+        topo: Topology,
+        sequence_parallel: bool,
+    ) -> None:
         if not micro_batches:
             raise ValueError("forward_backward_1f1b: no micro-batches to run")
         self.model, self.micro_batches, self.engine, self.topo = model, micro_batches, engine, topo
@@ -53,8 +59,9 @@ class _Stage:
             return loss / len(self.micro_batches)
         return self.model(tokens if self.topo.is_first_stage else received)
 
-    def backward(self, received: torch.Tensor | None, output: torch.Tensor,
-                 grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(
+        self, received: torch.Tensor | None, output: torch.Tensor, grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
         if self.topo.is_last_stage:
             self.engine.scale_loss(output).backward()
         else:
@@ -65,9 +72,15 @@ class _Stage:
         return exchange(self.topo, shape=self.shape, dtype=self.dtype, device=self.device, **kwargs)
 
 
-def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch], engine: PipelineEngine, *,
-                          topology: Topology, sequence_parallel: bool = False,
-                          forward_only: bool = False) -> list[torch.Tensor]:
+def forward_backward_1f1b(
+    model: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    engine: PipelineEngine,
+    *,
+    topology: Topology,
+    sequence_parallel: bool = False,
+    forward_only: bool = False,
+) -> list[torch.Tensor]:
     """Run one step's micro-batches through this pipeline stage; see module docstring."""
     topo = topology
     stage = _Stage(model, micro_batches, engine, topo, sequence_parallel)
@@ -94,8 +107,7 @@ def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch],
             done_input, done_output = held.pop(0)
             input_grad = stage.backward(done_input, done_output, grad)
             more = i < steady - 1
-            received, _ = stage.send_recv(send_prev=None if first else input_grad,
-                                          recv_prev=more and not first)
+            received, _ = stage.send_recv(send_prev=None if first else input_grad, recv_prev=more and not first)
 
         for _ in range(len(held)):
             done_input, done_output = held.pop(0)
@@ -108,12 +120,12 @@ def forward_backward_1f1b(model: nn.Module, micro_batches: Sequence[MicroBatch],
     return _losses_on_every_stage(stage.losses, count, topo, stage.device)
 
 
-def _losses_on_every_stage(losses: list[torch.Tensor], count: int, topo: Topology,
-                           device: torch.device) -> list[torch.Tensor]:
+def _losses_on_every_stage(
+    losses: list[torch.Tensor], count: int, topo: Topology, device: torch.device
+) -> list[torch.Tensor]:
     """The last stage computed the losses; every stage returns them (one broadcast)."""
     if topo.pp == 1:
         return losses
-    buf = (torch.stack(losses) if topo.is_last_stage
-           else torch.empty(count, dtype=torch.float32, device=device))
+    buf = torch.stack(losses) if topo.is_last_stage else torch.empty(count, dtype=torch.float32, device=device)
     comm.broadcast(buf, src=topo.pp_ranks[-1], group=topo.pp_group, tag="pp/losses")
     return list(buf.unbind())

@@ -43,7 +43,8 @@ def sync_tied_embedding_grads(model: nn.Module, topo: Topology, engine: Pipeline
         raise RuntimeError(
             f"tied embedding on pipeline stage {topo.pp_rank} has no gradient to synchronise: "
             f"{type(engine).__name__}.grad_for returned None (no backward reached the tied weight "
-            f"this step)")
+            f"this step)"
+        )
     comm.all_reduce(grad, group=topo.embedding_group, tag="pp/tied_embedding_grad")
 
 

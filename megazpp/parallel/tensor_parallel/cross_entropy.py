@@ -59,7 +59,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor,
-                                 tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor, target: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Per-token fp32 loss for `local_logits` [..., vocab / tp] and `target` [...] (global ids)."""
     return _VocabParallelCrossEntropy.apply(local_logits, target, tp_group)

@@ -35,12 +35,14 @@ def _default_linear_init(w: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
-def _sharded_parameter(full_shape: tuple[int, ...], dim: int, group: ProcessGroup | None,
-                       init_method: InitMethod, what: str) -> nn.Parameter:
+def _sharded_parameter(
+    full_shape: tuple[int, ...], dim: int, group: ProcessGroup | None, init_method: InitMethod, what: str
+) -> nn.Parameter:
     size, rank = _tp_size_rank(group)
     if full_shape[dim] % size:
-        raise ValueError(f"{what}: dimension {dim} of size {full_shape[dim]} does not divide by "
-                         f"tensor-parallel size {size}")
+        raise ValueError(
+            f"{what}: dimension {dim} of size {full_shape[dim]} does not divide by tensor-parallel size {size}"
+        )
     full = torch.empty(full_shape)
     with torch.no_grad():
         init_method(full)
@@ -58,27 +60,34 @@ class ColumnParallelLinear(nn.Module):
     gradient is all-reduced. `gather_output` returns the full y (replicated).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 gather_output: bool = False, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 init_method: InitMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+    ) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output cannot be combined with sequence_parallel")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
-        self.weight = _sharded_parameter((out_features, in_features), 0, tp_group,
-                                         init_method or _default_linear_init, "ColumnParallelLinear")
+        self.weight = _sharded_parameter(
+            (out_features, in_features), 0, tp_group, init_method or _default_linear_init, "ColumnParallelLinear"
+        )
         if bias:
-            self.bias = _sharded_parameter((out_features,), 0, tp_group, nn.init.zeros_,
-                                           "ColumnParallelLinear bias")
+            self.bias = _sharded_parameter((out_features,), 0, tp_group, nn.init.zeros_, "ColumnParallelLinear bias")
         else:
             self.register_parameter("bias", None)
         self.lora: LowRankAdapter | None = None
 
     def add_adapter(self, rank: int, alpha: float, a_values: torch.Tensor) -> None:
         """A LoRA adapter of rank `rank` (`a_values`: the full r x in A, from the caller's init)."""
-        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "column",
-                                   self.tp_group, a_values)
+        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "column", self.tp_group, a_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -98,16 +107,25 @@ class RowParallelLinear(nn.Module):
     sequence parallelism its gradient is all-reduced because each rank saw other tokens.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 input_is_parallel: bool = True, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 init_method: InitMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+    ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
-        self.weight = _sharded_parameter((out_features, in_features), 1, tp_group,
-                                         init_method or _default_linear_init, "RowParallelLinear")
+        self.weight = _sharded_parameter(
+            (out_features, in_features), 1, tp_group, init_method or _default_linear_init, "RowParallelLinear"
+        )
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
         else:
@@ -116,8 +134,7 @@ class RowParallelLinear(nn.Module):
 
     def add_adapter(self, rank: int, alpha: float, a_values: torch.Tensor) -> None:
         """A LoRA adapter of rank `rank` (`a_values`: the full r x in A, from the caller's init)."""
-        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "row",
-                                   self.tp_group, a_values)
+        self.lora = LowRankAdapter(self.in_features, self.out_features, rank, alpha, "row", self.tp_group, a_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -138,13 +155,20 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; each rank looks up the ids it owns, zeros the
     rest, and the partial rows are summed over TP (so the output is replicated)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None = None,
-                 init_method: InitMethod | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+    ) -> None:
         super().__init__()
         size, rank = _tp_size_rank(tp_group)
         self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
-        self.weight = _sharded_parameter((num_embeddings, embedding_dim), 0, tp_group,
-                                         init_method or nn.init.normal_, "VocabParallelEmbedding")
+        self.weight = _sharded_parameter(
+            (num_embeddings, embedding_dim), 0, tp_group, init_method or nn.init.normal_, "VocabParallelEmbedding"
+        )
         per_rank = num_embeddings // size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
 

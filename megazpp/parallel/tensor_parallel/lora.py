@@ -47,8 +47,16 @@ class LowRankAdapter(nn.Module):
     """The adapter of one linear: `forward(x)` returns this rank's term of the layer's output
     (column: its output slice; row: its partial sum, to be reduced with the layer's)."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, split: Split,
-                 tp_group: ProcessGroup | None, a_values: torch.Tensor) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        split: Split,
+        tp_group: ProcessGroup | None,
+        a_values: torch.Tensor,
+    ) -> None:
         super().__init__()
         self.split, self.tp_group = split, tp_group
         self.scale = alpha / rank
@@ -70,4 +78,3 @@ class LowRankAdapter(nn.Module):
     def delta(self) -> torch.Tensor:
         """This rank's slice of (alpha / r) B A, shaped like the layer's weight slice."""
         return (self.b @ self.a) * self.scale
-

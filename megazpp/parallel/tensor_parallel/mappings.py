@@ -150,8 +150,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | N
     return x if _world(group) == 1 else _Scatter.apply(x, group, SEQUENCE_DIM)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None,
-                                         grad_is_partial: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None = None, grad_is_partial: bool = True
+) -> torch.Tensor:
     """All-gather the sequence. Backward reduce-scatters (the default: the gathered tensor
     feeds a column-parallel layer, so each rank holds a partial gradient) or, with
     `grad_is_partial=False`, just keeps this rank's chunk."""

@@ -38,8 +38,7 @@ class RNGTracker:
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         torch.manual_seed(seed)
-        self._states[name] = (torch.get_rng_state(),
-                              torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+        self._states[name] = (torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
@@ -64,8 +63,10 @@ class RNGTracker:
         try:
             yield
         finally:
-            self._states[name] = (torch.get_rng_state(),
-                                  torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+            self._states[name] = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            )
             torch.set_rng_state(cpu)
             if cuda is not None:
                 torch.cuda.set_rng_state(cuda)
