@@ -15,7 +15,7 @@
 # given, unless a flag says --inter-gbit. netlab is taken down on any exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RATE=${1:?usage: $0 RATE [TOOL's arguments...]}
+RATE=${1:?usage: $0 RATE [arguments of TOOL...]}
 TOOL=${TOOL:-tools/calibrate_planner.py}
 shift
 export NETLAB_PREFIX=${NETLAB_PREFIX:-mzcal} NETLAB_SUBNET=${NETLAB_SUBNET:-10.79.0}
