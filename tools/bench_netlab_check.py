@@ -119,7 +119,10 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     for name, argv, measured in bench.jobs:
         cfg = load_config(argv)
         validate_config(cfg, topo.world_size)
-        jobs.append((name, cfg, resolve_outer(cfg, topo.world_size, topo.ranks_per_node), measured))
+        outer = resolve_outer(cfg, topo.world_size, topo.ranks_per_node)
+        if outer is None:
+            raise ConfigError(f"{a.results}: row {name} trains synchronously; expected only two-level rows here")
+        jobs.append((name, cfg, outer, measured))
     island_nodes = {outer.island_nodes for _, _, outer, _ in jobs}
     if len(island_nodes) != 1:
         raise ConfigError(

@@ -47,7 +47,7 @@ from megazpp.planner.probe import (
     probe_model_flops,
 )
 from megazpp.planner.report import measured_inputs
-from megazpp.planner.shape import shape_of_model
+from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.engine import ZeroEngine
@@ -67,7 +67,7 @@ def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
     return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
-def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, object]:
+def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strategy: str) -> tuple[float, StageShape]:
     model = GPTModel(cfg)
     shape = shape_of_model(model, bucket_numel=a.bucket_numel, threshold=0, layers=cfg.num_layers)
     engine = ZeroEngine(

@@ -43,7 +43,8 @@ FINISHED = "DONE"
 
 def describe(name: str, config: dict | None) -> str:
     """The run as its logged config says it trained (the name where a run logged none)."""
-    outer = (config or {}).get("outer")
+    config = config or {}
+    outer = config.get("outer")
     if not outer:
         return name
     if outer["algorithm"] == "none":

@@ -42,7 +42,7 @@ from megazpp.config import Config, load_config
 from megazpp.config_checks import resolve_outer, validate_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.outer.settings import OuterOptions
@@ -155,12 +155,13 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
         lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=ns.replica_groups)
     losses_pg = loss_group(ns.loss_store, rank, world)
     t = cfg.training
-    eval_samples = t.eval_iters * t.global_batch_size
+    global_batch = required(t.global_batch_size, "training.global_batch_size")
+    eval_samples = t.eval_iters * global_batch
     train_ds, _, _ = build_gpt_datasets(
         cfg.data.data_path,
         cfg.data.split,
         cfg.model.seq_length,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
+        (t.train_iters * global_batch, eval_samples, eval_samples),
         t.seed,
     )
     torch.manual_seed(t.seed)
@@ -197,7 +198,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(cfg.logging.tensorboard_dir)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    tokens_per_step = global_batch * cfg.model.seq_length
     micro_batches = cfg.num_micro_batches(world)
     with DiLoCo(
         manager,
@@ -223,7 +224,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
             inner.zero_grad(set_to_none=True)
             schedule.step()
             mean = torch.stack(losses).mean()
-            losses_pg.allreduce([mean]).wait()
+            losses_pg.allreduce([mean]).wait()  # type: ignore[attr-defined]  # the binding's method; torch's stubs lack it
             elapsed = time.perf_counter() - start
             values = {
                 "train/loss": float(mean) / world,
@@ -249,7 +250,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
             f"all-reduce failed and torchft discarded the step (see the log above)"
         )
     manager.shutdown(wait=False)
-    losses_pg.barrier().wait()  # no group's store (the loss group's, its launcher's) goes while another uses it
+    losses_pg.barrier().wait()  # type: ignore[attr-defined]  # as allreduce above; no group's store (the loss group's, its launcher's) goes while another uses it
     dist.destroy_process_group()
     if lighthouse is not None:  # every group is past its last quorum once group 0 has its last outer step
         lighthouse.shutdown()

@@ -141,12 +141,15 @@ class Exchange:
             return
         self.work.wait()
         self.sent = None
+        received = self.received
+        if received is None:
+            raise RuntimeError(f"outer exchange of fragment {self.fragment}: stage 1 holds no received chunks")
         if self.int4 is not None and self.errors is not None:
-            mine = self.int4.encode(average_chunks(self.int4.decode(self.received)), self.errors[1], 1).view(-1)
+            mine = self.int4.encode(average_chunks(self.int4.decode(received)), self.errors[1], 1).view(-1)
         else:  # a slice of columns at a time: each the same mean over islands, no fp32 copy of them all
-            mine = torch.empty(self.received.shape[1], dtype=self.full.dtype)
+            mine = torch.empty(received.shape[1], dtype=self.full.dtype)
             for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
-                mine[lo : lo + AVERAGE_COLUMNS] = average_chunks(self.received[:, lo : lo + AVERAGE_COLUMNS])
+                mine[lo : lo + AVERAGE_COLUMNS] = average_chunks(received[:, lo : lo + AVERAGE_COLUMNS])
         self.received = None
         self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
         self.stage = 2

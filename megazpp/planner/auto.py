@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from megazpp.config import Config
 from megazpp.config_planner import PlannerSettings
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, required
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
@@ -244,7 +244,8 @@ def _backend(cpu: bool) -> str:
 def _workload(cfg: Config, topology: Topology) -> Workload:
     workload = workload_of_config(cfg)
     if workload.global_batch is None:  # validate_config not run: one micro-batch per DP rank
-        workload = dataclasses.replace(workload, global_batch=workload.micro_batch * topology.dp * topology.islands)
+        micro = required(workload.micro_batch, "training.micro_batch_size")
+        workload = dataclasses.replace(workload, global_batch=micro * topology.dp * topology.islands)
     return workload
 
 
@@ -283,7 +284,7 @@ def auto_strategy(
             choice.plan.reason,
             island_table(choice.plan),
         )
-    elif topology.rank == 0:
+    elif topology.rank == 0 and isinstance(choice.plan, Plan):
         log.info(
             "zero: paro_strategy auto -> %s (runner-up %s): %s\n%s",
             name,

@@ -25,7 +25,7 @@ def _strategy(cfg: Config, engine: Engine) -> str:
     it runs (hpZ lowered to a node's DP ranks, all off on one DP rank) with why it differs from
     what was asked: said here once, not by every rank of the engine."""
     two_level = isinstance(engine, DiLoCoEngine)
-    if two_level:
+    if isinstance(engine, DiLoCoEngine):
         engine = engine.inner  # the island's engine
     if not isinstance(engine, ZeroEngine):
         return "none: one data-parallel replica (LocalEngine)"
