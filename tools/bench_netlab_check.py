@@ -59,7 +59,7 @@ from megazpp.planner.probe import (
     probe_memory_bandwidth,
     probe_model_flops,
 )
-from megazpp.planner.report import measured_inputs
+from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config
 from megazpp.zero.strategy import resolve_strategy
@@ -192,13 +192,9 @@ def report(result: dict, a: argparse.Namespace) -> str:
         "",
         "Two-level rows (out of sample: no two-level run built or chose the model; see the tool's docstring):",
         "",
-        "| row | predicted s/step | measured s/step | error |",
-        "|---|---|---|---|",
     ]
-    errors = []
-    for name, predicted, measured, _ in result["rows"]:
-        errors.append(predicted / measured - 1)
-        lines.append(f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * errors[-1]:+.1f} % |")
+    table, errors = prediction_table("row", result["rows"])
+    lines += table
     worst = max(abs(e) for e in errors)
     lines += [
         "",
@@ -206,11 +202,7 @@ def report(result: dict, a: argparse.Namespace) -> str:
     ]
     lines += [f"not checked: {', '.join(bench.skipped)}"] if bench.skipped else []
     if a.breakdown:
-        lines += ["", "Predicted seconds per step, by term:"]
-        lines += [
-            f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
-            for name, _, _, terms in result["rows"]
-        ]
+        lines += term_breakdown(result["rows"])
     return "\n".join(lines)
 
 

@@ -46,7 +46,7 @@ from megazpp.planner.probe import (
     probe_memory_bandwidth,
     probe_model_flops,
 )
-from megazpp.planner.report import measured_inputs
+from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload
 from megazpp.tool_flags import add_shape_flags, model_config
@@ -172,13 +172,9 @@ def report(result: dict, a: argparse.Namespace) -> str:
         f"micro-batch {a.micro_batch_size} x {a.micro_batches}, fp32, gloo; {c.nodes} nodes x {c.gpus_per_node} ranks. "
         f"{measured_inputs(c, bool(a.inter_gbit), result['probed_inter'])}",
         "",
-        "| strategy | predicted s/step | measured s/step | error |",
-        "|---|---|---|---|",
     ]
-    errors = []
-    for name, predicted, measured, _ in result["rows"]:
-        errors.append(predicted / measured - 1)
-        lines.append(f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * errors[-1]:+.1f} % |")
+    table, errors = prediction_table("strategy", result["rows"])
+    lines += table
     rho = spearman([r[1] for r in result["rows"]], [r[2] for r in result["rows"]])
     worst = max(abs(e) for e in errors)
     ok = rho >= 0.8 and worst <= 0.3
@@ -188,11 +184,7 @@ def report(result: dict, a: argparse.Namespace) -> str:
         f"(target <= 30 %): {'PASS' if ok else 'FAIL'}",
     ]
     if a.breakdown:
-        lines += ["", "Predicted seconds per step, by term:"]
-        lines += [
-            f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v)
-            for name, _, _, terms in result["rows"]
-        ]
+        lines += term_breakdown(result["rows"])
     return "\n".join(lines)
 
 

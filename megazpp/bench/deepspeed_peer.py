@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.config_checks import validate_config
@@ -36,7 +37,6 @@ from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
-from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
 
@@ -112,12 +112,7 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
         cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style
     )
     samples = iter(PretrainingSampler(len(train_ds), 0, t.micro_batch_size, rank, world, t.seed))
-    writer = None
-    if rank == 0 and cfg.logging.tensorboard_dir:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(cfg.logging.tensorboard_dir)
-    tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
+    log = PeerLog(cfg, rank, world)
     for iteration in range(1, t.train_iters + 1):
         start = time.perf_counter()
         set_lr(optimizer, schedule.lr)
@@ -131,24 +126,8 @@ def train(cfg: Config, zero: dict[str, Any]) -> None:
         schedule.step()
         mean = torch.stack(losses).mean()
         dist.all_reduce(mean)
-        elapsed = time.perf_counter() - start
-        values = {
-            "train/loss": float(mean) / world,
-            "perf/tokens_per_sec": tokens_per_step / elapsed,
-            "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu"))),
-        }
-        if rank == 0:
-            print(
-                f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | "
-                f"tokens/s {values['perf/tokens_per_sec']:.0f}",
-                flush=True,
-            )
-            if writer is not None:
-                for tag, value in values.items():
-                    writer.add_scalar(tag, value, iteration)
-                writer.flush()
-    if writer is not None:
-        writer.close()
+        log.step(iteration, float(mean), time.perf_counter() - start)
+    log.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

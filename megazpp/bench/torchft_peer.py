@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config import Config, load_config
 from megazpp.config_checks import resolve_outer, validate_config
@@ -46,7 +47,6 @@ from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
 from megazpp.outer.settings import OuterOptions
-from megazpp.training.logger import peak_memory_bytes
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
 
@@ -193,12 +193,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
         cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style
     )
     samples = iter(PretrainingSampler(len(train_ds), 0, t.micro_batch_size, rank, world, t.seed))
-    writer = None
-    if rank == 0 and cfg.logging.tensorboard_dir:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(cfg.logging.tensorboard_dir)
-    tokens_per_step = global_batch * cfg.model.seq_length
+    log = PeerLog(cfg, rank, world)
     micro_batches = cfg.num_micro_batches(world)
     with DiLoCo(
         manager,
@@ -225,24 +220,8 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
             schedule.step()
             mean = torch.stack(losses).mean()
             losses_pg.allreduce([mean]).wait()  # type: ignore[attr-defined]  # the binding's method; torch's stubs lack it
-            elapsed = time.perf_counter() - start
-            values = {
-                "train/loss": float(mean) / world,
-                "perf/tokens_per_sec": tokens_per_step / elapsed,
-                "mem/peak_bytes": float(peak_memory_bytes(torch.device("cpu"))),
-            }
-            if rank == 0:
-                print(
-                    f"iter {iteration:>6}/{t.train_iters} | loss {values['train/loss']:.4f} | tokens/s "
-                    f"{values['perf/tokens_per_sec']:.0f} | outer steps {manager.current_step()}",
-                    flush=True,
-                )
-                if writer is not None:
-                    for tag, value in values.items():
-                        writer.add_scalar(tag, value, iteration)
-                    writer.flush()
-    if writer is not None:
-        writer.close()
+            log.step(iteration, float(mean), time.perf_counter() - start, f"outer steps {manager.current_step()}")
+    log.close()
     expected = t.train_iters // options.sync_every
     if manager.current_step() != expected:
         raise RuntimeError(

@@ -136,3 +136,25 @@ def measured_inputs(c: Cluster, inter_given: bool, probed_inter: float) -> str:
         f"{c.inter_latency * 1e6:.0f} us; AdamW {adam}; overlap model {'on' if c.overlap else 'off'}; "
         f"collectives (ms per call at 4 KiB / 256 KiB / 4 MiB per member): {probed or 'not probed'}"
     )
+
+
+PredictionRow = tuple[str, float, float, dict[str, float]]  # name, predicted s, measured s, terms
+
+
+def prediction_table(kind: str, rows: list[PredictionRow]) -> tuple[list[str], list[float]]:
+    """The calibration tools' table of predicted against measured seconds per step, one line a
+    `kind` (strategy, two-level row), and each row's relative error."""
+    lines = [f"| {kind} | predicted s/step | measured s/step | error |", "|---|---|---|---|"]
+    errors = [predicted / measured - 1 for _, predicted, measured, _ in rows]
+    lines += [
+        f"| {name} | {predicted:.4f} | {measured:.4f} | {100 * e:+.1f} % |"
+        for (name, predicted, measured, _), e in zip(rows, errors)
+    ]
+    return lines, errors
+
+
+def term_breakdown(rows: list[PredictionRow]) -> list[str]:
+    """Each prediction's nonzero terms (`--breakdown`)."""
+    return ["", "Predicted seconds per step, by term:"] + [
+        f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in terms.items() if v) for name, _, _, terms in rows
+    ]
