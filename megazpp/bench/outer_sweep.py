@@ -141,7 +141,7 @@ def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult
 
 def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) -> None:
     """Final validation loss (mean, min..max bars) against inter-node bytes per step."""
-    figure = Figure(figsize=(8, 5), dpi=110)
+    figure = Figure(figsize=(12, 5), dpi=110)
     axes = figure.subplots()
     for name, rows in results.items():
         x = statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6
@@ -162,7 +162,7 @@ def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) ->
         title="Two-level training: quality against inter-node traffic (equal tokens)",
     )
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: points stay visible
     figure.tight_layout()
     save_png(figure, path)
 
