@@ -22,23 +22,24 @@ import torch
 import torch.distributed as dist
 
 from megazpp.cli import configure_logging, run_tool
-from megazpp.config import Config
-from megazpp.config_reference import render_help
+from megazpp.config.reference import render_help
+from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError, required
 from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.launch.lifeline import die_with_launcher
+from megazpp.launch.local_ranks import release_process_groups
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.compile import compile_layers
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
-from megazpp.optim.engine import Engine, LocalEngine
+from megazpp.optim.engine_protocol import Engine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import rank_device, visible_gpus
-from megazpp.parallel.lifeline import die_with_launcher
-from megazpp.parallel.local_launch import release_process_groups
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
@@ -55,15 +56,15 @@ from megazpp.training.checkpoint import (
     load_model_weights,
     read_metadata,
 )
+from megazpp.training.forward_backward import forward_backward
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.resume_check import uses_zero_engine
 from megazpp.training.save_lock import hold_save_dir
-from megazpp.training.schedule import forward_backward
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
-from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.zero_engine import ZeroEngine
 
 
 def pick_device() -> torch.device:

@@ -157,10 +157,10 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 "$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
   --ranks-on-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK" "${TRAIN_ARGS[@]}"
 
-# torchrun behind megazpp.parallel.node_launch: MASTER_PORT unset is a free port on one node
+# torchrun behind megazpp.launch.node_launcher: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,
 # with a line every 30 s saying what is awaited and a one-line error at the end.
-exec "$PYTHON" -m megazpp.parallel.node_launch \
+exec "$PYTHON" -m megazpp.launch.node_launcher \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-}" \
   --rdzv-timeout "${RDZV_TIMEOUT:-600}" --max-restarts "${MAX_RESTARTS:-0}" \

@@ -42,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "multirank: spawns gloo ranks (megazpp.parallel.local_launch.run_ranks); "
+        "multirank: spawns gloo ranks (megazpp.launch.local_ranks.run_ranks); "
         "set by conftest on every test that reaches run_ranks",
     )
     config.addinivalue_line(

@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.analysis.compare_dirs import compare_directories
 from megazpp.analysis.event_reader import read_run
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import ConfigError, DataError
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"

@@ -6,7 +6,7 @@ from tensorboard.plugins.hparams import metadata
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.analysis.hparams import hparams_from_config, write_hparams
-from megazpp.config import Config
+from megazpp.config.schema import Config
 
 
 def test_flattening_rules():

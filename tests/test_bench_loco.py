@@ -12,8 +12,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench.loco_gap import closed_fraction, describe
 from megazpp.bench.loco_gap import main as loco_gap_main
-from megazpp.config import load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 LOCO = REPO / "configs" / "experiments" / "loco"

@@ -30,8 +30,8 @@ from megazpp.bench.suite import (
 )
 from megazpp.bench.torchft_peer import check_config as torchft_check
 from megazpp.bench.torchft_peer import parse_args as torchft_args
-from megazpp.config import load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError, DataError
 from megazpp.zero.strategy import VALID_NAMES
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench.outer_sweep import main as sweep_main
-from megazpp.config import load_config
-from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "run_outer_experiment.sh"

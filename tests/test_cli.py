@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from megazpp.cli import add_out_flag, configure_logging
+from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.errors import ConfigError
-from megazpp.tool_flags import add_shape_flags, model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def megazpp_logger():
     root = logging.getLogger("megazpp")
     handlers, level = list(root.handlers), root.level
-    yield logging.getLogger("megazpp.zero.engine")
+    yield logging.getLogger("megazpp.zero.zero_engine")
     root.handlers[:], root.level = handlers, level
 
 

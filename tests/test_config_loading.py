@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from megazpp.config import NOT_IMPLEMENTED_YET, load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
+from megazpp.config.schema import NOT_IMPLEMENTED_YET
 from megazpp.errors import ConfigError
 
 BASE_YAML = """\

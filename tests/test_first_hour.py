@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from megazpp.config import flag_table, load_config
-from megazpp.config_checks import validate_config
-from megazpp.config_reference import DOC_PATH, HELP, render_markdown
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
+from megazpp.config.reference import DOC_PATH, HELP, render_markdown
+from megazpp.config.schema import flag_table
 from megazpp.errors import ConfigError
 from megazpp.training.zero_factory import zero_options
 
@@ -289,7 +290,7 @@ def test_deepspeed_configs_are_accepted_as_written(tmp_path):
 def test_help_and_flag_reference_follow_the_schema():
     fields = {f"{section}.{name}" for section, name in flag_table().values()}
     assert set(HELP) == fields  # one line of help for every field, none for a gone one
-    assert DOC_PATH.read_text() == render_markdown(), "docs/flags.md is stale: run python -m megazpp.config_reference"
+    assert DOC_PATH.read_text() == render_markdown(), "docs/flags.md is stale: run python -m megazpp.config.reference"
     out = tool("pretrain_gpt.py", "--help").stdout
     assert "--micro-batch-size int" in out and "(default: 4)" in out
     assert "--rotary-base                      = --rope-theta" in out

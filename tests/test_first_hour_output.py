@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_analysis_compare import write_run
 
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = "configs/llama_tiny.yaml"  # run.sh's default CONFIG: warmup 30 of 300 steps

@@ -23,8 +23,8 @@ from megazpp.interop.consolidate import consolidated_weights  # noqa: E402
 from megazpp.interop.convert import export_hf, import_hf  # noqa: E402
 from megazpp.interop.hf_llama import model_config_from_hf  # noqa: E402
 from megazpp.interop.safetensors_io import write_hf_weights  # noqa: E402
+from megazpp.launch.local_ranks import run_ranks  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
-from megazpp.parallel.local_launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)
@@ -178,7 +178,7 @@ def test_trained_checkpoint_exports_and_reloads(tmp_path, tiny_indexed_prefix, t
     reader = CheckpointReader(tmp_path / "run")
     assert reader.iteration == 2
     state = reader.rank_state(0, 0)
-    from megazpp.config import load_config
+    from megazpp.config.load import load_config
 
     cfg = load_config(["--config", str(config)]).model
     model = GPTModel(cfg).eval()

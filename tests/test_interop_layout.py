@@ -14,9 +14,9 @@ from megazpp.errors import CheckpointError, ConfigError, TopologyError
 from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
 from megazpp.interop.consolidate import consolidated_weights
 from megazpp.interop.model_layout import full_weight_names, shard_for_rank, stage_layouts
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import save_checkpoint

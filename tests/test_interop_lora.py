@@ -25,10 +25,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from megazpp.interop.checkpoint_io import CheckpointReader  # noqa: E402
 from megazpp.interop.consolidate import consolidated_weights  # noqa: E402
+from megazpp.launch.local_ranks import run_ranks  # noqa: E402
 from megazpp.model.config import ModelConfig  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
 from megazpp.model.lora import is_adapter  # noqa: E402
-from megazpp.parallel.local_launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)

@@ -22,14 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 import pretrain_gpt
-from megazpp.config import load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
 from megazpp.interop.reshard import needs_reshard
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer

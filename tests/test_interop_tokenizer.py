@@ -10,7 +10,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.jsonl import extract_text
 from megazpp.data.preprocess import preprocess

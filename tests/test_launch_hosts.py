@@ -156,7 +156,7 @@ def test_a_stop_before_the_run_started_is_not_lost(tmp_path):
     """The launcher may stop a host whose guard has not started yet: the run, once started,
     finds the stop marker and ends at once, leaving no pid file or marker behind."""
     pidfile = tmp_path / "run.pid"
-    guard = [sys.executable, "-m", "megazpp.launch.node"]
+    guard = [sys.executable, "-m", "megazpp.launch.host_guard"]
     stop = subprocess.run([*guard, "--stop", str(pidfile)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0, stop.stderr
     started = time.monotonic()

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from megazpp.errors import LaunchError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.launch.preflight import NodeReport, check_nodes, first_difference
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 
 DATA = "data/corpus_text_document"

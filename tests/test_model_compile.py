@@ -86,7 +86,7 @@ def test_compiled_layers_train_like_eager():
 
 def test_compile_flag_compiles_the_layers_of_the_main_job():
     import pretrain_gpt
-    from megazpp.config import load_config
+    from megazpp.config.load import load_config
     from megazpp.parallel.topology import Topology
 
     cfg = load_config(
@@ -144,7 +144,7 @@ def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, t
     from test_training_parallel import common_args
 
     import pretrain_gpt
-    from megazpp.parallel.local_launch import run_ranks
+    from megazpp.launch.local_ranks import run_ranks
 
     args = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
     reference = pretrain_gpt.main(common_args(*args)).losses
@@ -165,8 +165,8 @@ def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, t
 def test_compile_with_sharded_parameters_is_refused(flags, message):
     """Measured: ZeRO-3 with compiled layers failed at the first released parameter (Inductor's
     size check); refused in the config check, before any rank starts."""
-    from megazpp.config import load_config
-    from megazpp.config_checks import validate_config
+    from megazpp.config.checks import validate_config
+    from megazpp.config.load import load_config
     from megazpp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazpp.config import load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from megazpp.errors import TopologyError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded, tp_partition_dim
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8, init_std=0.1)

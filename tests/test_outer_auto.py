@@ -9,9 +9,9 @@ import logging
 import re
 
 import pretrain_gpt
-from megazpp.config import load_config
-from megazpp.config_checks import resolve_outer
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.config.checks import resolve_outer
+from megazpp.config.load import load_config
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import plan
 from megazpp.planner.shape import shapes_of_config

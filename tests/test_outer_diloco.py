@@ -24,20 +24,20 @@ import dataclasses
 import pytest
 import torch
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.optim.engine import LocalEngine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.outer.diloco import DiLoCoEngine, due_fragments, merge, outer_update
 from megazpp.outer.exchange import average_chunks
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
+from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
 LLAMA = dict(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import pretrain_gpt
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.launch.local_ranks import run_ranks
 from tests.test_training_parallel import common_args
 
 OUTER = ["--outer-algorithm", "diloco", "--outer-sync-every", "2", "--zero-stage", "1"]

@@ -17,17 +17,17 @@ import dataclasses
 
 import torch
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.outer import traffic
 from megazpp.outer.diloco import DiLoCoEngine, fragment_of, merge_ranges, range_indices
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 STEPS, MICRO, H = 4, 2, 2

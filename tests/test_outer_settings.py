@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megazpp.config import load_config
-from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.outer.settings import OuterOptions
 

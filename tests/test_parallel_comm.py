@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from megazpp.errors import TopologyError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel import comm
 from megazpp.parallel.counter import CommCounter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology, check_model_split, check_shape
 
 ELEMS = 24  # fp32 elements of the "known size" tensors: N = 96 bytes

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
-from megazpp.optim.engine import LocalEngine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology, check_model_split
-from megazpp.training.schedule import forward_backward
-from megazpp.zero.engine import ZeroEngine
+from megazpp.training.forward_backward import forward_backward
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, MICRO_BATCH, SEQ = 5, 2, 2, 8
 GRAD_STEPS = (0, STEPS - 1)

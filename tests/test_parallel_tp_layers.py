@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

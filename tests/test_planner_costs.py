@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.config import ModelConfig
 from megazpp.planner.activations import layer_bytes, stage_activation_bytes
@@ -400,7 +400,7 @@ def test_without_overlap_only_the_link_wait_hides():
 
 
 def test_planner_settings_refuse_non_positive_values():
-    from megazpp.config_planner import PlannerSettings
+    from megazpp.planner.settings import PlannerSettings
 
     PlannerSettings(probe=True).validate()
     with pytest.raises(ConfigError, match="planner.inter_node_gbit = 0"):

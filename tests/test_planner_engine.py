@@ -22,26 +22,26 @@ import math
 import pytest
 import torch
 
-from megazpp.config import Config, OptimizerConfig, PrecisionConfig
-from megazpp.config_planner import PlannerSettings
+from megazpp.config.schema import Config, OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
+from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.training.zero_factory import build_zero_engine
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.sequences import Hierarchy
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.traffic import choose_hierarchy
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 LLAMA = dict(

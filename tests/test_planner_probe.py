@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.launch.local_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (1 << 8, 1 << 12, 1 << 18)  # fp32 elements per member

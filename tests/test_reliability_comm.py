@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.launch.local_ranks import run_ranks
 
 TIMEOUT_S = 4
 
@@ -60,7 +60,7 @@ def test_a_dead_or_hung_peer_is_named_not_waited_for(tmp_path):
 
 def test_pretrain_passes_the_distributed_timeout(monkeypatch):
     import pretrain_gpt
-    from megazpp.config import load_config
+    from megazpp.config.load import load_config
 
     seen = {}
     monkeypatch.setattr(pretrain_gpt.dist, "is_initialized", lambda: False)

@@ -23,9 +23,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megazpp.config import SECTIONS, flag_table, load_config
-from megazpp.config_checks import validate_config
-from megazpp.config_deepspeed import map_deepspeed_config, read_deepspeed_config
+from megazpp.config.checks import validate_config
+from megazpp.config.deepspeed import map_deepspeed_config, read_deepspeed_config
+from megazpp.config.load import load_config
+from megazpp.config.schema import SECTIONS, flag_table
 from megazpp.data.indexed_dataset import MAGIC, IndexedDataset
 from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import MegazppError

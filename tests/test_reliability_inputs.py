@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_training_pretrain import tiny_args
 
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazpp.errors import ConfigError
 

@@ -113,7 +113,7 @@ def test_waiting_is_reported_while_it_lasts():
             [
                 sys.executable,
                 "-m",
-                "megazpp.parallel.node_launch",
+                "megazpp.launch.node_launcher",
                 "--nnodes",
                 "2",
                 "--node-rank",
@@ -198,7 +198,7 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
 
 def test_a_bad_port_or_node_rank_is_one_line():
     from megazpp.errors import ConfigError
-    from megazpp.parallel.node_launch import parse_args, resolve_port
+    from megazpp.launch.node_launcher import parse_args, resolve_port
 
     for bad in ("abc", "0", "70000"):
         with pytest.raises(ConfigError, match=f"MASTER_PORT = '{bad}': expected a port number in 1..65535"):

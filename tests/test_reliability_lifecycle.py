@@ -79,7 +79,7 @@ def _train_then_release(argv: list[str]) -> tuple[list[str], list[str]]:
     """On each rank: a whole job, then the release a finished job ends with; gloo's threads
     before and after it."""
     import pretrain_gpt
-    from megazpp.parallel.local_launch import release_process_groups
+    from megazpp.launch.local_ranks import release_process_groups
 
     pretrain_gpt.main(argv)
     before = gloo_threads()
@@ -119,7 +119,7 @@ def test_a_finished_job_ends_its_process_groups_and_their_threads(tmp_path, tiny
     default argument kept every group alive past destroy_process_group, and gloo's threads ran
     on into interpreter shutdown, where one could abort a finished run. ZeRO-3 over 2 virtual
     nodes (DP, intra- and inter-node groups), with an evaluation (a prefetch) and a save last."""
-    from megazpp.parallel.local_launch import run_ranks
+    from megazpp.launch.local_ranks import run_ranks
 
     argv = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, *SHUTDOWN_JOB, "--save", str(tmp_path / "ckpt"))
     for before, after in run_ranks(_train_then_release, 2, argv, timeout_s=240):
@@ -135,10 +135,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
-from megazpp.parallel.local_launch import release_process_groups
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import release_process_groups
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 
 torch.set_num_threads(1)

@@ -24,10 +24,10 @@ import yaml
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.training.checkpoint import METADATA_FILE, file_checksum
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.startup import prepare

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.optim.engine import LocalEngine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.optim.optimizer import param_groups
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.training.forward_backward import forward_backward
 from megazpp.training.lr_schedule import LRSchedule
-from megazpp.training.schedule import forward_backward
 
 
 def tiny_llama() -> GPTModel:

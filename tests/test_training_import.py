@@ -11,10 +11,10 @@ import pytest
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.interop.checkpoint_io import write_weights_checkpoint
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.gpt import GPTModel
-from megazpp.parallel.local_launch import run_ranks
 
 SOURCE_SEED = 77
 # step 3 of two DP ranks against one rank: the runs differ only in the order the ranks' fp32

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import pretrain_gpt
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.launch.local_ranks import run_ranks
 
 REFERENCES = {"llama_fp32": [], "gpt2_bf16": ["--arch", "gpt2", "--bf16"]}
 LAYOUTS = {  # name: (flags, reference, tolerance)

@@ -19,21 +19,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.optim.engine import LocalEngine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
 from megazpp.zero import sequences
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained, parameter_units
+from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, SAVE_AT = 5, 2, 2
 LLAMA = dict(

@@ -20,19 +20,19 @@ import copy
 
 import torch
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.trainable import apply_trainable
-from megazpp.optim.engine import LocalEngine
+from megazpp.optim.local_engine import LocalEngine
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.frozen import FROZEN_PREFIX
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
+from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO = 3, 2
 LLAMA = dict(

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.zero import sequences
 from megazpp.zero.collectives import PendingSequence, zero_groups

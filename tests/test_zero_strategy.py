@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
 from megazpp.errors import ConfigError
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.layout import BucketLayout, dp_pieces, padded_numel
@@ -170,7 +170,7 @@ def test_module_granularity_threshold_groups_fine_grained_subtrees():
 
 
 def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
-    from megazpp.config import ZeroConfig
+    from megazpp.config.schema import ZeroConfig
     from megazpp.training.zero_factory import zero_options
 
     opts = zero_options(
@@ -221,7 +221,7 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
 def test_config_validate_refuses_bad_zero_values_before_any_process_group():
     """Config.validate runs before torch.distributed is initialised: every bad `zero` value
     named there, with the key."""
-    from megazpp.config import Config, ZeroConfig
+    from megazpp.config.schema import Config, ZeroConfig
 
     for zero, key in (
         (ZeroConfig(paro_strategy="GNN"), "zero.paro_strategy"),

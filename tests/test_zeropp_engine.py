@@ -34,16 +34,16 @@ import pytest
 import torch
 
 import kernels
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zeropp_tutorial.json"

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 import kernels
-from megazpp.config import OptimizerConfig, PrecisionConfig
-from megazpp.parallel.local_launch import run_ranks
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 BLOCK = 64

@@ -29,10 +29,10 @@ from torch import nn
 
 from megazpp.bench.hf_peer import hf_peer, peer_available, peer_loss
 from megazpp.cli import run_tool
+from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.model.compile import compile_layers
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
-from megazpp.tool_flags import add_shape_flags, model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -39,8 +39,8 @@ from megazpp.bench.peft import peft_configs, verdict
 from megazpp.bench.plot import plot_settings
 from megazpp.bench.suite import DEEPSPEED, TORCHFT, BenchConfig, all_configs, check_steps, select, steps_fit
 from megazpp.cli import add_out_flag, run_tool
-from megazpp.config import load_config
-from megazpp.config_checks import validate_config
+from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import DataError, MegazppError, required
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -41,12 +41,12 @@ from bench_netlab import shared_run_args
 
 from megazpp.bench.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
-from megazpp.config import load_config
-from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import stage_shape
 from megazpp.planner.cluster import Cluster, gbit

@@ -21,17 +21,17 @@ from typing import Any
 import torch
 
 from megazpp.cli import run_tool
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.config.tool_flags import add_shape_flags, model_config
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.counter import counter
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.tool_flags import add_shape_flags, model_config
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained
+from megazpp.zero.zero_engine import ZeroEngine
 
 WORLD, RANKS_PER_NODE = 4, 2
 

@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 
 from megazpp.cli import run_tool
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.config.tool_flags import add_shape_flags, model_config
+from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel import comm
-from megazpp.parallel.local_launch import run_ranks
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
@@ -49,10 +50,9 @@ from megazpp.planner.probe import (
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload
-from megazpp.tool_flags import add_shape_flags, model_config
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import parse_strategy
+from megazpp.zero.zero_engine import ZeroEngine
 
 DEFAULT_STRATEGIES = ["NNN", "NNG", "NGG", "GGG", "III", "IIG", "NIG", "GIG"]
 

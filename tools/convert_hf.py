@@ -23,7 +23,7 @@ import argparse
 from pathlib import Path
 
 from megazpp.cli import run_tool
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.interop.checkpoint_io import saved_tokenizer
 from megazpp.interop.consolidate import DTYPES, parse_dtype, two_level_note
 from megazpp.interop.convert import export_hf, import_hf

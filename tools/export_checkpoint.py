@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from megazpp.cli import add_out_flag, run_tool
-from megazpp.config import load_config
+from megazpp.config.load import load_config
 from megazpp.interop.consolidate import DTYPES, parse_dtype, two_level_note
 from megazpp.interop.convert import export_safetensors
 

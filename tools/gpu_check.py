@@ -497,8 +497,8 @@ STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
 
 def dry_run() -> int:
     """Print the plan and check every engine job's flags form a valid config (no GPU needed)."""
-    from megazpp.config import load_config
-    from megazpp.config_checks import validate_config
+    from megazpp.config.checks import validate_config
+    from megazpp.config.load import load_config
     from megazpp.training.zero_factory import zero_options
 
     print("tools/gpu_check.sh plan (estimated seconds on one H100 / H200; budget --budget-s):")

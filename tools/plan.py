@@ -23,7 +23,9 @@ import dataclasses
 import sys
 
 from megazpp.cli import run_tool
-from megazpp.config import Config, load_config
+from megazpp.config.load import load_config
+from megazpp.config.schema import Config
+from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import parameter_count
@@ -33,7 +35,6 @@ from megazpp.planner.report import summary, table, two_level_reason, two_level_t
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.two_level import plan_two_level
 from megazpp.planner.workload import DTYPE_BYTES, Workload, workload_of_config
-from megazpp.tool_flags import add_shape_flags, model_config
 from megazpp.zero.zeropp import ZeroPP
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import required
 from megazpp.training.logger import peak_memory_bytes
 

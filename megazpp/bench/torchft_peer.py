@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
-from megazpp.config import Config, load_config
-from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.load import load_config
+from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required

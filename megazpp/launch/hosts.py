@@ -7,7 +7,7 @@ CMD` where pdsh is installed, or the command in MEGAZPP_RSH) and runs `run.sh` i
 directory as here, with NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT / NPROC_PER_NODE set and
 the job's own variables (FORWARDED, FORWARDED_PREFIXES) passed on. Every line a host prints is
 shown prefixed by its name. When one host fails, or on Ctrl-C, every other host is stopped
-(`megazpp.launch.node`) and the launcher exits non-zero: the first failure's code, or 128 +
+(`megazpp.launch.host_guard`) and the launcher exits non-zero: the first failure's code, or 128 +
 the signal. Standard library only.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megazpp.errors import LaunchError
-from megazpp.launch.node import exit_code
+from megazpp.launch.host_guard import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 FORWARDED = (
@@ -134,7 +134,7 @@ class Launch:
             *assignments,
             self.python,
             "-m",
-            "megazpp.launch.node",
+            "megazpp.launch.host_guard",
             "--pidfile",
             self.pidfile(node_rank),
             "--",
@@ -148,7 +148,7 @@ class Launch:
         command = [
             self.python,
             "-m",
-            "megazpp.launch.node",
+            "megazpp.launch.host_guard",
             "--stop",
             self.pidfile(node_rank),
             "--grace",

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from megazpp.config import OptimizerConfig
+from megazpp.config.schema import OptimizerConfig
 
 
 def is_decayed(name: str, param: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.optim.engine import StepResult
+from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer import traffic
 from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire, padded_size
 from megazpp.outer.settings import OuterOptions
@@ -40,9 +40,9 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero import memory
 from megazpp.zero import traffic as traffic_zero
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.sequences import GroupShape
 from megazpp.zero.strategy import Strategy, level_div
+from megazpp.zero.zero_engine import ZeroEngine
 
 log = logging.getLogger(__name__)
 

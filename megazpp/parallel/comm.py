@@ -46,7 +46,7 @@ import torch.distributed as dist
 # group as its functions' default argument when it is first imported. Imported later (torch
 # does, through torch.distributed.fsdp, while an engine is built), it holds the default group
 # past destroy_process_group, and with it gloo's worker threads until the interpreter exits
-# (local_launch.release_process_groups says why that aborts a finished run).
+# (local_ranks.release_process_groups says why that aborts a finished run).
 import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import ProcessGroup
 

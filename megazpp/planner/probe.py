@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from megazpp.config import OptimizerConfig
+from megazpp.config.schema import OptimizerConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel

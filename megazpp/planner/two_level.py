@@ -359,7 +359,7 @@ def plan_two_level(
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)
                         for inner in inner_rows:
-                            if any(st.layers < f for st in shapes):  # the runtime's limit (config_checks)
+                            if any(st.layers < f for st in shapes):  # the runtime's limit (config.checks)
                                 break
                             row = predict_two_level(choice, inner, shapes, workload, cluster)
                             if row.fits:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.trainable import trainable_fraction
@@ -76,7 +76,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def workload_of_config(cfg: Config) -> Workload:
     """The job a run's Config describes (global batch: as given, or one micro-batch per DP rank
-    once `config_checks.validate_config` resolved it; None is left for the caller to fill)."""
+    once `config.checks.validate_config` resolved it; None is left for the caller to fill)."""
     prec, par, z, t = cfg.precision, cfg.parallel, cfg.zero, cfg.training
     dtype = "bf16" if prec.bf16 else "fp16" if prec.fp16 else "fp32"
     return Workload(

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Sized
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.model.flops import parameter_count
 from megazpp.model.trainable import trainable_fraction
-from megazpp.optim.engine import Engine
+from megazpp.optim.engine_protocol import Engine
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
-from megazpp.zero.engine import ZeroEngine
+from megazpp.zero.zero_engine import ZeroEngine
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:

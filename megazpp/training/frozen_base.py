@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.training.checkpoint import METADATA_FILE, WEIGHTS_ONLY_KEY, file_checksum, latest_checkpoint, read_metadata
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from megazpp.optim.engine import StepResult
+from megazpp.optim.engine_protocol import StepResult
 
 TAGS = (
     "train/loss",

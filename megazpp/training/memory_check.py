@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Option, predict

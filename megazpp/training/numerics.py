@@ -17,7 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from megazpp.optim.engine import StepResult
+from megazpp.optim.engine_protocol import StepResult
 
 
 @dataclass(frozen=True)

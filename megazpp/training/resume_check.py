@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
@@ -164,7 +164,7 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
         _precision(cfg.precision.bf16, cfg.precision.fp16),
     )
     # the fp16 loss scaler's state, and LocalEngine's fp32 masters of a 16-bit model, are
-    # saved only by runs that have them (`optim.engine`, `zero.engine_state`)
+    # saved only by runs that have them (`optim.engine_protocol`, `zero.engine_state`)
     if was != now and ("fp16" in (was, now) or not now_zero):
         raise CheckpointError(
             f"{where} was saved in {was}; this run is in {now}, and its engine state (fp32 "

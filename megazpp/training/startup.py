@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megazpp.config import Config, load_config
-from megazpp.config_checks import resolve_outer, validate_config
+from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.load import load_config
+from megazpp.config.schema import Config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from megazpp.config import Config
+from megazpp.config.schema import Config
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import CheckpointError, ConfigError, NumericalError, required
-from megazpp.optim.engine import Engine, StepResult
+from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
@@ -46,11 +46,11 @@ from megazpp.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from megazpp.training.forward_backward import MicroBatch, forward_backward
 from megazpp.training.frozen_base import BASE_KEY, FrozenBase, frozen_names, without_frozen
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
-from megazpp.training.schedule import MicroBatch, forward_backward
 from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]

@@ -12,16 +12,16 @@ from collections.abc import Callable
 
 from torch import nn
 
-from megazpp.config import Config, ZeroConfig
+from megazpp.config.schema import Config, ZeroConfig
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_hierarchy, auto_strategy
-from megazpp.zero.engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import resolve_strategy
 from megazpp.zero.units import check_persistence
+from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import check_zeropp, zeropp_of
 
 

@@ -22,7 +22,7 @@ from megazpp.zero.zeropp import ZeroPP
 
 
 class AccountedEngine(Protocol):
-    """What of a `zero.engine.ZeroEngine` the formulas read (a Protocol, so the engine imports
+    """What of a `zero.zero_engine.ZeroEngine` the formulas read (a Protocol, so the engine imports
     this file without this file importing the engine)."""
 
     strategy: Strategy

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointedEngine(Protocol):
-    """What of a `zero.engine.ZeroEngine` its checkpoint state reads and restores (a Protocol,
+    """What of a `zero.zero_engine.ZeroEngine` its checkpoint state reads and restores (a Protocol,
     so the engine can import this file without this file importing the engine)."""
 
     strategy: Strategy

@@ -36,7 +36,7 @@ FROZEN_SAVED_KEY = "frozen_saved"
 def check_frozen_support(strategy: Strategy, qwz: bool, hpz: int, persistence_threshold: int) -> None:
     """Refuse what frozen groups do not implement when parameters are sharded: qwZ / hpZ
     gathers and persistent parameters (they would be silently left out for frozen weights).
-    Run by the engine and, before any process group exists, by `config_checks`."""
+    Run by the engine and, before any process group exists, by `config.checks`."""
     if strategy.params == Level.N:
         return
     if qwz or hpz > 1:

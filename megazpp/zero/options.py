@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megazpp.config import ZeroConfig
+from megazpp.config.schema import ZeroConfig
 from megazpp.zero import sequences
 from megazpp.zero.zeropp import ZeroPP
 

@@ -93,7 +93,7 @@ def parse_strategy(value: str | int | Strategy, *, key: str = "paro_strategy") -
 
 def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
     """The strategy of a `zero` config section: `paro_strategy` wins over `stage`, and both
-    given and disagreeing is an error (checked by config_checks.validate_config, before any process group)."""
+    given and disagreeing is an error (checked by config.checks.validate_config, before any process group)."""
     if paro_strategy is None:
         return parse_strategy(stage, key="zero.stage")
     strategy = parse_strategy(paro_strategy, key="zero.paro_strategy")

@@ -14,7 +14,7 @@ import math
 
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
-from megazpp.config import ZeroConfig
+from megazpp.config.schema import ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.topology import Topology
 from megazpp.zero.strategy import Level, Strategy

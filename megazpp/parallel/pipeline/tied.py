@@ -14,7 +14,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megazpp.parallel import comm
-from megazpp.parallel.pipeline.engine import PipelineEngine
+from megazpp.parallel.pipeline.engine_protocol import PipelineEngine
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megazpp.optim.engine import Engine
+from megazpp.optim.engine_protocol import Engine
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input token ids [b, s], labels [b, s])
 

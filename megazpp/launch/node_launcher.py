@@ -22,7 +22,7 @@ exception at once and kill the ranks 30 s later, whether or not they had finishe
 The other signals keep torchrun's handling.
 
 Everything else is torchrun's own launch, run in this process: `python -m
-megazpp.parallel.node_launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr
+megazpp.launch.node_launcher --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr
 10.0.0.1 --master-port 29500 pretrain_gpt.py ...`.
 """
 
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from megazpp.cli import run_tool
 from megazpp.errors import CommunicationError, ConfigError
-from megazpp.parallel.lifeline import name_launcher
+from megazpp.launch.lifeline import name_launcher
 
 if TYPE_CHECKING:  # torch is imported late: the launcher must answer fast on bad input
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo

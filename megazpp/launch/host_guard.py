@@ -3,8 +3,8 @@
 Killing the local ssh (or pdsh) client does not stop what it started on the far side: without a
 terminal the remote command gets no hangup. So every host runs its command through
 
-    python -m megazpp.launch.node --pidfile FILE -- CMD...   (run CMD in a new process group)
-    python -m megazpp.launch.node --stop FILE                (stop that group: TERM, then KILL)
+    python -m megazpp.launch.host_guard --pidfile FILE -- CMD...   (run CMD in a new process group)
+    python -m megazpp.launch.host_guard --stop FILE                (stop that group: TERM, then KILL)
 
 and the launcher stops a host by starting the second form there. The group holds `run.sh`,
 torchrun and every rank, so one signal reaches them all. A stop that arrives before the run
@@ -82,7 +82,7 @@ def stop_guarded(pidfile: Path, grace_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megazpp.launch.node", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megazpp.launch.host_guard", description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--pidfile", type=Path, help="run the command after '--', publishing its process group here")
     mode.add_argument("--stop", type=Path, metavar="PIDFILE", help="stop the run published in PIDFILE")

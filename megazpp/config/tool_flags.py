@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from megazpp.cli import add_renamed_flag
-from megazpp.config import flag_table
-from megazpp.config_reference import HELP
+from megazpp.config.reference import HELP
+from megazpp.config.schema import flag_table
 from megazpp.model.config import ModelConfig
 
 # fields whose flags a tool may take: the model's shape and the training job's batch sizes

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from kernels.api import check_cpu_kernels
 from kernels.format import check_block_size, check_err_beta
-from megazpp.config import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented, validate_types
+from megazpp.config.load import validate_types
+from megazpp.config.schema import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented
 from megazpp.data.builder import parse_split
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule

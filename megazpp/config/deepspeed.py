@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megazpp.config_values import suggest
+from megazpp.config.values import suggest
 from megazpp.errors import ConfigError
 from megazpp.unique_keys import DuplicateKeyError, load_json
 

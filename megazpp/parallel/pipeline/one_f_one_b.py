@@ -3,7 +3,7 @@
 Stage p of P first runs P - p - 1 warm-up forwards (filling the pipe), then alternates one
 forward and one backward (steady state: at most P - p activations held, not all M), then
 drains the remaining backwards. Embedding runs on the first stage, head and loss on the last.
-Same calling convention as `megazpp.training.schedule.forward_backward`: each micro-batch's
+Same calling convention as `megazpp.training.forward_backward.forward_backward`: each micro-batch's
 mean loss is divided by the number of micro-batches before backward, and every rank returns
 the list of per-micro-batch losses (broadcast from the last stage, so logging on any rank
 reports the true loss). Tied embedding gradients are synchronised before returning.
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from megazpp.parallel import comm
-from megazpp.parallel.pipeline.engine import PipelineEngine
+from megazpp.parallel.pipeline.engine_protocol import PipelineEngine
 from megazpp.parallel.pipeline.p2p import exchange
 from megazpp.parallel.pipeline.tied import sync_tied_embedding_grads
 from megazpp.parallel.topology import Topology

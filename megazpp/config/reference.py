@@ -3,7 +3,7 @@
 Why generated: the flags are the dataclass fields (`megazpp.config.flag_table`), so a
 hand-written reference would drift from them. This module holds one line of help per field
 (a test requires a line for every field and none for a field that is gone) and renders the
-same table twice: as console text and as Markdown. `python -m megazpp.config_reference`
+same table twice: as console text and as Markdown. `python -m megazpp.config.reference`
 rewrites docs/flags.md; a test checks the committed file is what it would write.
 """
 
@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megazpp.config import FLAG_NAMES, SECTIONS, Config, file_defaults, flag_table
-from megazpp.config_aliases import MEGATRON_ALIASES, REFUSED_FLAGS
+from megazpp.config.aliases import MEGATRON_ALIASES, REFUSED_FLAGS
+from megazpp.config.load import file_defaults
+from megazpp.config.schema import FLAG_NAMES, SECTIONS, Config, flag_table
 
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 
 SECTION_HELP: dict[str, str] = {
     "model": "shape and behaviour of the GPT-2 / Llama model",
@@ -288,7 +289,7 @@ def render_markdown() -> str:
     out = [
         "# Flag reference",
         "",
-        "Generated from the config schema by `python -m megazpp.config_reference` (do not "
+        "Generated from the config schema by `python -m megazpp.config.reference` (do not "
         "edit by hand; a test checks it is current). `pretrain_gpt.py --help` prints the "
         "same. Precedence: defaults < `--config` YAML < `--deepspeed_config` JSON < flags. "
         "A YAML key is the flag's field name under its section (`--micro-batch-size` is "

@@ -1,19 +1,4 @@
-"""The optimizer-engine protocol the trainer talks to, and its single-rank implementation.
-
-Why a protocol: the trainer's loop must not care whether gradients are reduced over data
-parallel ranks, sharded (ZeRO/PaRO), quantized on the wire or kept whole. It only scales the
-loss, asks for a step and checkpoints the engine's state; each engine owns everything else
-(masters, moments, accumulators, the loss scaler) and saves it in its own state dict.
-`grad_for` hands the pipeline the accumulated tied-embedding gradient to sum across stages
-(`parallel.pipeline.PipelineEngine`, the part of this protocol the pipeline may name).
-`close` ends the engine after the last step: it finishes what is still in flight and removes
-the hooks it put on the model. A hook on a parameter is held by autograd's C++ side, which
-Python's garbage collector cannot see, so without `close` the engine, the model and every
-process group they hold would live until the interpreter exits, and gloo's worker threads
-with them (`parallel.local_launch.release_process_groups` says why that aborts a finished
-run).
-
-`LocalEngine` is one data-parallel rank holding whole gradients:
+"""`LocalEngine`, one data-parallel rank holding whole gradients:
 - fp32: AdamW directly on the model's parameters.
 - bf16 / fp16: the model runs in half precision; the optimizer updates fp32 master copies and
   writes them back, rounded, into the model after each step. Micro-batch gradients are summed
@@ -28,74 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
+from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
-from megazpp.optim.loss_scaler import LossScaler, scaler_for
-from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_dtype(precision: PrecisionConfig) -> torch.dtype:
-    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did: the global gradient norm before clipping (after
-    unscaling), whether the update was skipped, and the loss scale for the next step."""
-
-    grad_norm: float
-    skipped: bool
-    loss_scale: float
-    scalars: dict[str, float] = field(default_factory=dict)  # more to log this step (outer syncs)
-
-
-class Engine(Protocol):
-    """What the trainer and the schedules call; see module docstring."""
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
-
-    def set_lr(self, lr: float) -> None: ...
-
-    def step(self) -> StepResult: ...
-
-    def zero_grad(self) -> None: ...
-
-    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def grad_for(self, param: nn.Parameter) -> torch.Tensor | None: ...
-
-    def close(self) -> None: ...
-
-
-class ScaledOptimizerEngine:
-    """What every engine shares: an fp16 loss scaler (None outside fp16) and the AdamW whose
-    learning rate the trainer sets each step. Subclasses assign `scaler` and `optimizer`."""
-
-    scaler: LossScaler | None
-    optimizer: torch.optim.Optimizer
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler else loss
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+from megazpp.optim.loss_scaler import scaler_for
+from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups
 
 
 class LocalEngine(ScaledOptimizerEngine):

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from megazpp.config import OptimizerConfig, PrecisionConfig
+from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
-from megazpp.optim.engine import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
+from megazpp.optim.engine_protocol import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
@@ -475,7 +475,7 @@ class ZeroEngine(ScaledOptimizerEngine):
     def close(self) -> None:
         """After the last step (collective: every DP rank calls it): wait for every reduction
         and gather still in flight, then remove the engine's hooks from the model
-        (`optim.engine` says why)."""
+        (`optim.engine_protocol` says why)."""
         for b in self.buckets:
             if b.micro_pending is not None:
                 self._wait_micro(b)
