@@ -99,10 +99,10 @@ class CallCounter:
         register_optimizer_step_pre_hook(self._step_starts)
         register_optimizer_step_post_hook(self._step_ends)
 
-    def _step_starts(self, *_: Any) -> None:
+    def _step_starts(self, *_: object) -> None:
         self._stepping += 1
 
-    def _step_ends(self, *_: Any) -> None:
+    def _step_ends(self, *_: object) -> None:
         self._stepping -= 1
         if self._stepping == 0:  # the outermost step of this training step
             self.at_steps.append(self.calls)

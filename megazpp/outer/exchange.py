@@ -12,7 +12,6 @@ order over the peer group is one. `megazpp.outer.traffic` counts these two colle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -21,6 +20,7 @@ from kernels.api import kernel_set
 from megazpp.outer import traffic
 from megazpp.parallel import comm
 from megazpp.parallel.work import Work
+from megazpp.state import StateDict
 
 SYNC_TAG = "outer/sync"
 INT4_BITS = 4
@@ -171,7 +171,7 @@ class Exchange:
         values = values.reshape(-1)
         return values[: self.pseudo.numel()].float()
 
-    def state_dict(self, group: ProcessGroup | None) -> dict[str, Any]:
+    def state_dict(self, group: ProcessGroup | None) -> StateDict:
         """Finished first (every rank saves at the same step), so the state is tensors only."""
         self.mean(group)
         return {
@@ -183,7 +183,7 @@ class Exchange:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> Exchange:
+    def from_state(cls, state: StateDict, int4: Int4Wire | None = None) -> Exchange:
         return cls(
             int(state["fragment"]),
             int(state["lands"]),

@@ -10,13 +10,13 @@ their own per-bucket tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from megazpp.errors import CheckpointError
 from megazpp.parallel.work import Work
+from megazpp.state import StateDict
 from megazpp.zero.layout import BucketLayout
 
 
@@ -66,7 +66,7 @@ class Bucket:
         """A group of frozen parameters (`zero/frozen.py`): a parameter shard and no gradients."""
         return self.grad_acc.numel() == 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "name": self.name,
             "padded": self.layout.padded,
@@ -76,7 +76,7 @@ class Bucket:
             "extra_state": {k: v.clone() for k, v in self.extra_state.items()},
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: StateDict) -> None:
         if saved["name"] != self.name or saved["padded"] != self.layout.padded:
             raise CheckpointError(
                 f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "

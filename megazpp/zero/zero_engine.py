@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from megazpp.optim.optimizer import build_adamw
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
 from megazpp.parallel.work import Done
+from megazpp.state import StateDict
 from megazpp.zero import accounting, memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
@@ -520,9 +520,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         return {"fetch_hooks": self.fetcher.fetch_hook_calls, "param_all_gathers": self.fetcher.all_gather_calls}
 
     # -- checkpoints (`engine_state`) ----------------------------------------------------------
-    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+    def state_dict(self, *, frozen: bool = True) -> StateDict:
         """Without `frozen` the frozen buckets are left out (an adapters-only checkpoint)."""
         return engine_state_dict(self, frozen=frozen)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         load_engine_state(self, state)
