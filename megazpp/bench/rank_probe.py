@@ -26,7 +26,7 @@ import resource
 import runpy
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -63,6 +63,9 @@ COUNTED_FUNCTIONS = (
     "broadcast_object_list",
 )
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class CallCounter:
     """Counts outermost torch.distributed calls; `at_steps[i]` = calls when step i + 1 ended."""
@@ -73,8 +76,8 @@ class CallCounter:
         self._depth = 0
         self._stepping = 0  # optimizer steps in progress: DeepSpeed's ZeRO optimizer steps the client's inside its own
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
+    def _wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
+        def counted(*args: P.args, **kwargs: P.kwargs) -> R:
             if self._depth == 0:
                 self.calls += 1
             self._depth += 1

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import ProcessGroup
 
-from megazpp.parallel import wire
+from megazpp.parallel import groups, point_to_point, wire
 from megazpp.parallel.counter import CONVENTION, counter, write_json_atomic
 from megazpp.parallel.groups import (
     EMULATED,
@@ -63,49 +63,17 @@ from megazpp.parallel.groups import (
     record_from_peers,
     shape,
 )
-from megazpp.parallel.groups import (
-    backend as backend,
-)
-from megazpp.parallel.groups import (
-    group_rank as group_rank,
-)
-from megazpp.parallel.groups import (
-    group_size as group_size,
-)
-from megazpp.parallel.groups import (
-    node_of as node_of,
-)
-from megazpp.parallel.groups import (
-    ranks_per_node as ranks_per_node,
-)
-from megazpp.parallel.groups import (
-    set_ranks_per_node as set_ranks_per_node,
-)
-from megazpp.parallel.point_to_point import (
-    P2POp as P2POp,
-)
-from megazpp.parallel.point_to_point import (
-    batch_isend_irecv as batch_isend_irecv,
-)
-from megazpp.parallel.point_to_point import (
-    recv as recv,
-)
-from megazpp.parallel.point_to_point import (
-    recv_op as recv_op,
-)
-from megazpp.parallel.point_to_point import (
-    send as send,
-)
-from megazpp.parallel.point_to_point import (
-    send_op as send_op,
-)
-from megazpp.parallel.point_to_point import (
-    start_p2p,
-)
+from megazpp.parallel.point_to_point import start_p2p
 from megazpp.parallel.work import Done, Then, Work, named_failures
 
 ReduceOp = dist.ReduceOp
 SUM = dist.ReduceOp.SUM
+P2POp = dist.P2POp
+# the parts' public names, so that callers name one counted layer
+set_ranks_per_node, ranks_per_node, node_of = groups.set_ranks_per_node, groups.ranks_per_node, groups.node_of
+backend, group_size, group_rank = groups.backend, groups.group_size, groups.group_rank
+send, recv, send_op, recv_op = point_to_point.send, point_to_point.recv, point_to_point.send_op, point_to_point.recv_op
+batch_isend_irecv = point_to_point.batch_isend_irecv
 Op: TypeAlias = dist.ReduceOp.RedOpType
 Group: TypeAlias = ProcessGroup | None
 _W = TypeVar("_W")
