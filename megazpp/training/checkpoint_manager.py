@@ -250,13 +250,11 @@ class CheckpointManager:
         """The checkpoint the run starts from (after `load_base`): the import, or the run's own,
         resharded when its layout differs from `engine`'s; then refuse a `--save` whose
         `latest` is newer than that start (unless told to overwrite or fall back)."""
-        loaded = (
-            self._base
-            if self.plan.kind is LoadKind.IMPORT
-            else self._resume(model, engine)
-            if self.plan.kind is LoadKind.RESUME
-            else None
-        )
+        loaded: LoadedCheckpoint | None = None
+        if self.plan.kind is LoadKind.IMPORT:
+            loaded = self._base
+        elif self.plan.kind is LoadKind.RESUME:
+            loaded = self._resume(model, engine)
         ck = self.cfg.checkpoint
         if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
             resumed = loaded is not None and not loaded.weights_only
