@@ -49,9 +49,8 @@ from megazpp.training.checkpoint import (
     latest_checkpoint,
     layout_of,
     rank_file_name,
-    verify_checksum,
-    write_atomically,
 )
+from megazpp.training.checkpoint_files import verify_checksum, write_atomically
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
