@@ -28,7 +28,6 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -51,6 +50,7 @@ from megazpp.training.checkpoint import (
     rank_file_name,
 )
 from megazpp.training.checkpoint_files import verify_checksum, write_atomically
+from megazpp.unique_keys import JSONObject
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -95,7 +95,7 @@ class CheckpointReader:
         for key in ("iteration", "tp", "pp", "dp"):
             if not isinstance(meta.get(key), int) or meta[key] < (0 if key == "iteration" else 1):
                 raise CheckpointError(f"{meta_file}: {key} = {meta.get(key)!r} is not valid")
-        self.meta = meta
+        self.meta: JSONObject = meta
         self.tp, self.pp, self.dp = meta["tp"], meta["pp"], meta["dp"]
         self.iteration = meta["iteration"]
 
@@ -178,7 +178,7 @@ def write_weights_checkpoint(
     full: Mapping[str, torch.Tensor],
     tp: int,
     pp: int,
-    extra_meta: Mapping[str, Any] | None = None,
+    extra_meta: JSONObject | None = None,
 ) -> Path:
     """Write `full` weights as iteration 0 of a tp x pp (dp = 1) checkpoint in a new or empty
     `save_dir`; return the checkpoint directory.

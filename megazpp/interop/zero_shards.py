@@ -21,6 +21,7 @@ from megazpp.errors import CheckpointError
 from megazpp.model.gpt import EMBEDDING_WEIGHT
 from megazpp.state import StateDict
 from megazpp.zero.engine_state import FULL_STATE_FORMAT
+from megazpp.zero.layout import LayoutRecord
 
 
 class PartReader(Protocol):
@@ -132,7 +133,7 @@ def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[
 
 def _assemble(states: list[StateDict], index: int, where: str) -> dict[str, dict[str, torch.Tensor]]:
     """Bucket `index`'s flat buffers filled from every rank's ranges, sliced by name."""
-    layout = states[0]["buckets"][index]["layout"]
+    layout: LayoutRecord = states[0]["buckets"][index]["layout"]
     padded, numel = layout["padded"], layout["numel"]
     flats: dict[str, torch.Tensor] = {}
     covered = {kind: torch.zeros(padded, dtype=torch.bool) for kind in KINDS}

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megazpp.errors import CheckpointError
 from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
+from megazpp.unique_keys import JSONObject
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest"
@@ -50,7 +53,7 @@ def layout_of(topology: Topology) -> dict[str, int]:
     return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp}
 
 
-def expected_rank_files(layout: dict[str, Any]) -> list[str]:
+def expected_rank_files(layout: Mapping[str, int]) -> list[str]:
     """Every rank file a complete checkpoint of `layout` (tp, pp, dp) holds."""
     return [
         rank_file_name(t, p, d) for p in range(layout["pp"]) for d in range(layout["dp"]) for t in range(layout["tp"])
@@ -83,8 +86,8 @@ class LoadedCheckpoint:
     """This rank's state from a checkpoint every rank verified."""
 
     path: Path
-    metadata: dict[str, Any]
-    state: dict[str, Any]
+    metadata: JSONObject  # metadata.json
+    state: StateDict
 
     def __getitem__(self, key: str) -> Any:
         """`loaded["engine"]`: an entry of this rank's state."""
@@ -96,7 +99,7 @@ class LoadedCheckpoint:
         return bool(self.metadata.get(WEIGHTS_ONLY_KEY))
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
+def read_metadata(path: Path) -> JSONObject:
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as exc:

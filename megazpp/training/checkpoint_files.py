@@ -13,10 +13,11 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from megazpp.errors import CheckpointError
 from megazpp.training.checkpoint import CHECKSUMS_KEY, METADATA_FILE
+from megazpp.unique_keys import JSONObject
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,7 +59,7 @@ def _write_failure(path: Path, exc: OSError) -> CheckpointError:
     return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file was removed")
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> str:
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> str:
     """`write(file)` into a temporary sibling, flush it to disk, then rename over `path`: a
     reader sees the old file or the whole new one, never a torn write. Returns the written
     bytes' checksum ("sha256:<hex>"). A write that fails for lack of space or another OS
@@ -82,7 +83,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) 
     return f"sha256:{writer.digest.hexdigest()}"
 
 
-def verify_checksum(file: Path, metadata: dict[str, Any]) -> None:
+def verify_checksum(file: Path, metadata: JSONObject) -> None:
     """Refuse `file` when its bytes differ from the checksum `metadata` records for it
     (checkpoints written before checksums were recorded have none: nothing to compare)."""
     checksums = metadata.get(CHECKSUMS_KEY)

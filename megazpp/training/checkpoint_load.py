@@ -15,13 +15,13 @@ import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.training.checkpoint import (
     ITER_DIR,
     LATEST_FILE,
@@ -35,6 +35,7 @@ from megazpp.training.checkpoint import (
     read_metadata,
 )
 from megazpp.training.checkpoint_files import verify_checksum
+from megazpp.unique_keys import JSONObject
 
 
 def check_loadable(load_dir: str | os.PathLike) -> None:
@@ -59,7 +60,7 @@ def check_loadable(load_dir: str | os.PathLike) -> None:
     )
 
 
-def _read_verified(path: Path, topology: Topology) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_verified(path: Path, topology: Topology) -> tuple[JSONObject, StateDict]:
     """(metadata, this rank's state) of checkpoint `path`, or CheckpointError saying why not.
 
     A weights-only checkpoint must match in tp and pp only: every DP rank reads DP rank 0's
@@ -168,7 +169,7 @@ def load_checkpoint(
 
 
 def load_model_weights(
-    model: torch.nn.Module, weights: dict[str, Any], keep_own: Callable[[str], bool] | None = None
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], keep_own: Callable[[str], bool] | None = None
 ) -> None:
     """`model.load_state_dict(weights)`, with a mismatch (another model shape or layout)
     reported as a CheckpointError naming the first differing tensors. Tensors the checkpoint

@@ -33,7 +33,7 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from megazpp.optim.engine_protocol import Engine
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.training.checkpoint import (
     CONFIG_KEY,
     LATEST_FILE,
@@ -379,7 +380,7 @@ class CheckpointManager:
         )
         return self.last
 
-    def _state(self, progress: Progress, model: nn.Module, engine: Engine, schedule: LRSchedule) -> dict[str, Any]:
+    def _state(self, progress: Progress, model: nn.Module, engine: Engine, schedule: LRSchedule) -> StateDict:
         """Everything a resume needs; with `checkpoint.save_adapters_only`, less the frozen
         parameters and their engine buckets (the recorded base has them)."""
         whole = not self.cfg.checkpoint.save_adapters_only
@@ -393,7 +394,7 @@ class CheckpointManager:
             "rng": capture_rng_state(),
         }
 
-    def _base_record(self) -> dict[str, Any]:
+    def _base_record(self) -> dict[str, dict[str, str | None]]:
         """metadata.json's record of the base an adapters-only checkpoint needs."""
         if not self.cfg.checkpoint.save_adapters_only:
             return {}

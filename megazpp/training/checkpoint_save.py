@@ -15,13 +15,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.training import faults
 from megazpp.training.checkpoint import (
     CHECKSUMS_KEY,
@@ -34,6 +34,7 @@ from megazpp.training.checkpoint import (
     rank_file_name,
 )
 from megazpp.training.checkpoint_files import fsync_dir, write_atomically
+from megazpp.unique_keys import JSONObject
 
 
 def _barrier() -> None:
@@ -43,9 +44,9 @@ def _barrier() -> None:
 def save_checkpoint(
     save_dir: str | os.PathLike,
     iteration: int,
-    state: dict[str, Any],
+    state: StateDict,
     topology: Topology,
-    extra_metadata: dict[str, Any] | None = None,
+    extra_metadata: JSONObject | None = None,
 ) -> Path:
     """Collectively save this rank's `state` as checkpoint `iteration`; return its directory.
 

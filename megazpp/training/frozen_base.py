@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import torch
 from torch import nn
 
 from megazpp.errors import CheckpointError
 from megazpp.training.checkpoint import METADATA_FILE, latest_checkpoint
 from megazpp.training.checkpoint_files import file_checksum
+from megazpp.unique_keys import JSONObject
 
 BASE_KEY = "base"  # metadata.json of an adapters-only checkpoint: the base it needs
 
@@ -60,7 +61,7 @@ def init_base(init_seed: int) -> FrozenBase:
     return FrozenBase(None, f"init_seed={init_seed}")
 
 
-def recorded_base(path: Path, meta: dict[str, Any]) -> FrozenBase | None:
+def recorded_base(path: Path, meta: JSONObject) -> FrozenBase | None:
     """The base an adapters-only checkpoint `path` records (None: a full checkpoint)."""
     saved = meta.get(BASE_KEY)
     if saved is None:
@@ -110,7 +111,7 @@ def frozen_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if not p.requires_grad}
 
 
-def without_frozen(model_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+def without_frozen(model_state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict less its frozen parameters (buffers and trainable ones stay)."""
     frozen = frozen_names(model)
     return {k: v for k, v in model_state.items() if k not in frozen}

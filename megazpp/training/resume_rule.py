@@ -14,9 +14,8 @@ a new run (a new run never writes into another run's directory). The rule is app
 
 from __future__ import annotations
 
-from typing import Any
-
 from megazpp.config.schema import Config
+from megazpp.unique_keys import JSONObject
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait, the transport and compilation, whether a tokenizer
@@ -32,11 +31,11 @@ RUN_ONLY_KEYS = (
 )
 
 
-def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+def _flatten(config: dict[str, JSONObject]) -> JSONObject:
     return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
 
 
-def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def settings_diff(saved: dict[str, JSONObject], current: dict[str, JSONObject]) -> list[str]:
     """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs. A key the
     saved run did not have yet (a section or setting added since) counts as its default."""
     old, new = _flatten(saved), _flatten(current)

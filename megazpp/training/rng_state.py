@@ -4,15 +4,36 @@ aside so that it does not shift the training dropout stream)."""
 from __future__ import annotations
 
 import random
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from megazpp.parallel.tensor_parallel import get_rng_tracker
 
 
-def capture_rng_state() -> dict[str, Any]:
+class NumpyRNGState(TypedDict):
+    """NumPy's legacy state tuple with its keys as a tensor (what `weights_only` loads)."""
+
+    kind: str
+    keys: Tensor
+    pos: int
+    has_gauss: int
+    cached_gaussian: float
+
+
+class RNGState(TypedDict):
+    """A rank file's "rng" entry."""
+
+    python: tuple[int, tuple[int, ...], float | None]  # random.getstate()
+    numpy: NumpyRNGState
+    torch: Tensor
+    cuda: list[Tensor]  # one per visible GPU; empty without CUDA
+    tp_streams: dict[str, tuple[Tensor, Tensor | None]]  # the tensor-parallel RNG tracker's
+
+
+def capture_rng_state() -> RNGState:
     """Every global RNG a step may draw from, in a form `weights_only` loading accepts."""
     # legacy=True (the default) returns the tuple form
     kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
@@ -31,7 +52,7 @@ def capture_rng_state() -> dict[str, Any]:
     }
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: RNGState) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -47,6 +47,15 @@ from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 ForwardBackward = Callable[..., list[torch.Tensor]]
 
 
+class TokenSamples(Protocol):
+    """What the trainer draws micro-batches from: samples of token ids by index
+    (`GPTDataset`, `BlendedDataset`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
 @dataclass
 class TrainHistory:
     """Per-iteration losses of this run (what tests and tools compare)."""
@@ -58,7 +67,7 @@ class TrainHistory:
     resumed_from: int | None = None
 
 
-def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device) -> MicroBatch:
+def make_micro_batch(dataset: TokenSamples, indices: Sequence[int], device: torch.device) -> MicroBatch:
     """Samples of seq_length + 1 tokens -> (inputs, next-token labels)."""
     rows = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
     rows = rows.to(device, non_blocking=True)
@@ -72,8 +81,8 @@ class Trainer:
         model: nn.Module,
         engine: Engine,
         topology: Topology,
-        train_ds: Any,
-        valid_ds: Any,
+        train_ds: TokenSamples,
+        valid_ds: TokenSamples | None,
         logger: TrainingLogger,
         device: torch.device,
         *,
@@ -117,7 +126,7 @@ class Trainer:
         self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved checkpoint {path}")
 
     # -- the loop -----------------------------------------------------------------------------
-    def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:
+    def _sampler(self, dataset: TokenSamples, consumed: int) -> PretrainingSampler:
         t = self.cfg.training
         return PretrainingSampler(
             len(dataset), consumed, t.micro_batch_size, self.topology.dp_rank, self.topology.dp, t.seed
@@ -250,16 +259,19 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` batches of the validation split: the same
         samples at every evaluation, so the curve measures the model, not the batch."""
+        valid = self.valid_ds
+        if valid is None:
+            raise ValueError("Trainer.evaluate: this run has no validation split (valid_ds is None)")
         self.model.eval()
         losses: list[torch.Tensor] = []
-        samples = iter(self._sampler(self.valid_ds, 0))
+        samples = iter(self._sampler(valid, 0))
         micro_steps = self.cfg.training.eval_iters * self.num_micro_batches
         rng = capture_rng_state()  # evaluation must not shift the training dropout stream
         for _ in range(micro_steps):
             indices = next(samples, None)
             if indices is None:
                 break
-            batch = make_micro_batch(self.valid_ds, indices, self.device)
+            batch = make_micro_batch(valid, indices, self.device)
             losses += self.forward_backward(self.model, [batch], self.engine, forward_only=True)
         restore_rng_state(rng)
         self.model.train()
