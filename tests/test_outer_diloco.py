@@ -29,9 +29,11 @@ from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine, due_fragments, merge, outer_update
+from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import average_chunks
+from megazpp.outer.fragments import due_fragments
 from megazpp.outer.settings import OuterOptions
+from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology

@@ -22,7 +22,8 @@ from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.outer import traffic
-from megazpp.outer.diloco import DiLoCoEngine, fragment_of, merge_ranges, range_indices
+from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.fragments import fragment_of, merge_ranges, range_indices
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
