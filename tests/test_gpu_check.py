@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from megazpp.bench.gpu_check.settings import PLAN_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,12 +63,11 @@ def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
 
 
 def test_parsers_read_the_tools_output():
-    g = _gpu_check()
     quant = """| op | bytes moved | time (us) | GB/s | % of copy |
 |---|---:|---:|---:|---:|
 | quantize int8 (qwZ, bf16 in) | 196,736 | 67,976.2 | 0.0 | 64% |
 | dequant-reduce int4 4 x 16384 -> int4 | 42,240 | 71,446.4 | 0.0 | 91% |"""
-    assert g.bandwidth_rows(quant) == [
+    assert bandwidth_rows(quant) == [
         ("quantize int8 (qwZ, bf16 in)", 0.64),
         ("dequant-reduce int4 4 x 16384 -> int4", 0.91),
     ]
@@ -73,43 +75,14 @@ def test_parsers_read_the_tools_output():
         "iter      5/30 | loss 7.6234 | lr 1.000e-04 | grad_norm 1.234 | tokens/s 41234 | tflops 412.3456 | "
         "peak_mem 36123.4 MiB | 0:00:10 elapsed, eta 0:00:50"
     )
-    assert g.log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0, "peak_mib": 36123.4}]
-    assert g.last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
+    assert log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0, "peak_mib": 36123.4}]
+    assert last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
 
 
 def test_planned_peak_from_the_planners_table():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     plan = subprocess.run(
-        [
-            sys.executable,
-            "tools/plan.py",
-            "--num-layers",
-            "24",
-            "--hidden-size",
-            "2048",
-            "--num-attention-heads",
-            "16",
-            "--num-query-groups",
-            "8",
-            "--seq-length",
-            "2048",
-            "--micro-batch-size",
-            "4",
-            "--vocab-size",
-            "2048",
-            "--global-batch-size",
-            "4",
-            "--dtype",
-            "bf16",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "1",
-            "--inter-gbit",
-            "100",
-            "--accelerator",
-            "h100-80gb",
-        ],
+        [sys.executable, "tools/plan.py", *PLAN_FLAGS],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -117,7 +90,7 @@ def test_planned_peak_from_the_planners_table():
         timeout=120,
     )
     assert plan.returncode == 0, plan.stderr
-    peak = _gpu_check().planned_peak_gib(plan.stdout)
+    peak = planned_peak_gib(plan.stdout)
     assert 20 < peak < 60  # 1.1 B parameters in bf16 with fp32 masters and Adam, plus activations
 
 
