@@ -4,24 +4,17 @@ the output those tools print here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from support import load_tool
+
 from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
 from megazpp.bench.gpu_check.settings import PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
@@ -100,7 +93,7 @@ def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
     of the budget left."""
     import torch
 
-    g = _gpu_check()
+    g = load_tool("gpu_check")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a stub GPU")
     ok = g.Outcome("ok", "fine", ["detail"], [("a target", False, "80%")])
