@@ -36,6 +36,7 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.model.config import ModelConfig
+from megazpp.state import StateDict
 from megazpp.training.checkpoint import (
     CHECKSUMS_KEY,
     CONFIG_KEY,
@@ -48,9 +49,8 @@ from megazpp.training.checkpoint import (
     latest_checkpoint,
     layout_of,
     rank_file_name,
-    verify_checksum,
-    write_atomically,
 )
+from megazpp.training.checkpoint_files import verify_checksum, write_atomically
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -127,7 +127,7 @@ class CheckpointReader:
         topo = layout_topology(self.tp, self.pp, tp_rank, pp_rank, dp=self.dp, dp_rank=dp_rank)
         return self.path / rank_file_name(topo.tp_rank, topo.pp_rank, topo.dp_rank)
 
-    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]:
+    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> StateDict:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
         if not file.exists():
             raise CheckpointError(f"{file}: missing (checkpoint {self.path} is incomplete)")

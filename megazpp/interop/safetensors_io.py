@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ class WeightFiles(Mapping):
         return name in self._where
 
 
-def _replace_atomically(path: Path, write: Any) -> None:
+def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".partial")
     try:
         write(tmp)

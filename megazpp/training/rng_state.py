@@ -1,0 +1,44 @@
+"""Every global RNG a step may draw from, as a rank file holds it (and as evaluation sets it
+aside so that it does not shift the training dropout stream)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from megazpp.parallel.tensor_parallel import get_rng_tracker
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every global RNG a step may draw from, in a form `weights_only` loading accepts."""
+    # legacy=True (the default) returns the tuple form
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tp_streams": get_rng_tracker().states(),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_rng_tracker().set_states(state["tp_streams"])
