@@ -5,13 +5,13 @@ Values are multiples of 1/8 (exact in the float32 that event files store), so ev
 in the table is asserted with ==.
 """
 
-import importlib.util
 import struct
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from support import load_tool
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.analysis.compare_dirs import compare_directories
@@ -19,7 +19,6 @@ from megazpp.analysis.event_reader import read_run
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError, DataError
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
 MIB, GIB = 2**20, 2**30
 STEPS = [10 * i for i in range(1, 11)]  # log interval 10, 100 iterations
 SHORT = STEPS[:6]  # stopped at step 60
@@ -77,13 +76,6 @@ def run_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compared(run_dirs, tmp_path_factory):
     return compare_directories(run_dirs, tmp_path_factory.mktemp("out") / "cmp", smoothing=0.6)
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def png_size(path):

@@ -3,12 +3,9 @@ weights, batch and optimizer) on a tiny CPU shape."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from support import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--num-layers",
     "2",
@@ -35,16 +32,9 @@ TINY = [
 ]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_model", ROOT / "tools" / "bench_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_hf_peer_runs_the_same_step_beside_megazpp():
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[interop])")
-    result = _bench().main(TINY + ["--peer", "hf"])
+    result = load_tool("bench_model").main(TINY + ["--peer", "hf"])
     peer = result["peer"]
     assert peer["tokens_per_s"] > 0 and result["tokens_per_s"] > 0
     # Same weights, same batch, fp32, before any update: the two implementations differ only
@@ -55,7 +45,7 @@ def test_hf_peer_runs_the_same_step_beside_megazpp():
 
 
 def test_no_peer_when_asked_and_refusals(capsys):
-    bench = _bench()
+    bench = load_tool("bench_model")
     assert "peer" not in bench.main(TINY + ["--peer", "none"])
     with pytest.raises(SystemExit):
         bench.main(TINY + ["--peer", "hf", "--arch", "gpt2"])

@@ -4,7 +4,6 @@ files a run leaves (written here by hand, as fakes with known numbers)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import load_tool
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.bench import launch, results
@@ -40,24 +40,17 @@ NETLAB_YAML = str(REPO / "configs" / "experiments" / "netlab" / "llama_comm_boun
 COMPUTE_YAML = str(REPO / "configs" / "experiments" / "netlab" / "llama_compute_bound.yaml")
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_netlab", REPO / "tools" / "bench_netlab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_arguments_split_at_double_dash_and_lists():
-    ns = _tool().parse_args(
+    ns = load_tool("bench_netlab").parse_args(
         ["--rates", "1gbit,loopback", "--only", "zero3,ds-zero3", "--steps", "4", "--", "--hidden-size", "64"]
     )
     assert ns.rates == ["1gbit", "loopback"]
     assert ns.only == ["zero3", "ds-zero3"]
     assert ns.steps == 4 and ns.extra == ["--hidden-size", "64"]
-    default = _tool().parse_args([])
+    default = load_tool("bench_netlab").parse_args([])
     assert default.rates == ["1gbit", "10gbit", "loopback"] and default.only is None and default.extra == []
     with pytest.raises(SystemExit):
-        _tool().parse_args(["--steps", "0"])
+        load_tool("bench_netlab").parse_args(["--steps", "0"])
 
 
 def test_configuration_list():
@@ -202,7 +195,7 @@ def test_torchft_peer_arguments_and_refusals():
 
 
 def test_default_sweep_leaves_out_two_level_rows_that_do_not_fit(capsys, monkeypatch):
-    tool = _tool()
+    tool = load_tool("bench_netlab")
     with pytest.raises(ConfigError, match="syncs every 20"):
         tool.main(["--only", "diloco-h20-bf16", "--steps", "10", "--data-dir", "/nonexistent"])
     with pytest.raises(DataError):  # past the row checks: the default sweep left them out
@@ -375,7 +368,7 @@ def test_table_and_files(tmp_path):
 
 def test_missing_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="corpus_text_document.idx is missing"):
-        _tool().check_data(str(tmp_path))
+        load_tool("bench_netlab").check_data(str(tmp_path))
 
 
 def test_deepspeed_peer_config():

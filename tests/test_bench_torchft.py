@@ -12,7 +12,7 @@ import importlib.util
 import json
 
 import pytest
-from test_bench_netlab import _tool
+from support import load_tool
 
 from megazpp.analysis.event_reader import read_run
 
@@ -38,9 +38,9 @@ def test_torchft_diloco_matches_megazpp_diloco(tmp_path, run_sh_data_dir, monkey
     that, measured at most 1e-6 on losses near 7, so 1e-4 leaves two orders of margin while
     a wrong sample, schedule, outer lr or momentum moves the losses by 1e-3 or more."""
     out = tmp_path / "bench"
-    monkeypatch.chdir(_tool().REPO)  # main() moves into the checkout; restored after the test
+    monkeypatch.chdir(load_tool("bench_netlab").REPO)  # main() moves into the checkout; restored after the test
     assert (
-        _tool().main(
+        load_tool("bench_netlab").main(
             [
                 "--rates",
                 "loopback",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import megazpp.data.chunk_reader as reader
 import megazpp.data.preprocess as pp
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.preprocess import preprocess
@@ -97,8 +98,8 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tiny_tokenizer_
     stale = tmp_path / "out_shards" / "a" / "part0" / "002_text_document.bin.tmp99999"  # a killed run's leftover
     stale.write_bytes(b"junk")
     monkeypatch.setattr(pp, "write_marker", real_marker)
-    real_read, read = pp.iter_line_chunks, []
-    monkeypatch.setattr(pp, "iter_line_chunks", lambda path, n: (read.append(path.name), real_read(path, n))[1])
+    real_read, read = reader.iter_line_chunks, []
+    monkeypatch.setattr(reader, "iter_line_chunks", lambda path, n: (read.append(path.name), real_read(path, n))[1])
     summary = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", workers=1, progress=False)
     assert summary.resumed == 2 and "empty.jsonl" not in read and "001.jsonl" not in read and "002.jsonl" in read
     assert len(read) == len(summary.files) - 2 and not stale.exists()
@@ -115,8 +116,8 @@ def test_kept_shards_redo_only_changed_or_new_files(tiny_tokenizer_model, tmp_pa
     changed = tmp_path / "in" / "b" / "part0" / "003.jsonl"
     changed.write_text('{"text": "replaced"}\n')
     (tmp_path / "in" / "b" / "new.jsonl").write_text('{"text": "new file"}\n')
-    real_read, read = pp.iter_line_chunks, []
-    monkeypatch.setattr(pp, "iter_line_chunks", lambda path, n: (read.append(path.name), real_read(path, n))[1])
+    real_read, read = reader.iter_line_chunks, []
+    monkeypatch.setattr(reader, "iter_line_chunks", lambda path, n: (read.append(path.name), real_read(path, n))[1])
     second = preprocess(tmp_path / "in", tiny_tokenizer_model, tmp_path / "out", keep_shards=True, progress=False)
     assert sorted(read) == ["003.jsonl", "new.jsonl"] and second.resumed == len(first.files) - 1
     read.clear()

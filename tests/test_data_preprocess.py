@@ -1,27 +1,18 @@
 """JSONL -> .bin/.idx: every token back in order, bad records counted, failures leave no debris."""
 
 import gzip
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import load_tool
 
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.preprocess import preprocess
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
-
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def corpus_texts(corpus_dir):

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_data_preprocess import load_tool
+from support import load_tool
 
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.preprocess import preprocess

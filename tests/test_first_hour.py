@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import run_sh_variables
 
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
@@ -57,12 +57,6 @@ TINY = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def data_dir(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model) -> Path:
     """What run.sh expects under DATA_DIR, pointing at the session's tiny dataset."""
@@ -75,14 +69,7 @@ def data_dir(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model) -> Path:
 
 
 def run_sh(data: Path, *args: str, nproc: int = 1, ok: bool = True) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "DATA_DIR": str(data),
-        "NPROC_PER_NODE": str(nproc),
-        "MASTER_PORT": str(free_port()),
-        "PYTHON": sys.executable,
-        "MAX_RESTARTS": "0",
-    }
+    env = {**os.environ, **run_sh_variables(data, nproc, MAX_RESTARTS="0")}
     proc = subprocess.run(
         ["bash", str(ROOT / "run.sh"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
     )

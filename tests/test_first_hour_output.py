@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import TINY_MODEL_FLAGS
 from test_analysis_compare import write_run
 
 from megazpp.config.load import load_config
@@ -24,18 +25,7 @@ from megazpp.config.load import load_config
 ROOT = Path(__file__).resolve().parents[1]
 YAML = "configs/llama_tiny.yaml"  # run.sh's default CONFIG: warmup 30 of 300 steps
 TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
+    *TINY_MODEL_FLAGS,
     "--global-batch-size",
     "4",
     "--eval-iters",

@@ -4,21 +4,17 @@ the output those tools print here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from support import load_tool
+
+from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from megazpp.bench.gpu_check.settings import PLAN_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
@@ -60,12 +56,11 @@ def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
 
 
 def test_parsers_read_the_tools_output():
-    g = _gpu_check()
     quant = """| op | bytes moved | time (us) | GB/s | % of copy |
 |---|---:|---:|---:|---:|
 | quantize int8 (qwZ, bf16 in) | 196,736 | 67,976.2 | 0.0 | 64% |
 | dequant-reduce int4 4 x 16384 -> int4 | 42,240 | 71,446.4 | 0.0 | 91% |"""
-    assert g.bandwidth_rows(quant) == [
+    assert bandwidth_rows(quant) == [
         ("quantize int8 (qwZ, bf16 in)", 0.64),
         ("dequant-reduce int4 4 x 16384 -> int4", 0.91),
     ]
@@ -73,43 +68,14 @@ def test_parsers_read_the_tools_output():
         "iter      5/30 | loss 7.6234 | lr 1.000e-04 | grad_norm 1.234 | tokens/s 41234 | tflops 412.3456 | "
         "peak_mem 36123.4 MiB | 0:00:10 elapsed, eta 0:00:50"
     )
-    assert g.log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0, "peak_mib": 36123.4}]
-    assert g.last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
+    assert log_lines("noise\n" + line) == [{"iter": 5, "loss": 7.6234, "tokens_per_s": 41234.0, "peak_mib": 36123.4}]
+    assert last_json('x\n{"a": 1}\nnot json\n{"tokens_per_s": 2.5}\n') == {"tokens_per_s": 2.5}
 
 
 def test_planned_peak_from_the_planners_table():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     plan = subprocess.run(
-        [
-            sys.executable,
-            "tools/plan.py",
-            "--num-layers",
-            "24",
-            "--hidden-size",
-            "2048",
-            "--num-attention-heads",
-            "16",
-            "--num-query-groups",
-            "8",
-            "--seq-length",
-            "2048",
-            "--micro-batch-size",
-            "4",
-            "--vocab-size",
-            "2048",
-            "--global-batch-size",
-            "4",
-            "--dtype",
-            "bf16",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "1",
-            "--inter-gbit",
-            "100",
-            "--accelerator",
-            "h100-80gb",
-        ],
+        [sys.executable, "tools/plan.py", *PLAN_FLAGS],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -117,7 +83,7 @@ def test_planned_peak_from_the_planners_table():
         timeout=120,
     )
     assert plan.returncode == 0, plan.stderr
-    peak = _gpu_check().planned_peak_gib(plan.stdout)
+    peak = planned_peak_gib(plan.stdout)
     assert 20 < peak < 60  # 1.1 B parameters in bf16 with fp32 masters and Adam, plus activations
 
 
@@ -127,7 +93,7 @@ def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
     of the budget left."""
     import torch
 
-    g = _gpu_check()
+    g = load_tool("gpu_check")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a stub GPU")
     ok = g.Outcome("ok", "fine", ["detail"], [("a target", False, "80%")])

@@ -4,7 +4,6 @@ safetensors export holds the full weights and the model config."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 pytest.importorskip("safetensors", reason="safetensors (a core dependency) is not installed")
 from safetensors import safe_open  # noqa: E402
+from support import load_tool
 
 from megazpp.errors import CheckpointError, ConfigError  # noqa: E402
 from megazpp.interop.convert import SAFETENSORS_CONFIG_KEY, import_hf  # noqa: E402
@@ -28,7 +28,6 @@ from megazpp.interop.safetensors_io import write_hf_weights  # noqa: E402
 from megazpp.model.config import ModelConfig  # noqa: E402
 from megazpp.model.gpt import GPTModel  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(
     arch="llama",
     num_layers=2,
@@ -148,9 +147,7 @@ class _Exploit:
 def test_consolidated_export_holds_full_weights_and_config(tmp_path):
     full = _hf_dir(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "mz", tp=2, pp=2, dtype=torch.bfloat16)
-    spec = importlib.util.spec_from_file_location("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("export_checkpoint")
     out = tmp_path / "full.safetensors"
     assert tool.main(["--load", str(tmp_path / "mz"), "--out", str(out), "--dtype", "fp32"]) == 0
     with safe_open(str(out), framework="pt") as f:

@@ -4,7 +4,6 @@ logits after export, and a checkpoint written by the trainer exports and reloads
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import yaml
 pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e .[interop] to run the HF tests)"
 )
+from support import load_script, load_tool
 from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -28,13 +28,6 @@ from megazpp.model.gpt import GPTModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tiny_hf(directory: Path, *, tie: bool = False) -> LlamaForCausalLM:
@@ -73,7 +66,7 @@ def _hf_logits(model: LlamaForCausalLM) -> torch.Tensor:
 def test_import_gives_hf_logits_at_tp1_and_tp2(tmp_path):
     hf = _tiny_hf(tmp_path / "hf")
     expected = _hf_logits(hf)
-    convert = _tool("convert_hf")
+    convert = load_tool("convert_hf")
     for tp in (1, 2):
         assert (
             convert.main(
@@ -149,17 +142,14 @@ def _train_tiny(tmp_path: Path, data_prefix: str, tokenizer: Path) -> Path:
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
-    pretrain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain)
-    pretrain.main(["--config", str(path)])
+    load_script(ROOT / "pretrain_gpt.py").main(["--config", str(path)])
     return path
 
 
 def test_trained_checkpoint_exports_and_reloads(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     config = _train_tiny(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
     assert (
-        _tool("convert_hf").main(
+        load_tool("convert_hf").main(
             [
                 "export",
                 "--load",

@@ -10,18 +10,17 @@ ranks' ZeRO shards).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e .[interop] to run the HF tests)"
 )
 from safetensors import safe_open  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from support import TINY_LORA, load_script, load_tool, save_tiny_hf_llama, write_lora_run
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from megazpp.interop.checkpoint_io import CheckpointReader  # noqa: E402
 from megazpp.interop.consolidate import consolidated_weights  # noqa: E402
@@ -32,67 +31,14 @@ from megazpp.model.lora import is_adapter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=0.0, atol=1e-5)
-MODEL = {
-    "arch": "llama",
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "ffn_hidden_size": 64,
-    "vocab_size": 512,
-    "seq_length": 32,
-    "rope_theta": 10000.0,
-    "lora_rank": 4,
-    "lora_alpha": 8.0,
-}
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tiny_hf(directory: Path) -> None:
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _config(tmp_path: Path, name: str, data_prefix: str, tokenizer: Path) -> Path:
-    config = {
-        "model": MODEL,
-        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
-        "optimizer": {"lr": 1e-2},
-        "training": {
-            "micro_batch_size": 2,
-            "global_batch_size": 2,
-            "train_iters": 4,
-            "eval_interval": 1000,
-            "eval_iters": 1,
-        },
-        "checkpoint": {"save_interval": 2},
-        "logging": {"log_interval": 1000},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_lora_run(tmp_path / f"{name}.yaml", TINY_LORA, data_prefix, tokenizer, {"save_interval": 2})
 
 
 def _pretrain(argv: list[str]):
-    return _load("pretrain_gpt", ROOT / "pretrain_gpt.py").main(argv)
+    return load_script(ROOT / "pretrain_gpt.py").main(argv)
 
 
 def _train(tmp_path: Path, name: str, data_prefix: str, tokenizer: Path, *flags: str):
@@ -106,7 +52,7 @@ def _merged_logits_match(checkpoint: Path, out: Path, convert) -> dict[str, torc
     assert convert.main(["export", "--load", str(checkpoint), "--hf-dir", str(out)]) == 0
     reader = CheckpointReader(checkpoint)
     trained = consolidated_weights(reader, reader.model_config())
-    model = GPTModel(ModelConfig(**MODEL)).eval()
+    model = GPTModel(ModelConfig(**TINY_LORA)).eval()
     model.load_state_dict(trained)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
     reloaded = LlamaForCausalLM.from_pretrained(out).eval()
@@ -116,8 +62,8 @@ def _merged_logits_match(checkpoint: Path, out: Path, convert) -> dict[str, torc
 
 
 def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
-    _tiny_hf(tmp_path / "hf")
-    convert = _load("convert_hf", ROOT / "tools" / "convert_hf.py")
+    save_tiny_hf_llama(tmp_path / "hf", 0)
+    convert = load_tool("convert_hf")
     assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "base")]) == 0
     base = CheckpointReader(tmp_path / "base").rank_state(0, 0)["model"]
 
@@ -142,7 +88,7 @@ def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tin
     adapters = [k for k in trained if is_adapter(k)]
     assert len(adapters) == 2 * 5 * 2 and any(trained[k].abs().sum() > 0 for k in adapters if k.endswith(".b"))
 
-    export = _load("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
+    export = load_tool("export_checkpoint")
     assert export.main(["--load", str(tmp_path / "full"), "--out", str(tmp_path / "merged.safetensors")]) == 0
     with safe_open(str(tmp_path / "merged.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if is_adapter(k)]
@@ -152,8 +98,8 @@ def test_lora_fine_tune_from_hf_resumes_bitwise_and_exports_merged(tmp_path, tin
 def test_lora_under_ing_saves_sharded_frozen_weights_that_export_merged(
     tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
 ):
-    _tiny_hf(tmp_path / "hf")
-    convert = _load("convert_hf", ROOT / "tools" / "convert_hf.py")
+    save_tiny_hf_llama(tmp_path / "hf", 0)
+    convert = load_tool("convert_hf")
     assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "base")]) == 0
     path = _config(tmp_path, "ing", tiny_indexed_prefix, tiny_tokenizer_model)
     argv = [

@@ -11,7 +11,6 @@ the weights `ZeroEngine.gathered_parameters()` showed at the end of the run.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import QUIET_FLAGS, TINY_MODEL_FLAGS, data_flags, load_tool
 
 import pretrain_gpt
 from megazpp.config.checks import validate_config
@@ -36,36 +36,11 @@ from megazpp.training.checkpoint_manager import CheckpointManager, LoadKind, Loa
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _export_tool():
-    spec = importlib.util.spec_from_file_location("export_checkpoint", ROOT / "tools" / "export_checkpoint.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
 
 def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
     return [
-        "--data-path",
-        prefix,
-        "--tokenizer-model",
-        tokenizer,
-        "--split",
-        "90,10,0",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
+        *data_flags(prefix, tokenizer),
+        *TINY_MODEL_FLAGS,
         "--global-batch-size",
         "8",
         "--lr",
@@ -76,10 +51,7 @@ def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
         "6",
         "--lr-warmup-iters",
         "1",
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
+        *QUIET_FLAGS,
         "--seed",
         "5",
         "--paro-strategy",
@@ -169,7 +141,7 @@ def test_reshard_ggg4_to_nng2_and_export(tiny_indexed_prefix, tiny_tokenizer_mod
         assert any("LoCo error buffers" in w for w in ggg["warnings"]), ggg["warnings"]
         assert not nng["warnings"]
 
-    export_checkpoint = _export_tool()
+    export_checkpoint = load_tool("export_checkpoint")
     out = tmp_path / "full.safetensors"
     assert export_checkpoint.main(["--load", sharded, "--out", str(out)]) == 0
     exported = load_file(str(out))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from processes import finish_all
+from support import TINY_MODEL_FLAGS
 
 from megazpp.analysis.event_reader import read_run
 
@@ -28,18 +29,7 @@ PREFIX, SUBNET = "mz23", "10.77.23"
 HOSTS = [f"{PREFIX}-node0", f"{PREFIX}-node1"]
 RUN_TIMEOUT_S = 420
 FLAGS = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
+    *TINY_MODEL_FLAGS,
     "--global-batch-size",
     "8",
     "--train-iters",

@@ -89,39 +89,13 @@ def test_compile_flag_compiles_the_layers_of_the_main_job():
     from megazpp.config.load import load_config
     from megazpp.parallel.topology import Topology
 
-    cfg = load_config(
-        [
-            "--compile",
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--vocab-size",
-            "64",
-            "--seq-length",
-            "16",
-        ]
-    )
+    flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 64 --seq-length 16".split()
+    cfg = load_config(["--compile", *flags])
     assert cfg.training.compile
     model = pretrain_gpt.build_model(cfg, Topology.from_env(), torch.device("cpu"))
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.layers.values())
     plain = pretrain_gpt.build_model(
-        load_config(
-            [
-                "--num-layers",
-                "2",
-                "--hidden-size",
-                "32",
-                "--num-attention-heads",
-                "4",
-                "--vocab-size",
-                "64",
-                "--seq-length",
-                "16",
-            ]
-        ),
+        load_config(flags),
         Topology.from_env(),
         torch.device("cpu"),
     )

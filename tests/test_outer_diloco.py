@@ -23,15 +23,18 @@ import dataclasses
 
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine, due_fragments, merge, outer_update
+from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import average_chunks
+from megazpp.outer.fragments import due_fragments
 from megazpp.outer.settings import OuterOptions
+from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
@@ -40,16 +43,6 @@ from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
-LLAMA = dict(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 RESUMED = (
@@ -75,13 +68,13 @@ def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch
 def _build(
     topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER
 ) -> tuple[GPTModel, DiLoCoEngine]:
-    model = GPTModel(ModelConfig(**LLAMA), tp_group=topo.tp_group)
+    model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
     opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
     return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionConfig(), opts, island), outer, island)
 
 
 def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) -> list[dict]:
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     out = []
     for step in steps:
         counter.reset_step()
@@ -162,7 +155,7 @@ def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0)
     later (merged with the islands' own progress when tau > 0), with DiLoCoEngine's own
     functions (the pseudo-gradients and their mean rounded to the wire format, as on the wire)."""
     wire = WIRE[quantize]
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
     engines = [LocalEngine(m, OPT, PrecisionConfig()) for m in models]
     params = [dict(m.named_parameters()) for m in models]

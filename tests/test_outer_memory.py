@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from support import TINY_LLAMA
 
 from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.outer import traffic
-from megazpp.outer.diloco import DiLoCoEngine, fragment_of, merge_ranges, range_indices
+from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.fragments import fragment_of, merge_ranges, range_indices
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
@@ -31,16 +33,6 @@ from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 STEPS, MICRO, H = 4, 2, 2
-LLAMA = dict(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 # (label, strategy, outer options, qgZ: aligned tensors, so padding splits fragments into several ranges)
 RUNS = [
@@ -102,7 +94,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 def _held_rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     island = topo.island_view(1)
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     report = {}
     for label, strategy, outer, qgz in RUNS:
         model = GPTModel(cfg, tp_group=topo.tp_group)

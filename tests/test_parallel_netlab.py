@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from processes import finish_all
+from support import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 NETLAB = REPO / "tools" / "netlab.sh"
@@ -59,14 +60,7 @@ def _rx_bytes() -> int:
 
 def _on_both_nodes(command_for_node, env: dict[str, str]) -> list[str]:
     """Start the command on both nodes at once (they rendezvous); both outputs once both exit 0."""
-    base = {
-        **os.environ,
-        "NETLAB_PREFIX": PREFIX,
-        "NETLAB_SUBNET": SUBNET,
-        "PYTHON": sys.executable,
-        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        **env,
-    }
+    base = checkout_env(NETLAB_PREFIX=PREFIX, NETLAB_SUBNET=SUBNET, PYTHON=sys.executable, **env)
     procs = [
         subprocess.Popen(
             ["bash", str(NETLAB), "run", str(node), *command_for_node(node)],

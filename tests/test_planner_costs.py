@@ -7,10 +7,10 @@ ranks is tests/test_planner_engine.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
+from support import TINY_LLAMA, load_tool
 
 from megazpp.config.load import load_config
 from megazpp.errors import ConfigError, TopologyError
@@ -34,20 +34,9 @@ from megazpp.zero.layout import padded_numel
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, parse_strategy
 from megazpp.zero.zeropp import ZeroPP
 
-_spec = importlib.util.spec_from_file_location("plan_cli", Path(__file__).parents[1] / "tools" / "plan.py")
-plan_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_cli)
+plan_cli = load_tool("plan")
 
-TINY = ModelConfig(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
+TINY = ModelConfig(**TINY_LLAMA)
 
 
 def _cluster(nodes: int, gpus: int, **kw) -> Cluster:

@@ -21,6 +21,7 @@ import math
 
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from megazpp.config.schema import Config, OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
@@ -44,16 +45,6 @@ from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
-LLAMA = dict(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
 MICRO, BUCKET = 2, 4000
 BLOCKS = dict(qwz_block=256, qgz_block=128)
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(fp16=True)
@@ -86,7 +77,7 @@ GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, i
 
 def _config() -> Config:
     cfg = Config()
-    cfg.model = ModelConfig(**LLAMA)
+    cfg.model = ModelConfig(**TINY_LLAMA)
     cfg.training.micro_batch_size, cfg.training.global_batch_size = MICRO, MICRO * 4 * 2
     cfg.zero.reduce_bucket_size = BUCKET
     return cfg
@@ -96,7 +87,7 @@ def _one_step(model: GPTModel, engine: ZeroEngine, topo: Topology) -> tuple[int,
     counter.reset_step()
     for micro in range(MICRO):
         g = torch.Generator().manual_seed(10 * micro + topo.dp_rank)
-        ids = torch.randint(0, LLAMA["vocab_size"], (MICRO, LLAMA["seq_length"] + 1), generator=g)
+        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (MICRO, TINY_LLAMA["seq_length"] + 1), generator=g)
         engine.scale_loss(model(ids[:, :-1], ids[:, 1:]).mean() / MICRO).backward()
     engine.step()
     rows = [
@@ -109,9 +100,9 @@ def _rank() -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     out = {"runs": []}
     for (name, zpp, precision, checkpointing, live), persistence in ALL_RUNS:
-        model = GPTModel(ModelConfig(**LLAMA, activation_checkpointing=checkpointing))
+        model = GPTModel(ModelConfig(**TINY_LLAMA, activation_checkpointing=checkpointing))
         shape = shape_of_model(
-            model, bucket_numel=BUCKET, threshold=0, layers=LLAMA["num_layers"], persistence=persistence
+            model, bucket_numel=BUCKET, threshold=0, layers=TINY_LLAMA["num_layers"], persistence=persistence
         )
         engine = ZeroEngine(
             model,
@@ -129,15 +120,15 @@ def _rank() -> dict:
         )
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
-    model = GPTModel(ModelConfig(**LLAMA))
+    model = GPTModel(ModelConfig(**TINY_LLAMA))
     out["probed"] = auto_strategy(model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001))
     out["given"] = auto_strategy(model, _config(), topo, GIVEN)
     cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
     cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
-    out["factory"] = build_zero_engine(GPTModel(ModelConfig(**LLAMA)), cfg, topo, MICRO).strategy.name
+    out["factory"] = build_zero_engine(GPTModel(ModelConfig(**TINY_LLAMA)), cfg, topo, MICRO).strategy.name
     cfg = _config()  # `hierarchical: auto` priced on the section's links: the engine runs the planner's choice
     cfg.zero.stage, cfg.planner = 3, SLOW_INTRA_STEP
-    model = GPTModel(ModelConfig(**LLAMA))
+    model = GPTModel(ModelConfig(**TINY_LLAMA))
     engine = build_zero_engine(model, cfg, topo, MICRO)
     counted = _one_step(model, engine, topo)
     calls = sum(
@@ -165,7 +156,7 @@ def results():
 
 def _workload(fp16: bool = False, checkpointing: bool = False, live: int = LIVE, persistence: int = 0) -> Workload:
     return Workload(
-        model=ModelConfig(**LLAMA, activation_checkpointing=checkpointing),
+        model=ModelConfig(**TINY_LLAMA, activation_checkpointing=checkpointing),
         micro_batch=MICRO,
         global_batch=MICRO * 4 * 2,
         param_bytes=2 if fp16 else 4,
@@ -183,10 +174,10 @@ def test_planner_memory_and_bytes_equal_the_engine(results):
         nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e10, intra_bw=1e9, inter_bw=1e8, backend="gloo"
     )  # the engines ran on gloo: the planner prices its links
     from_config = {
-        p: shapes_of_config(ModelConfig(**LLAMA), bucket_numel=BUCKET, persistence=p)[0] for p in (0, PERSISTENCE)
+        p: shapes_of_config(ModelConfig(**TINY_LLAMA), bucket_numel=BUCKET, persistence=p)[0] for p in (0, PERSISTENCE)
     }
     persisting, plain = from_config[PERSISTENCE], from_config[0]
-    assert persisting.persistent == 1 and persisting.fetch_groups[-1] == 5 * LLAMA["hidden_size"]  # 5 norm gains
+    assert persisting.persistent == 1 and persisting.fetch_groups[-1] == 5 * TINY_LLAMA["hidden_size"]  # 5 norm gains
     assert sum(persisting.fetch_groups) == sum(plain.fetch_groups)
     for rank, report in enumerate(results):
         for ((name, zpp, precision, checkpointing, live), persistence), run in zip(ALL_RUNS, report["runs"]):

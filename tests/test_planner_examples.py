@@ -7,19 +7,12 @@ analytic: each example takes about a second of CPU or less, so these stay in the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from support import load_tool
 
 from megazpp.errors import ConfigError
 
-_spec = importlib.util.spec_from_file_location(
-    "plan_examples", Path(__file__).parents[1] / "tools" / "plan_examples.py"
-)
-plan_examples = sys.modules["plan_examples"] = importlib.util.module_from_spec(_spec)  # its dataclass needs it
-_spec.loader.exec_module(plan_examples)
+plan_examples = load_tool("plan_examples", register=True)  # its dataclass needs it
 
 PAGE = plan_examples.DOC_PATH.read_text()
 EXAMPLES = plan_examples.examples(PAGE)

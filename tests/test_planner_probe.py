@@ -11,7 +11,6 @@ each point is read at (the comm counter's convention).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import load_tool
 
 from megazpp.launch.local_ranks import run_ranks
 
@@ -141,13 +141,6 @@ def test_collective_probe_fits_every_op_and_group():
     assert fake["adam"] == pytest.approx(ADAM_RATE, rel=REL)
 
 
-def _calibration_tool():
-    spec = importlib.util.spec_from_file_location("calibrate_planner", REPO / "tools" / "calibrate_planner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _verdict(report: str) -> tuple[float, float, str]:
     """(Spearman, largest error %, PASS / FAIL) of the tool's report; a missing line fails."""
     found = re.search(
@@ -163,7 +156,7 @@ def _verdict(report: str) -> tuple[float, float, str]:
 def test_calibration_rank_correlation_on_fixed_timings():
     """The report's accuracy numbers from fixed predicted and measured times, whose values are
     known: Spearman over n untied items is 1 - 6 sum(d^2) / (n (n^2 - 1)), with ties averaged."""
-    tool = _calibration_tool()
+    tool = load_tool("calibrate_planner")
     assert tool.spearman([1, 2, 3, 4, 5], [1, 2, 3, 5, 4]) == pytest.approx(1 - 6 * 2 / (5 * 24))
     assert tool.spearman([1, 2, 3, 4, 5], [2, 1, 3, 5, 4]) == pytest.approx(1 - 6 * 4 / (5 * 24))
     assert tool.spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)

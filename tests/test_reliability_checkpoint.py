@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import QUIET_FLAGS
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
@@ -39,10 +40,7 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
     args = tiny_args(
         tiny_indexed_prefix,
         tiny_tokenizer_model,
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
+        *QUIET_FLAGS,
         "--save",
         str(ckpt),
         "--save-interval",
@@ -52,10 +50,7 @@ def test_crashes_mid_save_leave_the_previous_checkpoint_untouched(
         tiny_args(
             tiny_indexed_prefix,
             tiny_tokenizer_model,
-            "--eval-iters",
-            "0",
-            "--log-interval",
-            "100",
+            *QUIET_FLAGS,
             "--train-iters",
             "4",
         )

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_reliability_restart import free_port
+from support import checkout_env, run_sh_variables
 from test_training_pretrain import tiny_args
 
 from megazpp.data.indexed_dataset import IndexedDataset
@@ -32,18 +32,10 @@ from megazpp.errors import DataError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def env(**variables: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        **variables,
-    }
-
-
 def tool(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / name), *args, "--no-progress"],
-        env=env(),
+        env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -51,16 +43,9 @@ def tool(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def run_sh(data_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    variables = {
-        "DATA_DIR": str(data_dir),
-        "NPROC_PER_NODE": str(nproc),
-        "PYTHON": sys.executable,
-        "MASTER_PORT": str(free_port()),
-        "MAX_RESTARTS": "0",
-    }
     return subprocess.run(
         ["bash", str(ROOT / "run.sh"), *args],
-        env=env(**variables),
+        env=checkout_env(**run_sh_variables(data_dir, nproc, MAX_RESTARTS="0")),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -318,7 +303,13 @@ def interrupt_when(cmd: list[str], ready, cwd: Path) -> subprocess.CompletedProc
     """Start `cmd` in a process group of its own, send SIGINT to the whole group (as Ctrl-C does)
     once `ready(stdout_so_far)` holds, and collect it."""
     proc = subprocess.Popen(
-        cmd, env=env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=checkout_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     out = ""
     deadline = time.monotonic() + 120
@@ -380,7 +371,7 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_the_rerun_resumes(tmp_path,
     )
     assert 1 <= len(done) < 8 and "Traceback" not in proc.stdout + proc.stderr
     assert not list(tmp_path.glob("out_text_document*")) and not list(shards.glob("*.tmp*"))  # cleanup kept
-    resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"; {len(done)} files were done by an earlier run" in resumed.stdout
     reference = preprocess(many_files / "in", tiny_tokenizer_model, tmp_path / "ref", workers=2, progress=False)
@@ -432,7 +423,7 @@ def test_the_tokenizer_build_never_overwrites_a_model(tmp_path, tiny_corpus_dir)
             "--out",
             str(tmp_path / "tok"),
         ],
-        env=env(),
+        env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,13 +5,13 @@ Each must stop `pretrain_gpt.py` before step 1 with one `error:` line (exit code
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import checkout_env
 from test_training_pretrain import tiny_args
 
 from megazpp.config.load import load_config
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pretrain(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = checkout_env()
     return subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *args],
         cwd=ROOT,

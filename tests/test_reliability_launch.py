@@ -5,7 +5,6 @@ failure is one line naming the address and port."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,22 +12,11 @@ import sys
 import time
 
 import pytest
-from test_reliability_restart import ROOT, free_port
+from support import ROOT, TINY_MODEL_FLAGS, checkout_env, free_port
 from test_reliability_signals import Run, run_sh_data
 
 TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
+    *TINY_MODEL_FLAGS,
     "--global-batch-size",
     "4",
     "--lr-warmup-iters",
@@ -43,18 +31,10 @@ TINY = [
 def environment(data_dir, **variables: str) -> dict[str, str]:
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in checkout_env().items()
         if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_TIMEOUT")
     }
-    env.update(
-        {
-            "DATA_DIR": str(data_dir),
-            "PYTHON": sys.executable,
-            "NPROC_PER_NODE": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
-            **variables,
-        }
-    )
+    env.update({"DATA_DIR": str(data_dir), "PYTHON": sys.executable, "NPROC_PER_NODE": "1", **variables})
     return env
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_reliability_restart import ROOT, free_port
+from support import ROOT, checkout_env, free_port
 from test_reliability_signals import LONG, run_sh, run_sh_data
 from test_training_pretrain import tiny_args
 
@@ -183,15 +183,9 @@ def _start_job() -> list[subprocess.Popen]:
     port = str(free_port())
     ranks = []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        }
+        env = checkout_env(
+            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"
+        )
         ranks.append(
             subprocess.Popen(
                 [sys.executable, "-c", SMALL_JOB],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import QUIET_FLAGS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_reliability_checkpoint import topo
 from test_training_pretrain import tiny_args
@@ -25,10 +26,7 @@ def test_a_nan_step_is_skipped_and_not_saved(tmp_path, monkeypatch, tiny_indexed
             tiny_tokenizer_model,
             "--train-iters",
             "4",
-            "--eval-iters",
-            "0",
-            "--log-interval",
-            "100",
+            *QUIET_FLAGS,
             "--save",
             str(ckpt),
             "--save-interval",
@@ -88,10 +86,7 @@ def test_loss_spike_is_logged(tmp_path, monkeypatch, tiny_indexed_prefix, tiny_t
             tiny_tokenizer_model,
             "--train-iters",
             "7",
-            "--eval-iters",
-            "0",
-            "--log-interval",
-            "100",
+            *QUIET_FLAGS,
             "--loss-spike-window",
             "3",
             "--loss-spike-factor",

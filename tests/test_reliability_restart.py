@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import TINY_MODEL_FLAGS, run_sh_variables
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_ITERS = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def per_step_losses(tb_dir: Path) -> dict[int, float]:
@@ -37,27 +30,9 @@ def per_step_losses(tb_dir: Path) -> dict[int, float]:
 
 
 def launch(tmp: Path, data_dir: Path, name: str, env_extra: dict[str, str]) -> str:
-    env = {
-        **os.environ,
-        "DATA_DIR": str(data_dir),
-        "NPROC_PER_NODE": "2",
-        "MASTER_PORT": str(free_port()),
-        "PYTHON": sys.executable,
-        **env_extra,
-    }
+    env = {**os.environ, **run_sh_variables(data_dir, 2, **env_extra)}
     args = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
+        *TINY_MODEL_FLAGS,
         "--global-batch-size",
         "8",
         "--lr",

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support import QUIET_FLAGS
 from test_reliability_inputs import pretrain, refused
 from test_training_pretrain import tiny_args
 
@@ -130,10 +131,7 @@ def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path, tiny_indexed_prefix,
     args = tiny_args(
         tiny_indexed_prefix,
         tiny_tokenizer_model,
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
+        *QUIET_FLAGS,
         "--save",
         str(ckpt),
         "--save-interval",
@@ -170,10 +168,7 @@ def test_a_full_disk_during_a_save_leaves_no_partial_and_latest_as_it_was(
     args = tiny_args(
         tiny_indexed_prefix,
         tiny_tokenizer_model,
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
+        *QUIET_FLAGS,
         "--save-interval",
         "2",
         "--train-iters",

@@ -5,7 +5,6 @@ agree on the step to stop after (one rank signalled alone stops them all)."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import signal
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_reliability_restart import ROOT
+from support import ROOT, TINY_MODEL_FLAGS, checkout_env, run_sh_variables
 from test_training_pretrain import tiny_args
 
 LONG = "5000"  # iterations: the runs are stopped long before
@@ -27,12 +26,7 @@ class Run:
     without blocking forever."""
 
     def __init__(self, command: list[str], env_extra: dict[str, str] | None = None) -> None:
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            **(env_extra or {}),
-        }
+        env = checkout_env(**{"PYTHONUNBUFFERED": "1", **(env_extra or {})})
         self.proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -158,28 +152,9 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_in
 
 
 def run_sh(tmp_path: Path, data_dir: Path, *extra: str, env_extra: dict[str, str]) -> Run:
-    from test_reliability_restart import free_port
-
-    env = {
-        "DATA_DIR": str(data_dir),
-        "NPROC_PER_NODE": "2",
-        "PYTHON": sys.executable,
-        "MASTER_PORT": str(free_port()),
-        **env_extra,
-    }
+    env = run_sh_variables(data_dir, 2, **env_extra)
     args = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
+        *TINY_MODEL_FLAGS,
         "--global-batch-size",
         "8",
         "--lr-warmup-iters",

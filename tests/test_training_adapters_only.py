@@ -11,7 +11,6 @@ init seed is refused (and, under ZeRO, resuming with another strategy, which wou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +18,7 @@ from types import ModuleType
 
 import pytest
 import torch
-import yaml
+from support import HF_SIZED_LLAMA, TINY_LORA, load_script, load_tool, save_tiny_hf_llama, write_lora_run
 
 from megazpp.errors import CheckpointError
 from megazpp.interop.checkpoint_io import CheckpointReader
@@ -35,51 +34,16 @@ from megazpp.training.startup import prepare
 from megazpp.zero.frozen import FROZEN_PREFIX, FROZEN_SAVED_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = {
-    "arch": "llama",
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "ffn_hidden_size": 64,
-    "vocab_size": 512,
-    "seq_length": 32,
-    "rope_theta": 10000.0,
-}
-LORA = {**LLAMA, "lora_rank": 4, "lora_alpha": 8.0}
 RANK0 = "rank_tp00_pp000_dp0000.pt"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _pretrain(argv: list[str]):
-    return _load("pretrain_gpt", ROOT / "pretrain_gpt.py").main(argv)
+    return load_script(ROOT / "pretrain_gpt.py").main(argv)
 
 
 def _config(tmp_path: Path, model: dict, data_prefix: str, tokenizer: Path, **training) -> str:
-    config = {
-        "model": model,
-        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
-        "optimizer": {"lr": 1e-2},
-        "training": {
-            "micro_batch_size": 2,
-            "global_batch_size": 2,
-            "train_iters": 4,
-            "eval_interval": 1000,
-            "eval_iters": 1,
-            **training,
-        },
-        "checkpoint": {"save_interval": 2, "save_adapters_only": True},
-        "logging": {"log_interval": 1000},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+    checkpoint = {"save_interval": 2, "save_adapters_only": True}
+    return str(write_lora_run(tmp_path / "run.yaml", model, data_prefix, tokenizer, checkpoint, **training))
 
 
 def _rank_state(save: Path, name: str = RANK0) -> dict:
@@ -87,22 +51,7 @@ def _rank_state(save: Path, name: str = RANK0) -> dict:
 
 
 def _hf_import(tmp_path: Path, convert: ModuleType, name: str, seed: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / f"hf_{name}")
+    save_tiny_hf_llama(tmp_path / f"hf_{name}", seed)
     assert convert.main(["import", "--hf-dir", str(tmp_path / f"hf_{name}"), "--save", str(tmp_path / name)]) == 0
     return tmp_path / name
 
@@ -113,9 +62,9 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[interop])")
     from transformers import LlamaForCausalLM
 
-    convert = _load("convert_hf", ROOT / "tools" / "convert_hf.py")
+    convert = load_tool("convert_hf")
     base = _hf_import(tmp_path, convert, "base", seed=0)
-    config = _config(tmp_path, LORA, tiny_indexed_prefix, tiny_tokenizer_model)
+    config = _config(tmp_path, TINY_LORA, tiny_indexed_prefix, tiny_tokenizer_model)
     run = ["--config", config, "--load", str(base)]
     full = _pretrain([*run, "--save", str(tmp_path / "full")])
     _pretrain([*run, "--save", str(tmp_path / "half"), "--exit-interval", "2"])
@@ -126,7 +75,7 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
     base_meta = base / "iter_0000000" / METADATA_FILE
     meta = json.loads((tmp_path / "half" / "iter_0000002" / METADATA_FILE).read_text())
     assert meta[BASE_KEY] == {"load": str(base.resolve()), "digest": file_checksum(base_meta)}
-    adapter_numel = sum(p.numel() for n, p in GPTModel(ModelConfig(**LORA)).named_parameters() if is_adapter(n))
+    adapter_numel = sum(p.numel() for n, p in GPTModel(ModelConfig(**TINY_LORA)).named_parameters() if is_adapter(n))
     assert sum(v.numel() for v in state["model"].values()) == adapter_numel
     assert len(state["engine"]["optimizer"]["state"]) == 20  # Adam moments of the adapters alone
     # weights, Adam moments and RNG states of 3.5k elements: under half the import's 53k weights
@@ -161,7 +110,7 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
     _hf_import(tmp_path, convert, "base", seed=0)  # the same import again: the same bytes
 
     assert convert.main(["export", "--load", str(tmp_path / "full"), "--hf-dir", str(tmp_path / "merged")]) == 0
-    model = GPTModel(ModelConfig(**LORA)).eval()
+    model = GPTModel(ModelConfig(**TINY_LORA)).eval()
     weights = consolidated_weights(CheckpointReader(base), CheckpointReader(base).model_config())
     adapters = torch.load(tmp_path / "full" / "iter_0000004" / RANK0, weights_only=True)["model"]
     model.load_state_dict({**weights, **adapters})
@@ -174,12 +123,12 @@ def test_lora_adapters_only_from_hf_import_resumes_bitwise_refuses_other_bases_a
 
 RANK_RUNS = {  # (model, training.trainable, flags, what a rank file's model state may hold)
     "zero3_last_layer_bf16": (
-        LLAMA,
+        HF_SIZED_LLAMA,
         ["last:1"],
         ["--paro-strategy", "GGG", "--global-batch-size", "4", "--bf16"],
         lambda k: k.startswith("layers.1."),
     ),
-    "pp2_lora": (LORA, [], ["--pipeline-model-parallel-size", "2"], is_adapter),
+    "pp2_lora": (TINY_LORA, [], ["--pipeline-model-parallel-size", "2"], is_adapter),
 }
 
 

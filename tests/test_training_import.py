@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from support import QUIET_FLAGS
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
@@ -50,10 +51,7 @@ def test_train_from_imported_weights(tmp_path, tiny_indexed_prefix, tiny_tokeniz
         tiny_tokenizer_model,
         "--train-iters",
         "3",
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
+        *QUIET_FLAGS,
         "--bf16",
         "--global-batch-size",
         "8",

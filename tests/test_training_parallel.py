@@ -6,6 +6,7 @@ gradient synchronised in the fp32 accumulator), within bf16 rounding."""
 from __future__ import annotations
 
 import pytest
+from support import TINY_MODEL_FLAGS, data_flags
 
 import pretrain_gpt
 from megazpp.launch.local_ranks import run_ranks
@@ -23,24 +24,8 @@ LAYOUTS = {  # name: (flags, reference, tolerance)
 
 def common_args(prefix: str, tokenizer: str) -> list[str]:
     return [
-        "--data-path",
-        prefix,
-        "--tokenizer-model",
-        tokenizer,
-        "--split",
-        "90,10,0",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
+        *data_flags(prefix, tokenizer),
+        *TINY_MODEL_FLAGS,
         "--global-batch-size",
         "8",
         "--lr",

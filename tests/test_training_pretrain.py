@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support import TINY_MODEL_FLAGS, data_flags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pretrain_gpt
@@ -19,24 +20,8 @@ from megazpp.training.logger import TAGS
 
 def tiny_args(prefix, tokenizer, *extra: str) -> list[str]:
     return [
-        "--data-path",
-        str(prefix),
-        "--tokenizer-model",
-        str(tokenizer),
-        "--split",
-        "90,10,0",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
+        *data_flags(prefix, tokenizer),
+        *TINY_MODEL_FLAGS,
         "--global-batch-size",
         "4",
         "--lr",

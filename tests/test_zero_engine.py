@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
@@ -37,18 +38,8 @@ from megazpp.zero.units import is_fine_grained, parameter_units
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, SAVE_AT = 5, 2, 2
-LLAMA = dict(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
-MOE = dict(LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
-GPT2 = dict(LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, position table
+MOE = dict(TINY_LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
+GPT2 = dict(TINY_LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, position table
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
 WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
@@ -139,7 +130,7 @@ def _model_params(engine: ZeroEngine) -> list[torch.Tensor]:
 
 def _strategies_rank(ckpt_root: str) -> dict:
     topo = Topology.from_env(ranks_per_node=2)
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     runs = (
         [(name, name, {}) for name in VALID_NAMES]
         + [(f"{name}/flat", name, {"hierarchical": "never"}) for name in FLAT]
@@ -149,9 +140,9 @@ def _strategies_rank(ckpt_root: str) -> dict:
         + [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()]
         + [(f"{name}/persist", name, PERSIST) for name in SHARDED_P]
     )
-    report = {"reference": _reference_losses(LLAMA, topo), "runs": {}}
+    report = {"reference": _reference_losses(TINY_LLAMA, topo), "runs": {}}
     for label, name, options in runs:
-        model = _model(LLAMA, topo)
+        model = _model(TINY_LLAMA, topo)
         engine = _engine(model, topo, name, **options)
         steps = _train_steps(model, engine, topo, cfg, range(SAVE_AT))
         ckpt = f"{ckpt_root}/{label.replace('/', '_')}"
@@ -159,7 +150,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
         steps += _train_steps(model, engine, topo, cfg, range(SAVE_AT, STEPS))
         final = _model_params(engine)
         held, expected = engine.held_bytes(), engine.expected_bytes()
-        resumed_model = _model(LLAMA, topo)
+        resumed_model = _model(TINY_LLAMA, topo)
         resumed = _engine(resumed_model, topo, name, **options)
         resumed.load_state_dict(load_checkpoint(ckpt, topo)["engine"])
         resumed_steps = _train_steps(resumed_model, resumed, topo, cfg, range(SAVE_AT, STEPS))
@@ -172,7 +163,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
             "resumed_norms": [s["norm"] for s in resumed_steps],
             "resumed_equal": all(torch.equal(a, b) for a, b in zip(final, _model_params(resumed))),
         }
-    checkpointed = dict(LLAMA, activation_checkpointing=True)
+    checkpointed = dict(TINY_LLAMA, activation_checkpointing=True)
     for name in REUSE_OFF:
         for label, options in ((f"{name}/ckpt", {}), (f"{name}/ckpt/noreuse", NO_REUSE)):
             model = _model(checkpointed, topo)
@@ -302,18 +293,18 @@ def _model_parallel_and_moe_rank() -> dict:
     for name in ("NNG", "GNG"):
         report[f"pp/{name}"] = _pipeline_losses(topo, name)
     # untied Llama: every fetch counted; kept groups stay gathered across 1F1B's forwards
-    report["pp/llama/reference"] = _reference_losses(LLAMA, topo)[:3]
+    report["pp/llama/reference"] = _reference_losses(TINY_LLAMA, topo)[:3]
     for label, options in (("GGG", {}), ("GGG/noreuse", NO_REUSE), ("GGG/persist", PERSIST)):
-        report[f"pp/llama/{label}"] = _pipeline_steps(topo, LLAMA, "GGG", **options)
+        report[f"pp/llama/{label}"] = _pipeline_steps(topo, TINY_LLAMA, "GGG", **options)
     try:
         _pipeline_losses(topo, "NGG")
         report["pp/NGG refused"] = False
     except ConfigError:
         report["pp/NGG refused"] = True
     topo = Topology.from_env(tp=2, ranks_per_node=2)
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     for name in ("NNN", "GGG", "IIG"):
-        model = _model(LLAMA, topo)
+        model = _model(TINY_LLAMA, topo)
         engine = _engine(model, topo, name)
         steps = _train_steps(model, engine, topo, cfg, range(3))
         report[f"tp/{name}"] = {"steps": steps, "held": engine.held_bytes(), "expected": engine.expected_bytes()}
@@ -370,7 +361,7 @@ def test_tensor_and_pipeline_parallel_and_moe_threshold():
 def _accumulated_gradient_error(accum: str) -> float:
     """|engine's accumulated gradient - fp64 sum of the bf16 micro-batch gradients| (max)."""
     topo = Topology.from_env()
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     model = GPTModel(cfg)
     engine = ZeroEngine(
         model,
@@ -402,7 +393,7 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
     a tied output layer, and layers recomputed inside backward all see gathered parameters:
     ZeRO-3 on one rank follows LocalEngine."""
     topo = Topology.from_env()
-    cfg = dict(LLAMA, arch="gpt2", num_query_groups=None, activation_checkpointing=True)
+    cfg = dict(TINY_LLAMA, arch="gpt2", num_query_groups=None, activation_checkpointing=True)
     losses = {}
     for name in ("local", "GGG"):
         model = GPTModel(ModelConfig(**cfg))
@@ -424,8 +415,8 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
 
 def test_gathered_parameters_expose_whole_weights_then_release():
     topo = Topology.from_env()
-    reference = GPTModel(ModelConfig(**LLAMA))
-    model = GPTModel(ModelConfig(**LLAMA))
+    reference = GPTModel(ModelConfig(**TINY_LLAMA))
+    model = GPTModel(ModelConfig(**TINY_LLAMA))
     engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy="GGG"), topo)
     assert all(p.numel() == 0 for p in model.parameters())
     with engine.gathered_parameters():
@@ -438,7 +429,7 @@ def test_half_precision_follows_local_engine_including_overflow_skips():
     """fp16 with a loss scale that overflows at first (skipped steps, scale backing off) and
     bf16 with fp32 accumulation: ZeRO-3 on one rank takes LocalEngine's exact path."""
     topo = Topology.from_env()
-    cfg = ModelConfig(**LLAMA)
+    cfg = ModelConfig(**TINY_LLAMA)
     inputs, labels = _batch(cfg, 0, 0)
     skips = {}
     for precision in (PrecisionConfig(fp16=True, initial_loss_scale=2.0**22), PrecisionConfig(bf16=True)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from support import TINY_LLAMA
 
 from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
@@ -35,19 +36,9 @@ from megazpp.zero.strategy import VALID_NAMES, level_div, parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO = 3, 2
-LLAMA = dict(
-    arch="llama",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    seq_length=8,
-    ffn_hidden_size=40,
-)
-LORA = dict(LLAMA, lora_rank=4, lora_alpha=8.0)
+LORA = dict(TINY_LLAMA, lora_rank=4, lora_alpha=8.0)
 # (model, training.trainable): adapters only; the last layer and every norm of a plain model
-RUNS = {"lora": (LORA, []), "subset": (LLAMA, ["last:1", "*norm*"])}
+RUNS = {"lora": (LORA, []), "subset": (TINY_LLAMA, ["last:1", "*norm*"])}
 CHECKPOINTED = ("GGG", "ING")  # LoRA with activation checkpointing: recompute inside backward
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 

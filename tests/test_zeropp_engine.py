@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TINY_MODEL_FLAGS, data_flags
 
 import kernels
 from megazpp.config.schema import OptimizerConfig, PrecisionConfig
@@ -296,24 +297,8 @@ def _tutorial(prefix: str, tokenizer: str) -> dict:
             str(TUTORIAL),
             "--ranks-per-node",
             "2",
-            "--data-path",
-            prefix,
-            "--tokenizer-model",
-            tokenizer,
-            "--split",
-            "90,10,0",
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--num-query-groups",
-            "2",
-            "--seq-length",
-            "32",
-            "--micro-batch-size",
-            "2",
+            *data_flags(prefix, tokenizer),
+            *TINY_MODEL_FLAGS,
             "--global-batch-size",
             "8",
             "--lr",

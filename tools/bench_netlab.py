@@ -27,6 +27,7 @@ netlab, and the sample data that `run.sh` builds (data/). netlab is taken down o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import shutil
@@ -168,34 +169,23 @@ def run_one(
     failure = launch.run_nodes(commands, logs, ns.timeout)
     wall = time.perf_counter() - start
     wire = launch.netlab_rx_bytes(layout.nodes) - before if before is not None else None  # on netlab
+    collect = functools.partial(
+        results.collect_row,
+        config.name,
+        config.runner,
+        run_dir,
+        steps=ns.steps,
+        tokens_per_step=tokens_per_step,
+        world_size=layout.world_size,
+        wire_bytes=wire,
+        wall_s=wall,
+        warmup=ns.warmup,
+        amortised=config.sync_every is not None,
+    )
     try:
-        return results.collect_row(
-            config.name,
-            config.runner,
-            run_dir,
-            steps=ns.steps,
-            tokens_per_step=tokens_per_step,
-            world_size=layout.world_size,
-            wire_bytes=wire,
-            wall_s=wall,
-            failure=failure,
-            warmup=ns.warmup,
-            amortised=config.sync_every is not None,
-        )
+        return collect(failure=failure)
     except MegazppError as exc:
-        return results.collect_row(
-            config.name,
-            config.runner,
-            run_dir,
-            steps=ns.steps,
-            tokens_per_step=tokens_per_step,
-            world_size=layout.world_size,
-            wire_bytes=wire,
-            wall_s=wall,
-            failure=f"unreadable results: {exc}",
-            warmup=ns.warmup,
-            amortised=config.sync_every is not None,
-        )
+        return collect(failure=f"unreadable results: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

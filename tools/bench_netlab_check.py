@@ -46,17 +46,13 @@ from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.gpt import GPTModel
-from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import stage_shape
-from megazpp.planner.cluster import Cluster, gbit
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import (
     LinkProbe,
-    broadcast_values,
-    probe_host,
+    measured_cluster,
     probe_link,
-    probe_memory_bandwidth,
     probe_model_flops,
 )
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
@@ -138,27 +134,18 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
         probe_link(group, size) if size > 1 else LinkProbe(math.inf, 0.0)
         for group, size in ((island.dp_intra_group, len(island.dp_intra_ranks)), (island.peer_group, island.islands))
     )
-    fits, adam = probe_host(island)
-    comm.barrier(tag="calibrate")
-    rpn = topo.ranks_per_node
-    values = broadcast_values(
-        [flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn, intra.latency, inter.latency]
-    )
-    times = fits if a.collective_probe else None
-    cluster = Cluster(
+    probed = measured_cluster(
+        island,
+        flops,
+        intra,
+        inter,
         nodes=topo.num_nodes,
-        gpus_per_node=rpn,
-        memory_bytes=float(1 << 40),
-        flops=values[0],
-        intra_bw=values[2],
-        inter_bw=gbit(a.inter_gbit) if a.inter_gbit else values[3],
-        intra_latency=values[4],
-        inter_latency=values[5],
-        memory_bw=values[1],
-        backend="gloo",
+        ranks_per_node=topo.ranks_per_node,
+        inter_gbit=a.inter_gbit,
         overlap=a.overlap == "on",
-        optimizer_rate=adam,
     )
+    times = probed.collective_times if a.collective_probe else None
+    cluster = probed.cluster
     rows = []
     for name, cfg, outer, measured in jobs:
         shape = stage_shape(GPTModel(cfg.model), cfg, island)
@@ -176,7 +163,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     return {
         "rows": rows,
         "cluster": dataclasses.replace(cluster, collective_times=times),
-        "probed_inter": values[3],
+        "probed_inter": probed.probed_inter_bw,
         "model": first.model,
     }
 

@@ -21,6 +21,7 @@ On one machine, 4 ranks carved into 2 virtual nodes over loopback (a smoke test)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -37,14 +38,12 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
-from megazpp.planner.cluster import Cluster, gbit
+from megazpp.planner.cluster import Cluster
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import (
     LinkProbe,
-    broadcast_values,
-    probe_host,
+    measured_cluster,
     probe_link,
-    probe_memory_bandwidth,
     probe_model_flops,
 )
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
@@ -99,27 +98,18 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
         probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
         for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks), (topo.dp_inter_group, topo.dp_inter_ranks))
     )
-    fits, adam = probe_host(topo)
-    comm.barrier(tag="calibrate")
-    values = broadcast_values(
-        [flops, probe_memory_bandwidth(), intra.bandwidth, inter.bandwidth * rpn, intra.latency, inter.latency]
-    )
-    inter_bw = gbit(a.inter_gbit) if a.inter_gbit else values[3]
-    cluster = Cluster(
+    probed = measured_cluster(
+        topo,
+        flops,
+        intra,
+        inter,
         nodes=topo.num_nodes,
-        gpus_per_node=rpn,
-        memory_bytes=float(1 << 40),
-        flops=values[0],
-        intra_bw=values[2],
-        inter_bw=inter_bw,
-        intra_latency=values[4],
-        inter_latency=values[5],
-        memory_bw=values[1],
-        backend="gloo",
+        ranks_per_node=rpn,
+        inter_gbit=a.inter_gbit,
         overlap=a.overlap == "on",
-        optimizer_rate=adam,
-        collective_times=fits if a.collective_probe else None,
     )
+    times = probed.collective_times if a.collective_probe else None
+    cluster = dataclasses.replace(probed.cluster, collective_times=times)
     workload = Workload(
         model=cfg,
         micro_batch=a.micro_batch_size,
@@ -136,7 +126,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
         rows.append((name, stage.step_s, measured, {"compute": stage.compute_s, **stage.exposed}))
     if topo.rank != 0:
         return None
-    return {"rows": rows, "cluster": cluster, "probed_inter": values[3]}
+    return {"rows": rows, "cluster": cluster, "probed_inter": probed.probed_inter_bw}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

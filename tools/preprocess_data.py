@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 
 from megazpp.cli import add_progress_flag, run_tool, wants_progress
-from megazpp.data.preprocess import DEFAULT_CHUNK_BYTES, preprocess
+from megazpp.data.chunk_reader import DEFAULT_CHUNK_BYTES
+from megazpp.data.preprocess import preprocess
 from megazpp.data.signal_filter import FilterSpec, load_filter_file
 
 

@@ -1,13 +1,10 @@
 """JSONL corpus (one file or thousands) -> Megatron `.bin/.idx`, tokenized in parallel worker processes.
 
-Work unit: a chunk of raw input lines (about `chunk_bytes`) of one file. The main process only
-reads lines (and, for RedPajama-V2, the matching quality-signal lines and duplicate rows) and
-writes tokens; workers parse, join, filter, extract and tokenize, and send back one flat token
-array plus a length array per output. Raw bytes in and NumPy arrays out keep pickling cheap,
-and big chunks keep the per-task overhead negligible, so adding workers scales the tokenizer
-(the real cost) instead of the plumbing. `Pool.imap` keeps results in input order, which makes
-the output independent of the number of workers, and its pipe bounds the chunks in flight, so
-memory does not grow with the input.
+The pipeline, one module a stage: the main process reads each input file's lines in chunks
+(`chunk_reader.py`), workers turn chunks into token arrays (`chunk_encoder.py`), and the main
+process writes them into each file's shard (`shard_writer.py`). `Pool.imap` keeps results in
+input order, which makes the output independent of the number of workers, and its pipe bounds
+the chunks in flight, so memory does not grow with the input.
 
 Each input file is a shard (`shards.py`): written to its own `.bin/.idx` under
 `<output-prefix>_shards/`, finished with a marker, skipped by a rerun; at the end the shards are
@@ -24,38 +21,21 @@ with the keys the records do have, instead of a 0-document dataset.
 from __future__ import annotations
 
 import glob
-import itertools
 import os
-import signal
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
-import numpy as np
-
-from megazpp.data.indexed_dataset import (
-    IndexedDatasetBuilder,
-    data_file,
-    index_file,
-    merge_indexed_datasets,
-    token_dtype_for,
-)
-from megazpp.data.jsonl import (
-    KEY_ALIASES,
-    SkipReason,
-    input_root,
-    iter_line_chunks,
-    parse_record,
-    record_keys,
-    record_set_name,
-    record_text,
-    resolve_inputs,
-)
+from megazpp.data.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
+from megazpp.data.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
+from megazpp.data.indexed_dataset import merge_indexed_datasets, token_dtype_for
+from megazpp.data.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
 from megazpp.data.progress import Progress
-from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow, load_duplicate_rows, parse_signals
+from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow
+from megazpp.data.shard_writer import ShardWriter, output_prefix_for, remove_shards
 from megazpp.data.shards import (
     DocumentCounts,
     Shard,
@@ -68,141 +48,10 @@ from megazpp.data.shards import (
     safe_name,
     write_marker,
 )
-from megazpp.data.signal_filter import DocumentFilter, FilterSpec
+from megazpp.data.signal_filter import FilterSpec
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_record import TokenizerRecord, record_file, write_record
+from megazpp.data.tokenizer_record import TokenizerRecord, write_record
 from megazpp.errors import DataError, refuse_existing
-
-DEFAULT_CHUNK_BYTES = 256 * 1024
-_NO_ROWS = np.empty(0, dtype=np.int64)
-
-
-@dataclass
-class Chunk:
-    """Lines of one shard sent to a worker; the shard's last chunk says so (an empty one for an empty file)."""
-
-    shard: int
-    lines: list[bytes]
-    source: str
-    first_row: int  # row of lines[0] in its file
-    id_prefix: str | None  # RedPajama-V2 document id = id_prefix + row
-    signals: list[bytes | None] | None  # quality-signal lines in step with `lines`, when rules need them
-    duplicates: np.ndarray  # indices into `lines` listed as duplicates
-    last: bool = False
-    damage: tuple[str, ...] = ()
-
-
-@dataclass
-class ChunkResult:
-    """Tokenized documents of one chunk per (key, source): (concatenated tokens, per-document lengths)."""
-
-    shard: int
-    last: bool
-    damage: tuple[str, ...]
-    tokens: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
-    skipped: Counter
-    dropped: Counter = field(default_factory=Counter)
-    unevaluable: Counter = field(default_factory=Counter)
-
-
-class ChunkEncoder:
-    """Turns a chunk of raw lines into token arrays; one instance lives in each worker."""
-
-    def __init__(
-        self,
-        tokenizer_model: str,
-        json_keys: tuple[str, ...],
-        append_eod: bool,
-        split_by_source: bool = False,
-        filters: FilterSpec = FilterSpec(),
-    ):
-        self.tokenizer = Tokenizer(tokenizer_model)
-        self.json_keys = json_keys
-        self.append_eod = append_eod
-        self.split_by_source = split_by_source
-        self.filter = DocumentFilter(filters) if filters.active else None
-
-    def __call__(self, chunk: Chunk) -> ChunkResult:
-        result = ChunkResult(chunk.shard, chunk.last, chunk.damage, {}, Counter())
-        texts: dict[tuple[str, str], list[str]] = {}
-        duplicates = set(chunk.duplicates.tolist())
-        for i, line in enumerate(chunk.lines):
-            record = parse_record(line)
-            if isinstance(record, SkipReason):
-                result.skipped[record.value] += 1
-                continue
-            if self.filter is not None and not self._keep(chunk, i, i in duplicates, result):
-                continue
-            source = (safe_name(record_set_name(record) or chunk.source)) if self.split_by_source else ""
-            for key in self.json_keys:
-                text = record_text(record, key)
-                if isinstance(text, SkipReason):
-                    result.skipped[self._reason(key, text)] += 1
-                else:
-                    texts.setdefault((key, source), []).append(text)
-        for group, group_texts in texts.items():
-            result.tokens[group] = self._encode(group_texts)
-        return result
-
-    def _keep(self, chunk: Chunk, i: int, is_duplicate: bool, result: ChunkResult) -> bool:
-        if self.filter is None:
-            raise RuntimeError("document filtering without a filter")
-        signals = None
-        if self.filter.spec.needs_signals:
-            line = chunk.signals[i] if chunk.signals is not None else None
-            parsed = parse_signals(line, f"{chunk.id_prefix}{chunk.first_row + i}")
-            if isinstance(parsed, SkipReason):
-                result.skipped[parsed.value] += 1
-                return False
-            signals = parsed
-        failure = self.filter.first_failure(signals, is_duplicate)
-        if failure is None:
-            return True
-        rule, unevaluable = failure
-        result.dropped[rule] += 1
-        result.unevaluable[rule] += unevaluable
-        return False
-
-    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.tokenizer.encode_batch(texts)
-        if self.append_eod:
-            for doc in ids:
-                doc.append(self.tokenizer.eod_id)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-        return tokens, lengths
-
-    def _reason(self, key: str, reason: SkipReason) -> str:
-        return reason.value if len(self.json_keys) == 1 else f"{key}:{reason.value}"
-
-
-_worker_encoder: ChunkEncoder | None = None
-
-
-def _init_worker(
-    tokenizer_model: str, json_keys: tuple[str, ...], append_eod: bool, split_by_source: bool, filters: FilterSpec
-) -> None:
-    global _worker_encoder
-    # Ctrl-C reaches the whole process group: the main process alone handles it (it stops the
-    # pool and cleans up), rather than every worker printing its own KeyboardInterrupt traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_encoder = ChunkEncoder(tokenizer_model, json_keys, append_eod, split_by_source, filters)
-
-
-def _encode_in_worker(chunk: Chunk) -> ChunkResult:
-    if _worker_encoder is None:
-        raise RuntimeError("a preprocessing worker ran before its initializer")
-    return _worker_encoder(chunk)
-
-
-def output_prefix_for(output_prefix: str | os.PathLike, key: str, source: str = "") -> str:
-    """Megatron's naming, `<prefix>_<key>_document`; split by source, `<prefix>_<source>_<key>_document`."""
-    return f"{output_prefix}_{source}_{key}_document" if source else f"{output_prefix}_{key}_document"
-
-
-def output_label(key: str, source: str) -> str:
-    """How the summary names an output: the key, or `<source>:<key>` when split by source."""
-    return f"{source}:{key}" if source else key
 
 
 @dataclass(kw_only=True)
@@ -285,15 +134,15 @@ def preprocess(
     pending = [i for i, r in enumerate(results) if r is None]
     summary = PreprocessSummary(outputs={}, files=[s.path for s in shards], resumed=len(shards) - len(pending))
     bar = Progress(len(shards), summary.resumed, bars=progress)
-    writer = _ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size), record)
+    writer = ShardWriter(shards, shard_dir, json_keys, split_by_source, token_dtype_for(tokenizer.vocab_size), record)
     try:
-        chunks = _chunks(shards, pending, chunk_bytes, filters)
+        chunks = read_chunks(shards, pending, chunk_bytes, filters)
         init_args = (str(tokenizer_model), json_keys, append_eod, split_by_source, filters)
         if workers <= 1 or not pending:
             _consume(map(ChunkEncoder(*init_args), chunks), writer, results, identities, fingerprint, summary, bar)
         else:
-            with Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-                _consume(pool.imap(_encode_in_worker, chunks), writer, results, identities, fingerprint, summary, bar)
+            with Pool(workers, initializer=init_worker, initargs=init_args) as pool:
+                _consume(pool.imap(encode_in_worker, chunks), writer, results, identities, fingerprint, summary, bar)
         finished = [r for r in results if r is not None]
         if len(finished) != len(results):
             raise RuntimeError(f"{len(results) - len(finished)} input file(s) ended without a result")
@@ -310,7 +159,7 @@ def preprocess(
                 merge_indexed_datasets(prefixes, summary.outputs[label])
                 write_record(summary.outputs[label], record)
             if not keep_shards:
-                _remove_shards(shard_dir, shards, finished)
+                remove_shards(shard_dir, shards, finished)
     except KeyboardInterrupt:
         writer.abort()
         raise KeyboardInterrupt(_interrupted(results, shard_dir)) from None
@@ -365,7 +214,7 @@ def _refuse_empty_keys(
     for key in json_keys:
         if any(n for label, n in summary.documents.items() if label.rpartition(":")[2] == key):
             continue
-        _remove_shards(shard_dir, shards, results)
+        remove_shards(shard_dir, shards, results)
         names = " or ".join(repr(k) for k in KEY_ALIASES.get(key, (key,)))
         where = f"{len(shards)} input files" if len(shards) > 1 else str(shards[0].path)
         skipped = ", ".join(f"{r}={n}" for r, n in sorted(summary.skipped.items()))
@@ -410,135 +259,9 @@ def _check_filters(shards: list[Shard], filters: FilterSpec) -> None:
             raise DataError(f"--drop-duplicates reads {parquet}, a parquet file, which needs pyarrow: {PYARROW_HINT}")
 
 
-class _SignalLines:
-    """The quality-signal lines of one file handed out in step with its documents; once the file
-    ends or breaks, None (those documents have no signals)."""
-
-    def __init__(self, path: Path, damage: list[str]):
-        self._lines = self._read(path, damage)
-
-    @staticmethod
-    def _read(path: Path, damage: list[str]) -> Iterator[bytes]:
-        try:
-            for chunk in iter_line_chunks(path, DEFAULT_CHUNK_BYTES):
-                yield from chunk
-        except DataError as e:
-            damage.append(f"{e}; the documents after that line have no signals (skipped as missing_signals)")
-
-    def take(self, n: int) -> list[bytes | None]:
-        return [next(self._lines, None) for _ in range(n)]
-
-
-def _chunks(shards: list[Shard], indices: list[int], chunk_bytes: int, filters: FilterSpec) -> Iterator[Chunk]:
-    """Every chunk of the given shards in order, each shard closed by an end marker carrying what
-    was damaged. A damaged file keeps the lines read before the damage and loses the rest."""
-    for index in indices:
-        shard, damage = shards[index], list[str]()
-        v2 = shard.v2
-        signals = _SignalLines(v2.signals, damage) if filters.needs_signals and v2 and v2.signals else None
-        duplicate_rows = _NO_ROWS
-        if filters.drop_duplicates and v2 is not None and v2.duplicates is not None:
-            try:
-                duplicate_rows = load_duplicate_rows(v2.duplicates, v2.id_prefix)
-            except DataError as e:
-                damage.append(f"{e}; no document of {shard.path} is dropped as a duplicate")
-        row, held = 0, None  # each chunk is held back one step, so the last one can carry the end marker
-        try:
-            for lines in iter_line_chunks(shard.path, chunk_bytes):
-                if held is not None:
-                    yield held
-                n = len(lines)
-                lo, hi = np.searchsorted(duplicate_rows, [row, row + n])
-                held = Chunk(
-                    index,
-                    lines,
-                    shard.source,
-                    row,
-                    v2.id_prefix if v2 else None,
-                    signals.take(n) if signals else None,
-                    duplicate_rows[lo:hi] - row,
-                )
-                row += n
-        except DataError as e:
-            damage.append(f"{e}; kept the lines before it, skipped the rest of the file")
-        last = held or Chunk(index, [], shard.source, row, None, None, _NO_ROWS)
-        last.last, last.damage = True, tuple(damage)
-        yield last
-
-
-class _ShardWriter:
-    """Writes the open shard's outputs; `finish` completes them and returns the shard's result."""
-
-    def __init__(
-        self,
-        shards: list[Shard],
-        shard_dir: Path,
-        json_keys: tuple[str, ...],
-        split_by_source: bool,
-        dtype: np.dtype,
-        record: TokenizerRecord,
-    ):
-        self.shards, self.shard_dir, self.json_keys = shards, shard_dir, json_keys
-        self.split_by_source, self.dtype, self.record = split_by_source, dtype, record
-        self.index: int | None = None
-        self.builders: dict[tuple[str, str], IndexedDatasetBuilder] = {}
-        self.result = ShardResult()
-
-    def _base(self) -> Path:
-        if self.index is None:
-            raise RuntimeError("no shard is being written")
-        return self.shard_dir / self.shards[self.index].name
-
-    def start(self, index: int) -> None:
-        self.index, self.builders, self.result = index, {}, ShardResult()
-        base = self._base()
-        marker_path(self.shard_dir, self.shards[index]).unlink(missing_ok=True)
-        for stale in glob.glob(f"{glob.escape(str(base))}_*_document.*.tmp*"):  # from a killed run
-            os.unlink(stale)
-        if not self.split_by_source:
-            for key in self.json_keys:
-                self._builder(key, "")
-
-    def _builder(self, key: str, source: str) -> IndexedDatasetBuilder:
-        builder = self.builders.get((key, source))
-        if builder is None:
-            prefix = output_prefix_for(self._base(), key, source)
-            builder = self.builders[(key, source)] = IndexedDatasetBuilder(prefix, self.dtype)
-            self.result.outputs[output_label(key, source)] = prefix
-        return builder
-
-    def add(self, result: ChunkResult) -> int:
-        if result.shard != self.index:
-            self.start(result.shard)
-        tokens = 0
-        for (key, source), (ids, lengths) in result.tokens.items():
-            self._builder(key, source).add_documents(ids, lengths)
-            label = output_label(key, source)
-            self.result.documents[label] += len(lengths)
-            self.result.tokens[label] += len(ids)
-            tokens += len(ids)
-        self.result.skipped.update(result.skipped)
-        self.result.dropped.update(result.dropped)
-        self.result.unevaluable.update(result.unevaluable)
-        self.result.damage.extend(result.damage)
-        return tokens
-
-    def finish(self) -> ShardResult:
-        for builder in self.builders.values():
-            builder.finalize()
-            write_record(builder.prefix, self.record)
-        self.builders = {}
-        return self.result
-
-    def abort(self) -> None:
-        for builder in self.builders.values():
-            builder.abort()
-        self.builders = {}
-
-
 def _consume(
     results: Iterable[ChunkResult],
-    writer: _ShardWriter,
+    writer: ShardWriter,
     shard_results: list[ShardResult | None],
     identities: list[list[list[object]]],
     fingerprint: str,
@@ -557,20 +280,3 @@ def _consume(
             )
             shard_results[result.shard] = done
         bar.update(files=int(result.last), tokens=tokens)
-
-
-def _remove_shards(shard_dir: Path, shards: list[Shard], results: list[ShardResult]) -> None:
-    """Deletes exactly what the shards wrote (outputs, markers), then the directories left empty."""
-    for shard, result in zip(shards, results):
-        for prefix in result.outputs.values():
-            for path in (data_file(prefix), index_file(prefix), record_file(prefix)):
-                path.unlink(missing_ok=True)
-        marker_path(shard_dir, shard).unlink(missing_ok=True)
-    for directory in sorted(
-        {p for s in shards for p in (shard_dir / s.name).parents if p == shard_dir or shard_dir in p.parents},
-        key=lambda p: -len(p.parts),
-    ):
-        try:
-            directory.rmdir()
-        except OSError:
-            pass  # not empty: something of the user's is in it

@@ -16,6 +16,11 @@ fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md
 3. Nesterov SGD on the snapshot with the average (`outer_update`), the result replaces the
    masters and the snapshot and is re-published to the p level; AdamW's state is kept.
 Every island ends the sync with the same bits, so they stay one model at the syncs.
+
+This module is the engine: the protocol, the schedule of exchanges, the outer state and its
+formulas. What it runs lives beside it: the fragments and their schedule (`fragments.py`), the
+Nesterov step and the merge (`update.py`), one fragment's exchange (`exchange.py`), the logged
+norms' weights (`norm_weights.py`).
 """
 
 from __future__ import annotations
@@ -24,24 +29,26 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from megazpp.errors import CheckpointError, ConfigError
+from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer import traffic
 from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire, padded_size
+from megazpp.outer.fragments import build_fragments, due_fragments, fragment_names, range_indices
+from megazpp.outer.norm_weights import NormWeights
 from megazpp.outer.settings import OuterOptions
+from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero import memory
 from megazpp.zero import traffic as traffic_zero
 from megazpp.zero.sequences import GroupShape
-from megazpp.zero.strategy import Strategy, level_div
+from megazpp.zero.strategy import Strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
 log = logging.getLogger(__name__)
@@ -49,103 +56,6 @@ log = logging.getLogger(__name__)
 WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
-
-
-def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Streaming DiLoCo's mixing when an exchange overlapped `tau` inner steps: `alpha` of the
-    island's own parameters (which moved on meanwhile) and 1 - alpha of the outer step's result."""
-    return local.mul(alpha).add_(synced, alpha=1 - alpha)
-
-
-def outer_update(
-    snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor, lr: float, momentum: float
-) -> None:
-    """Nesterov SGD (torch.optim.SGD's form, no dampening) on `snapshot`, in place; the outer
-    momentum buffer starts at zero, so the first step's buffer is the pseudo-gradient itself."""
-    momentum_buf.mul_(momentum).add_(mean_pseudo_grad)
-    snapshot.sub_(mean_pseudo_grad.add(momentum_buf, alpha=momentum), alpha=lr)
-
-
-Range = tuple[int, int]  # [start, stop) of elements of the rank's flat os shard
-
-
-def merge_ranges(ranges: list[Range]) -> list[Range]:
-    """`ranges` (in order, disjoint) with touching neighbours joined: a fragment of whole
-    parameter tensors is one range unless padding (a bucket's tail, ZeRO++'s alignment gaps)
-    separates its tensors."""
-    out: list[Range] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def range_indices(ranges: list[Range]) -> torch.Tensor:
-    """The element indices of `ranges`: the form checkpoints store a fragment in."""
-    return torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class Fragment:
-    """One fragment's part of the rank's flat os shard: `ranges` of it, and the same elements
-    as (master tensor index, start) per range piece inside one master (`segments`: flat start,
-    flat stop, master, start in the master), so the outer step reads and writes the masters
-    and the outer state in place, by views, without an index tensor or a whole-shard copy."""
-
-    ranges: list[Range]
-    segments: list[tuple[int, int, int, int]]
-
-    @property
-    def numel(self) -> int:
-        return sum(b - a for a, b in self.ranges)
-
-    def gather(self, vec: torch.Tensor) -> torch.Tensor:
-        """The fragment's elements of `vec` (the flat shard's size) as one vector: a view when
-        the fragment is one range, else a copy (`scatter` writes it back)."""
-        if len(self.ranges) == 1:
-            a, b = self.ranges[0]
-            return vec[a:b]
-        return torch.cat([vec[a:b] for a, b in self.ranges]) if self.ranges else vec.new_zeros(0)
-
-    def scatter(self, vec: torch.Tensor, values: torch.Tensor) -> None:
-        """Write a `gather`ed vector back (nothing to do for a view)."""
-        if len(self.ranges) == 1:
-            return
-        pos = 0
-        for a, b in self.ranges:
-            vec[a:b].copy_(values[pos : pos + b - a])
-            pos += b - a
-
-    def masters(self, masters: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(start, stop) in the fragment's vector and the 1-D view of the masters there."""
-        pos = 0
-        for a, b, m, lo in self.segments:
-            yield pos, pos + b - a, masters[m].view(-1)[lo : lo + b - a]
-            pos += b - a
-
-
-def fragment_of(ranges: list[Range], pieces: list[Range]) -> Fragment:
-    """The fragment over `ranges` of the flat shard, whose masters cover `pieces` of it (in
-    order, each master one piece)."""
-    merged = merge_ranges(ranges)
-    return Fragment(
-        merged,
-        [
-            (max(a, pa), min(b, pb), m, max(a, pa) - pa)
-            for a, b in merged
-            for m, (pa, pb) in enumerate(pieces)
-            if max(a, pa) < min(b, pb)
-        ],
-    )
-
-
-def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
-    """The fragments synced after inner step `inner_steps` (counted from 1): fragment f every H
-    steps at offset f H / F, so F <= H fragments never share a step (Streaming DiLoCo)."""
-    offsets = [f * sync_every // count for f in range(count)]
-    return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
 
 
 class DiLoCoEngine:
@@ -163,8 +73,8 @@ class DiLoCoEngine:
         self.snapshot = self._masters_flat()
         self.numel = self.snapshot.numel()
         self.momentum = torch.zeros_like(self.snapshot)
-        self._norm_ranges = self._build_norm_ranges()
-        self.fragments = self._build_fragments(options.fragments)
+        self._norms = NormWeights(inner)
+        self.fragments = build_fragments(inner.buckets, inner.strategy.optimizer_state, options.fragments)
         self.in_flight: list[Exchange] = []
         self._int4 = (
             Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback)
@@ -189,44 +99,6 @@ class DiLoCoEngine:
     def _masters_flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in self._masters()])
 
-    def _parameters(self) -> list[tuple[int, int]]:
-        """(bucket, tensor) of every trained parameter, in bucket order: the same on every rank
-        of a peer group (one strategy, one model)."""
-        return [(i, j) for i, b in enumerate(self.inner.buckets) for j in range(b.num_params)]
-
-    def _build_fragments(self, count: int) -> list[Fragment]:
-        """`count` runs of consecutive parameter tensors (as even in count as they divide), so a
-        fragment is the same parameters on every rank, whatever part of them (maybe none) a
-        rank's shard holds; each as ranges of the flat shard (one, unless padding splits it)."""
-        params = self._parameters()
-        if count > len(params):
-            raise ConfigError(
-                f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
-                f"parameter tensors, the units fragments are made of"
-            )
-        level = self.inner.strategy.optimizer_state
-        offsets = [0]
-        for b in self.inner.buckets:
-            offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
-        pieces = [
-            (offsets[i] + m.start, offsets[i] + m.end) for i, b in enumerate(self.inner.buckets) for m in b.masters
-        ]
-        out = []
-        for run in traffic.fragment_runs(len(params), count):
-            out.append(
-                fragment_of(
-                    [
-                        (offsets[i] + lo, offsets[i] + hi)
-                        for i, j in params[run.start : run.stop]
-                        for _, lo, hi in self.inner.buckets[i].layout.ranges_in_shard(
-                            level, [k == j for k in range(self.inner.buckets[i].num_params)]
-                        )
-                    ],
-                    pieces,
-                )
-            )
-        return out
-
     def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """int4 error feedback of a fragment: what the wire dropped of this rank's pseudo-gradient
         (the padded fragment) and of the averaged chunk it owns (fp32, zero at the start)."""
@@ -235,45 +107,10 @@ class DiLoCoEngine:
 
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment."""
-        params, count = self._parameters(), len(self.fragments)
-        return [
-            [self.inner.buckets[i].layout.names[j] for i, j in params[run.start : run.stop]]
-            for run in traffic.fragment_runs(len(params), count)
-        ]
+        return fragment_names(self.inner.buckets, len(self.fragments))
 
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
-
-    def _replication(self) -> int:
-        """How many ranks of an island hold each os shard (os = N: all of them)."""
-        groups = self.inner.groups
-        return groups.dp_size // level_div(self.inner.strategy.optimizer_state, groups.dp_size, groups.group_size)
-
-    def _build_norm_ranges(self) -> list[Range]:
-        """The ranges of the flat shard this rank counts in norms (the engine's `norm_ranges`:
-        TP-replicated tensors on one TP rank); each of their elements weighs 1 / replication, so
-        summed over every rank of every island each element counts once per island."""
-        out, start = [], 0
-        for b in self.inner.buckets:
-            out += [(start + lo, start + hi) for _, lo, hi in b.norm_ranges]
-            start += sum(m.param.numel() for m in b.masters)
-        return out
-
-    def _weighted_squares(self, frag: Fragment, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """sum(weight * values * values) over `frag`'s vector, the weight per element 1 /
-        replication where this rank counts it in norms, else 0; written into `out` (a scratch of
-        the fragment's size) run by run from scalars, with no weight vector: the same products,
-        so the same sum, as a weight tensor would give."""
-        pos, value = 0, 1.0 / self._replication()
-        for a, b in frag.ranges:
-            cuts = sorted({a, b} | {min(max(x, a), b) for r in self._norm_ranges for x in r})
-            for lo, hi in zip(cuts, cuts[1:]):
-                inside = any(n_lo <= lo and hi <= n_hi for n_lo, n_hi in self._norm_ranges)
-                torch.mul(
-                    values[pos + lo - a : pos + hi - a], value if inside else 0.0, out=out[pos + lo - a : pos + hi - a]
-                )
-            pos += b - a
-        return out.mul_(values).sum()
 
     # -- the engine protocol ----------------------------------------------------------------
     @property
@@ -370,7 +207,10 @@ class DiLoCoEngine:
             mean = x.mean(self.island.peer_group)
             scratch = torch.empty_like(mean)
             sums += torch.stack(
-                [self._weighted_squares(frag, mean, scratch), self._weighted_squares(frag, x.pseudo, scratch)]
+                [
+                    self._norms.weighted_squares(frag, mean, scratch),
+                    self._norms.weighted_squares(frag, x.pseudo, scratch),
+                ]
             )
             del scratch
             synced, momentum = frag.gather(self.snapshot), frag.gather(self.momentum)

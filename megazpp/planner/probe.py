@@ -26,6 +26,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.planner.cluster import Cluster, gbit
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
 
@@ -232,3 +233,52 @@ def broadcast_values(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     comm.broadcast(t, src=0, tag="planner/probe")
     return t.tolist()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the calibration tools compare their predictions on: the gloo cluster these ranks
+    measured (no collective times in it), the host's collective times, and the link between
+    nodes as probed (the cluster's, unless a rate was given instead)."""
+
+    cluster: Cluster
+    collective_times: dict[str, tuple[tuple[float, float], ...]]
+    probed_inter_bw: float
+
+
+def measured_cluster(
+    host: Topology,
+    flops: float,
+    intra: LinkProbe,
+    inter: LinkProbe,
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    inter_gbit: float | None,
+    overlap: bool,
+) -> Measured:
+    """The cluster these ranks measured, the same on every rank (rank 0's values): the model's
+    `flops` and the `intra` / `inter` links the caller probed on the groups its job uses, the
+    host model (`probe_host` on `host`) and the memory bandwidth probed here; `inter_gbit`, when
+    given, in place of the probed link between nodes. Collective."""
+    fits, adam = probe_host(host)
+    comm.barrier(tag="calibrate")
+    inter_bw = inter.bandwidth * ranks_per_node
+    values = broadcast_values(
+        [flops, probe_memory_bandwidth(), intra.bandwidth, inter_bw, intra.latency, inter.latency]
+    )
+    cluster = Cluster(
+        nodes=nodes,
+        gpus_per_node=ranks_per_node,
+        memory_bytes=float(1 << 40),
+        flops=values[0],
+        intra_bw=values[2],
+        inter_bw=gbit(inter_gbit) if inter_gbit else values[3],
+        intra_latency=values[4],
+        inter_latency=values[5],
+        memory_bw=values[1],
+        backend="gloo",
+        overlap=overlap,
+        optimizer_rate=adam,
+    )
+    return Measured(cluster, fits, values[3])

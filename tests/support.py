@@ -1,0 +1,163 @@
+"""What several test files share, written once: the tiny models they train, the flags that give
+pretrain_gpt.py and run.sh the tiny Llama and its data, and the environment a subprocess of this
+checkout runs in. (Fixtures that build data live in conftest.py; this module holds plain values
+and functions, so tests and the ranks they spawn import it alike.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The engine tests' model: a 2-layer Llama 32 wide with GQA (4 heads, 2 groups), so every
+# strategy, bucket and fetch group of the engine is exercised in well under a second a step.
+TINY_LLAMA = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    seq_length=8,
+    ffn_hidden_size=40,
+)
+
+# A Llama that Hugging Face and megazpp both build, sized for the tiny tokenizer (vocabulary 512):
+# the LoRA tests import it from Hugging Face's layout and train adapters on it.
+HF_SIZED_LLAMA = {
+    "arch": "llama",
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 64,
+    "vocab_size": 512,
+    "seq_length": 32,
+    "rope_theta": 10000.0,
+}
+TINY_LORA = {**HF_SIZED_LLAMA, "lora_rank": 4, "lora_alpha": 8.0}
+
+# The end-to-end tests' model as pretrain_gpt.py and run.sh take it (seconds per run on CPU):
+# 2 layers, 32 wide, GQA 4 / 2, sequences of 32, micro-batches of 2. Each test adds its batch.
+TINY_MODEL_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+]
+
+# No evaluation and a log line only every 100 steps: for runs whose console the test does not read.
+QUIET_FLAGS = ["--eval-iters", "0", "--log-interval", "100"]
+
+
+def data_flags(prefix: str | os.PathLike, tokenizer: str | os.PathLike) -> list[str]:
+    """The dataset, its tokenizer and the split every end-to-end test trains on."""
+    return ["--data-path", str(prefix), "--tokenizer-model", str(tokenizer), "--split", "90,10,0"]
+
+
+def load_script(path: Path, *, register: bool = False) -> ModuleType:
+    """A script of the checkout (a tool, pretrain_gpt.py) loaded as a module named by its file, so a
+    test calls its functions in process. `register` enters it in sys.modules first: a dataclass
+    defined in the script looks its module up there."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_tool(name: str, *, register: bool = False) -> ModuleType:
+    """tools/NAME.py as a module (`load_script`)."""
+    return load_script(ROOT / "tools" / f"{name}.py", register=register)
+
+
+def save_tiny_hf_llama(directory: Path, seed: int) -> None:
+    """`HF_SIZED_LLAMA` as Hugging Face's LlamaForCausalLM, seeded, saved in its layout (the
+    caller's test needs transformers)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def write_lora_run(path: Path, model: dict, data_prefix: str, tokenizer: Path, checkpoint: dict, **training) -> Path:
+    """The LoRA tests' run as a YAML config at `path`: `model` trained 4 steps of batch 2 at lr
+    1e-2 on the data, evaluated and logged too rarely to matter; `checkpoint` and `training`
+    add to those sections."""
+    import yaml
+
+    config = {
+        "model": model,
+        "data": {"data_path": [data_prefix], "split": "90,10,0", "tokenizer_model": str(tokenizer)},
+        "optimizer": {"lr": 1e-2},
+        "training": {
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "train_iters": 4,
+            "eval_interval": 1000,
+            "eval_iters": 1,
+            **training,
+        },
+        "checkpoint": checkpoint,
+        "logging": {"log_interval": 1000},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    """A loopback port free now (for a job's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkout_env(**variables: str) -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH (so a subprocess imports
+    this copy of the project, not an installed one), plus `variables`."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        **variables,
+    }
+
+
+def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) -> dict[str, str]:
+    """run.sh's variables for a job of `nproc` ranks on this node: DATA_DIR, this Python, a
+    free MASTER_PORT, plus `variables`."""
+    return {
+        "DATA_DIR": str(data_dir),
+        "NPROC_PER_NODE": str(nproc),
+        "PYTHON": sys.executable,
+        "MASTER_PORT": str(free_port()),
+        **variables,
+    }
