@@ -109,7 +109,7 @@ def test_data_of_another_tokenizer_is_refused_once_per_job_unless_accepted(
         "--allow-tokenizer-mismatch to accept it"
     ), line
     # refused before torchrun started a rank; run.sh said what it would use instead of DATA_DIR's data
-    assert "node_launch" not in proc.stdout + proc.stderr and "iter " not in proc.stdout
+    assert "node_launcher" not in proc.stdout + proc.stderr and "iter " not in proc.stdout
     assert (
         f"run.sh: DATA_DIR={run_sh_data_dir} holds run.sh's sample data: training on "
         f"{run_sh_data_dir}/corpus_text_document with the tokenizer {run_sh_data_dir}/tokenizer.model; but the "

@@ -60,7 +60,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("node_launch.py: error: "), proc.stderr
+    assert len(errors) == 1 and errors[0].startswith("node_launcher.py: error: "), proc.stderr
     return errors[0]
 
 
@@ -71,7 +71,7 @@ def test_a_node_that_never_comes_and_an_unreachable_master(tmp_path, tiny_indexe
     # NNODES=2 and node 1 never starts: 614 s of silence, then a bare RendezvousTimeoutError
     proc, took = run_sh(data, NNODES="2", NODE_RANK="0", MASTER_PORT=str(port), RDZV_TIMEOUT="3")
     assert one_error_line(proc) == (
-        f"node_launch.py: error: rendezvous at 127.0.0.1:{port} timed out after 3 s "
+        f"node_launcher.py: error: rendezvous at 127.0.0.1:{port} timed out after 3 s "
         "(RDZV_TIMEOUT): not all 2 nodes joined; start the same command on every node with "
         "NNODES=2, NODE_RANK 0..1 and this MASTER_ADDR and MASTER_PORT"
     )
@@ -79,7 +79,7 @@ def test_a_node_that_never_comes_and_an_unreachable_master(tmp_path, tiny_indexe
     # node 1 with nobody listening at the master's port: 89 s and 210 lines of C++ frames
     proc, took = run_sh(data, NNODES="2", NODE_RANK="1", MASTER_PORT=str(port), RDZV_TIMEOUT="3")
     assert one_error_line(proc) == (
-        f"node_launch.py: error: cannot reach the rendezvous at 127.0.0.1:{port} "
+        f"node_launcher.py: error: cannot reach the rendezvous at 127.0.0.1:{port} "
         "(MASTER_ADDR:MASTER_PORT) after 3 s: Connection refused; is node 0 started with the "
         "same MASTER_PORT, is the address this node can route to, is the port open?"
     )
@@ -113,18 +113,18 @@ def test_waiting_is_reported_while_it_lasts():
             timeout=120,
         )
         assert proc.returncode == 2, proc.stderr
-        return [line for line in proc.stderr.splitlines() if line.startswith("node_launch: ")]
+        return [line for line in proc.stderr.splitlines() if line.startswith("node_launcher: ")]
 
     port = free_port()
     waiting = launcher(0, port)
     assert len(waiting) >= 2, waiting
     assert waiting[0] == (
-        f"node_launch: rendezvous at 127.0.0.1:{port}: waiting for all 2 nodes to join (this is node 0; 1 s of 3 s)"
+        f"node_launcher: rendezvous at 127.0.0.1:{port}: waiting for all 2 nodes to join (this is node 0; 1 s of 3 s)"
     )
     waiting = launcher(1, port)
     assert len(waiting) >= 2, waiting
     assert waiting[0] == (
-        f"node_launch: waiting for node 0's rendezvous at 127.0.0.1:{port} "
+        f"node_launcher: waiting for node 0's rendezvous at 127.0.0.1:{port} "
         "to accept connections (1 s of 3 s; last attempt: Connection refused)"
     )
 
@@ -153,7 +153,7 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
         # the second job waited silently, then died with AttributeError ... is_failed
         proc, took = run_sh(data, MASTER_PORT=str(port), RDZV_TIMEOUT="3")
         assert one_error_line(proc) == (
-            f"node_launch.py: error: rendezvous port {port} (MASTER_PORT) is already in use on "
+            f"node_launcher.py: error: rendezvous port {port} (MASTER_PORT) is already in use on "
             "this host, by another job's rendezvous or another program: choose another "
             "MASTER_PORT, or leave it unset on a single node to get a free one"
         )
@@ -161,7 +161,7 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
         first.proc.send_signal(signal.SIGTERM)
         code, output = first.finish()
     assert code == 128 + signal.SIGTERM and (
-        "node_launch: SIGTERM received before the ranks started: stopping" in output
+        "node_launcher: SIGTERM received before the ranks started: stopping" in output
     ), output
 
     # without MASTER_PORT a single-node job takes a free port, so 29500 in use is no obstacle

@@ -192,7 +192,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(
     run.proc.send_signal(signal.SIGTERM)  # run.sh execs the launcher: this is its pid
     code, output = run.finish()
     assert code == 0, output[-3000:]
-    assert re.search(r"node_launch: SIGTERM received: forwarded to this node's ranks \[\d+, \d+\]", output), output[
+    assert re.search(r"node_launcher: SIGTERM received: forwarded to this node's ranks \[\d+, \d+\]", output), output[
         -3000:
     ]
     stopped = stopped_at(output, "SIGTERM", ckpt)

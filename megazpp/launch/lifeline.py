@@ -1,7 +1,7 @@
 """Ranks die with their launcher.
 
 Why: torchrun starts every rank in a session of its own, so a `kill -9` of `run.sh`'s
-launcher (`node_launch`, which runs torchrun's agent in its own process) reached no rank, and
+launcher (`node_launcher`, which runs torchrun's agent in its own process) reached no rank, and
 a killed launcher forwards nothing: both ranks went on training under pid 1, saving into
 `--save`. Linux's parent-death signal (`prctl(PR_SET_PDEATHSIG)`) has the kernel kill a process
 when the thread that started it ends; the agent starts the ranks from the launcher's main
@@ -17,7 +17,7 @@ in a collective whose peer already died would never act on SIGTERM. Nothing is l
 steps since the last checkpoint: a save is written to a temporary directory and `latest`
 moves only once it is complete (`training.checkpoint`), so a rank killed mid-save leaves
 `latest` naming the previous complete checkpoint. To stop with a save, send SIGTERM to the
-launcher: it forwards it (`node_launch`).
+launcher: it forwards it (`node_launcher`).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ DEFAULT_REPORT_S = 30.0
 
 def _say(text: str) -> None:
     """One line on stderr; `os.write`, since signal handlers and a reporter thread call it."""
-    os.write(2, f"node_launch: {text}\n".encode())
+    os.write(2, f"node_launcher: {text}\n".encode())
 
 
 def free_port() -> int:
@@ -282,7 +282,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="node_launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="node_launcher", description=__doc__.split("\n")[0])
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--nproc-per-node", type=int, default=1)
