@@ -41,8 +41,9 @@ from bench_netlab import shared_run_args
 
 from megazpp.bench.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
+from megazpp.config.options import options_of
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.gpt import GPTModel
@@ -63,7 +64,7 @@ from megazpp.planner.report import measured_inputs, prediction_table, term_break
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config
 from megazpp.zero.strategy import resolve_strategy
-from megazpp.zero.zeropp import zeropp_of
+from megazpp.zero.zeropp import ZeroPP
 
 TARGET = 0.15  # issue 28: every two-level row within 15 %
 
@@ -118,8 +119,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     jobs = []
     for name, argv, measured in bench.jobs:
         cfg = load_config(argv)
-        validate_config(cfg, topo.world_size)
-        outer = resolve_outer(cfg, topo.world_size, topo.ranks_per_node)
+        outer = check_config(cfg, topo.world_size, topo.ranks_per_node).outer
         if outer is None:
             raise ConfigError(f"{a.results}: row {name} trains synchronously; expected only two-level rows here")
         jobs.append((name, cfg, outer, measured))
@@ -163,7 +163,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     for name, cfg, outer, measured in jobs:
         shape = stage_shape(GPTModel(cfg.model), cfg, island)
         zpp = dataclasses.replace(
-            zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(island.dp_intra_ranks))
+            options_of(ZeroPP, cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(island.dp_intra_ranks))
         )
         workload = workload_of_config(cfg)
         job, on_island, _ = island_job(workload, cluster, outer.island_nodes, times)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from megazpp.config.options import options_of
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.planner.cluster import GIB, Cluster
@@ -43,7 +44,7 @@ from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import workload_of_config
 from megazpp.training.resume_check import uses_zero_engine
 from megazpp.zero.strategy import parse_strategy, resolve_strategy
-from megazpp.zero.zeropp import ZeroPP, zeropp_of
+from megazpp.zero.zeropp import ZeroPP
 
 # predict() prices time too; these rates only feed time terms, which are not read here
 _UNUSED_RATE = 1e12
@@ -118,7 +119,7 @@ def estimate_peak(cfg: Config, world_size: int, ranks_per_node: int) -> Estimate
     dp_on_node = max(1, min(dp, rpn // cfg.tp))
     # ZeRO++ as the engine runs it: hpZ lowered to the DP ranks of a node, off with one DP rank
     zeropp = (
-        dataclasses.replace(zeropp_of(z), hpz=min(z.zero_hpz_partition_size, dp_on_node))
+        dataclasses.replace(options_of(ZeroPP, z), hpz=min(z.zero_hpz_partition_size, dp_on_node))
         if zero and dp > 1
         else ZeroPP()
     )

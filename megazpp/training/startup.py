@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
+from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import CheckpointError, ConfigError
-from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
@@ -41,7 +41,6 @@ from megazpp.training.frozen_base import FrozenBase, run_base
 from megazpp.training.memory_check import check_memory
 from megazpp.training.resume_check import check_resumable
 from megazpp.training.save_lock import check_save_lock
-from megazpp.training.zero_factory import zero_options
 
 # Settings a continued run may change: where checkpoints and logs go and how often, when to
 # stop, how long a collective may wait, the transport and compilation, whether a tokenizer
@@ -64,10 +63,10 @@ class Startup:
     cfg: Config
     load_dir: str | None  # the checkpoint directory to start from; None: from scratch
     why: str  # why that directory (or why none), for the start-up banner
+    options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
-    outer: OuterOptions | None = None  # two-level training's checked options (None: off)
 
 
 def torchrun_restart_count() -> int:
@@ -177,14 +176,12 @@ def prepare(
     work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
-    validate_config(cfg, world_size)
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # every subsystem's options, checked here and nowhere after: see config.checks
+    options = check_config(cfg, world_size, on_node)
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
-    outer = resolve_outer(cfg, world_size, on_node)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
-    if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
-        zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     notes += check_inputs(cfg)
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
@@ -195,7 +192,7 @@ def prepare(
         check_resumable(cfg, load_dir, world_size)
     if ranks_on_node is not None:
         check_memory(cfg, world_size, ranks_on_node)
-    return Startup(cfg, load_dir, why, notes, run_base(cfg, load_dir), backend, outer)
+    return Startup(cfg, load_dir, why, options, notes, run_base(cfg, load_dir), backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
