@@ -191,7 +191,7 @@ def prepare(
     if load_dir is not None:
         check_resumable(cfg, load_dir, world_size)
     if ranks_on_node is not None:
-        check_memory(cfg, world_size, ranks_on_node)
+        check_memory(cfg, options.zero, world_size, ranks_on_node)
     return Startup(cfg, load_dir, why, options, notes, run_base(cfg, load_dir), backend)
 
 

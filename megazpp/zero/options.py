@@ -33,7 +33,7 @@ from megazpp.zero.zeropp import ZeroPP, zeropp_refusal
 
 HierarchyMode = Literal["auto", "always", "never"]
 
-_POSITIVE = ("reduce_bucket_size", "allgather_bucket_size", "paro_group_size", "micro_batches_per_step")
+_POSITIVE = ("reduce_bucket_size", "allgather_bucket_size", "paro_group_size")
 _NON_NEGATIVE = (
     "module_granularity_threshold",
     "stage3_prefetch_bucket_size",
