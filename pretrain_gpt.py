@@ -3,8 +3,10 @@
 
 Launched directly (one process) or by torchrun (`run.sh`), which sets RANK / WORLD_SIZE /
 LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK. The whole configuration is checked against the
-world size before the process group starts (`megazpp.training.startup`, which also decides
-the checkpoint to resume), so a bad flag never leaves ranks waiting. `--help` lists every flag.
+world size before the process group starts (`megazpp.training.startup`, which also asks the
+checkpoint manager what the run loads), so a bad flag never leaves ranks waiting. This file
+builds the parts and runs them; loads and saves are `training/checkpoint_manager.py`'s.
+`--help` lists every flag.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import random
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,15 +27,14 @@ from megazpp.config.options import RunOptions
 from megazpp.config.reference import render_help
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.errors import CheckpointError, required
-from megazpp.interop.reshard import load_resharded, needs_reshard
+from megazpp.errors import required
+from megazpp.interop import reshard
 from megazpp.launch.lifeline import die_with_launcher
 from megazpp.launch.local_ranks import release_process_groups
 from megazpp.launch.preflight import check_nodes
 from megazpp.model.compile import compile_layers
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
-from megazpp.model.lora import is_adapter
 from megazpp.model.trainable import apply_trainable
 from megazpp.optim.engine_protocol import Engine
 from megazpp.optim.local_engine import LocalEngine
@@ -44,27 +44,13 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.banner import banner
-from megazpp.training.checkpoint import (
-    CONFIG_KEY,
-    LATEST_FILE,
-    LoadedCheckpoint,
-    check_not_behind,
-    check_save_dir,
-    is_weights_only,
-    latest_checkpoint,
-    load_checkpoint,
-    load_model_weights,
-    read_metadata,
-)
+from megazpp.training.checkpoint_manager import CheckpointManager
 from megazpp.training.forward_backward import forward_backward
-from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.resume_check import uses_zero_engine
-from megazpp.training.save_lock import hold_save_dir
 from megazpp.training.startup import Startup, prepare, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
-from megazpp.zero.zero_engine import ZeroEngine
 
 
 def pick_device() -> torch.device:
@@ -123,41 +109,6 @@ def pick_schedule(cfg: Config, topology: Topology) -> ForwardBackward:
     return functools.partial(forward_backward_1f1b, topology=topology, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def resume_checkpoint(
-    cfg: Config, load_dir: str, topology: Topology, model: GPTModel, engine: Engine
-) -> LoadedCheckpoint:
-    """This run's own checkpoint, resharded when it was written under another data-parallel
-    size or PaRO strategy (that is only known once the engine, and so its layout, exists)."""
-    zero = engine.inner if isinstance(engine, DiLoCoEngine) else engine
-    try:
-        reshard = needs_reshard(load_dir, zero, topology)
-    except CheckpointError:
-        # unreadable newest checkpoint: the loader names the damage, or falls back when asked
-        reshard = False
-    if reshard:
-        path = latest_checkpoint(load_dir)
-        saved_outer = path is not None and read_metadata(path).get(CONFIG_KEY, {}).get("outer", {})
-        if saved_outer and saved_outer.get("algorithm", "none") != "none":
-            raise CheckpointError(
-                f"{path}: a two-level (outer.algorithm {saved_outer['algorithm']}) checkpoint "
-                "resumes only under the islands, data-parallel size and strategy that saved it; "
-                "export it (the islands' parameters at the last outer sync) and import that"
-            )
-        if path is not None and BASE_KEY in read_metadata(path):
-            raise CheckpointError(
-                f"{path}: an adapters-only checkpoint resumes only under the data-parallel "
-                "size and PaRO strategy that saved it (resharding needs the frozen weights "
-                "it leaves out)"
-            )
-        if not isinstance(zero, ZeroEngine):
-            raise CheckpointError(f"{load_dir}: resharding needs the ZeRO engine, not {type(zero).__name__}")
-        return load_resharded(load_dir, topology, model, zero)
-    loaded = load_checkpoint(load_dir, topology, fallback=cfg.checkpoint.load_fallback)
-    if loaded is None:
-        raise CheckpointError(f"{load_dir}: {LATEST_FILE} names no checkpoint to resume")
-    return loaded
-
-
 def build_model(cfg: Config, topology: Topology, device: torch.device) -> GPTModel:
     model = GPTModel(
         cfg.model,
@@ -203,15 +154,17 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
-    if cfg.checkpoint.save:
-        check_save_dir(cfg.checkpoint.save, topology)
-    with hold_save_dir(cfg.checkpoint.save, topology):
-        return _train_holding_save(start, device, topology)
+    # interop's resharding is handed in: it sits above the training layer
+    checkpoints = CheckpointManager(cfg, topology, device, start.load, resharder=reshard)
+    checkpoints.check_writable()
+    with checkpoints.hold_save_dir():
+        return _train_holding_save(start, device, topology, checkpoints)
 
 
-def _train_holding_save(start: Startup, device: torch.device, topology: Topology) -> TrainHistory:
+def _train_holding_save(
+    start: Startup, device: torch.device, topology: Topology, checkpoints: CheckpointManager
+) -> TrainHistory:
     cfg = start.cfg
-    ck = cfg.checkpoint
     seed_everything(cfg.training.seed, topology)
     t = cfg.training
     eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
@@ -223,26 +176,10 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
         t.seed,
         vocab_size=cfg.model.vocab_size,
     )
-    load_dir = start.load_dir
-    imported = load_dir is not None and is_weights_only(load_dir)
-    # the import the run starts from, or the one an adapters-only checkpoint's frozen weights are in
-    base_dir = start.base.load if start.base is not None else None
-    base = (
-        load_checkpoint(base_dir, topology, fallback=imported and cfg.checkpoint.load_fallback)
-        if base_dir is not None
-        else None
-    )
     model = build_model(cfg, topology, device)
-    if base is not None:
-        # before the engine exists: it copies the weights into its fp32 masters and shards
-        load_model_weights(model, base.state["model"], keep_own=is_adapter)
+    checkpoints.load_base(model)  # before the engine: it copies the weights into its masters
     engine = build_engine(cfg, model, topology, start.options)
-    loaded = base if imported else None
-    if load_dir is not None and not imported and (Path(load_dir) / LATEST_FILE).exists():
-        loaded = resume_checkpoint(cfg, load_dir, topology, model, engine)
-    if ck.save and not (ck.overwrite_newer_checkpoints or ck.load_fallback):
-        resumed = loaded is not None and not loaded.weights_only
-        check_not_behind(ck.save, int(loaded.metadata["iteration"]) if loaded is not None and resumed else 0)
+    loaded = checkpoints.load(model, engine)
     tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
@@ -268,15 +205,13 @@ def _train_holding_save(start: Startup, device: torch.device, topology: Topology
         logger,
         device,
         forward_backward_fn=pick_schedule(cfg, topology),
-        base=start.base,
+        checkpoints=checkpoints,
     )
-    if loaded is None:
-        if load_dir is not None:  # else the banner's start line said it
-            logger.info(f"no checkpoint in {load_dir}: starting from scratch")
-    elif loaded.weights_only:
-        logger.info(f"starting from the weights of {loaded.path} (weights only: iteration 0)")
-    else:
-        logger.info(f"resumed from {loaded.path} at iteration {trainer.resume(loaded)}")
+    if loaded is not None and not loaded.weights_only:
+        trainer.resume(loaded)
+    started = checkpoints.start_line(loaded, trainer.iteration)
+    if started is not None:
+        logger.info(started)
     try:
         history = trainer.train()
         engine.close()  # collective: what is in flight is finished, the model unhooked

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO
 
 from megazpp.errors import ConfigError, MegazppError
@@ -52,7 +52,7 @@ def configure_logging(rank: int, *, to_stdout: bool = False) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def run_tool(main: Callable[[], Any], prog: str | None = None) -> NoReturn:
+def run_tool(main: Callable[[], object], prog: str | None = None) -> NoReturn:
     """Run `main` with logging configured (this process's rank from torchrun's RANK, else 0);
     an int `main` returns is the exit code, anything else (a run's history) is 0. `prog` names
     the program in the error line (default: the script's file name)."""
@@ -83,7 +83,7 @@ class _Renamed(argparse.Action):
         self,
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
-        values: Any,
+        values: str | Sequence[str] | None,
         option_string: str | None = None,
     ) -> None:
         raise ConfigError(f"{option_string} is spelled {self.new} now (the name pretrain_gpt.py and every tool use)")

@@ -4,21 +4,29 @@ Why: both formats let the last of two equal keys win without a word, so a config
 second `model:` section silently drops every key of the first (its `hidden_size` included),
 and a DeepSpeed JSON with two `zero_optimization` blocks keeps only one. A duplicate is
 almost always an editing accident, so it is refused with both line numbers.
+
+The one name of JSON read from (or written to) a file: `JSONObject`. Why its values stay
+untyped: a file's values are whatever its writer (or a user) put there, read back by key by the
+code that knows the format, which checks what it reads; a recursive value type would need a
+cast or a check at every read and check nothing the reader does not already.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, TypeAlias
 
 import yaml
+
+JSONObject: TypeAlias = dict[str, Any]
 
 
 class UniqueKeySafeLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` (plain data only) that raises on a repeated mapping key."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first_line: dict[Any, int] = {}
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        first_line: dict[Hashable, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
                 continue
@@ -34,8 +42,9 @@ class UniqueKeySafeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(text: str) -> Any:
-    """Parse YAML as plain data; a repeated key raises `yaml.YAMLError` naming both lines."""
+def load_yaml(text: str) -> object:
+    """Parse YAML as plain data (the caller checks its shape); a repeated key raises
+    `yaml.YAMLError` naming both lines."""
     return yaml.load(text, Loader=UniqueKeySafeLoader)
 
 
@@ -43,8 +52,8 @@ class DuplicateKeyError(ValueError):
     """A JSON object names the same key twice."""
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _unique_pairs(pairs: list[tuple[str, object]]) -> JSONObject:
+    out: JSONObject = {}
     for key, value in pairs:
         if key in out:
             raise DuplicateKeyError(f"duplicate key {key!r} in one JSON object")
@@ -52,6 +61,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def load_json(text: str) -> Any:
-    """`json.loads` that raises `DuplicateKeyError` (a ValueError) on a repeated key."""
+def load_json(text: str) -> object:
+    """`json.loads` that raises `DuplicateKeyError` (a ValueError) on a repeated key; the
+    caller checks the shape of what it gets."""
     return json.loads(text, object_pairs_hook=_unique_pairs)

@@ -19,7 +19,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint import save_checkpoint
+from megazpp.training.checkpoint_save import save_checkpoint
 
 pytest.importorskip("safetensors", reason="safetensors (a core dependency) is not installed")
 

@@ -26,11 +26,13 @@ from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
+from megazpp.interop import reshard
 from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
 from megazpp.interop.reshard import needs_reshard
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel.topology import Topology
+from megazpp.training.checkpoint_manager import CheckpointManager, LoadKind, LoadPlan
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer
 
@@ -90,8 +92,8 @@ def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
 
 
 def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
-    """pretrain_gpt's setup with the resharding hook: losses, the gathered weights right after
-    the resume and at the end, whether the hook saw a layout change, the engine's warnings."""
+    """pretrain_gpt's setup with the checkpoint manager resharding: losses, the gathered weights right after
+    the resume and at the end, whether the manager saw a layout change, the engine's warnings."""
     cfg = load_config(argv)
     options = check_config(cfg, int(os.environ["WORLD_SIZE"]))
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
@@ -113,7 +115,9 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
         world_size=topology.world_size,
         device=device,
     )
-    trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device)
+    plan = LoadPlan(LoadKind.RESUME, reshard_from, "resharding", None) if reshard_from is not None else None
+    checkpoints = CheckpointManager(cfg, topology, device, plan, resharder=reshard)
+    trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device, checkpoints=checkpoints)
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = warnings.append  # type: ignore[method-assign]
@@ -121,7 +125,9 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"changed": False}
     if reshard_from is not None:
         out["changed"] = needs_reshard(reshard_from, engine, topology)
-        trainer.resume(pretrain_gpt.resume_checkpoint(cfg, reshard_from, topology, model, engine))
+        loaded = checkpoints.load(model, engine)
+        assert loaded is not None
+        trainer.resume(loaded)
         with engine.gathered_parameters():
             out["resumed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["losses"] = trainer.train().losses

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megazpp.errors import TopologyError
 from megazpp.launch.local_ranks import run_ranks
-from megazpp.parallel import comm
+from megazpp.parallel import comm, groups
 from megazpp.parallel.counter import CommCounter
 from megazpp.parallel.topology import Topology, check_model_split, check_shape
 
@@ -79,10 +79,9 @@ def _parts_collectives() -> dict:
     ).wait()
     out["all_gather"] = gathered.tolist()
     full = torch.arange(ELEMS, dtype=torch.float) * (rank + 1)
-    work = comm.reduce_scatter_parts(full, list(full.chunk(4))[::-1], tag="parts")
-    work.wait()
-    out["reduce_scatter"] = work.result.tolist()
-    out["in_place"] = work.result.data_ptr() == full.data_ptr() + (3 - rank) * (ELEMS // 4) * 4
+    part = comm.reduce_scatter_parts(full, list(full.chunk(4))[::-1], tag="parts").wait()
+    out["reduce_scatter"] = part.tolist()
+    out["in_place"] = part.data_ptr() == full.data_ptr() + (3 - rank) * (ELEMS // 4) * 4
     out["counts"] = comm.counter.step_totals()
     return out
 
@@ -93,9 +92,9 @@ def _rank_main(report_dir: str) -> dict:
     res = {"native": _collectives("native")}
     # "p2p": point-to-point through host copies, as for CUDA tensors on gloo (ranks sharing a
     # GPU); with all_to_all emulated by isend / irecv, that goes through them too
-    comm._EMULATED.update({"all_gather", "reduce_scatter", "all_to_all", "p2p"})
+    groups.EMULATED.update({"all_gather", "reduce_scatter", "all_to_all", "p2p"})
     res["emulated"] = _collectives("emulated")
-    comm._EMULATED.clear()
+    groups.EMULATED.clear()
     res["parts"] = _parts_collectives()
     res["topo"] = dict(
         dp=topo.dp,
@@ -263,3 +262,32 @@ def test_counter_scalars_and_steps():
     assert c.end_step()["comm/inter_bytes"] == 30 and c.step_totals()["inter"] == 0
     c.record("all_gather", "zero/param_gather", 1, 2)
     assert c.step_totals()["inter"] == 2 and c.run_totals()["inter"] == 32 and c.steps == 1
+
+
+class _Flag:
+    """A stand-in handle that completes when told to."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self) -> bool:
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_then_completes_with_every_work_and_finishes_once():
+    """`Then` over several works (the emulated all-to-all's isend / irecv) reports completion only
+    once all of them have completed, so a progress point never blocks on it; its finishing step
+    runs once and its result is what every `wait()` gives."""
+    first, second = _Flag(), _Flag()
+    steps: list[int] = []
+    then = comm.Then([first, second], lambda: steps.append(1) or len(steps))
+    assert isinstance(then, comm.Work) and not then.is_completed()
+    first.done = True
+    assert not then.is_completed()
+    second.done = True
+    assert then.is_completed()
+    assert (then.wait(), then.wait(), steps) == (1, 1, [1])

@@ -20,7 +20,7 @@ from test_training_pretrain import tiny_args
 import pretrain_gpt
 from megazpp.errors import CheckpointError
 from megazpp.launch.local_ranks import run_ranks
-from megazpp.training.checkpoint import load_checkpoint
+from megazpp.training.checkpoint_load import load_checkpoint
 from megazpp.training.faults import InjectedFault
 
 

@@ -28,7 +28,8 @@ from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
-from megazpp.training.checkpoint import METADATA_FILE, file_checksum
+from megazpp.training.checkpoint import METADATA_FILE
+from megazpp.training.checkpoint_files import file_checksum
 from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.startup import prepare
 from megazpp.zero.frozen import FROZEN_PREFIX, FROZEN_SAVED_KEY

@@ -28,7 +28,8 @@ from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint import load_checkpoint, save_checkpoint
+from megazpp.training.checkpoint_load import load_checkpoint
+from megazpp.training.checkpoint_save import save_checkpoint
 from megazpp.zero import sequences
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy

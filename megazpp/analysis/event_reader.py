@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import yaml
@@ -19,6 +18,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.util import tensor_util
 
 from megazpp.errors import DataError
+from megazpp.unique_keys import JSONObject
 
 EVENT_FILE_GLOB = "events.out.tfevents.*"
 # The trainer logs its resolved config with `add_text("config", ...)`; the text plugin
@@ -48,7 +48,7 @@ class Run:
     label: str
     directory: Path
     scalars: dict[str, Series]
-    config: dict[str, Any] | None
+    config: JSONObject | None  # the logged config, sections of settings
 
 
 def read_run(run_dir: str | Path, label: str) -> Run:
@@ -162,7 +162,7 @@ def _load(directory: Path) -> event_accumulator.EventAccumulator:
     return accumulator
 
 
-def _series(events: list[Any]) -> Series:
+def _series(events: list[event_accumulator.ScalarEvent]) -> Series:
     """Sort by step; when a step was written twice (a restart the reader did not purge),
     keep the later write, which is what the resumed run actually trained."""
     steps = np.array([e.step for e in events], dtype=np.int64)
@@ -173,7 +173,7 @@ def _series(events: list[Any]) -> Series:
     return Series(steps[last_of_each], values[last_of_each])
 
 
-def _config(accumulator: event_accumulator.EventAccumulator) -> dict[str, Any] | None:
+def _config(accumulator: event_accumulator.EventAccumulator) -> JSONObject | None:
     """The last logged config text, parsed back from its ```yaml fence; None when the text
     is not a YAML mapping (an old or foreign run), since losses can be compared without it."""
     latest = accumulator.Tensors(CONFIG_TEXT_TAG)[-1]

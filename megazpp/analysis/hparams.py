@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tensorboard.plugins.hparams import summary_v2
+
+if TYPE_CHECKING:  # torch is imported by the trainer that hands the writer in, not here
+    from torch.utils.tensorboard import SummaryWriter
 
 HParamValue = bool | int | float | str
 
 
-def hparams_from_config(cfg: Mapping[str, Any]) -> dict[str, HParamValue]:
+def hparams_from_config(cfg: Mapping[str, object]) -> dict[str, HParamValue]:
     """Flatten a nested config to dotted keys with scalar values ("model.hidden_size": 64).
 
     None is left out (TensorBoard has no null hparam, and a blank cell reads as "unset");
@@ -31,7 +34,7 @@ def hparams_from_config(cfg: Mapping[str, Any]) -> dict[str, HParamValue]:
     return flat
 
 
-def _flatten(node: Mapping[str, Any], prefix: str, out: dict[str, HParamValue]) -> None:
+def _flatten(node: Mapping[str, object], prefix: str, out: dict[str, HParamValue]) -> None:
     for key, value in node.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
@@ -46,6 +49,9 @@ def _flatten(node: Mapping[str, Any], prefix: str, out: dict[str, HParamValue]) 
             out[name] = str(value)
 
 
-def write_hparams(writer: Any, cfg: Mapping[str, Any]) -> None:
+def write_hparams(writer: SummaryWriter, cfg: Mapping[str, object]) -> None:
     """Record `cfg` as this run's hparams through an open torch SummaryWriter."""
-    writer.file_writer.add_summary(summary_v2.hparams_pb(hparams_from_config(cfg)), 0)
+    file_writer = writer.file_writer
+    if file_writer is None:  # SummaryWriter.close() drops it
+        raise ValueError("write_hparams: the SummaryWriter is closed")
+    file_writer.add_summary(summary_v2.hparams_pb(hparams_from_config(cfg)), 0)

@@ -23,7 +23,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, 
 from megazpp.optim.options import OptimizerOptions
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
+from megazpp.unique_keys import JSONObject
 
 # zero settings both engines read under the same name and meaning: the peer gets megazpp's values
 SHARED_ZERO_KEYS = (
@@ -54,7 +54,7 @@ SHARED_ZERO_KEYS = (
 )
 
 
-def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, world_size: int, zero: JSONObject) -> JSONObject:
     """DeepSpeed's JSON for the run `cfg` describes; `zero` overrides `zero_optimization`.
 
     The client optimizer is torch's AdamW (the one megazpp uses on CPU), which DeepSpeed
@@ -79,7 +79,7 @@ def deepspeed_config(cfg: Config, world_size: int, zero: dict[str, Any]) -> dict
     }
 
 
-def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def parse_args(argv: Sequence[str]) -> tuple[JSONObject, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds-zero", default="{}", help="JSON object merged into DeepSpeed's zero_optimization")
     ns, rest = parser.parse_known_args(argv)
@@ -92,7 +92,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     return zero, rest
 
 
-def train(cfg: Config, zero: dict[str, Any]) -> None:
+def train(cfg: Config, zero: JSONObject) -> None:
     import deepspeed  # the optional `bench` extra; imported here so --help works without it
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -33,6 +33,7 @@ from megazpp.analysis.comparison import INTER_BYTES, TRAIN_LOSS, VAL_LOSS
 from megazpp.analysis.event_reader import Run, read_run
 from megazpp.analysis.plots import plot_seed_bands, save_png
 from megazpp.errors import MegazppError
+from megazpp.unique_keys import JSONObject
 
 REFERENCE = "sync"
 TARGET_GAP = 0.05
@@ -41,7 +42,7 @@ ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "
 FINISHED = "DONE"
 
 
-def describe(name: str, config: dict | None) -> str:
+def describe(name: str, config: JSONObject | None) -> str:
     """The run as its logged config says it trained (the name where a run logged none)."""
     config = config or {}
     outer = config.get("outer")

@@ -26,7 +26,7 @@ import resource
 import runpy
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -63,6 +63,9 @@ COUNTED_FUNCTIONS = (
     "broadcast_object_list",
 )
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class CallCounter:
     """Counts outermost torch.distributed calls; `at_steps[i]` = calls when step i + 1 ended."""
@@ -73,8 +76,8 @@ class CallCounter:
         self._depth = 0
         self._stepping = 0  # optimizer steps in progress: DeepSpeed's ZeRO optimizer steps the client's inside its own
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
+    def _wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
+        def counted(*args: P.args, **kwargs: P.kwargs) -> R:
             if self._depth == 0:
                 self.calls += 1
             self._depth += 1
@@ -99,10 +102,10 @@ class CallCounter:
         register_optimizer_step_pre_hook(self._step_starts)
         register_optimizer_step_post_hook(self._step_ends)
 
-    def _step_starts(self, *_: Any) -> None:
+    def _step_starts(self, *_: object) -> None:
         self._stepping += 1
 
-    def _step_ends(self, *_: Any) -> None:
+    def _step_ends(self, *_: object) -> None:
         self._stepping -= 1
         if self._stepping == 0:  # the outermost step of this training step
             self.at_steps.append(self.calls)

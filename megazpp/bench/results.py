@@ -32,11 +32,11 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from megazpp.analysis.event_reader import read_run
 from megazpp.errors import DataError
 from megazpp.parallel.counter import write_json_atomic
+from megazpp.unique_keys import JSONObject
 
 REFERENCE = "zero3"
 
@@ -79,7 +79,7 @@ def calls_per_step(calls_at_steps: Sequence[int], warmup: int = 1) -> float | No
     return float(statistics.median(per_step[warmup:] if len(per_step) > warmup else per_step[-1:]))
 
 
-def _read_json_files(pattern: str) -> list[dict[str, Any]]:
+def _read_json_files(pattern: str) -> list[JSONObject]:
     found = []
     for path in sorted(glob.glob(pattern)):
         with open(path) as f:

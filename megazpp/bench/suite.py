@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from megazpp.errors import ConfigError
+from megazpp.unique_keys import JSONObject
 from megazpp.zero.strategy import VALID_NAMES
 
 MEGAZPP, DEEPSPEED, TORCHFT = "megazpp", "deepspeed", "torchft"
@@ -28,7 +28,7 @@ class BenchConfig:
     name: str
     runner: str  # MEGAZPP, DEEPSPEED or TORCHFT
     flags: tuple[str, ...] = ()
-    ds_zero: dict[str, Any] = field(default_factory=dict)
+    ds_zero: JSONObject = field(default_factory=dict)
 
     @property
     def sync_every(self) -> int | None:

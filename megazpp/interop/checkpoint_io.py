@@ -28,7 +28,6 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,6 +35,7 @@ from megazpp.errors import CheckpointError, ConfigError
 from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
 from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
 from megazpp.model.config import ModelConfig
+from megazpp.state import StateDict
 from megazpp.training.checkpoint import (
     CHECKSUMS_KEY,
     CONFIG_KEY,
@@ -48,9 +48,9 @@ from megazpp.training.checkpoint import (
     latest_checkpoint,
     layout_of,
     rank_file_name,
-    verify_checksum,
-    write_atomically,
 )
+from megazpp.training.checkpoint_files import verify_checksum, write_atomically
+from megazpp.unique_keys import JSONObject
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -95,7 +95,7 @@ class CheckpointReader:
         for key in ("iteration", "tp", "pp", "dp"):
             if not isinstance(meta.get(key), int) or meta[key] < (0 if key == "iteration" else 1):
                 raise CheckpointError(f"{meta_file}: {key} = {meta.get(key)!r} is not valid")
-        self.meta = meta
+        self.meta: JSONObject = meta
         self.tp, self.pp, self.dp = meta["tp"], meta["pp"], meta["dp"]
         self.iteration = meta["iteration"]
 
@@ -127,7 +127,7 @@ class CheckpointReader:
         topo = layout_topology(self.tp, self.pp, tp_rank, pp_rank, dp=self.dp, dp_rank=dp_rank)
         return self.path / rank_file_name(topo.tp_rank, topo.pp_rank, topo.dp_rank)
 
-    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]:
+    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> StateDict:
         file = self.rank_file(tp_rank, pp_rank, dp_rank)
         if not file.exists():
             raise CheckpointError(f"{file}: missing (checkpoint {self.path} is incomplete)")
@@ -178,7 +178,7 @@ def write_weights_checkpoint(
     full: Mapping[str, torch.Tensor],
     tp: int,
     pp: int,
-    extra_meta: Mapping[str, Any] | None = None,
+    extra_meta: JSONObject | None = None,
 ) -> Path:
     """Write `full` weights as iteration 0 of a tp x pp (dp = 1) checkpoint in a new or empty
     `save_dir`; return the checkpoint directory.

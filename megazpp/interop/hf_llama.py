@@ -29,6 +29,7 @@ import torch
 
 from megazpp.errors import CheckpointError, ConfigError, MegazppError, required
 from megazpp.model.config import ModelConfig
+from megazpp.unique_keys import JSONObject
 
 # Fields that describe the file or generation defaults, not the function the weights compute.
 _IGNORED_FIELDS = frozenset(
@@ -79,13 +80,13 @@ OUTPUT = "output_layer.weight"
 _DERIVED_HF_TENSOR_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 
 
-def _require(hf: Mapping[str, Any], key: str, where: str) -> Any:
+def _require(hf: JSONObject, key: str, where: str) -> Any:
     if key not in hf:
         raise ConfigError(f"{where}: field {key!r} is missing (needed to build the model)")
     return hf[key]
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
+def _rope_theta(hf: JSONObject, where: str) -> float:
     """rope_theta from the legacy top-level field or transformers 5's `rope_parameters`;
     any RoPE variant other than the default (llama3, linear, dynamic, yarn...) is refused."""
     scaling = hf.get("rope_scaling")
@@ -111,9 +112,7 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     return float(_DEFAULT_ROPE_THETA if theta is None else theta)
 
 
-def model_config_from_hf(
-    hf: Mapping[str, Any], *, seq_length: int | None = None, where: str = "config.json"
-) -> ModelConfig:
+def model_config_from_hf(hf: JSONObject, *, seq_length: int | None = None, where: str = "config.json") -> ModelConfig:
     """The megazpp ModelConfig computing the same function as HF Llama config `hf`.
 
     `seq_length` defaults to the checkpoint's max_position_embeddings (RoPE has no table, so
@@ -128,7 +127,7 @@ def model_config_from_hf(
         raise ConfigError(f"{where}: a field has the wrong type or value ({exc})") from exc
 
 
-def _model_config_from_hf(hf: Mapping[str, Any], seq_length: int | None, where: str) -> ModelConfig:
+def _model_config_from_hf(hf: JSONObject, seq_length: int | None, where: str) -> ModelConfig:
     unknown = sorted(set(hf) - _IGNORED_FIELDS - _MAPPED_FIELDS)
     if unknown:
         raise ConfigError(
@@ -184,7 +183,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.num_experts = {cfg.num_experts}: MoE models have no Hugging Face Llama equivalent")
 
 
-def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype) -> JSONObject:
     """config.json for LlamaForCausalLM. rope_theta is written both top-level (transformers 4)
     and as rope_parameters (transformers 5), so either version reads the same model."""
     check_exportable(cfg)

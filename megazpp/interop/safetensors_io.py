@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megazpp.errors import CheckpointError
+from megazpp.unique_keys import JSONObject
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -33,7 +33,7 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> JSONObject:
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -94,7 +94,7 @@ class WeightFiles(Mapping):
         kind, files = _weight_files(self.directory)
         paths = sorted(set(files.values())) if isinstance(files, dict) else files
         self._where: dict[str, Path] = {}
-        self._readers: dict[Path, Any] = {}
+        self._readers: dict[Path, dict[str, torch.Tensor] | safe_open] = {}
         for path in paths:
             reader = self._open(kind, path)
             self._readers[path] = reader
@@ -108,7 +108,7 @@ class WeightFiles(Mapping):
                     )
 
     @staticmethod
-    def _open(kind: str, path: Path) -> Any:
+    def _open(kind: str, path: Path) -> dict[str, torch.Tensor] | safe_open:
         if kind == "pickle":
             return _load_pickle(path)
         try:
@@ -130,7 +130,7 @@ class WeightFiles(Mapping):
         return name in self._where
 
 
-def _replace_atomically(path: Path, write: Any) -> None:
+def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".partial")
     try:
         write(tmp)
@@ -139,7 +139,7 @@ def _replace_atomically(path: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
+def write_json(path: Path, value: JSONObject) -> None:
     _replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=2) + "\n"))
 
 

@@ -10,15 +10,14 @@ before a converted model is written, rather than discovered as garbage text late
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
 
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
+from megazpp.unique_keys import JSONObject
 
 
 def check_tokenizer(
-    tokenizer_model: str | os.PathLike, vocab_size: int, hf_config: Mapping[str, Any] | None = None
+    tokenizer_model: str | os.PathLike, vocab_size: int, hf_config: JSONObject | None = None
 ) -> Tokenizer:
     """Load the tokenizer and check it against the model's vocabulary (and the HF config's
     special ids, when given); raise DataError naming the mismatch."""

@@ -12,25 +12,28 @@ resume (`reshard.py`) both start from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.model.gpt import EMBEDDING_WEIGHT
+from megazpp.state import StateDict
 from megazpp.zero.engine_state import FULL_STATE_FORMAT
+from megazpp.zero.layout import LayoutRecord
 
 
 class PartReader(Protocol):
     """What is read from a checkpoint (`checkpoint_io.CheckpointReader`)."""
 
-    path: Any
+    path: Path
     dp: int
     iteration: int
 
-    def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Any: ...
+    def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Path: ...
 
-    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> dict[str, Any]: ...
+    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> StateDict: ...
 
 
 KINDS = ("params", "masters", "exp_avg", "exp_avg_sq")
@@ -43,10 +46,10 @@ class FullPartState:
     tensors: dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor (moments may be empty)
     adam_step: torch.Tensor | None
     step_count: int
-    loss_scaler: Any
+    loss_scaler: StateDict | None
     source: str  # "strategy S, dp D, paro group K" of the checkpoint
 
-    def engine_state(self) -> dict[str, Any]:
+    def engine_state(self) -> StateDict:
         """The input of `ZeroEngine.load_state_dict` for a layout other than the saved one."""
         has_moments = self.adam_step is not None
         return {
@@ -71,7 +74,7 @@ def _islands(reader: PartReader, tp_rank: int, pp_rank: int) -> int:
     return int(outer["islands"]) if outer else 1
 
 
-def _at_last_sync(engine: dict[str, Any]) -> dict[str, Any]:
+def _at_last_sync(engine: StateDict) -> StateDict:
     """A two-level rank's engine state with the islands' parameters at the last outer sync (the
     outer snapshot, the same on every island) in place of its own masters; its parameters at p
     are then made from those (`full_part_state`), so the island's own drift since is left out."""
@@ -88,7 +91,7 @@ def _at_last_sync(engine: dict[str, Any]) -> dict[str, Any]:
     return {**engine, "buckets": buckets}
 
 
-def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[dict[str, Any]]:
+def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[StateDict]:
     """Every DP rank's engine state of the part; for a two-level checkpoint, the first island's
     ranks at the last outer sync (`_at_last_sync`): the islands' shards hold the same places."""
     states = []
@@ -116,7 +119,7 @@ def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[
             )
         states.append(_at_last_sync(engine) if islands > 1 else engine)
 
-    def shared(engine: dict[str, Any]) -> list[dict[str, Any]]:
+    def shared(engine: StateDict) -> list[StateDict]:
         return [{k: v for k, v in b["layout"].items() if k != "dp_index"} for b in engine["buckets"]]
 
     for dp_rank, engine in enumerate(states[1:], start=1):
@@ -128,9 +131,9 @@ def _zero_engine_states(reader: PartReader, tp_rank: int, pp_rank: int) -> list[
     return states
 
 
-def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str, dict[str, torch.Tensor]]:
+def _assemble(states: list[StateDict], index: int, where: str) -> dict[str, dict[str, torch.Tensor]]:
     """Bucket `index`'s flat buffers filled from every rank's ranges, sliced by name."""
-    layout = states[0]["buckets"][index]["layout"]
+    layout: LayoutRecord = states[0]["buckets"][index]["layout"]
     padded, numel = layout["padded"], layout["numel"]
     flats: dict[str, torch.Tensor] = {}
     covered = {kind: torch.zeros(padded, dtype=torch.bool) for kind in KINDS}
@@ -173,7 +176,7 @@ def _assemble(states: list[dict[str, Any]], index: int, where: str) -> dict[str,
     return out
 
 
-def _adam_step(states: list[dict[str, Any]]) -> torch.Tensor | None:
+def _adam_step(states: list[StateDict]) -> torch.Tensor | None:
     for engine in states:
         for entry in engine["optimizer"]["state"].values():
             if "step" in entry:

@@ -15,13 +15,15 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megazpp.parallel import comm
+
+T = TypeVar("T")
 
 
 def release_process_groups(*, finished: bool = False) -> None:
@@ -55,9 +57,9 @@ def _rank_entry(
     out_dir: str,
     timeout_s: float,
     env: dict[str, str],
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(env)
@@ -80,13 +82,13 @@ def _rank_entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any],
+    fn: Callable[..., T],
     world_size: int,
-    *args: Any,
+    *args: object,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
-    **kwargs: Any,
-) -> list[Any]:
+    **kwargs: object,
+) -> list[T]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
 
     `fn` must be importable by name (a module-level function), since ranks are spawned.

@@ -158,8 +158,8 @@ def check_nodes(
     # Node 0 reads every node's probe, the others read node 0's: visibility both ways.
     unseen: list[int] = []
     if mine is not None and save is not None:
-        others = [r for r in reports if r.node != node and r.probe and (node == 0 or r.node == 0)]
-        unseen = [r.node for r in others if not _reads_probe(save, r.probe)]
+        others = [r for r in reports if r.node != node and (node == 0 or r.node == 0)]
+        unseen = [r.node for r in others if r.probe and not _reads_probe(save, r.probe)]
     gathered = comm.all_gather_object(unseen if mine is not None else None, tag=TAG)
     for report, not_found in zip(reports, [u for u in gathered if u is not None]):
         report.unseen = not_found

@@ -12,7 +12,6 @@ order over the peer group is one. `megazpp.outer.traffic` counts these two colle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -20,6 +19,8 @@ from torch.distributed import ProcessGroup
 from kernels.api import kernel_set
 from megazpp.outer import traffic
 from megazpp.parallel import comm
+from megazpp.parallel.work import Work
+from megazpp.state import StateDict
 
 SYNC_TAG = "outer/sync"
 INT4_BITS = 4
@@ -99,7 +100,7 @@ class Exchange:
     full: torch.Tensor
     received: torch.Tensor | None = None
     sent: torch.Tensor | None = None  # what the all-to-all reads, held until it completes
-    work: Any = None
+    work: Work[object] | None = None
     int4: Int4Wire | None = None  # the int4 wire, with error feedback into `errors`
     errors: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: (sent pseudo-gradient, averaged chunk)
     islands: int = 1
@@ -139,7 +140,7 @@ class Exchange:
         """Stage 1 -> 2: wait for the chunks, average them, issue the all-gather."""
         if self.stage != 1:
             return
-        self.work.wait()
+        self._wait()
         self.sent = None
         received = self.received
         if received is None:
@@ -154,18 +155,23 @@ class Exchange:
         self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
         self.stage = 2
 
+    def _wait(self) -> None:
+        if self.work is None:
+            raise RuntimeError(f"outer exchange of fragment {self.fragment}: stage {self.stage} has no work in flight")
+        self.work.wait()
+
     def mean(self, group: ProcessGroup | None) -> torch.Tensor:
         """The islands' mean pseudo-gradient (fp32, the same bits on every island), waiting for
         whatever is still in flight."""
         self.advance(group)
         if self.stage == 2:
-            self.work.wait()
+            self._wait()
             self.work, self.stage = None, 3
         values = self.full if self.int4 is None else self.int4.decode(self.full.view(self.islands, -1))
         values = values.reshape(-1)
         return values[: self.pseudo.numel()].float()
 
-    def state_dict(self, group: ProcessGroup | None) -> dict[str, Any]:
+    def state_dict(self, group: ProcessGroup | None) -> StateDict:
         """Finished first (every rank saves at the same step), so the state is tensors only."""
         self.mean(group)
         return {
@@ -177,7 +183,7 @@ class Exchange:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], int4: Int4Wire | None = None) -> Exchange:
+    def from_state(cls, state: StateDict, int4: Int4Wire | None = None) -> Exchange:
         return cls(
             int(state["fragment"]),
             int(state["lands"]),

@@ -14,17 +14,39 @@ import atexit
 import json
 import os
 from collections import defaultdict
-from typing import Any
+from collections.abc import Mapping
+from typing import TypedDict
 
 LINKS = ("intra", "inter")
+
+
+class Row(TypedDict):
+    """One op's or one tag's bytes by link class, and its calls."""
+
+    intra: int
+    inter: int
+    calls: int
+
+
+class Totals(TypedDict):
+    """A step's or a run's bytes by link class, with a row per op and per tag."""
+
+    intra: int
+    inter: int
+    ops: dict[str, Row]
+    tags: dict[str, Row]
+
+
+def _row() -> Row:
+    return {"intra": 0, "inter": 0, "calls": 0}
 
 
 class _Totals:
     """Bytes and call counts keyed by op and by tag, plus link-class sums."""
 
     def __init__(self) -> None:
-        self.ops: dict[str, dict[str, int]] = defaultdict(lambda: {"intra": 0, "inter": 0, "calls": 0})
-        self.tags: dict[str, dict[str, int]] = defaultdict(lambda: {"intra": 0, "inter": 0, "calls": 0})
+        self.ops: dict[str, Row] = defaultdict(_row)
+        self.tags: dict[str, Row] = defaultdict(_row)
 
     def add(self, op: str, tag: str, intra: int, inter: int) -> None:
         for row in (self.ops[op], self.tags[tag]):
@@ -32,19 +54,19 @@ class _Totals:
             row["inter"] += inter
             row["calls"] += 1
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> Totals:
         return {
             "intra": sum(r["intra"] for r in self.ops.values()),
             "inter": sum(r["inter"] for r in self.ops.values()),
-            "ops": {k: dict(v) for k, v in sorted(self.ops.items())},
-            "tags": {k: dict(v) for k, v in sorted(self.tags.items())},
+            "ops": {k: v.copy() for k, v in sorted(self.ops.items())},
+            "tags": {k: v.copy() for k, v in sorted(self.tags.items())},
         }
 
 
 class CommCounter:
     """Accumulates received bytes for the current step and for the whole run.
 
-    `step_totals()` / `run_totals()` return
+    `step_totals()` / `run_totals()` return `Totals`:
     `{"intra": int, "inter": int, "ops": {op: {"intra", "inter", "calls"}}, "tags": {...}}`.
     """
 
@@ -57,10 +79,10 @@ class CommCounter:
         self._step.add(op, tag, intra, inter)
         self._run.add(op, tag, intra, inter)
 
-    def step_totals(self) -> dict[str, Any]:
+    def step_totals(self) -> Totals:
         return self._step.as_dict()
 
-    def run_totals(self) -> dict[str, Any]:
+    def run_totals(self) -> Totals:
         return self._run.as_dict()
 
     def reset_step(self) -> None:
@@ -88,7 +110,7 @@ class CommCounter:
         self.reset_step()
         return scalars
 
-    def write_report(self, path: str, extra: dict[str, Any] | None = None) -> None:
+    def write_report(self, path: str, extra: Mapping[str, object] | None = None) -> None:
         """Write this rank's run totals as JSON atomically (temp name, then rename)."""
         write_json_atomic(
             path, {"convention": CONVENTION, "steps": self.steps, "run": self.run_totals(), **(extra or {})}
@@ -102,7 +124,7 @@ CONVENTION = (
 )
 
 
-def write_json_atomic(path: str, report: dict[str, Any]) -> None:
+def write_json_atomic(path: str, report: Mapping[str, object]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -137,7 +136,7 @@ def probe_host(
     )
 
 
-def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: int = 4) -> float:
+def _timed_calls(call: Callable[[], object], group: ProcessGroup | None, repeats: int, rounds: int = 4) -> float:
     """Mean seconds per call over `rounds` of `repeats` calls issued back to back, as a step
     issues them. Not a barrier before each call: it would line the ranks up and hide the time a
     call waits for a peer the scheduler has not run yet, most of a call's cost when ranks
@@ -153,7 +152,7 @@ def _timed_calls(call: Any, group: ProcessGroup | None, repeats: int, rounds: in
     return total / (rounds * repeats)
 
 
-def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Any:
+def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Callable[[], object]:
     """A call of `op` moving `numel` elements per member, made as the ZeRO engine makes it
     (`zero.collectives`: into / in place on views of one flat buffer)."""
     shard, whole = torch.ones(numel), torch.ones(numel * size)
@@ -165,7 +164,7 @@ def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Any:
     return lambda: comm.all_reduce(whole, group=group, tag="planner/probe")
 
 
-def _recorded(call: Any) -> float:
+def _recorded(call: Callable[[], object]) -> float:
     """Bytes (intra + inter) the counter records for one `call`: the axis `timing.measured_time`
     reads the points on, the formula `traffic.collective_bytes` prices (`parallel.wire`)."""
     before = comm.counter.step_totals()

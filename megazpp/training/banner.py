@@ -116,8 +116,8 @@ def banner(
         if ck.save
         else "not saved"
     )
-    if ck.save and ck.save_adapters_only and start.base is not None:
-        saving += f", adapters only (frozen base: {start.base.describe()})"
+    if ck.save and ck.save_adapters_only and start.load.base is not None:
+        saving += f", adapters only (frozen base: {start.load.base.describe()})"
     lines = [
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
         f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_count(m) / 1e6:.2f}M "
@@ -132,6 +132,6 @@ def banner(
         f"{cfg.optimizer.min_lr:g}",
         f"data: {' '.join(cfg.data.data_path)} (split {cfg.data.split}): {sizes}",
         f"checkpoints: {saving}; TensorBoard: {cfg.logging.tensorboard_dir or 'off'}",
-        f"start: {start.why}",
+        f"start: {start.load.why}",
     ]
     return lines + [f"note: {note}" for note in start.notes]

@@ -30,7 +30,6 @@ import os
 import re
 import signal
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -109,7 +108,7 @@ def poisoned_output(model: nn.Module, iteration: int, rank: int) -> Iterator[Non
         yield
         return
 
-    def poison(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    def poison(_module: nn.Module, _inputs: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
         return output * factors[0]
 
     handle = model.register_forward_hook(poison)

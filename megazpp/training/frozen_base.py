@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import torch
 from torch import nn
 
-from megazpp.config.schema import Config
-from megazpp.errors import CheckpointError, ConfigError
-from megazpp.training.checkpoint import METADATA_FILE, WEIGHTS_ONLY_KEY, file_checksum, latest_checkpoint, read_metadata
+from megazpp.errors import CheckpointError
+from megazpp.training.checkpoint import METADATA_FILE, latest_checkpoint
+from megazpp.training.checkpoint_files import file_checksum
+from megazpp.unique_keys import JSONObject
 
 BASE_KEY = "base"  # metadata.json of an adapters-only checkpoint: the base it needs
 
@@ -60,7 +61,7 @@ def init_base(init_seed: int) -> FrozenBase:
     return FrozenBase(None, f"init_seed={init_seed}")
 
 
-def recorded_base(path: Path, meta: dict[str, Any]) -> FrozenBase | None:
+def recorded_base(path: Path, meta: JSONObject) -> FrozenBase | None:
     """The base an adapters-only checkpoint `path` records (None: a full checkpoint)."""
     saved = meta.get(BASE_KEY)
     if saved is None:
@@ -91,47 +92,9 @@ def _found_base(base: FrozenBase, init_seed: int) -> str:
     return "" if digest == base.digest else f"{path / METADATA_FILE} is {digest[:19]}... (changed or another base)"
 
 
-def _weights_only_load(cfg: Config) -> str | None:
-    """`--load` when it names an import (the fine-tune flow passes it again when resuming)."""
-    load = cfg.checkpoint.load
-    try:
-        path = latest_checkpoint(load) if load else None
-    except CheckpointError:
-        return None
-    return load if path is not None and read_metadata(path).get(WEIGHTS_ONLY_KEY) else None
-
-
-def run_base(cfg: Config, load_dir: str | None) -> FrozenBase | None:
-    """The base of this run, checked: the one an adapters-only checkpoint in `load_dir`
-    records (refused when missing, changed, or another import is given with `--load`), the
-    import the run starts from, or the init of a run from scratch. None when the run resumes
-    a full checkpoint (its frozen weights are in it); then adapters-only saves are refused."""
-    try:
-        path = latest_checkpoint(load_dir) if load_dir else None
-        meta = read_metadata(path) if path is not None else None
-    except CheckpointError:
-        path, meta = None, None  # a damaged newest checkpoint: the loader names it or falls back
-    if path is not None and meta is not None:
-        if meta.get(WEIGHTS_ONLY_KEY):
-            return import_base(str(load_dir))
-        base = recorded_base(path, meta)
-        if base is None:
-            if cfg.checkpoint.save_adapters_only:
-                raise ConfigError(
-                    f"checkpoint.save_adapters_only: this run resumes {path}, a full "
-                    "checkpoint, so its frozen weights have no base to record; continue "
-                    "it with full checkpoints, or start from the import or the init"
-                )
-            return None
-        given = _weights_only_load(cfg)
-        if given is not None and import_base(given) != base:
-            raise _refusal(path, base, f"--load {given} is another base")
-        check_base(path, base, cfg.model.init_seed)
-        return base
-    return init_base(cfg.model.init_seed)
-
-
-def _refusal(path: Path, base: FrozenBase, found: str) -> CheckpointError:
+def base_refusal(path: Path, base: FrozenBase, found: str) -> CheckpointError:
+    """The one-line refusal of adapters-only checkpoint `path` when its `base` is not there as
+    recorded (`found`: what stands there instead)."""
     return CheckpointError(
         f"{path / METADATA_FILE}: an adapters-only checkpoint, expected its base {base.describe()}; {found}"
     )
@@ -141,14 +104,14 @@ def check_base(path: Path, base: FrozenBase, init_seed: int) -> None:
     """Refuse (naming checkpoint `path`) when `base` is missing or not what it recorded."""
     found = _found_base(base, init_seed)
     if found:
-        raise _refusal(path, base, found)
+        raise base_refusal(path, base, found)
 
 
 def frozen_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if not p.requires_grad}
 
 
-def without_frozen(model_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+def without_frozen(model_state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict less its frozen parameters (buffers and trainable ones stay)."""
     frozen = frozen_names(model)
     return {k: v for k, v in model_state.items() if k not in frozen}

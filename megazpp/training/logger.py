@@ -27,7 +27,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -108,7 +108,7 @@ class TrainingLogger:
         if self.enabled:
             self.print(line)
 
-    def write_config(self, config: dict, yaml_text: str) -> None:
+    def write_config(self, config: Mapping[str, object], yaml_text: str) -> None:
         """The resolved config as text (TEXT tab, diffed by tools/compare_runs) and as hparams
         (HPARAMS tab, runs lined up by their settings)."""
         if self.writer is None:

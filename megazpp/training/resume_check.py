@@ -27,7 +27,6 @@ Anything else (dropout, sequence length, the optimizer, ...) a `--load` may chan
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -45,6 +44,7 @@ from megazpp.training.checkpoint import (
     read_metadata,
 )
 from megazpp.training.frozen_base import BASE_KEY
+from megazpp.unique_keys import JSONObject
 
 
 def uses_zero_engine(dp: int, stage: int, paro_strategy: str | None) -> bool:
@@ -61,7 +61,7 @@ def _tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
 
 
-def _model_diff(saved: dict[str, Any], current: ModelConfig) -> list[str]:
+def _model_diff(saved: JSONObject, current: ModelConfig) -> list[str]:
     """`model.key saved -> current` for the model settings that change a tensor's name or
     shape; empty when the checkpoint's weights fit `current`."""
     try:

@@ -5,15 +5,8 @@ Why apart from pretrain_gpt.py: `run.sh` runs the same checks once per job befor
 starts any rank (`python -m megazpp.training.startup --world-size N ARGS`), so a refused input
 is one line per job instead of one error and a launcher traceback per rank.
 
-The resume rule. A run continues the checkpoint in a directory when
-  - `--load DIR` names it (whatever the settings: the user asked for it); or
-  - there is no `--load`, `--save DIR` holds a checkpoint, and either this attempt is a
-    restart by torchrun (`TORCHELASTIC_RESTART_COUNT` > 0) or the checkpoint's saved config
-    equals this run's in everything but `RUN_ONLY_KEYS` (where checkpoints and logs go, how
-    often, when to stop, timeouts).
-Otherwise a checkpoint in `--save` is refused by name, with the settings that differ and the
-two ways on: `--load DIR` to continue it with the new settings, or another `--save` to start
-a new run (a new run never writes into another run's directory).
+What it starts from (resume, import, frozen base) is `checkpoint_manager.plan_load`'s decision,
+made here so that a refusal is one line per job.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
@@ -32,28 +24,13 @@ from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
-from megazpp.errors import CheckpointError, ConfigError
+from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
-from megazpp.training.checkpoint import CONFIG_KEY, check_loadable, is_weights_only, latest_checkpoint, read_metadata
-from megazpp.training.frozen_base import FrozenBase, run_base
+from megazpp.training.checkpoint_manager import LoadPlan, plan_load
 from megazpp.training.memory_check import check_memory
-from megazpp.training.resume_check import check_resumable
 from megazpp.training.save_lock import check_save_lock
-
-# Settings a continued run may change: where checkpoints and logs go and how often, when to
-# stop, how long a collective may wait, the transport and compilation, whether a tokenizer
-# mismatch is accepted, whether the memory check runs. Everything else shapes the run's state.
-RUN_ONLY_KEYS = (
-    "checkpoint.",
-    "logging.",
-    "parallel.distributed_timeout_minutes",
-    "parallel.distributed_backend",
-    "training.compile",
-    "data.allow_tokenizer_mismatch",
-    "training.skip_memory_check",
-)
 
 
 @dataclass
@@ -61,11 +38,9 @@ class Startup:
     """A validated config and how the run starts."""
 
     cfg: Config
-    load_dir: str | None  # the checkpoint directory to start from; None: from scratch
-    why: str  # why that directory (or why none), for the start-up banner
+    load: LoadPlan  # what the run starts from and why (checkpoint_manager.plan_load)
     options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
-    base: FrozenBase | None = None  # where the frozen weights come from (frozen_base.run_base)
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
 
 
@@ -108,62 +83,6 @@ def check_outputs(cfg: Config) -> None:
             check_output_dir(flag, path)
 
 
-def _flatten(config: dict[str, Any]) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
-
-
-def settings_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key saved -> current` for every setting outside RUN_ONLY_KEYS that differs. A key the
-    saved run did not have yet (a section or setting added since) counts as its default."""
-    old, new = _flatten(saved), _flatten(current)
-    defaults = _flatten(Config().to_dict())
-    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
-    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
-    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys if old.get(k) != new.get(k)]
-
-
-def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
-    """(directory to start from or None, why): the resume rule of this module's docstring.
-
-    When `--load` holds imported weights only (a starting point, no run state) and `--save`
-    already holds this run's progress, the run resumes from `--save` instead of starting
-    over from the imported weights.
-    """
-    ck = cfg.checkpoint
-    if ck.load:
-        if not ck.load_optional:
-            check_loadable(ck.load)
-        if ck.save and is_weights_only(ck.load) and latest_checkpoint(ck.save):
-            return ck.save, f"--save {ck.save} (this fine-tune's progress over --load)"
-        return ck.load, f"--load {ck.load}"
-    if not ck.save:
-        return None, "no --save or --load: starting from scratch"
-    try:
-        path = latest_checkpoint(ck.save)
-    except CheckpointError:
-        return ck.save, f"--save {ck.save}"  # damaged: the loader names it or falls back
-    if path is None:
-        return None, f"--save {ck.save} holds no checkpoint yet: starting from scratch"
-    if restarts:
-        return ck.save, f"torchrun restart {restarts}"
-    saved = read_metadata(path).get(CONFIG_KEY)
-    if saved is None:
-        raise ConfigError(
-            f"--save {ck.save} already holds {path.name}, which records no "
-            f"settings: pass --load {ck.save} to continue it, or give another "
-            "--save directory to start a new run"
-        )
-    diff = settings_diff(saved, cfg.to_dict())
-    if diff:
-        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-        raise ConfigError(
-            f"--save {ck.save} already holds {path.name} of a run with other "
-            f"settings ({shown}): pass --load {ck.save} to continue it with "
-            "these settings, or give another --save directory to start a new run"
-        )
-    return ck.save, f"--save {ck.save} (same settings)"
-
-
 def prepare(
     argv: Sequence[str], world_size: int, restarts: int = 0, ranks_on_node: int | None = None, check_lock: bool = False
 ) -> Startup:
@@ -187,12 +106,10 @@ def prepare(
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
         check_save_lock(cfg.checkpoint.save)
     faults.check_spec()
-    load_dir, why = choose_checkpoint(cfg, restarts)
-    if load_dir is not None:
-        check_resumable(cfg, load_dir, world_size)
+    load = plan_load(cfg, world_size, restarts)
     if ranks_on_node is not None:
         check_memory(cfg, options.zero, world_size, ranks_on_node)
-    return Startup(cfg, load_dir, why, options, notes, run_base(cfg, load_dir), backend)
+    return Startup(cfg, load, options, notes, backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

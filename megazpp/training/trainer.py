@@ -18,12 +18,10 @@ is in the checkpoint, so a resumed run continues exactly as if it had never stop
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,31 +29,31 @@ from torch import nn
 
 from megazpp.config.schema import Config
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import CheckpointError, ConfigError, NumericalError, required
+from megazpp.errors import NumericalError, required
 from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.training import faults
-from megazpp.training.checkpoint import (
-    CONFIG_KEY,
-    MODEL_CONFIG_KEY,
-    LoadedCheckpoint,
-    capture_rng_state,
-    load_model_weights,
-    restore_rng_state,
-    save_checkpoint,
-)
+from megazpp.training.checkpoint import LoadedCheckpoint
+from megazpp.training.checkpoint_manager import CheckpointManager, Progress
 from megazpp.training.forward_backward import MicroBatch, forward_backward
-from megazpp.training.frozen_base import BASE_KEY, FrozenBase, frozen_names, without_frozen
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
+from megazpp.training.rng_state import capture_rng_state, restore_rng_state
 from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
-# What `Trainer.state_dict` saves and `resume` needs (an import holds only the model).
-RESUME_KEYS = ("iteration", "consumed_samples", "model", "engine", "lr_schedule", "rng")
+
+
+class TokenSamples(Protocol):
+    """What the trainer draws micro-batches from: samples of token ids by index
+    (`GPTDataset`, `BlendedDataset`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
 
 
 @dataclass
@@ -69,7 +67,7 @@ class TrainHistory:
     resumed_from: int | None = None
 
 
-def make_micro_batch(dataset: Any, indices: Sequence[int], device: torch.device) -> MicroBatch:
+def make_micro_batch(dataset: TokenSamples, indices: Sequence[int], device: torch.device) -> MicroBatch:
     """Samples of seq_length + 1 tokens -> (inputs, next-token labels)."""
     rows = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
     rows = rows.to(device, non_blocking=True)
@@ -83,18 +81,18 @@ class Trainer:
         model: nn.Module,
         engine: Engine,
         topology: Topology,
-        train_ds: Any,
-        valid_ds: Any,
+        train_ds: TokenSamples,
+        valid_ds: TokenSamples | None,
         logger: TrainingLogger,
         device: torch.device,
         *,
         forward_backward_fn: ForwardBackward = forward_backward,
-        base: FrozenBase | None = None,
+        checkpoints: CheckpointManager | None = None,
     ) -> None:
-        """`base`: where the frozen weights came from (`frozen_base.run_base`), recorded by
-        adapters-only saves."""
+        """`checkpoints`: the run's loads and saves (pretrain_gpt's, which carries the load plan
+        and the frozen base adapters-only saves record); by default one that only saves."""
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
-        self.base = base
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointManager(cfg, topology, device)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
@@ -109,88 +107,26 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed_samples = 0
-        self.last_checkpoint: Path | None = None
         self.numerics = NumericsMonitor(
             fp16=cfg.precision.fp16, spike_factor=t.loss_spike_factor, spike_window=t.loss_spike_window
         )
 
-    # -- checkpoint state ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs; with `checkpoint.save_adapters_only`, less the frozen
-        parameters and their engine buckets (the recorded base has them)."""
-        whole = not self.cfg.checkpoint.save_adapters_only
-        model = self.model.state_dict()
-        return {
-            "iteration": self.iteration,
-            "consumed_samples": self.consumed_samples,
-            "model": model if whole else without_frozen(model, self.model),
-            "engine": self.engine.state_dict(frozen=whole),
-            "lr_schedule": self.lr_schedule.state_dict(),
-            "rng": capture_rng_state(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], *, adapters_only: bool = False) -> None:
-        """`adapters_only`: the state lacks the frozen parameters; the model keeps its own (the
-        base loaded before the engine was built)."""
-        keep_own = frozen_names(self.model).__contains__ if adapters_only else None
-        load_model_weights(self.model, state["model"], keep_own=keep_own)
-        self.engine.load_state_dict(state["engine"])
-        self.lr_schedule.load_state_dict(state["lr_schedule"])
-        restore_rng_state(state["rng"])
-        self.iteration = int(state["iteration"])
-        self.consumed_samples = int(state["consumed_samples"])
-
+    # -- checkpoints ------------------------------------------------------------------------
     def resume(self, loaded: LoadedCheckpoint) -> int:
         """Continue the run `loaded` (a verified checkpoint of a run, not weights only) holds;
         return its iteration."""
-        missing = [key for key in RESUME_KEYS if key not in loaded.state]
-        if missing:
-            raise CheckpointError(f"{loaded.path}: this rank's file lacks {missing} (not a training checkpoint?)")
-        self.load_state_dict(loaded.state, adapters_only=BASE_KEY in loaded.metadata)
-        self.last_checkpoint = loaded.path
+        progress = self.checkpoints.restore(loaded, self.model, self.engine, self.lr_schedule)
+        self.iteration, self.consumed_samples = progress.iteration, progress.consumed_samples
         return self.iteration
 
     def save(self) -> None:
-        """Save, unless a weight is not finite anywhere (all ranks agree before any write, so
-        a poisoned state never becomes the `latest` checkpoint)."""
-        finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)  # NCCL: on the GPU
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="checkpoint/finite_check")
-        if flag.item():
-            raise NumericalError(
-                f"iteration {self.iteration}: refusing to save a checkpoint with non-finite "
-                f"weights (rank {self.topology.rank} finite: {finite}); last good checkpoint: "
-                f"{self.last_checkpoint or 'none'}"
-            )
-        if self.cfg.checkpoint.save is None:
-            raise ConfigError("saving a checkpoint needs checkpoint.save (--save)")
-        self.last_checkpoint = save_checkpoint(
-            self.cfg.checkpoint.save,
-            self.iteration,
-            self.state_dict(),
-            self.topology,
-            extra_metadata={
-                MODEL_CONFIG_KEY: dataclasses.asdict(self.cfg.model),
-                CONFIG_KEY: self.cfg.to_dict(),
-                **self._base_record(),
-            },
-        )
-        self.logger.info(
-            f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved checkpoint {self.last_checkpoint}"
-        )
-
-    def _base_record(self) -> dict[str, Any]:
-        """metadata.json's record of the base an adapters-only checkpoint needs."""
-        if not self.cfg.checkpoint.save_adapters_only:
-            return {}
-        if self.base is None:
-            raise CheckpointError(
-                "checkpoint.save_adapters_only: the trainer was given no base (frozen_base.run_base) to record"
-            )
-        return {BASE_KEY: self.base.record()}
+        """Save through the checkpoint manager (which refuses non-finite weights) and say so."""
+        progress = Progress(self.iteration, self.consumed_samples)
+        path = self.checkpoints.save(progress, self.model, self.engine, self.lr_schedule)
+        self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved checkpoint {path}")
 
     # -- the loop -----------------------------------------------------------------------------
-    def _sampler(self, dataset: Any, consumed: int) -> PretrainingSampler:
+    def _sampler(self, dataset: TokenSamples, consumed: int) -> PretrainingSampler:
         t = self.cfg.training
         return PretrainingSampler(
             len(dataset), consumed, t.micro_batch_size, self.topology.dp_rank, self.topology.dp, t.seed
@@ -255,11 +191,7 @@ class Trainer:
                 history.val_losses[self.iteration] = self.evaluate()
                 self.logger.record_eval(self.iteration, history.val_losses[self.iteration])
             exiting = stop_code != NO_STOP or (ck.exit_interval is not None and self.iteration % ck.exit_interval == 0)
-            saving = bool(ck.save) and (
-                (ck.save_interval and self.iteration % ck.save_interval == 0)
-                or exiting
-                or self.iteration == t.train_iters
-            )
+            saving = self.checkpoints.due(self.iteration, exiting)
             if saving and bad:
                 self.logger.info(f"iter {self.iteration}: not saving after a non-finite step")
                 saving = False
@@ -292,9 +224,9 @@ class Trainer:
             else f"--exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins}"
         )
         if saved:
-            where = f"saved checkpoint {self.last_checkpoint}"
+            where = f"saved checkpoint {self.checkpoints.last}"
         elif self.cfg.checkpoint.save:
-            where = f"not saved (non-finite step); last good checkpoint: {self.last_checkpoint or 'none'}"
+            where = f"not saved (non-finite step); last good checkpoint: {self.checkpoints.last or 'none'}"
         else:
             where = "nothing saved (no --save)"
         self.logger.info(f"stopped after iteration {self.iteration} ({why}): {where}")
@@ -317,7 +249,7 @@ class Trainer:
             f"iteration {self.iteration} on rank {self.topology.rank}: loss {loss}, "
             f"grad norm {result.grad_norm} ({health.consecutive_bad} consecutive "
             f"non-finite steps, limit --max-bad-steps {limit}); last good checkpoint: "
-            f"{self.last_checkpoint or 'none'}"
+            f"{self.checkpoints.last or 'none'}"
         )
         if health.consecutive_bad >= limit:
             raise NumericalError(message)
@@ -327,16 +259,19 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` batches of the validation split: the same
         samples at every evaluation, so the curve measures the model, not the batch."""
+        valid = self.valid_ds
+        if valid is None:
+            raise ValueError("Trainer.evaluate: this run has no validation split (valid_ds is None)")
         self.model.eval()
         losses: list[torch.Tensor] = []
-        samples = iter(self._sampler(self.valid_ds, 0))
+        samples = iter(self._sampler(valid, 0))
         micro_steps = self.cfg.training.eval_iters * self.num_micro_batches
         rng = capture_rng_state()  # evaluation must not shift the training dropout stream
         for _ in range(micro_steps):
             indices = next(samples, None)
             if indices is None:
                 break
-            batch = make_micro_batch(self.valid_ds, indices, self.device)
+            batch = make_micro_batch(valid, indices, self.device)
             losses += self.forward_backward(self.model, [batch], self.engine, forward_only=True)
         restore_rng_state(rng)
         self.model.train()

@@ -10,27 +10,14 @@ their own per-bucket tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from megazpp.errors import CheckpointError
+from megazpp.parallel.work import Work
+from megazpp.state import StateDict
 from megazpp.zero.layout import BucketLayout
-
-
-class Waitable(Protocol):
-    """Work in flight (a collective sequence, quantized or exact): `wait()` gives its result."""
-
-    def wait(self) -> torch.Tensor: ...
-
-
-class Reduction(Waitable, Protocol):
-    """A micro-batch's gradient reduction in flight (`collectives.StagedWork`)."""
-
-    def completed(self) -> bool:
-        """Whether every stage has been issued and the last has completed (`wait()` won't block)."""
-        ...
 
 
 @dataclass
@@ -63,10 +50,10 @@ class Bucket:
     # transient, never in checkpoints: work of the current micro-batch / step
     staging: torch.Tensor | None = None
     sent: torch.Tensor | None = None  # staging the reduction in flight runs in (back to the pool after it)
-    micro_pending: Reduction | None = None
-    boundary_pending: Waitable | None = None
+    micro_pending: Work[torch.Tensor] | None = None  # work in flight: `wait()` gives its result
+    boundary_pending: Work[torch.Tensor] | None = None
     full_params: torch.Tensor | None = None
-    fetch_pending: Waitable | None = None
+    fetch_pending: Work[torch.Tensor] | None = None
     arrived: set[int] = field(default_factory=set)
     launched: bool = False
 
@@ -79,7 +66,7 @@ class Bucket:
         """A group of frozen parameters (`zero/frozen.py`): a parameter shard and no gradients."""
         return self.grad_acc.numel() == 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "name": self.name,
             "padded": self.layout.padded,
@@ -89,7 +76,7 @@ class Bucket:
             "extra_state": {k: v.clone() for k, v in self.extra_state.items()},
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: StateDict) -> None:
         if saved["name"] != self.name or saved["padded"] != self.layout.padded:
             raise CheckpointError(
                 f"ZeRO checkpoint bucket {saved['name']} ({saved['padded']} "

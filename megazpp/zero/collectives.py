@@ -20,7 +20,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -28,22 +27,16 @@ from torch.distributed import ProcessGroup
 from megazpp.errors import ConfigError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.work import Work
 from megazpp.zero.buffers import BufferPool
 from megazpp.zero.layout import dp_pieces
 from megazpp.zero.sequences import Collective, DPShapes, dp_shapes
 
 
-class Work(Protocol):
-    """An asynchronous collective's handle (`megazpp.parallel.comm` with `async_op=True`)."""
-
-    def wait(self) -> object: ...
-
-    def is_completed(self) -> bool: ...
-
-
-class StagedWork(ABC):
+class StagedWork(Work[torch.Tensor], ABC):
     """A chain of collectives, stage j + 1 computed from stage j's result; stage 0 is issued on
     construction (`_begin`), later ones through the `StageOrder` on `ZeroGroups.later` groups.
+    A `Work[torch.Tensor]`: a subclass's `wait()` finishes every stage and gives the result.
 
     A subclass says how a stage is issued (`_issue(j, group)` -> the work) and what follows its
     completion (`_complete(j)`: unpack, reduce, prepare the next stage's input)."""
@@ -51,12 +44,12 @@ class StagedWork(ABC):
     def __init__(self, groups: ZeroGroups, names: list[str]) -> None:
         self._groups, self._names = groups, names
         self._next = 0
-        self._work: Work | None = None
+        self._work: Work[object] | None = None
         for name in names[1:]:
             groups.order.reserve(self, name)
 
     @abstractmethod
-    def _issue(self, j: int, group: ProcessGroup | None) -> Work: ...
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work[object]: ...
 
     @abstractmethod
     def _complete(self, j: int) -> None: ...
@@ -74,7 +67,7 @@ class StagedWork(ABC):
         """Whether the stage in flight has completed (a local look: differs between ranks)."""
         return self._work is not None and self._work.is_completed()
 
-    def completed(self) -> bool:
+    def is_completed(self) -> bool:
         """Every stage issued and the last one complete (a local look, as `current_done`)."""
         return self.next_group() is None and (self._work is None or self._work.is_completed())
 
@@ -190,7 +183,7 @@ def _parts(flat: torch.Tensor, groups: ZeroGroups, name: str) -> list[torch.Tens
 
 def _start(
     c: Collective, t: torch.Tensor, groups: ZeroGroups, group: ProcessGroup | None, tag: str, out: torch.Tensor | None
-) -> tuple[Work, torch.Tensor]:
+) -> tuple[Work[object], torch.Tensor]:
     """Launch one collective on `t` over `group` (of the size of `c.group`); returns (work,
     result). An all-gather writes into `out` (required); a reduce-scatter or all-reduce works in
     place, so `t` is given up (its result is a view of it)."""
@@ -199,8 +192,8 @@ def _start(
     if c.op == "all_gather":
         assert out is not None, "an all-gather needs its output buffer"
         return comm.all_gather_into_parts(_parts(out, groups, c.group), t, group=group, async_op=True, tag=tag), out
-    work = comm.reduce_scatter_parts(t, _parts(t, groups, c.group), group=group, tag=tag)
-    return work, work.result
+    parts = _parts(t, groups, c.group)
+    return comm.reduce_scatter_parts(t, parts, group=group, tag=tag), parts[comm.group_rank(group)]
 
 
 class PendingSequence(StagedWork):
@@ -221,7 +214,7 @@ class PendingSequence(StagedWork):
         self._reads: torch.Tensor | None = None  # an earlier gather's output the stage in flight reads
         self._begin()
 
-    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work[object]:
         c, inp = self._seq[j], self._result
         out = None
         if c.op == "all_gather":

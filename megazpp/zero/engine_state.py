@@ -8,13 +8,14 @@ and AdamW moments are laid out on disk and how a reader places them without an e
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.optim.loss_scaler import LossScaler
 from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import ZeroGroups
 from megazpp.zero.frozen import FROZEN_SAVED_KEY
@@ -47,7 +48,7 @@ class CheckpointedEngine(Protocol):
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 
-def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[str, Any]:
+def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> StateDict:
     """This rank's state, plus what a reader needs to place it without this engine: each
     bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
     the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
@@ -68,7 +69,7 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> dict[s
     }
 
 
-def _placement(engine: CheckpointedEngine, b: Bucket) -> dict[str, Any]:
+def _placement(engine: CheckpointedEngine, b: Bucket) -> StateDict:
     s = engine.strategy
     os_lo, _ = b.layout.shard_range(s.optimizer_state)
     return {
@@ -87,7 +88,7 @@ def _optimizer_slots(engine: CheckpointedEngine) -> list[tuple[int, int]]:
     return [slots[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
 
 
-def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
+def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
     """This rank's own saved state (same layout: restored bit for bit), or a full per-
     parameter state (`FULL_STATE_FORMAT`, made by `megazpp.interop.reshard` from every rank
     file of a checkpoint saved under another DP size or strategy), cut by this layout."""
@@ -125,7 +126,7 @@ def load_engine_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None
     engine.paths.params_replaced()
 
 
-def _load_scaler(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
+def _load_scaler(engine: CheckpointedEngine, state: StateDict) -> None:
     if (engine.scaler is None) != (state.get("loss_scaler") is None):
         raise CheckpointError("ZeRO checkpoint was saved with a different fp16 loss-scaling setting")
     if engine.scaler is not None:
@@ -146,7 +147,7 @@ def _flat(b: Bucket, tensors: dict[str, torch.Tensor], what: str, dtype: torch.d
     return flat
 
 
-def _load_full_state(engine: CheckpointedEngine, state: dict[str, Any]) -> None:
+def _load_full_state(engine: CheckpointedEngine, state: StateDict) -> None:
     """Cut full per-parameter tensors by this engine's layout. LoCo's error buffers are in
     the coordinates of the layout that wrote them and are zeroed (see docs/arch/interop.md)."""
     s = engine.strategy

@@ -24,13 +24,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import nn
 
 from megazpp.optim.optimizer import is_decayed
 from megazpp.zero.strategy import Level, level_div
+
+
+class LayoutRecord(TypedDict):
+    """A bucket's layout as a rank file records it (`BucketLayout.describe`), read back by
+    `interop.zero_shards` to place the shards of another layout."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    decay_numel: int
+    numel: int
+    padded: int
+    d: int  # the data-parallel size
+    k: int  # the PaRO group size
+    dp_index: int
 
 
 @dataclass
@@ -127,7 +142,7 @@ class BucketLayout:
         the ones qgZ sends exactly (few values, and an int4 grid of 15 levels is coarse for them)."""
         return [(off, off + shape.numel()) for off, shape in zip(self.offsets, self.shapes) if is_vector(shape)]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> LayoutRecord:
         """The layout without tensors, in terms any reader understands (global parameter names,
         shapes, flat offsets): what a checkpoint needs to place its shards without rebuilding
         the model or re-deriving the nested I/G order."""

@@ -32,7 +32,6 @@ point: the later stages of collectives whose earlier stage has completed start t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +39,10 @@ from torch.utils.hooks import RemovableHandle
 
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.paths import CommPaths
+
+# module hooks: (module, its positional inputs) before forward, and their output after it
+PreHook = Callable[[nn.Module, tuple[object, ...]], None]
+PostHook = Callable[[nn.Module, tuple[object, ...], object], None]
 
 
 class ParamFetcher:
@@ -186,8 +189,8 @@ class ParamFetcher:
                 self._finished[id(b)] = b
 
     # -- hooks -----------------------------------------------------------------------------
-    def _pre_forward(self, b: Bucket, module: nn.Module) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, b: Bucket, module: nn.Module) -> PreHook:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             self.fetch_hook_calls += 1
             self.paths.groups.order.progress()
             if not self._order_done:
@@ -203,8 +206,8 @@ class ParamFetcher:
 
         return hook
 
-    def _post_forward(self, b: Bucket) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, b: Bucket) -> PostHook:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
@@ -213,7 +216,7 @@ class ParamFetcher:
 
         return hook
 
-    def _pre_backward(self, b: Bucket) -> Callable:
+    def _pre_backward(self, b: Bucket) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             self._on_backward_start()
             self.backward_active = True
@@ -234,8 +237,8 @@ class ParamFetcher:
                 todo.append(b)
         return todo
 
-    def _parent_pre_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _parent_pre_forward(self, children: list[tuple[nn.Module, Bucket]]) -> PreHook:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             todo = self._uncalled(children)
             if todo:
                 self.fetch_hook_calls += 1
@@ -245,7 +248,7 @@ class ParamFetcher:
 
         return hook
 
-    def _parent_post_forward(self, children: list[tuple[nn.Module, Bucket]]) -> Callable:
+    def _parent_post_forward(self, children: list[tuple[nn.Module, Bucket]]) -> PostHook:
         def before_backward(grad: torch.Tensor) -> None:
             todo = self._uncalled(children)
             if todo:
@@ -255,7 +258,7 @@ class ParamFetcher:
             for b in todo:
                 self.fetch(b, "backward")
 
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             todo = self._uncalled(children)
             if todo and torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -287,7 +290,7 @@ class ParamFetcher:
         self.all_gather_calls = 0
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
+def _tensors(output: object) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):

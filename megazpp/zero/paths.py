@@ -6,7 +6,8 @@ not WHEN. The engine and the fetcher only call these four methods; the exact pat
 the `sequences` unchanged, and a compressed path replaces one of them (it may keep
 per-bucket state, such as error-feedback buffers, in `Bucket.extra_state`).
 
-Every `start_*` returns a waitable whose `wait()` gives the resulting tensor. The remaining
+Every `start_*` returns a `Work[torch.Tensor]` (`parallel/work.py`): its `wait()` gives the
+resulting tensor. The remaining
 methods are the engine's notifications (bucket built, step finished, parameters replaced);
 the exact paths keep no state, so they have nothing to do there.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from megazpp.parallel.work import Work
 from megazpp.zero import sequences
-from megazpp.zero.bucket import Bucket, Reduction, Waitable
+from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.strategy import Level, Strategy
 
@@ -37,22 +39,22 @@ class CommPaths:
         """Collectives one parameter fetch issues (for the engine's statistics)."""
         return sum(1 for c in self._fetch if size_of(self.groups, c.group) > 1)
 
-    def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
+    def start_param_gather(self, b: Bucket, phase: str) -> Work[torch.Tensor]:
         """Full parameters of `b` from its p-level shard; `phase` is "forward" or "backward".
         The result is a buffer of `groups.buffers`, for the fetcher to hand back."""
         return PendingSequence(self._fetch, b.param_store, self.groups, f"zero/param_gather/{phase}")
 
-    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Reduction:
+    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Work[torch.Tensor]:
         """One micro-batch's full gradient of `b` (already divided by D) down to level g; the
         reduction runs in place on `grad`."""
         return PendingSequence(self._micro, grad, self.groups, "zero/grad_reduce")
 
-    def start_boundary(self, b: Bucket) -> Waitable:
+    def start_boundary(self, b: Bucket) -> Work[torch.Tensor]:
         """The accumulated g-level gradient of `b` to its full sum at level os, in place on
         `b.grad_acc` (zeroed after the step)."""
         return PendingSequence(self._boundary, b.grad_acc, self.groups, "zero/grad_boundary")
 
-    def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Waitable:
+    def start_param_sync(self, b: Bucket, new_os: torch.Tensor) -> Work[torch.Tensor]:
         """Updated os-level parameters of `b` up to its p-level shard (whole when persistent)."""
         return PendingSequence(self._sync_whole if b.persistent else self._sync, new_os, self.groups, "zero/param_sync")
 

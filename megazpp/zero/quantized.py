@@ -27,7 +27,8 @@ from torch.distributed import ProcessGroup
 
 import kernels
 from megazpp.parallel import comm
-from megazpp.zero.collectives import PendingSequence, StagedWork, Work, ZeroGroups, size_of
+from megazpp.parallel.work import Work
+from megazpp.zero.collectives import PendingSequence, StagedWork, ZeroGroups, size_of
 from megazpp.zero.layout import dp_piece_order
 from megazpp.zero.sequences import Collective
 from megazpp.zero.traffic import chunk_ranges, most_per_chunk
@@ -146,7 +147,7 @@ class ExactGather:
         return ExactGather(_positions(chunks[me]).to(device), width, src.to(device), dst.to(device))
 
 
-class PendingQuantizedGather:
+class PendingQuantizedGather(Work[torch.Tensor]):
     """qwZ: quantize my parameter shard to int8, gather codes + scales (+ the `exact` values)
     along the strategy's exact gather sequence, decode the whole buffer into the model dtype."""
 
@@ -180,6 +181,9 @@ class PendingQuantizedGather:
         if self._exact is not None:
             full[self._exact.dst] = values.reshape(-1)[self._exact.src]
         return full
+
+    def is_completed(self) -> bool:
+        return self._pending.is_completed()
 
 
 class PendingQuantizedReduce(StagedWork):
@@ -226,7 +230,7 @@ class PendingQuantizedReduce(StagedWork):
         self._result: torch.Tensor | None = None
         self._begin()
 
-    def _issue(self, j: int, group: ProcessGroup | None) -> Work:
+    def _issue(self, j: int, group: ProcessGroup | None) -> Work[object]:
         size = self._sizes[j]
         self._code_bytes = self._codes.numel() // size
         rows = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +33,8 @@ from megazpp.optim.optimizer import build_adamw
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.work import Done
+from megazpp.state import StateDict
 from megazpp.zero import accounting, memory, sequences, traffic
 from megazpp.zero.bucket import Bucket, MasterPiece
 from megazpp.zero.collectives import zero_groups
@@ -47,16 +48,6 @@ from megazpp.zero.strategy import Level, Strategy
 from megazpp.zero.units import bucket_bound, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
-
-
-class _Finished:
-    """A reduction already waited for (overlap_comm = false), kept until step() takes it."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self._result = result
-
-    def wait(self) -> torch.Tensor:
-        return self._result
 
 
 class ZeroEngine(ScaledOptimizerEngine):
@@ -318,7 +309,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             self.fetcher.gradients_done(b)
         self.groups.order.progress()  # a progress point: later stages of earlier reductions start
         for other in self.buckets:  # finished reductions hand their staging back now, not at the
-            if other.micro_pending is not None and other.micro_pending.completed():  # next use
+            if other.micro_pending is not None and other.micro_pending.is_completed():  # next use
                 self._wait_micro(other)
 
     def _staging(self, b: Bucket) -> torch.Tensor:
@@ -378,7 +369,7 @@ class ZeroEngine(ScaledOptimizerEngine):
             b.grad_acc.mul_(1.0 / self.groups.dp_size)
         b.boundary_pending = self.paths.start_boundary(b)
         if not self.options.overlap_comm:
-            b.boundary_pending = _Finished(b.boundary_pending.wait())
+            b.boundary_pending = Done(b.boundary_pending.wait())  # kept until step() takes it
 
     # -- the engine protocol -----------------------------------------------------------------
     def _os_gradients(self) -> list[torch.Tensor]:
@@ -524,9 +515,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         return {"fetch_hooks": self.fetcher.fetch_hook_calls, "param_all_gathers": self.fetcher.all_gather_calls}
 
     # -- checkpoints (`engine_state`) ----------------------------------------------------------
-    def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
+    def state_dict(self, *, frozen: bool = True) -> StateDict:
         """Without `frozen` the frozen buckets are left out (an adapters-only checkpoint)."""
         return engine_state_dict(self, frozen=frozen)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         load_engine_state(self, state)

@@ -23,8 +23,9 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from megazpp.parallel.work import Work
 from megazpp.zero import sequences, traffic
-from megazpp.zero.bucket import Bucket, Reduction, Waitable
+from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import PendingSequence, ZeroGroups, size_of
 from megazpp.zero.loco import LocoState
 from megazpp.zero.paths import CommPaths
@@ -33,10 +34,12 @@ from megazpp.zero.strategy import Strategy
 from megazpp.zero.zeropp import ZeroPP
 
 
-class _FillSecondary:
+class _FillSecondary(Work[torch.Tensor]):
     """A forward gather that, once complete, leaves hpZ's secondary shard behind."""
 
-    def __init__(self, pending: Waitable, secondary: torch.Tensor, lo: int, on_filled: Callable[[], None]) -> None:
+    def __init__(
+        self, pending: Work[torch.Tensor], secondary: torch.Tensor, lo: int, on_filled: Callable[[], None]
+    ) -> None:
         self._pending, self._secondary, self._lo, self._on_filled = pending, secondary, lo, on_filled
 
     def wait(self) -> torch.Tensor:
@@ -44,6 +47,9 @@ class _FillSecondary:
         self._secondary.copy_(full[self._lo : self._lo + self._secondary.numel()])
         self._on_filled()
         return full
+
+    def is_completed(self) -> bool:
+        return self._pending.is_completed()
 
 
 class ZeroPPPaths(CommPaths):
@@ -107,12 +113,12 @@ class ZeroPPPaths(CommPaths):
     def gather_calls(self, phase: str) -> int:
         return 1 if phase == "backward" and self.zeropp.hpz > 1 else super().gather_calls(phase)
 
-    def start_param_gather(self, b: Bucket, phase: str) -> Waitable:
+    def start_param_gather(self, b: Bucket, phase: str) -> Work[torch.Tensor]:
         tag = f"zero/param_gather/{phase}"
         if phase == "backward" and id(b) in self._fresh:
             return PendingSequence(sequences.hpz_fetch_sequence(), self._secondary[id(b)], self.groups, tag)
         if self._qwz:
-            pending: Waitable = PendingQuantizedGather(
+            pending: Work[torch.Tensor] = PendingQuantizedGather(
                 self._fetch,
                 b.param_store,
                 self.groups,
@@ -130,7 +136,7 @@ class ZeroPPPaths(CommPaths):
             )
         return pending
 
-    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Reduction:
+    def start_grad_reduce(self, b: Bucket, grad: torch.Tensor) -> Work[torch.Tensor]:
         if not self._stages:
             return super().start_grad_reduce(b, grad)
         loco = self._loco.for_reduction(b) if self._loco is not None else None

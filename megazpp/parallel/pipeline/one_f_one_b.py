@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -68,8 +67,25 @@ class _Stage:
             torch.autograd.backward(output, grad_tensors=grad)
         return None if received is None else received.grad
 
-    def send_recv(self, **kwargs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return exchange(self.topo, shape=self.shape, dtype=self.dtype, device=self.device, **kwargs)
+    def send_recv(
+        self,
+        *,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`p2p.exchange` with this stage's activation shape, dtype and device."""
+        return exchange(
+            self.topo,
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            shape=self.shape,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
 
 def forward_backward_1f1b(

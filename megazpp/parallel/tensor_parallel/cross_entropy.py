@@ -7,9 +7,8 @@ and only those are all-reduced. The softmax is kept for the closed-form backward
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
@@ -21,9 +20,18 @@ def _tp(group: ProcessGroup | None) -> tuple[int, int]:
     return comm.group_size(group), comm.group_rank(group)
 
 
+class _Ctx(FunctionCtx):
+    """What forward keeps for backward (the attributes set on torch's context)."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    in_dtype: torch.dtype
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local_logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(
+        ctx: _Ctx, local_logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None
+    ) -> torch.Tensor:
         size, rank = _tp(group)
         logits = local_logits.float()
         logits_max = logits.max(dim=-1).values
@@ -50,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         softmax, outside, local_target = ctx.saved_tensors
         grad = softmax.clone()
         hit = (~outside).to(grad.dtype)

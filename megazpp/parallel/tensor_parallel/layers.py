@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ from megazpp.parallel.tensor_parallel import mappings
 from megazpp.parallel.tensor_parallel.lora import LowRankAdapter
 from megazpp.parallel.tensor_parallel.registry import mark_tp_sharded
 
-InitMethod = Callable[[torch.Tensor], Any]
+InitMethod = Callable[[torch.Tensor], object]
 
 
 def _tp_size_rank(group: ProcessGroup | None) -> tuple[int, int]:

@@ -12,9 +12,8 @@ mappings act on `SEQUENCE_DIM`, the sequence dimension of activations laid out
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
@@ -57,46 +56,53 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, tag: str) -> torch.
     return x
 
 
+class _Ctx(FunctionCtx):
+    """What a mapping keeps from forward for backward (the attributes set on torch's context)."""
+
+    group: ProcessGroup | None
+    dim: int
+
+
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_reduce(g, ctx.group, "tp/copy_grad"), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x, group, "tp/reduce")
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return g, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _split(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_gather(g, ctx.dim, ctx.group, "tp/scatter_grad"), None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _all_gather(x, dim, group, "tp/gather")
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _split(g, ctx.dim, ctx.group), None, None
 
 
@@ -105,23 +111,23 @@ class _GatherReduceScatterGrad(torch.autograd.Function):
     gathered tensor is only its partial sum (it fed a column shard of the next layer)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _all_gather(x, dim, group, "sp/gather")
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _reduce_scatter(g, ctx.dim, ctx.group, "sp/gather_grad"), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _reduce_scatter(x, dim, group, "sp/reduce_scatter")
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+    def backward(ctx: _Ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_gather(g, ctx.dim, ctx.group, "sp/reduce_scatter_grad"), None, None
 
 
