@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megazpp.cli import configure_logging, run_tool
+from megazpp.config.options import RunOptions
 from megazpp.config.reference import render_help
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
@@ -38,7 +39,6 @@ from megazpp.model.trainable import apply_trainable
 from megazpp.optim.engine_protocol import Engine
 from megazpp.optim.local_engine import LocalEngine
 from megazpp.outer.diloco import DiLoCoEngine
-from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -80,31 +80,26 @@ def seed_everything(seed: int, topology: Topology) -> None:
     model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
 
 
-def build_engine(cfg: Config, model: GPTModel, topology: Topology, outer: OuterOptions | None = None) -> Engine:
+def build_engine(cfg: Config, model: GPTModel, topology: Topology, options: RunOptions) -> Engine:
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
-    with two-level training (`outer`), the ZeRO engine over each island's DP ranks inside the
-    DiLoCo engine."""
-    micro_batches = cfg.num_micro_batches(topology.world_size)
+    with two-level training (`options.outer`), the ZeRO engine over each island's DP ranks
+    inside the DiLoCo engine. `options` were checked before any rank started (`startup.prepare`)."""
+    outer = options.outer
     if outer is not None:
         island = topology.island_view(outer.island_nodes)
-        inner = build_zero_engine(
-            model,
-            cfg,
-            island,
-            micro_batches_per_step=micro_batches,
-            counts_in_norm=counts_in_norm(model, island),
-            outer=outer,
-        )
+        inner = build_zero_engine(model, cfg, options, island, counts_in_norm=counts_in_norm(model, island))
         return DiLoCoEngine(inner, outer, island)
     if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
-        return build_zero_engine(
-            model, cfg, topology, micro_batches_per_step=micro_batches, counts_in_norm=counts_in_norm(model, topology)
-        )
+        return build_zero_engine(model, cfg, options, topology, counts_in_norm=counts_in_norm(model, topology))
     group = topology.model_parallel_group
     model_parallel = [group] if cfg.tp * cfg.pp > 1 and group is not None else []
     return LocalEngine(
-        model, cfg.optimizer, cfg.precision, norm_groups=model_parallel, counts_in_norm=counts_in_norm(model, topology)
+        model,
+        options.optimizer,
+        options.precision,
+        norm_groups=model_parallel,
+        counts_in_norm=counts_in_norm(model, topology),
     )
 
 
@@ -183,7 +178,7 @@ def _train_holding_save(
     )
     model = build_model(cfg, topology, device)
     checkpoints.load_base(model)  # before the engine: it copies the weights into its masters
-    engine = build_engine(cfg, model, topology, start.outer)
+    engine = build_engine(cfg, model, topology, start.options)
     loaded = checkpoints.load(model, engine)
     tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     logger = TrainingLogger(

@@ -19,14 +19,14 @@ import torch
 
 from kernels import reference
 from kernels.format import check_block_size, num_blocks
-from megazpp.errors import ConfigError
 
 CPU_KERNELS = ("reference", "compiled")
 
 
 def check_cpu_kernels(cpu: str) -> str:
+    """Raise ValueError unless `cpu` names a CPU implementation of the ops (CPU_KERNELS)."""
     if cpu not in CPU_KERNELS:
-        raise ConfigError(f"zero.cpu_quant_kernels = {cpu!r}: expected one of {', '.join(map(repr, CPU_KERNELS))}")
+        raise ValueError(f"CPU kernels {cpu!r}: expected one of {', '.join(map(repr, CPU_KERNELS))}")
     return cpu
 
 
@@ -42,9 +42,7 @@ def backend_for(tensor: torch.Tensor, cpu: str = "reference") -> ModuleType:
 
             return cpu_compiled
         return reference
-    raise ConfigError(
-        f"quantization kernels run on cuda (Triton) or cpu (torch reference) tensors, not {tensor.device}"
-    )
+    raise ValueError(f"quantization kernels run on cuda (Triton) or cpu (torch reference) tensors, not {tensor.device}")
 
 
 def _dispatched(op: Callable, cpu: str) -> Callable:
@@ -54,7 +52,7 @@ def _dispatched(op: Callable, cpu: str) -> Callable:
     def run(*args, **kwargs):
         tensor = args[0] if args else kwargs[first]
         if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"{op.__name__}: {first} must be a torch.Tensor, got {type(tensor).__name__}")
+            raise ValueError(f"{op.__name__}: {first} must be a torch.Tensor, got {type(tensor).__name__}")
         return getattr(backend_for(tensor, cpu), op.__name__)(*args, **kwargs)
 
     return run

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from kernels.format import QMAX, TINY_ABSMAX, check_bits, check_block_size, num_blocks
-from megazpp.errors import ConfigError
 
 # The qgZ bound below is stated for at most this many data-parallel ranks: the fp32 summation
 # error grows with the number of terms and is absorbed into the factor (1 + 2**-10) only up to here.
@@ -51,10 +50,10 @@ def qgz_error_bound(grads: torch.Tensor, block_size: int) -> torch.Tensor:
     does not hold with LoCo on, which transmits g + error rather than g.
     """
     if grads.dim() != 2:
-        raise ConfigError(f"qgz_error_bound expects grads stacked as [ranks, numel], got {tuple(grads.shape)}")
+        raise ValueError(f"qgz_error_bound expects grads stacked as [ranks, numel], got {tuple(grads.shape)}")
     ranks, numel = grads.shape
     if ranks > QGZ_MAX_RANKS:
-        raise ConfigError(f"qgz_error_bound is derived for at most {QGZ_MAX_RANKS} ranks, got {ranks}")
+        raise ValueError(f"qgz_error_bound is derived for at most {QGZ_MAX_RANKS} ranks, got {ranks}")
     absmax_sum = torch.stack([block_absmax(g, block_size) for g in grads]).sum(dim=0)
     # Blocks below TINY_ABSMAX decode to zero, off by less than TINY_ABSMAX per stage and sender.
     bound = (1 + 2.0**-10) / 7 * absmax_sum + 2 * ranks * TINY_ABSMAX

@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 from kernels import reference
-from megazpp.errors import ConfigError
 
 OPS = (
     "all_finite",
@@ -42,13 +41,12 @@ SHAPES_PER_OP = 64
 
 
 def require_compiler() -> None:
-    """ConfigError before any work when TorchInductor would have no C++ compiler to call."""
+    """RuntimeError before any work when TorchInductor would have no C++ compiler to call."""
     wanted = os.environ.get("CXX", "c++")
     if shutil.which(wanted) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
-        raise ConfigError(
-            f"zero.cpu_quant_kernels = 'compiled' needs a C++ compiler for TorchInductor, "
-            f"and neither $CXX ({wanted!r}), g++ nor clang++ is on PATH; install one or "
-            f"use 'reference'"
+        raise RuntimeError(
+            f"the compiled CPU kernels need a C++ compiler for TorchInductor, and neither "
+            f"$CXX ({wanted!r}), g++ nor clang++ is on PATH; install one or use the reference kernels"
         )
 
 
@@ -100,7 +98,7 @@ def arithmetic() -> reference.Arithmetic:
 def op(name: str) -> Callable:
     """The public op `name` of kernels.reference, running the compiled arithmetic."""
     if name not in OPS:
-        raise ConfigError(f"kernels.cpu_compiled: no op named {name!r}; expected one of {', '.join(OPS)}")
+        raise ValueError(f"kernels.cpu_compiled: no op named {name!r}; expected one of {', '.join(OPS)}")
     if name == "all_finite":
         return _compile(reference.all_finite)
     return functools.partial(getattr(reference, name), arith=arithmetic())

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from megazpp.errors import ConfigError
-
 QMAX = {8: 127, 4: 7}
 CODE_DTYPE = {8: torch.int8, 4: torch.uint8}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,14 +34,14 @@ DEFAULT_BLOCK_SIZE = {4: 256, 8: 2048}
 
 
 def check_bits(bits: int) -> int:
-    """Raise ConfigError unless `bits` is a supported code width (4 or 8)."""
+    """Raise ValueError unless `bits` is a supported code width (4 or 8)."""
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in QMAX:
-        raise ConfigError(f"quantization bits={bits!r} is not supported; expected 4 or 8")
+        raise ValueError(f"quantization bits={bits!r} is not supported; expected 4 or 8")
     return bits
 
 
 def check_block_size(block_size: int) -> int:
-    """Raise ConfigError unless `block_size` is an even int in [2, MAX_BLOCK_SIZE].
+    """Raise ValueError unless `block_size` is an even int in [2, MAX_BLOCK_SIZE].
 
     Even, so that an int4 block never shares a byte with the next block.
     """
@@ -54,7 +52,7 @@ def check_block_size(block_size: int) -> int:
         or block_size % 2
         or block_size > MAX_BLOCK_SIZE
     ):
-        raise ConfigError(
+        raise ValueError(
             f"quantization block_size={block_size!r} is invalid; expected an even integer "
             f"between 2 and {MAX_BLOCK_SIZE}"
         )
@@ -62,17 +60,17 @@ def check_block_size(block_size: int) -> int:
 
 
 def check_float_input(name: str, x: torch.Tensor) -> None:
-    """Raise ConfigError unless `x` is a float tensor the kernels can read."""
+    """Raise ValueError unless `x` is a float tensor the kernels can read."""
     if x.dtype not in FLOAT_DTYPES:
-        raise ConfigError(
+        raise ValueError(
             f"{name} has dtype {x.dtype}; the quantization kernels accept {', '.join(str(d) for d in FLOAT_DTYPES)}"
         )
 
 
 def check_err_beta(err_beta: float) -> float:
-    """Raise ConfigError unless the LoCo blend weight lies in [0, 1]."""
+    """Raise ValueError unless the LoCo blend weight lies in [0, 1]."""
     if not 0.0 <= float(err_beta) <= 1.0:
-        raise ConfigError(f"LoCo err_beta={err_beta!r} must lie in [0, 1]")
+        raise ValueError(f"LoCo err_beta={err_beta!r} must lie in [0, 1]")
     return float(err_beta)
 
 
@@ -100,23 +98,23 @@ def check_codes(name: str, codes: torch.Tensor, scales: torch.Tensor, bits: int,
     check_bits(bits)
     check_block_size(block_size)
     if codes.dtype != CODE_DTYPE[bits]:
-        raise ConfigError(f"{name} codes have dtype {codes.dtype}; int{bits} codes are stored as {CODE_DTYPE[bits]}")
+        raise ValueError(f"{name} codes have dtype {codes.dtype}; int{bits} codes are stored as {CODE_DTYPE[bits]}")
     if scales.dtype != torch.float32:
-        raise ConfigError(f"{name} scales have dtype {scales.dtype}; expected torch.float32")
+        raise ValueError(f"{name} scales have dtype {scales.dtype}; expected torch.float32")
     if codes.dim() != scales.dim() or codes.shape[:-1] != scales.shape[:-1]:
-        raise ConfigError(
+        raise ValueError(
             f"{name} codes shape {tuple(codes.shape)} and scales shape {tuple(scales.shape)} "
             "disagree in their leading dimensions"
         )
     blocks = scales.shape[-1]
     expected = blocks * code_bytes_per_block(bits, block_size)
     if codes.shape[-1] != expected:
-        raise ConfigError(
+        raise ValueError(
             f"{name} codes hold {codes.shape[-1]} bytes per tensor but {blocks} blocks of "
             f"{block_size} int{bits} values need {expected}"
         )
     if codes.device != scales.device:
-        raise ConfigError(f"{name} codes are on {codes.device} but scales on {scales.device}")
+        raise ValueError(f"{name} codes are on {codes.device} but scales on {scales.device}")
     return blocks
 
 
@@ -126,7 +124,7 @@ def check_numel(numel: int | None, blocks: int, block_size: int) -> int:
     if numel is None:
         return full
     if not full - block_size < numel <= full and not (numel == 0 and blocks == 0):
-        raise ConfigError(
+        raise ValueError(
             f"numel={numel} does not fit {blocks} blocks of {block_size}: expected a value in "
             f"({full - block_size}, {full}]"
         )
@@ -137,28 +135,28 @@ def check_stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_si
     """Validate k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
     blocks = check_codes("dequant_reduce", codes, scales, bits, block_size)
     if codes.dim() != 2 or codes.shape[0] < 1:
-        raise ConfigError(f"dequant_reduce expects codes stacked as [k >= 1, bytes], got shape {tuple(codes.shape)}")
+        raise ValueError(f"dequant_reduce expects codes stacked as [k >= 1, bytes], got shape {tuple(codes.shape)}")
     return blocks
 
 
 def check_error_buffer(err: torch.Tensor, blocks: int, block_size: int, device: torch.device) -> None:
-    """Raise ConfigError unless the LoCo buffer is a flat, contiguous fp32 tensor of `blocks`
+    """Raise ValueError unless the LoCo buffer is a flat, contiguous fp32 tensor of `blocks`
     whole blocks on `device` (it is updated in place)."""
     if not isinstance(err, torch.Tensor) or err.dtype != torch.float32:
-        raise ConfigError(
+        raise ValueError(
             f"LoCo error buffer must be an fp32 tensor, got "
             f"{err.dtype if isinstance(err, torch.Tensor) else type(err).__name__}"
         )
     if err.device != device:
-        raise ConfigError(f"LoCo error buffer is on {err.device} but the values it corrects are on {device}")
+        raise ValueError(f"LoCo error buffer is on {err.device} but the values it corrects are on {device}")
     if err.dim() != 1 or err.numel() != blocks * block_size or not err.is_contiguous():
-        raise ConfigError(
+        raise ValueError(
             f"LoCo error buffer has shape {tuple(err.shape)} but the quantized tensor has {blocks} blocks "
             f"of {block_size}: expected a contiguous 1-D buffer of {blocks * block_size} values"
         )
 
 
 def check_out_dtype(dtype: torch.dtype) -> None:
-    """Raise ConfigError unless dequantized values can be written as `dtype`."""
+    """Raise ValueError unless dequantized values can be written as `dtype`."""
     if dtype not in FLOAT_DTYPES:
-        raise ConfigError(f"dequantize output dtype {dtype} is not supported; expected fp32, bf16 or fp16")
+        raise ValueError(f"dequantize output dtype {dtype} is not supported; expected fp32, bf16 or fp16")

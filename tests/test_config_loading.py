@@ -241,13 +241,16 @@ def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
 
 
 def test_zeropp_keys_reach_the_engine_settings(base_yaml):
-    from megazpp.zero.zeropp import zeropp_of
+    from megazpp.config.options import options_of
+    from megazpp.zero.zeropp import ZeroPP
 
     z = validate_config(
         load_config(
             [
                 "--config",
                 base_yaml,
+                "--zero-stage",  # qgZ needs gradients reduced per micro-batch (g in {I, G})
+                "2",
                 "--zero-quantized-gradients",
                 "--qgz-block-size",
                 "4096",
@@ -258,6 +261,6 @@ def test_zeropp_keys_reach_the_engine_settings(base_yaml):
             ]
         )
     ).zero
-    settings = zeropp_of(z)
+    settings = options_of(ZeroPP, z)
     assert (settings.qgz, settings.qgz_block, settings.qwz_block, settings.cpu_kernels) == (True, 4096, 512, "compiled")
     assert settings.grads.block == 4096 and settings.alignment() == 4096

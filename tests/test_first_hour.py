@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 from support import run_sh_variables
 
-from megazpp.config.checks import validate_config
+from megazpp.config.checks import check_config, validate_config
 from megazpp.config.load import load_config
 from megazpp.config.reference import DOC_PATH, HELP, render_markdown
 from megazpp.config.schema import flag_table
 from megazpp.errors import ConfigError
-from megazpp.training.zero_factory import zero_options
 
 ROOT = Path(__file__).resolve().parents[1]
 # DeepSpeed JSON configs: the PaRO proposal's key (tests/data) and the ZeRO++ tutorial's block
@@ -238,7 +237,7 @@ def test_paro_json_config_runs_under_run_sh_and_refusals_are_one_line_per_job(tm
 def test_deepspeed_configs_are_accepted_as_written(tmp_path):
     # the PaRO proposal's key and the ZeRO++ tutorial's block, as their authors write them
     strategies = {
-        path.name: zero_options(validate_config(load_config(["--deepspeed_config", str(path)]), 4).zero).strategy
+        path.name: check_config(load_config(["--deepspeed_config", str(path)]), 4).zero.resolved.name
         for path in (PARO_JSON, TUTORIAL_JSON)
     }
     assert strategies == {"paro_nig.json": "NIG", "zeropp_tutorial.json": "GGG"}

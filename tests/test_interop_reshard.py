@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from support import QUIET_FLAGS, TINY_MODEL_FLAGS, data_flags, load_tool
 
 import pretrain_gpt
-from megazpp.config.checks import validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
@@ -67,7 +67,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     """pretrain_gpt's setup with the checkpoint manager resharding: losses, the gathered weights right after
     the resume and at the end, whether the manager saw a layout change, the engine's warnings."""
     cfg = load_config(argv)
-    validate_config(cfg, int(os.environ["WORLD_SIZE"]))
+    options = check_config(cfg, int(os.environ["WORLD_SIZE"]))
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training
@@ -76,7 +76,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     )
     device = torch.device("cpu")
     model = pretrain_gpt.build_model(cfg, topology, device)
-    engine = pretrain_gpt.build_engine(cfg, model, topology)
+    engine = pretrain_gpt.build_engine(cfg, model, topology, options)
     logger = TrainingLogger(
         enabled=False,
         tensorboard_dir=None,

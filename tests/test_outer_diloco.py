@@ -25,11 +25,11 @@ import pytest
 import torch
 from support import TINY_LLAMA
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import average_chunks
 from megazpp.outer.fragments import due_fragments
@@ -39,11 +39,11 @@ from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
-OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 RESUMED = (
     "NNN",
@@ -69,8 +69,8 @@ def _build(
     topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER
 ) -> tuple[GPTModel, DiLoCoEngine]:
     model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
-    opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
-    return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionConfig(), opts, island), outer, island)
+    opts = ZeroOptions(strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=4000)
+    return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionOptions(), opts, island), outer, island)
 
 
 def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) -> list[dict]:
@@ -157,7 +157,7 @@ def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0)
     wire = WIRE[quantize]
     cfg = ModelConfig(**TINY_LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
-    engines = [LocalEngine(m, OPT, PrecisionConfig()) for m in models]
+    engines = [LocalEngine(m, OPT, PrecisionOptions()) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     snapshot = {n: p.detach().clone() for n, p in params[0].items()}
     momentum = {n: torch.zeros_like(p) for n, p in snapshot.items()}

@@ -18,10 +18,10 @@ import dataclasses
 import torch
 from support import TINY_LLAMA
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer import traffic
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.fragments import fragment_of, merge_ranges, range_indices
@@ -29,6 +29,7 @@ from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -99,10 +100,13 @@ def _held_rank() -> dict:
     for label, strategy, outer, qgz in RUNS:
         model = GPTModel(cfg, tp_group=topo.tp_group)
         opts = ZeroOptions(
-            strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000, zeropp=ZeroPP(qgz=qgz)
+            strategy=parse_strategy(strategy),
+            micro_batches_per_step=MICRO,
+            reduce_bucket_size=4000,
+            zeropp=ZeroPP(qgz=qgz),
         )
         engine = DiLoCoEngine(
-            ZeroEngine(model, OptimizerConfig(lr=1e-2), PrecisionConfig(), opts, island), outer, island
+            ZeroEngine(model, OptimizerOptions(lr=1e-2), PrecisionOptions(), opts, island), outer, island
         )
         steps = []
         for step in range(STEPS):

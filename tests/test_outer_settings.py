@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.outer.settings import OuterOptions
@@ -19,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _outer(flags: list[str], world: int = 4, per_node: int | None = 2) -> OuterOptions | None:
-    cfg = validate_config(load_config(flags), world)
-    return resolve_outer(cfg, world, per_node)
+    return check_config(load_config(flags), world, per_node).outer
 
 
 def test_flags_resolve_to_options():

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import EMBEDDING_WEIGHT, GPTModel
 from megazpp.optim.local_engine import LocalEngine
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel import comm
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.forward_backward import forward_backward
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, MICRO_BATCH, SEQ = 5, 2, 2, 8
@@ -53,11 +54,11 @@ def _global_micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def _optimizer() -> OptimizerConfig:
+def _optimizer() -> OptimizerOptions:
     """adam_eps is large on purpose: Adam divides by sqrt(v) + eps, so for an element whose
     gradient is ~0 a summation-order difference of 1e-7 (TP/DP sums run in another order)
     could flip the update's sign; eps = 1e-3 bounds that amplification to about lr / eps = 1."""
-    return OptimizerConfig(lr=1e-3, clip_grad=0.5, weight_decay=0.01, adam_eps=1e-3)
+    return OptimizerOptions(lr=1e-3, clip_grad=0.5, weight_decay=0.01, adam_eps=1e-3)
 
 
 def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) -> dict:
@@ -77,10 +78,10 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
     )
     mp = [topo.model_parallel_group] if tp * pp > 1 else []
     if zero:
-        engine = ZeroEngine(model, _optimizer(), PrecisionConfig(), ZeroOptions(strategy="NNN"), topo)
+        engine = ZeroEngine(model, _optimizer(), PrecisionOptions(), ZeroOptions(strategy=parse_strategy("NNN")), topo)
     else:
         engine = LocalEngine(
-            model, _optimizer(), PrecisionConfig(), norm_groups=mp, counts_in_norm=counts_in_norm(model, topo)
+            model, _optimizer(), PrecisionOptions(), norm_groups=mp, counts_in_norm=counts_in_norm(model, topo)
         )
     named = dict(model.named_parameters())
     result = {
@@ -121,7 +122,7 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
 def _reference(arch: str, dp: int) -> dict:
     cfg = _cfg(arch)
     model = GPTModel(cfg)
-    engine = LocalEngine(model, _optimizer(), PrecisionConfig())
+    engine = LocalEngine(model, _optimizer(), PrecisionOptions())
     named = dict(model.named_parameters())
     result = {"losses": [], "norms": [], "grads": {}}
     for step in range(STEPS):

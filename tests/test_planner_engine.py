@@ -23,11 +23,13 @@ import pytest
 import torch
 from support import TINY_LLAMA
 
-from megazpp.config.schema import Config, OptimizerConfig, PrecisionConfig
+from megazpp.config.checks import check_config
+from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import auto_strategy, choose_strategy
@@ -40,14 +42,14 @@ from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.sequences import Hierarchy
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES, PlannerChoice, parse_strategy
 from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 MICRO, BUCKET = 2, 4000
 BLOCKS = dict(qwz_block=256, qgz_block=128)
-FP32, FP16 = PrecisionConfig(), PrecisionConfig(fp16=True)
+FP32, FP16 = PrecisionOptions(), PrecisionOptions(fp16=True)
 LIVE = 10**9  # zero.stage3_max_live_parameters: the default keeps every group for backward
 # (strategy, ZeRO++, precision, activation checkpointing, max live parameters)
 RUNS = [(name, ZeroPP(), FP32, False, LIVE) for name in VALID_NAMES] + [
@@ -106,10 +108,10 @@ def _rank() -> dict:
         )
         engine = ZeroEngine(
             model,
-            OptimizerConfig(lr=1e-2),
+            OptimizerOptions(lr=1e-2),
             precision,
             ZeroOptions(
-                strategy=name,
+                strategy=parse_strategy(name),
                 micro_batches_per_step=MICRO,
                 reduce_bucket_size=BUCKET,
                 stage3_max_live_parameters=live,
@@ -121,15 +123,20 @@ def _rank() -> dict:
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    out["probed"] = auto_strategy(model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001))
-    out["given"] = auto_strategy(model, _config(), topo, GIVEN)
+    anything = ZeroOptions(strategy=PlannerChoice())  # paro_strategy auto: every strategy allowed
+    out["probed"] = auto_strategy(
+        model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001), anything
+    )
+    out["given"] = auto_strategy(model, _config(), topo, GIVEN, anything)
     cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
     cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
-    out["factory"] = build_zero_engine(GPTModel(ModelConfig(**TINY_LLAMA)), cfg, topo, MICRO).strategy.name
+    out["factory"] = build_zero_engine(
+        GPTModel(ModelConfig(**TINY_LLAMA)), cfg, check_config(cfg, 4), topo
+    ).strategy.name
     cfg = _config()  # `hierarchical: auto` priced on the section's links: the engine runs the planner's choice
     cfg.zero.stage, cfg.planner = 3, SLOW_INTRA_STEP
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    engine = build_zero_engine(model, cfg, topo, MICRO)
+    engine = build_zero_engine(model, cfg, check_config(cfg, 4), topo)
     counted = _one_step(model, engine, topo)
     calls = sum(
         r["calls"]
@@ -142,7 +149,7 @@ def _rank() -> dict:
         "formulas": (engine.expected_step_bytes(MICRO), engine.expected_step_calls(MICRO)),
     }
     try:
-        auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1))
+        auto_strategy(model, _config(), topo, PlannerSettings(accelerator_memory_gib=1), anything)
         out["refused"] = ""
     except ConfigError as e:
         out["refused"] = str(e)

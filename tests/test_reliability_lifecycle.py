@@ -136,18 +136,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.launch.local_ranks import release_process_groups
 from megazpp.parallel.topology import Topology
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import parse_strategy
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 topology = Topology.from_env(1, 1, 1)
 model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-engine = ZeroEngine(model, OptimizerConfig(), PrecisionConfig(),
-                    ZeroOptions(strategy="GGG", micro_batches_per_step=1,
+engine = ZeroEngine(model, OptimizerOptions(), PrecisionOptions(),
+                    ZeroOptions(strategy=parse_strategy("GGG"), micro_batches_per_step=1,
                                 stage3_param_persistence_threshold=0), topology)
 for _ in range(2):
     model(torch.randn(4, 32)).square().mean().backward()

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
 from megazpp.optim.optimizer import param_groups
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.training.forward_backward import forward_backward
 from megazpp.training.lr_schedule import LRSchedule
 
@@ -36,11 +36,11 @@ def tiny_llama() -> GPTModel:
 def test_gradient_accumulation_equals_one_large_batch():
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (8, 17))
-    opt = OptimizerConfig(lr=1e-2, clip_grad=0.0)
+    opt = OptimizerOptions(lr=1e-2, clip_grad=0.0)
     results = []
     for splits in (4, 1):
         model = tiny_llama()
-        engine = LocalEngine(model, opt, PrecisionConfig())
+        engine = LocalEngine(model, opt, PrecisionOptions())
         micro = [(t[:, :-1], t[:, 1:]) for t in tokens.chunk(splits)]
         losses = forward_backward(model, micro, engine)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -70,8 +70,8 @@ class Affine(nn.Module):
 def test_fp16_overflow_skips_step_and_halves_scale():
     torch.manual_seed(0)
     model = Affine()
-    precision = PrecisionConfig(fp16=True, initial_loss_scale=1024.0, loss_scale_window=2)
-    engine = LocalEngine(model, OptimizerConfig(lr=1e-2), precision)
+    precision = PrecisionOptions(fp16=True, initial_loss_scale=1024.0, loss_scale_window=2)
+    engine = LocalEngine(model, OptimizerOptions(lr=1e-2), precision)
     assert model.proj.weight.dtype == torch.float16
     x = torch.randn(3, 4)
     before = [p.detach().clone() for p in model.parameters()]
@@ -100,8 +100,8 @@ def test_fp16_overflow_skips_step_and_halves_scale():
 
 def test_fp16_hysteresis_and_min_scale():
     model = Affine()
-    precision = PrecisionConfig(fp16=True, initial_loss_scale=4.0, min_loss_scale=2.0, hysteresis=2)
-    engine = LocalEngine(model, OptimizerConfig(), precision)
+    precision = PrecisionOptions(fp16=True, initial_loss_scale=4.0, min_loss_scale=2.0, hysteresis=2)
+    engine = LocalEngine(model, OptimizerOptions(), precision)
     scales = []
     for _ in range(4):
         out = engine.scale_loss(model(torch.ones(1, 4)))
@@ -116,7 +116,7 @@ def test_bf16_engine_keeps_fp32_masters():
     model = Affine()
     with torch.no_grad():
         model.proj.weight.fill_(1.0)
-    engine = LocalEngine(model, OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), PrecisionConfig(bf16=True))
+    engine = LocalEngine(model, OptimizerOptions(lr=1e-3, weight_decay=0.0, clip_grad=0.0), PrecisionOptions(bf16=True))
     assert model.proj.weight.dtype == torch.bfloat16
     assert all(m.dtype == torch.float32 for m in engine.masters)
     x = torch.randn(8, 4)
@@ -150,7 +150,9 @@ def test_bf16_fp32_accumulation_beats_bf16_accumulation():
     for accum in ("fp32", "bf16"):
         torch.manual_seed(1)
         model = Affine()
-        engine = LocalEngine(model, OptimizerConfig(clip_grad=0.0), PrecisionConfig(bf16=True, grad_accum_dtype=accum))
+        engine = LocalEngine(
+            model, OptimizerOptions(clip_grad=0.0), PrecisionOptions(bf16=True, grad_accum_dtype=accum)
+        )
         for x in xs:
             (model(x) / len(xs)).backward()
         grads = dict(engine._master_grads())

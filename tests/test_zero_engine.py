@@ -20,12 +20,12 @@ import pytest
 import torch
 from support import TINY_LLAMA
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
@@ -33,14 +33,14 @@ from megazpp.training.checkpoint_load import load_checkpoint
 from megazpp.training.checkpoint_save import save_checkpoint
 from megazpp.zero import sequences
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.units import is_fine_grained, parameter_units
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, SAVE_AT = 5, 2, 2
 MOE = dict(TINY_LLAMA, num_experts=32, moe_top_k=2, moe_ffn_hidden_size=8)
 GPT2 = dict(TINY_LLAMA, arch="gpt2", num_query_groups=None)  # tied embeddings, position table
-OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 FLAT = ("NNN", "NNG", "GGG")  # also run with single-stage G collectives (the permuted path)
 WIDE = ("III", "NIG")  # also run with a PaRO group of all 4 ranks, spanning both nodes
 REUSE_OFF = ("GGG", "IIG")  # also run with groups released after forward (reuse off), and checkpointed
@@ -65,8 +65,10 @@ def _model(cfg: dict, topo: Topology) -> GPTModel:
 
 
 def _engine(model: GPTModel, topo: Topology, strategy: str, **options) -> ZeroEngine:
-    opts = ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000, **options)
-    return ZeroEngine(model, OPT, PrecisionConfig(), opts, topo)
+    opts = ZeroOptions(
+        strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=4000, **options
+    )
+    return ZeroEngine(model, OPT, PrecisionOptions(), opts, topo)
 
 
 def _train_steps(model, engine, topo, cfg: ModelConfig, steps: range) -> list[dict]:
@@ -106,7 +108,7 @@ def _reference_losses(cfg_dict: dict, topo: Topology) -> list[float]:
     """Single-rank LocalEngine on the global batch: the loss this DP rank's data would see."""
     cfg = ModelConfig(**cfg_dict)
     model = GPTModel(cfg)
-    engine = LocalEngine(model, OPT, PrecisionConfig())
+    engine = LocalEngine(model, OPT, PrecisionOptions())
     losses = []
     for _step in range(STEPS):
         mine = 0.0
@@ -251,8 +253,8 @@ def _pipeline_steps(topo: Topology, cfg_dict: dict, strategy: str, **options) ->
     engine = ZeroEngine(
         model,
         OPT,
-        PrecisionConfig(),
-        ZeroOptions(strategy=strategy, micro_batches_per_step=MICRO, **options),
+        PrecisionOptions(),
+        ZeroOptions(strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, **options),
         topo,
         counts_in_norm=counts_in_norm(model, topo),
         tied_embeddings=cfg.tie_embeddings,
@@ -366,8 +368,8 @@ def _accumulated_gradient_error(accum: str) -> float:
     engine = ZeroEngine(
         model,
         OPT,
-        PrecisionConfig(bf16=True, grad_accum_dtype=accum),
-        ZeroOptions(strategy="NNN", reduce_bucket_size=10**9),
+        PrecisionOptions(bf16=True, grad_accum_dtype=accum),
+        ZeroOptions(strategy=parse_strategy("NNN"), reduce_bucket_size=10**9),
         topo,
     )
     bucket = engine.buckets[0]
@@ -398,9 +400,9 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
     for name in ("local", "GGG"):
         model = GPTModel(ModelConfig(**cfg))
         engine = (
-            LocalEngine(model, OPT, PrecisionConfig())
+            LocalEngine(model, OPT, PrecisionOptions())
             if name == "local"
-            else ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy=name), topo)
+            else ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(strategy=parse_strategy(name)), topo)
         )
         inputs, labels = _batch(ModelConfig(**cfg), 0, 0)
         losses[name] = []
@@ -417,7 +419,7 @@ def test_gathered_parameters_expose_whole_weights_then_release():
     topo = Topology.from_env()
     reference = GPTModel(ModelConfig(**TINY_LLAMA))
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    engine = ZeroEngine(model, OPT, PrecisionConfig(), ZeroOptions(strategy="GGG"), topo)
+    engine = ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(strategy=parse_strategy("GGG")), topo)
     assert all(p.numel() == 0 for p in model.parameters())
     with engine.gathered_parameters():
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -432,14 +434,14 @@ def test_half_precision_follows_local_engine_including_overflow_skips():
     cfg = ModelConfig(**TINY_LLAMA)
     inputs, labels = _batch(cfg, 0, 0)
     skips = {}
-    for precision in (PrecisionConfig(fp16=True, initial_loss_scale=2.0**22), PrecisionConfig(bf16=True)):
+    for precision in (PrecisionOptions(fp16=True, initial_loss_scale=2.0**22), PrecisionOptions(bf16=True)):
         runs = {}
         for name in ("local", "GGG"):
             model = GPTModel(cfg)
             engine = (
                 LocalEngine(model, OPT, precision)
                 if name == "local"
-                else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=name), topo)
+                else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=parse_strategy(name)), topo)
             )
             runs[name] = []
             for _ in range(5):

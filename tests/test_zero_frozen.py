@@ -21,12 +21,12 @@ import copy
 import torch
 from support import TINY_LLAMA
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.trainable import apply_trainable
 from megazpp.optim.local_engine import LocalEngine
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
@@ -40,7 +40,7 @@ LORA = dict(TINY_LLAMA, lora_rank=4, lora_alpha=8.0)
 # (model, training.trainable): adapters only; the last layer and every norm of a plain model
 RUNS = {"lora": (LORA, []), "subset": (TINY_LLAMA, ["last:1", "*norm*"])}
 CHECKPOINTED = ("GGG", "ING")  # LoRA with activation checkpointing: recompute inside backward
-OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ def _reference(cfg: ModelConfig, patterns: list[str], dp: int, dp_rank: int) -> 
     """One process, the whole global batch: the loss this DP rank's data sees per step."""
     model = GPTModel(cfg)
     apply_trainable(model, patterns, cfg)
-    engine = LocalEngine(model, OPT, PrecisionConfig())
+    engine = LocalEngine(model, OPT, PrecisionOptions())
     losses = []
     for _ in range(STEPS):
         mine = 0.0
@@ -121,8 +121,8 @@ def _strategies_rank() -> dict:
             engine = ZeroEngine(
                 model,
                 OPT,
-                PrecisionConfig(),
-                ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                PrecisionOptions(),
+                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                 topo,
             )
             steps = _train(model, engine, cfg, topo, range(1))
@@ -136,8 +136,8 @@ def _strategies_rank() -> dict:
             resumed = ZeroEngine(
                 resumed_model,
                 OPT,
-                PrecisionConfig(),
-                ZeroOptions(strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                PrecisionOptions(),
+                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                 topo,
             )
             resumed.load_state_dict(saved)
@@ -157,7 +157,11 @@ def _strategies_rank() -> dict:
     for name in CHECKPOINTED:
         model = _model(cfg, [], topo)
         engine = ZeroEngine(
-            model, OPT, PrecisionConfig(), ZeroOptions(strategy=name, micro_batches_per_step=MICRO), topo
+            model,
+            OPT,
+            PrecisionOptions(),
+            ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO),
+            topo,
         )
         report[f"lora/{name}/ckpt"] = _train(model, engine, cfg, topo, range(STEPS))
     return report
@@ -210,8 +214,8 @@ def _model_parallel_rank() -> dict:
             engine = ZeroEngine(
                 model,
                 OPT,
-                PrecisionConfig(),
-                ZeroOptions(strategy=name, micro_batches_per_step=MICRO),
+                PrecisionOptions(),
+                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO),
                 topo,
                 counts_in_norm=counts_in_norm(model, topo),
             )

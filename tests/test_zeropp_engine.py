@@ -35,15 +35,16 @@ import torch
 from support import TINY_MODEL_FLAGS, data_flags
 
 import kernels
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -58,8 +59,8 @@ LLAMA = dict(
     seq_length=16,
     ffn_hidden_size=256,
 )
-OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0)
-BF16 = PrecisionConfig(bf16=True)
+OPT = OptimizerOptions(lr=3e-3, weight_decay=0.1, clip_grad=1.0)
+BF16 = PrecisionOptions(bf16=True)
 STEPS, MICRO, SAVE_AT, COMPILED_STEPS = 30, 2, 3, 3
 # Blocks small enough that padding the norm gains' units to 4 x 256 elements costs little
 # on this tiny model (the defaults, 2048 and 256, suit real layers).
@@ -82,11 +83,11 @@ COMBOS = {  # PaRO strategy x ZeRO++ paths that apply to it (groups kept for bac
     "NGG": ("NGG", ZeroPP(qgz=True, loco=True, **PP), {}),
     "IIG/k4": ("IIG", ZeroPP(qwz=True, hpz=2, qgz=True, **PP), {"paro_group_size": 4}),
 }
-REFUSED = {  # strategy, ZeRO++ request -> words the ConfigError must contain
-    "NNG+qwz": ("NNG", ZeroPP(qwz=True), "p = N"),
-    "NGG+hpz": ("NGG", ZeroPP(hpz=2), "p = N"),
-    "GNG+qgz": ("GNG", ZeroPP(qgz=True), "g = N"),
-    "loco alone": ("GGG", ZeroPP(loco=True), "needs zero.zero_quantized_gradients"),
+REFUSED = {  # strategy, ZeRO++ request (built in the rank: refused when built) -> words the ConfigError must contain
+    "NNG+qwz": ("NNG", {"qwz": True}, "p = N"),
+    "NGG+hpz": ("NGG", {"hpz": 2}, "p = N"),
+    "GNG+qgz": ("GNG", {"qgz": True}, "g = N"),
+    "loco alone": ("GGG", {"loco": True}, "needs zero.zero_quantized_gradients"),
 }
 
 
@@ -98,11 +99,11 @@ def _batch(cfg: ModelConfig, dp_rank: int, step: int, micro: int) -> tuple[torch
 
 
 def _engine(
-    topo: Topology, strategy: str, zeropp: ZeroPP, precision: PrecisionConfig = BF16, **options
+    topo: Topology, strategy: str, zeropp: ZeroPP, precision: PrecisionOptions = BF16, **options
 ) -> tuple[GPTModel, ZeroEngine]:
     model = GPTModel(ModelConfig(**LLAMA))
     opts = ZeroOptions(
-        strategy=strategy,
+        strategy=parse_strategy(strategy),
         micro_batches_per_step=MICRO,
         module_granularity_threshold=THRESHOLD,
         zeropp=zeropp,
@@ -160,7 +161,7 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
     The gradients grow over six decades along each bucket, so a chunk delivered to the wrong
     rank would miss the bound by orders of magnitude. For g = I only stage 1 runs; the
     two-stage bound over all ranks is then a valid, looser bound."""
-    model, engine = _engine(topo, strategy, zeropp, PrecisionConfig(), **options)
+    model, engine = _engine(topo, strategy, zeropp, PrecisionOptions(), **options)
     exact = CommPaths(engine.strategy, engine.groups, engine.hier)
     d = topo.dp
     out = {"qgz_excess": [], "qgz_err": [], "qwz_equal": [], "qwz_excess": [], "qwz_vectors_rounded": []}
@@ -205,7 +206,7 @@ def _bounds(topo: Topology, strategy: str, zeropp: ZeroPP, **options) -> dict:
 
 # -- fp16: a skipped step and the LoCo buffers ---------------------------------------------------
 def _fp16_skip(topo: Topology) -> dict:
-    fp16 = PrecisionConfig(fp16=True, initial_loss_scale=1024.0, hysteresis=1)
+    fp16 = PrecisionOptions(fp16=True, initial_loss_scale=1024.0, hysteresis=1)
     model, engine = _engine(topo, "GGG", ZeroPP(qgz=True, loco=True, reset_t=3, **PP), fp16)
     _train(model, engine, topo, range(2))
     before = [v.clone() for b in engine.buckets for v in b.extra_state.values()]
@@ -278,7 +279,7 @@ def _rank(ckpt_root: str, prefix: str, tokenizer: str) -> dict:
     report["refused"] = {}
     for label, (strategy, zeropp, _) in REFUSED.items():
         try:
-            _engine(topo, strategy, zeropp)
+            _engine(topo, strategy, ZeroPP(**zeropp))
             report["refused"][label] = None
         except ConfigError as err:
             report["refused"][label] = str(err)

@@ -19,18 +19,19 @@ import torch
 from torch import nn
 
 import kernels
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.launch.local_ranks import run_ranks
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.topology import Topology
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 BLOCK = 64
 LOCO = ZeroPP(qgz=True, loco=True, qgz_block=BLOCK, err_beta=0.8, reset_t=1000)
-OPT = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
-FP32 = PrecisionConfig()
+OPT = OptimizerOptions(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+FP32 = PrecisionOptions()
 SPIKE_AT, SPIKE, STEPS = 4, 1000.0, 9
 GRAD_STD = 0.004  # a normal step's gradient norm stays below the clip threshold
 
@@ -52,9 +53,9 @@ def _targets(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tens
     return tw, tb
 
 
-def _engine(topo: Topology, micro: int, precision: PrecisionConfig = FP32) -> tuple[Toy, ZeroEngine]:
+def _engine(topo: Topology, micro: int, precision: PrecisionOptions = FP32) -> tuple[Toy, ZeroEngine]:
     model = Toy()
-    opts = ZeroOptions(strategy="NGG", micro_batches_per_step=micro, zeropp=LOCO)
+    opts = ZeroOptions(strategy=parse_strategy("NGG"), micro_batches_per_step=micro, zeropp=LOCO)
     return model, ZeroEngine(model, OPT, precision, opts, topo)
 
 
@@ -161,7 +162,7 @@ def _accumulation_run(topo: Topology) -> dict:
     }
 
 
-def _skip_run(topo: Topology, precision: PrecisionConfig) -> dict:
+def _skip_run(topo: Topology, precision: PrecisionOptions) -> dict:
     """A non-finite gradient on one rank: every rank skips, and the buffers are as before."""
     model, engine = _engine(topo, 1, precision)
     for step in range(3):
@@ -186,7 +187,7 @@ def _rank() -> dict:
         "spike": _spike_run(topo),
         "accumulation": _accumulation_run(topo),
         "skip_fp32": _skip_run(topo, FP32),
-        "skip_bf16": _skip_run(topo, PrecisionConfig(bf16=True)),
+        "skip_bf16": _skip_run(topo, PrecisionOptions(bf16=True)),
     }
 
 

@@ -41,7 +41,7 @@ from bench_netlab import shared_run_args
 
 from megazpp.bench.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
@@ -58,8 +58,6 @@ from megazpp.planner.probe import (
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config
-from megazpp.zero.strategy import resolve_strategy
-from megazpp.zero.zeropp import zeropp_of
 
 TARGET = 0.15  # issue 28: every two-level row within 15 %
 
@@ -114,12 +112,11 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     jobs = []
     for name, argv, measured in bench.jobs:
         cfg = load_config(argv)
-        validate_config(cfg, topo.world_size)
-        outer = resolve_outer(cfg, topo.world_size, topo.ranks_per_node)
-        if outer is None:
+        options = check_config(cfg, topo.world_size, topo.ranks_per_node)
+        if options.outer is None:
             raise ConfigError(f"{a.results}: row {name} trains synchronously; expected only two-level rows here")
-        jobs.append((name, cfg, outer, measured))
-    island_nodes = {outer.island_nodes for _, _, outer, _ in jobs}
+        jobs.append((name, cfg, options.outer, options.zero, measured))
+    island_nodes = {outer.island_nodes for _, _, outer, _, _ in jobs}
     if len(island_nodes) != 1:
         raise ConfigError(
             f"{a.results}: the rows use islands of {sorted(island_nodes)} nodes; check one size at a time"
@@ -147,14 +144,12 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     times = probed.collective_times if a.collective_probe else None
     cluster = probed.cluster
     rows = []
-    for name, cfg, outer, measured in jobs:
+    for name, cfg, outer, zero, measured in jobs:
         shape = stage_shape(GPTModel(cfg.model), cfg, island)
-        zpp = dataclasses.replace(
-            zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(island.dp_intra_ranks))
-        )
+        zpp = dataclasses.replace(zero.zeropp, hpz=min(zero.zeropp.hpz, len(island.dp_intra_ranks)))
         workload = workload_of_config(cfg)
         job, on_island, _ = island_job(workload, cluster, outer.island_nodes, times)
-        inner = predict(Option(resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage), zpp), [shape], job, on_island)
+        inner = predict(Option(zero.resolved, zpp), [shape], job, on_island)
         row = predict_two_level(OuterChoice.of(outer), inner, [shape], workload, cluster)
         c = inner.critical
         rows.append((name, row.step_s, measured, {"compute": c.compute_s, **c.exposed, "outer": row.exposed_s}))

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 
 from megazpp.cli import run_tool
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.units import is_fine_grained
 from megazpp.zero.zero_engine import ZeroEngine
 
@@ -49,7 +49,7 @@ def _model_cfg(args: argparse.Namespace, experts: int = 0) -> ModelConfig:
 
 def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.Namespace) -> dict:
     model = GPTModel(cfg)
-    engine = ZeroEngine(model, OptimizerConfig(lr=1e-4), PrecisionConfig(), options, topo)
+    engine = ZeroEngine(model, OptimizerOptions(lr=1e-4), PrecisionOptions(), options, topo)
     gen = torch.Generator().manual_seed(topo.dp_rank)
     walls, cpus, stats = [], [], []
     for step in range(args.warmup + args.steps):
@@ -81,7 +81,7 @@ def _rank_main(args: argparse.Namespace) -> dict:
     dense = _model_cfg(args)
     out: dict[str, Any] = {"strategies": {}}  # the JSON report
     for name in args.strategies:
-        opts = ZeroOptions(strategy=name, micro_batches_per_step=args.micro_batches)
+        opts = ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=args.micro_batches)
         out["strategies"][name] = _run(dense, topo, opts, args)
     moe = _model_cfg(args, experts=args.experts)
     layer = GPTModel(moe).layers["0"].mlp
@@ -92,7 +92,9 @@ def _rank_main(args: argparse.Namespace) -> dict:
         threshold *= 2
     out["threshold"] = threshold
     for t in (0, threshold):
-        opts = ZeroOptions(strategy="GGG", micro_batches_per_step=args.micro_batches, module_granularity_threshold=t)
+        opts = ZeroOptions(
+            strategy=parse_strategy("GGG"), micro_batches_per_step=args.micro_batches, module_granularity_threshold=t
+        )
         out[f"moe/{t}"] = _run(moe, topo, opts, args)
     return out
 

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from megazpp.cli import run_tool
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster
@@ -71,9 +71,11 @@ def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strat
     shape = shape_of_model(model, bucket_numel=a.bucket_numel, threshold=0, layers=cfg.num_layers)
     engine = ZeroEngine(
         model,
-        OptimizerConfig(lr=1e-4),
-        PrecisionConfig(),
-        ZeroOptions(strategy=strategy, micro_batches_per_step=a.micro_batches, reduce_bucket_size=a.bucket_numel),
+        OptimizerOptions(lr=1e-4),
+        PrecisionOptions(),
+        ZeroOptions(
+            strategy=parse_strategy(strategy), micro_batches_per_step=a.micro_batches, reduce_bucket_size=a.bucket_numel
+        ),
         topo,
     )
     batches = _batches(cfg, a, topo.dp_rank)

@@ -43,9 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def dry_run() -> int:
     """Print the plan and check every engine job's flags form a valid config (no GPU needed)."""
-    from megazpp.config.checks import validate_config
+    from megazpp.config.checks import check_config
     from megazpp.config.load import load_config
-    from megazpp.training.zero_factory import zero_options
 
     print("tools/gpu_check.sh plan (estimated seconds on one H100 / H200; budget --budget-s):")
     for name, what, seconds, _ in STEPS:
@@ -53,8 +52,7 @@ def dry_run() -> int:
     print(f"  total ~{sum(s for _, _, s, _ in STEPS)} s")
     for name, ranks, flags in ENGINE_JOBS:
         cfg = load_config(ENGINE_COMMON + flags + ["--distributed-backend", "gloo"])
-        validate_config(cfg, ranks)
-        zero_options(cfg.zero, cfg.num_micro_batches(ranks))
+        check_config(cfg, ranks)  # every subsystem's options, the engine's included
         print(f"  engine job {name}: {ranks} ranks, flags valid: {' '.join(flags)}")
     for path in (
         "run.sh",

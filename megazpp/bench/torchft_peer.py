@@ -41,12 +41,14 @@ from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config.checks import resolve_outer, validate_config
 from megazpp.config.load import load_config
+from megazpp.config.options import options_of
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
+from megazpp.optim.options import OptimizerOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
@@ -168,7 +170,9 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
     shard(model)
-    inner = build_adamw(param_groups(named_trainable(model), cfg.optimizer.weight_decay), cfg.optimizer)
+    inner = build_adamw(
+        param_groups(named_trainable(model), cfg.optimizer.weight_decay), options_of(OptimizerOptions, cfg.optimizer)
+    )
     outer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=options.momentum, nesterov=True)
     # every group starts from the same seeded weights, so no start-up sync (init_sync=False);
     # min_replica_size = all groups: every outer step averages all of them, as megazpp's does
@@ -241,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(rest)
     per_group = int(os.environ.get("WORLD_SIZE", "1"))
     world = ns.replica_groups * per_group
-    validate_config(cfg, world)
+    validate_config(cfg, world, per_group)
     train(cfg, ns, check_config(cfg, world, per_group))
 
 

@@ -1,76 +1,121 @@
-"""Whole-config consistency checks, run by `validate_config` once every source is merged.
+"""The rules that span sections, and the one place every subsystem's options are built.
 
-Why apart from the schema and the loader: these rules read only the finished dataclass values
-(never YAML, flags or their origins), so they stay readable as one list of refusals, each a
-`ConfigError` naming the key, the value and what was expected, raised before any work starts.
-They also know the ZeRO engine's vocabulary (strategy names, fetch-group and hierarchy modes),
-so they sit above `megazpp.zero`, while the schema (`megazpp.config`) sits below it.
+Why here: the config layer reads sources (YAML, DeepSpeed JSON, flags) into the schema's
+sections; each subsystem owns a typed options type that checks its own section's rules when
+built (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`).
+`check_config` maps the sections onto those types by field name (`options.options_of`), once,
+before any rank starts, and adds only the rules no single section can see: batch sizes against
+the world, tp / pp against the model, compilation and frozen parameters against the ZeRO
+strategy, islands against the world. Each refusal is a `ConfigError` naming the key, the value
+and what was expected.
+
+Where it runs: `training.startup.prepare`, before any process group, in `run.sh`'s once-per-job
+check and again in each rank's own start (a rank launched without run.sh must be checked too):
+the same pure function of the same argv and world size, so a rank rebuilds exactly the options
+the job's check accepted, and the engines take them as built.
 """
 
 from __future__ import annotations
 
-from kernels.api import check_cpu_kernels
-from kernels.format import check_block_size, check_err_beta
 from megazpp.config.load import validate_types
-from megazpp.config.schema import Config, PrecisionConfig, ZeroConfig, refuse_not_implemented
+from megazpp.config.options import RunOptions, options_of, zero_options
+from megazpp.config.schema import Config, refuse_not_implemented
 from megazpp.data.builder import parse_split
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import island_layout
 from megazpp.zero.frozen import check_frozen_support
-from megazpp.zero.strategy import Level, resolve_strategy
-from megazpp.zero.traffic import HIERARCHY_MODES
-from megazpp.zero.units import FETCH_GROUP_MODES, check_persistence
+from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import Level, PlannerChoice, Strategy
 
 
-def validate_config(cfg: Config, world_size: int = 1) -> Config:
-    """Refuse the first inconsistent value; resolve the derived batch sizes; return `cfg`."""
+def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> RunOptions:
+    """Refuse the first inconsistent value; resolve the derived batch sizes (into `cfg`); return
+    every subsystem's options. `ranks_per_node`: the launcher's, for the `outer` islands (the
+    config's `parallel.ranks_per_node` wins)."""
     validate_types(cfg)
     cfg.model.validate()
     _validate_parallel(cfg, world_size)
     _resolve_batch(cfg, world_size)
     _validate_schedule(cfg)
-    _validate_precision(cfg.precision)
-    _validate_zero(cfg.zero)
     cfg.planner.validate()
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
-    z = cfg.zero
-    if (
-        str(z.paro_strategy).lower() != "auto"
-        and (cfg.model.lora_rank or cfg.training.trainable)
-        and trainable_fraction(cfg.model, cfg.training.trainable) < 1
-    ):
-        check_frozen_support(
-            resolve_strategy(z.paro_strategy, z.stage),
-            z.zero_quantized_weights,
-            z.zero_hpz_partition_size,
-            z.stage3_param_persistence_threshold,
-        )
-    if cfg.training.compile:
-        _check_compile(z)
+    refuse_not_implemented(cfg)
     if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
         raise ConfigError(
             "checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
             "and training.trainable is empty), so there is no frozen base to leave out"
         )
-    refuse_not_implemented(cfg)
+    zero = zero_options(cfg.zero, cfg.num_micro_batches(world_size))
+    outer = resolve_outer(cfg, world_size, ranks_per_node)
+    dp = cfg.data_parallel_size(world_size)
+    if outer is not None:  # the engine runs over one island's DP ranks
+        per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
+        dp //= world_size // per_node // outer.island_nodes
+    return RunOptions(
+        _zero_across_sections(cfg, zero, dp),
+        options_of(OptimizerOptions, cfg.optimizer),
+        options_of(PrecisionOptions, cfg.precision),
+        outer,
+    )
+
+
+def validate_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> Config:
+    """`check_config` for callers that need only the checked config (tools, tests): `cfg`."""
+    check_config(cfg, world_size, ranks_per_node)
     return cfg
 
 
-def _check_compile(z: ZeroConfig) -> None:
+def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOptions:
+    """The rules between `zero` and other sections (`dp`: the DP ranks one engine spans): the
+    PaRO group against them, and those that concern the strategy, refusing a named one or
+    narrowing what `paro_strategy: auto` may choose (`ZeroOptions.narrowed`)."""
+    k = zero.paro_group_size
+    if k is not None and dp % k:
+        raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the data-parallel size {dp}")
+    if cfg.training.compile:
+        _check_compile(zero.strategy)
+    if (cfg.model.lora_rank or cfg.training.trainable) and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
+        zpp = zero.zeropp
+        persistence = zero.stage3_param_persistence_threshold
+
+        def frozen(s: Strategy) -> str | None:
+            try:
+                check_frozen_support(s, zpp.qwz, zpp.hpz, persistence)
+            except ConfigError as err:
+                return str(err)
+            return None
+
+        zero = zero.narrowed(frozen)
+    if cfg.pp > 1 and cfg.model.tie_embeddings:
+        zero = zero.narrowed(
+            lambda s: (
+                None
+                if s.grads == Level.N
+                else (
+                    f"zero strategy {s}: gradients sharded (g = {s.grads.name}) cannot be combined with tied "
+                    f"embeddings split over pipeline stages; use a strategy with g = N (e.g. NNG, INI, GNG) "
+                    f"or model.tie_embeddings: false"
+                )
+            )
+        )
+    return zero
+
+
+def _check_compile(strategy: Strategy | PlannerChoice) -> None:
     """training.compile needs every layer's parameters resident: a strategy that shards them
     (p = I or G) swaps each parameter's storage for a gathered one and back around every call,
     and a compiled graph keeps the shapes it was traced with (under ZeRO-3 the first released
     parameter fails Inductor's size check), so that pairing is refused before any rank starts."""
-    if str(z.paro_strategy).lower() == "auto":
+    if isinstance(strategy, PlannerChoice):
         raise ConfigError(
             "training.compile with zero.paro_strategy = auto: the planner may choose a strategy "
             "that shards parameters, which compiled layers cannot follow; name a strategy whose "
             "parameters stay whole (zero.stage 0, 1 or 2, or a PaRO strategy N**)"
         )
-    strategy = resolve_strategy(z.paro_strategy, z.stage)
     if strategy.params != Level.N:
         raise ConfigError(
             f"training.compile with strategy {strategy.name}: its parameters are sharded "
@@ -130,7 +175,7 @@ def _resolve_batch(cfg: Config, world_size: int) -> None:
 
 
 def _validate_schedule(cfg: Config) -> None:
-    t, o = cfg.training, cfg.optimizer
+    t = cfg.training
     for key in ("train_iters", "eval_interval", "lr_decay_iters"):
         _require_positive(f"training.{key}", getattr(t, key))
     _require_positive("logging.log_interval", cfg.logging.log_interval)
@@ -163,74 +208,7 @@ def _validate_schedule(cfg: Config) -> None:
             f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
             f"length (lr_decay_iters or train_iters) = {decay_iters}"
         )
-    if not o.lr > 0:
-        raise ConfigError(
-            f"optimizer.lr (--lr) = {o.lr:g}: expected a learning rate > 0 (a negative "
-            "one would climb the loss; 0 would not train)"
-        )
-    if not 0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"optimizer.min_lr = {o.min_lr} must lie in [0, optimizer.lr = {o.lr}]")
-    for key in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(o, key) < 1:
-            raise ConfigError(f"optimizer.{key} = {getattr(o, key)}: expected a value in [0, 1)")
-    _require_positive("optimizer.adam_eps", o.adam_eps)
-    if o.weight_decay < 0 or o.clip_grad < 0:
-        raise ConfigError(
-            f"optimizer.weight_decay and optimizer.clip_grad must be >= 0, got {o.weight_decay} and {o.clip_grad}"
-        )
     parse_split(cfg.data.split, "data.split")
-
-
-def _validate_precision(p: PrecisionConfig) -> None:
-    if p.bf16 and p.fp16:
-        raise ConfigError("precision.bf16 and precision.fp16 are both set: choose one")
-    model_dtype = "bf16" if p.bf16 else "fp16" if p.fp16 else "fp32"
-    if p.grad_accum_dtype not in ("fp32", model_dtype):
-        raise ConfigError(
-            f"precision.grad_accum_dtype = {p.grad_accum_dtype!r} with a {model_dtype} model: "
-            f"expected 'fp32' or the model dtype {model_dtype!r}"
-        )
-    if p.loss_scale < 0:
-        raise ConfigError(f"precision.loss_scale = {p.loss_scale}: expected 0 (dynamic) or > 0")
-    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-        _require_positive(f"precision.{key}", getattr(p, key))
-
-
-def _validate_zero(z: ZeroConfig) -> None:
-    if z.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero.stage = {z.stage}: expected 0, 1, 2 or 3")
-    for key in (
-        "reduce_bucket_size",
-        "allgather_bucket_size",
-        "zero_hpz_partition_size",
-        "loco_reset_t",
-        "paro_group_size",
-    ):
-        _require_positive(f"zero.{key}", getattr(z, key))
-    for key in (
-        "module_granularity_threshold",
-        "stage3_prefetch_bucket_size",
-        "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
-        "stage3_param_persistence_threshold",
-    ):
-        if getattr(z, key) < 0:
-            raise ConfigError(f"zero.{key} = {getattr(z, key)}: expected a value >= 0")
-    for key, allowed in (("fetch_groups", FETCH_GROUP_MODES), ("hierarchical", HIERARCHY_MODES)):
-        if getattr(z, key) not in allowed:
-            raise ConfigError(f"zero.{key} = {getattr(z, key)!r}: expected one of {', '.join(allowed)}")
-    if str(z.paro_strategy).lower() != "auto":
-        check_persistence(resolve_strategy(z.paro_strategy, z.stage), z.stage3_param_persistence_threshold)
-    try:
-        check_err_beta(z.loco_err_beta)
-    except ConfigError as err:
-        raise ConfigError(f"zero.loco_err_beta (zeropp_loco_param.err_beta): {err}") from None
-    check_cpu_kernels(z.cpu_quant_kernels)
-    for key in ("qwz_block_size", "qgz_block_size"):
-        try:
-            check_block_size(getattr(z, key))
-        except ConfigError as err:
-            raise ConfigError(f"zero.{key}: {err}") from None
 
 
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
@@ -239,9 +217,9 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     unless the config sets it), and the combinations not built yet. `zero.paro_strategy: auto`
     is allowed: the island's strategy is chosen once the ranks can probe their links
     (`planner.auto.auto_strategy` with the outer options)."""
-    options = cfg.outer.resolve()
-    if options is None:
+    if not cfg.outer.enabled():
         return None
+    options = options_of(OuterOptions, cfg.outer)
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(

@@ -20,11 +20,11 @@ import yaml
 
 from megazpp.errors import ConfigError, required
 from megazpp.model.config import ModelConfig
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterSettings
 from megazpp.planner.settings import PlannerSettings
-
-LR_DECAY_STYLES = ("cosine", "linear", "constant")
-GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+from megazpp.zero.options import ZeroOptions
+from megazpp.zero.zeropp import ZeroPP
 
 
 @dataclass
@@ -44,15 +44,16 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW hyper-parameters; `clip_grad` 0 disables clipping."""
+    """AdamW hyper-parameters; `clip_grad` 0 disables clipping. Read into
+    `megazpp.optim.options.OptimizerOptions` (its defaults, its checks) by field name."""
 
-    lr: float = 3.0e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    lr: float = OptimizerOptions.lr
+    min_lr: float = OptimizerOptions.min_lr
+    weight_decay: float = OptimizerOptions.weight_decay
+    adam_beta1: float = OptimizerOptions.adam_beta1
+    adam_beta2: float = OptimizerOptions.adam_beta2
+    adam_eps: float = OptimizerOptions.adam_eps
+    clip_grad: float = OptimizerOptions.clip_grad
 
 
 @dataclass
@@ -99,16 +100,17 @@ class PrecisionConfig:
     `loss_scale` 0 means dynamic: start at `initial_loss_scale`, halve on overflow (after
     `hysteresis` consecutive overflows), double after `loss_scale_window` good steps.
     `grad_accum_dtype` is the dtype micro-batch gradients are summed in under bf16/fp16.
+    Read into `megazpp.optim.options.PrecisionOptions` (its defaults, its checks) by field name.
     """
 
-    bf16: bool = False
-    fp16: bool = False
-    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale: float = 0.0
-    initial_loss_scale: float = 65536.0
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 1
+    bf16: bool = PrecisionOptions.bf16
+    fp16: bool = PrecisionOptions.fp16
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = PrecisionOptions.grad_accum_dtype
+    loss_scale: float = PrecisionOptions.loss_scale
+    initial_loss_scale: float = PrecisionOptions.initial_loss_scale
+    min_loss_scale: float = PrecisionOptions.min_loss_scale
+    loss_scale_window: int = PrecisionOptions.loss_scale_window
+    hysteresis: int = PrecisionOptions.hysteresis
 
 
 @dataclass
@@ -172,39 +174,43 @@ class ZeroConfig:
     refused with p = N strategies (stages 0-2) and with frozen parameters. The fields marked
     "megazpp's own" (and `paro_strategy`, `paro_group_size`) have no DeepSpeed default. A value
     other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `megazpp.training.zero_factory` turns this section into the engine's `ZeroOptions` under the same
-    names and defaults; docs/arch/zero.md ("Where each rule is checked") says which module
-    checks each rule, and when. With stage 0 and no
+    `config.checks.check_config` maps this section by field name onto zero's own `ZeroOptions`
+    and `ZeroPP` (whose defaults these are, and which check every rule of the section), once,
+    before any rank starts; docs/arch/zero.md ("Where each rule is checked") says which module
+    checks each rule. With stage 0 and no
     `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
     lets the planner choose at start-up from the `planner` section (docs/planning.md).
     """
 
     stage: int = 0
     paro_strategy: str | None = None
-    paro_group_size: int | None = None
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    paro_group_size: int | None = ZeroOptions.paro_group_size
+    reduce_bucket_size: int = ZeroOptions.reduce_bucket_size
+    allgather_bucket_size: int = ZeroOptions.allgather_bucket_size
     contiguous_gradients: bool = True
-    overlap_comm: bool = True  # DeepSpeed's: on for stage 3 only; false: no prefetch, reductions waited at once
+    overlap_comm: bool = (
+        ZeroOptions.overlap_comm
+    )  # DeepSpeed's: on for stage 3 only; false: no prefetch, reductions waited at once
     reduce_scatter: bool = True
-    zero_quantized_weights: bool = False
-    zero_hpz_partition_size: int = 1
-    zero_quantized_gradients: bool = False
-    loco: bool = False
-    loco_err_beta: float = 0.8
-    loco_reset_t: int = 1024
-    module_granularity_threshold: int = 0
+    zero_quantized_weights: bool = ZeroPP.qwz
+    zero_hpz_partition_size: int = ZeroPP.hpz
+    zero_quantized_gradients: bool = ZeroPP.qgz
+    loco: bool = ZeroPP.loco
+    loco_err_beta: float = ZeroPP.err_beta
+    loco_reset_t: int = ZeroPP.reset_t
+    module_granularity_threshold: int = ZeroOptions.module_granularity_threshold
     # parameter fetch (p sharded): groups, prefetch depth and reuse, DeepSpeed's meanings
-    fetch_groups: str = "layer"  # megazpp's own: "layer" or "size" (see megazpp.zero.units)
-    stage3_prefetch_bucket_size: int = 50_000_000  # elements of groups gathered ahead of use
-    stage3_max_live_parameters: int = 1_000_000_000  # elements kept gathered forward -> backward
-    stage3_max_reuse_distance: int = 1_000_000_000  # kept only if reused within this many elements
+    fetch_groups: str = ZeroOptions.fetch_groups  # megazpp's own: "layer" or "size" (see megazpp.zero.units)
+    stage3_prefetch_bucket_size: int = ZeroOptions.stage3_prefetch_bucket_size  # elements gathered ahead of use
+    stage3_max_live_parameters: int = ZeroOptions.stage3_max_live_parameters  # kept gathered forward -> backward
+    stage3_max_reuse_distance: int = ZeroOptions.stage3_max_reuse_distance  # kept if reused within this many
     # parameters of fewer elements stay whole on every rank (p sharded); 0: none (DeepSpeed: 1e5)
-    stage3_param_persistence_threshold: int = 0
-    hierarchical: str = "auto"  # megazpp's own: G-level collectives in two stages: auto / always / never
-    cpu_quant_kernels: str = "reference"  # megazpp's own: "compiled" fuses the CPU quantizers
-    qwz_block_size: int = 2048  # megazpp's own: values per int8 scale in qwZ's gathers
-    qgz_block_size: int = 256  # megazpp's own: values per int4 scale in qgZ's all-to-alls
+    stage3_param_persistence_threshold: int = ZeroOptions.stage3_param_persistence_threshold
+    # megazpp's own: G-level collectives in two stages: auto / always / never
+    hierarchical: str = "auto"
+    cpu_quant_kernels: str = ZeroPP.cpu_kernels  # megazpp's own: "compiled" fuses the CPU quantizers
+    qwz_block_size: int = ZeroPP.qwz_block  # megazpp's own: values per int8 scale in qwZ's gathers
+    qgz_block_size: int = ZeroPP.qgz_block  # megazpp's own: values per int4 scale in qgZ's all-to-alls
 
 
 @dataclass
@@ -256,6 +262,7 @@ SECTIONS: dict[str, type] = {f.name: cast(type, f.default_factory) for f in data
 # that makes the feature work.
 NOT_IMPLEMENTED_YET: dict[str, str] = {
     "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
+    "zero.reduce_scatter": "ZeRO reducing gradients by all-reduce instead of reduce-scatter to their shard level",
 }
 
 

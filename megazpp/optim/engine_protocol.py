@@ -22,15 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from megazpp.config.schema import PrecisionConfig
 from megazpp.optim.loss_scaler import LossScaler
 from megazpp.optim.optimizer import set_lr
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_dtype(precision: PrecisionConfig) -> torch.dtype:
-    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
 
 
 @dataclass(frozen=True)

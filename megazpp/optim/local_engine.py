@@ -20,12 +20,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import CheckpointError
-from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult, model_dtype
+from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 
 
 class LocalEngine(ScaledOptimizerEngine):
@@ -39,8 +39,8 @@ class LocalEngine(ScaledOptimizerEngine):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerConfig,
-        precision: PrecisionConfig,
+        optimizer: OptimizerOptions,
+        precision: PrecisionOptions,
         *,
         norm_groups: Sequence[ProcessGroup] = (),
         counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
@@ -48,7 +48,7 @@ class LocalEngine(ScaledOptimizerEngine):
         named = named_trainable(model)
         self.params: list[torch.Tensor] = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.dtype = model_dtype(precision)
+        self.dtype = precision.model_dtype
         self.clip_grad = optimizer.clip_grad
         self.norm_groups = tuple(norm_groups)
         self._counted = [counts_in_norm is None or counts_in_norm(n, p) for n, p in named]

@@ -9,7 +9,7 @@ that does not overflow. A static scaler (`dynamic=False`) only skips.
 
 from __future__ import annotations
 
-from typing import Any
+from megazpp.optim.options import PrecisionOptions
 
 
 class LossScaler:
@@ -52,8 +52,8 @@ class LossScaler:
         self._hysteresis_left = int(state["hysteresis_left"])
 
 
-def scaler_for(precision: Any) -> LossScaler | None:
-    """The scaler a `PrecisionConfig` asks for: None outside fp16; in fp16 dynamic when
+def scaler_for(precision: PrecisionOptions) -> LossScaler | None:
+    """The scaler the precision options ask for: None outside fp16; in fp16 dynamic when
     `loss_scale` is 0 (DeepSpeed's convention), else static at `loss_scale`."""
     if not precision.fp16:
         return None

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from megazpp.config.schema import OptimizerConfig
+from megazpp.optim.options import OptimizerOptions
 
 
 def is_decayed(name: str, param: torch.Tensor) -> bool:
@@ -30,7 +30,7 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_adamw(groups: list[dict], cfg: OptimizerOptions) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and params[0].is_cuda
     lr, betas, eps = cfg.lr, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps

@@ -40,8 +40,9 @@ from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.two_level import IslandPlan, OuterChoice, plan_island, plan_two_level
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.zero import sequences
-from megazpp.zero.strategy import Level, Strategy, parse_strategy, resolve_strategy
-from megazpp.zero.zeropp import ZeroPP, zeropp_of
+from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import PlannerChoice, Strategy, parse_strategy
+from megazpp.zero.zeropp import ZeroPP
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +92,17 @@ def choose_island_strategy(
     return Choice(result.choice.inner.option.strategy, runner, result, island)
 
 
-def _zeropp_of(cfg: Config, topology: Topology) -> ZeroPP:
+def _zeropp_of(zero: ZeroOptions, topology: Topology) -> ZeroPP:
     """The run's ZeRO++ switches, hpZ lowered to the DP ranks of a node as the engine does."""
-    return dataclasses.replace(
-        zeropp_of(cfg.zero), hpz=min(cfg.zero.zero_hpz_partition_size, len(topology.dp_intra_ranks))
-    )
+    return dataclasses.replace(zero.zeropp, hpz=min(zero.zeropp.hpz, len(topology.dp_intra_ranks)))
 
 
-def _allowed(cfg: Config, topology: Topology) -> Callable[[Strategy], bool]:
-    """The engine accepts only g = N when a tied embedding spans pipeline stages (its sync
-    needs the whole accumulated gradient), and only p sharded with a persistence threshold
-    (`units.check_persistence`)."""
-    whole = cfg.zero.stage3_param_persistence_threshold == 0  # else p = N has nothing to keep whole
-    if topology.pp > 1 and cfg.model.tie_embeddings:
-        return lambda s: s.grads == Level.N and (whole or s.params != Level.N)
-    return lambda s: whole or s.params != Level.N
+def _allowed(zero: ZeroOptions) -> Callable[[Strategy], bool]:
+    """The strategies the run's settings allow: `PlannerChoice.allowed`, which `ZeroOptions`
+    and the config's cross-section rules (a pipeline-tied embedding, frozen parameters) narrowed
+    before any rank started, so the planner cannot pick one the engine would refuse."""
+    allowed = zero.strategy.allowed if isinstance(zero.strategy, PlannerChoice) else (zero.strategy,)
+    return lambda s: s in allowed
 
 
 def _device_memory(settings: PlannerSettings) -> float:
@@ -250,18 +247,23 @@ def _workload(cfg: Config, topology: Topology) -> Workload:
 
 
 def auto_strategy(
-    model: nn.Module, cfg: Config, topology: Topology, settings: PlannerSettings, outer: OuterOptions | None = None
+    model: nn.Module,
+    cfg: Config,
+    topology: Topology,
+    settings: PlannerSettings,
+    zero: ZeroOptions,
+    outer: OuterOptions | None = None,
 ) -> Choice:
-    """Collective: every rank calls it and gets rank 0's choice. `model` is this rank's stage.
-    With `outer` (two-level training), `topology` is this rank's `Topology.island_view` and the
-    choice is the islands' strategy (`choose_island_strategy`)."""
-    settings.validate()
+    """Collective: every rank calls it and gets rank 0's choice, among the strategies `zero`
+    allows. `model` is this rank's stage. With `outer` (two-level training), `topology` is this
+    rank's `Topology.island_view` and the choice is the islands' strategy
+    (`choose_island_strategy`). `settings` were checked with the config."""
     shapes = {s.stage: s for s in comm.all_gather_object(stage_shape(model, cfg, topology), tag="planner/shapes")}
     stages = [shapes[s] for s in sorted(shapes)]
     cluster = _cluster(settings, topology, measure_cluster(settings, topology, across_islands=outer is not None))
     workload = _workload(cfg, topology)
     if outer is None:
-        choice = choose_strategy(stages, workload, cluster, _zeropp_of(cfg, topology), _allowed(cfg, topology))
+        choice = choose_strategy(stages, workload, cluster, _zeropp_of(zero, topology), _allowed(zero))
     else:
         choice = choose_island_strategy(
             stages,
@@ -269,8 +271,8 @@ def auto_strategy(
             cluster,
             topology.islands,
             OuterChoice.of(outer),
-            _zeropp_of(cfg, topology),
-            _allowed(cfg, topology),
+            _zeropp_of(zero, topology),
+            _allowed(zero),
         )
     names = comm.all_gather_object((choice.strategy.name, choice.runner_up), tag="planner/choice")
     name, runner = names[0]
@@ -296,7 +298,7 @@ def auto_strategy(
             log.info(
                 "zero: paro_strategy auto: %s",
                 two_level_note(
-                    [shapes[s] for s in sorted(shapes)], workload, cluster, choice.plan, _zeropp_of(cfg, topology)
+                    [shapes[s] for s in sorted(shapes)], workload, cluster, choice.plan, _zeropp_of(zero, topology)
                 ),
             )
     if name != choice.strategy.name:
@@ -317,7 +319,7 @@ def two_level_note(
 
 
 def auto_hierarchy(
-    model: nn.Module, cfg: Config, topology: Topology, cluster: Cluster | None = None
+    model: nn.Module, cfg: Config, zero: ZeroOptions, topology: Topology, cluster: Cluster | None = None
 ) -> sequences.Hierarchy | None:
     """`zero.hierarchical: auto` for the run's strategy on this rank's stage, priced by the
     planner (`cost.fastest_hierarchy`) on `cluster` (the one `paro_strategy: auto` measured),
@@ -327,8 +329,7 @@ def auto_hierarchy(
     node, or a PaRO group of one rank or of all). Collective when probing; every rank gets the
     same answer (rank 0's measurements, the same shapes in a DP group)."""
     settings = cfg.planner
-    settings.validate()
-    d, k = topology.dp, cfg.zero.paro_group_size or len(topology.dp_intra_ranks)
+    d, k = topology.dp, zero.paro_group_size or len(topology.dp_intra_ranks)
     if topology.num_nodes == 1 or k in (1, d):
         return None
     if cluster is None:
@@ -342,8 +343,8 @@ def auto_hierarchy(
         cluster = _cluster(
             settings, topology, [math.inf, math.inf, *measure_links(settings, topology)], optimizer=False
         )
-    strategy = resolve_strategy(cfg.zero.paro_strategy, cfg.zero.stage)
-    zpp = _zeropp_of(cfg, topology)
+    strategy = zero.resolved
+    zpp = _zeropp_of(zero, topology)
     workload = _workload(cfg, topology)
     lay = layout(workload, cluster, zpp.hpz)
     shape = stage_shape(model, cfg, topology)

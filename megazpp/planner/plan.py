@@ -17,7 +17,7 @@ from megazpp.planner.cost import StagePrediction, dp_ranks_on_node, layout, pred
 from megazpp.planner.shape import StageShape
 from megazpp.planner.workload import Workload
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, Strategy
-from megazpp.zero.zeropp import ZeroPP
+from megazpp.zero.zeropp import ZeroPP, zeropp_refusal
 
 TIE = 0.02
 SAME_MEMORY = 0.05  # of the usable memory: smaller savings are not worth a slower option
@@ -36,10 +36,9 @@ class Option:
 
 
 def applies(zpp: ZeroPP, s: Strategy) -> bool:
-    """Whether each ZeRO++ switch that is on has a collective to act on (`zeropp.check_zeropp`'s rule)."""
-    if (zpp.qwz or zpp.hpz > 1) and s.params == Level.N:
-        return False
-    return not (zpp.qgz and s.grads == Level.N)
+    """Whether each ZeRO++ switch that is on has a collective to act on (the rule `ZeroOptions`
+    refuses by, `zeropp.zeropp_refusal`)."""
+    return zeropp_refusal(zpp, s) is None
 
 
 def options(

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from megazpp.config.schema import OptimizerConfig
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw
+from megazpp.optim.options import OptimizerOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
@@ -208,7 +208,7 @@ def probe_optimizer_rate(numel: int = 1 << 22, repeats: int = 5) -> float:
     its foreach kernels make several passes per element, far from the memory-bound ideal."""
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full((numel,), 1e-3)
-    optimizer = build_adamw([{"params": [param], "weight_decay": 0.1}], OptimizerConfig())
+    optimizer = build_adamw([{"params": [param], "weight_decay": 0.1}], OptimizerOptions())
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

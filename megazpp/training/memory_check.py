@@ -42,8 +42,9 @@ from megazpp.planner.plan import Option, predict
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import workload_of_config
 from megazpp.training.resume_check import uses_zero_engine
-from megazpp.zero.strategy import parse_strategy, resolve_strategy
-from megazpp.zero.zeropp import ZeroPP, zeropp_of
+from megazpp.zero.options import ZeroOptions
+from megazpp.zero.strategy import PlannerChoice, parse_strategy
+from megazpp.zero.zeropp import ZeroPP
 
 # predict() prices time too; these rates only feed time terms, which are not read here
 _UNUSED_RATE = 1e12
@@ -102,15 +103,16 @@ class Estimate:
         return self.state + self.activations + self.transient + self.runtime
 
 
-def estimate_peak(cfg: Config, world_size: int, ranks_per_node: int) -> Estimate | None:
-    """The planner's peak memory of the fullest rank of this run; None under `paro_strategy:
-    auto` (the planner then picks a strategy that fits, once the ranks measured the machine)."""
+def estimate_peak(cfg: Config, options: ZeroOptions, world_size: int, ranks_per_node: int) -> Estimate | None:
+    """The planner's peak memory of the fullest rank of this run (`options`: its checked zero
+    options); None under `paro_strategy: auto` (the planner then picks a strategy that fits,
+    once the ranks measured the machine)."""
     z = cfg.zero
-    if str(z.paro_strategy).lower() == "auto":
+    if isinstance(options.strategy, PlannerChoice):
         return None
     dp = world_size // (cfg.tp * cfg.pp)
     zero = uses_zero_engine(dp, z.stage, z.paro_strategy)
-    strategy = resolve_strategy(z.paro_strategy, z.stage) if zero else parse_strategy("NNN")
+    strategy = options.strategy if zero else parse_strategy("NNN")
     workload = workload_of_config(cfg)
     rpn = min(ranks_per_node, world_size)
     if world_size % rpn or rpn % cfg.tp:  # the planner lays out whole nodes of whole TP groups;
@@ -118,9 +120,7 @@ def estimate_peak(cfg: Config, world_size: int, ranks_per_node: int) -> Estimate
     dp_on_node = max(1, min(dp, rpn // cfg.tp))
     # ZeRO++ as the engine runs it: hpZ lowered to the DP ranks of a node, off with one DP rank
     zeropp = (
-        dataclasses.replace(zeropp_of(z), hpz=min(z.zero_hpz_partition_size, dp_on_node))
-        if zero and dp > 1
-        else ZeroPP()
+        dataclasses.replace(options.zeropp, hpz=min(options.zeropp.hpz, dp_on_node)) if zero and dp > 1 else ZeroPP()
     )
     shapes = shapes_of_config(
         cfg.model,
@@ -151,12 +151,12 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB"
 
 
-def check_memory(cfg: Config, world_size: int, ranks_on_node: int) -> None:
+def check_memory(cfg: Config, options: ZeroOptions, world_size: int, ranks_on_node: int) -> None:
     """Refuse a run estimated to need more memory per rank than this node has free for it."""
     if cfg.training.skip_memory_check:
         return
     rpn = cfg.parallel.ranks_per_node or ranks_on_node
-    estimate = estimate_peak(cfg, world_size, rpn)
+    estimate = estimate_peak(cfg, options, world_size, rpn)
     available = available_memory(ranks_on_node, cfg.planner.usable_memory_fraction)
     if estimate is None or available is None or estimate.total <= available.bytes_per_rank:
         return

@@ -18,20 +18,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
+from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
 from megazpp.data.builder import parse_data_path
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
-from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint_manager import LoadPlan, plan_load
 from megazpp.training.memory_check import check_memory
 from megazpp.training.save_lock import check_save_lock
-from megazpp.training.zero_factory import zero_options
 
 
 @dataclass
@@ -40,9 +39,9 @@ class Startup:
 
     cfg: Config
     load: LoadPlan  # what the run starts from and why (checkpoint_manager.plan_load)
+    options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
-    outer: OuterOptions | None = None  # two-level training's checked options (None: off)
 
 
 def torchrun_restart_count() -> int:
@@ -96,14 +95,12 @@ def prepare(
     work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
     cfg = load_config(list(argv), notes)
-    validate_config(cfg, world_size)
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # every subsystem's options, checked here and nowhere after: see config.checks
+    options = check_config(cfg, world_size, on_node)
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
-    outer = resolve_outer(cfg, world_size, on_node)
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
-    if str(cfg.zero.paro_strategy).lower() != "auto":  # auto is decided once ranks exist
-        zero_options(cfg.zero, cfg.num_micro_batches(world_size))  # the engine's own checks
     notes += check_inputs(cfg)
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
@@ -111,8 +108,8 @@ def prepare(
     faults.check_spec()
     load = plan_load(cfg, world_size, restarts)
     if ranks_on_node is not None:
-        check_memory(cfg, world_size, ranks_on_node)
-    return Startup(cfg, load, notes, backend, outer)
+        check_memory(cfg, options.zero, world_size, ranks_on_node)
+    return Startup(cfg, load, options, notes, backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -92,8 +92,8 @@ def parse_strategy(value: str | int | Strategy, *, key: str = "paro_strategy") -
 
 
 def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
-    """The strategy of a `zero` config section: `paro_strategy` wins over `stage`, and both
-    given and disagreeing is an error (checked by config.checks.validate_config, before any process group)."""
+    """The strategy of the `zero` keys `paro_strategy` and `stage`: `paro_strategy` wins over
+    `stage`, and both given and disagreeing is an error."""
     if paro_strategy is None:
         return parse_strategy(stage, key="zero.stage")
     strategy = parse_strategy(paro_strategy, key="zero.paro_strategy")
@@ -103,3 +103,23 @@ def resolve_strategy(paro_strategy: str | None, stage: int) -> Strategy:
             f"(stage {stage} is {parse_strategy(stage)}); set one of them"
         )
     return strategy
+
+
+@dataclass(frozen=True)
+class PlannerChoice:
+    """`paro_strategy: auto`: the strategy is chosen by the planner once the ranks can measure
+    their links, among `allowed`. `ZeroOptions` narrows `allowed` to the strategies its other
+    settings accept (and the config's cross-section rules narrow it further), so the planner's
+    pick cannot be refused after the ranks started."""
+
+    allowed: tuple[Strategy, ...] = VALID_STRATEGIES
+
+
+def strategy_setting(paro_strategy: str | None, stage: int) -> Strategy | PlannerChoice:
+    """The `zero` keys `paro_strategy` / `stage` as data: a Strategy, or PlannerChoice for
+    `auto` (which `stage` does not override: the planner decides)."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage = {stage}: expected 0, 1, 2 or 3")
+    if paro_strategy is not None and str(paro_strategy).strip().lower() == "auto":
+        return PlannerChoice()
+    return resolve_strategy(paro_strategy, stage)

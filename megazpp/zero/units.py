@@ -26,9 +26,6 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from megazpp.errors import ConfigError
-from megazpp.zero.strategy import Level, Strategy
-
 FETCH_GROUP_MODES = ("layer", "size")
 
 
@@ -153,21 +150,12 @@ def engine_groups(
     whole): with parameters `sharded` (p = I, G) the fetch groups of its units
     (`threshold`: `module_granularity_threshold`, `fetch_mode`: `fetch_groups`) and the
     persistent buckets (`persistence`: `stage3_param_persistence_threshold`); with p = N the
-    gradient buckets and nothing kept whole (`check_persistence` refuses a threshold there).
+    gradient buckets and nothing kept whole (`ZeroOptions` refuses a threshold there).
     The planner prices the same call, so its padding and call counts are the engine's."""
     if not sharded:
         return gradient_buckets(model, bucket_numel), []
     units, whole = split_persistent(parameter_units(model, threshold), persistence, bucket_numel)
     return fetch_groups(model, units, fetch_mode, bucket_numel), whole
-
-
-def check_persistence(strategy: Strategy, threshold: int) -> None:
-    """`stage3_param_persistence_threshold` acts only where parameters are sharded (p = I, G)."""
-    if threshold > 0 and strategy.params == Level.N:
-        raise ConfigError(
-            f"zero.stage3_param_persistence_threshold = {threshold}: strategy {strategy} keeps "
-            f"every parameter whole already (p = N); set it to 0 or shard parameters (p = I or G)"
-        )
 
 
 def split_persistent(

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from megazpp.config.schema import OptimizerConfig, PrecisionConfig
 from megazpp.errors import ConfigError
-from megazpp.optim.engine_protocol import DTYPES, ScaledOptimizerEngine, StepResult, model_dtype
+from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
 from megazpp.optim.optimizer import build_adamw
+from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
 from megazpp.parallel.work import Done
@@ -44,8 +44,8 @@ from megazpp.zero.layout import BucketLayout
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.strategy import Level, Strategy, parse_strategy
-from megazpp.zero.units import bucket_bound, check_persistence, engine_groups
+from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.units import bucket_bound, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
@@ -56,8 +56,8 @@ class ZeroEngine(ScaledOptimizerEngine):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerConfig,
-        precision: PrecisionConfig,
+        optimizer: OptimizerOptions,
+        precision: PrecisionOptions,
         options: ZeroOptions,
         topology: Topology,
         *,
@@ -75,20 +75,16 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.model = model
         self.topology = topology
         self._counts_in_norm = counts_in_norm or (lambda name, p: param_is_tp_sharded(p) or topology.tp_rank == 0)
-        self.strategy: Strategy = parse_strategy(options.strategy)
+        self.strategy: Strategy = options.resolved  # checked when the options were built
         self.options = options
         self.clip_grad = optimizer.clip_grad
-        if precision.grad_accum_dtype not in DTYPES:
-            raise ConfigError(
-                f"precision.grad_accum_dtype = {precision.grad_accum_dtype!r}: expected one of {sorted(DTYPES)}"
-            )
-        self.accum_dtype = DTYPES[precision.grad_accum_dtype]
-        self.param_dtype = model_dtype(precision)
+        self.accum_dtype = precision.accum_dtype
+        self.param_dtype = precision.model_dtype
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the model has no trainable parameters for the ZeRO engine")
         self.scaler = scaler_for(precision)
-        self.zeropp = resolve_zeropp(options.zeropp, self.strategy, topology)
+        self.zeropp = resolve_zeropp(options.zeropp, topology)
         self.groups, self.shapes = zero_groups(topology, options.paro_group_size, self.zeropp.hpz)
         self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
         self.paths = (
@@ -102,7 +98,6 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
-        check_persistence(self.strategy, options.stage3_param_persistence_threshold)
         self.buckets = self._build_buckets()
         self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole

@@ -1,5 +1,6 @@
-"""The ZeRO++ settings (`ZeroPP`, its wire formats), checked against the strategy and the
-topology, with hpZ's group size settled.
+"""The ZeRO++ settings (`ZeroPP`, its wire formats), checked when built, the rule that ties
+them to the strategy (`zeropp_refusal`, applied by `ZeroOptions`), and hpZ's group size
+settled on the topology.
 
 Why refusals here: each ZeRO++ path replaces one collective of the strategy, so it only means
 something where that collective exists. qwZ and hpZ act on parameter gathers (p in {I, G});
@@ -12,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kernels.api import check_cpu_kernels
+from kernels.api import CPU_KERNELS
 from kernels.format import check_block_size, check_err_beta
-from megazpp.config.schema import ZeroConfig
 from megazpp.errors import ConfigError
 from megazpp.parallel.topology import Topology
 from megazpp.zero.strategy import Level, Strategy
@@ -32,27 +32,70 @@ class QuantFormat:
         return numel * self.bits // 8 + numel // self.block * 4
 
 
+def _key(name: str) -> dict[str, str]:
+    """Field metadata: the `zero` config key (DeepSpeed's name) a ZeroPP field is read from."""
+    return {"key": name}
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroPP:
-    """Which ZeRO++ paths are on, their quantization blocks, and which CPU kernels run them.
+    """Which ZeRO++ paths are on, their quantization blocks, and which CPU kernels run them;
+    checked when built (`__post_init__`), so whoever holds one holds valid settings.
 
     qwZ: parameter gathers from the primary shard move int8 codes + scales (`weights`).
     hpZ: `hpz` > 1 keeps a secondary copy of the parameters split over `hpz` DP ranks of one
     node, filled from the forward gather; backward gathers only from it (`hpz_fetch_sequence`).
     qgZ: the per-micro-batch gradient reduction is one int4 all-to-all per stage
     (`qgz_sequence`, `grads`); `loco` adds LoCo error feedback to both stages.
-    Defaults are the `zero` section's (`zeropp_of` maps the keys), so the two never disagree.
+    Each field's metadata names the `zero` config key it is read from (the config maps the
+    section onto this type by those names), and its refusals name that key.
     """
 
-    qwz: bool = ZeroConfig.zero_quantized_weights
-    hpz: int = ZeroConfig.zero_hpz_partition_size
-    qgz: bool = ZeroConfig.zero_quantized_gradients
-    loco: bool = ZeroConfig.loco
-    qwz_block: int = ZeroConfig.qwz_block_size
-    qgz_block: int = ZeroConfig.qgz_block_size
-    err_beta: float = ZeroConfig.loco_err_beta  # LoCo: weight of the old error in the blended buffer
-    reset_t: int = ZeroConfig.loco_reset_t  # LoCo: buffers are zeroed after every reset_t optimizer steps
-    cpu_kernels: str = ZeroConfig.cpu_quant_kernels  # kernels.CPU_KERNELS: eager torch, or compiled
+    qwz: bool = dataclasses.field(default=False, metadata=_key("zero_quantized_weights"))
+    hpz: int = dataclasses.field(default=1, metadata=_key("zero_hpz_partition_size"))
+    qgz: bool = dataclasses.field(default=False, metadata=_key("zero_quantized_gradients"))
+    loco: bool = dataclasses.field(default=False, metadata=_key("loco"))
+    qwz_block: int = dataclasses.field(default=2048, metadata=_key("qwz_block_size"))
+    qgz_block: int = dataclasses.field(default=256, metadata=_key("qgz_block_size"))
+    # LoCo: weight of the old error in the blended buffer
+    err_beta: float = dataclasses.field(default=0.8, metadata=_key("loco_err_beta"))
+    # LoCo: buffers are zeroed after every reset_t optimizer steps
+    reset_t: int = dataclasses.field(default=1024, metadata=_key("loco_reset_t"))
+    # kernels.CPU_KERNELS: eager torch, or compiled
+    cpu_kernels: str = dataclasses.field(default="reference", metadata=_key("cpu_quant_kernels"))
+
+    def __post_init__(self) -> None:
+        """ConfigError naming the `zero` key for a value the ZeRO++ paths cannot run with; the
+        only place these keys are checked (the kernels check their arguments, as arguments)."""
+        if self.loco and not self.qgz:
+            raise ConfigError(
+                "zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
+                "it needs zero.zero_quantized_gradients = true"
+            )
+        if self.hpz < 1:
+            raise ConfigError(f"zero.zero_hpz_partition_size = {self.hpz!r}: expected a value > 0")
+        for name in ("qwz_block", "qgz_block"):
+            try:
+                check_block_size(getattr(self, name))
+            except ValueError as err:
+                raise ConfigError(f"zero.{zeropp_key(name)}: {err}") from None
+        try:
+            check_err_beta(self.err_beta)
+        except ValueError as err:
+            raise ConfigError(f"zero.loco_err_beta (zeropp_loco_param.err_beta): {err}") from None
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(
+                f"zero.cpu_quant_kernels = {self.cpu_kernels!r}: expected one of {', '.join(map(repr, CPU_KERNELS))}"
+            )
+        if self.cpu_kernels == "compiled" and self.enabled:
+            from kernels import cpu_compiled  # imported lazily: torch.compile is slow to import
+
+            try:
+                cpu_compiled.require_compiler()
+            except RuntimeError as err:
+                raise ConfigError(f"zero.cpu_quant_kernels = 'compiled': {err}") from None
+        if self.reset_t < 1:
+            raise ConfigError(f"zero.loco_reset_t = {self.reset_t}: expected a positive step count")
 
     @property
     def enabled(self) -> bool:
@@ -73,66 +116,47 @@ class ZeroPP:
         return math.lcm(*blocks) if blocks else 1
 
 
-def check_zeropp(zeropp: ZeroPP, strategy: Strategy) -> None:
-    """ConfigError, naming the reason, for a ZeRO++ request the strategy gives nothing to act on."""
-    if zeropp.loco and not zeropp.qgz:
-        raise ConfigError(
-            "zero.loco (zeropp_loco_param): LoCo corrects qgZ's 4-bit gradients; "
-            "it needs zero.zero_quantized_gradients = true"
-        )
-    where = f"zero strategy {strategy}"
+def zeropp_key(name: str) -> str:
+    """The `zero` config key a ZeroPP field is read from."""
+    return str(next(f for f in dataclasses.fields(ZeroPP) if f.name == name).metadata["key"])
+
+
+def zeropp_refusal(zeropp: ZeroPP, strategy: Strategy) -> str | None:
+    """Why `strategy` gives a ZeRO++ switch that is on nothing to act on, or None: the one rule
+    behind `ZeroOptions`' refusal and the planner's options (`planner.plan.applies`)."""
     if (zeropp.qwz or zeropp.hpz > 1) and strategy.params == Level.N:
-        raise ConfigError(
-            f"{where}: zero_quantized_weights / zero_hpz_partition_size act on parameter "
-            f"all-gathers, and p = N keeps parameters whole on every rank (nothing is "
-            f"gathered); use a strategy with p in {{I, G}}, e.g. stage 3"
+        return (
+            "zero_quantized_weights / zero_hpz_partition_size act on parameter all-gathers, and "
+            "p = N keeps parameters whole on every rank (nothing is gathered); use a strategy "
+            "with p in {I, G}, e.g. stage 3"
         )
     if zeropp.qgz and strategy.grads == Level.N:
-        raise ConfigError(
-            f"{where}: zero_quantized_gradients quantizes the per-micro-batch gradient "
-            f"reduction, and g = N has none (gradients are reduced once per step in the "
-            f"accumulation dtype); use a strategy with g in {{I, G}}, e.g. stage 2 or 3"
+        return (
+            "zero_quantized_gradients quantizes the per-micro-batch gradient reduction, and "
+            "g = N has none (gradients are reduced once per step in the accumulation dtype); "
+            "use a strategy with g in {I, G}, e.g. stage 2 or 3"
         )
-    check_block_size(zeropp.qwz_block)
-    check_block_size(zeropp.qgz_block)
-    check_err_beta(zeropp.err_beta)
-    check_cpu_kernels(zeropp.cpu_kernels)
-    if zeropp.reset_t < 1:
-        raise ConfigError(f"zero.loco_reset_t = {zeropp.reset_t}: expected a positive step count")
+    return None
 
 
-def zeropp_of(z: ZeroConfig) -> ZeroPP:
-    """The ZeRO++ settings of a `zero` config section (hpZ not yet fitted to the topology)."""
-    return ZeroPP(
-        qwz=z.zero_quantized_weights,
-        hpz=z.zero_hpz_partition_size,
-        qgz=z.zero_quantized_gradients,
-        loco=z.loco,
-        qwz_block=z.qwz_block_size,
-        qgz_block=z.qgz_block_size,
-        err_beta=z.loco_err_beta,
-        reset_t=z.loco_reset_t,
-        cpu_kernels=z.cpu_quant_kernels,
-    )
-
-
-def resolve_zeropp(zeropp: ZeroPP, strategy: Strategy, topology: Topology) -> ZeroPP:
-    """The ZeRO++ settings this engine runs with (after `check_zeropp`).
+def resolve_zeropp(zeropp: ZeroPP, topology: Topology) -> ZeroPP:
+    """The ZeRO++ settings this engine runs with on `topology`.
 
     hpZ's group is `zeropp.hpz` consecutive DP ranks that must share a node (its point is an
     intra-node backward gather). A size above the DP ranks of one node (the ZeRO++ tutorial
     asks for 16, the GPUs of its nodes) is lowered to that count, so a config written for
     larger nodes runs unchanged; on one DP rank ZeRO++ is off (nothing crosses a link). The
     start-up banner says both, once (`megazpp.training.banner`), from the requested and the
-    returned settings.
+    returned settings. `zeropp` was checked (its own rules, and against the strategy) when it
+    and its `ZeroOptions` were built.
     """
-    check_zeropp(zeropp, strategy)
     if not zeropp.enabled:
         return zeropp
     d = topology.dp
     if d == 1:
         return ZeroPP()
-    return dataclasses.replace(zeropp, hpz=_hpz_size(zeropp.hpz, topology))
+    hpz = _hpz_size(zeropp.hpz, topology)
+    return zeropp if hpz == zeropp.hpz else dataclasses.replace(zeropp, hpz=hpz)
 
 
 def _hpz_size(requested: int, topology: Topology) -> int:
