@@ -25,7 +25,7 @@ from megazpp.config.schema import Config, ZeroConfig
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
-from megazpp.parallel.topology import Topology
+from megazpp.parallel.topology import Topology, dp_groups
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_STRATEGIES, Level, PlannerChoice, parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
@@ -170,3 +170,22 @@ def test_every_section_key_reaches_its_options_type():
         refused = {k.split(".")[1] for k in NOT_IMPLEMENTED_YET if k.startswith(name + ".")}
         left = {f.name for f in dataclasses.fields(section)} - keys(*types) - own - refused
         assert not left, (name, left)
+
+
+def test_hpz_group_against_the_nodes_is_checked_before_any_rank():
+    """hpZ's group must lie inside one node: a rule of the `zero` section that needs the ranks'
+    layout over the nodes, checked by the config for every DP group (`topology.dp_groups`)
+    with the function the engine resolves its group size by."""
+    assert dp_groups(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # rank = tp + 2 * (dp + 2 * pp)
+    assert dp_groups(8, 2, 2, islands=2) == [[0], [2], [1], [3], [4], [6], [5], [7]]
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    cfg.zero.stage = 3
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 6
+    cfg.zero.zero_hpz_partition_size = 2  # 6 DP ranks, 3 per node: ranks 2 and 3 would share a group
+    with pytest.raises(ConfigError, match=r"group of DP ranks \[2, 3\] spans nodes \[0, 1\]"):
+        check_config(cfg, world_size=6, ranks_per_node=3)
+    cfg.zero.zero_hpz_partition_size = 3  # one group per node
+    assert check_config(cfg, world_size=6, ranks_per_node=3).zero.zeropp.hpz == 3
+    cfg.zero.zero_hpz_partition_size = 16  # the tutorial's: lowered to the node's 3 ranks, as the engine does
+    check_config(cfg, world_size=6, ranks_per_node=3)

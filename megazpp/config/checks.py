@@ -25,10 +25,11 @@ from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
-from megazpp.parallel.topology import island_layout
+from megazpp.parallel.topology import dp_groups, island_layout
 from megazpp.zero.frozen import check_frozen_support
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, PlannerChoice, Strategy
+from megazpp.zero.zeropp import hpz_group_size
 
 
 def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> RunOptions:
@@ -51,10 +52,10 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
         )
     zero = zero_options(cfg.zero, cfg.num_micro_batches(world_size))
     outer = resolve_outer(cfg, world_size, ranks_per_node)
-    dp = cfg.data_parallel_size(world_size)
-    if outer is not None:  # the engine runs over one island's DP ranks
-        per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
-        dp //= world_size // per_node // outer.island_nodes
+    per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
+    islands = 1 if outer is None else world_size // per_node // outer.island_nodes
+    dp = cfg.data_parallel_size(world_size) // islands  # the engine runs over one island's DP ranks
+    _check_hpz_nodes(zero.zeropp.hpz, cfg, world_size, per_node, islands)
     return RunOptions(
         _zero_across_sections(cfg, zero, dp),
         options_of(OptimizerOptions, cfg.optimizer),
@@ -67,6 +68,17 @@ def validate_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None
     """`check_config` for callers that need only the checked config (tools, tests): `cfg`."""
     check_config(cfg, world_size, ranks_per_node)
     return cfg
+
+
+def _check_hpz_nodes(hpz: int, cfg: Config, world_size: int, per_node: int, islands: int) -> None:
+    """hpZ's group against the nodes, for every DP group an engine spans and every node it is
+    on (`zeropp.hpz_group_size`, the rule the engine resolves its group size by): the one rule
+    of the `zero` section that needs the layout of the ranks over the nodes."""
+    if hpz <= 1 or world_size % per_node or world_size % (cfg.tp * cfg.pp):
+        return  # no hpZ; or a shape the parallel checks refuse
+    for members in dp_groups(world_size, cfg.tp, cfg.pp, islands):
+        for node in sorted({r // per_node for r in members}):
+            hpz_group_size(hpz, members, lambda r: r // per_node, node)
 
 
 def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOptions:

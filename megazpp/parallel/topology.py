@@ -103,6 +103,20 @@ def island_layout(world_size: int, tp: int, pp: int, ranks_per_node: int, island
     return islands, per
 
 
+def dp_groups(world_size: int, tp: int, pp: int, islands: int = 1) -> list[list[int]]:
+    """Every data-parallel group's global ranks, in DP order, without a process group (the
+    groups `Topology` builds: one per tp rank, pp rank and island), so a rule about them can
+    be checked before any rank starts."""
+    dp = world_size // (tp * pp)
+    per = dp // islands
+    return [
+        [_rank_of(t, i * per + d, p, tp, dp) for d in range(per)]
+        for p in range(pp)
+        for t in range(tp)
+        for i in range(islands)
+    ]
+
+
 @dataclass
 class Topology:
     """The parallel layout of this run, seen from this rank. Build with `from_env`."""

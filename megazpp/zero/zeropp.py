@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from kernels.api import CPU_KERNELS
 from kernels.format import check_block_size, check_err_beta
@@ -160,13 +161,19 @@ def resolve_zeropp(zeropp: ZeroPP, topology: Topology) -> ZeroPP:
 
 
 def _hpz_size(requested: int, topology: Topology) -> int:
-    """hpZ's group size on `topology`: `requested` lowered to the DP ranks of one node; 1 (hpZ
-    off: there is nothing inside a node to split) when a node holds one DP rank, as the
-    tutorial's 16 on nodes of one rank each (`--ranks-per-node 1`)."""
+    """hpZ's group size on `topology`: `hpz_group_size` for this rank's DP group and node."""
+    return hpz_group_size(requested, list(topology.dp_ranks), topology.node_of, topology.node)
+
+
+def hpz_group_size(requested: int, dp_ranks: list[int], node_of: Callable[[int], int], node: int) -> int:
+    """hpZ's group size for the DP group `dp_ranks` seen from `node`: `requested` lowered to
+    the group's ranks on that node; 1 (hpZ off: there is nothing inside a node to split) when
+    a node holds one DP rank, as the tutorial's 16 on nodes of one rank each
+    (`--ranks-per-node 1`). A pure function of the layout, so the config checks it for every
+    group and node before any rank starts (`config.checks`), and the engine only resolves."""
     if requested <= 1:
         return 1
-    dp_ranks = list(topology.dp_ranks)
-    on_node = sum(1 for r in dp_ranks if topology.node_of(r) == topology.node)
+    on_node = sum(1 for r in dp_ranks if node_of(r) == node)
     size = min(requested, on_node)
     if size == 1:
         return 1
@@ -175,7 +182,7 @@ def _hpz_size(requested: int, topology: Topology) -> int:
             f"zero.zero_hpz_partition_size = {size}: expected a divisor of the data-parallel size {len(dp_ranks)}"
         )
     for start in range(0, len(dp_ranks), size):
-        nodes = {topology.node_of(r) for r in dp_ranks[start : start + size]}
+        nodes = {node_of(r) for r in dp_ranks[start : start + size]}
         if len(nodes) > 1:
             raise ConfigError(
                 f"zero.zero_hpz_partition_size = {size}: the group of DP ranks "
