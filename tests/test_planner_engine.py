@@ -32,7 +32,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
-from megazpp.planner.auto import auto_strategy, choose_strategy
+from megazpp.planner.auto import auto_hierarchy, auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
@@ -252,3 +252,28 @@ def test_hierarchical_auto_runs_the_planners_choice(results):
         run = report["hier"]
         assert run["engine"] == expected, (rank, run["engine"])
         assert run["counted"] == run["formulas"], (rank, run)
+
+
+def test_hierarchical_auto_on_an_island_prices_the_islands_share_of_the_batch(monkeypatch):
+    """Two islands of 2 nodes x 2 ranks (8 ranks): an island's engine runs 4 DP ranks and each
+    island reads half of every global batch, so a DP rank runs 32 / 2 / (2 x 4) = 2
+    micro-batches per step, not the 4 that the whole job's batch over one island's ranks gives."""
+    cfg = Config()
+    cfg.model = ModelConfig(**TINY_LLAMA)
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 32
+    island = Topology(
+        rank=0, world_size=4, tp=1, pp=1, dp=4, ranks_per_node=2, islands=2,
+        dp_ranks=[0, 1, 2, 3], dp_intra_ranks=[0, 1], dp_inter_ranks=[0, 2],
+    )  # fmt: skip
+    cluster = Cluster(nodes=2, gpus_per_node=2, memory_bytes=GIB, flops=1e12, intra_bw=1e9, inter_bw=1e8)
+    seen = []
+
+    def priced(strategy, zpp, padded, lay, workload, cluster, *rest):
+        seen.append(workload.micro_batches(cluster))
+        return Hierarchy(gather=True, reduce=True)
+
+    monkeypatch.setattr("megazpp.planner.auto.fastest_hierarchy", priced)
+    monkeypatch.setattr("megazpp.planner.auto.hierarchy_seconds", lambda *args: {})
+    zero = ZeroOptions(strategy=parse_strategy("GGG"), paro_group_size=2)
+    assert auto_hierarchy(GPTModel(cfg.model), cfg, zero, island, cluster) == Hierarchy(gather=True, reduce=True)
+    assert seen == [2]

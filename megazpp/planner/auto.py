@@ -346,6 +346,8 @@ def auto_hierarchy(
     strategy = zero.resolved
     zpp = _zeropp_of(zero, topology)
     workload = _workload(cfg, topology)
+    if topology.islands > 1:  # an island view: its engine reads 1 / islands of every global batch
+        workload = dataclasses.replace(workload, global_batch=workload.batches()[1] // topology.islands)
     lay = layout(workload, cluster, zpp.hpz)
     shape = stage_shape(model, cfg, topology)
     padded = [n for n, _ in stage_padded(strategy, zpp, shape, lay)]
