@@ -169,8 +169,7 @@ def _train_holding_save(
     t = cfg.training
     eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, valid_ds, _ = build_gpt_datasets(
-        cfg.data.data_path,
-        cfg.data.split,
+        start.options.data,
         cfg.model.seq_length,
         (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples),
         t.seed,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from megazpp.data.blended_dataset import blend_indices
-from megazpp.data.builder import build_gpt_datasets, parse_data_path, parse_split, split_ranges
+from megazpp.data.builder import build_gpt_datasets, split_ranges
+from megazpp.data.options import DataOptions, parse_data_path, parse_split
 from megazpp.errors import ConfigError, DataError
 
 
@@ -15,7 +16,7 @@ def numbered_docs(first_token, num_docs=50, doc_len=20):
 def test_blend_of_0_7_and_0_3_draws_those_proportions(write_token_dataset):
     a = write_token_dataset(numbered_docs(0), name="a")  # tokens 0..999
     b = write_token_dataset(numbered_docs(1000), name="b")  # tokens 1000..1999
-    train, valid, test = build_gpt_datasets(["0.7", a, "0.3", b], "100,0,0", 32, (10_000, 5, 5), seed=7)
+    train, valid, test = build_gpt_datasets(DataOptions(["0.7", a, "0.3", b], "100,0,0"), 32, (10_000, 5, 5), seed=7)
     assert valid is None and test is None and len(train) == 10_000
     from_a = 0
     for i in range(len(train)):
@@ -63,7 +64,7 @@ def test_unweighted_prefixes_share_equally_and_missing_prefix_is_named(tmp_path)
     assert parse_data_path(["A", "B"]) == [(0.5, "A"), (0.5, "B")]
     assert parse_data_path(["0.7", "A", "0.3", "B"]) == [(0.7, "A"), (0.3, "B")]
     with pytest.raises(DataError, match=r"nowhere\.idx does not exist"):
-        build_gpt_datasets(["1", str(tmp_path / "nowhere")], "1,0,0", 8, (10, 0, 0), seed=0)
+        build_gpt_datasets(DataOptions(["1", str(tmp_path / "nowhere")], "1,0,0"), 8, (10, 0, 0), seed=0)
 
 
 def test_split_969_30_1_gives_contiguous_disjoint_document_ranges(write_token_dataset):
@@ -75,22 +76,49 @@ def test_split_969_30_1_gives_contiguous_disjoint_document_ranges(write_token_da
         with pytest.raises(ConfigError, match="split"):
             parse_split(bad)
     prefix = write_token_dataset(numbered_docs(0, num_docs=100, doc_len=10))
-    train, valid, test = build_gpt_datasets([prefix], "80,10,10", 16, (200, 20, 20), seed=0)
+    train, valid, test = build_gpt_datasets(DataOptions([prefix], "80,10,10"), 16, (200, 20, 20), seed=0)
     for ds, (lo, hi) in ((train, (0, 800)), (valid, (800, 900)), (test, (900, 1000))):
         tokens = np.concatenate([ds[i] for i in range(len(ds))])
         assert tokens.min() >= lo and tokens.max() < hi  # documents of 10 tokens: doc d holds 10d..10d+9
-    assert build_gpt_datasets([prefix], "100,0,0", 16, (10, 10, 10), seed=0)[1:] == (None, None)
+    assert build_gpt_datasets(DataOptions([prefix], "100,0,0"), 16, (10, 10, 10), seed=0)[1:] == (None, None)
     with pytest.raises(ConfigError, match="num_samples"):
-        build_gpt_datasets([prefix], "1,0,0", 16, (10, 10), seed=0)
+        build_gpt_datasets(DataOptions([prefix], "1,0,0"), 16, (10, 10), seed=0)
 
 
 def test_builder_on_the_shared_tiny_prefix(tiny_indexed_prefix):
     from megazpp.data.indexed_dataset import IndexedDataset
 
     ranges = split_ranges(IndexedDataset(tiny_indexed_prefix).num_documents, parse_split("969,30,1"))
-    train, valid, test = build_gpt_datasets([tiny_indexed_prefix], "969,30,1", 64, (40, 4, 4), seed=1234)
+    train, valid, test = build_gpt_datasets(DataOptions([tiny_indexed_prefix], "969,30,1"), 64, (40, 4, 4), seed=1234)
     assert ranges[2][0] == ranges[2][1] and test is None  # a few dozen documents leave 0.1% empty
     assert len(train) == 40 and len(valid) == 4
-    again = build_gpt_datasets([tiny_indexed_prefix], "969,30,1", 64, (40, 4, 4), seed=1234)[0]
+    again = build_gpt_datasets(DataOptions([tiny_indexed_prefix], "969,30,1"), 64, (40, 4, 4), seed=1234)[0]
     assert not again.built_indices
     assert all(np.array_equal(train[i], again[i]) for i in range(40))
+
+
+def test_data_options_parse_once_and_the_builder_takes_them_as_parsed(write_token_dataset):
+    """The `data` section is parsed and checked once, into the run's DataOptions; the builder
+    takes the parsed blend and split and never parses the text again."""
+    from megazpp.config.checks import check_config
+    from megazpp.config.load import load_config
+
+    with pytest.raises(ConfigError, match=r"data\.split = '0,0,0': the weights sum to zero"):
+        DataOptions(["A"], "0,0,0")
+    with pytest.raises(DataError, match="every prefix needs exactly one weight"):
+        DataOptions(["0.7", "A", "0.3"])
+    with pytest.raises(ConfigError, match=r"data\.make_vocab_size_divisible_by = 0"):
+        DataOptions(make_vocab_size_divisible_by=0)
+    a = write_token_dataset(numbered_docs(0, num_docs=100, doc_len=10), name="a")
+    b = write_token_dataset(numbered_docs(1000, num_docs=100, doc_len=10), name="b")
+    with pytest.raises(DataError, match="weights must be positive"):
+        check_config(load_config(["--data-path", "0", a, "1", b]))
+    data = check_config(load_config(["--data-path", "3", a, "1", b, "--split", "8/2"])).data
+    assert data.blend == ((3.0, a), (1.0, b)) and data.fractions == (0.8, 0.2, 0.0)
+    # text no parser accepts beside the parsed values: a builder that parsed again would fail
+    object.__setattr__(data, "data_path", ("0.5", "0.5"))
+    object.__setattr__(data, "split", "not a split")
+    train, valid, test = build_gpt_datasets(data, 16, (40, 8, 0), seed=0)
+    assert len(train) == 40 and len(valid) == 8 and test is None
+    for i in range(8):  # the valid split holds documents 80..99 of each prefix: tokens 800..999, 1800..1999
+        assert ((valid[i] >= 800) & (valid[i] < 1000)).all() or ((valid[i] >= 1800) & (valid[i] < 2000)).all()

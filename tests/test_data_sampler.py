@@ -7,6 +7,7 @@ import pytest
 
 from megazpp.data import sampler as sampler_module
 from megazpp.data.builder import build_gpt_datasets
+from megazpp.data.options import DataOptions
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError
 
@@ -70,6 +71,6 @@ def test_bad_arguments_are_config_errors(kwargs, message):
 
 
 def test_sampler_drives_the_dataset(tiny_indexed_prefix):
-    train = build_gpt_datasets([tiny_indexed_prefix], "1,0,0", 32, (64, 0, 0), seed=0)[0]
+    train = build_gpt_datasets(DataOptions([tiny_indexed_prefix], "1,0,0"), 32, (64, 0, 0), seed=0)[0]
     rank0 = [np.stack([train[i] for i in batch]) for batch in PretrainingSampler(64, 16, 4, 0, 2, seed=3)]
     assert len(rank0) == 6 and all(b.shape == (4, 33) for b in rank0)

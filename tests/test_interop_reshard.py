@@ -72,7 +72,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training
     train_ds, _, _ = build_gpt_datasets(
-        cfg.data.data_path, cfg.data.split, cfg.model.seq_length, (t.train_iters * t.global_batch_size, 0, 0), t.seed
+        options.data, cfg.model.seq_length, (t.train_iters * t.global_batch_size, 0, 0), t.seed
     )
     device = torch.device("cpu")
     model = pretrain_gpt.build_model(cfg, topology, device)

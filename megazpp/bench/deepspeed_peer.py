@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
-from megazpp.config.checks import validate_config
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.config.options import options_of
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
+from megazpp.data.options import DataOptions
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
@@ -92,7 +93,7 @@ def parse_args(argv: Sequence[str]) -> tuple[JSONObject, list[str]]:
     return zero, rest
 
 
-def train(cfg: Config, zero: JSONObject) -> None:
+def train(cfg: Config, zero: JSONObject, data: DataOptions) -> None:
     import deepspeed  # the optional `bench` extra; imported here so --help works without it
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -101,8 +102,7 @@ def train(cfg: Config, zero: JSONObject) -> None:
     t = cfg.training
     eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
     train_ds, _, _ = build_gpt_datasets(
-        cfg.data.data_path,
-        cfg.data.split,
+        data,
         cfg.model.seq_length,
         (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples),
         t.seed,
@@ -138,8 +138,8 @@ def train(cfg: Config, zero: JSONObject) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     zero, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_config(rest)
-    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    train(cfg, zero)
+    options = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    train(cfg, zero, options.data)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,12 @@ import torch.distributed as dist
 
 from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
-from megazpp.config.checks import resolve_outer, validate_config
+from megazpp.config import checks
 from megazpp.config.load import load_config
 from megazpp.config.options import options_of
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
+from megazpp.data.options import DataOptions
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
@@ -98,7 +99,7 @@ def check_config(cfg: Config, world: int, ranks_per_group: int) -> OuterOptions:
             "torchft_peer: tensor/pipeline parallelism and LoRA are not part of torchft's DiLoCo "
             "over FSDP replica groups; run it with TP = PP = 1 and full training"
         )
-    options = resolve_outer(cfg, world, ranks_per_group)
+    options = checks.resolve_outer(cfg, world, ranks_per_group)
     if options is None:
         raise ConfigError(
             "torchft_peer: outer.algorithm is none; the peer runs DiLoCo "
@@ -136,7 +137,7 @@ def loss_group(address: str, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(dist.PrefixStore("loss", store), rank, world, TIMEOUT)
 
 
-def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
+def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: DataOptions) -> None:
     # the optional `torchft` extra; imported here so --help and the checks work without it
     try:
         from torchft._torchft import LighthouseServer
@@ -161,8 +162,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions) -> None:
     global_batch = required(t.global_batch_size, "training.global_batch_size")
     eval_samples = t.eval_iters * global_batch
     train_ds, _, _ = build_gpt_datasets(
-        cfg.data.data_path,
-        cfg.data.split,
+        data,
         cfg.model.seq_length,
         (t.train_iters * global_batch, eval_samples, eval_samples),
         t.seed,
@@ -245,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(rest)
     per_group = int(os.environ.get("WORLD_SIZE", "1"))
     world = ns.replica_groups * per_group
-    validate_config(cfg, world, per_group)
-    train(cfg, ns, check_config(cfg, world, per_group))
+    run = checks.check_config(cfg, world, per_group)  # every subsystem's options; the peer's own rules next
+    train(cfg, ns, check_config(cfg, world, per_group), run.data)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Why here: the config layer reads sources (YAML, DeepSpeed JSON, flags) into the schema's
 sections; each subsystem owns a typed options type that checks its own section's rules when
-built (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`).
-`check_config` maps the sections onto those types by field name (`options.options_of`), once,
+built (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
+`DataOptions`). `check_config` maps the sections onto those types by field name (`options.options_of`), once,
 before any rank starts, and adds only the rules no single section can see: batch sizes against
 the world, tp / pp against the model, compilation and frozen parameters against the ZeRO
 strategy, islands against the world. Each refusal is a `ConfigError` naming the key, the value
@@ -20,7 +20,7 @@ from __future__ import annotations
 from megazpp.config.load import validate_types
 from megazpp.config.options import RunOptions, options_of, zero_options
 from megazpp.config.schema import Config, refuse_not_implemented
-from megazpp.data.builder import parse_split
+from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
@@ -41,6 +41,7 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
     _validate_parallel(cfg, world_size)
     _resolve_batch(cfg, world_size)
     _validate_schedule(cfg)
+    data = options_of(DataOptions, cfg.data)  # the blend and the split parsed, once
     cfg.planner.validate()
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
@@ -61,6 +62,7 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
         options_of(OptimizerOptions, cfg.optimizer),
         options_of(PrecisionOptions, cfg.precision),
         outer,
+        data,
     )
 
 
@@ -220,7 +222,6 @@ def _validate_schedule(cfg: Config) -> None:
             f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
             f"length (lr_decay_iters or train_iters) = {decay_iters}"
         )
-    parse_split(cfg.data.split, "data.split")
 
 
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:

@@ -2,8 +2,8 @@
 
 Why one generic helper: each subsystem owns a typed, checked options type (`zero.options.
 ZeroOptions`, `zero.zeropp.ZeroPP`, `optim.options.OptimizerOptions` / `PrecisionOptions`,
-`outer.settings.OuterOptions`) whose fields carry the names of its section's keys, as
-Megatron-core's DDP config carries its argument names. Mapping by name means a key added to a
+`outer.settings.OuterOptions`, `data.options.DataOptions`) whose fields carry the names of its
+section's keys, as Megatron-core's DDP config carries its argument names. Mapping by name means a key added to a
 section and its options type reaches the subsystem with no code in between, and a field whose
 key differs says so once, in its metadata (`key`), beside its default.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from megazpp.config.schema import ZeroConfig
+from megazpp.data.options import DataOptions
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.zero.options import ZeroOptions
@@ -27,9 +28,11 @@ T = TypeVar("T")
 def options_of(cls: type[T], section: object, **given: Any) -> T:
     """`cls` built from `section`: each field takes `given[name]` when given, else the section's
     value of the field's key (its metadata "key", else its name), else the field's default;
-    `cls`'s constructor checks the result."""
+    `cls`'s constructor checks the result (and fills the fields it derives, `init=False`)."""
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not f.init:
+            continue
         key = f.metadata.get("key", f.name)
         if f.name in given:
             values[f.name] = given[f.name]
@@ -61,3 +64,4 @@ class RunOptions:
     optimizer: OptimizerOptions
     precision: PrecisionOptions
     outer: OuterOptions | None
+    data: DataOptions

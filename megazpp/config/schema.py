@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 
 import yaml
 
+from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, required
 from megazpp.model.config import ModelConfig
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
@@ -29,17 +30,18 @@ from megazpp.zero.zeropp import ZeroPP
 
 @dataclass
 class DataConfig:
-    """Where samples come from. `data_path` is Megatron's list: ["P"] or ["0.7", "A", "0.3", "B"]."""
+    """Where samples come from. `data_path` is Megatron's list: ["P"] or ["0.7", "A", "0.3", "B"].
+    Read into `megazpp.data.options.DataOptions` (its defaults, its parsing and checks) by field name."""
 
     data_path: list[str] = field(default_factory=list)
-    split: str = "969,30,1"
-    tokenizer_model: str | None = None
+    split: str = DataOptions.split
+    tokenizer_model: str | None = DataOptions.tokenizer_model
     # The embedding is padded to a multiple of this (times TP) so matmuls stay aligned, as in
     # Megatron; the model's vocab_size is derived from the tokenizer unless set explicitly.
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = DataOptions.make_vocab_size_divisible_by
     # Preprocessing records which tokenizer made a dataset (data/tokenizer_record.py); a dataset
     # made by another one than tokenizer_model is refused before any rank starts unless this is set.
-    allow_tokenizer_mismatch: bool = False
+    allow_tokenizer_mismatch: bool = DataOptions.allow_tokenizer_mismatch
 
 
 @dataclass

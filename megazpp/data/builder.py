@@ -1,4 +1,5 @@
-"""From Megatron-style `--data-path` / `--split` arguments to train, valid and test datasets.
+"""From a run's `DataOptions` (Megatron's `--data-path` blend and `--split`, parsed once when the
+options were built) to train, valid and test datasets.
 
 Each prefix's documents are cut into contiguous train/valid/test ranges by the split ratios;
 a split then blends the matching range of every prefix by the prefix weights. Component
@@ -7,7 +8,6 @@ datasets are built with exactly the number of samples the blend draws from them.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -17,55 +17,10 @@ import numpy as np
 from megazpp.data.blended_dataset import BlendedDataset, blend_indices
 from megazpp.data.gpt_dataset import GPTDataset
 from megazpp.data.indexed_dataset import IndexedDataset
+from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
-    """`["A"]`, `["A", "B"]` (equal weights) or `["0.7", "A", "0.3", "B"]` -> [(weight, prefix)]."""
-    items = [str(x) for x in data_path]
-    if not items:
-        raise DataError("data path is empty: give at least one dataset prefix")
-
-    def number(s: str) -> float | None:
-        try:
-            return float(s)
-        except ValueError:
-            return None
-
-    if all(number(s) is None for s in items):
-        return [(1.0 / len(items), p) for p in items]
-    if len(items) % 2 or any(number(w) is None for w in items[::2]) or any(number(p) is not None for p in items[1::2]):
-        raise DataError(
-            f"data path {items} does not match the 'weight prefix weight prefix ...' form: "
-            f"every prefix needs exactly one weight before it"
-        )
-    weights = [w for w in map(number, items[::2]) if w is not None]  # every one is a number (checked above)
-    if any(not math.isfinite(w) or w <= 0 for w in weights):
-        raise DataError(f"data path weights must be positive, got {weights} for prefixes {items[1::2]}")
-    return list(zip(weights, items[1::2]))
-
-
-def parse_split(split: str, where: str = "split") -> list[float]:
-    """`"969,30,1"` (or `/`-separated; missing parts are 0) -> three fractions summing to 1.
-    A refusal says which rule the weights break, naming them as `where` (the config key)."""
-    parts = str(split).replace("/", ",").split(",")
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ConfigError(f"{where} = {split!r}: expected up to three numbers like '969,30,1'") from None
-    if len(values) > 3:
-        raise ConfigError(f"{where} = {split!r}: expected up to three weights (train,valid,test), got {len(values)}")
-    if any(not math.isfinite(v) or v < 0 for v in values):
-        raise ConfigError(f"{where} = {split!r}: expected finite non-negative weights like '969,30,1'")
-    if sum(values) <= 0:
-        raise ConfigError(
-            f"{where} = {split!r}: the weights sum to zero, so no document would go to "
-            "any split; give at least one a positive weight (the train one, e.g. '98,2,0')"
-        )
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
 
 
 def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
@@ -76,8 +31,7 @@ def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[i
 
 
 def build_gpt_datasets(
-    data_path: Sequence[str],
-    split: str,
+    data: DataOptions,
     seq_length: int,
     num_samples: Sequence[int],
     seed: int,
@@ -87,7 +41,8 @@ def build_gpt_datasets(
     """(train, valid, test); a valid or test split with no documents or no requested samples is
     None.
 
-    Nothing is dropped silently: a prefix without documents, or one that `split` leaves with no
+    `data.blend` and `data.fractions` are used as parsed; nothing here parses them again.
+    Nothing is dropped silently: a prefix without documents, or one that the split leaves with no
     training documents while training samples are asked for, is refused (a blend would
     otherwise train on the remaining prefixes alone); a blend member missing from the valid or
     test split is a warning. With `vocab_size`, a token id the model's embedding cannot hold is
@@ -95,17 +50,16 @@ def build_gpt_datasets(
     """
     if len(num_samples) != 3 or any(int(n) < 0 for n in num_samples):
         raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
-    blend = parse_data_path(data_path)
-    fractions = parse_split(split)
+    blend = data.blend
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     for ds in indexed:
         _check_dataset(ds, vocab_size)
-    ranges = [split_ranges(ds.num_documents, fractions) for ds in indexed]
+    ranges = [split_ranges(ds.num_documents, data.fractions) for ds in indexed]
     out: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
         members = [i for i, r in enumerate(ranges) if r[s][1] > r[s][0]]
         if int(num_samples[s]) and len(members) < len(blend) and (name == "train" or members):
-            _report_missing(name, split, [indexed[i] for i in range(len(blend)) if i not in members])
+            _report_missing(name, data.split, [indexed[i] for i in range(len(blend)) if i not in members])
         if int(num_samples[s]) == 0 or not members:
             out.append(None)
             continue

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megazpp.data.builder import parse_data_path
+from megazpp.data.options import parse_data_path
 from megazpp.errors import LaunchError, MegazppError
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology

@@ -22,7 +22,7 @@ from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
-from megazpp.data.builder import parse_data_path
+from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
@@ -48,18 +48,17 @@ def torchrun_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def check_inputs(cfg: Config) -> list[str]:
+def check_inputs(data: DataOptions) -> list[str]:
     """Refuse missing data settings, and data made by another tokenizer than --tokenizer-model
     (unless --allow-tokenizer-mismatch); notes for what could not be checked."""
-    if not cfg.data.data_path:
+    if not data.blend:
         raise ConfigError(
             "data.data_path is empty: give --data-path PREFIX (a preprocessed "
             "'..._text_document' prefix) or set it in the config file"
         )
-    if not cfg.data.tokenizer_model:
+    if not data.tokenizer_model:
         raise ConfigError("data.tokenizer_model is not set: give --tokenizer-model FILE.model")
-    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
-    return check_tokenizer_records(prefixes, cfg.data.tokenizer_model, cfg.data.allow_tokenizer_mismatch)
+    return check_tokenizer_records(data.prefixes, data.tokenizer_model, data.allow_tokenizer_mismatch)
 
 
 def check_output_dir(flag: str, path: str) -> None:
@@ -101,7 +100,7 @@ def prepare(
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
-    notes += check_inputs(cfg)
+    notes += check_inputs(options.data)
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
         check_save_lock(cfg.checkpoint.save)
