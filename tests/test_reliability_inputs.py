@@ -109,3 +109,6 @@ def test_empty_datasets_splits_and_foreign_token_ids_are_refused(tmp_path, tiny_
     )
     assert IndexedDataset(wide).max_token_id() == 2047  # cached beside the data after one scan
     assert len(list(tmp_path.glob("wide_max_token_*.npy"))) == 1
+    # a vocabulary multiple of 0 beside a tokenizer: ZeroDivisionError while sizing the embedding
+    line = refused(pretrain(*args(a), "--make-vocab-size-divisible-by", "0"))
+    assert line.endswith("data.make_vocab_size_divisible_by = 0: expected a value >= 1")

@@ -247,8 +247,8 @@ def _build(values: dict[str, dict[str, Any]]) -> Config:
 
 def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
     """Size the embedding from the tokenizer (padded), or check an explicit size covers it."""
-    if cfg.data.tokenizer_model is None:
-        return
+    if cfg.data.tokenizer_model is None or cfg.data.make_vocab_size_divisible_by < 1:
+        return  # a multiple below 1 is refused, naming the key, by DataOptions (config.checks)
     from megazpp.data.tokenizer import Tokenizer
 
     tokenizer_vocab = Tokenizer(cfg.data.tokenizer_model).vocab_size
