@@ -28,9 +28,9 @@ from megazpp.bench.suite import (
     steps_fit,
     two_level_configs,
 )
-from megazpp.bench.torchft_peer import check_config as torchft_check
 from megazpp.bench.torchft_peer import parse_args as torchft_args
-from megazpp.config.checks import validate_config
+from megazpp.bench.torchft_peer import peer_outer
+from megazpp.config.checks import check_config, validate_config
 from megazpp.config.load import load_config
 from megazpp.errors import ConfigError, DataError
 from megazpp.zero.strategy import VALID_NAMES
@@ -176,13 +176,10 @@ def test_torchft_peer_arguments_and_refusals():
         torchft_args([*peer[:7], "h", *peer[8:]])
 
     def options(*flags):
-        cfg = validate_config(load_config(["--config", NETLAB_YAML, *flags]), 4)
-        return torchft_check(cfg, 4, 2)
+        cfg = load_config(["--config", NETLAB_YAML, *flags])
+        return peer_outer(cfg, check_config(cfg, 4, 2))
 
-    try:
-        got = options("--outer-algorithm", "diloco")
-    except ConfigError as exc:
-        pytest.skip(f"this checkout has no outer section yet (issue 28's runtime branch): {exc}")
+    got = options("--outer-algorithm", "diloco")
     assert (got.sync_every, got.lr, got.momentum) == (20, 0.7, 0.9)
     with pytest.raises(ConfigError, match="outer.algorithm is none"):
         options()

@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     check_steps(configs, ns.steps, ns.warmup)
     shared = shared_run_args(ns)
-    cfg = load_config(shared)  # refuse a bad YAML or flag here, not in 4 x N ranks
-    validate_config(cfg, layout.world_size, layout.ranks_per_node)
+    # refuse a bad YAML, flag or row here, not in 4 x N ranks (`select` leaves at least one row)
+    cfg = [
+        validate_config(load_config([*shared, *c.flags]), layout.world_size, layout.ranks_per_node) for c in configs
+    ][0]
     tokens_per_step = required(cfg.training.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

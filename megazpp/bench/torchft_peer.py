@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from megazpp.bench.peer_log import PeerLog
 from megazpp.cli import run_tool
-from megazpp.config import checks
+from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
-from megazpp.config.options import options_of
+from megazpp.config.options import RunOptions, options_of
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.options import DataOptions
@@ -90,8 +90,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return ns, rest
 
 
-def check_config(cfg: Config, world: int, ranks_per_group: int) -> OuterOptions:
-    """The outer options the peer runs, or ConfigError for what it cannot run the same way."""
+def peer_outer(cfg: Config, run: RunOptions) -> OuterOptions:
+    """The outer options the peer runs (`run`'s, built once by `check_config`), or ConfigError
+    for what it cannot run the same way."""
     if cfg.precision.bf16 or cfg.precision.fp16:
         raise ConfigError("torchft_peer: the peer runs fp32 only (CPU benchmark); drop --bf16 / --fp16")
     if cfg.tp > 1 or cfg.pp > 1 or cfg.model.lora_rank:
@@ -99,7 +100,7 @@ def check_config(cfg: Config, world: int, ranks_per_group: int) -> OuterOptions:
             "torchft_peer: tensor/pipeline parallelism and LoRA are not part of torchft's DiLoCo "
             "over FSDP replica groups; run it with TP = PP = 1 and full training"
         )
-    options = checks.resolve_outer(cfg, world, ranks_per_group)
+    options = run.outer
     if options is None:
         raise ConfigError(
             "torchft_peer: outer.algorithm is none; the peer runs DiLoCo "
@@ -245,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(rest)
     per_group = int(os.environ.get("WORLD_SIZE", "1"))
     world = ns.replica_groups * per_group
-    run = checks.check_config(cfg, world, per_group)  # every subsystem's options; the peer's own rules next
-    train(cfg, ns, check_config(cfg, world, per_group), run.data)
+    run = check_config(cfg, world, per_group)  # every subsystem's options; the peer's own rules next
+    train(cfg, ns, peer_outer(cfg, run), run.data)
 
 
 if __name__ == "__main__":
