@@ -106,8 +106,8 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
 
 
 def _strategies_rank(ckpt_root: str) -> dict:
-    from megazpp.training.checkpoint_load import load_checkpoint
-    from megazpp.training.checkpoint_save import save_checkpoint
+    from megazpp.checkpoint.load import load_checkpoint
+    from megazpp.checkpoint.save import save_checkpoint
 
     topo = Topology.from_env(ranks_per_node=2)
     island = topo.island_view(1)

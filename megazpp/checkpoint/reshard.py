@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
+from megazpp.checkpoint.format import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
+from megazpp.checkpoint.reader import CheckpointReader
+from megazpp.checkpoint.zero_shards import full_part_state
 from megazpp.errors import CheckpointError
-from megazpp.interop.checkpoint_io import CheckpointReader
-from megazpp.interop.zero_shards import full_part_state
 from megazpp.model.gpt import EMBEDDING_WEIGHT
 from megazpp.optim.engine_protocol import Engine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
 from megazpp.zero.zero_engine import ZeroEngine
 
 

@@ -9,7 +9,7 @@ A run continues the checkpoint in a directory when
 Otherwise a checkpoint in `--save` is refused by name, with the settings that differ and the
 two ways on: `--load DIR` to continue it with the new settings, or another `--save` to start
 a new run (a new run never writes into another run's directory). The rule is applied by
-`checkpoint_manager.plan_load`; this module says which settings count.
+`manager.plan_load`; this module says which settings count.
 """
 
 from __future__ import annotations
