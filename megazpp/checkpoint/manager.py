@@ -68,11 +68,9 @@ from megazpp.config.schema import Config
 from megazpp.errors import CheckpointError, ConfigError, NumericalError
 from megazpp.model.lora import is_adapter
 from megazpp.optim.engine_protocol import Engine
-from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.state import StateDict
-from megazpp.zero.zero_engine import ZeroEngine
 
 # What a run's checkpoint holds for `restore` (an import holds only the model).
 RESUME_KEYS = ("iteration", "consumed_samples", "model", "engine", "lr_schedule", "rng")
@@ -260,17 +258,14 @@ class CheckpointManager:
         directory = self.plan.directory
         if directory is None:
             raise CheckpointError("a resume needs the directory to resume (LoadPlan.directory)")
-        zero = engine.inner if isinstance(engine, DiLoCoEngine) else engine
         try:
-            reshard = needs_reshard(directory, zero, self.topology)
+            reshard = needs_reshard(directory, engine, self.topology)
         except CheckpointError:
             # unreadable newest checkpoint: the loader names the damage, or falls back when asked
             reshard = False
         if reshard:
             self._check_reshardable(directory)
-            if not isinstance(zero, ZeroEngine):
-                raise CheckpointError(f"{directory}: resharding needs the ZeRO engine, not {type(zero).__name__}")
-            return load_resharded(directory, self.topology, model, zero)
+            return load_resharded(directory, self.topology, model, engine)
         loaded = load_checkpoint(directory, self.topology, fallback=self.cfg.checkpoint.load_fallback)
         if loaded is None:
             raise CheckpointError(f"{directory}: {LATEST_FILE} names no checkpoint to resume")
