@@ -61,7 +61,7 @@ from megazpp.checkpoint.load import check_loadable, load_checkpoint, load_model_
 from megazpp.checkpoint.lock import hold_save_dir
 from megazpp.checkpoint.reshard import load_resharded, needs_reshard
 from megazpp.checkpoint.resume_check import check_resumable
-from megazpp.checkpoint.resume_rule import settings_diff
+from megazpp.checkpoint.resume_rule import settings_diff, shown
 from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazpp.checkpoint.save import check_not_behind, check_save_dir, save_checkpoint
 from megazpp.config.schema import Config
@@ -141,10 +141,9 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
         )
     diff = settings_diff(saved, cfg.to_dict())
     if diff:
-        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
         raise ConfigError(
             f"--save {ck.save} already holds {path.name} of a run with other "
-            f"settings ({shown}): pass --load {ck.save} to continue it with "
+            f"settings ({shown(diff)}): pass --load {ck.save} to continue it with "
             "these settings, or give another --save directory to start a new run"
         )
     return ck.save, f"--save {ck.save} (same settings)"

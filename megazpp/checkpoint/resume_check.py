@@ -39,6 +39,7 @@ from megazpp.checkpoint.format import (
     read_metadata,
 )
 from megazpp.checkpoint.frozen_base import BASE_KEY
+from megazpp.checkpoint.resume_rule import shown
 from megazpp.config.schema import Config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.config import ModelConfig
@@ -131,9 +132,8 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
     if isinstance(saved_model, dict):
         diff = _model_diff(saved_model, cfg.model)
         if diff:
-            shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
             raise CheckpointError(
-                f"{where} holds another model ({shown}): its weights do not fit this one. "
+                f"{where} holds another model ({shown(diff)}): its weights do not fit this one. "
                 f"Load it with the model settings it was saved with ({path / METADATA_FILE}), "
                 "or start this model from scratch with another --save"
             )
