@@ -7,7 +7,7 @@ or core count. Model FLOPs per token are megazpp.model.flops.training_flops_per_
 (6N + attention, the PaLM/Megatron convention).
 
 With transformers installed and a Llama shape, the same step of `LlamaForCausalLM` (same
-weights, batch, dtype and fused AdamW: megazpp.bench.hf_peer) is timed in the same run, and
+weights, batch, dtype and fused AdamW: benchmarks.hf_peer) is timed in the same run, and
 both models' losses on the batch before any update are reported (they must agree to rounding).
 `--compile` compiles megazpp's layers (training.compile); `--device cuda` runs on the GPU.
 
@@ -24,10 +24,11 @@ import json
 import time
 from collections.abc import Callable
 
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 import torch
 from torch import nn
 
-from megazpp.bench.hf_peer import hf_peer, peer_available, peer_loss
+from benchmarks.hf_peer import hf_peer, peer_available, peer_loss
 from megazpp.cli import run_tool
 from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.model.compile import compile_layers

@@ -25,11 +25,11 @@ import zstandard
 
 from megazpp.cli import run_tool
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks, resolve_inputs
-from megazpp.data.preprocess import preprocess
-from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_training import train_tokenizer
+from megazpp.preprocess.jsonl import SkipReason, extract_text, iter_line_chunks, resolve_inputs
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
+from megazpp.preprocess.tokenizer_training import train_tokenizer
 
 TOOLS = Path(__file__).resolve().parent
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
-from megazpp.data.compressed import READ_ERRORS, open_binary, zstd_damage
 from megazpp.errors import DataError
+from megazpp.preprocess.compressed import READ_ERRORS, open_binary, zstd_damage
 
 # RedPajama v2 stores the document under `raw_content`; v1 (and Megatron) under `text`.
 KEY_ALIASES = {"text": ("text", "raw_content")}

@@ -29,14 +29,17 @@ from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
-from megazpp.data.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
-from megazpp.data.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
 from megazpp.data.indexed_dataset import merge_indexed_datasets, token_dtype_for
-from megazpp.data.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
-from megazpp.data.progress import Progress
-from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow
-from megazpp.data.shard_writer import ShardWriter, output_prefix_for, remove_shards
-from megazpp.data.shards import (
+from megazpp.data.tokenizer import Tokenizer
+from megazpp.data.tokenizer_record import TokenizerRecord, write_record
+from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
+from megazpp.preprocess.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
+from megazpp.preprocess.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
+from megazpp.preprocess.progress import Progress
+from megazpp.preprocess.redpajama_v2 import PYARROW_HINT, have_pyarrow
+from megazpp.preprocess.shard_writer import ShardWriter, output_prefix_for, remove_shards
+from megazpp.preprocess.shards import (
     DocumentCounts,
     Shard,
     ShardResult,
@@ -48,10 +51,7 @@ from megazpp.data.shards import (
     safe_name,
     write_marker,
 )
-from megazpp.data.signal_filter import FilterSpec
-from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_record import TokenizerRecord, write_record
-from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.signal_filter import FilterSpec
 
 
 @dataclass(kw_only=True)

@@ -18,9 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from megazpp.data.jsonl import strip_jsonl_suffix
-from megazpp.data.redpajama_v2 import V2Files, v2_files
 from megazpp.errors import DataError
+from megazpp.preprocess.jsonl import strip_jsonl_suffix
+from megazpp.preprocess.redpajama_v2 import V2Files, v2_files
 
 MARKER_SUFFIX = ".done.json"
 MARKER_VERSION = 1

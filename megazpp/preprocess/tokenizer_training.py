@@ -18,8 +18,8 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm import tqdm
 
-from megazpp.data.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_INPUT_SENTENCE_SIZE = 200_000
