@@ -2,7 +2,8 @@
 
 Why a registry: optimizers, gradient-norm code and checkpoints must know whether a parameter
 is a shard (its norm contribution is summed over TP ranks) or a replica (counted once), and
-the project keeps such state out of `nn.Parameter` attributes (design decision 5).
+the project keeps such state out of `nn.Parameter` attributes (docs/architecture.md, "State is
+explicit").
 """
 
 from __future__ import annotations
