@@ -117,6 +117,31 @@ def all_reduce(
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
+def _chunked(
+    kind: Literal["all_gather", "reduce_scatter"],
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Group,
+    async_op: bool,
+    tag: str | None,
+    native: Callable[[], Work[object] | None],
+    emulated: Callable[[], Work[object] | None],
+) -> Work[object] | None:
+    """The body `all_gather_into_tensor` and `reduce_scatter_tensor` share: the identity in a
+    world of one; else the whole side (all-gather's output, reduce-scatter's input) checked to be
+    k chunks, one chunk's bytes counted, and the collective run (`_native_or_emulated`)."""
+    if not dist.is_initialized():
+        out.copy_(inp.reshape(out.shape))
+        return Done(None) if async_op else None
+    gather = kind == "all_gather"
+    whole, chunk = (out, inp) if gather else (inp, out)
+    if whole.numel() != chunk.numel() * group_size(group):
+        name, side = ("all_gather_into_tensor", "output") if gather else ("reduce_scatter_tensor", "input")
+        raise ValueError(f"{name}: {side} has {whole.numel()} elements, expected {group_size(group)} x {chunk.numel()}")
+    record_chunks(kind, tag, group, nbytes(chunk))
+    return _native_or_emulated(kind, native, emulated)
+
+
 def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object] | None:
     """all_gather into a list of views of `out`: same wire bytes as the native operation."""
     parts = list(out.view(-1).chunk(group_size(group)))
@@ -185,16 +210,13 @@ def all_gather_into_tensor(
     out: torch.Tensor, inp: torch.Tensor, group: Group = None, async_op: bool = False, tag: str | None = None
 ) -> Work[object] | None:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
-    if not dist.is_initialized():
-        out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
-    if out.numel() != inp.numel() * group_size(group):
-        raise ValueError(
-            f"all_gather_into_tensor: output has {out.numel()} elements, expected {group_size(group)} x {inp.numel()}"
-        )
-    record_chunks("all_gather", tag, group, nbytes(inp))
-    return _native_or_emulated(
+    return _chunked(
         "all_gather",
+        out,
+        inp,
+        group,
+        async_op,
+        tag,
         lambda: _all_gather_native(out, inp, group, async_op),
         lambda: _all_gather_emulated(out, inp, group, async_op),
     )
@@ -253,16 +275,13 @@ def reduce_scatter_tensor(
     tag: str | None = None,
 ) -> Work[object] | None:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
-    if not dist.is_initialized():
-        out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
-    if inp.numel() != out.numel() * group_size(group):
-        raise ValueError(
-            f"reduce_scatter_tensor: input has {inp.numel()} elements, expected {group_size(group)} x {out.numel()}"
-        )
-    record_chunks("reduce_scatter", tag, group, nbytes(out))
-    return _native_or_emulated(
+    return _chunked(
         "reduce_scatter",
+        out,
+        inp,
+        group,
+        async_op,
+        tag,
         lambda: _reduce_scatter_native(out, inp, op, group, async_op),
         lambda: _reduce_scatter_emulated(out, inp, op, group, async_op),
     )
