@@ -34,6 +34,7 @@ from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.model.compile import compile_layers
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.unique_keys import JSONObject
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -84,7 +85,7 @@ def tokens_per_second(
     return steps * tokens / (time.perf_counter() - start), first
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> JSONObject:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_flags(
         parser,

@@ -59,6 +59,7 @@ from megazpp.planner.probe import (
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config
+from megazpp.unique_keys import JSONObject
 
 TARGET = 0.15  # issue 28: every two-level row within 15 %
 
@@ -101,7 +102,7 @@ def bench_jobs(path: str) -> BenchJobs:
     return BenchJobs(recorded["setting"], ns.nodes * ns.ranks_per_node, ns.ranks_per_node, jobs, skipped)
 
 
-def _rank_main(a: argparse.Namespace) -> dict | None:
+def _rank_main(a: argparse.Namespace) -> JSONObject | None:
     """Probe this cluster on the two-level engine's groups and predict every job of `a.bench`."""
     bench: BenchJobs = a.bench
     topo = Topology.from_env(ranks_per_node=a.ranks_per_node)  # None: the launcher's LOCAL_WORLD_SIZE
@@ -164,7 +165,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     }
 
 
-def report(result: dict, a: argparse.Namespace) -> str:
+def report(result: JSONObject, a: argparse.Namespace) -> str:
     """Predicted vs measured per two-level row, the errors, against issue 28's 15 %."""
     bench: BenchJobs = a.bench
     m, c = result["model"], result["cluster"]

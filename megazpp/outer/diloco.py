@@ -53,9 +53,9 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory
 from megazpp.zero import traffic as traffic_zero
-from megazpp.zero.sequences import GroupShape
 from megazpp.zero.strategy import Strategy
 from megazpp.zero.zero_engine import ZeroEngine
 

@@ -45,9 +45,9 @@ class ChunkResult:
     last: bool
     damage: tuple[str, ...]
     tokens: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
-    skipped: Counter
-    dropped: Counter = field(default_factory=Counter)
-    unevaluable: Counter = field(default_factory=Counter)
+    skipped: Counter[str]
+    dropped: Counter[str] = field(default_factory=Counter)
+    unevaluable: Counter[str] = field(default_factory=Counter)
 
 
 class ChunkEncoder:

@@ -55,7 +55,7 @@ def strip_jsonl_suffix(name: str) -> str:
     return name
 
 
-def resolve_inputs(pattern: str | os.PathLike) -> list[Path]:
+def resolve_inputs(pattern: str | os.PathLike[str]) -> list[Path]:
     """A file, a directory (its JSONL files, recursively; for a RedPajama-V2 download, those
     under its `documents/`) or a glob, as a sorted list of existing files."""
     pattern = str(pattern)
@@ -75,7 +75,7 @@ def resolve_inputs(pattern: str | os.PathLike) -> list[Path]:
     return files
 
 
-def input_root(pattern: str | os.PathLike) -> Path:
+def input_root(pattern: str | os.PathLike[str]) -> Path:
     """The directory the input's files are named relative to: a directory input itself, a glob's
     fixed leading directories, or a single file's parent."""
     pattern = str(pattern)

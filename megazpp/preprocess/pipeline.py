@@ -93,9 +93,9 @@ class PreprocessSummary(DocumentCounts):
 
 
 def preprocess(
-    input_pattern: str | os.PathLike,
-    tokenizer_model: str | os.PathLike,
-    output_prefix: str | os.PathLike,
+    input_pattern: str | os.PathLike[str],
+    tokenizer_model: str | os.PathLike[str],
+    output_prefix: str | os.PathLike[str],
     workers: int = 1,
     json_keys: tuple[str, ...] = ("text",),
     append_eod: bool = False,
@@ -183,7 +183,7 @@ def _interrupted(results: list[ShardResult | None], shard_dir: Path) -> str:
 
 
 def _refuse_existing_outputs(
-    output_prefix: str | os.PathLike, json_keys: tuple[str, ...], split_by_source: bool, shard_dir: Path
+    output_prefix: str | os.PathLike[str], json_keys: tuple[str, ...], split_by_source: bool, shard_dir: Path
 ) -> None:
     """A dataset already at the output prefix is refused (outputs are never overwritten), unless
     the prefix's shard directory is there: then this run resumes an interrupted one, or updates

@@ -53,7 +53,7 @@ def foreign_entries(data_dir: Path) -> list[str]:
 
 
 def describe(
-    data_dir: str | os.PathLike, data_path: list[str] | None = None, tokenizer_model: str | None = None
+    data_dir: str | os.PathLike[str], data_path: list[str] | None = None, tokenizer_model: str | None = None
 ) -> str:
     """The line run.sh prints: what DATA_DIR holds and what the job will use (the job's own
     `data_path` / `tokenizer_model` when given); a DataError when run.sh must not build or

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-_sharded: dict[int, tuple[weakref.ref, int]] = {}
+_sharded: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
 
 def mark_tp_sharded(p: torch.Tensor, dim: int) -> None:
@@ -21,7 +21,7 @@ def mark_tp_sharded(p: torch.Tensor, dim: int) -> None:
     _sharded[key] = (weakref.ref(p, lambda _ref: _sharded.pop(key, None)), dim)
 
 
-def _entry(p: torch.Tensor) -> tuple[weakref.ref, int] | None:
+def _entry(p: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
     entry = _sharded.get(id(p))
     if entry is None or entry[0]() is not p:
         return None
