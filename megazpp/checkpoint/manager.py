@@ -20,7 +20,7 @@ masters and shards), `load` reads the run's checkpoint (or takes the import) and
 `--save` whose `latest` is newer than the start, `restore` puts a run's state into model,
 engine, lr schedule and RNGs and gives the trainer its iteration and the sampler's position.
 Saves (`due` says when: the interval, the last step, a stop on a signal or time limit) go
-through `save`: all ranks agree that every weight is finite, then `checkpoint_save` writes
+through `save`: all ranks agree that every weight is finite, then `save.py` writes
 with its atomic protocol; `--save` is probed and locked (`writer.lock`) before any step.
 """
 
@@ -326,7 +326,7 @@ class CheckpointManager:
             check_save_dir(self.cfg.checkpoint.save, self.topology)
 
     def hold_save_dir(self) -> AbstractContextManager[None]:
-        """`--save`'s `writer.lock` for the run's life (`save_lock`): one writer per directory."""
+        """`--save`'s `writer.lock` for the run's life (`lock.py`): one writer per directory."""
         return hold_save_dir(self.cfg.checkpoint.save, self.topology)
 
     def due(self, iteration: int, exiting: bool) -> bool:

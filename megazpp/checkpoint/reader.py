@@ -31,7 +31,7 @@ from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A save directory (its `latest` checkpoint) or an `iter_N` directory itself."""
     path = Path(path)
     if (path / METADATA_FILE).exists():
@@ -47,7 +47,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 class CheckpointReader:
     """Reads the model parts of one checkpoint (one rank file at a time, memory-mapped)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = resolve_checkpoint(path)
         meta_file = self.path / METADATA_FILE
         try:

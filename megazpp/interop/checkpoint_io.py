@@ -92,7 +92,7 @@ def part_weights(
     return out
 
 
-def saved_tokenizer(path: str | os.PathLike) -> str | None:
+def saved_tokenizer(path: str | os.PathLike[str]) -> str | None:
     """The tokenizer model the checkpoint's run trained with (from the resolved config that
     training saves), when that file still exists; None otherwise."""
     meta = CheckpointReader(path).meta
@@ -101,7 +101,7 @@ def saved_tokenizer(path: str | os.PathLike) -> str | None:
 
 
 def write_weights_checkpoint(
-    save_dir: str | os.PathLike,
+    save_dir: str | os.PathLike[str],
     cfg: ModelConfig,
     full: Mapping[str, torch.Tensor],
     tp: int,
