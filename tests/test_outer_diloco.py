@@ -39,9 +39,9 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero import traffic as zero_traffic
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.sequences import GroupShape
 from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
