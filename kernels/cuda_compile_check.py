@@ -16,12 +16,14 @@ TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
 from __future__ import annotations
 
 import re
+import struct
 import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 
 from kernels import triton_ops
+from kernels.format import ROUND_MAGIC
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
@@ -42,6 +44,8 @@ _REDUCE_ARGS = {
 
 
 _LAUNCH_OPTIONS = ("num_warps", "enable_fp_fusion")
+# +ROUND_MAGIC and -ROUND_MAGIC as PTX writes fp32 immediates (0f + IEEE bits, upper case).
+_MAGIC_PTX = tuple(f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}" for v in (ROUND_MAGIC, -ROUND_MAGIC))
 
 
 def _tile(block_size: int) -> dict:
@@ -135,6 +139,9 @@ def problems(ptx: str, consts: dict | None = None) -> list[str]:
         found.append("contains fma (fp fusion must stay off for bit-identity)")
     if not re.search(r"\bld\.global(\.\w+)*\.v[24]\.", ptx):
         found.append("has no vectorized global load")
+    quantizes = "QMAX" in (consts or {}) or (consts or {}).get("OUT_BITS")
+    if quantizes and not all(re.search(rf"\badd\.rn\.f32\s[^;]*, {c};", ptx) for c in _MAGIC_PTX):
+        found.append("lacks the rounding's add.rn.f32 of +-ROUND_MAGIC (folded or fused away)")
     return found
 
 
