@@ -45,7 +45,10 @@ OPS = (
 SHAPES_PER_OP = 64
 # Inductor settings that keep the generated C++ at one rounding per fp32 operation, whatever
 # TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG / ..._UNSAFE_MATH_OPT_FLAG say.
-EXACT_FP = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
+EXACT_FP: dict[str, str | int | bool | Callable[..., object]] = {
+    "cpp.enable_floating_point_contract_flag": "off",
+    "cpp.enable_unsafe_math_opt_flag": False,
+}
 
 
 def require_compiler() -> None:

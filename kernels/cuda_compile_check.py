@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 
 from kernels import triton_ops
 from kernels.format import ROUND_MAGIC
+from kernels.triton_geometry import CANDIDATES, Geometry, default_geometry
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
@@ -48,9 +49,9 @@ _LAUNCH_OPTIONS = ("num_warps", "enable_fp_fusion")
 _MAGIC_PTX = tuple(f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}" for v in (ROUND_MAGIC, -ROUND_MAGIC))
 
 
-def _tile(block_size: int) -> dict:
-    """The launchers' own geometry and options for this block size (constexprs and options)."""
-    return triton_ops._tiling(block_size, 1)[1]
+def _tile(block_size: int, geometry: Geometry | None = None) -> dict:
+    """Constexprs and launch options for this block size, at the default geometry or `geometry`."""
+    return (geometry or default_geometry(block_size)).launch_options(block_size)
 
 
 def variants() -> list[tuple[str, object, dict, dict]]:
@@ -107,6 +108,20 @@ def variants() -> list[tuple[str, object, dict, dict]]:
         )
         args = {**_REDUCE_ARGS, "in_codes_ptr": "*u8" if bits == 4 else "*i8"}
         out.append((label, triton_ops._dequant_reduce_kernel, args, consts))
+    # The extremes of the tuned geometries (kernels/triton_geometry.py): the fewest elements and
+    # warps, and the most, each still with vector loads and without FMAs.
+    for geometry in (
+        min(CANDIDATES, key=lambda g: (g.elements, g.warps)),
+        max(CANDIDATES, key=lambda g: (g.elements, g.warps)),
+    ):
+        out.append(
+            (
+                f"quantize bf16 int8, {geometry.elements} elements x {geometry.warps} warps",
+                triton_ops._quantize_kernel,
+                {"x_ptr": "*bf16", **quant, "codes_ptr": "*i8"},
+                {**_tile(2048, geometry), "BITS": 8, "QMAX": 127},
+            )
+        )
     # A block wider than one tile: one row per program, eight warps.
     out.append(
         (
