@@ -279,6 +279,32 @@ def _launch_reduce(
     )
 
 
+def _reduce_to_codes(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    blocks: int,
+    out_bits: int,
+    err: tuple[torch.Tensor, float, float] | None,
+    geometry: Geometry | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The re-quantized sum's new codes and scales (LoCo-updating `err` when given)."""
+    out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
+    _launch_reduce(
+        codes,
+        scales,
+        bits,
+        block_size,
+        out_bits=out_bits,
+        out_codes=out_codes,
+        out_scales=out_scales,
+        err=err,
+        geometry=geometry,
+    )
+    return out_codes, out_scales
+
+
 def dequant_reduce(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -307,18 +333,7 @@ def dequant_reduce_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""
     blocks = check_stacked(codes, scales, bits, block_size)
-    out_codes, out_scales = _new_codes(blocks, check_bits(out_bits), block_size, codes.device)
-    _launch_reduce(
-        codes,
-        scales,
-        bits,
-        block_size,
-        out_bits=out_bits,
-        out_codes=out_codes,
-        out_scales=out_scales,
-        geometry=geometry,
-    )
-    return out_codes, out_scales
+    return _reduce_to_codes(codes, scales, bits, block_size, blocks, check_bits(out_bits), None, geometry)
 
 
 def dequant_reduce_loco_quantize(
@@ -337,16 +352,5 @@ def dequant_reduce_loco_quantize(
     check_bits(out_bits)
     beta, keep = _loco_weights(err_beta)
     check_error_buffer(err, blocks, block_size, codes.device)
-    out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
-    _launch_reduce(
-        codes,
-        scales,
-        bits,
-        block_size,
-        out_bits=out_bits,
-        out_codes=out_codes,
-        out_scales=out_scales,
-        err=(err, beta, keep),
-        geometry=geometry,
-    )
-    return out_codes, out_scales, err
+    out = _reduce_to_codes(codes, scales, bits, block_size, blocks, out_bits, (err, beta, keep), geometry)
+    return *out, err

@@ -102,19 +102,22 @@ def test_compile_flag_compiles_the_layers_of_the_main_job():
     assert not any(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in plain.layers.values())
 
 
-def _compiled_zero2(prefix: str, tokenizer: str) -> dict[int, float]:
+def _compiled(prefix: str, tokenizer: str, stage: str) -> dict[int, float]:
     from test_training_parallel import common_args
 
     import pretrain_gpt
 
-    return pretrain_gpt.main(common_args(prefix, tokenizer) + ["--zero-stage", "2", "--compile"]).losses
+    return pretrain_gpt.main(common_args(prefix, tokenizer) + ["--zero-stage", stage, "--compile"]).losses
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, tiny_tokenizer_model):
-    """The ZeRO engine's gradient hooks stay outside the compiled layers: 2 ranks under ZeRO-2
-    with --compile follow the single-process eager run within the compiled-vs-eager bound."""
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_compiled_layers_under_zero_follow_the_eager_run(tiny_indexed_prefix, tiny_tokenizer_model, stage):
+    """The ZeRO engine's hooks stay outside the compiled layers: 2 ranks under ZeRO-2 (gradient
+    hooks) and ZeRO-3 (parameters gathered around each compiled layer, one fetch unit per
+    layer) with --compile follow the single-process eager run within the compiled-vs-eager
+    bound (ZeRO-3 measured within 5e-7 of ZeRO-3 eager)."""
     from test_training_parallel import common_args
 
     import pretrain_gpt
@@ -122,34 +125,7 @@ def test_compiled_layers_under_zero2_follow_the_eager_run(tiny_indexed_prefix, t
 
     args = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
     reference = pretrain_gpt.main(common_args(*args)).losses
-    for losses in run_ranks(_compiled_zero2, 2, *args, timeout_s=600):
-        assert sorted(losses) == [1, 2, 3, 4]
-        for i, loss in losses.items():
-            assert loss == pytest.approx(reference[i], abs=1e-4), (i, losses, reference)
-
-
-def _compiled_zero3(prefix: str, tokenizer: str) -> dict[int, float]:
-    from test_training_parallel import common_args
-
-    import pretrain_gpt
-
-    return pretrain_gpt.main(common_args(prefix, tokenizer) + ["--zero-stage", "3", "--compile"]).losses
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_compiled_layers_under_zero3_follow_the_eager_run(tiny_indexed_prefix, tiny_tokenizer_model):
-    """Parameters sharded, gathered around each compiled layer (one fetch unit per compiled
-    layer): 2 ranks under ZeRO-3 with --compile follow the single-process eager run within the
-    compiled-vs-eager bound of the ZeRO-2 test above (measured: within 5e-7 of ZeRO-3 eager)."""
-    from test_training_parallel import common_args
-
-    import pretrain_gpt
-    from megazpp.launch.local_ranks import run_ranks
-
-    args = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
-    reference = pretrain_gpt.main(common_args(*args)).losses
-    for losses in run_ranks(_compiled_zero3, 2, *args, timeout_s=900):
+    for losses in run_ranks(_compiled, 2, *args, stage, timeout_s=900):
         assert sorted(losses) == [1, 2, 3, 4]
         for i, loss in losses.items():
             assert loss == pytest.approx(reference[i], abs=1e-4), (i, losses, reference)
