@@ -63,15 +63,16 @@ def default_geometry(block_size: int) -> Geometry:
 
 
 # One autotuner per kernel variant: (kernel, block size, constants, restored arguments).
-_TUNERS: dict[tuple, triton.runtime.Autotuner] = {}
+_TunerKey = tuple[triton.JITFunction, int, tuple[tuple[str, object], ...], tuple[str, ...]]
+_TUNERS: dict[_TunerKey, triton.runtime.Autotuner] = {}
 
 
 def _tuner(
-    kernel: triton.JITFunction, block_size: int, consts: tuple, restore: tuple[str, ...]
+    kernel: triton.JITFunction, block_size: int, consts: tuple[tuple[str, object], ...], restore: tuple[str, ...]
 ) -> triton.runtime.Autotuner:
     """The variant's autotuner (built on first use), over the candidates distinct for this
     block size (for wide blocks several candidates mean the same single-block rows)."""
-    key = (kernel, block_size, consts, restore)
+    key: _TunerKey = (kernel, block_size, consts, restore)
     if key not in _TUNERS:
         configs = {(g.rows(block_size), g.warps) for g in CANDIDATES}
         _TUNERS[key] = triton.autotune(

@@ -35,7 +35,7 @@ def test_profile_loop_splits_a_bf16_run_into_phases(tiny_indexed_prefix, tiny_to
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import pstats
 
-    from megazpp.bench.loop_profile import loop_profile
+    from benchmarks.loop_profile import loop_profile
 
     profile = loop_profile(pstats.Stats(str(stats)))
     assert profile.steps == 6 and profile.loop_s > 0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from support import load_tool
 
-from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
-from megazpp.bench.gpu_check.settings import PLAN_FLAGS
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from benchmarks.gpu_check.settings import PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,8 +121,8 @@ def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
 
 def test_tuned_geometry_rows_from_the_bandwidth_log(tmp_path):
     """kernels-geometry reads the autotuner's table bench_quant.py printed in kernels-bandwidth."""
-    from megazpp.bench.gpu_check.commands import Context
-    from megazpp.bench.gpu_check.overheads import geometry_rows, step_kernels_geometry
+    from benchmarks.gpu_check.commands import Context
+    from benchmarks.gpu_check.overheads import geometry_rows, step_kernels_geometry
 
     log = (
         "| op | bytes moved | time (us) | GB/s | % of copy |\n|---|---:|---:|---:|---:|\n"

@@ -1,4 +1,4 @@
-"""The training loop's time per phase (megazpp/bench/loop_profile.py) for one pretrain_gpt job.
+"""The training loop's time per phase (benchmarks/loop_profile.py) for one pretrain_gpt job.
 
     python tools/profile_loop.py [--stats FILE] -- PRETRAIN_GPT_FLAGS
     python tools/profile_loop.py -- --data-path data/corpus_text_document \\
@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megazpp.bench.loop_profile import loop_profile
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
+
+from benchmarks.loop_profile import loop_profile
 from megazpp.cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import re
 import sys
 from collections.abc import Callable
 
-from megazpp.bench.gpu_check.commands import Context, Outcome, run, run_sh, tail
-from megazpp.bench.gpu_check.parse import log_lines, tb_losses
-from megazpp.bench.gpu_check.settings import ENGINE_BOUND, ENGINE_COMMON, SHAPE
+from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
+from benchmarks.gpu_check.parse import log_lines, tb_losses
+from benchmarks.gpu_check.settings import ENGINE_BOUND, ENGINE_COMMON, SHAPE
 
 PY = sys.executable
 # ZeRO-3 eager vs compiled: long enough that the last logged interval is past compilation
