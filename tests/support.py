@@ -153,7 +153,7 @@ def tree_changes(before: dict[str, frozenset[str]], after: dict[str, frozenset[s
     """'+ path' for what appeared, '- path' for what went; a new or removed directory once, not
     each of its files."""
     return sorted(
-        f"{'+' if name in after[d] else '-'} {os.path.normpath(os.path.join(d, name))}"
+        f"{'+' if name in after[d] else '-'} {name if d == '.' else f'{d}/{name}'}"
         for d in before.keys() & after.keys()
         for name in before[d] ^ after[d]
     )

@@ -40,7 +40,10 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
     assert all(v > 0 for v in scalars["outer/island_divergence"].values)
     assert (save / "latest").read_text().strip().endswith("12")
 
-    resumed = run_sh(run_sh_data_dir, *OUTER, "--train-iters", "16", "--save", str(save), "--load", str(save), nproc=4)
+    resumed = run_sh(
+        run_sh_data_dir, *OUTER, "--train-iters", "16", "--save", str(save), "--load", str(save), "--tensorboard-dir",
+        str(tb), nproc=4
+    )
     assert "resumed from" in resumed.stdout + resumed.stderr and "iter     15" in resumed.stdout + resumed.stderr
 
     out_file = tmp_path / "model.safetensors"
@@ -99,11 +102,20 @@ def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path
         "1",
         "--save",
         str(save),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
     ]
     first = run_sh(run_sh_data_dir, *flags, "--train-iters", "6", nproc=4)
     out = first.stdout + first.stderr
     landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
     assert landed == ["3", "5"], landed
+    # the export says what each fragment holds: not "the last outer sync (iteration 4)" for both
+    export = tool("tools/export_checkpoint.py", "--load", str(save), "--out", str(tmp_path / "at6.safetensors"))
+    assert (
+        "exported are the islands' averaged parameters at each fragment's last applied outer sync (2 fragments, "
+        "every 4 steps, overlap 1): fragment 0 at iteration 4; fragment 1 at iteration 2, its exchange of "
+        "iteration 6 in flight; not any island's own since"
+    ) in export.stdout, export.stdout
     again = run_sh(run_sh_data_dir, *flags, "--train-iters", "9", "--load", str(save), nproc=4)
     out = again.stdout + again.stderr
     assert "resumed from" in out
