@@ -20,11 +20,11 @@ import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest
+from support import ROOT, tree_changes, tree_entries
 
 from megazpp.data.preprocess import preprocess
 from megazpp.data.sample_corpus import build_sample_corpus
 from megazpp.data.tokenizer_training import train_tokenizer
-from support import ROOT, tree_changes, tree_entries
 
 
 def netlab_unavailable() -> str | None:

@@ -4,9 +4,13 @@ The run.sh cases are in test_outer_run_sh.py."""
 
 from __future__ import annotations
 
-from support import tree_changes, tree_entries
+import re
+
+import yaml
+from support import ROOT, tree_changes, tree_entries
 
 from megazpp.outer.fragments import due_fragments, last_landed
+from tests.test_first_hour import tool
 
 
 def test_the_checkout_guard_names_what_a_test_added_or_removed(tmp_path):
@@ -42,3 +46,25 @@ def test_last_landed_sync_of_each_fragment_follows_the_schedule():
                     for f in due_fragments(step - overlap, every, count) if step - overlap >= 1 else []:
                         landed[f] = step - overlap
                     assert last_landed(step, every, count, overlap) == landed, (every, count, overlap, step)
+
+
+def test_plan_offers_no_h_longer_than_the_run_and_counts_parameters_in_sensible_units(tmp_path, tiny_tokenizer_model):
+    """The issue's command on the run.sh YAML (300 steps): it recommended --outer-sync-every 500,
+    a run whose islands never meet, and printed "0.00 B parameters" for a model of 0.9 M (vocabulary 512 here)."""
+    config = yaml.safe_load((ROOT / "configs" / "llama_tiny.yaml").read_text())
+    config["data"]["tokenizer_model"] = str(tiny_tokenizer_model)  # the checkout has no data/
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
+    argv = ["--config", str(tmp_path / "tiny.yaml"), "--accelerator", "h100-80gb", "--nodes", "2"]
+    argv += ["--gpus-per-node", "2", "--inter-gbit", "1", "--micro-batch-size", "4"]
+    out = tool("tools/plan.py", *argv).stdout
+    assert out.splitlines()[0].endswith(
+        "vocab 512; micro-batch 4 x 1 accumulation steps, global batch 16; 4-byte weights, "
+        "4-byte gradient accumulation; 918.66 K parameters"
+    )
+    offered = [int(h) for h in re.findall(r"DiLoCo H=(\d+) ", out)]
+    assert offered and max(offered) <= 300 and "H=500" not in out
+    recommended = re.search(r"--outer-sync-every (\d+) --outer-fragments \d+ --outer-overlap-steps (\d+)", out)
+    assert recommended and int(recommended[1]) + int(recommended[2]) <= 300
+    # --train-iters (the job's flag) shortens it further: nothing syncs within 4 steps
+    short = tool("tools/plan.py", *argv, "--train-iters", "4").stdout
+    assert "Two-level recommendation: none (fewer than 2 islands of whole nodes, nothing fits, or the run ends" in short

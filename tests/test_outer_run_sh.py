@@ -41,8 +41,17 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
     assert (save / "latest").read_text().strip().endswith("12")
 
     resumed = run_sh(
-        run_sh_data_dir, *OUTER, "--train-iters", "16", "--save", str(save), "--load", str(save), "--tensorboard-dir",
-        str(tb), nproc=4
+        run_sh_data_dir,
+        *OUTER,
+        "--train-iters",
+        "16",
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--tensorboard-dir",
+        str(tb),
+        nproc=4,
     )
     assert "resumed from" in resumed.stdout + resumed.stderr and "iter     15" in resumed.stdout + resumed.stderr
 

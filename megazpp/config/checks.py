@@ -233,6 +233,14 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     if not cfg.outer.enabled():
         return None
     options = options_of(OuterOptions, cfg.outer)
+    first_landing = options.sync_every + options.overlap_steps
+    if first_landing > cfg.training.train_iters:
+        raise ConfigError(
+            f"outer.sync_every = {options.sync_every} with training.train_iters = {cfg.training.train_iters}: "
+            f"the first outer sync would land after step {first_landing}, past the run's end, so the islands "
+            f"never meet and its checkpoints and exports hold the parameters it started from: give "
+            f"outer.sync_every <= {cfg.training.train_iters - options.overlap_steps} (--outer-sync-every)"
+        )
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(
