@@ -1,8 +1,12 @@
 """Two-level training as a user runs it: `run.sh` on 4 ranks carved into 2 nodes of 2 (two
 islands), saving and logging; the banner, the outer syncs in the log and in TensorBoard, a
-resume, the export of the synced parameters; and a refusal in one line before any rank starts."""
+resume, the export of the synced parameters (per fragment when streaming); refusals in one line
+before any rank starts (one island; the loads a two-level checkpoint cannot start); and the
+changes a resume may make (the warm start from a synchronous run, H, the outer lr, the wire)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,11 @@ STREAMING = {
 
 def flat(flags: dict[str, str]) -> list[str]:
     return [item for pair in flags.items() for item in pair]
+
+
+def landed_at(out: str) -> list[str]:
+    """The iterations whose console line logs an outer sync landing."""
+    return [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
 
 
 @pytest.mark.slow
@@ -148,8 +157,7 @@ def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path
         "steps (streaming; one fragment a sync step); each exchange runs while 1 inner step(s) go on, then is "
         "merged keeping 0.5 of the island's own parameters; outer gradients sent as int4 with error feedback: "
     ) in out
-    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
-    assert landed == ["3", "5"], landed
+    assert landed_at(out) == ["3", "5"]
     # what this checkpoint cannot start: one line before any rank (each used to fail on every rank,
     # the wire change as a tensor size mismatch at the first landing); its files untouched
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (save / "iter_0000006").iterdir())
@@ -190,8 +198,7 @@ def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path
     again = run_sh(run_sh_data_dir, *flags, "--train-iters", "9", "--load", str(save), nproc=4)
     out = again.stdout + again.stderr
     assert "resumed from" in out
-    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
-    assert landed == ["7", "9"], landed
+    assert landed_at(out) == ["7", "9"]
 
 
 @pytest.mark.slow
@@ -203,45 +210,30 @@ def test_run_sh_warm_start_from_a_synchronous_checkpoint_and_the_outer_changes_a
     changes H, the outer lr and the wire with nothing in flight: each starts, none refused."""
     sync, two = tmp_path / "sync", tmp_path / "two"
     base = ["--micro-batch-size", "4", "--zero-stage", "1", "--log-interval", "1"]
-    islands = ["--ranks-per-node", "2", "--outer-algorithm", "diloco"]
-    tb1, tb2 = ["--tensorboard-dir", str(tmp_path / "tb1")], ["--tensorboard-dir", str(tmp_path / "tb2")]
-    run_sh(run_sh_data_dir, *base, "--train-iters", "4", "--save", str(sync), *tb1, nproc=4)
-    warm = run_sh(
+    run_sh(
         run_sh_data_dir,
         *base,
-        *islands,
-        "--outer-sync-every",
-        "2",
         "--train-iters",
-        "6",
-        "--load",
-        str(sync),
+        "4",
         "--save",
-        str(two),
-        *tb2,
+        str(sync),
+        "--tensorboard-dir",
+        str(tmp_path / "tb1"),
         nproc=4,
     )
-    out = warm.stdout + warm.stderr
+
+    def two_level(load: Path, iters: int, *outer: str) -> str:
+        flags = ["--ranks-per-node", "2", "--outer-algorithm", "diloco", *outer, "--train-iters", str(iters)]
+        own = ["--load", str(load), "--save", str(two), "--tensorboard-dir", str(tmp_path / "tb2")]
+        proc = run_sh(run_sh_data_dir, *base, *flags, *own, nproc=4)
+        return proc.stdout + proc.stderr
+
+    out = two_level(sync, 6, "--outer-sync-every", "2")
     assert f"resumed from {sync / 'iter_0000004'} at iteration 4" in out
     assert "the first outer interval starts at its weights" in out
-    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
-    assert landed == ["6"], landed  # inner steps count on from the checkpoint's 4: H = 2 syncs at 6
-    changes = ["--outer-sync-every", "3", "--outer-lr", "1.0", "--outer-momentum", "0", "--outer-quantize", "bf16"]
-    changed = run_sh(
-        run_sh_data_dir,
-        *base,
-        *islands,
-        *changes,
-        "--train-iters",
-        "9",
-        "--load",
-        str(two),
-        "--save",
-        str(two),
-        *tb2,
-        nproc=4,
+    assert landed_at(out) == ["6"]  # inner steps count on from the checkpoint's 4: H = 2 syncs at 6
+    out = two_level(
+        two, 9, "--outer-sync-every", "3", "--outer-lr", "1.0", "--outer-momentum", "0", "--outer-quantize", "bf16"
     )
-    out = changed.stdout + changed.stderr
     assert f"resumed from {two / 'iter_0000006'} at iteration 6" in out
-    landed = [line.split("|")[0].split()[1] for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
-    assert landed == ["9"], landed
+    assert landed_at(out) == ["9"]
