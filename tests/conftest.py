@@ -20,6 +20,7 @@ import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest
+from support import ROOT, tree_changes, tree_entries
 
 from megazpp.preprocess.pipeline import preprocess
 from megazpp.preprocess.sample_corpus import build_sample_corpus
@@ -91,6 +92,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             {item.function.__name__, *item.fixturenames} & spawning_functions(Path(item.fspath))
         ):
             item.add_marker(pytest.mark.multirank)
+
+
+@pytest.fixture(autouse=True)
+def writes_only_under_temporary_directories():
+    """Fails the test that adds or removes anything in the checkout: runs/, checkpoints/, data/ or
+    elsewhere. (Once a test's run.sh logged into the checkout's runs/llama_tiny, and
+    tools/compare_runs.py then showed it inside the user's own run.) A test gives run.sh and
+    pretrain_gpt.py its own --save and --tensorboard-dir, and run.sh a DATA_DIR, under tmp_path."""
+    before = tree_entries(ROOT)
+    yield
+    changed = tree_changes(before, tree_entries(ROOT))
+    assert not changed, (
+        f"this test changed the checkout {ROOT} (tests write only under their tmp_path; "
+        f"or did something else write there meanwhile?): {', '.join(changed[:10])}"
+    )
 
 
 TINY_CORPUS_BYTES = 200_000

@@ -139,6 +139,31 @@ def write_lora_run(path: Path, model: dict, data_prefix: str, tokenizer: Path, c
     return path
 
 
+# Caches Python and the tools keep beside the code; anything else a test adds to the checkout is
+# a test writing outside its temporary directory.
+CACHE_NAMES = frozenset({".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis"})
+
+
+def tree_entries(root: Path) -> dict[str, frozenset[str]]:
+    """Every directory under `root` (caches left out) with the names it holds: cheap enough
+    (about a millisecond for the checkout) to take around every test."""
+    entries: dict[str, frozenset[str]] = {}
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in CACHE_NAMES and not d.endswith(".egg-info")]
+        entries[os.path.relpath(directory, root)] = frozenset(files) | frozenset(f"{d}/" for d in dirs)
+    return entries
+
+
+def tree_changes(before: dict[str, frozenset[str]], after: dict[str, frozenset[str]]) -> list[str]:
+    """'+ path' for what appeared, '- path' for what went; a new or removed directory once, not
+    each of its files."""
+    return sorted(
+        f"{'+' if name in after[d] else '-'} {name if d == '.' else f'{d}/{name}'}"
+        for d in before.keys() & after.keys()
+        for name in before[d] ^ after[d]
+    )
+
+
 def free_port() -> int:
     """A loopback port free now (for a job's MASTER_PORT)."""
     with socket.socket() as s:

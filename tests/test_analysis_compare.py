@@ -15,7 +15,7 @@ from support import load_tool
 from torch.utils.tensorboard import SummaryWriter
 
 from megazpp.analysis.compare_dirs import compare_directories
-from megazpp.analysis.event_reader import read_run
+from megazpp.analysis.event_reader import read_run, read_runs
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError, DataError
 
@@ -205,3 +205,35 @@ def test_notes_for_tags_missing_everywhere_or_outside_the_range(tmp_path):
     assert (x.final_loss, x.best_loss, x.final_val_loss) == (2.5, 2.5, None)  # NaN step skipped
     assert y.gap == -1.0
     assert "| x | 3 | 2.5000 | 2.5000 | n/a | n/a | reference | n/a | n/a | n/a |" in result.summary_md.read_text()
+
+
+def logged(save, load=None, layers=2):
+    cfg = Config().to_dict()
+    cfg["model"]["num_layers"] = layers
+    cfg["checkpoint"]["save"], cfg["checkpoint"]["load"] = save, load
+    return cfg
+
+
+def test_a_resumed_file_continues_only_the_run_it_resumed_from(tmp_path):
+    """The README's comparison once showed the user's 300-step run cut at step 15 and continued
+    by a test's step 16: the test's resumed run logged into the same directory. A resumed file
+    joins the run whose checkpoints it loaded (its --load, or its --save when it resumed by
+    itself), whichever run logged last."""
+    run = tmp_path / "llama_tiny"
+    write_run(run, {"train/loss": {1: 4.0, 10: 3.0, 20: 2.0, 30: 1.0}}, logged("checkpoints/llama_tiny", layers=4))
+    time.sleep(1.05)  # a new process, a new event file name (test_resumed_run_reads_the_later_write)
+    write_run(run, {"train/loss": {16: 5.0, 17: 4.5}}, logged("/tmp/test/ckpt", "/tmp/test/ckpt"))
+    time.sleep(1.05)  # the user's own resume, explicit --load of a relative path spelled otherwise
+    write_run(run, {"train/loss": {31: 0.75, 40: 0.5}}, logged("checkpoints/llama_tiny", "./checkpoints/llama_tiny/"))
+    time.sleep(1.05)  # a torchrun restart of the user's run: no --load, resumed from its --save
+    write_run(run, {"train/loss": {41: 0.25}}, logged("checkpoints/llama_tiny", layers=4))
+    user, other = read_runs(run, "llama_tiny")
+    assert (user.label, other.label) == ("llama_tiny#1", "llama_tiny#2")
+    assert user.scalars["train/loss"].steps.tolist() == [1, 10, 20, 30, 31, 40, 41]
+    assert other.scalars["train/loss"].steps.tolist() == [16, 17]
+    # the same resumed file without the user's run beside it is a run of its own, not merged
+    alone = tmp_path / "alone"
+    write_run(alone, {"train/loss": {1: 4.0, 2: 3.0}}, logged("a"))
+    time.sleep(1.05)
+    write_run(alone, {"train/loss": {3: 2.0}}, logged("b", "b"))
+    assert [r.scalars["train/loss"].steps.tolist() for r in read_runs(alone, "alone")] == [[1, 2], [3]]

@@ -64,10 +64,11 @@ def test_an_unwritable_save_stops_before_step_1(tmp_path, tiny_indexed_prefix, t
     )
     assert not_a_dir.read_text() == "notes\n"
     mount = tmp_path / "ro"
-    with read_only(mount):  # failed only at the first save, after the steps before it
+    with read_only(mount):  # failed only at the first save, after the steps before it; then after the ranks
         line = refused(pretrain(*args, "--save", str(mount / "ckpt")))
         assert line.endswith(
-            f"--save {mount / 'ckpt'} is not writable: rank 0: cannot write in {mount / 'ckpt'} (Read-only file system)"
+            f"--save {mount / 'ckpt'} is not writable: cannot write in {mount} (Read-only file system): give a "
+            "directory this job can write"
         )
 
 

@@ -28,7 +28,7 @@ from megazpp.config.schema import Config
 from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.model.config import ModelConfig
-from megazpp.model.flops import parameter_count
+from megazpp.model.flops import parameter_count, parameter_text
 from megazpp.planner.cluster import ACCELERATORS, GIB, Cluster, gbit
 from megazpp.planner.plan import plan
 from megazpp.planner.report import summary, table, two_level_reason, two_level_table
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--params", type=float, help="total parameters (e.g. 7e9): sets the FFN width")
     j = p.add_argument_group("job (override --config)")
-    add_shape_flags(j, {"micro_batch_size": None, "global_batch_size": None})
+    add_shape_flags(j, {"micro_batch_size": None, "global_batch_size": None, "train_iters": None})
     j.add_argument("--tp", type=int)
     j.add_argument("--pp", type=int)
     j.add_argument("--sequence-parallel", action="store_true", default=None)
@@ -176,6 +176,7 @@ def _workload(a: argparse.Namespace) -> Workload:
     flags = {
         "micro_batch": a.micro_batch_size,
         "global_batch": a.global_batch_size,
+        "train_iters": a.train_iters,
         "tp": a.tp,
         "pp": a.pp,
         "param_bytes": a.dtype and DTYPE_BYTES[a.dtype],
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     except MegazppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary(result, workload, cluster) + f"; {parameter_count(workload.model) / 1e9:.2f} B parameters")
+    print(summary(result, workload, cluster) + f"; {parameter_text(parameter_count(workload.model))} parameters")
     print()
     print(table(result, a.top))
     print()

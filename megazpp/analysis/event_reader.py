@@ -8,7 +8,8 @@ shows it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -64,27 +65,73 @@ def read_runs(run_dir: str | Path, label: str) -> list[Run]:
     """The runs under `run_dir`: one, or several when later runs wrote into the same
     directory (TensorBoard would merge them into one curve, purging the older points).
 
-    An event file starts a new run when its first point is step 1 and the config it logged
-    differs from the current run's; a file that starts later (a resumed attempt), or at step
-    1 with the same config (a restart before the first checkpoint), continues the current
-    run. Several runs are labelled `label#1`, `label#2`, ... oldest first.
+    What makes two event files one run is the checkpoint between them: a file that starts
+    after step 1 (a resumed attempt) continues the run whose `checkpoint.save` it resumed from
+    (its `checkpoint.load`, or its own `save` when it resumed by itself), never merely the run
+    logged before it: a test or another job logging into the same directory once cut the
+    user's 300-step run at step 12 and appended its own steps. A file that starts at step 1
+    continues a run only with the same config (a restart before the first checkpoint).
+    Files without a logged config (an old or foreign run) continue the latest run, as
+    TensorBoard shows them. Several runs are labelled `label#1`, `label#2`, ... oldest first.
     """
     directory, _ = _locate(Path(run_dir))
-    groups: list[list[Path]] = []
-    current_config: str | None = None
-    for _, first_step, config, path in sorted(_file_starts(directory), key=lambda start: (start[0], str(start[3]))):
-        fresh = first_step == 1 and config is not None and config != current_config
-        if not groups or (fresh and current_config is not None):
-            groups.append([])
-        groups[-1].append(path)
-        current_config = config if config is not None else current_config
+    groups: list[_FileGroup] = []
+    for start in sorted(_file_starts(directory), key=lambda start: (start.wall, str(start.path))):
+        group = _continued(groups, start)
+        if group is None:
+            group = _FileGroup()
+            groups.append(group)
+        group.files.append(start.path)
+        if start.config is not None:
+            group.config = start.config
+            group.saves.add(start.config.save)
     if len(groups) <= 1:
         return [read_run(directory, label)]
-    return [_merged_run(files, f"{label}#{i}", directory) for i, files in enumerate(groups, 1)]
+    return [_merged_run(group.files, f"{label}#{i}", directory) for i, group in enumerate(groups, 1)]
 
 
-def _file_starts(directory: Path) -> list[tuple[float, int | None, str | None, Path]]:
-    """(wall time of its first event, first scalar step, logged config text, path) per file."""
+@dataclass(frozen=True)
+class _LoggedConfig:
+    """What of a file's logged config says which run it belongs to."""
+
+    text: str  # the whole config as logged: equal texts are the same settings
+    save: str | None  # checkpoint.save, normalised: where the run's checkpoints went
+    resumed_from: str | None  # checkpoint.load, else save: where a resumed attempt read its state
+
+
+@dataclass(frozen=True)
+class _FileStart:
+    wall: float  # wall time of its first event
+    step: int | None  # first scalar step
+    config: _LoggedConfig | None
+    path: Path
+
+
+@dataclass
+class _FileGroup:
+    """One run's event files in write order, its latest logged config and where it saved."""
+
+    files: list[Path] = field(default_factory=list)
+    config: _LoggedConfig | None = None
+    saves: set[str | None] = field(default_factory=set)
+
+
+def _continued(groups: list[_FileGroup], start: _FileStart) -> _FileGroup | None:
+    """The run the file `start` continues, or None when it begins a new one (`read_runs`)."""
+    if not groups:
+        return None
+    if start.config is None or all(group.config is None for group in groups):
+        return groups[-1]
+    if start.step is not None and start.step > 1:
+        source = start.config.resumed_from
+        matches = [group for group in groups if source is not None and source in group.saves]
+    else:
+        matches = [group for group in groups if group.config is not None and group.config.text == start.config.text]
+    return matches[-1] if matches else None
+
+
+def _file_starts(directory: Path) -> list[_FileStart]:
+    """Where each event file starts: its first wall time and step, and its logged config."""
     starts = []
     for path in directory.glob(EVENT_FILE_GLOB):
         wall, step, config = None, None, None
@@ -92,13 +139,27 @@ def _file_starts(directory: Path) -> list[tuple[float, int | None, str | None, P
             wall = event.wall_time if wall is None else wall
             for value in event.summary.value:
                 if value.tag == CONFIG_TEXT_TAG and config is None:
-                    config = tensor_util.make_ndarray(value.tensor).reshape(-1)[0]
+                    config = _logged_config(tensor_util.make_ndarray(value.tensor).reshape(-1)[0])
                 elif value.tag != CONFIG_TEXT_TAG and step is None and event.step > 0:
                     step = event.step
             if step is not None:
                 break
-        starts.append((wall or 0.0, step, config, path))
+        starts.append(_FileStart(wall or 0.0, step, config, path))
     return starts
+
+
+def _logged_config(raw: bytes | str) -> _LoggedConfig:
+    text = _text(raw)
+    parsed = _parse_config_text(text)
+    checkpoint = parsed.get("checkpoint") if parsed is not None else None
+    save = load = None
+    if isinstance(checkpoint, dict):
+        save, load = _directory(checkpoint.get("save")), _directory(checkpoint.get("load"))
+    return _LoggedConfig(text, save, load if load is not None else save)
+
+
+def _directory(value: object) -> str | None:
+    return os.path.normpath(value) if isinstance(value, str) and value else None
 
 
 def _merged_run(files: list[Path], label: str, directory: Path) -> Run:
@@ -178,7 +239,14 @@ def _config(accumulator: event_accumulator.EventAccumulator) -> JSONObject | Non
     is not a YAML mapping (an old or foreign run), since losses can be compared without it."""
     latest = accumulator.Tensors(CONFIG_TEXT_TAG)[-1]
     raw = tensor_util.make_ndarray(latest.tensor_proto).reshape(-1)[0]
-    text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    return _parse_config_text(_text(raw))
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+
+
+def _parse_config_text(text: str) -> JSONObject | None:
     body = "\n".join(line for line in text.strip().splitlines() if not line.startswith("```"))
     try:
         parsed = yaml.safe_load(body)

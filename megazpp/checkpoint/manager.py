@@ -189,13 +189,14 @@ def run_base(cfg: Config, load_dir: str | None) -> FrozenBase | None:
     return init_base(cfg.model.init_seed)
 
 
-def plan_load(cfg: Config, world_size: int, restarts: int = 0) -> LoadPlan:
+def plan_load(cfg: Config, world_size: int, restarts: int = 0, ranks_per_node: int | None = None) -> LoadPlan:
     """Decide, before any rank starts, what the run loads (the module docstring's kinds):
-    refuses a checkpoint this run's layout, model or engine cannot start from
-    (`resume_check`) and an adapters-only resume whose base is missing or changed."""
+    refuses a checkpoint this run's layout, model, engine or islands cannot start from
+    (`resume_check`; `ranks_per_node`: the launcher's) and an adapters-only resume whose base
+    is missing or changed."""
     directory, why = choose_checkpoint(cfg, restarts)
     if directory is not None:
-        check_resumable(cfg, directory, world_size)
+        check_resumable(cfg, directory, world_size, ranks_per_node)
     base = run_base(cfg, directory)
     if directory is None or not (Path(directory) / LATEST_FILE).exists():
         return LoadPlan(LoadKind.SCRATCH, directory, why, base)

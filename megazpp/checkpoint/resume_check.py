@@ -21,12 +21,21 @@ What a checkpoint can start:
   - a run's checkpoint: the precision whose engine state it holds (fp16's loss scaler;
     LocalEngine's fp32 masters of a 16-bit model; the ZeRO engine keeps fp32 masters in
     every precision, so it resumes fp32 as bf16 and back).
+  - a two-level (DiLoCo) run's checkpoint (`_check_two_level`): a two-level run with the same
+    islands and data-parallel size (each island's optimizer state and parameters are its
+    own), the same `outer.fragments` (the outer state is cut into them), and with an exchange
+    in flight the same `outer.quantize` (it is encoded in it); int4 needs int4's error
+    buffers. Legitimate changes: a synchronous run's checkpoint starts two-level training
+    (the warm start: the first interval starts at its weights, zero outer momentum); H, the
+    outer lr and momentum, overlap and merge-alpha may change; int4 may become bf16 or none,
+    and bf16 and none each other, when nothing is in flight.
 Anything else (dropout, sequence length, the optimizer, ...) a `--load` may change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -36,15 +45,19 @@ from megazpp.checkpoint.format import (
     MODEL_CONFIG_KEY,
     WEIGHTS_ONLY_KEY,
     latest_checkpoint,
+    rank_file_name,
     read_metadata,
 )
 from megazpp.checkpoint.frozen_base import BASE_KEY
 from megazpp.checkpoint.resume_rule import shown
+from megazpp.config.checks import islands_of
 from megazpp.config.schema import Config
 from megazpp.errors import CheckpointError, ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
+from megazpp.outer.diloco import OUTER_STATE_KEY
+from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
 
 
@@ -107,10 +120,11 @@ def _convert_hint(arch: str, load_dir: str) -> str:
     )
 
 
-def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
+def check_resumable(cfg: Config, load_dir: str, world_size: int, ranks_per_node: int | None = None) -> None:
     """Refuse, in one line, a checkpoint in `load_dir` that this run's layout, model or engine
     cannot start from (the module docstring's rules). Silent when there is nothing to read: a
-    missing or damaged checkpoint is the loader's to name (or to fall back from)."""
+    missing or damaged checkpoint is the loader's to name (or to fall back from).
+    `ranks_per_node`: the launcher's, for the run's islands (`config.checks.islands_of`)."""
     try:
         path = latest_checkpoint(load_dir)
         meta = read_metadata(path) if path is not None else None
@@ -140,6 +154,7 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
     saved = meta.get(CONFIG_KEY)
     if meta.get(WEIGHTS_ONLY_KEY) or not isinstance(saved, dict):
         return  # an import starts any data-parallel layout; an old run's config is unknown
+    _check_two_level(cfg, saved, meta, path, load_dir, world_size, ranks_per_node)
     zero = saved.get("zero", {})
     was_zero = uses_zero_engine(meta["dp"], zero.get("stage", 0), zero.get("paro_strategy"))
     dp = world_size // (tp * pp)
@@ -177,4 +192,72 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
             f"{where} is adapters-only (--save-adapters-only) and was saved over {meta['dp']} "
             f"data-parallel ranks; this run has {dp}: it resumes only under the layout that "
             "saved it (resharding needs the frozen weights it leaves out)"
+        )
+
+
+def _saved_outer(path: Path) -> StateDict | None:
+    """The outer state of the checkpoint's first rank (the schedule, islands and fragments are
+    the same on every rank), read mapped: its tensors are not loaded. None when unreadable
+    (the loader names a damaged checkpoint)."""
+    try:
+        state = torch.load(path / rank_file_name(0, 0, 0), map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    engine = state.get("engine") if isinstance(state, dict) else None
+    outer = engine.get(OUTER_STATE_KEY) if isinstance(engine, dict) else None
+    return outer if isinstance(outer, dict) else None
+
+
+def _check_two_level(
+    cfg: Config,
+    saved: JSONObject,
+    meta: JSONObject,
+    path: Path,
+    load_dir: str,
+    world_size: int,
+    ranks_per_node: int | None,
+) -> None:
+    """The module docstring's two-level rules, before any rank (the loader refused the same
+    only once every rank ran: per rank, or as a size mismatch at the first landing)."""
+    was = (saved.get("outer") or {}).get("algorithm", "none")
+    outer = _saved_outer(path) if was != "none" else None
+    if outer is None:
+        return  # a synchronous run's checkpoint: any run starts from it (two-level: the warm start)
+    where = f"--load {load_dir}: {path.name}"
+    islands, dp = int(outer["islands"]), int(meta["dp"])
+    if cfg.outer.algorithm == "none":
+        raise CheckpointError(
+            f"{where} is a two-level ({was}) checkpoint of {islands} islands, each with its own parameters "
+            f"and optimizer state; this run is synchronous (outer.algorithm none): continue it with "
+            f"--outer-algorithm {was} and its islands, or start from the islands' averaged parameters: "
+            + _convert_hint(cfg.model.arch, load_dir)
+        )
+    now_islands, now_dp = islands_of(cfg, world_size, ranks_per_node), world_size // (cfg.tp * cfg.pp)
+    if (islands, dp) != (now_islands, now_dp):
+        raise CheckpointError(
+            f"{where} was saved by {islands} islands of {dp // islands} data-parallel rank(s); this run "
+            f"has {now_islands} of {now_dp // now_islands}: a two-level checkpoint resumes only under the "
+            f"islands and data-parallel size that saved it (each island's optimizer state is its own): run "
+            f"it on {meta['world_size']} ranks as {islands} islands, or start from the islands' averaged "
+            "parameters: " + _convert_hint(cfg.model.arch, load_dir)
+        )
+    fragments, quantize = len(outer.get("fragments", [])), str(outer.get("quantize", "none"))
+    in_flight = len(outer.get("in_flight", []))
+    if fragments != cfg.outer.fragments:
+        raise CheckpointError(
+            f"{where} was saved with outer.fragments {fragments}, this run has {cfg.outer.fragments}: its "
+            f"outer state (exchanges in flight, int4 error buffers) is cut into those fragments: resume it "
+            f"with --outer-fragments {fragments}"
+        )
+    if in_flight and quantize != cfg.outer.quantize:
+        raise CheckpointError(
+            f"{where} holds {in_flight} outer exchange(s) in flight, encoded as {quantize}; this run sends "
+            f"{cfg.outer.quantize}: resume it with --outer-quantize {quantize}, and change the wire from a "
+            f"checkpoint saved with nothing in flight (outer.overlap_steps 0, or a step no exchange spans)"
+        )
+    if cfg.outer.quantize == "int4" and quantize != "int4":
+        raise CheckpointError(
+            f"{where} was saved with outer.quantize {quantize}, without the error buffers int4 carries from "
+            f"sync to sync; this run sends int4: resume it with --outer-quantize {quantize} (int4 resumes "
+            "only from int4)"
         )

@@ -54,7 +54,7 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
     zero = zero_options(cfg.zero, cfg.num_micro_batches(world_size))
     outer = resolve_outer(cfg, world_size, ranks_per_node)
     per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
-    islands = 1 if outer is None else world_size // per_node // outer.island_nodes
+    islands = islands_of(cfg, world_size, ranks_per_node)
     dp = cfg.data_parallel_size(world_size) // islands  # the engine runs over one island's DP ranks
     _check_hpz_nodes(zero.zeropp.hpz, cfg, world_size, per_node, islands)
     return RunOptions(
@@ -64,6 +64,15 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
         outer,
         data,
     )
+
+
+def islands_of(cfg: Config, world_size: int, ranks_per_node: int | None) -> int:
+    """The run's islands: 1 without two-level training, else the nodes (the config's
+    `parallel.ranks_per_node`, or the launcher's) over `outer.island_nodes` per island."""
+    if cfg.outer.algorithm == "none":
+        return 1
+    per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
+    return max(world_size // per_node // max(cfg.outer.island_nodes, 1), 1)
 
 
 def validate_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> Config:
@@ -211,6 +220,14 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     if not cfg.outer.enabled():
         return None
     options = options_of(OuterOptions, cfg.outer)
+    first_landing = options.sync_every + options.overlap_steps
+    if first_landing > cfg.training.train_iters:
+        raise ConfigError(
+            f"outer.sync_every = {options.sync_every} with training.train_iters = {cfg.training.train_iters}: "
+            f"the first outer sync would land after step {first_landing}, past the run's end, so the islands "
+            f"never meet and its checkpoints and exports hold the parameters it started from: give "
+            f"outer.sync_every <= {cfg.training.train_iters - options.overlap_steps} (--outer-sync-every)"
+        )
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(

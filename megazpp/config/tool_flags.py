@@ -29,7 +29,7 @@ MODEL_FIELDS = (
     "vocab_size",
     "seq_length",
 )
-BATCH_FIELDS = ("micro_batch_size", "global_batch_size")
+BATCH_FIELDS = ("micro_batch_size", "global_batch_size", "train_iters")  # the job's batches and length
 
 # spellings the tools used before they spoke one dialect
 RENAMED = {

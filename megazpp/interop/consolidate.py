@@ -22,6 +22,8 @@ from megazpp.interop.checkpoint_io import part_weights
 from megazpp.interop.model_layout import merge_stages, merge_tp_shards, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.outer.diloco import OUTER_STATE_KEY
+from megazpp.outer.fragments import due_fragments, last_landed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,15 +77,34 @@ def consolidated_weights(
 
 def two_level_note(path: str) -> str | None:
     """For a two-level (DiLoCo) checkpoint, the line an export prints: it holds the islands'
-    common parameters at the last outer sync (`zero_shards._at_last_sync`), not any island's own
-    since; None for any other checkpoint."""
+    common parameters at their last outer sync (`zero_shards._at_last_sync`), not any island's
+    own since, and which sync that is for each fragment (`fragments.last_landed`: fragments
+    sync at staggered steps, and an exchange in flight is not applied yet); None for any other
+    checkpoint."""
     reader = CheckpointReader(path)
     outer = (reader.meta.get(CONFIG_KEY) or {}).get("outer") or {}
     if outer.get("algorithm", "none") == "none":
         return None
-    every = int(outer["sync_every"])
+    state = reader.rank_state(0, 0, 0)["engine"][OUTER_STATE_KEY]
+    every, inner_steps, count = int(state["sync_every"]), int(state["inner_steps"]), len(state["fragments"])
+    overlap = int(outer.get("overlap_steps", 0))
+
+    def iteration(inner_step: int) -> int:  # inner steps count from the run's (or its warm) start
+        return reader.iteration - inner_steps + inner_step
+
+    def held(f: int, landed: int | None) -> str:
+        at = f"iteration {iteration(landed)}" if landed is not None else "none yet: the parameters it started from"
+        flying = [s for s in range(inner_steps - overlap + 1, inner_steps + 1) if f in due_fragments(s, every, count)]
+        return at + "".join(f", its exchange of iteration {iteration(s)} in flight" for s in flying)
+
+    landed = last_landed(inner_steps, every, count, overlap)
+    what = (
+        f"at the last outer sync ({held(0, landed[0])}; every {every} steps)"
+        if count == 1
+        else f"at each fragment's last applied outer sync ({count} fragments, every {every} steps, "
+        f"overlap {overlap}): " + "; ".join(f"fragment {f} at {held(f, at)}" for f, at in enumerate(landed))
+    )
     return (
         f"note: {reader.path} is a two-level ({outer['algorithm']}) checkpoint at iteration {reader.iteration}: "
-        f"exported are the islands' averaged parameters at the last outer sync (iteration "
-        f"{reader.iteration // every * every}, every {every} steps), not any island's own since"
+        f"exported are the islands' averaged parameters {what}; not any island's own since"
     )

@@ -53,6 +53,15 @@ def layer_parameter_count(cfg: ModelConfig) -> int:
     return 2 * _norm_params(cfg) + _attention_weights(cfg) + _attention_biases(cfg) + mlp
 
 
+def parameter_text(count: int) -> str:
+    """A parameter count as people say it: "3.41 M", "6.74 B" (the tiny models have millions,
+    which "0.00 B" hid)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return str(count)
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     """Distinct parameters of the whole single-process model (a tied head counted once)."""
     embedding = cfg.vocab_size * cfg.hidden_size

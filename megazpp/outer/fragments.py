@@ -102,6 +102,21 @@ def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
     return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
 
 
+def last_landed(inner_steps: int, sync_every: int, count: int, overlap: int) -> list[int | None]:
+    """Per fragment, the inner step whose sync it last applied by inner step `inner_steps` (a
+    sync started at s lands at s + overlap), or None when none had landed: what the outer
+    snapshot, and so a two-level export, holds of each fragment. With several fragments or an
+    overlap this is not `inner_steps // H * H`: fragment f syncs at offset f H / F, and an
+    exchange in flight is not in the snapshot yet."""
+    started = inner_steps - overlap  # the last start that has landed
+    out: list[int | None] = []
+    for f in range(count):
+        offset = f * sync_every // count
+        last = started - (started - offset) % sync_every
+        out.append(last if last >= max(offset, 1) else None)
+    return out
+
+
 def build_fragments(shard: ShardMap, count: int) -> list[Fragment]:
     """`count` runs of consecutive trained tensors (as even in count as they divide), so a
     fragment is the same parameters on every rank, whatever part of them (maybe none) a

@@ -19,6 +19,10 @@ from megazpp.errors import ConfigError
 
 ALGORITHMS = ("none", "diloco")
 QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.outer.traffic)
+# The largest outer learning rate: lr 1 with momentum 0 moves the snapshot to the islands'
+# mean, lr 2 to its mirror image beyond the mean; on a quadratic the distance to the optimum
+# then scales by |1 - lr| per sync, which grows past 2 (1e300 overflowed at the first sync).
+MAX_LR = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,12 @@ class OuterOptions:
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ConfigError(f"outer.sync_every = {self.sync_every}: expected at least 1 inner step per outer step")
-        if not self.lr > 0:
-            raise ConfigError(f"outer.lr = {self.lr}: expected a value > 0")
+        if not 0 < self.lr <= MAX_LR:
+            raise ConfigError(
+                f"outer.lr = {self.lr}: expected a value in (0, {MAX_LR}]: the outer step moves the islands' "
+                f"last common parameters lr times as far as the islands moved on average (1: to their mean); "
+                f"beyond {MAX_LR} it lands farther past that mean than it started from, so it diverges"
+            )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"outer.momentum = {self.momentum}: expected a value in [0, 1)")
         if self.quantize not in QUANTIZE:

@@ -7,6 +7,9 @@ from megazpp.planner.plan import Plan
 from megazpp.planner.two_level import IslandPlan, TwoLevelPlan, digest
 from megazpp.planner.workload import Workload
 
+# why a cluster gets no two-level row
+NO_TWO_LEVEL = "fewer than 2 islands of whole nodes, nothing fits, or the run ends before any H in the list syncs"
+
 
 def _g(x: float) -> str:
     return f"{x / GIB:.2f}"
@@ -75,7 +78,7 @@ def two_level_table(tp: TwoLevelPlan, synchronous: Plan) -> str:
             f"{row.inner_step_s:.3f} | {row.exposed_s:.3f} | {row.step_s:.3f} | {speed} |"
         )
     if not lines:
-        return "Two-level options: none (fewer than 2 islands of whole nodes, or nothing fits)."
+        return f"Two-level options: none ({NO_TWO_LEVEL})."
     return "\n".join(head + lines)
 
 
@@ -83,7 +86,7 @@ def two_level_reason(tp: TwoLevelPlan, synchronous: Plan) -> str:
     """One line: the recommended two-level setting, its flags, and why."""
     c = tp.choice
     if c is None:
-        return "Two-level recommendation: none (fewer than 2 islands of whole nodes, or nothing fits)."
+        return f"Two-level recommendation: none ({NO_TWO_LEVEL})."
     rule = (
         "the smallest H whose outer traffic costs at most 10 % of the inner step, with the least compression"
         if c.within_budget

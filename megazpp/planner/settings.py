@@ -27,6 +27,17 @@ class PlannerSettings:
     memory_bandwidth_gbs: float = 2000.0
     usable_memory_fraction: float = 0.9
 
+    def missing(self, *, device_memory: bool, intra: bool, inter: bool) -> list[str]:
+        """Every key `paro_strategy: auto` needs here and this section leaves unset, to be named
+        at once before any rank starts (`planner.auto` asks for each where it uses it, on every
+        rank: one per attempt). `device_memory`: a CUDA device tells the memory; `intra` /
+        `inter`: the run has collectives on links inside a node / across nodes or islands. A
+        probe measures the rest, but not the memory."""
+        needed = [("accelerator_memory_gib", not device_memory)]
+        if not self.probe:
+            needed += [("achievable_tflops", True), ("intra_node_gbs", intra), ("inter_node_gbit", inter)]
+        return [f"planner.{key}" for key, need in needed if need and getattr(self, key) is None]
+
     def validate(self) -> None:
         """ConfigError naming the key for a value that is not a positive number."""
         for f in fields(self):

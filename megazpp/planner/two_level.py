@@ -341,7 +341,9 @@ def plan_two_level(
 ) -> TwoLevelPlan:
     """Every island size, H, fragment count, overlap and outer quantization on the island's
     fastest fitting synchronous option (the next fastest where the outer state does not fit).
-    Fragments are at most H and at most the stage's layers (the runtime's limits)."""
+    Fragments are at most H and at most the stage's layers, and the first sync lands within the
+    run's `train_iters` (H + tau at most that, or the islands never meet): the runtime's limits
+    (`config.checks`)."""
     rows: list[TwoLevelPrediction] = []
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
@@ -356,6 +358,8 @@ def plan_two_level(
         for h in SYNC_EVERY:
             for q in QUANTIZE:
                 for tau in OVERLAP_STEPS:
+                    if workload.train_iters is not None and h + tau > workload.train_iters:
+                        continue
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)
                         for inner in inner_rows:

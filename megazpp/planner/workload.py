@@ -39,6 +39,7 @@ class Workload:
     max_reuse_distance: int = 1_000_000_000  # zero.stage3_max_reuse_distance
     hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
     persistence_threshold: int = 0  # zero.stage3_param_persistence_threshold
+    train_iters: int | None = None  # the run's length: no two-level option whose first sync lands after it
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -100,4 +101,5 @@ def workload_of_config(cfg: Config) -> Workload:
         hierarchical=z.hierarchical,
         persistence_threshold=z.stage3_param_persistence_threshold,
         trainable_fraction=trainable_fraction(cfg.model, t.trainable),
+        train_iters=t.train_iters,
     )

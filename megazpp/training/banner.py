@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Sized
 
 from megazpp.config.schema import Config
-from megazpp.model.flops import parameter_count
+from megazpp.model.flops import parameter_count, parameter_text
 from megazpp.model.trainable import trainable_fraction
 from megazpp.optim.engine_protocol import Engine
 from megazpp.outer.diloco import TwoLevelEngine
@@ -84,16 +84,33 @@ def _trains(cfg: Config) -> str:
     return f"; training {fraction:.2%} of the weights ({', '.join(what)}), the rest frozen"
 
 
+WIRE = {"none": "fp32 (uncompressed)", "bf16": "bf16"}  # the outer gradients' wire, in words
+
+
 def _two_level(engine: Engine) -> list[str]:
-    """The island layout and the outer step, when two-level training is on."""
+    """The island layout and the outer step, when two-level training is on: every outer setting
+    that changes what a sync does, in words (not "none outer gradients")."""
     if not isinstance(engine, TwoLevelEngine):
         return []
     o, island = engine.options, engine.island
     inter = engine.expected_sync_bytes()[1]
+    wire = WIRE.get(o.quantize) or f"int4 {'with' if o.error_feedback else 'without'} error feedback"
+    if o.fragments == 1:
+        what = "the whole model at each sync"
+    else:
+        what = f"the model in {o.fragments} fragments at staggered steps (streaming; one fragment a sync step)"
+    if o.overlap_steps:
+        applied = (
+            f"each exchange runs while {o.overlap_steps} inner step(s) go on, then is merged keeping "
+            f"{o.merge_alpha:g} of the island's own parameters"
+        )
+    else:
+        applied = "each exchange applied at once (no overlap)"
     return [
         f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
         f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
-        f"{o.momentum:g}, {o.quantize} outer gradients: {inter / 1e6:.3g} MB inter-node per rank per sync"
+        f"{o.momentum:g}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
+        f"per rank every {o.sync_every} steps"
     ]
 
 
@@ -119,7 +136,7 @@ def banner(
         saving += f", adapters only (frozen base: {start.load.base.describe()})"
     lines = [
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
-        f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_count(m) / 1e6:.2f}M "
+        f"heads, seq {m.seq_length}, vocab {m.vocab_size}: {parameter_text(parameter_count(m))} "
         f"parameters, {precision}{_trains(cfg)}",
         f"layout: world {topology.world_size} = tp {topology.tp} x pp {topology.pp} x dp "
         f"{topology.dp}; {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks",

@@ -12,8 +12,10 @@ made here so that a refusal is one line per job.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 from megazpp import faults
 from megazpp.checkpoint.lock import check_save_lock
 from megazpp.checkpoint.manager import LoadPlan, plan_load
-from megazpp.config.checks import check_config
+from megazpp.config.checks import check_config, islands_of
 from megazpp.config.load import load_config
 from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
@@ -29,8 +31,9 @@ from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
-from megazpp.parallel.topology import check_model_split
+from megazpp.parallel.topology import check_model_split, dp_groups
 from megazpp.training.memory_check import check_memory
+from megazpp.zero.strategy import PlannerChoice
 
 
 @dataclass
@@ -62,18 +65,48 @@ def check_inputs(data: DataOptions) -> list[str]:
 
 
 def check_output_dir(flag: str, path: str) -> None:
-    """Refuse a directory path that names a file, or lies under one: the run would fail when
-    it first writes there (the TensorBoard writer at start, with a 49-line traceback per rank;
-    a save possibly after the whole run)."""
+    """Refuse a directory path that names a file, or lies under one, or that this job cannot
+    write (a read-only mount; no permission): the run would fail when it first writes there
+    (the TensorBoard writer at start, with a raw OSError per rank; the save directory's probe
+    once every rank started; a save possibly after the whole run). Nothing is created here."""
     target = Path(path)
     for ancestor in (target, *target.parents):
         if ancestor.exists():
             if ancestor.is_dir():
+                if not os.access(ancestor, os.W_OK | os.X_OK):
+                    read_only = bool(os.statvfs(ancestor).f_flag & os.ST_RDONLY)
+                    why = os.strerror(errno.EROFS if read_only else errno.EACCES)
+                    raise ConfigError(
+                        f"{flag} {path} is not writable: cannot write in {ancestor} ({why}): give a directory "
+                        "this job can write"
+                    )
                 return
             where = "" if ancestor == target else f" lies under {ancestor}, which"
             raise ConfigError(
                 f"{flag} {path}{where} exists and is not a directory: give a directory (it is created when missing)"
             )
+
+
+def check_planner_settings(cfg: Config, options: RunOptions, world_size: int, ranks_on_node: int) -> None:
+    """`zero.paro_strategy: auto` prices the run on its links: every planner setting it would
+    miss, named in one line (the ranks found them one per attempt)."""
+    if not isinstance(options.zero.strategy, PlannerChoice):
+        return
+    per_node = cfg.parallel.ranks_per_node or ranks_on_node
+    islands = islands_of(cfg, world_size, ranks_on_node)
+    groups = dp_groups(world_size, cfg.tp, cfg.pp, islands)
+    on_one_node = max(max(Counter(r // per_node for r in group).values()) for group in groups)
+    missing = cfg.planner.missing(
+        device_memory=visible_gpus() > 0,
+        intra=on_one_node > 1 or cfg.tp > 1,
+        inter=islands > 1 or world_size > per_node,
+    )
+    if missing:
+        probe = missing != ["planner.accelerator_memory_gib"] and not cfg.planner.probe
+        raise ConfigError(
+            f"zero.paro_strategy = auto prices the strategies on this machine's numbers: set {', '.join(missing)}"
+            + (" (or planner.probe = true to measure all but the memory)" if probe else "")
+        )
 
 
 def check_outputs(cfg: Config) -> None:
@@ -97,6 +130,7 @@ def prepare(
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     # every subsystem's options, checked here and nowhere after: see config.checks
     options = check_config(cfg, world_size, on_node)
+    check_planner_settings(cfg, options, world_size, on_node)
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
     # the model's split over tp x pp depends on those two sizes only, not on any process group
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -105,7 +139,7 @@ def prepare(
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
         check_save_lock(cfg.checkpoint.save)
     faults.check_spec()
-    load = plan_load(cfg, world_size, restarts)
+    load = plan_load(cfg, world_size, restarts, on_node)
     if ranks_on_node is not None:
         check_memory(cfg, options.zero, world_size, ranks_on_node)
     return Startup(cfg, load, options, notes, backend)
