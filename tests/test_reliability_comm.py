@@ -18,14 +18,33 @@ from megazpp.launch.local_ranks import run_ranks
 TIMEOUT_S = 4
 
 
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: it takes part in nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.01)
+
+
 def _peer_hangs_then_dies(report: str) -> None:
+    """Rank 1 hangs until rank 0's first collective has failed, then dies; rank 0 starts its
+    second collective once rank 1 is gone. Each moment is a file, not a guess at the other
+    rank's speed (on loaded cores one rank can start seconds after the other)."""
     import torch.distributed as dist
 
     from megazpp.errors import CommunicationError
     from megazpp.parallel import comm
 
+    hung_over, dead = Path(f"{report}.hung_over"), Path(f"{report}.rank1_pid")
     if dist.get_rank() == 1:
-        time.sleep(TIMEOUT_S + 1)  # never joins: rank 0's collective must time out meanwhile
+        Path(f"{dead}.tmp").write_text(str(os.getpid()))
+        os.replace(f"{dead}.tmp", dead)  # whole when rank 0 reads it
+        _wait_for(hung_over)  # never joins the first collective: rank 0's must time out meanwhile
         os._exit(0)  # then dies without leaving the process group
     events = []
     for tag, async_op in (("test/hung_peer", False), ("test/dead_peer", True)):
@@ -38,7 +57,10 @@ def _peer_hangs_then_dies(report: str) -> None:
         except CommunicationError as exc:
             events.append({"tag": tag, "error": str(exc), "seconds": time.monotonic() - start})
         if tag == "test/hung_peer":
-            time.sleep(2)  # let rank 1 die before the second collective
+            hung_over.write_text("")
+            _wait_for(dead)
+            while not _gone(int(dead.read_text())):  # rank 1 dies before the second collective
+                time.sleep(0.01)
     Path(report).write_text(json.dumps(events))
 
 

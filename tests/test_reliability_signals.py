@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import ROOT, TINY_MODEL_FLAGS, checkout_env, run_sh_variables
+from support import ROOT, TINY_MODEL_FLAGS, checkout_env, paused_at, run_sh_variables, wait_until_paused
 from test_training_pretrain import tiny_args
 
 LONG = "5000"  # iterations: the runs are stopped long before
@@ -108,7 +108,9 @@ def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix, tiny_
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
-    # a long evaluation after step 3 keeps the first signal's stop pending
+    # the run waits at the start of its evaluation after step 3 (a pause point), so the first
+    # signal's stop stays pending there for as long as the test takes, whatever the load
+    pause = tmp_path / "paused"
     run = Run(
         pretrain_command(
             tiny_indexed_prefix,
@@ -120,10 +122,11 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_in
             "--eval-interval",
             "3",
             "--eval-iters",
-            "3000",
-        )
+            "1",
+        ),
+        env_extra=paused_at("evaluation", pause),
     )
-    run.wait_for(r"^iter +3/")
+    wait_until_paused(run.proc, pause)
     run.proc.send_signal(signal.SIGINT)
     run.wait_for("SIGINT received: finishing this step")
     time.sleep(1.5)  # a repeat within a second is the same request (a forwarded copy)

@@ -52,6 +52,7 @@ from megazpp.data.signal_filter import FilterSpec
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import TokenizerRecord, write_record
 from megazpp.errors import DataError, refuse_existing
+from megazpp.pause import pause_point
 
 
 @dataclass(kw_only=True)
@@ -280,3 +281,5 @@ def _consume(
             )
             shard_results[result.shard] = done
         bar.update(files=int(result.last), tokens=tokens)
+        if result.last:
+            pause_point("preprocess_file_done")

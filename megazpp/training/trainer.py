@@ -34,6 +34,7 @@ from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.pause import pause_point
 from megazpp.training import faults
 from megazpp.training.checkpoint import LoadedCheckpoint
 from megazpp.training.checkpoint_manager import CheckpointManager, Progress
@@ -262,6 +263,7 @@ class Trainer:
         valid = self.valid_ds
         if valid is None:
             raise ValueError("Trainer.evaluate: this run has no validation split (valid_ds is None)")
+        pause_point("evaluation")
         self.model.eval()
         losses: list[torch.Tensor] = []
         samples = iter(self._sampler(valid, 0))
