@@ -171,7 +171,7 @@ def paused_at(point: str, file: Path) -> dict[str, str]:
     return {"MEGAZPP_PAUSE_AT": f"{point}:{file}"}
 
 
-def wait_until_paused(proc: subprocess.Popen, file: Path, timeout_s: float = 300) -> None:
+def wait_until_paused(proc: subprocess.Popen, file: Path, timeout_s: float = 1200) -> None:
     """Return once `proc` has reached its armed pause point (it wrote `file`); fail if it ended
     first. The timeout only bounds a broken run: the process waits at the point for the test."""
     deadline = time.monotonic() + timeout_s
