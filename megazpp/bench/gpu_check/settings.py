@@ -48,26 +48,21 @@ ENGINE_COMMON = [
     "--eval-interval",
     "1000",
 ]
+# ZeRO-3 with qwZ, hpZ (secondary copies of 2 ranks) and qgZ: ZeRO++ in the jobs that run it
+ZEROPP = [
+    "--zero-stage",
+    "3",
+    "--zero-quantized-weights",
+    "--zero-hpz-partition-size",
+    "2",
+    "--zero-quantized-gradients",
+]
 # (name, ranks, flags): the strategies that run on ranks sharing one GPU
 ENGINE_JOBS: list[tuple[str, int, list[str]]] = [
     ("zero1", 2, ["--zero-stage", "1"]),
     ("zero3", 2, ["--zero-stage", "3"]),
     ("paro-IGG", 4, ["--paro-strategy", "IGG", "--ranks-per-node", "2"]),
-    (
-        "zeropp-loco",
-        4,
-        [
-            "--zero-stage",
-            "3",
-            "--zero-quantized-weights",
-            "--zero-hpz-partition-size",
-            "2",
-            "--zero-quantized-gradients",
-            "--loco",
-            "--ranks-per-node",
-            "2",
-        ],
-    ),
+    ("zeropp-loco", 4, [*ZEROPP, "--loco", "--ranks-per-node", "2"]),
 ]
 # Loss bounds, relative, CUDA ranks vs CPU ranks after a few fp32 steps. Plain strategies: fp32
 # reductions summed in another order (GPU matmul and softmax kernels) differ by a few ulps,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from megazpp.bench.gpu_check.commands import Context, Outcome
 from megazpp.bench.gpu_check.pairs import CPU, SHARED_GPU, Job, Side, compare_on_sides
-from megazpp.bench.gpu_check.settings import ENGINE_COMMON, QUANTIZED_BOUND
+from megazpp.bench.gpu_check.settings import ENGINE_COMMON, QUANTIZED_BOUND, ZEROPP
 
 PREFIX = "two-level"
 COMMON = [*ENGINE_COMMON, "--train-iters", "6", "--outer-algorithm", "diloco"]
@@ -48,12 +48,7 @@ JOBS: list[Job] = [
         "zeropp-int4-stream",
         4,
         [
-            "--zero-stage",
-            "3",
-            "--zero-quantized-weights",
-            "--zero-hpz-partition-size",
-            "2",
-            "--zero-quantized-gradients",
+            *ZEROPP,
             "--outer-sync-every",
             "3",
             "--outer-quantize",
