@@ -2,10 +2,10 @@
 on CUDA ranks, against the same jobs on CPU ranks (the engine step's comparison, `pairs.py`).
 
 Representative jobs, each on 4 ranks = 2 islands of 2 (`--ranks-per-node 2`, one node an
-island), on the default tiny model for 6 steps (2 or 3 outer syncs): the int4 outer wire with
-error feedback under ZeRO-2; streaming (3 fragments, an exchange overlapping 1 inner step)
-with the bf16 wire under ZeRO-3; and both at once (int4, 2 fragments, overlap 1) under ZeRO-3 with
-qwZ + hpZ + qgZ. They run on ranks sharing the GPU over gloo, as the engine step's jobs do. With
+island), on the default tiny model for 5 steps (every fragment syncs at least once): the int4
+outer wire with error feedback under ZeRO-2; streaming (3 fragments, an exchange overlapping 1
+inner step) with the bf16 wire under ZeRO-3; and both at once (int4, 2 fragments, overlap 1)
+under ZeRO-3 with qwZ + hpZ + qgZ. They run on ranks sharing the GPU over gloo, as the engine step's jobs do. With
 2 or more GPUs, one more job runs over NCCL, one rank per GPU (2 islands of 1): the production
 layout; on one GPU that job is skipped, with a line saying so.
 
@@ -23,7 +23,7 @@ from megazpp.bench.gpu_check.pairs import CPU, SHARED_GPU, Job, Side, compare_on
 from megazpp.bench.gpu_check.settings import ENGINE_COMMON, QUANTIZED_BOUND, ZEROPP
 
 PREFIX = "two-level"
-COMMON = [*ENGINE_COMMON, "--train-iters", "6", "--outer-algorithm", "diloco"]
+COMMON = [*ENGINE_COMMON, "--outer-algorithm", "diloco"]  # 5 steps, as the engine's jobs
 ISLANDS = ["--ranks-per-node", "2"]
 JOBS: list[Job] = [
     ("zero2-int4", 4, ["--zero-stage", "2", "--outer-sync-every", "2", "--outer-quantize", "int4", *ISLANDS]),
