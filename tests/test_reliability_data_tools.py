@@ -319,7 +319,7 @@ def interrupt_at(cmd: list[str], point: str, cwd: Path) -> subprocess.CompletedP
         out, err = proc.communicate()
         raise AssertionError(out[-2000:] + err[-2000:]) from None
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     pause.unlink()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -365,7 +365,7 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_the_rerun_resumes(tmp_path,
     )
     assert len(done) == 1 and "Traceback" not in proc.stdout + proc.stderr  # paused after the first
     assert not list(tmp_path.glob("out_text_document*")) and not list(shards.glob("*.tmp*"))  # cleanup kept
-    resumed = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
     assert f"; {len(done)} files were done by an earlier run" in resumed.stdout
     reference = preprocess(many_files / "in", tiny_tokenizer_model, tmp_path / "ref", workers=2, progress=False)
