@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from support import load_tool
 
-from megazpp.bench.gpu_check import pairs, provenance, two_level
-from megazpp.bench.gpu_check.commands import Context, Outcome
-from megazpp.bench.gpu_check.pairs import CPU, Side
-from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
-from megazpp.bench.gpu_check.settings import PLAN_FLAGS
+from benchmarks.gpu_check import pairs, provenance, two_level
+from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.pairs import CPU, Side
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from benchmarks.gpu_check.settings import PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 

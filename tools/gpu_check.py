@@ -24,11 +24,11 @@ change the status: they are measurements. OUT/report.md holds the summary and ev
 OUT/logs/ each command's output. `--dry-run` prints the plan, checks that every engine and
 two-level job's flags form a valid config, and needs no GPU. The report names the commit when
 the project root is a git checkout's top level, and always gives a fingerprint of the source
-files (`megazpp/bench/gpu_check/provenance.py`), so a copied tree's report matches a commit.
+files (`benchmarks/gpu_check/provenance.py`), so a copied tree's report matches a commit.
 
 This file is the command line (the plan, the dry run, the loop over the steps); the settings and
 bounds, running commands, parsing their output, the steps and the report are the modules of
-`megazpp/bench/gpu_check/`.
+`benchmarks/gpu_check/`.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ import sys
 import time
 from pathlib import Path
 
-from megazpp.bench.gpu_check import two_level
-from megazpp.bench.gpu_check.commands import Context, Outcome
-from megazpp.bench.gpu_check.pairs import check_jobs
-from megazpp.bench.gpu_check.provenance import describe
-from megazpp.bench.gpu_check.report import write_report
-from megazpp.bench.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
-from megazpp.bench.gpu_check.steps import STEPS
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
+
+from benchmarks.gpu_check import two_level
+from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.pairs import check_jobs
+from benchmarks.gpu_check.provenance import describe
+from benchmarks.gpu_check.report import write_report
+from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
+from benchmarks.gpu_check.steps import STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ fingerprint: sha256 over the sorted source files' paths and contents (`SOURCE_DI
 `SOURCE_FILES`, `SOURCE_SUFFIXES`), read from the files on disk or from a commit's blobs by one
 function, so the same number comes out of both:
 
-    python3 -m megazpp.bench.gpu_check.provenance              # this tree's fingerprint
-    python3 -m megazpp.bench.gpu_check.provenance --commit REV # REV's, to match a report
+    python3 -m benchmarks.gpu_check.provenance              # this tree's fingerprint
+    python3 -m benchmarks.gpu_check.provenance --commit REV # REV's, to match a report
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-SOURCE_DIRS = ("megazpp", "kernels", "tools", "tests", "configs")
+SOURCE_DIRS = ("megazpp", "benchmarks", "kernels", "tools", "tests", "configs")
 SOURCE_FILES = ("pretrain_gpt.py", "run.sh", "pyproject.toml")
 SOURCE_SUFFIXES = (".py", ".sh", ".yaml", ".yml", ".json", ".toml", ".sbatch")
 
@@ -80,7 +80,7 @@ def describe(root: Path) -> str:
     """The report's sentence on which code ran (once per run: the report is rewritten after
     every step)."""
     mark = f"source fingerprint {fingerprint(tree_files(root))[:16]}"
-    how = "python3 -m megazpp.bench.gpu_check.provenance --commit REV gives a commit's"
+    how = "python3 -m benchmarks.gpu_check.provenance --commit REV gives a commit's"
     if not git_top_level(root):
         return f"{mark} (the project root is no git checkout's top level: a copied tree, so no commit is named; {how})"
     commit = _git(root, "rev-parse", "--short", "HEAD").decode().strip()
@@ -90,7 +90,7 @@ def describe(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="print the source fingerprint a device check's report gives")
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[3])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--commit", help="fingerprint this commit's files instead of the tree on disk")
     args = parser.parse_args(argv)
     files = commit_files(args.root, args.commit) if args.commit else tree_files(args.root)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megazpp.bench.gpu_check.commands import Context, Outcome, run, run_sh, tail
-from megazpp.bench.gpu_check.pairs import compare_on_sides
-from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
-from megazpp.bench.gpu_check.settings import (
+from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
+from benchmarks.gpu_check.pairs import compare_on_sides
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from benchmarks.gpu_check.settings import (
     ENGINE_BOUND,
     ENGINE_COMMON,
     ENGINE_JOBS,
@@ -18,8 +18,8 @@ from megazpp.bench.gpu_check.settings import (
     SHAPE,
     TARGETS,
 )
-from megazpp.bench.gpu_check.two_level import JOBS as TWO_LEVEL_JOBS
-from megazpp.bench.gpu_check.two_level import NCCL_JOB, step_two_level
+from benchmarks.gpu_check.two_level import JOBS as TWO_LEVEL_JOBS
+from benchmarks.gpu_check.two_level import NCCL_JOB, step_two_level
 
 PY = sys.executable
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megazpp.bench.gpu_check.commands import Outcome
-from megazpp.bench.gpu_check.provenance import describe
+from benchmarks.gpu_check.commands import Outcome
+from benchmarks.gpu_check.provenance import describe
 
 
 def write_report(out: Path, outcomes: list[tuple[str, Outcome, float]], root: Path) -> None:

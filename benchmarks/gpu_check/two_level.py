@@ -18,9 +18,9 @@ the next sync rather than letting it grow.
 
 from __future__ import annotations
 
-from megazpp.bench.gpu_check.commands import Context, Outcome
-from megazpp.bench.gpu_check.pairs import CPU, SHARED_GPU, Job, Side, compare_on_sides
-from megazpp.bench.gpu_check.settings import ENGINE_COMMON, QUANTIZED_BOUND, ZEROPP
+from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.pairs import CPU, SHARED_GPU, Job, Side, compare_on_sides
+from benchmarks.gpu_check.settings import ENGINE_COMMON, QUANTIZED_BOUND, ZEROPP
 
 PREFIX = "two-level"
 COMMON = [*ENGINE_COMMON, "--outer-algorithm", "diloco"]  # 5 steps, as the engine's jobs

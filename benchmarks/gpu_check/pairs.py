@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazpp.bench.gpu_check.commands import Context, Outcome, run_sh, tail
-from megazpp.bench.gpu_check.parse import tb_losses
+from benchmarks.gpu_check.commands import Context, Outcome, run_sh, tail
+from benchmarks.gpu_check.parse import tb_losses
 
 Job = tuple[str, int, list[str]]  # (name, ranks, flags)
 RUN_SH_CONFIG = "configs/llama_tiny.yaml"  # run.sh's CONFIG when none is set, as in every job here
