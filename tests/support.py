@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -191,3 +193,19 @@ def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) 
         "MASTER_PORT": str(free_port()),
         **variables,
     }
+
+
+def paused_at(point: str, file: Path) -> dict[str, str]:
+    """The environment variable that stops a subprocess at pause point `point` (megazpp/pause.py)
+    until `file` is removed."""
+    return {"MEGAZPP_PAUSE_AT": f"{point}:{file}"}
+
+
+def wait_until_paused(proc: subprocess.Popen, file: Path, timeout_s: float = 1200) -> None:
+    """Return once `proc` has reached its armed pause point (it wrote `file`); fail if it ended
+    first. The timeout only bounds a broken run: the process waits at the point for the test."""
+    deadline = time.monotonic() + timeout_s
+    while not file.exists():
+        assert proc.poll() is None, f"exited with {proc.returncode} before reaching its pause point"
+        assert time.monotonic() < deadline, f"did not reach its pause point ({file}) in {timeout_s} s"
+        time.sleep(0.01)

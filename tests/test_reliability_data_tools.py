@@ -14,11 +14,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from support import checkout_env, run_sh_variables
+from support import checkout_env, paused_at, run_sh_variables, wait_until_paused
 from test_training_pretrain import tiny_args
 
 from megazpp.data.indexed_dataset import IndexedDataset
@@ -299,40 +298,35 @@ def test_a_byte_order_mark_keeps_the_first_document(tmp_path, tiny_tokenizer_mod
     assert list(iter_training_lines([tmp_path / "bom.txt"], "text", Counter())) == ["def f():", "    return 1"]
 
 
-def interrupt_when(cmd: list[str], ready, cwd: Path) -> subprocess.CompletedProcess:
-    """Start `cmd` in a process group of its own, send SIGINT to the whole group (as Ctrl-C does)
-    once `ready(stdout_so_far)` holds, and collect it."""
+def interrupt_at(cmd: list[str], point: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Start `cmd` in a process group of its own, stopped at pause point `point`
+    (megazpp/pause.py); once it waits there, send SIGINT to the whole group (as Ctrl-C does) and
+    collect it. The moment is the point, whatever the machine's load."""
+    pause = cwd / f"paused-at-{point}"
     proc = subprocess.Popen(
         cmd,
-        env=checkout_env(),
+        env=checkout_env(**paused_at(point, pause)),
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
-    out = ""
-    deadline = time.monotonic() + 120
-    while not ready(out):
-        assert proc.poll() is None and time.monotonic() < deadline, "finished before it could be interrupted"
-        if ready is training_started:
-            out += proc.stdout.readline()
-        else:
-            time.sleep(0.005)
-    if ready is training_started:
-        time.sleep(0.2)  # into SentencePiece's reading (~1 s for these 4 MB), past the line's own print
+    try:
+        wait_until_paused(proc, pause)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(out[-2000:] + err[-2000:]) from None
     os.killpg(proc.pid, signal.SIGINT)
-    rest, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out + rest, err)
-
-
-def training_started(out: str) -> bool:
-    return "training a SentencePiece BPE tokenizer" in out
+    out, err = proc.communicate(timeout=600)
+    pause.unlink()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
 def many_files(tmp_path_factory) -> Path:
-    """8 JSONL files of ~0.5 MB of stdlib text: preprocessing them lasts long enough to be interrupted."""
+    """8 JSONL files of ~0.5 MB of stdlib text: several files, each read in several chunks."""
     from megazpp.preprocess.sample_corpus import build_sample_corpus
 
     root = tmp_path_factory.mktemp("many")
@@ -362,16 +356,16 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_the_rerun_resumes(tmp_path,
         "--no-progress",
     ]
     shards = tmp_path / "out_shards"
-    proc = interrupt_when(cmd, lambda _: any(shards.glob("*.done.json")), tmp_path)
+    proc = interrupt_at(cmd, "preprocess_file_done", tmp_path)
     line = one_line(proc, "preprocess_data.py", 130, "interrupted")
     done = sorted(p.name for p in shards.glob("*.done.json"))
     assert line == (
         f"preprocess_data.py: interrupted (SIGINT): {len(done)} of 8 input files were finished and "
         f"are kept under {shards}/ (the same command resumes from them); the file in flight was removed"
     )
-    assert 1 <= len(done) < 8 and "Traceback" not in proc.stdout + proc.stderr
+    assert len(done) == 1 and "Traceback" not in proc.stdout + proc.stderr  # paused after the first
     assert not list(tmp_path.glob("out_text_document*")) and not list(shards.glob("*.tmp*"))  # cleanup kept
-    resumed = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
     assert f"; {len(done)} files were done by an earlier run" in resumed.stdout
     reference = preprocess(many_files / "in", tiny_tokenizer_model, tmp_path / "ref", workers=2, progress=False)
@@ -399,14 +393,14 @@ def test_ctrl_c_during_the_tokenizer_build_is_one_line(tmp_path, many_files):
         str(tmp_path / "tok"),
         "--no-progress",
     ]
-    proc = interrupt_when(cmd, training_started, tmp_path)
+    proc = interrupt_at(cmd, "tokenizer_reading", tmp_path)
     line = one_line(proc, "train_tokenizer.py", 130, "interrupted")
     assert line == (
         f"train_tokenizer.py: interrupted (SIGINT): {tmp_path}/tok.model and {tmp_path}/tok.vocab "
         "were not written (the partial files were removed)"
     )
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.model"]  # the pause file removed
     assert (tmp_path / "earlier.model").read_bytes() == b"an earlier model"
 
 

@@ -142,8 +142,10 @@ def test_two_jobs_on_one_port_and_the_free_default_port(tmp_path, tiny_indexed_p
     data = run_sh_data(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model)
     port = free_port()
     first = Run(
-        ["bash", str(ROOT / "run.sh"), *TINY, *outputs(data)],  # waits for its peer
-        env_extra=environment(data, NNODES="2", NODE_RANK="0", MASTER_PORT=str(port), RDZV_TIMEOUT="120"),
+        # waits for its peer, which never comes, until the SIGTERM below (the hour is no race
+        # with the test: it is longer than any test takes, however loaded the machine)
+        ["bash", str(ROOT / "run.sh"), *TINY, *outputs(data)],
+        env_extra=environment(data, NNODES="2", NODE_RANK="0", MASTER_PORT=str(port), RDZV_TIMEOUT="3600"),
     )
     try:
         deadline = time.monotonic() + 90

@@ -65,7 +65,7 @@ def test_kill_9_of_the_launcher_takes_the_ranks_with_it(tmp_path, tiny_indexed_p
     assert len(ranks) == 2, ranks
     os.kill(launcher, signal.SIGKILL)
     run.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # the kernel's SIGKILL at once; the slack is a loaded machine's
     try:
         while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)

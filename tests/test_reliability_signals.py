@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import ROOT, TINY_MODEL_FLAGS, checkout_env, run_sh_variables
+from support import ROOT, TINY_MODEL_FLAGS, checkout_env, paused_at, run_sh_variables, wait_until_paused
 from test_training_pretrain import tiny_args
 
 LONG = "5000"  # iterations: the runs are stopped long before
@@ -39,7 +39,9 @@ class Run:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
 
-    def wait_for(self, pattern: str, timeout: float = 240) -> str:
+    # the timeouts bound a broken run only (each wait ends at a line or an exit): generous, so
+    # that a loaded machine's slowness is never taken for a fault
+    def wait_for(self, pattern: str, timeout: float = 900) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -54,7 +56,7 @@ class Run:
         self.proc.kill()
         raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:]))
 
-    def finish(self, timeout: float = 120) -> tuple[int, str]:
+    def finish(self, timeout: float = 600) -> tuple[int, str]:
         code = self.proc.wait(timeout=timeout)
         while (line := self._queue.get(timeout=10)) is not None:
             self.lines.append(line)
@@ -108,7 +110,9 @@ def test_sigterm_and_sigint_save_and_exit_0(tmp_path, tiny_indexed_prefix, tiny_
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_indexed_prefix, tiny_tokenizer_model):
     ckpt = tmp_path / "ckpt"
-    # a long evaluation after step 3 keeps the first signal's stop pending
+    # the run waits at the start of its evaluation after step 3 (a pause point), so the first
+    # signal's stop stays pending there for as long as the test takes, whatever the load
+    pause = tmp_path / "paused"
     run = Run(
         pretrain_command(
             tiny_indexed_prefix,
@@ -120,10 +124,11 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_in
             "--eval-interval",
             "3",
             "--eval-iters",
-            "3000",
-        )
+            "1",
+        ),
+        env_extra=paused_at("evaluation", pause),
     )
-    run.wait_for(r"^iter +3/")
+    wait_until_paused(run.proc, pause)
     run.proc.send_signal(signal.SIGINT)
     run.wait_for("SIGINT received: finishing this step")
     time.sleep(1.5)  # a repeat within a second is the same request (a forwarded copy)
@@ -145,7 +150,7 @@ def test_a_second_signal_exits_at_once_and_exit_duration_stops(tmp_path, tiny_in
             "0.002",
         )
     )
-    code, output = run.finish(timeout=240)
+    code, output = run.finish(timeout=900)
     assert code == 0, output[-3000:]
     # 0.12 s from the program's start, setup included (as Megatron counts): over by step 1
     assert stopped_at(output, r"--exit-duration-in-mins 0\.002", ckpt) == 1
@@ -213,6 +218,6 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(
         str(ckpt),
         env_extra={"MEGAZPP_FAULT": "sigterm_after_step@3:1"},
     )
-    code, output = run.finish(timeout=240)
+    code, output = run.finish(timeout=900)
     assert code == 0, output[-3000:]
     assert stopped_at(output, "a signal on another rank", ckpt) == 3

@@ -8,9 +8,12 @@ GPU machines are lent for minutes, so what needs one is prepared here and run as
 3. data              run.sh's corpus, tokenizer and dataset under OUT/data (one CPU iteration)
 4. engine            ZeRO-1, ZeRO-3, PaRO IGG, ZeRO-3 + qwZ + hpZ + qgZ + LoCo on 2-4 gloo
                      ranks sharing the GPU, each against the same job on CPU ranks (losses)
-5. model-step        bench_model.py bf16 at Llama 24 x 2048 (GQA 16/8, seq 2048, mbs 4, vocab
+5. two-level         DiLoCo islands: int4 with error feedback (ZeRO-2), streaming with overlap
+                     (ZeRO-3, bf16), both under ZeRO++, on 4 gloo ranks sharing the GPU, each
+                     against CPU ranks; with 2+ GPUs one int4 job over NCCL, one rank per GPU
+6. model-step        bench_model.py bf16 at Llama 24 x 2048 (GQA 16/8, seq 2048, mbs 4, vocab
                      32000) beside Hugging Face's Llama, then compiled (--compile)
-6. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
+7. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
                      tokens/s (bench_model at vocab 2048) and the planner's predicted peak memory
 7. kernels-geometry  the launch geometry Triton's autotuner chose in step 2, per kernel and size
 8. zero3-compiled    ZeRO-3 on 2 gloo ranks sharing the GPU, eager then --compile: losses, tokens/s
@@ -21,8 +24,10 @@ failed or timed-out command) makes the exit status 1; a step skipped because the
 (--budget-s) ran out makes it 3; targets (85% of copy bandwidth, 68% MFU compiled, 95% of the
 bare step's tokens/s, peak memory within 10% of the plan) are reported, met or not, and do not
 change the status: they are measurements. OUT/report.md holds the summary and every number,
-OUT/logs/ each command's output. `--dry-run` prints the plan, checks that every engine job's
-flags form a valid config, and needs no GPU.
+OUT/logs/ each command's output. `--dry-run` prints the plan, checks that every engine and
+two-level job's flags form a valid config, and needs no GPU. The report names the commit when
+the project root is a git checkout's top level, and always gives a fingerprint of the source
+files (`benchmarks/gpu_check/provenance.py`), so a copied tree's report matches a commit.
 
 This file is the command line (the plan, the dry run, the loop over the steps); the settings and
 bounds, running commands, parsing their output, the steps and the report are the modules of
@@ -38,31 +43,34 @@ from pathlib import Path
 
 import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 
+from benchmarks.gpu_check import two_level
 from benchmarks.gpu_check.commands import Context, Outcome
 from benchmarks.gpu_check.overheads import COMPILED_ZERO3, RUN_SH_CONFIG
+from benchmarks.gpu_check.pairs import check_jobs
+from benchmarks.gpu_check.provenance import describe
 from benchmarks.gpu_check.report import write_report
 from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
-from benchmarks.gpu_check.steps import STEPS
+from benchmarks.gpu_check.steps import PATHS, STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def dry_run() -> int:
-    """Print the plan and check every engine job's flags form a valid config (no GPU needed)."""
-    from megazpp.config.checks import check_config
-    from megazpp.config.load import load_config
-
+    """Print the plan and check every engine and two-level job's flags form a valid config (no
+    GPU needed)."""
     print("tools/gpu_check.sh plan (estimated seconds on one H100 / H200; budget --budget-s):")
     for name, what, seconds, _ in STEPS:
         print(f"  {name:18s} ~{seconds:>4d} s  {what}")
-    print(f"  total ~{sum(s for _, _, s, _ in STEPS)} s")
-    for name, ranks, flags in ENGINE_JOBS:
-        cfg = load_config(ENGINE_COMMON + flags + ["--distributed-backend", "gloo"])
-        check_config(cfg, ranks)  # every subsystem's options, the engine's included
-        print(f"  engine job {name}: {ranks} ranks, flags valid: {' '.join(flags)}")
-    compiled = ENGINE_COMMON + COMPILED_ZERO3 + ["--compile"]
-    check_config(load_config(compiled), 2)
-    print(f"  zero3-compiled job: 2 ranks, flags valid: {' '.join(COMPILED_ZERO3)} --compile")
+    paths = sum(s for name, _, s, _ in STEPS if name in PATHS)
+    print(f"  total ~{sum(s for _, _, s, _ in STEPS)} s; the paths ({', '.join(PATHS)}) first: ~{paths} s")
+    for line in check_jobs(ROOT, ENGINE_COMMON, ENGINE_JOBS):
+        print(f"  engine job {line}")
+    for line in check_jobs(ROOT, two_level.COMMON, two_level.JOBS):
+        print(f"  two-level job {line}")
+    for line in check_jobs(ROOT, two_level.COMMON, [two_level.NCCL_JOB], two_level.NCCL):
+        print(f"  two-level job {line} (over NCCL, one rank per GPU: only with 2 or more GPUs)")
+    for line in check_jobs(ROOT, ENGINE_COMMON, [("job", 2, [*COMPILED_ZERO3, "--compile"])]):
+        print(f"  zero3-compiled {line}")
     for path in (
         "run.sh",
         "tools/bench_quant.py",
@@ -75,7 +83,8 @@ def dry_run() -> int:
         if not (ROOT / path).exists():
             print(f"missing {path}")
             return 1
-    print("dry run: plan printed, engine flags valid; nothing was run")
+    print(f"source: {describe(ROOT)}")
+    print("dry run: plan printed, engine and two-level flags valid; nothing was run")
     return 0
 
 

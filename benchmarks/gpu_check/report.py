@@ -3,15 +3,16 @@ what it measured."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 from benchmarks.gpu_check.commands import Outcome
+from benchmarks.gpu_check.provenance import describe
 
 
 def write_report(out: Path, outcomes: list[tuple[str, Outcome, float]], root: Path) -> None:
-    """OUT/report.md: the device, versions and commit, each step's verdict, the targets, each step's lines."""
+    """OUT/report.md: the device, versions and the code that ran (`provenance.describe`), each
+    step's verdict, the targets, each step's lines."""
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
@@ -21,14 +22,10 @@ def write_report(out: Path, outcomes: list[tuple[str, Outcome, float]], root: Pa
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    commit = (
-        subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        or "unknown"
-    )
     lines = [
         f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
-        f"{device}; torch {torch.__version__}, Triton {triton_version}; commit {commit}.",
+        f"{device}; torch {torch.__version__}, Triton {triton_version}; {describe(root)}.",
         "",
         "| step | status | result | seconds |",
         "|---|---|---|---:|",

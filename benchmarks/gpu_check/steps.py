@@ -1,4 +1,4 @@
-"""The device check's six steps, in order (`STEPS`: name, what it runs, estimated seconds, the
+"""The device check's steps, in order (`STEPS`: name, what it runs, estimated seconds, the
 function): each runs its commands and judges them into an `Outcome`."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
 from benchmarks.gpu_check.overheads import OVERHEAD_STEPS
-from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib, tb_losses
+from benchmarks.gpu_check.pairs import compare_on_sides
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
 from benchmarks.gpu_check.settings import (
     ENGINE_BOUND,
     ENGINE_COMMON,
@@ -18,6 +19,8 @@ from benchmarks.gpu_check.settings import (
     SHAPE,
     TARGETS,
 )
+from benchmarks.gpu_check.two_level import JOBS as TWO_LEVEL_JOBS
+from benchmarks.gpu_check.two_level import NCCL_JOB, step_two_level
 
 PY = sys.executable
 
@@ -68,43 +71,7 @@ def step_data(ctx: Context) -> Outcome:
 
 def step_engine(ctx: Context) -> Outcome:
     """Every job on CUDA ranks (gloo, sharing the GPU) and on CPU ranks at once; losses compared."""
-    procs = {}
-    for name, ranks, flags in ENGINE_JOBS:
-        for gpu in (True, False):
-            extra = ["--distributed-backend", "gloo"] if gpu else []
-            label = f"engine-{name}-{'cuda' if gpu else 'cpu'}"
-            procs[label] = run_sh(
-                ctx, label, ENGINE_COMMON + flags + extra, ranks=ranks, gpu=gpu, timeout=min(300, ctx.left())
-            )
-    results = {label: job.collect() for label, job in procs.items()}
-    lines = ["| job | ranks | CUDA losses | CPU losses | max relative gap | bound |", "|---|---:|---|---|---:|---:|"]
-    status, worst, failures = "ok", [], []
-    for name, ranks, _ in ENGINE_JOBS:
-        cuda, cpu = results[f"engine-{name}-cuda"], results[f"engine-{name}-cpu"]
-        if cuda[0] != 0 or cpu[0] != 0:
-            status = "FAILED"
-            lines.append(f"| {name} | {ranks} | exit {cuda[0]} | exit {cpu[0]} | | |")
-            failures += [
-                f"{label}, exit {rc}:"
-                for label, (rc, _) in ((f"{name} on CUDA", cuda), (f"{name} on CPU", cpu))
-                if rc != 0
-            ]
-            failures += [line for rc, text in (cuda, cpu) if rc != 0 for line in tail(text, 12)]
-            continue
-        a = tb_losses(ctx.out / "tb" / f"engine-{name}-cuda")
-        b = tb_losses(ctx.out / "tb" / f"engine-{name}-cpu")
-        gap = max(abs(x - y) / abs(y) for x, y in zip(a, b)) if len(a) == len(b) and a else float("inf")
-        if gap > ENGINE_BOUND[name]:
-            status = "MISMATCH" if status == "ok" else status
-            worst.append(name)
-        lines.append(
-            f"| {name} | {ranks} | {', '.join(f'{x:.6f}' for x in a)} | {', '.join(f'{x:.6f}' for x in b)} "
-            f"| {gap:.2e} | {ENGINE_BOUND[name]:.0e} |"
-        )
-    summary = f"{len(ENGINE_JOBS)} jobs on CUDA ranks sharing the GPU vs CPU ranks" + (
-        f"; outside the bound: {', '.join(worst)}" if worst else ""
-    )
-    return Outcome(status, summary, lines + ([""] + failures if failures else []))
+    return compare_on_sides(ctx, "engine", ENGINE_COMMON, ENGINE_JOBS, ENGINE_BOUND)
 
 
 def step_model(ctx: Context) -> Outcome:
@@ -231,7 +198,8 @@ def step_end_to_end(ctx: Context) -> Outcome:
     )
 
 
-STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
+Step = tuple[str, str, int, Callable[[Context], Outcome]]
+_STEPS: list[Step] = [
     ("kernels-bitwise", "python -m kernels.cuda_bitwise_check", 75, step_kernels_bitwise),
     (
         "kernels-bandwidth",
@@ -247,6 +215,15 @@ STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
         + " on CUDA ranks (--distributed-backend gloo) and on CPU ranks",
         80,
         step_engine,
+    ),
+    (
+        "two-level",
+        f"{2 * len(TWO_LEVEL_JOBS)} run.sh jobs at once: "
+        + ", ".join(f"{n} ({r} ranks)" for n, r, _ in TWO_LEVEL_JOBS)
+        + " with DiLoCo islands on CUDA ranks (gloo) and on CPU ranks; with 2+ GPUs "
+        + f"{NCCL_JOB[0]} over NCCL vs CPU ranks",
+        60,
+        step_two_level,
     ),
     (
         "model-step",
@@ -266,3 +243,10 @@ STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
     ),
     *OVERHEAD_STEPS,
 ]
+# Every path a GPU user can take runs first, so the default budget (--budget-s 470, the 8 minutes
+# of device time the check must fit) always covers them; the measurements follow, as the budget
+# allows (kernels-geometry reads kernels-bandwidth's log, so it comes after it).
+PATHS = ["kernels-bitwise", "data", "engine", "two-level", "zero3-compiled"]
+MEASUREMENTS = ["kernels-bandwidth", "kernels-geometry", "model-step", "end-to-end", "loop-overhead"]
+STEPS: list[Step] = [next(s for s in _STEPS if s[0] == name) for name in PATHS + MEASUREMENTS]
+assert len(STEPS) == len(_STEPS), "every step is a path or a measurement"

@@ -33,6 +33,7 @@ from megazpp.data.indexed_dataset import merge_indexed_datasets, token_dtype_for
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import TokenizerRecord, write_record
 from megazpp.errors import DataError, refuse_existing
+from megazpp.pause import pause_point
 from megazpp.preprocess.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
 from megazpp.preprocess.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
 from megazpp.preprocess.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
@@ -280,3 +281,5 @@ def _consume(
             )
             shard_results[result.shard] = done
         bar.update(files=int(result.last), tokens=tokens)
+        if result.last:
+            pause_point("preprocess_file_done")

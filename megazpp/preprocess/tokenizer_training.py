@@ -19,6 +19,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from megazpp.errors import DataError, refuse_existing
+from megazpp.pause import pause_point
 from megazpp.preprocess.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -43,12 +44,28 @@ def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter[str]) 
                 yield from (line.rstrip("\n") for line in f if line.strip())
 
 
-def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> Iterator[str]:
-    count = 0
-    for count, line in enumerate(lines, 1):  # noqa: B007 (count is read after the loop)
-        yield line
-    if log is not None:
-        log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
+class _Reading:
+    """The lines handed to SentencePiece, telling `log` when they end, and whether Ctrl-C came
+    while SentencePiece read them: a KeyboardInterrupt raised inside this iterator reaches
+    Python again as SentencePiece's RuntimeError ("INTERNAL: KeyboardInterrupt"), so it is
+    recorded here, to be raised as what it is."""
+
+    def __init__(self, lines: Iterable[str], log: Callable[[str], None] | None) -> None:
+        self.lines = lines
+        self.log = log
+        self.interrupted = False
+
+    def __iter__(self) -> Iterator[str]:
+        count = 0
+        try:
+            for count, line in enumerate(self.lines, 1):  # noqa: B007 (count is read after the loop)
+                yield line
+                pause_point("tokenizer_reading")
+        except KeyboardInterrupt:
+            self.interrupted = True
+            raise
+        if self.log is not None:
+            self.log(f"read {count} lines; SentencePiece is sampling them and learning the BPE merges")
 
 
 def train_tokenizer(
@@ -79,14 +96,14 @@ def train_tokenizer(
     skipped: Counter[str] = Counter()
     tmp_prefix = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
     spm.set_random_generator_seed(seed)  # the line sample, hence the model, follows the seed
+    reading = _Reading(
+        tqdm(iter_training_lines(paths, key, skipped), desc="reading lines", unit=" line", disable=not progress),
+        log,
+    )
+    interrupted = f"{prefix}.model and {prefix}.vocab were not written (the partial files were removed)"
     try:
         spm.SentencePieceTrainer.Train(
-            sentence_iterator=_announce_end(
-                tqdm(
-                    iter_training_lines(paths, key, skipped), desc="reading lines", unit=" line", disable=not progress
-                ),
-                log,
-            ),
+            sentence_iterator=iter(reading),
             model_prefix=str(tmp_prefix),
             model_type="bpe",
             vocab_size=vocab_size,
@@ -112,10 +129,10 @@ def train_tokenizer(
         for suffix in (".vocab", ".model"):  # the .model last: its presence means a finished build
             os.replace(f"{tmp_prefix}{suffix}", f"{prefix}{suffix}")
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(
-            f"{prefix}.model and {prefix}.vocab were not written (the partial files were removed)"
-        ) from None
+        raise KeyboardInterrupt(interrupted) from None
     except RuntimeError as e:  # SentencePiece reports bad settings for this corpus this way
+        if reading.interrupted:
+            raise KeyboardInterrupt(interrupted) from None
         raise DataError(
             f"SentencePiece training on {[str(p) for p in paths]} with vocab size {vocab_size} failed: {e}"
         ) from e

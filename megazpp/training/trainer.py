@@ -38,6 +38,7 @@ from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.pause import pause_point
 from megazpp.training.forward_backward import MicroBatch, forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
@@ -262,6 +263,7 @@ class Trainer:
         valid = self.valid_ds
         if valid is None:
             raise ValueError("Trainer.evaluate: this run has no validation split (valid_ds is None)")
+        pause_point("evaluation")
         self.model.eval()
         losses: list[torch.Tensor] = []
         samples = iter(self._sampler(valid, 0))
