@@ -12,6 +12,9 @@ GPU machines are lent for minutes, so what needs one is prepared here and run as
                      32000) beside Hugging Face's Llama, then compiled (--compile)
 6. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
                      tokens/s (bench_model at vocab 2048) and the planner's predicted peak memory
+7. kernels-geometry  the launch geometry Triton's autotuner chose in step 2, per kernel and size
+8. zero3-compiled    ZeRO-3 on 2 gloo ranks sharing the GPU, eager then --compile: losses, tokens/s
+9. loop-overhead     tools/profile_loop.py on step 6's job: the loop's time per phase (issue 40)
 
 A mismatch (a kernel bit, losses off the CPU job or the HF peer by more than the bound, a
 failed or timed-out command) makes the exit status 1; a step skipped because the time budget
@@ -23,7 +26,7 @@ flags form a valid config, and needs no GPU.
 
 This file is the command line (the plan, the dry run, the loop over the steps); the settings and
 bounds, running commands, parsing their output, the steps and the report are the modules of
-`megazpp/bench/gpu_check/`.
+`benchmarks/gpu_check/`.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-from megazpp.bench.gpu_check.commands import Context, Outcome
-from megazpp.bench.gpu_check.report import write_report
-from megazpp.bench.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
-from megazpp.bench.gpu_check.steps import STEPS
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
+
+from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.overheads import COMPILED_ZERO3, RUN_SH_CONFIG
+from benchmarks.gpu_check.report import write_report
+from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
+from benchmarks.gpu_check.steps import STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,11 +60,16 @@ def dry_run() -> int:
         cfg = load_config(ENGINE_COMMON + flags + ["--distributed-backend", "gloo"])
         check_config(cfg, ranks)  # every subsystem's options, the engine's included
         print(f"  engine job {name}: {ranks} ranks, flags valid: {' '.join(flags)}")
+    compiled = ENGINE_COMMON + COMPILED_ZERO3 + ["--compile"]
+    check_config(load_config(compiled), 2)
+    print(f"  zero3-compiled job: 2 ranks, flags valid: {' '.join(COMPILED_ZERO3)} --compile")
     for path in (
         "run.sh",
         "tools/bench_quant.py",
         "tools/bench_model.py",
         "tools/plan.py",
+        "tools/profile_loop.py",
+        RUN_SH_CONFIG,
         "kernels/cuda_bitwise_check.py",
     ):
         if not (ROOT / path).exists():

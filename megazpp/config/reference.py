@@ -97,8 +97,8 @@ HELP: dict[str, str] = {
         "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)"
     ),
     "training.compile": (
-        "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs "
-        "whole parameters (zero.stage <= 2 or PaRO N**)"
+        "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; with "
+        "parameters sharded (ZeRO-3, PaRO I/G) each layer is one fetch unit"
     ),
     "training.skip_memory_check": "start even when the estimated memory per rank exceeds the free memory",
     "precision.bf16": "bf16 model with fp32 master weights",
@@ -197,7 +197,7 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(f: dataclasses.Field) -> str:
+def _default(f: dataclasses.Field[object]) -> str:
     """A field's declared default (not a derived value: ffn_hidden_size's none stays none)."""
     if f.default is not dataclasses.MISSING:
         return _shown(f.default)
