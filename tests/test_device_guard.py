@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from support import TINY_LLAMA
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
@@ -47,6 +49,8 @@ from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import Exchange, padded_size
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
+from megazpp.planner import auto, probe
+from megazpp.planner.settings import PlannerSettings
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
@@ -221,3 +225,58 @@ def test_guard_fails_on_the_device_less_buffer_of_issue_36():
     for unguarded, guarded in run_ranks(_control_rank, 4, timeout_s=300):
         assert unguarded == "trained"  # on CPU ranks the buffer is on the host by accident: unseen
         assert "meta" in guarded, guarded  # under the guard the copy into it fails
+
+
+class MetaCollectives(TorchDispatchMode):
+    """Fails a collective given a `meta` tensor: the probes only time their collectives and never
+    read the buffers, and a collective whose tensors are all on `meta` meets no real tensor (c10d
+    has meta kernels), so the guard alone would let it pass; on NCCL ranks it is the CPU tensor
+    NCCL refuses."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "c10d":
+            for t in pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    raise RuntimeError(f"{func}: a tensor on meta (made without a device)")
+        return func(*args, **(kwargs or {}))
+
+
+def _probes(topo: Topology, model: GPTModel) -> list[float]:
+    """`paro_strategy: auto`'s probes on this rank under the guard, at small sizes: the links,
+    the host model's collectives and AdamW rate, rank 0's values broadcast."""
+    with guard(), MetaCollectives():
+        device = auto.run_device(model)
+        links = auto.measure_links(PlannerSettings(probe=True), topo, device)
+        times = probe.probe_collectives(probe.dp_groups(topo), sizes=(1 << 8, 1 << 10), repeats=1, device=device)
+        rate = probe.probe_optimizer_rate(1 << 10, 1, device=device)
+        return probe.broadcast_values([*links, rate, float(len(times))], device=device)
+
+
+def _probe_rank() -> list[object]:
+    """The probes, then the control (their collectives' buffers made without a device, as
+    before issue 36's fix): the values, and the error the control met."""
+    topo = Topology.from_env(ranks_per_node=2)
+    model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
+    calls, large = probe._calls, probe.LARGE
+    probe.LARGE = 1 << 12  # the link probe's bandwidth size: the same code path, a CI-sized tensor
+    try:
+        values = _probes(topo, model)
+        # the device a tensor made without one gets (the host on CPU ranks, `meta` under the guard)
+        probe._calls = lambda op, numel, size, group, device: calls(op, numel, size, group, torch.empty(0).device)
+        try:
+            _probes(topo, model)
+            return [values, "probed"]
+        except (RuntimeError, NotImplementedError) as err:  # every rank, at the first collective
+            return [values, f"{type(err).__name__}: {err}"]
+    finally:
+        probe._calls, probe.LARGE = calls, large
+
+
+def test_planner_probes_make_no_tensor_without_a_device():
+    """The probes run on the ranks before the engine is built (issue 36: on CPU tensors they
+    fail on NCCL ranks); the control, a probe buffer made without a device, fails here."""
+    for values, control in run_ranks(_probe_rank, 4, timeout_s=300):
+        intra_bw, inter_bw, intra_latency, inter_latency, adam_rate, keys = values
+        assert intra_bw > 0 and inter_bw > 0 and adam_rate > 0 and intra_latency >= 0 and inter_latency >= 0
+        assert keys == 3 * 4  # every op under the four DPShapes names (hpz is the intra group, timed once)
+        assert "meta" in control, control

@@ -56,8 +56,8 @@ def _faked(probe, clock: _Clock) -> dict:
     real = (probe._calls, probe.build_adamw, probe.time, probe.comm)
     real_calls, real_adamw = real[:2]
 
-    def costed_calls(op: str, numel: int, size: int, group):
-        call = real_calls(op, numel, size, group)
+    def costed_calls(op: str, numel: int, size: int, group, device):
+        call = real_calls(op, numel, size, group, device)
 
         def run() -> None:
             call()
@@ -86,14 +86,14 @@ def _faked(probe, clock: _Clock) -> dict:
     try:
         groups = {**probe.dp_groups(topo), "hpz": (None, 1)}
         out = {
-            "fits": probe.probe_collectives(groups, sizes=SIZES, repeats=2),
-            "adam": probe.probe_optimizer_rate(1 << 12, 2),
+            "fits": probe.probe_collectives(groups, sizes=SIZES, repeats=2, device=probe.HOST),
+            "adam": probe.probe_optimizer_rate(1 << 12, 2, device=probe.HOST),
         }
         # probe_link times comm.all_reduce itself (the probe's only use of it outside _calls)
         probe.comm = SimpleNamespace(all_reduce=costed_all_reduce, barrier=comm.barrier)
         out["links"] = {
-            "dp": probe.probe_link(topo.dp_group, topo.dp, repeats=1),
-            "cross": probe.probe_link(topo.dp_inter_group, 2, repeats=1),
+            "dp": probe.probe_link(topo.dp_group, topo.dp, repeats=1, device=probe.HOST),
+            "cross": probe.probe_link(topo.dp_inter_group, 2, repeats=1, device=probe.HOST),
         }
         return out
     finally:
@@ -107,9 +107,9 @@ def _probe_rank() -> dict:
 
     topo = Topology.from_env(ranks_per_node=2)
     groups = {**probe.dp_groups(topo), "hpz": (None, 1)}  # hpZ off: a group of one
-    fits = probe.probe_collectives(groups, sizes=SIZES, repeats=1)
-    received = probe._recorded(probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group))
-    scatter = probe._recorded(probe._calls("reduce_scatter", 1 << 12, topo.dp, topo.dp_group))
+    fits = probe.probe_collectives(groups, sizes=SIZES, repeats=1, device=probe.HOST)
+    received = probe._recorded(probe._calls("all_gather", 1 << 12, topo.dp, topo.dp_group, probe.HOST))
+    scatter = probe._recorded(probe._calls("reduce_scatter", 1 << 12, topo.dp, topo.dp_group, probe.HOST))
     return {"fits": fits, "check": (received, scatter), "fake": _faked(probe, _Clock())}
 
 

@@ -51,6 +51,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.auto import stage_shape
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import (
+    HOST,
     LinkProbe,
     measured_cluster,
     probe_link,
@@ -130,7 +131,7 @@ def _rank_main(a: argparse.Namespace) -> JSONObject | None:
     )
     # the island's links: its node's DP ranks, and the peer group (my place in every island) the outer syncs use
     intra, inter = (
-        probe_link(group, size) if size > 1 else LinkProbe(math.inf, 0.0)
+        probe_link(group, size, device=HOST) if size > 1 else LinkProbe(math.inf, 0.0)
         for group, size in ((island.dp_intra_group, len(island.dp_intra_ranks)), (island.peer_group, island.islands))
     )
     probed = measured_cluster(

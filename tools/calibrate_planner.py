@@ -41,6 +41,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.probe import (
+    HOST,
     LinkProbe,
     measured_cluster,
     probe_link,
@@ -98,7 +99,7 @@ def _rank_main(a: argparse.Namespace) -> JSONObject | None:
     cfg = _model_cfg(a)
     flops = probe_model_flops(cfg, a.micro_batches, a.micro_batch_size, a.steps, topo.rank)
     intra, inter = (
-        probe_link(group, len(ranks)) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
+        probe_link(group, len(ranks), device=HOST) if len(ranks) > 1 else LinkProbe(math.inf, 0.0)  # unused link
         for group, ranks in ((topo.dp_intra_group, topo.dp_intra_ranks), (topo.dp_inter_group, topo.dp_inter_ranks))
     )
     probed = measured_cluster(

@@ -47,7 +47,7 @@ def start_p2p(ops: list[P2POp]) -> list[Work[object]]:
             staged.append(op)
             finish.append(None)
         elif op.op is dist.irecv:
-            host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+            host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype, device="cpu")
             staged.append(dist.P2POp(dist.irecv, host, op.peer, op.group))
             finish.append((op.tensor, host))
         else:
@@ -72,7 +72,7 @@ def recv(t: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: str 
     """Blocking receive from global rank `src`."""
     record_recv(tag, src, nbytes(t))
     if _host_staged(t, group):
-        host = torch.empty(t.shape, dtype=t.dtype)
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         dist.recv(host, src, group=group)
         t.copy_(host)
     else:

@@ -105,11 +105,17 @@ def _allowed(zero: ZeroOptions) -> Callable[[Strategy], bool]:
     return lambda s: s in allowed
 
 
-def _device_memory(settings: PlannerSettings) -> float:
+def run_device(model: nn.Module) -> torch.device:
+    """The device this rank runs on: its stage's (`pretrain_gpt.pick_device` put it there), where
+    the probes' tensors must live (NCCL takes only CUDA tensors)."""
+    return next(model.parameters()).device
+
+
+def _device_memory(settings: PlannerSettings, device: torch.device) -> float:
     if settings.accelerator_memory_gib is not None:
         return settings.accelerator_memory_gib * GIB
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
     raise ConfigError("zero.paro_strategy = auto: set planner.accelerator_memory_gib (no CUDA device to read it from)")
 
 
@@ -121,6 +127,7 @@ def _link(
     size: int,
     settings: PlannerSettings,
     latency_us: float,
+    device: torch.device,
 ) -> tuple[float, float]:
     """(bytes/s, latency) of one link: from the settings, else probed, else unused (infinite)."""
     if not needed:
@@ -128,28 +135,32 @@ def _link(
     if given is not None:
         return given, latency_us * 1e-6
     if settings.probe and size > 1:
-        found = probe_link(group, size)
+        found = probe_link(group, size, device=device)
         return found.bandwidth, found.latency
     raise ConfigError(f"zero.paro_strategy = auto: set planner.{key} or planner.probe = true")
 
 
-def measure_cluster(settings: PlannerSettings, topology: Topology, across_islands: bool = False) -> list[float]:
+def measure_cluster(
+    settings: PlannerSettings, topology: Topology, device: torch.device, across_islands: bool = False
+) -> list[float]:
     """[memory, flops, intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank:
-    values from `settings`, the rest probed (`across_islands`: see `measure_links`). Collective
-    when probing: every rank must call it."""
+    values from `settings`, the rest probed on `device` (`across_islands`: see `measure_links`).
+    Collective when probing: every rank must call it."""
     if settings.achievable_tflops is not None:
         flops = settings.achievable_tflops * 1e12
     elif settings.probe:
-        cuda = torch.cuda.is_available()
-        flops = probe_matmul_flops(device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+        cuda = device.type == "cuda"
+        flops = probe_matmul_flops(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     else:
         raise ConfigError("zero.paro_strategy = auto: set planner.achievable_tflops or planner.probe = true")
-    return [_device_memory(settings), flops, *measure_links(settings, topology, across_islands)]
+    return [_device_memory(settings, device), flops, *measure_links(settings, topology, device, across_islands)]
 
 
-def measure_links(settings: PlannerSettings, topology: Topology, across_islands: bool = False) -> list[float]:
+def measure_links(
+    settings: PlannerSettings, topology: Topology, device: torch.device, across_islands: bool = False
+) -> list[float]:
     """[intra_bw, inter_bw per node, intra_latency, inter_latency] on this rank: values from
-    `settings`, the rest probed. With `across_islands` (`topology` an island view) the
+    `settings`, the rest probed on `device`. With `across_islands` (`topology` an island view) the
     inter-node link is the one between islands, probed on the peer group (the outer syncs'),
     which every rank of a node crosses at once. Collective when probing."""
     dp_intra = len(topology.dp_intra_ranks)
@@ -162,6 +173,7 @@ def measure_links(settings: PlannerSettings, topology: Topology, across_islands:
         intra_size,
         settings,
         settings.intra_node_latency_us,
+        device,
     )
     inter_group, inter_size = (
         (topology.peer_group, topology.islands)
@@ -176,6 +188,7 @@ def measure_links(settings: PlannerSettings, topology: Topology, across_islands:
         inter_size,
         settings,
         settings.inter_node_latency_us,
+        device,
     )
     return [intra[0], inter[0] * topology.ranks_per_node, intra[1], inter[1]]
 
@@ -206,13 +219,15 @@ def stage_shape(model: nn.Module, cfg: Config, topology: Topology) -> StageShape
     )
 
 
-def _cluster(settings: PlannerSettings, topology: Topology, measured: list[float], optimizer: bool = True) -> Cluster:
+def _cluster(
+    settings: PlannerSettings, topology: Topology, measured: list[float], device: torch.device, optimizer: bool = True
+) -> Cluster:
     """The cluster from rank 0's `measured` [memory, flops, intra_bw, inter_bw, intra_latency,
     inter_latency], with the host model (per-op collective times, and with `optimizer` the
-    AdamW rate) of CPU ranks probed when `settings.probe`. Collective."""
-    memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measured)
-    cpu = not torch.cuda.is_available()  # gloo on CPU ranks: the cores move the bytes (the host model)
-    fits, adam = probe_host(topology, optimizer) if cpu and settings.probe else (None, None)
+    AdamW rate) of CPU ranks probed when `settings.probe`. Collective; its tensors on `device`."""
+    memory, flops, intra_bw, inter_bw, intra_lat, inter_lat = broadcast_values(measured, device=device)
+    cpu = device.type == "cpu"  # gloo on CPU ranks: the cores move the bytes (the host model)
+    fits, adam = probe_host(topology, optimizer, device=device) if cpu and settings.probe else (None, None)
     return Cluster(
         nodes=topology.num_nodes,
         gpus_per_node=topology.ranks_per_node,
@@ -260,7 +275,10 @@ def auto_strategy(
     (`choose_island_strategy`). `settings` were checked with the config."""
     shapes = {s.stage: s for s in comm.all_gather_object(stage_shape(model, cfg, topology), tag="planner/shapes")}
     stages = [shapes[s] for s in sorted(shapes)]
-    cluster = _cluster(settings, topology, measure_cluster(settings, topology, across_islands=outer is not None))
+    device = run_device(model)
+    cluster = _cluster(
+        settings, topology, measure_cluster(settings, topology, device, across_islands=outer is not None), device
+    )
     workload = _workload(cfg, topology)
     if outer is None:
         choice = choose_strategy(stages, workload, cluster, _zeropp_of(zero, topology), _allowed(zero))
@@ -340,8 +358,13 @@ def auto_hierarchy(
             )
             return None
         # only the links are priced: memory and compute rate play no part in a collective's time
+        device = run_device(model)
         cluster = _cluster(
-            settings, topology, [math.inf, math.inf, *measure_links(settings, topology)], optimizer=False
+            settings,
+            topology,
+            [math.inf, math.inf, *measure_links(settings, topology, device)],
+            device,
+            optimizer=False,
         )
     strategy = zero.resolved
     zpp = _zeropp_of(zero, topology)

@@ -7,6 +7,12 @@ group at the same time, as the engine's collectives will, so the per-rank rate m
 already the node's link shared by its ranks; the node's bandwidth is that times the ranks per
 node. Ranks measure different numbers; the caller broadcasts rank 0's (`broadcast_values`) so
 every rank plans from identical inputs.
+
+The probes' tensors live on the rank's device (the caller's `device`, its model's): NCCL takes
+only CUDA tensors, and gloo over CUDA tensors stages them through the host, which is part of what
+a step pays. A CUDA timing waits for the device before it reads the clock (collectives and
+kernels return when enqueued). The calibration tools' `measured_cluster` is the gloo host model
+of CPU ranks and probes on the host on purpose.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 
 SMALL, LARGE = 1 << 10, 1 << 22  # fp32 elements: 4 KiB (latency), 16 MiB (bandwidth)
+HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -38,22 +45,31 @@ class LinkProbe:
     latency: float  # seconds per ring step
 
 
-def _timed_all_reduce(numel: int, group: ProcessGroup | None, repeats: int) -> float:
-    t = torch.ones(numel)
+def _settle(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA call returns when enqueued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_all_reduce(numel: int, group: ProcessGroup | None, repeats: int, device: torch.device) -> float:
+    t = torch.ones(numel, device=device)
     comm.all_reduce(t, group=group, tag="planner/probe")  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
         comm.barrier(group=group, tag="planner/probe")
+        _settle(device)
         start = time.perf_counter()
         comm.all_reduce(t, group=group, tag="planner/probe")
+        _settle(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def probe_link(group: ProcessGroup | None, size: int, repeats: int = 5) -> LinkProbe:
-    """Bandwidth and latency of `group` (`size` members) from two timed all-reduce sizes."""
-    small = _timed_all_reduce(SMALL, group, repeats)
-    large = _timed_all_reduce(LARGE, group, repeats)
+def probe_link(group: ProcessGroup | None, size: int, repeats: int = 5, *, device: torch.device) -> LinkProbe:
+    """Bandwidth and latency of `group` (`size` members) from two timed all-reduce sizes of
+    tensors on `device`."""
+    small = _timed_all_reduce(SMALL, group, repeats, device)
+    large = _timed_all_reduce(LARGE, group, repeats, device)
     factor = 2 * (size - 1) / size
     bandwidth = factor * 4 * (LARGE - SMALL) / max(large - small, 1e-9)
     latency = max(0.0, small - factor * 4 * SMALL / bandwidth) / (2 * (size - 1))
@@ -87,7 +103,9 @@ def probe_model_flops(cfg: ModelConfig, micro_batches: int, micro_batch_size: in
     Collective (the barriers)."""
     model = GPTModel(cfg)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (micro_batches, micro_batch_size, cfg.seq_length + 1), generator=g)
+    ids = torch.randint(
+        0, cfg.vocab_size, (micro_batches, micro_batch_size, cfg.seq_length + 1), generator=g, device=HOST
+    )
     batches = [(x[:, :-1], x[:, 1:]) for x in ids]
     times = []
     for i, (x, y) in enumerate(batches * (2 * rounds + 2)):
@@ -116,17 +134,21 @@ def dp_groups(topology: Topology) -> dict[str, tuple[ProcessGroup | None, int]]:
 
 
 def probe_host(
-    topology: Topology, optimizer: bool = True
+    topology: Topology, optimizer: bool = True, *, device: torch.device
 ) -> tuple[dict[str, tuple[tuple[float, float], ...]], float | None]:
-    """Rank 0's collective times and (with `optimizer`) AdamW rate, on every rank: the host
-    model's inputs (`Cluster.collective_times`, `Cluster.optimizer_rate`). Collective. Without
-    `optimizer` no optimizer steps (pricing collectives needs none, and a benchmark that counts
-    calls per optimizer step would count the probe's)."""
-    times = probe_collectives(dp_groups(topology))
+    """Rank 0's collective times and (with `optimizer`) AdamW rate, on every rank, probed on
+    `device`: the host model's inputs (`Cluster.collective_times`, `Cluster.optimizer_rate`).
+    Collective. Without `optimizer` no optimizer steps (pricing collectives needs none, and a
+    benchmark that counts calls per optimizer step would count the probe's)."""
+    times = probe_collectives(dp_groups(topology), device=device)
     keys = sorted(times)  # the same on every rank: the topology is symmetric
     comm.barrier(tag="planner/probe")  # every rank at once, as in a step: they share the cores
     flat = broadcast_values(
-        [*(x for k in keys for point in times[k] for x in point), probe_optimizer_rate() if optimizer else 0.0]
+        [
+            *(x for k in keys for point in times[k] for x in point),
+            probe_optimizer_rate(device=device) if optimizer else 0.0,
+        ],
+        device=device,
     )
     per_key = len(flat[:-1]) // max(len(keys), 1)
     return (
@@ -138,7 +160,9 @@ def probe_host(
     )
 
 
-def _timed_calls(call: Callable[[], object], group: ProcessGroup | None, repeats: int, rounds: int = 4) -> float:
+def _timed_calls(
+    call: Callable[[], object], group: ProcessGroup | None, repeats: int, device: torch.device, rounds: int = 4
+) -> float:
     """Mean seconds per call over `rounds` of `repeats` calls issued back to back, as a step
     issues them. Not a barrier before each call: it would line the ranks up and hide the time a
     call waits for a peer the scheduler has not run yet, most of a call's cost when ranks
@@ -147,17 +171,19 @@ def _timed_calls(call: Callable[[], object], group: ProcessGroup | None, repeats
     total = 0.0
     for _ in range(rounds):
         comm.barrier(group=group, tag="planner/probe")
+        _settle(device)
         start = time.perf_counter()
         for _ in range(repeats):
             call()
+        _settle(device)
         total += time.perf_counter() - start
     return total / (rounds * repeats)
 
 
-def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Callable[[], object]:
-    """A call of `op` moving `numel` elements per member, made as the ZeRO engine makes it
-    (`zero.collectives`: into / in place on views of one flat buffer)."""
-    shard, whole = torch.ones(numel), torch.ones(numel * size)
+def _calls(op: str, numel: int, size: int, group: ProcessGroup | None, device: torch.device) -> Callable[[], object]:
+    """A call of `op` moving `numel` elements per member on `device`, made as the ZeRO engine
+    makes it (`zero.collectives`: into / in place on views of one flat buffer)."""
+    shard, whole = torch.ones(numel, device=device), torch.ones(numel * size, device=device)
     parts = list(whole.chunk(size))
     if op == "all_gather":
         return lambda: comm.all_gather_into_parts(parts, shard, group=group, tag="planner/probe")
@@ -179,9 +205,11 @@ def probe_collectives(
     groups: dict[str, tuple[ProcessGroup | None, int]],
     sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
     repeats: int = 5,
+    *,
+    device: torch.device,
 ) -> dict[str, tuple[tuple[float, float], ...]]:
     """Ascending (received bytes, seconds per call) points of each op in `COLLECTIVE_OPS` on each
-    named group ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at
+    named group of tensors on `device` ({"dp": (group, size), ...}, the DPShapes names), keyed "<op>/<name>", at
     `sizes` elements per member: 4 KiB (the call itself), 256 KiB and 4 MiB of fp32 (parameter
     units and buckets); a group under two names (the hpZ group is the node's) is timed once. A
     time below the previous size's (noise on a loaded host) is raised to it. Collective: every
@@ -195,32 +223,36 @@ def probe_collectives(
             if (id(group), op) not in timed:
                 points: list[tuple[float, float]] = []
                 for numel in sorted(sizes):
-                    call = _calls(op, numel, size, group)
+                    call = _calls(op, numel, size, group, device)
                     received = _recorded(call)
-                    seconds = _timed_calls(call, group, repeats)
+                    seconds = _timed_calls(call, group, repeats, device)
                     points.append((received, max(seconds, points[-1][1] if points else 0.0)))
                 timed[(id(group), op)] = tuple(points)
             out[f"{op}/{name}"] = timed[(id(group), op)]
     return out
 
 
-def probe_optimizer_rate(numel: int = 1 << 22, repeats: int = 5) -> float:
-    """Elements per second the engines' own AdamW (`build_adamw`) updates on this rank: on CPU
-    its foreach kernels make several passes per element, far from the memory-bound ideal."""
-    param = torch.nn.Parameter(torch.zeros(numel))
-    param.grad = torch.full((numel,), 1e-3)
+def probe_optimizer_rate(numel: int = 1 << 22, repeats: int = 5, *, device: torch.device) -> float:
+    """Elements per second the engines' own AdamW (`build_adamw`) updates on this rank's
+    `device`: on CPU its foreach kernels make several passes per element, far from the
+    memory-bound ideal."""
+    param = torch.nn.Parameter(torch.zeros(numel, device=device))
+    param.grad = torch.full((numel,), 1e-3, device=device)
     optimizer = build_adamw([{"params": [param], "weight_decay": 0.1}], OptimizerOptions())
     times = []
     for _ in range(repeats + 1):
+        _settle(device)
         start = time.perf_counter()
         optimizer.step()
+        _settle(device)
         times.append(time.perf_counter() - start)
     return numel / statistics.median(times[1:])
 
 
 def probe_memory_bandwidth(numel: int = 1 << 23, repeats: int = 5) -> float:
-    """Bytes/s of an in-place add over 32 MiB fp32 (read two, write one) on this rank."""
-    x, y = torch.ones(numel), torch.ones(numel)
+    """Bytes/s of an in-place add over 32 MiB fp32 (read two, write one) in this rank's host
+    memory (the host model's)."""
+    x, y = torch.ones(numel, device=HOST), torch.ones(numel, device=HOST)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -229,9 +261,10 @@ def probe_memory_bandwidth(numel: int = 1 << 23, repeats: int = 5) -> float:
     return 3 * 4 * numel / statistics.median(times[1:])
 
 
-def broadcast_values(values: list[float]) -> list[float]:
-    """Rank 0's `values` on every rank (identical planner inputs, hence identical decisions)."""
-    t = torch.tensor(values, dtype=torch.float64)
+def broadcast_values(values: list[float], *, device: torch.device) -> list[float]:
+    """Rank 0's `values` on every rank (identical planner inputs, hence identical decisions),
+    sent from `device` (the backend's: NCCL takes only CUDA tensors)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     comm.broadcast(t, src=0, tag="planner/probe")
     return t.tolist()
 
@@ -262,11 +295,11 @@ def measured_cluster(
     `flops` and the `intra` / `inter` links the caller probed on the groups its job uses, the
     host model (`probe_host` on `host`) and the memory bandwidth probed here; `inter_gbit`, when
     given, in place of the probed link between nodes. Collective."""
-    fits, adam = probe_host(host)
+    fits, adam = probe_host(host, device=HOST)
     comm.barrier(tag="calibrate")
     inter_bw = inter.bandwidth * ranks_per_node
     values = broadcast_values(
-        [flops, probe_memory_bandwidth(), intra.bandwidth, inter_bw, intra.latency, inter.latency]
+        [flops, probe_memory_bandwidth(), intra.bandwidth, inter_bw, intra.latency, inter.latency], device=HOST
     )
     cluster = Cluster(
         nodes=nodes,
