@@ -34,6 +34,8 @@ from megazpp.optim.engine_protocol import Engine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.training.checkpoint import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
+from megazpp.zero.engine_state import held_buckets
+from megazpp.zero.frozen import FROZEN_SAVED_KEY
 from megazpp.zero.zero_engine import ZeroEngine
 
 
@@ -63,7 +65,7 @@ def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology)
         engine.strategy.name,
         engine.groups.dp_size,
         engine.groups.group_size,
-        [b.layout.describe() for b in engine.buckets],
+        [b.layout.describe() for b in held_buckets(engine, saved.get(FROZEN_SAVED_KEY, True))],
     )
     return (
         saved["strategy"],
