@@ -150,6 +150,7 @@ class DiLoCoEngine:
         self.inner_steps += 1
         t, group = self.inner_steps, self.island.peer_group
         before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        advanced = any(x.stage == 1 for x in self.in_flight)  # an all-gather issued now: its bytes are logged
         for x in self.in_flight:
             x.advance(group)
         landing = [x for x in self.in_flight if x.lands == t]
@@ -163,7 +164,7 @@ class DiLoCoEngine:
         elif started:
             scalars = self._land(started)
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
-        if not (scalars or started):
+        if not (scalars or started or advanced):
             return result
         scalars.update(
             {
@@ -221,12 +222,11 @@ class DiLoCoEngine:
             frag.scatter(self.snapshot, synced)
             frag.scatter(self.momentum, momentum)
             del mean, momentum
-            if self.options.overlap_steps:
-                local = torch.cat([master for _, _, master in frag.masters(masters)])
-                synced = merge(local, synced, self.options.merge_alpha)
-                del local
-            for lo, hi, master in frag.masters(masters):
-                master.copy_(synced[lo:hi])
+            for lo, hi, master in frag.masters(masters):  # none where this rank holds nothing of it
+                if self.options.overlap_steps:  # elementwise, so piece by piece: no copy of the fragment
+                    master.copy_(merge(master, synced[lo:hi], self.options.merge_alpha))
+                else:
+                    master.copy_(synced[lo:hi])
             del synced
         comm.all_reduce(sums, tag=STATS_TAG)
         self.inner.publish_masters()

@@ -74,6 +74,8 @@ class Int4Wire:
         """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
         parts, width = rows.shape
         chunk = width * 2 * self.block // (self.block + 8)
+        if chunk == 0:  # a rank holding nothing of the fragment: no bytes, no scales to view as fp32
+            return torch.zeros(parts, 0, device=rows.device)
         codes = rows[:, : chunk // 2].contiguous()
         scales = rows[:, chunk // 2 :].contiguous().view(torch.float32)
         return torch.stack(
