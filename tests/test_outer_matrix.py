@@ -1,36 +1,40 @@
 """The two-level combination matrix: every island strategy family x outer wire x fragments x
-overlap x layout either trains, saves and resumes bit for bit, or is refused in one line
-before any rank starts.
+overlap x layout trains, saves and resumes bit for bit.
 
-Each combination runs `pretrain_gpt.main` (the user's path: config, its checks, the island
-topology, the engines, the trainer, the checkpoint manager) on 4 gloo ranks forming 2 islands:
+Each combination runs `pretrain_gpt.main` (the user's path: the config and its checks, the
+island topology, the engines, the trainer, the checkpoint manager) on 4 gloo ranks forming 2
+islands, in one of three layouts:
 
-- `plain`: 2 nodes of 2 ranks, an island per node (2 DP ranks in each: the ZeRO shards, the
-  fragments and a rank's part of them really differ between the ranks of an island);
-- `tp2`: 2 nodes of 2 ranks, TP 2 inside each node (one DP rank per island);
+- `plain`: 2 nodes of 2 ranks, an island per node, 2 DP ranks in each (the ZeRO shards, the
+  fragments and a rank's part of them, maybe none, differ between the ranks of an island);
+- `tp2`: 2 nodes of 2 ranks, TP 2 inside each node, so one DP rank per island;
 - `pp2`: 4 nodes of 1 rank, PP 2 with the stages on different nodes, so an island is 2 nodes
-  (one DP rank per island).
+  with one DP rank.
 
 The model is the end-to-end tests' tiny Llama with 4 layers (2 per pipeline stage, so PP 2 can
-hold 2 fragments); H = 2, and a run of STEPS steps is compared with one that stops (saving) at
-SAVE_AT, mid-interval and, with 2 fragments and overlap, with an exchange in flight, and is
+hold 2 fragments), H = 2. A run of STEPS steps straight is compared with one that stops,
+saving, at SAVE_AT (mid-interval; with 2 fragments and overlap, an exchange in flight) and is
 resumed by a fresh process group to STEPS: the losses after SAVE_AT and every tensor of the
-final checkpoints (parameters, optimizer and outer state) bit for bit equal. A combination the
-config refuses is checked as run.sh's once-per-job check sees it: exactly the expected line,
-exit 2, nothing written.
+final checkpoints (parameters, optimizer and outer state) bit for bit equal; the loss falls,
+and the islands' outer snapshots are equal. The config accepts every combination of this
+product (none is refused before the ranks start); one that a later rule refuses fails here,
+naming the combination, with the refusal's line.
 
-The families: ZeRO-1, 2, 3 (stages), PaRO IIG (hierarchical: parameters and gradients inside
-a PaRO group, the node, optimizer state over the island; on the `plain` layout the node is the
-island, on the others the island has one DP rank, so its I and G groups coincide: at most 6
-ranks cannot hold 2 islands of 2 nodes of 2 DP ranks), ZeRO++ (stage 3 with qwZ, hpZ over 2
-ranks and qgZ), LoCo (stage 2 with qgZ and LoCo) and LoRA (stage 1, adapters of rank 4 train,
-the base is frozen).
+The families: ZeRO-1, 2, 3 (stages), PaRO IIG (hierarchical: parameters and gradients sharded
+inside a PaRO group, by default a node, optimizer state over the island; at most 6 ranks cannot
+hold 2 islands of 2 nodes of 2 DP ranks, so here a group is the whole island on `plain` and
+one rank on the others), ZeRO++ (stage 3 with qwZ, hpZ over 2 ranks and qgZ), LoCo (stage 2
+with qgZ and LoCo) and LoRA (stage 1, adapters of rank 4 train, the base is frozen).
 
-Tiers: the full product (`FULL`, 252 combinations) is marked `full_matrix`, which `.ci/run`
-deselects: run it with `python3 -m pytest -q -m full_matrix tests/test_outer_matrix.py`
-(about NN minutes on 2 quiet cores). CI runs `PAIRWISE`, a covering array in which every pair
-of values of any two factors occurs (built greedily and deterministically from the product, in
-its order); each test's id names its combination, e.g. `zero3-int4-f2-tau1-tp2`.
+Tiers: CI runs `PAIRWISE`, a covering array in which every pair of values of any two factors
+occurs (built greedily and deterministically from the product, in its order: 21 combinations,
+the fewest possible), about 4 minutes of CPU time, two spawns of 4 ranks (the straight runs
+and the first halves, then the resumes) running every selected combination. The full product
+(`FULL`, 252 combinations) is marked `full_matrix`, which `.ci/run` deselects: run it with
+`python3 -m pytest -q -m full_matrix tests/test_outer_matrix.py` (about 12 CPU-seconds per
+combination: roughly 25 minutes on 2 quiet cores), or a slice with `-k`, e.g.
+`-m full_matrix -k "lora and plain"`. Each test's id names its combination, e.g.
+`test_pairwise[zero3-int4-f1-tau0-tp2]`.
 """
 
 from __future__ import annotations
