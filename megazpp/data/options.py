@@ -1,7 +1,7 @@
 """DataOptions: where a run's samples come from, parsed and checked once, when built.
 
-Why here and not in the config: data owns its settings as zero owns `ZeroOptions` (design
-decision 11). The config layer maps its `data` section onto this type by field name
+Why here and not in the config: data owns its settings as zero owns `ZeroOptions`, the code
+that uses them beside them. The config layer maps its `data` section onto this type by field name
 (`megazpp.config.options.options_of`) before any rank starts; the constructor parses Megatron's
 `--data-path` blend and `--split` text here, in the one parser of each, so the dataset builder
 and the start-up checks take the parsed `blend` and `fractions` and never parse them again. The

@@ -8,7 +8,6 @@ leaves as None, so a YAML file names only what it changes. Every inconsistency i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megazpp.errors import ConfigError, required
@@ -160,8 +159,3 @@ class ModelConfig:
                 "model.num_experts > 0 with model.arch = 'gpt2': the MoE experts are SwiGLU "
                 "(Qwen2-MoE-like) and are only implemented for arch 'llama'"
             )
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        """Keys a YAML `model:` section may use (for closest-name suggestions upstream)."""
-        return [f.name for f in dataclasses.fields(cls)]

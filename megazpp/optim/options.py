@@ -2,7 +2,7 @@
 when built.
 
 Why here and not in the config: every engine (local, ZeRO) reads them, and optim owns them as
-zero owns `ZeroOptions` (design decision 11). The config layer maps its `optimizer` and
+zero owns `ZeroOptions`, the code that uses them beside them. The config layer maps its `optimizer` and
 `precision` sections onto these types by field name (`megazpp.config.options.options_of`)
 before any rank starts; the rules here concern one section each and name its keys. This module
 never imports the config schema: the config's sections take their defaults from here.

@@ -1,21 +1,29 @@
 """DiLoCo over islands: a ZeRO engine inside each island, an outer Nesterov step across them.
 
 Why a wrapper and not a ZeRO path: the inner step is exactly the synchronous engine's (any
-strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only reads and
-replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
-masters and `publish_masters`. The trainer sees one `Engine`.
+strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks, and the trainer sees one `Engine`.
+The outer step works on the inner engine's fp32 master shards and re-publishes them
+(`publish_masters`), but it also reads the engine's layout: its buckets (which cut the
+fragments and hold the masters), its strategy's optimizer-state level, its ZeRO++ CPU kernels
+(the int4 wire), its groups and padded sizes (the traffic and memory formulas).
 
-With `outer.fragments` F > 1 the parameters are cut into F fragments of whole tensors, each synced
-every H steps at its own offset (Streaming DiLoCo's staggering), so one step moves one
-fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md):
-1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
-   the masters now;
+The parameters are cut into `outer.fragments` F fragments of whole tensors (F = 1: one), each
+due every H = `outer.sync_every` inner steps at its own offset (Streaming DiLoCo's staggering),
+so one step starts at most one fragment's sync. A fragment's sync, on every rank at once
+(docs/arch/outer.md):
+1. the pseudo-gradient of this rank's os shard of the fragment: its snapshot (the parameters at
+   its last sync) minus the masters now;
 2. averaged over the peer group (the rank at my place in every island, holding the same shard):
    an all-to-all of it in the wire format (`outer.quantize`), the average of each chunk in fp32,
-   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these);
-3. Nesterov SGD on the snapshot with the average (`outer_update`), the result replaces the
-   masters and the snapshot and is re-published to the p level; AdamW's state is kept.
-Every island ends the sync with the same bits, so they stay one model at the syncs.
+   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these). With
+   `outer.overlap_steps` tau > 0 the exchange runs on while tau more inner steps are taken and
+   lands tau steps after it started (at once when tau = 0);
+3. when it lands, Nesterov SGD on the snapshot with the average (`outer_update`): the result is
+   the fragment's new snapshot and replaces its masters (with tau > 0 merged first with the
+   island's own progress since the exchange started: `merge`), which are re-published to the p
+   level; AdamW's state is kept.
+Every island ends a fragment's sync with the same snapshot bits, and, without overlap, the same
+masters, so they stay one model at the syncs.
 
 This module is the engine: the protocol, the schedule of exchanges, the outer state and its
 formulas. What it runs lives beside it: the fragments and their schedule (`fragments.py`), the
@@ -45,9 +53,9 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory
 from megazpp.zero import traffic as traffic_zero
-from megazpp.zero.sequences import GroupShape
 from megazpp.zero.strategy import Strategy
 from megazpp.zero.zero_engine import ZeroEngine
 

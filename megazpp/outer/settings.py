@@ -1,7 +1,7 @@
 """The `outer` config section (two-level training) and the checked options it maps onto.
 
-Why here and not in `megazpp.config`: the section belongs to the code that uses it (design
-decision 11). `OuterOptions` checks every rule of its own values when built, naming the key,
+Why here and not in `megazpp.config`: the section belongs to the code that uses it, as every
+subsystem's options do. `OuterOptions` checks every rule of its own values when built, naming the key,
 as `ZeroOptions` and `OptimizerOptions` do; the config layer above composes `OuterSettings`
 into its schema (so YAML keys and `--outer-*` flags work like every other section's) and maps
 it onto `OuterOptions` by field name (`megazpp.config.options.options_of`) when `enabled` says

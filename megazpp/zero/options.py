@@ -1,20 +1,24 @@
-"""ZeroOptions: the settings a ZeroEngine is built with, typed and checked once, when built.
+"""ZeroOptions: the settings a ZeroEngine is built with, typed and checked when built.
 
-Why a module of its own, and why the checks live in the constructor: zero owns its settings
-(design decision 11). The config layer above maps the `zero` section onto this type by field
-name (`megazpp.config.options.options_of`) once, before any rank starts; every rule that
-concerns only zero (sizes, modes, persistence and ZeRO++ against the strategy, ZeRO++'s own
-values in `ZeroPP`) is checked here, naming the config key, so whoever holds a ZeroOptions holds
-valid settings and the engine neither parses nor checks them again. This module never imports
-the config schema: tests and tools build options directly, with the same checks.
+Why a module of its own, and why the checks live in the constructor: zero owns its settings,
+so whoever holds a ZeroOptions holds settings that passed every rule concerning only zero
+(sizes, modes, persistence and ZeRO++ against the strategy, ZeRO++'s own values in `ZeroPP`),
+each refusal naming the config key. The config layer above maps the `zero` section onto this
+type by field name (`megazpp.config.options.options_of`) in `config.checks.check_config`, which
+runs in run.sh's check before any rank starts and again in each rank's start (the same pure
+function of the same inputs). The engine does not parse them again; it repeats two of the
+config's cross-section rules for callers that build it without the config (frozen parameters
+against the strategy, `zero.frozen.check_frozen_support`; a pipeline-tied embedding against
+sharded gradients). This module never imports the config schema: tests and tools build options
+directly, with the same checks.
 
 `paro_strategy: auto` is the `PlannerChoice` state. Every rule that does not need the chosen
 strategy is checked as for a named one, and the strategy-dependent rules (persistence and each
 ZeRO++ switch against p and g) narrow `PlannerChoice.allowed` to the strategies they accept (a
 setting no strategy accepts is refused at once). The config's cross-section rules narrow it
 further (`narrowed`: frozen parameters, a pipeline-tied embedding), and the planner only picks
-among `allowed` (`chosen` refuses anything else as a bug), so no rule can fail once the ranks
-have started.
+among `allowed` (`chosen` refuses anything else as a bug), so none of these rules can refuse the
+strategy the ranks run.
 """
 
 from __future__ import annotations
