@@ -57,20 +57,13 @@ from megazpp.launch.local_ranks import run_ranks
 WORLD, H, STEPS, SAVE_AT = 4, 2, 5, 3
 
 FAMILIES = {
-    "zero1": ["--zero-stage", "1"],
-    "zero2": ["--zero-stage", "2"],
-    "zero3": ["--zero-stage", "3"],
-    "paro": ["--paro-strategy", "IIG"],
-    "zeropp": [
-        "--zero-stage",
-        "3",
-        "--zero-quantized-weights",
-        "--zero-hpz-partition-size",
-        "2",
-        "--zero-quantized-gradients",
-    ],
-    "loco": ["--zero-stage", "2", "--zero-quantized-gradients", "--loco"],
-    "lora": ["--zero-stage", "1", "--lora-rank", "4"],
+    "zero1": "--zero-stage 1".split(),
+    "zero2": "--zero-stage 2".split(),
+    "zero3": "--zero-stage 3".split(),
+    "paro": "--paro-strategy IIG".split(),
+    "zeropp": "--zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients".split(),
+    "loco": "--zero-stage 2 --zero-quantized-gradients --loco".split(),
+    "lora": "--zero-stage 1 --lora-rank 4".split(),
 }
 WIRES = ("none", "bf16", "int4")
 FRAGMENTS = (1, 2)
