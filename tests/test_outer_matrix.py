@@ -29,7 +29,9 @@ with qgZ and LoCo) and LoRA (stage 1, adapters of rank 4 train, the base is froz
 Tiers: CI runs `PAIRWISE`, a covering array in which every pair of values of any two factors
 occurs (built greedily and deterministically from the product, in its order: 21 combinations,
 the fewest possible), about 4 minutes of CPU time, two spawns of 4 ranks (the straight runs
-and the first halves, then the resumes) running every selected combination. The full product
+and the first halves, then the resumes) running every selected combination, each job's
+process groups destroyed after it (`scoped_groups`: a dozen gloo groups per job, with their
+threads, would pile up to thousands of threads per rank). The full product
 (`FULL`, 252 combinations) is marked `full_matrix`, which `.ci/run` deselects: run it with
 `python3 -m pytest -q -m full_matrix tests/test_outer_matrix.py` (about 12 CPU-seconds per
 combination: roughly 25 minutes on 2 quiet cores), or a slice with `-k`, e.g.
@@ -52,7 +54,7 @@ import torch
 from support import TINY_MODEL_FLAGS, data_flags
 
 import pretrain_gpt
-from megazpp.launch.local_ranks import run_ranks
+from megazpp.launch.local_ranks import run_ranks, scoped_groups
 
 WORLD, H, STEPS, SAVE_AT = 4, 2, 5, 3
 
@@ -161,13 +163,17 @@ def _runs(prefix: str, tokenizer: str, root: str, combos: list[Combo], part: str
         where = Path(root) / combo.name
         try:
             if part == "first":
-                straight = _argv(prefix, tokenizer, combo, where / "straight")
-                losses[f"{combo.name}/straight"] = pretrain_gpt.main(straight).losses
-                pretrain_gpt.main(_argv(prefix, tokenizer, combo, where / "resumed", "--exit-interval", str(SAVE_AT)))
+                with scoped_groups():
+                    straight = _argv(prefix, tokenizer, combo, where / "straight")
+                    losses[f"{combo.name}/straight"] = pretrain_gpt.main(straight).losses
+                with scoped_groups():
+                    first = _argv(prefix, tokenizer, combo, where / "resumed", "--exit-interval", str(SAVE_AT))
+                    pretrain_gpt.main(first)
             else:
                 resumed = where / "resumed"
-                again = _argv(prefix, tokenizer, combo, resumed, "--load", str(resumed))
-                losses[f"{combo.name}/resumed"] = pretrain_gpt.main(again).losses
+                with scoped_groups():
+                    again = _argv(prefix, tokenizer, combo, resumed, "--load", str(resumed))
+                    losses[f"{combo.name}/resumed"] = pretrain_gpt.main(again).losses
         except Exception:
             return {"losses": losses, "failed": (combo.name, traceback.format_exc())}
     return {"losses": losses, "failed": None}
