@@ -97,8 +97,8 @@ HELP: dict[str, str] = {
         "what trains: name globs (*norm* *.bias layers.7.*) or last:N layers; empty: all (LoRA: adapters)"
     ),
     "training.compile": (
-        "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; needs "
-        "whole parameters (zero.stage <= 2 or PaRO N**)"
+        "torch.compile each transformer layer (rotary in real arithmetic); the first steps compile; with "
+        "parameters sharded (ZeRO-3, PaRO I/G) each layer is one fetch unit"
     ),
     "training.skip_memory_check": "start even when the estimated memory per rank exceeds the free memory",
     "precision.bf16": "bf16 model with fp32 master weights",

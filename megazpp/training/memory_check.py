@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
+from megazpp.checkpoint.resume_check import uses_zero_engine
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import workload_of_config
-from megazpp.training.resume_check import uses_zero_engine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import PlannerChoice, parse_strategy
 from megazpp.zero.zeropp import ZeroPP

@@ -5,7 +5,7 @@ Why apart from pretrain_gpt.py: `run.sh` runs the same checks once per job befor
 starts any rank (`python -m megazpp.training.startup --world-size N ARGS`), so a refused input
 is one line per job instead of one error and a launcher traceback per rank.
 
-What it starts from (resume, import, frozen base) is `checkpoint_manager.plan_load`'s decision,
+What it starts from (resume, import, frozen base) is `checkpoint.manager.plan_load`'s decision,
 made here so that a refusal is one line per job.
 """
 
@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megazpp import faults
+from megazpp.checkpoint.lock import check_save_lock
+from megazpp.checkpoint.manager import LoadPlan, plan_load
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.config.options import RunOptions
@@ -27,10 +30,7 @@ from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import check_model_split
-from megazpp.training import faults
-from megazpp.training.checkpoint_manager import LoadPlan, plan_load
 from megazpp.training.memory_check import check_memory
-from megazpp.training.save_lock import check_save_lock
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Startup:
     """A validated config and how the run starts."""
 
     cfg: Config
-    load: LoadPlan  # what the run starts from and why (checkpoint_manager.plan_load)
+    load: LoadPlan  # what the run starts from and why (checkpoint.manager.plan_load)
     options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """run.sh's check, once per node before torchrun starts any rank: `--world-size N
     --ranks-on-node R --node-rank K` then pretrain_gpt.py's arguments; silent when fine.
     Node 0 also checks that no other job writes the `--save` directory (its rank 0 then
-    takes the lock: `save_lock`)."""
+    takes the lock: `checkpoint.lock`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--ranks-on-node", type=int, required=True)
