@@ -51,6 +51,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "slow: takes more than ~10 s on 2 loaded cores (launches run.sh, "
         "torchrun or many subprocesses); the fast tier leaves it out",
     )
+    config.addinivalue_line(
+        "markers",
+        "full_matrix: the whole two-level combination matrix (tests/test_outer_matrix.py, tens of "
+        "minutes); .ci/run deselects it, CI runs its pairwise tier",
+    )
 
 
 # what spawns ranks: the local launcher, called by a test, its fixtures or helpers

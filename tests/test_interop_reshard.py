@@ -171,3 +171,20 @@ def test_reshard_refuses_other_tensor_parallel_layout(tiny_indexed_prefix, tmp_p
     topology = Topology.from_env(1, 1)
     with pytest.raises(CheckpointError, match="tp 2"):
         needs_reshard(path, None, topology)
+
+
+def test_a_frozen_base_checkpoint_of_the_same_layout_is_not_resharded(
+    tiny_indexed_prefix, tiny_tokenizer_model, tmp_path
+):
+    """A LoRA run's ZeRO checkpoint holds the frozen buckets after the trainable ones: the same
+    layout resumes it as its own (reshard's layout comparison reads the same buckets the state
+    holds), not through resharding, which a two-level checkpoint refuses."""
+    save = str(tmp_path / "lora")
+    argv = _args(str(tiny_indexed_prefix), str(tiny_tokenizer_model), save, "NNG") + ["--lora-rank", "4"]
+    pretrain_gpt.main([*argv, "--train-iters", "1"])
+    cfg = load_config(argv)
+    topology = Topology.from_env()
+    model = pretrain_gpt.build_model(cfg, topology, torch.device("cpu"))
+    engine = pretrain_gpt.build_engine(cfg, model, topology, check_config(cfg))
+    assert engine.frozen and engine.buckets  # both kinds saved
+    assert not needs_reshard(save, engine, topology)

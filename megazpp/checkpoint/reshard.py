@@ -34,6 +34,7 @@ from megazpp.model.gpt import EMBEDDING_WEIGHT
 from megazpp.optim.engine_protocol import Engine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
+from megazpp.zero.frozen import FROZEN_PREFIX
 from megazpp.zero.inner_engine import ShardedEngine
 
 
@@ -65,7 +66,8 @@ def _layout_differs(path: str | os.PathLike[str], engine: Engine, topology: Topo
         saved["strategy"],
         saved.get("dp"),
         saved.get("k"),
-        [b.get("layout") for b in saved.get("buckets", [])],
+        # the trainable buckets: a state holds the frozen ones after them (engine_state.held_buckets)
+        [b.get("layout") for b in saved.get("buckets", []) if not str(b.get("name")).startswith(FROZEN_PREFIX)],
     ) != mine
 
 

@@ -8,18 +8,20 @@ is re-raised in the parent with the rank named, instead of leaving the others ha
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
 
 from megazpp.parallel import comm
 
@@ -48,6 +50,24 @@ def release_process_groups(*, finished: bool = False) -> None:
         comm.barrier(tag="shutdown")
     gc.collect()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def scoped_groups() -> Iterator[None]:
+    """Destroy, on the way out, the process groups made inside (the default group stays): a
+    test running several jobs in one spawned world, each job building its own Topology (a dozen
+    sub-groups, each with gloo threads of its own), would otherwise keep every job's groups and
+    threads to the end: thousands of threads per rank over a matrix of jobs. The ranks meet
+    at a barrier first, so none destroys a group a peer is still using."""
+    before = set(distributed_c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        made = [g for g in distributed_c10d._world.pg_map if g not in before]
+        comm.barrier(tag="scoped_groups")
+        gc.collect()
+        for group in made:
+            dist.destroy_process_group(group)
 
 
 def _rank_entry(

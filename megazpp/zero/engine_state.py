@@ -48,13 +48,19 @@ class CheckpointedEngine(Protocol):
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 
+def held_buckets(engine: CheckpointedEngine, frozen: bool) -> list[Bucket]:
+    """The buckets a state of `engine` holds, in its order: the trainable ones, then (with
+    `frozen`; an adapters-only checkpoint leaves them out) the frozen ones."""
+    return engine.buckets + engine.frozen if frozen else engine.buckets
+
+
 def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> StateDict:
     """This rank's state, plus what a reader needs to place it without this engine: each
     bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
     the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
     master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen` the
     frozen buckets are left out (an adapters-only checkpoint)."""
-    held = engine.buckets + engine.frozen if frozen else engine.buckets
+    held = held_buckets(engine, frozen)
     return {
         "strategy": engine.strategy.name,
         "dp": engine.groups.dp_size,
@@ -106,7 +112,7 @@ def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
             f"resumes through megazpp.checkpoint.reshard"
         )
     # without its frozen buckets: they hold the base the model was built with, never updated
-    held = engine.buckets + engine.frozen if state.get(FROZEN_SAVED_KEY, True) else engine.buckets
+    held = held_buckets(engine, state.get(FROZEN_SAVED_KEY, True))
     if len(state["buckets"]) != len(held):
         raise CheckpointError(
             f"ZeRO checkpoint has {len(state['buckets'])} buckets, the model "
