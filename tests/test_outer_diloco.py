@@ -44,7 +44,7 @@ from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
 OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
-OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+OUTER = OuterOptions(algorithm="diloco", sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 RESUMED = (
     "NNN",
     "GGG",

@@ -34,7 +34,7 @@ from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
 STEPS, MICRO, H = 4, 2, 2
-OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+OUTER = OuterOptions(algorithm="diloco", sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 # (label, strategy, outer options, qgZ: aligned tensors, so padding splits fragments into several ranges)
 RUNS = [
     ("GGG/bf16", "GGG", dataclasses.replace(OUTER, quantize="bf16"), False),

@@ -24,6 +24,7 @@ import torch
 from support import TINY_LLAMA
 
 from megazpp.config.checks import check_config
+from megazpp.config.planner import PlannerSettings
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
@@ -36,7 +37,6 @@ from megazpp.planner.auto import auto_hierarchy, auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.training.zero_factory import build_zero_engine

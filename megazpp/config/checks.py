@@ -18,12 +18,10 @@ the job's check accepted, and the engines take them as built.
 from __future__ import annotations
 
 from megazpp.config.load import validate_types
-from megazpp.config.options import RunOptions, options_of, zero_options
+from megazpp.config.options import RunOptions, zero_options
 from megazpp.config.schema import Config, refuse_not_implemented
-from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
-from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import dp_groups, island_layout
 from megazpp.zero.frozen import check_frozen_support
@@ -41,8 +39,6 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
     _validate_parallel(cfg, world_size)
     _resolve_batch(cfg, world_size)
     _validate_schedule(cfg)
-    data = options_of(DataOptions, cfg.data)  # the blend and the split parsed, once
-    cfg.planner.validate()
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
     refuse_not_implemented(cfg)
@@ -59,10 +55,10 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
     _check_hpz_nodes(zero.zeropp.hpz, cfg, world_size, per_node, islands)
     return RunOptions(
         _zero_across_sections(cfg, zero, dp),
-        options_of(OptimizerOptions, cfg.optimizer),
-        options_of(PrecisionOptions, cfg.precision),
+        cfg.optimizer,
+        cfg.precision,
         outer,
-        data,
+        cfg.data,
     )
 
 
@@ -230,9 +226,9 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     unless the config sets it), and the combinations not built yet. `zero.paro_strategy: auto`
     is allowed: the island's strategy is chosen once the ranks can probe their links
     (`planner.auto.auto_strategy` with the outer options)."""
-    if not cfg.outer.enabled():
+    if not cfg.outer.enabled:
         return None
-    options = options_of(OuterOptions, cfg.outer)
+    options = cfg.outer
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(

@@ -8,7 +8,6 @@ file, a flag, a Megatron alias, a negative number after a flag) is this module's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import typing
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from megazpp.config.aliases import MEGATRON_ALIASES, translate_megatron_flags
 from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table, refuse_not_implemented
 from megazpp.config.values import coerce, suggest
 from megazpp.errors import ConfigError, MegazppError
+from megazpp.setting import keys
 from megazpp.unique_keys import load_yaml
 
 
@@ -63,7 +63,7 @@ def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, d
 
         names: dict[str, str] = {}
         sections = read_deepspeed_config(ds_path, names)
-        _merge(values, origins, sections, source=f"DeepSpeed config {ds_path}", names=names)
+        _merge(values, origins, sections, source=f"DeepSpeed config {ds_path}", spelled=names)
     return values, origins
 
 
@@ -151,27 +151,28 @@ def _merge(
     origins: dict[str, str],
     update: dict[str, dict[str, Any]],
     source: str,
-    names: dict[str, str] | None = None,
+    spelled: dict[str, str] | None = None,
 ) -> None:
     """Type-check each key of `update` against its section and write it into `values`,
-    remembering in `origins` which source set it (for error messages). `names` spells a key
+    remembering in `origins` which source set it (for error messages). `spelled` spells a key
     as its source wrote it (a DeepSpeed key: `train_batch_size`, not `training.global_batch_size`)."""
     for section, body in update.items():
         cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
+        names = {f.name for f in keys(cls)}
         for key, value in body.items():
-            if key not in hints:
+            if key not in names:
                 raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest_key(section, str(key))}")
-            name = (names or {}).get(f"{section}.{key}", f"{section}.{key}")
+            name = (spelled or {}).get(f"{section}.{key}", f"{section}.{key}")
             values[section][key] = coerce(value, hints[key], f"{source}: {name}")
             origins[f"{section}.{key}"] = source
 
 
 def _suggest_key(section: str, key: str) -> str:
     for other, cls in SECTIONS.items():
-        if other != section and key in {f.name for f in dataclasses.fields(cls)}:
+        if other != section and key in {f.name for f in keys(cls)}:
             return f" (it belongs in section {other!r})"
-    return suggest(key, [f.name for f in dataclasses.fields(SECTIONS[section])])
+    return suggest(key, [f.name for f in keys(SECTIONS[section])])
 
 
 def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -268,5 +269,5 @@ def validate_types(cfg: Config) -> None:
     for section in SECTIONS:
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(type(obj))
-        for f in dataclasses.fields(obj):
+        for f in keys(obj):
             coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}")
