@@ -5,12 +5,15 @@ and functions, so tests and the ranks they spawn import it alike.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from megazpp.zero.zeropp import ZeroPP
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,3 +164,9 @@ def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) 
         "MASTER_PORT": str(free_port()),
         **variables,
     }
+
+
+def zero_keys(zeropp: ZeroPP) -> dict[str, object]:
+    """`zeropp` as the `zero` section's keys (each ZeroPP field names its key), so a test that
+    shares one ZeroPP between engines builds their `ZeroOptions` from it."""
+    return {f.metadata["key"]: getattr(zeropp, f.name) for f in dataclasses.fields(zeropp)}

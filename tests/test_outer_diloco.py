@@ -39,7 +39,7 @@ from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
@@ -69,7 +69,7 @@ def _build(
     topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER
 ) -> tuple[GPTModel, DiLoCoEngine]:
     model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
-    opts = ZeroOptions(strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=4000)
+    opts = ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
     return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionOptions(), opts, island), outer, island)
 
 

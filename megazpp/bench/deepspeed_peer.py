@@ -133,9 +133,8 @@ def train(cfg: Config, zero: JSONObject, data: DataOptions) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     zero, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(rest)
-    options = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    train(cfg, zero, options.data)
+    options = check_config(load_config(rest), int(os.environ.get("WORLD_SIZE", "1")))
+    train(options.config, zero, options.data)
 
 
 if __name__ == "__main__":

@@ -240,11 +240,11 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: Data
 
 def main(argv: Sequence[str] | None = None) -> None:
     ns, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(rest)
+    given = load_config(rest)
     per_group = int(os.environ.get("WORLD_SIZE", "1"))
     world = ns.replica_groups * per_group
-    run = check_config(cfg, world, per_group)  # every subsystem's options; the peer's own rules next
-    train(cfg, ns, peer_outer(cfg, run), run.data)
+    run = check_config(given, world, per_group)  # every subsystem's options; the peer's own rules next
+    train(run.config, ns, peer_outer(run.config, run), run.data)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from megazpp.config.aliases import MEGATRON_ALIASES, translate_megatron_flags
-from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table, refuse_not_implemented
+from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table
 from megazpp.config.values import coerce, suggest
 from megazpp.errors import ConfigError, MegazppError
 from megazpp.setting import keys
@@ -36,8 +36,7 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     values, origins = _read_files(yaml_path, ds_path)
     from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
-    cfg = _build(values)
-    refuse_not_implemented(cfg, origins)
+    cfg = _build(values, origins)
     _fit_warmup_to_run(cfg.training, from_files, origins, notes if notes is not None else [])
     _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
     return cfg
@@ -49,7 +48,7 @@ def file_defaults(argv: Sequence[str]) -> tuple[Config, dict[str, str]]:
     (`section.field` -> source). Nothing is derived from data (the tokenizer may not exist yet)."""
     yaml_path, ds_path, _ = _split_file_flags(list(argv))
     values, origins = _read_files(yaml_path, ds_path)
-    return _build(values), origins
+    return _build(values, origins), origins
 
 
 def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -234,11 +233,19 @@ def _is_negative_number(word: str) -> bool:
     return re.match(r"-\.?\d", word) is not None
 
 
-def _build(values: dict[str, dict[str, Any]]) -> Config:
+def _build(values: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config:
+    """Each section built from its values: its constructor checks it (a subsystem's section
+    refuses what that subsystem cannot run), and a refusal naming a key says where it was set."""
     sections = {}
     for name, cls in SECTIONS.items():
         try:
             sections[name] = cls(**values[name])
+        except ConfigError as err:
+            key = re.match(r"[a-z_]+\.[a-z0-9_]+", str(err))
+            source = origins.get(key[0]) if key else None
+            if source is None or str(err).startswith(source):
+                raise
+            raise ConfigError(f"{source}: {err}") from None
         except MegazppError:
             raise
         except (TypeError, ValueError) as exc:

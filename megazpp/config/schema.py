@@ -20,13 +20,12 @@ import yaml
 
 from megazpp.config.planner import PlannerSettings
 from megazpp.data.options import DataOptions
-from megazpp.errors import ConfigError, required
+from megazpp.errors import required
 from megazpp.model.config import ModelConfig
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.setting import keys, setting
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.zeropp import ZeroPP
 
 
 @dataclass
@@ -141,86 +140,6 @@ class ParallelConfig:
 
 
 @dataclass
-class ZeroConfig:
-    """The data-parallel optimizer: a PaRO strategy or a ZeRO stage, plus ZeRO++ switches.
-
-    Field names follow DeepSpeed's `zero_optimization` keys so its JSON maps one to one, and
-    mean what they mean there. The defaults of DeepSpeed's keys are DeepSpeed 0.19.8's except
-    two: `overlap_comm` is on at every stage (DeepSpeed, when the key is absent: on for stage 3
-    only), because this engine overlaps alike under every strategy and false only serializes
-    it; `stage3_param_persistence_threshold` is 0 (DeepSpeed: 1e5), because with layer fetch
-    groups small tensors already travel in their layer's one collective, and a threshold is
-    refused with p = N strategies (stages 0-2) and with frozen parameters. The fields marked
-    "megazpp's own" (and `paro_strategy`, `paro_group_size`) have no DeepSpeed default. A value
-    other than the default for a feature listed in `NOT_IMPLEMENTED_YET` is refused.
-    `config.checks.check_config` maps this section by field name onto zero's own `ZeroOptions`
-    and `ZeroPP` (whose defaults these are, and which check every rule of the section), once,
-    before any rank starts; docs/arch/zero.md ("Where each rule is checked") says which module
-    checks each rule. With stage 0 and no
-    `paro_strategy`, a data-parallel run uses strategy NNN (plain DDP). `paro_strategy: auto`
-    lets the planner choose at start-up from the `planner` section (docs/planning.md).
-    """
-
-    stage: int = setting(0, "ZeRO stage 0-3 (aliases of PaRO NNN, NNG, NGG, GGG)")
-    paro_strategy: str | None = setting(None, "PaRO triple (e.g. NIG, III) or auto (the planner picks)")
-    paro_group_size: int | None = setting(ZeroOptions.paro_group_size, "ranks of a PaRO I group; none: the node")
-    reduce_bucket_size: int = setting(
-        ZeroOptions.reduce_bucket_size, "elements per gradient bucket (also bounds a fetch group)"
-    )
-    allgather_bucket_size: int = setting(
-        ZeroOptions.allgather_bucket_size, "elements per parameter fetch group at most"
-    )
-    contiguous_gradients: bool = setting(True, "always on (flat buckets)")
-    # DeepSpeed's: on for stage 3 only; false: no prefetch, reductions waited at once
-    overlap_comm: bool = setting(
-        ZeroOptions.overlap_comm, "prefetch groups and overlap reductions with backward; false: wait each at once"
-    )
-    reduce_scatter: bool = setting(True, "always on (gradients reduced to their shard level)")
-    zero_quantized_weights: bool = setting(ZeroPP.qwz, "qwZ: int8 parameter all-gather")
-    zero_hpz_partition_size: int = setting(ZeroPP.hpz, "hpZ: ranks of the node-local secondary parameter copy")
-    zero_quantized_gradients: bool = setting(ZeroPP.qgz, "qgZ: int4 gradient all-to-all")
-    loco: bool = setting(ZeroPP.loco, "LoCo error feedback for qgZ")
-    loco_err_beta: float = setting(ZeroPP.err_beta, "LoCo error decay")
-    loco_reset_t: int = setting(ZeroPP.reset_t, "LoCo buffer reset period (steps)")
-    module_granularity_threshold: int = setting(
-        ZeroOptions.module_granularity_threshold, "fetch modules finer than this whole (coalesced)"
-    )
-    # parameter fetch (p sharded): groups, prefetch depth and reuse, DeepSpeed's meanings
-    fetch_groups: str = setting(
-        ZeroOptions.fetch_groups,
-        "layer (one fetch group per transformer layer) or size (execution-order, bounded in elements)",
-    )  # megazpp's own: "layer" or "size" (see megazpp.zero.units)
-    stage3_prefetch_bucket_size: int = setting(
-        ZeroOptions.stage3_prefetch_bucket_size, "elements of fetch groups gathered ahead of use"
-    )  # elements gathered ahead of use
-    stage3_max_live_parameters: int = setting(
-        ZeroOptions.stage3_max_live_parameters,
-        "elements kept gathered from forward to backward (0: re-gather in backward)",
-    )  # kept gathered forward -> backward
-    stage3_max_reuse_distance: int = setting(
-        ZeroOptions.stage3_max_reuse_distance, "keep a group for backward only if reused within this many elements"
-    )  # kept if reused within this many
-    # parameters of fewer elements stay whole on every rank (p sharded); 0: none (DeepSpeed: 1e5)
-    stage3_param_persistence_threshold: int = setting(
-        ZeroOptions.stage3_param_persistence_threshold,
-        "parameters of fewer elements stay whole on every rank, refreshed after each step in one collective (0: none)",
-    )
-    # megazpp's own: G-level collectives in two stages: auto / always / never
-    hierarchical: str = setting(
-        "auto", "two-stage (node, then across nodes) collectives: auto (the planner prices them), always or never"
-    )
-    cpu_quant_kernels: str = setting(
-        ZeroPP.cpu_kernels, "reference or compiled (TorchInductor) quantizers on CPU"
-    )  # megazpp's own: "compiled" fuses the CPU quantizers
-    qwz_block_size: int = setting(
-        ZeroPP.qwz_block, "values per int8 scale in qwZ"
-    )  # megazpp's own: values per int8 scale in qwZ's gathers
-    qgz_block_size: int = setting(
-        ZeroPP.qgz_block, "values per int4 scale in qgZ"
-    )  # megazpp's own: values per int4 scale in qgZ's all-to-alls
-
-
-@dataclass
 class Config:
     """Everything one run needs; `config.checks.validate_config(cfg, world_size)` checks it as a whole."""
 
@@ -232,7 +151,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     outer: OuterOptions = field(default_factory=OuterOptions)
 
@@ -271,27 +190,6 @@ def _plain(value: Any) -> Any:
 
 # every field of Config is a section whose default_factory is its class
 SECTIONS: dict[str, type] = {f.name: cast(type, f.default_factory) for f in dataclasses.fields(Config)}
-
-# Features that are configured here but not executed yet. A field listed here with a value
-# other than its default is refused with "not implemented yet" (by the loader, naming where the
-# value came from, and by `config.checks.validate_config`); remove the entry in the same commit
-# that makes the feature work.
-NOT_IMPLEMENTED_YET: dict[str, str] = {
-    "zero.contiguous_gradients": "ZeRO without contiguous gradient buffers (buckets are flat)",
-    "zero.reduce_scatter": "ZeRO reducing gradients by all-reduce instead of reduce-scatter to their shard level",
-}
-
-
-def refuse_not_implemented(cfg: Config, origins: dict[str, str] | None = None) -> None:
-    for dotted, feature in NOT_IMPLEMENTED_YET.items():
-        section, name = dotted.split(".")
-        obj = getattr(cfg, section)
-        default = next(f for f in dataclasses.fields(obj) if f.name == name).default
-        if getattr(obj, name) != default:
-            source = (origins or {}).get(dotted)
-            prefix = f"{source}: " if source else ""
-            raise ConfigError(f"{prefix}{dotted} = {getattr(obj, name)!r}: {feature} is not implemented yet")
-
 
 # Flags whose name is not simply the field name with dashes (clearer, or Megatron's spelling).
 FLAG_NAMES: dict[str, str] = {

@@ -26,7 +26,6 @@ from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
-from megazpp.parallel.topology import check_model_split
 from megazpp.training import faults
 from megazpp.training.checkpoint_manager import LoadPlan, plan_load
 from megazpp.training.memory_check import check_memory
@@ -35,13 +34,17 @@ from megazpp.training.save_lock import check_save_lock
 
 @dataclass
 class Startup:
-    """A validated config and how the run starts."""
+    """The run's checked options and how the run starts."""
 
-    cfg: Config
+    options: RunOptions  # every section checked and resolved, once (config.checks.check_config)
     load: LoadPlan  # what the run starts from and why (checkpoint_manager.plan_load)
-    options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
+
+    @property
+    def cfg(self) -> Config:
+        """The checked config (the global batch and warmup resolved), never the loader's."""
+        return self.options.config
 
 
 def torchrun_restart_count() -> int:
@@ -93,13 +96,11 @@ def prepare(
     `check_lock` (node 0's check) that no other job writes `--save`; a MegazppError before any
     work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
-    cfg = load_config(list(argv), notes)
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    # every subsystem's options, checked here and nowhere after: see config.checks
-    options = check_config(cfg, world_size, on_node)
+    # every section checked and resolved here and nowhere after: see config.checks
+    options = check_config(load_config(list(argv), notes), world_size, on_node)
+    cfg = options.config
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
-    # the model's split over tp x pp depends on those two sizes only, not on any process group
-    check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     notes += check_inputs(options.data)
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
@@ -107,8 +108,8 @@ def prepare(
     faults.check_spec()
     load = plan_load(cfg, world_size, restarts)
     if ranks_on_node is not None:
-        check_memory(cfg, options.zero, world_size, ranks_on_node)
-    return Startup(cfg, load, options, notes, backend)
+        check_memory(options, ranks_on_node)
+    return Startup(options, load, notes, backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
