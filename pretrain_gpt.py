@@ -46,7 +46,7 @@ from megazpp.training.banner import banner
 from megazpp.training.checkpoint_manager import CheckpointManager
 from megazpp.training.forward_backward import forward_backward
 from megazpp.training.logger import TrainingLogger
-from megazpp.training.startup import Startup, prepare, torchrun_restart_count
+from megazpp.training.startup import Startup, prepare, read_handoff, replan, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
 
@@ -133,7 +133,11 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
     # estimate with the node's; ranks starting side by side would each see another share
     alone = "LOCAL_WORLD_SIZE" not in os.environ
-    start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
+    handed = read_handoff(args, world_size)  # run.sh's check decided for its ranks: nothing is checked again
+    if handed is not None:
+        start = replan(handed, world_size, torchrun_restart_count())
+    else:
+        start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()
     started = init_distributed(start.cfg, world_size, start.backend)
     finished = False

@@ -156,9 +156,11 @@ def checkout_env(**variables: str) -> dict[str, str]:
 
 def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) -> dict[str, str]:
     """run.sh's variables for a job of `nproc` ranks on this node: DATA_DIR, this Python, a
-    free MASTER_PORT, plus `variables`."""
+    free MASTER_PORT, TMPDIR beside DATA_DIR (run.sh's checked-run file stays in the test's
+    temporary directories), plus `variables`."""
     return {
         "DATA_DIR": str(data_dir),
+        "TMPDIR": str(Path(data_dir).resolve().parent),
         "NPROC_PER_NODE": str(nproc),
         "PYTHON": sys.executable,
         "MASTER_PORT": str(free_port()),

@@ -9,8 +9,8 @@ import pytest
 
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
-from megazpp.zero.options import NOT_IMPLEMENTED_YET
 from megazpp.errors import ConfigError
+from megazpp.zero.options import NOT_IMPLEMENTED_YET
 
 BASE_YAML = """\
 model: {arch: llama, num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2}

@@ -1,9 +1,20 @@
-"""Everything a run decides before a process group exists: the validated config (and what the
+"""Everything a run decides before a process group exists: the checked options (and what the
 loader adjusted), its inputs, and which checkpoint it starts from.
 
-Why apart from pretrain_gpt.py: `run.sh` runs the same checks once per job before torchrun
-starts any rank (`python -m megazpp.training.startup --world-size N ARGS`), so a refused input
-is one line per job instead of one error and a launcher traceback per rank.
+Why apart from pretrain_gpt.py: `run.sh` runs these checks once per node before torchrun
+starts any rank (`python -m megazpp.training.startup --world-size N ... --handoff FILE ARGS`),
+so a refused input is one line per job instead of one error and a launcher traceback per rank.
+
+Checked once, truly: the check writes what it decided (the `Startup`) with the arguments and
+world size it was decided for into FILE, and `run.sh` hands FILE's path to its ranks in
+`HANDOFF_ENV`; a rank whose arguments and world size match takes that decision as it is
+(`read_handoff`: unpickled, so no constructor and no check runs again), and only a restarted
+attempt decides its load plan again (`replan`: torchrun restarts resume from the newest
+checkpoint). A rank started without a handoff (a test, a direct `python pretrain_gpt.py`)
+runs `prepare` itself. The file is pickle because the options hold parsed strategies and
+frozen sections that a text format would rebuild through their checking constructors; it is
+written by the same job on the same node just before its ranks read it, never taken from
+elsewhere.
 
 What it starts from (resume, import, frozen base) is `checkpoint_manager.plan_load`'s decision,
 made here so that a refusal is one line per job.
@@ -12,7 +23,9 @@ made here so that a refusal is one line per job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,22 +125,73 @@ def prepare(
     return Startup(options, load, notes, backend)
 
 
+HANDOFF_ENV = "MEGAZPP_CHECKED_RUN"  # the path of the job check's decision, set by run.sh for its ranks
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A job check's decision and what it was decided for."""
+
+    argv: tuple[str, ...]
+    world_size: int
+    start: Startup
+
+
+def write_handoff(path: str, argv: Sequence[str], world_size: int, start: Startup) -> None:
+    """Write the check's decision for `argv` on `world_size` ranks, atomically (renamed into place)."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(pickle.dumps(Handoff(tuple(argv), world_size, start)))
+    tmp.replace(target)
+
+
+def read_handoff(argv: Sequence[str], world_size: int) -> Startup | None:
+    """The job check's decision when the launcher handed one (`HANDOFF_ENV`), else None;
+    ConfigError when it was made for other arguments or another world size (a variable left
+    in the environment by another job), or cannot be read."""
+    path = os.environ.get(HANDOFF_ENV)
+    if not path:
+        return None
+    try:
+        handed = pickle.loads(Path(path).read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as err:
+        raise ConfigError(f"{HANDOFF_ENV}={path}: the job check's file cannot be read ({err})") from None
+    if not isinstance(handed, Handoff):
+        raise ConfigError(f"{HANDOFF_ENV}={path}: not a job check's file")
+    if handed.argv != tuple(argv) or handed.world_size != world_size:
+        raise ConfigError(
+            f"{HANDOFF_ENV}={path} was checked for {handed.world_size} rank(s) and other arguments than this "
+            f"rank's ({world_size} rank(s)): unset {HANDOFF_ENV} to check this run here"
+        )
+    return handed.start
+
+
+def replan(start: Startup, world_size: int, restarts: int) -> Startup:
+    """A handed decision for a restarted attempt: the load plan decided again (the attempt
+    resumes from the newest checkpoint), the checked options kept."""
+    return dataclasses.replace(start, load=plan_load(start.cfg, world_size, restarts)) if restarts else start
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """run.sh's check, once per node before torchrun starts any rank: `--world-size N
-    --ranks-on-node R --node-rank K` then pretrain_gpt.py's arguments; silent when fine.
-    Node 0 also checks that no other job writes the `--save` directory (its rank 0 then
-    takes the lock: `save_lock`)."""
+    --ranks-on-node R --node-rank K [--handoff FILE]` then pretrain_gpt.py's arguments; silent
+    when fine. Node 0 also checks that no other job writes the `--save` directory (its rank 0
+    then takes the lock: `save_lock`). With `--handoff`, the decision is written to FILE for
+    the ranks (`read_handoff`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--ranks-on-node", type=int, required=True)
     parser.add_argument("--node-rank", type=int, required=True)
+    parser.add_argument("--handoff")
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
         raise ConfigError(
             f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
             f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0"
         )
-    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node, check_lock=known.node_rank == 0)
+    start = prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node, check_lock=known.node_rank == 0)
+    if known.handoff:
+        write_handoff(known.handoff, rest, known.world_size, start)
     return 0
 
 
