@@ -7,9 +7,11 @@ FILE (`startup.read_handoff`) and must not run a check again, or load the config
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
-from support import TINY_MODEL_FLAGS, data_flags
+from support import TINY_MODEL_FLAGS, checkout_env, data_flags
 
 from megazpp.config import checks
 from megazpp.config.checks import check_config
@@ -45,12 +47,14 @@ def test_a_rank_takes_the_job_checks_decision_and_checks_nothing(
 ):
     argv = _job(tiny_indexed_prefix, str(tiny_tokenizer_model))
     handoff = tmp_path / "checked"
-    assert (
-        startup.main(
-            ["--world-size", "2", "--ranks-on-node", "2", "--node-rank", "0", "--handoff", str(handoff)] + argv
-        )
-        == 0
+    check = [sys.executable, "-m", "megazpp.training.startup", "--world-size", "2", "--ranks-on-node", "2"]
+    done = subprocess.run(
+        [*check, "--node-rank", "0", "--handoff", str(handoff), *argv],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
     )
+    assert done.returncode == 0 and handoff.exists(), done.stderr  # run.sh's check, as run.sh runs it
     monkeypatch.setenv(startup.HANDOFF_ENV, str(handoff))
 
     def checked_again(*_: object, **__: object) -> None:

@@ -1,18 +1,19 @@
-"""The rules that span sections, and the one place every subsystem's options are built.
+"""The rules that span sections, checked once per job; the run's resolved options returned.
 
-Why here: the config layer reads sources (YAML, DeepSpeed JSON, flags) into the schema's
-sections; each subsystem owns a typed options type that checks its own section's rules when
-built (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
-`DataOptions`). `check_config` maps the sections onto those types by field name (`options.options_of`), once,
-before any rank starts, and adds only the rules no single section can see: batch sizes against
-the world, tp / pp against the model, compilation and frozen parameters against the ZeRO
-strategy, islands against the world. Each refusal is a `ConfigError` naming the key, the value
-and what was expected.
+Why here: each section is its subsystem's own type and checks its own rules when the loader
+builds it (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
+`DataOptions`, `PlannerSettings`). `check_config` adds only the rules no single section can see:
+batch sizes against the world, tp / pp against the model, compilation and frozen parameters
+against the ZeRO strategy, islands against the world. Each refusal is a `ConfigError` naming
+the key, the value and what was expected.
 
-Where it runs: `training.startup.prepare`, before any process group, in `run.sh`'s once-per-job
-check and again in each rank's own start (a rank launched without run.sh must be checked too):
-the same pure function of the same argv and world size, so a rank rebuilds exactly the options
-the job's check accepted, and the engines take them as built.
+Pure: it writes nothing into the Config it is given; what it resolves (the global batch size,
+the warmup in iterations, the `zero` options' micro-batch count and the strategies `auto` may
+pick) is in the `RunOptions` it returns, a new checked Config that every part of a rank reads.
+
+Where it runs: `training.startup.prepare`, before any process group, in `run.sh`'s
+once-per-job check, which hands its decision to the ranks (`startup.read_handoff`): a rank
+checks nothing again. A rank started without run.sh runs `prepare` itself.
 """
 
 from __future__ import annotations

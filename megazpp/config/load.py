@@ -8,6 +8,7 @@ file, a flag, a Megatron alias, a negative number after a flag) is this module's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import typing
 from collections.abc import Sequence
@@ -268,7 +269,7 @@ def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
             )
         return
     multiple = cfg.data.make_vocab_size_divisible_by * cfg.tp
-    cfg.model.vocab_size = -(-tokenizer_vocab // multiple) * multiple
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
 
 
 def validate_types(cfg: Config) -> None:

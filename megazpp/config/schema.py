@@ -4,6 +4,11 @@ Why this shape: one typed object that every part reads (instead of a bag of argp
 attributes) lets a wrong key, a wrong type or an inconsistent combination be refused here,
 with the file and the closest valid name, before a process group or a tensor exists.
 
+Each section a subsystem owns is that subsystem's own frozen type, checked when built (`zero`,
+`optimizer`, `precision`, `data`, `outer`; `model` is the model's `ModelConfig`), so a setting is
+defined once, with its help beside it (`megazpp.setting.setting`); the sections only the run
+reads (`training`, `checkpoint`, `logging`, `parallel`) are defined here.
+
 Precedence, lowest to highest: dataclass defaults < YAML (`--config`) < DeepSpeed JSON
 (`--deepspeed_config`) < Megatron-style command-line flags. Every field of every section is
 also a flag: `training.micro_batch_size` is `--micro-batch-size` (see `FLAG_NAMES` for the few

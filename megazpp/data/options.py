@@ -1,12 +1,12 @@
 """DataOptions: where a run's samples come from, parsed and checked once, when built.
 
-Why here and not in the config: data owns its settings as zero owns `ZeroOptions` (design
-decision 11). The config layer maps its `data` section onto this type by field name
-(`megazpp.config.options.options_of`) before any rank starts; the constructor parses Megatron's
+Why here and not in the config: data owns its settings as zero owns `ZeroOptions`. This type
+is the `data` config section itself: the config layer reads YAML keys and flags onto its fields
+by name (each field's help beside it) before any rank starts; the constructor parses Megatron's
 `--data-path` blend and `--split` text here, in the one parser of each, so the dataset builder
 and the start-up checks take the parsed `blend` and `fractions` and never parse them again. The
 text is kept beside them for the messages that quote what the user wrote. This module never
-imports the config schema: the config's `data` section takes its defaults from here.
+imports the config.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def _llama_ffn_size(hidden_size: int) -> int:
     return (int(8 * hidden_size / 3) + 63) // 64 * 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and behaviour of a GPT-2 or Llama model.
 
@@ -66,16 +66,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ConfigError(f"model.arch = {self.arch!r}: expected one of {list(ARCHITECTURES)}")
+        # the fields left None are derived from arch, once, here (the type is frozen after)
+        fill = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            fill("num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
-            self.ffn_hidden_size = 4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size)
+            fill("ffn_hidden_size", 4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size))
         if self.tie_embeddings is None:
-            self.tie_embeddings = self.arch == "gpt2"
+            fill("tie_embeddings", self.arch == "gpt2")
         if self.moe_ffn_hidden_size is None and isinstance(self.ffn_hidden_size, int):
-            self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // max(1, self.moe_top_k))
+            fill("moe_ffn_hidden_size", max(1, self.ffn_hidden_size // max(1, self.moe_top_k)))
         if self.lora_targets is None:
-            self.lora_targets = list(LORA_TARGETS[self.arch])
+            fill("lora_targets", list(LORA_TARGETS[self.arch]))
 
     @property
     def is_llama(self) -> bool:

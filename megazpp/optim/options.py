@@ -1,11 +1,10 @@
-"""The optimizer's options: AdamW's hyper-parameters and the precision, typed and checked once,
-when built.
+"""The `optimizer` and `precision` config sections: AdamW's hyper-parameters and the precision,
+checked when built.
 
 Why here and not in the config: every engine (local, ZeRO) reads them, and optim owns them as
-zero owns `ZeroOptions` (design decision 11). The config layer maps its `optimizer` and
-`precision` sections onto these types by field name (`megazpp.config.options.options_of`)
-before any rank starts; the rules here concern one section each and name its keys. This module
-never imports the config schema: the config's sections take their defaults from here.
+zero owns `ZeroOptions`. These types are the sections themselves: the config layer reads YAML
+keys and flags onto their fields by name (each field's help beside it), before any rank starts;
+the rules here concern one section each and name its keys. This module never imports the config.
 """
 
 from __future__ import annotations

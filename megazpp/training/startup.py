@@ -197,5 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from megazpp.cli import run_tool
+    from megazpp.training import startup  # this module by its name: the handoff pickles its classes
 
-    run_tool(main, prog="pretrain_gpt.py")
+    run_tool(startup.main, prog="pretrain_gpt.py")
