@@ -101,8 +101,8 @@ if [ -n "${NPROC_PER_NODE:-}" ]; then
 fi
 
 # What DATA_DIR holds and what the job uses; run.sh builds its sample data only into an absent
-# or empty directory or its own earlier build (megazpp/data/sample_dir.py), never among other data.
-"$PYTHON" -m megazpp.data.sample_dir "$DATA_DIR" "$@"
+# or empty directory or its own earlier build (megazpp/preprocess/sample_dir.py), never among other data.
+"$PYTHON" -m megazpp.preprocess.sample_dir "$DATA_DIR" "$@"
 mkdir -p "$DATA_DIR"
 if [ ! -d "$DATA_DIR/corpus" ]; then
   rm -rf "$DATA_DIR/corpus.tmp"
@@ -136,7 +136,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   # glibc malloc: serve large blocks from the heap and keep freed ones, rather than mapping
   # fresh pages for every gathered bucket and faulting them in 4 KiB at a time (a 100 MB copy:
-  # 51 ms on fresh pages, 9 ms on reused ones). megazpp.bench.launch.CPU_RANK_ENV: the same.
+  # 51 ms on fresh pages, 9 ms on reused ones). benchmarks.launch.CPU_RANK_ENV: the same.
   export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0}
   export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-1099511627776}
 fi

@@ -13,7 +13,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
-from typing import Protocol, cast
+from typing import ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
@@ -21,6 +21,8 @@ from kernels import reference
 from kernels.format import check_block_size, num_blocks
 
 CPU_KERNELS = ("reference", "compiled")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def check_cpu_kernels(cpu: str) -> str:
@@ -45,15 +47,16 @@ def backend_for(tensor: torch.Tensor, cpu: str = "reference") -> ModuleType:
     raise ValueError(f"quantization kernels run on cuda (Triton) or cpu (torch reference) tensors, not {tensor.device}")
 
 
-def _dispatched(op: Callable, cpu: str) -> Callable:
+def _dispatched(op: Callable[_P, _R], cpu: str) -> Callable[_P, _R]:
     first = next(iter(inspect.signature(op).parameters))
 
     @functools.wraps(op)
-    def run(*args, **kwargs):
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         tensor = args[0] if args else kwargs[first]
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{op.__name__}: {first} must be a torch.Tensor, got {type(tensor).__name__}")
-        return getattr(backend_for(tensor, cpu), op.__name__)(*args, **kwargs)
+        impl: Callable[_P, _R] = getattr(backend_for(tensor, cpu), op.__name__)
+        return impl(*args, **kwargs)
 
     return run
 

@@ -21,6 +21,7 @@ import functools
 import os
 import shutil
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ OPS = (
 # Distinct static shapes one function may be compiled for (TorchDynamo's default of 8 would send
 # a model with many bucket sizes back to eager, silently and slowly).
 SHAPES_PER_OP = 64
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def require_compiler() -> None:
@@ -73,13 +76,13 @@ def separate_cache_per_isa() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-def _compile(fn: Callable) -> Callable:
+def _compile(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """`fn` compiled lazily, once per input shape."""
     separate_cache_per_isa()
     op = torch.compile(fn, dynamic=False)
 
     @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with torch._dynamo.config.patch(recompile_limit=SHAPES_PER_OP, accumulated_recompile_limit=8 * SHAPES_PER_OP):
             return op(*args, **kwargs)
 
@@ -95,7 +98,7 @@ def arithmetic() -> reference.Arithmetic:
 
 
 @functools.cache
-def op(name: str) -> Callable:
+def op(name: str) -> Callable[..., object]:
     """The public op `name` of kernels.reference, running the compiled arithmetic."""
     if name not in OPS:
         raise ValueError(f"kernels.cpu_compiled: no op named {name!r}; expected one of {', '.join(OPS)}")
@@ -104,7 +107,7 @@ def op(name: str) -> Callable:
     return functools.partial(getattr(reference, name), arith=arithmetic())
 
 
-def __getattr__(name: str) -> Callable:
+def __getattr__(name: str) -> Callable[..., object]:
     """Module attributes `quantize`, `dequantize`, ...: the same names as kernels.reference."""
     if name in OPS:
         return op(name)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import TypeAlias
 
 import triton
 from triton.backends.compiler import GPUTarget
 
 from kernels import triton_ops
+from kernels.format import QMAX
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
@@ -43,13 +45,16 @@ _REDUCE_ARGS = {
 
 _LAUNCH_OPTIONS = ("num_warps", "enable_fp_fusion")
 
+# a variant's constexprs and launch options, by name (`triton_ops._tiling`'s and the kernel's own)
+Constexprs: TypeAlias = dict[str, int | bool]
 
-def _tile(block_size: int) -> dict:
+
+def _tile(block_size: int) -> Constexprs:
     """The launchers' own geometry and options for this block size (constexprs and options)."""
     return triton_ops._tiling(block_size, 1)[1]
 
 
-def variants() -> list[tuple[str, object, dict, dict]]:
+def variants() -> list[tuple[str, object, dict[str, str], Constexprs]]:
     """(label, kernel, runtime argument types, constexprs) for every launch the ops make."""
     quant = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "numel": "i32", "blocks": "i32"}
     out = []
@@ -57,7 +62,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
         for bits, code in ((4, "u8"), (8, "i8")):
             block = 256 if bits == 4 else 2048
             args = {"x_ptr": f"*{src}", **quant, "codes_ptr": f"*{code}"}
-            consts = {**_tile(block), "BITS": bits, "QMAX": triton_ops.QMAX[bits]}
+            consts = {**_tile(block), "BITS": bits, "QMAX": QMAX[bits]}
             out.append((f"quantize {src} int{bits}", triton_ops._quantize_kernel, args, consts))
             loco = {
                 "x_ptr": f"*{src}",
@@ -94,7 +99,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
             "PARTS": 4,
             "BITS": bits,
             "OUT_BITS": out_bits,
-            "OUT_QMAX": triton_ops.QMAX.get(out_bits, 0),
+            "OUT_QMAX": QMAX.get(out_bits, 0),
             "LOCO": with_loco,
         }
         label = (
@@ -115,17 +120,18 @@ def variants() -> list[tuple[str, object, dict, dict]]:
     return out
 
 
-def compile_ptx(kernel, args: dict, consts: dict) -> str:
+def compile_ptx(kernel: object, args: dict[str, str], consts: Constexprs) -> str:
     """PTX of one variant, with pointers and ints specialized as 16-divisible like a real launch."""
     options = {name: consts[name] for name in _LAUNCH_OPTIONS}
     consts = {name: value for name, value in consts.items() if name not in _LAUNCH_OPTIONS}
     signature = {**args, **{name: "constexpr" for name in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(args.values()) if t.startswith("*") or t == "i32"}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    ptx: str = triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    return ptx
 
 
-def problems(ptx: str, consts: dict | None = None) -> list[str]:
+def problems(ptx: str, consts: Constexprs | None = None) -> list[str]:
     """What is wrong with one variant's PTX (empty when nothing is)."""
     found = []
     parts = (consts or {}).get("PARTS")

@@ -139,12 +139,19 @@ class Arithmetic:
     by default; kernels/cpu_compiled.py hands them the same functions compiled (only whole
     blocks reach the compiler: Inductor once miscompiled a bf16 cast of a ragged tail)."""
 
-    quantize: Callable = _quantize_blocks
-    dequantize: Callable = _dequant_tile
-    loco: Callable = _loco_blocks
-    reduce: Callable = _reduce_tile
-    reduce_quantize: Callable = _reduce_quantize_blocks
-    reduce_loco: Callable = _reduce_loco_blocks
+    quantize: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _quantize_blocks
+    dequantize: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] = _dequant_tile
+    loco: Callable[[torch.Tensor, torch.Tensor, float, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+        _loco_blocks
+    )
+    reduce: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] = _reduce_tile
+    reduce_quantize: Callable[[torch.Tensor, torch.Tensor, int, int, int], tuple[torch.Tensor, torch.Tensor]] = (
+        _reduce_quantize_blocks
+    )
+    reduce_loco: Callable[
+        [torch.Tensor, torch.Tensor, int, int, torch.Tensor, float, int],
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ] = _reduce_loco_blocks
 
 
 EAGER = Arithmetic()

@@ -26,7 +26,7 @@ from kernels.format import (
     code_bytes_per_block,
     num_blocks,
 )
-from kernels.reference import all_finite  # noqa: F401 (one fused torch reduction on CUDA already)
+from kernels.reference import all_finite as all_finite  # re-exported: one fused torch reduction on CUDA already
 from kernels.triton_tiles import cast_rne, load_dequant, loco_tile, quantize_tile, store_codes, tile_rows
 
 # Elements per program: big enough to amortize the per-program overhead on a GPU and give

@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TextIO
 from megazpp.errors import ConfigError, MegazppError
 
 
-class _ConsoleHandler(logging.StreamHandler):
+class _ConsoleHandler(logging.StreamHandler[TextIO]):
     """Writes to whatever sys.stdout / sys.stderr is when a record comes (a run inside a test
     or a tool that redirects them gets its lines where its prints go)."""
 

@@ -21,9 +21,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest
 
-from megazpp.data.preprocess import preprocess
-from megazpp.data.sample_corpus import build_sample_corpus
-from megazpp.data.tokenizer_training import train_tokenizer
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.sample_corpus import build_sample_corpus
+from megazpp.preprocess.tokenizer_training import train_tokenizer
 
 
 def netlab_unavailable() -> str | None:

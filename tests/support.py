@@ -74,14 +74,19 @@ def data_flags(prefix: str | os.PathLike, tokenizer: str | os.PathLike) -> list[
 def load_script(path: Path, *, register: bool = False) -> ModuleType:
     """A script of the checkout (a tool, pretrain_gpt.py) loaded as a module named by its file, so a
     test calls its functions in process. `register` enters it in sys.modules first: a dataclass
-    defined in the script looks its module up there."""
+    defined in the script looks its module up there. As when Python runs the script, its directory
+    is first on sys.path while it loads (a tool imports its siblings, e.g. `checkout_path`)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     if register:
         sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 

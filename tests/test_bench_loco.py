@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from megazpp.bench.loco_gap import closed_fraction, describe
-from megazpp.bench.loco_gap import main as loco_gap_main
+from benchmarks.loco_gap import closed_fraction, describe
+from benchmarks.loco_gap import main as loco_gap_main
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
 

@@ -15,10 +15,10 @@ import pytest
 from support import load_tool
 from torch.utils.tensorboard import SummaryWriter
 
-from megazpp.bench import launch, results
-from megazpp.bench.deepspeed_peer import deepspeed_config
-from megazpp.bench.deepspeed_peer import parse_args as peer_args
-from megazpp.bench.suite import (
+from benchmarks import launch, results
+from benchmarks.deepspeed_peer import deepspeed_config
+from benchmarks.deepspeed_peer import parse_args as peer_args
+from benchmarks.suite import (
     DEEPSPEED,
     MEGAZPP,
     TORCHFT,
@@ -28,8 +28,8 @@ from megazpp.bench.suite import (
     steps_fit,
     two_level_configs,
 )
-from megazpp.bench.torchft_peer import parse_args as torchft_args
-from megazpp.bench.torchft_peer import peer_outer
+from benchmarks.torchft_peer import parse_args as torchft_args
+from benchmarks.torchft_peer import peer_outer
 from megazpp.config.checks import check_config, validate_config
 from megazpp.config.load import load_config
 from megazpp.errors import ConfigError, DataError
@@ -70,7 +70,7 @@ def test_configuration_list():
     )
     assert by_name["zero3"].script == "pretrain_gpt.py" and by_name["zero3"].runner == MEGAZPP
     hpz = by_name["ds-zero3+hpz"]
-    assert hpz.runner == DEEPSPEED and hpz.script == "megazpp/bench/deepspeed_peer.py"
+    assert hpz.runner == DEEPSPEED and hpz.script == "benchmarks/deepspeed_peer.py"
     assert hpz.script_args() == ["--ds-zero", '{"zero_hpz_partition_size": 2}']
     assert [c.name for c in select(configs, ["ds-zero3", "zero3"])] == ["zero3", "ds-zero3"]
     with pytest.raises(ConfigError, match="unknown configuration.*zero4"):
@@ -104,7 +104,7 @@ def test_torchft_row_and_its_replica_group_commands(monkeypatch):
     """torchft's DiLoCo: H = 20 from the outer section's flags, one launcher per node (a replica
     group) with its own rendezvous, the lighthouse and loss store on node 0, every port distinct."""
     ft = {c.name: c for c in all_configs(ranks_per_node=2)}["torchft-diloco-h20"]
-    assert ft.runner == TORCHFT and ft.script == "megazpp/bench/torchft_peer.py" and ft.sync_every == 20
+    assert ft.runner == TORCHFT and ft.script == "benchmarks/torchft_peer.py" and ft.sync_every == 20
     assert ft.script_args() == ["--outer-algorithm", "diloco", "--outer-sync-every", "20"]
     layout = launch.Layout(nodes=2, ranks_per_node=2)
     loop = [
@@ -127,7 +127,7 @@ def test_torchft_row_and_its_replica_group_commands(monkeypatch):
         "--rdzv-endpoint",
         "127.0.0.1:29803",
         "-m",
-        "megazpp.bench.rank_probe",
+        "benchmarks.rank_probe",
         "--out",
         "/d",
         ft.script,
@@ -239,7 +239,7 @@ def test_node_commands(monkeypatch):
         "--rdzv-endpoint",
         "127.0.0.1:29800",
         "-m",
-        "megazpp.bench.rank_probe",
+        "benchmarks.rank_probe",
         "--out",
         "/d",
         "s.py",
@@ -413,7 +413,7 @@ def test_rank_probe_records_peak_memory_and_exit_status(tmp_path):
         [
             sys.executable,
             "-m",
-            "megazpp.bench.rank_probe",
+            "benchmarks.rank_probe",
             "--out",
             str(out),
             str(script),
@@ -447,7 +447,7 @@ def test_run_nodes_reports_the_failing_rank_and_stops_the_others(tmp_path):
 
 
 def test_figure_of_every_setting(tmp_path):
-    from megazpp.bench.plot import plot_settings
+    from benchmarks.plot import plot_settings
 
     with pytest.raises(DataError, match="no <setting>.json"):
         plot_settings(tmp_path, tmp_path / "netlab.png")

@@ -1,4 +1,4 @@
-"""The two-level quality sweep's report (megazpp.bench.outer_sweep) on synthetic TensorBoard
+"""The two-level quality sweep's report (benchmarks.outer_sweep) on synthetic TensorBoard
 runs, and the experiment script's runs resolve to the settings it names. No training here:
 `tools/run_outer_experiment.sh --smoke` is the end-to-end check."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from megazpp.bench.outer_sweep import main as sweep_main
+from benchmarks.outer_sweep import main as sweep_main
 from megazpp.config.checks import resolve_outer, validate_config
 from megazpp.config.load import load_config
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from megazpp.bench.peft import peft_configs, verdict
-from megazpp.bench.results import Row
-from megazpp.bench.suite import all_configs
+from benchmarks.peft import peft_configs, verdict
+from benchmarks.results import Row
+from benchmarks.suite import all_configs
 
 
 def test_lora_mode_runs_what_works_with_frozen_weights():

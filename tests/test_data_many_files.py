@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import megazpp.data.chunk_reader as reader
-import megazpp.data.preprocess as pp
+import megazpp.preprocess.chunk_reader as reader
+import megazpp.preprocess.pipeline as pp
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.preprocess import preprocess
 from megazpp.data.tokenizer import Tokenizer
+from megazpp.preprocess.pipeline import preprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,9 @@ import pytest
 from support import load_tool
 
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.preprocess import preprocess
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.pipeline import preprocess
 
 
 def corpus_texts(corpus_dir):

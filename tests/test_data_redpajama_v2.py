@@ -10,11 +10,11 @@ import pytest
 from support import load_tool
 
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.preprocess import preprocess
-from megazpp.data.redpajama_v2 import have_pyarrow
-from megazpp.data.signal_filter import DUPLICATE_RULE, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.redpajama_v2 import have_pyarrow
+from megazpp.preprocess.signal_filter import DUPLICATE_RULE, FilterSpec
 
 SHARDS = {
     "2023-06/0000/en_head": 40,

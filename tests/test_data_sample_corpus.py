@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megazpp.data.sample_corpus import CODE_SOURCE, DOCS_SOURCE, build_sample_corpus
+from megazpp.preprocess.sample_corpus import CODE_SOURCE, DOCS_SOURCE, build_sample_corpus
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 import pytest
 
-from megazpp.data.signal_filter import DUPLICATE_RULE, DocumentFilter, FilterSpec, load_filter_file, parse_rule
 from megazpp.errors import DataError
+from megazpp.preprocess.signal_filter import DUPLICATE_RULE, DocumentFilter, FilterSpec, load_filter_file, parse_rule
 
 SIGNALS = {
     "rps_doc_word_count": [[0, 120, 57.0]],

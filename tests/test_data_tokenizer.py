@@ -5,8 +5,8 @@ import json
 import pytest
 
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_training import train_tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.tokenizer_training import train_tokenizer
 
 
 def test_llama_style_special_ids_and_vocab(tiny_tokenizer_model):

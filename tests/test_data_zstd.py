@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from megazpp.data.compressed import zstd_damage
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.jsonl import iter_line_chunks
-from megazpp.data.preprocess import preprocess
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.compressed import zstd_damage
+from megazpp.preprocess.jsonl import iter_line_chunks
+from megazpp.preprocess.pipeline import preprocess
 
 _WORDS = "data token model shard corpus frame block line signal source merge resume".split()
 _RNG = random.Random(0)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from support import load_tool
 
-from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
-from megazpp.bench.gpu_check.settings import PLAN_FLAGS
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
+from benchmarks.gpu_check.settings import PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -78,7 +78,7 @@ def test_merged_preprocessing_reads_identically_in_megatron_and_matches_its_merg
     merged dataset as our shards hold it, and its own merge of the same shards gives the same bytes."""
     import json
 
-    from megazpp.data.preprocess import preprocess
+    from megazpp.preprocess.pipeline import preprocess
 
     for f in range(5):
         path = tmp_path / "in" / f"s{f % 2}" / f"{f}.jsonl"

@@ -12,8 +12,6 @@ import torch
 
 from megazpp.config.load import load_config
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.jsonl import extract_text
-from megazpp.data.preprocess import preprocess
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
 from megazpp.interop.convert import import_hf
@@ -22,6 +20,8 @@ from megazpp.interop.safetensors_io import write_hf_weights
 from megazpp.interop.tokenizer_check import check_tokenizer
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
+from megazpp.preprocess.jsonl import extract_text
+from megazpp.preprocess.pipeline import preprocess
 
 LLAMA_LIKE_VOCAB = 700
 

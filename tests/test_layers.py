@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("megazpp", "kernels")
+PACKAGES = ("megazpp", "kernels", "benchmarks")
 
 
 def layer_table() -> list[tuple[str, list[str]]]:

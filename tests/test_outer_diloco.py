@@ -66,10 +66,10 @@ def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch
 
 
 def _build(
-    topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER
+    topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER, bucket: int = 4000
 ) -> tuple[GPTModel, DiLoCoEngine]:
     model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
-    opts = ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000)
+    opts = ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=bucket)
     return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionOptions(), opts, island), outer, island)
 
 
@@ -149,11 +149,14 @@ def _strategies_rank(ckpt_root: str) -> dict:
     return report
 
 
-def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0) -> dict[int, list[float]]:
-    """Per global DP rank, its loss at each step: 2 islands as LocalEngines on their share of
-    the batch, each fragment (parameter names) exchanged at its steps and applied `tau` steps
-    later (merged with the islands' own progress when tau > 0), with DiLoCoEngine's own
-    functions (the pseudo-gradients and their mean rounded to the wire format, as on the wire)."""
+def _reference(
+    fragments: list[list[str]], quantize: str = "none", tau: int = 0, sync_every: int = H, steps: int = STEPS
+) -> dict[int, list[float]]:
+    """Per global DP rank, its loss at each of `steps` steps: 2 islands as LocalEngines on their
+    share of the batch, each fragment (parameter names) exchanged at its steps (every
+    `sync_every`, staggered) and applied `tau` steps later (merged with the islands' own
+    progress when tau > 0), with DiLoCoEngine's own functions (the pseudo-gradients and their
+    mean rounded to the wire format, as on the wire)."""
     wire = WIRE[quantize]
     cfg = ModelConfig(**TINY_LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
@@ -174,7 +177,7 @@ def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0)
                     merge(ps[name].detach(), snapshot[name], OUTER.merge_alpha) if tau else snapshot[name]
                 )
 
-    for step in range(STEPS):
+    for step in range(steps):
         for i, (model, engine) in enumerate(zip(models, engines)):
             for r in range(i * per_island, (i + 1) * per_island):
                 mine = 0.0
@@ -189,7 +192,7 @@ def _reference(fragments: list[list[str]], quantize: str = "none", tau: int = 0)
         for _, f, pseudos in [p for p in pending if p[0] == t]:
             apply(f, pseudos)
         pending = [p for p in pending if p[0] != t]
-        for f in due_fragments(t, H, len(fragments)):
+        for f in due_fragments(t, sync_every, len(fragments)):
             pseudos = {n: torch.stack([snapshot[n] - ps[n].detach() for ps in params]) for n in fragments[f]}
             if tau:
                 pending.append((t + tau, f, pseudos))

@@ -22,12 +22,12 @@ from support import checkout_env, run_sh_variables
 from test_training_pretrain import tiny_args
 
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.preprocess import preprocess
-from megazpp.data.sample_dir import describe
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.data.tokenizer_record import model_sha256, read_record
-from megazpp.data.tokenizer_training import train_tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.sample_dir import describe
+from megazpp.preprocess.tokenizer_training import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -294,7 +294,7 @@ def test_a_byte_order_mark_keeps_the_first_document(tmp_path, tiny_tokenizer_mod
     (tmp_path / "bom.txt").write_bytes("\ufeffdef f():\n    return 1\n".encode())
     from collections import Counter
 
-    from megazpp.data.tokenizer_training import iter_training_lines
+    from megazpp.preprocess.tokenizer_training import iter_training_lines
 
     assert list(iter_training_lines([tmp_path / "bom.txt"], "text", Counter())) == ["def f():", "    return 1"]
 
@@ -333,7 +333,7 @@ def training_started(out: str) -> bool:
 @pytest.fixture(scope="module")
 def many_files(tmp_path_factory) -> Path:
     """8 JSONL files of ~0.5 MB of stdlib text: preprocessing them lasts long enough to be interrupted."""
-    from megazpp.data.sample_corpus import build_sample_corpus
+    from megazpp.preprocess.sample_corpus import build_sample_corpus
 
     root = tmp_path_factory.mktemp("many")
     build_sample_corpus(root / "src", total_bytes=4_000_000)

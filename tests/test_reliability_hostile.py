@@ -28,10 +28,10 @@ from megazpp.config.deepspeed import map_deepspeed_config, read_deepspeed_config
 from megazpp.config.load import load_config
 from megazpp.config.schema import SECTIONS, flag_table
 from megazpp.data.indexed_dataset import MAGIC, IndexedDataset
-from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import MegazppError
 from megazpp.interop.hf_llama import model_config_from_hf
 from megazpp.interop.safetensors_io import read_json
+from megazpp.preprocess.jsonl import SkipReason, extract_text, iter_line_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5

@@ -7,7 +7,7 @@ or core count. Model FLOPs per token are megazpp.model.flops.training_flops_per_
 (6N + attention, the PaLM/Megatron convention).
 
 With transformers installed and a Llama shape, the same step of `LlamaForCausalLM` (same
-weights, batch, dtype and fused AdamW: megazpp.bench.hf_peer) is timed in the same run, and
+weights, batch, dtype and fused AdamW: benchmarks.hf_peer) is timed in the same run, and
 both models' losses on the batch before any update are reported (they must agree to rounding).
 `--compile` compiles megazpp's layers (training.compile); `--device cuda` runs on the GPU.
 
@@ -24,15 +24,17 @@ import json
 import time
 from collections.abc import Callable
 
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 import torch
 from torch import nn
 
-from megazpp.bench.hf_peer import hf_peer, peer_available, peer_loss
+from benchmarks.hf_peer import hf_peer, peer_available, peer_loss
 from megazpp.cli import run_tool
 from megazpp.config.tool_flags import add_shape_flags, model_config
 from megazpp.model.compile import compile_layers
 from megazpp.model.flops import training_flops_per_token
 from megazpp.model.gpt import GPTModel
+from megazpp.unique_keys import JSONObject
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -83,7 +85,7 @@ def tokens_per_second(
     return steps * tokens / (time.perf_counter() - start), first
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> JSONObject:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_flags(
         parser,

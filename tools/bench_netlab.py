@@ -15,7 +15,7 @@ Settings: a tc rate (`1gbit`, `10gbit`, ...: netlab up, per-node link shaped) or
 (no netlab: both node launchers on 127.0.0.1; no link counters). Arguments after `--` go to
 every run (pretrain_gpt.py flags, understood by the DeepSpeed peer too). `--lora-rank R` puts
 rank-R LoRA adapters on every linear of every run (only they train), runs the configurations
-that work with frozen weights (`megazpp.bench.peft`) and prints the PaRO paper's PEFT verdict
+that work with frozen weights (`benchmarks.peft`) and prints the PaRO paper's PEFT verdict
 (`--pick`, by default ING, against ZeRO-3). The two-level rows (`diloco-*`: ZeRO-3 inside each
 node, DiLoCo across nodes every 20 steps) need --steps and --steps minus --warmup to be multiples
 of 20, so their per-step bytes and (mean) step time include the outer syncs; so does the
@@ -35,10 +35,12 @@ import signal
 import sys
 import time
 
-from megazpp.bench import launch, results
-from megazpp.bench.peft import peft_configs, verdict
-from megazpp.bench.plot import plot_settings
-from megazpp.bench.suite import DEEPSPEED, TORCHFT, BenchConfig, all_configs, check_steps, select, steps_fit
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
+
+from benchmarks import launch, results
+from benchmarks.peft import peft_configs, verdict
+from benchmarks.plot import plot_settings
+from benchmarks.suite import DEEPSPEED, TORCHFT, BenchConfig, all_configs, check_steps, select, steps_fit
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config

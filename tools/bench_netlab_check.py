@@ -3,7 +3,7 @@ measured one (issue 28's out-of-sample check).
 
 Reads one setting's results (`OUT/<setting>.json`: the command that made it, each row's
 measured mean step time, the outer syncs included), rebuilds each two-level row's job from that
-command and the row's flags (`megazpp.bench.suite.two_level_configs`: ZeRO-3 inside each node,
+command and the row's flags (`benchmarks.suite.two_level_configs`: ZeRO-3 inside each node,
 DiLoCo every 20 steps, bf16 / int4 / bf16 streamed), probes the planner's inputs on this cluster
 as tools/calibrate_planner.py does, but on the groups the two-level engine runs (the island's DP
 groups for the host model of CPU ranks; the peer group between islands for the inter-node link),
@@ -35,11 +35,12 @@ import shlex
 from dataclasses import dataclass
 from datetime import timedelta
 
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 import torch.distributed as dist
 from bench_netlab import parse_args as bench_args  # tools/, this script's directory
 from bench_netlab import shared_run_args
 
-from megazpp.bench.suite import MEGAZPP, two_level_configs
+from benchmarks.suite import MEGAZPP, two_level_configs
 from megazpp.cli import run_tool
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
@@ -58,6 +59,7 @@ from megazpp.planner.probe import (
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.two_level import OuterChoice, island_job, predict_two_level
 from megazpp.planner.workload import workload_of_config
+from megazpp.unique_keys import JSONObject
 
 TARGET = 0.15  # issue 28: every two-level row within 15 %
 
@@ -100,7 +102,7 @@ def bench_jobs(path: str) -> BenchJobs:
     return BenchJobs(recorded["setting"], ns.nodes * ns.ranks_per_node, ns.ranks_per_node, jobs, skipped)
 
 
-def _rank_main(a: argparse.Namespace) -> dict | None:
+def _rank_main(a: argparse.Namespace) -> JSONObject | None:
     """Probe this cluster on the two-level engine's groups and predict every job of `a.bench`."""
     bench: BenchJobs = a.bench
     topo = Topology.from_env(ranks_per_node=a.ranks_per_node)  # None: the launcher's LOCAL_WORLD_SIZE
@@ -162,7 +164,7 @@ def _rank_main(a: argparse.Namespace) -> dict | None:
     }
 
 
-def report(result: dict, a: argparse.Namespace) -> str:
+def report(result: JSONObject, a: argparse.Namespace) -> str:
     """Predicted vs measured per two-level row, the errors, against issue 28's 15 %."""
     bench: BenchJobs = a.bench
     m, c = result["model"], result["cluster"]

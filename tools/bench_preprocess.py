@@ -25,11 +25,12 @@ import zstandard
 
 from megazpp.cli import run_tool
 from megazpp.data.indexed_dataset import IndexedDataset
-from megazpp.data.jsonl import SkipReason, extract_text, iter_line_chunks, resolve_inputs
-from megazpp.data.preprocess import preprocess
-from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_training import train_tokenizer
+from megazpp.preprocess.jsonl import SkipReason, extract_text, iter_line_chunks, resolve_inputs
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
+from megazpp.preprocess.tokenizer_training import train_tokenizer
+from megazpp.unique_keys import JSONObject
 
 TOOLS = Path(__file__).resolve().parent
 
@@ -58,7 +59,7 @@ def compress_corpus(corpus: str, out_dir: Path) -> str:
     return str(out_dir)
 
 
-def time_runs(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> tuple[list[dict], float]:
+def time_runs(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> tuple[list[JSONObject], float]:
     tokens, seconds = min((encode_ceiling(corpus, model) for _ in range(args.repeat)), key=lambda r: r[1])
     ceiling = tokens / seconds
     print("| input | workers | tokens | seconds | tokens/s | vs 1 worker | vs encode ceiling |")
@@ -128,7 +129,7 @@ def tree_memory(pid: int) -> tuple[int, int]:
     return (max(rss), sum(rss)) if rss else (0, 0)
 
 
-def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> list[dict]:
+def measure_memory(args: argparse.Namespace, corpus: str, model: Path, tmp: Path) -> list[JSONObject]:
     big = tmp / "big" / "big.jsonl.zst"
     big.parent.mkdir()
     uncompressed = write_big_zst(corpus, big, args.memory_bytes)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
         if args.memory_bytes:
-            results: dict = {"memory": measure_memory(args, corpus, model, tmp)}
+            results: JSONObject = {"memory": measure_memory(args, corpus, model, tmp)}
         else:
             runs, ceiling = time_runs(args, corpus, model, tmp)
             results = {"ceiling_tokens_per_s": ceiling, "runs": runs}

@@ -28,6 +28,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.unique_keys import JSONObject
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained
@@ -47,7 +48,7 @@ def _model_cfg(args: argparse.Namespace, experts: int = 0) -> ModelConfig:
     )
 
 
-def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.Namespace) -> dict:
+def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.Namespace) -> JSONObject:
     model = GPTModel(cfg)
     engine = ZeroEngine(model, OptimizerOptions(lr=1e-4), PrecisionOptions(), options, topo)
     gen = torch.Generator().manual_seed(topo.dp_rank)
@@ -76,7 +77,7 @@ def _run(cfg: ModelConfig, topo: Topology, options: ZeroOptions, args: argparse.
     }
 
 
-def _rank_main(args: argparse.Namespace) -> dict:
+def _rank_main(args: argparse.Namespace) -> JSONObject:
     topo = Topology.from_env(ranks_per_node=RANKS_PER_NODE)
     dense = _model_cfg(args)
     out: dict[str, Any] = {"strategies": {}}  # the JSON report
@@ -103,7 +104,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def _table(results: list[dict], args: argparse.Namespace) -> str:
+def _table(results: list[JSONObject], args: argparse.Namespace) -> str:
     lines = [
         f"Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, micro-batch "
         f"{args.micro_batch_size} x {args.micro_batches}, fp32; 4 ranks = 2 virtual nodes x 2; "

@@ -10,7 +10,7 @@
 # TOOL (default tools/calibrate_planner.py) is the script the ranks run: tools/bench_netlab_check.py
 # predicts the two-level rows of a tools/bench_netlab.py results file measured at RATE.
 #
-# The ranks start as every CPU rank does (run.sh, megazpp.bench.launch.CPU_RANK_ENV): one
+# The ranks start as every CPU rank does (run.sh, benchmarks.launch.CPU_RANK_ENV): one
 # OpenMP thread, glibc malloc keeping freed large blocks. The link's rate is probed, not
 # given, unless a flag says --inter-gbit. netlab is taken down on any exit.
 set -euo pipefail

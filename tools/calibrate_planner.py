@@ -49,6 +49,7 @@ from megazpp.planner.probe import (
 from megazpp.planner.report import measured_inputs, prediction_table, term_breakdown
 from megazpp.planner.shape import StageShape, shape_of_model
 from megazpp.planner.workload import Workload
+from megazpp.unique_keys import JSONObject
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
@@ -60,7 +61,7 @@ def _model_cfg(a: argparse.Namespace) -> ModelConfig:
     return model_config(a, arch="llama", num_attention_heads=max(1, a.hidden_size // 32))
 
 
-def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int):
+def _batches(cfg: ModelConfig, a: argparse.Namespace, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (a.micro_batches, a.micro_batch_size, cfg.seq_length + 1), generator=g)
     return [(x[:, :-1], x[:, 1:]) for x in ids]
@@ -89,7 +90,7 @@ def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strat
     return statistics.median(times), shape
 
 
-def _rank_main(a: argparse.Namespace) -> dict | None:
+def _rank_main(a: argparse.Namespace) -> JSONObject | None:
     topo = Topology.from_env(ranks_per_node=a.ranks_per_node)  # None: the launcher's LOCAL_WORLD_SIZE
     rpn = topo.ranks_per_node
     cfg = _model_cfg(a)
@@ -155,7 +156,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / math.sqrt(sxx * syy) if sxx and syy else float("nan")
 
 
-def report(result: dict, a: argparse.Namespace) -> str:
+def report(result: JSONObject, a: argparse.Namespace) -> str:
     c: Cluster = result["cluster"]
     lines = [
         f"Llama {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, vocab {a.vocab_size}, "

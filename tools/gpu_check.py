@@ -23,7 +23,7 @@ flags form a valid config, and needs no GPU.
 
 This file is the command line (the plan, the dry run, the loop over the steps); the settings and
 bounds, running commands, parsing their output, the steps and the report are the modules of
-`megazpp/bench/gpu_check/`.
+`benchmarks/gpu_check/`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-from megazpp.bench.gpu_check.commands import Context, Outcome
-from megazpp.bench.gpu_check.report import write_report
-from megazpp.bench.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
-from megazpp.bench.gpu_check.steps import STEPS
+import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
+
+from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.report import write_report
+from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
+from benchmarks.gpu_check.steps import STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from megazpp.cli import add_out_flag, add_progress_flag, run_tool, wants_progress
-from megazpp.data.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
+from megazpp.preprocess.sample_corpus import DEFAULT_TOTAL_BYTES, build_sample_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

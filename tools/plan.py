@@ -108,21 +108,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pick(*values):
+def _pick(*values: float | None) -> float | None:
     return next((v for v in values if v is not None), None)
 
 
 def _cluster(a: argparse.Namespace) -> Cluster:
     acc = ACCELERATORS.get(a.accelerator)
-    values = {
-        "memory_gib": _pick(a.memory_gib, acc and acc.memory_gib),
-        "tflops": _pick(a.tflops, acc and acc.achievable_tflops),
-        "memory_bw_gbs": _pick(a.memory_bw_gbs, acc and acc.memory_bandwidth_gbs),
-        "intra_gbs": _pick(a.intra_gbs, acc and acc.intra_gbs),
+    picked = {
+        "memory_gib": _pick(a.memory_gib, acc.memory_gib if acc else None),
+        "tflops": _pick(a.tflops, acc.achievable_tflops if acc else None),
+        "memory_bw_gbs": _pick(a.memory_bw_gbs, acc.memory_bandwidth_gbs if acc else None),
+        "intra_gbs": _pick(a.intra_gbs, acc.intra_gbs if acc else None),
     }
-    missing = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
+    missing = [f"--{k.replace('_', '-')}" for k, v in picked.items() if v is None]
     if missing:
         raise ConfigError(f"cluster: give {', '.join(missing)} or an --accelerator preset")
+    values = {k: v for k, v in picked.items() if v is not None}
     return Cluster(
         nodes=a.nodes,
         gpus_per_node=a.gpus_per_node,

@@ -29,6 +29,7 @@ import io
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +69,15 @@ def examples(text: str) -> list[Example]:
 
 
 @functools.cache
-def _plan_main():
+def _plan_main() -> Callable[[list[str] | None], int]:
     """tools/plan.py's `main` (a script, not a module of the package), loaded once."""
     spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {ROOT / 'tools' / 'plan.py'}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    main: Callable[[list[str] | None], int] = module.main
+    return main
 
 
 def output_of(args: list[str]) -> str:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 
 from megazpp.cli import add_progress_flag, run_tool, wants_progress
-from megazpp.data.chunk_reader import DEFAULT_CHUNK_BYTES
-from megazpp.data.preprocess import preprocess
-from megazpp.data.signal_filter import FilterSpec, load_filter_file
+from megazpp.preprocess.chunk_reader import DEFAULT_CHUNK_BYTES
+from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.signal_filter import FilterSpec, load_filter_file
 
 
 def main(argv: list[str] | None = None) -> int:

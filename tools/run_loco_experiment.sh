@@ -53,5 +53,5 @@ done
 IFS=, read -r -a ALL <<< "${DIRS[fp32]},${DIRS[qgz_int4]},${DIRS[qgz_int4_loco]}"
 "$PYTHON" tools/compare_runs.py "${ALL[@]}" \
   --labels "${LABELS[fp32]},${LABELS[qgz_int4]},${LABELS[qgz_int4_loco]}" --out "$OUT/compare"
-"$PYTHON" -m megazpp.bench.loco_gap "${DIRS[fp32]}" "${DIRS[qgz_int4]}" "${DIRS[qgz_int4_loco]}" \
+"$PYTHON" -m benchmarks.loco_gap "${DIRS[fp32]}" "${DIRS[qgz_int4]}" "${DIRS[qgz_int4_loco]}" \
   --train-window 100 --out "$OUT/compare/loco_gap.md" --plot "$OUT/compare/loco_seeds.png"

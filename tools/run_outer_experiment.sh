@@ -3,7 +3,7 @@
 # (configs/experiments/loco/fp32.yaml: ZeRO-2 on 4 CPU ranks as 2 virtual nodes x 2, 600 steps)
 # trained synchronously and as 2 islands x 2 ranks with outer steps every H inner steps (bf16
 # outer gradients, H = 1, 5, 10, 25, 50), and with int4 outer gradients at H = 25 with and
-# without error feedback; then megazpp.bench.outer_sweep's table and plot (final losses against
+# without error feedback; then benchmarks.outer_sweep's table and plot (final losses against
 # inter-node bytes, mean over seeds). Every run reads the same global batches: each island
 # takes its half of each one, so the runs are at equal tokens.
 #
@@ -78,4 +78,4 @@ for item in "${QUEUE[@]}"; do
   touch "$dir/DONE"
 done
 
-"$PYTHON" -m megazpp.bench.outer_sweep "$OUT" --out "$OUT/sweep.md" --plot "$OUT/sweep.png"
+"$PYTHON" -m benchmarks.outer_sweep "$OUT" --out "$OUT/sweep.md" --plot "$OUT/sweep.png"

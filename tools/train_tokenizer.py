@@ -9,9 +9,9 @@ import argparse
 import time
 
 from megazpp.cli import add_out_flag, add_progress_flag, run_tool, wants_progress
-from megazpp.data.jsonl import resolve_inputs
 from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
+from megazpp.preprocess.jsonl import resolve_inputs
+from megazpp.preprocess.tokenizer_training import DEFAULT_INPUT_SENTENCE_SIZE, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -161,7 +162,7 @@ def _missing(comparison: Comparison, tag: str) -> list[str]:
     return [run.label for run in comparison.runs if tag not in run.scalars or not len(run.scalars[tag])]
 
 
-def _annotate_missing(axes, labels: list[str], tag: str) -> None:
+def _annotate_missing(axes: Axes, labels: list[str], tag: str) -> None:
     if labels:
         axes.text(
             0.01,

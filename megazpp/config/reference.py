@@ -55,7 +55,7 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(f: dataclasses.Field) -> str:
+def _default(f: dataclasses.Field[object]) -> str:
     """A field's declared default (not a derived value: ffn_hidden_size's none stays none)."""
     if f.default is not dataclasses.MISSING:
         return _shown(f.default)

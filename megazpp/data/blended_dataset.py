@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megazpp.data.gpt_dataset import GPTDataset
 from megazpp.errors import DataError
 
 
@@ -36,7 +37,9 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
 class BlendedDataset:
     """`ds[i]` is sample `sample_index[i]` of dataset `dataset_index[i]`."""
 
-    def __init__(self, datasets: Sequence, dataset_index: np.ndarray, sample_index: np.ndarray):
+    def __init__(
+        self, datasets: Sequence[GPTDataset | None], dataset_index: np.ndarray, sample_index: np.ndarray
+    ) -> None:
         self.datasets = list(datasets)
         self.dataset_index = dataset_index
         self.sample_index = sample_index
@@ -51,4 +54,6 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a blend of {len(self)} samples")
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+        dataset = self.datasets[int(self.dataset_index[i])]
+        assert dataset is not None, "the constructor refuses a blend that draws from a missing dataset"
+        return dataset[int(self.sample_index[i])]

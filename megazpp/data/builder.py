@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
+GPTSamples: TypeAlias = GPTDataset | BlendedDataset  # one split's samples
 
 
 def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
@@ -35,11 +37,11 @@ def build_gpt_datasets(
     seq_length: int,
     num_samples: Sequence[int],
     seed: int,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     vocab_size: int | None = None,
-):
+) -> tuple[GPTSamples, GPTSamples | None, GPTSamples | None]:
     """(train, valid, test); a valid or test split with no documents or no requested samples is
-    None.
+    None (training samples must be asked for: a training split is never None).
 
     `data.blend` and `data.fractions` are used as parsed; nothing here parses them again.
     Nothing is dropped silently: a prefix without documents, or one that the split leaves with no
@@ -48,14 +50,16 @@ def build_gpt_datasets(
     test split is a warning. With `vocab_size`, a token id the model's embedding cannot hold is
     refused when the dataset opens.
     """
-    if len(num_samples) != 3 or any(int(n) < 0 for n in num_samples):
-        raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
+    if len(num_samples) != 3 or any(int(n) < 0 for n in num_samples) or int(num_samples[0]) == 0:
+        raise ConfigError(
+            f"num_samples must be three non-negative counts (train, valid, test), training's above 0, got {num_samples}"
+        )
     blend = data.blend
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     for ds in indexed:
         _check_dataset(ds, vocab_size)
     ranges = [split_ranges(ds.num_documents, data.fractions) for ds in indexed]
-    out: list[GPTDataset | BlendedDataset | None] = []
+    out: list[GPTSamples | None] = []
     for s, name in enumerate(SPLIT_NAMES):
         members = [i for i, r in enumerate(ranges) if r[s][1] > r[s][0]]
         if int(num_samples[s]) and len(members) < len(blend) and (name == "train" or members):
@@ -74,7 +78,9 @@ def build_gpt_datasets(
                 GPTDataset(indexed[i], ranges[i][s], need, seq_length, seed + i, name, cache_dir) if need else None
             )
         out.append(BlendedDataset(parts, dataset_index, sample_index))
-    return tuple(out)
+    train, valid, test = out
+    assert train is not None, "training samples were asked for, and a training split without documents is refused"
+    return train, valid, test
 
 
 def _check_dataset(ds: IndexedDataset, vocab_size: int | None) -> None:

@@ -37,7 +37,7 @@ class GPTDataset:
         seq_length: int,
         seed: int,
         name: str = "train",
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ):
         if seq_length < 1 or num_samples < 1:
             raise DataError(f"{indexed.prefix}: seq_length ({seq_length}) and num_samples ({num_samples}) must be >= 1")

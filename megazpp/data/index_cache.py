@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from megazpp.unique_keys import JSONObject
+
 log = logging.getLogger(__name__)
 
 
-def cache_key(description: dict, *arrays: np.ndarray) -> str:
+def cache_key(description: JSONObject, *arrays: np.ndarray) -> str:
     """A short hex digest of a JSON-able description plus the bytes of some arrays."""
     h = hashlib.sha256(json.dumps(description, sort_keys=True).encode())
     for a in arrays:

@@ -24,6 +24,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 
@@ -47,11 +48,11 @@ _HEADER = struct.Struct("<9sQBQQ")
 _COPY_BLOCK = 16 << 20
 
 
-def data_file(prefix: str | os.PathLike) -> Path:
+def data_file(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{prefix}.bin")
 
 
-def index_file(prefix: str | os.PathLike) -> Path:
+def index_file(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{prefix}.idx")
 
 
@@ -63,7 +64,7 @@ def token_dtype_for(vocab_size: int) -> np.dtype:
 class IndexedDataset:
     """Read-only view of a `.bin/.idx` pair; `ds[i]` is sequence i as a NumPy array (no copy)."""
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike[str]):
         self.prefix = str(prefix)
         self.idx_path, self.bin_path = index_file(prefix), data_file(prefix)
         for p in (self.idx_path, self.bin_path):
@@ -173,7 +174,7 @@ class IndexedDatasetBuilder:
     interrupted run never leaves a half-written dataset under the final prefix.
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type = np.int32):
+    def __init__(self, prefix: str | os.PathLike[str], dtype: np.dtype | type = np.int32):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF:
@@ -232,14 +233,16 @@ class IndexedDatasetBuilder:
     def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.finalize()
         else:
             self.abort()
 
 
-def merge_indexed_datasets(prefixes: list[str], output_prefix: str | os.PathLike) -> None:
+def merge_indexed_datasets(prefixes: list[str], output_prefix: str | os.PathLike[str]) -> None:
     """Concatenates datasets into one, as Megatron's merge does (`IndexedDatasetBuilder.add_index`):
     sequences and documents in the given order, byte-identical to Megatron's result.
 

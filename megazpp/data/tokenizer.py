@@ -18,7 +18,7 @@ from megazpp.errors import DataError
 class Tokenizer:
     """A loaded SentencePiece `.model`; fails at construction, not at first use, if unusable."""
 
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike[str]):
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise DataError(f"tokenizer model {self.model_path} does not exist (expected a SentencePiece .model file)")

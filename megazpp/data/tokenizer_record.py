@@ -27,11 +27,11 @@ RECORD_VERSION = 1
 _READ_BLOCK = 1 << 20
 
 
-def record_file(prefix: str | os.PathLike) -> Path:
+def record_file(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{prefix}{RECORD_SUFFIX}")
 
 
-def model_sha256(tokenizer_model: str | os.PathLike) -> str:
+def model_sha256(tokenizer_model: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
     with open(tokenizer_model, "rb") as f:
         for block in iter(lambda: f.read(_READ_BLOCK), b""):
@@ -46,11 +46,11 @@ class TokenizerRecord:
     vocab_size: int
 
     @classmethod
-    def of(cls, tokenizer_model: str | os.PathLike, vocab_size: int) -> TokenizerRecord:
+    def of(cls, tokenizer_model: str | os.PathLike[str], vocab_size: int) -> TokenizerRecord:
         return cls(model_sha256(tokenizer_model), str(Path(tokenizer_model).resolve()), vocab_size)
 
 
-def write_record(prefix: str | os.PathLike, record: TokenizerRecord) -> None:
+def write_record(prefix: str | os.PathLike[str], record: TokenizerRecord) -> None:
     """Written atomically (temp name, then rename) after the dataset itself is in place."""
     path = record_file(prefix)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -70,7 +70,7 @@ def write_record(prefix: str | os.PathLike, record: TokenizerRecord) -> None:
     os.replace(tmp, path)
 
 
-def read_record(prefix: str | os.PathLike) -> TokenizerRecord | None:
+def read_record(prefix: str | os.PathLike[str]) -> TokenizerRecord | None:
     """The dataset's record; None when it has none; DataError when the file is unreadable."""
     path = record_file(prefix)
     if not path.is_file():
@@ -86,7 +86,7 @@ def read_record(prefix: str | os.PathLike) -> TokenizerRecord | None:
 
 
 def check_tokenizer_records(
-    prefixes: Sequence[str], tokenizer_model: str | os.PathLike, allow_mismatch: bool
+    prefixes: Sequence[str], tokenizer_model: str | os.PathLike[str], allow_mismatch: bool
 ) -> list[str]:
     """Compare every dataset's record with `tokenizer_model`: a DataError for a mismatch unless
     `allow_mismatch`; notes (for the start-up banner) for what was accepted without a check.

@@ -53,7 +53,7 @@ from megazpp.training.checkpoint_files import verify_checksum, write_atomically
 from megazpp.unique_keys import JSONObject
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A save directory (its `latest` checkpoint) or an `iter_N` directory itself."""
     path = Path(path)
     if (path / METADATA_FILE).exists():
@@ -81,7 +81,7 @@ def _is_whole(model: Mapping[str, torch.Tensor], stage: StageLayout, tp: int) ->
 class CheckpointReader:
     """Reads the model parts of one checkpoint (one rank file at a time, memory-mapped)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = resolve_checkpoint(path)
         meta_file = self.path / METADATA_FILE
         try:
@@ -164,7 +164,7 @@ class CheckpointReader:
         return out
 
 
-def saved_tokenizer(path: str | os.PathLike) -> str | None:
+def saved_tokenizer(path: str | os.PathLike[str]) -> str | None:
     """The tokenizer model the checkpoint's run trained with (from the resolved config that
     training saves), when that file still exists; None otherwise."""
     meta = CheckpointReader(path).meta
@@ -173,7 +173,7 @@ def saved_tokenizer(path: str | os.PathLike) -> str | None:
 
 
 def write_weights_checkpoint(
-    save_dir: str | os.PathLike,
+    save_dir: str | os.PathLike[str],
     cfg: ModelConfig,
     full: Mapping[str, torch.Tensor],
     tp: int,

@@ -50,14 +50,14 @@ def _copy_file(src: Path, dst: Path) -> None:
 
 
 def import_hf(
-    hf_dir: str | os.PathLike,
-    save_dir: str | os.PathLike,
+    hf_dir: str | os.PathLike[str],
+    save_dir: str | os.PathLike[str],
     *,
     tp: int = 1,
     pp: int = 1,
     seq_length: int | None = None,
     dtype: torch.dtype | None = None,
-    tokenizer_model: str | os.PathLike | None = None,
+    tokenizer_model: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Convert; return the written checkpoint directory (`save_dir/iter_0000000`)."""
     hf_dir = Path(hf_dir)
@@ -74,7 +74,7 @@ def import_hf(
 
 
 def _full_weights(
-    load: str | os.PathLike, cfg: ModelConfig | None, masters: bool, dtype: torch.dtype | None
+    load: str | os.PathLike[str], cfg: ModelConfig | None, masters: bool, dtype: torch.dtype | None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = CheckpointReader(load)
     model_cfg = reader.model_config(cfg)
@@ -86,14 +86,14 @@ def _full_weights(
 
 
 def export_hf(
-    load: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    load: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     cfg: ModelConfig | None = None,
     dtype: torch.dtype | None = None,
     masters: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    tokenizer_model: str | os.PathLike | None = None,
+    tokenizer_model: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write config.json + safetensors weights (+ tokenizer.model) into `out_dir`."""
     out = Path(out_dir)
@@ -115,8 +115,8 @@ def export_hf(
 
 
 def export_safetensors(
-    load: str | os.PathLike,
-    output: str | os.PathLike,
+    load: str | os.PathLike[str],
+    output: str | os.PathLike[str],
     *,
     cfg: ModelConfig | None = None,
     dtype: torch.dtype | None = None,

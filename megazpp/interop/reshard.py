@@ -37,7 +37,7 @@ from megazpp.training.checkpoint import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layo
 from megazpp.zero.zero_engine import ZeroEngine
 
 
-def _reader(path: str | os.PathLike, topology: Topology) -> CheckpointReader:
+def _reader(path: str | os.PathLike[str], topology: Topology) -> CheckpointReader:
     reader = CheckpointReader(path)
     if (reader.tp, reader.pp) != (topology.tp, topology.pp):
         raise CheckpointError(
@@ -48,7 +48,7 @@ def _reader(path: str | os.PathLike, topology: Topology) -> CheckpointReader:
     return reader
 
 
-def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology) -> bool:
+def _layout_differs(path: str | os.PathLike[str], engine: Engine, topology: Topology) -> bool:
     reader = _reader(path, topology)
     if reader.meta.get(WEIGHTS_ONLY_KEY):
         return False  # an import: starts any DP size through the weights-only path
@@ -73,7 +73,7 @@ def _layout_differs(path: str | os.PathLike, engine: Engine, topology: Topology)
     ) != mine
 
 
-def needs_reshard(path: str | os.PathLike, engine: Engine, topology: Topology) -> bool:
+def needs_reshard(path: str | os.PathLike[str], engine: Engine, topology: Topology) -> bool:
     """Collectively: whether checkpoint `path` (an iter_N dir or a save dir) was written under
     another DP size, PaRO strategy, group size or bucket layout than `engine` has (tp and pp
     must match). Every rank gets the same answer, or the same CheckpointError."""
@@ -89,7 +89,7 @@ def needs_reshard(path: str | os.PathLike, engine: Engine, topology: Topology) -
 
 
 def load_resharded(
-    path: str | os.PathLike, topology: Topology, model: torch.nn.Module, engine: ZeroEngine
+    path: str | os.PathLike[str], topology: Topology, model: torch.nn.Module, engine: ZeroEngine
 ) -> LoadedCheckpoint:
     """Collectively read checkpoint `path` for this rank of a run with another DP layout: the
     returned state resumes through `Trainer.resume` like one of this run's own checkpoints.

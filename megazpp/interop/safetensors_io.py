@@ -86,10 +86,10 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-class WeightFiles(Mapping):
+class WeightFiles(Mapping[str, torch.Tensor]):
     """The tensors of a Hugging Face model directory as a read-only mapping, loaded on access."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         kind, files = _weight_files(self.directory)
         paths = sorted(set(files.values())) if isinstance(files, dict) else files
@@ -144,7 +144,7 @@ def write_json(path: Path, value: JSONObject) -> None:
 
 
 def write_safetensors(
-    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
     """One safetensors file (tensors made contiguous and unshared, as the format needs)."""
     plain = {name: t.detach().clone() if _shares_storage(t) else t.detach().contiguous() for name, t in tensors.items()}
@@ -171,7 +171,9 @@ def _shares_storage(t: torch.Tensor) -> bool:
 
 
 def write_hf_weights(
-    directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    directory: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus the index when
     the total exceeds `max_shard_bytes` (HF's own naming, so any HF loader finds them)."""

@@ -17,7 +17,7 @@ from megazpp.unique_keys import JSONObject
 
 
 def check_tokenizer(
-    tokenizer_model: str | os.PathLike, vocab_size: int, hf_config: JSONObject | None = None
+    tokenizer_model: str | os.PathLike[str], vocab_size: int, hf_config: JSONObject | None = None
 ) -> Tokenizer:
     """Load the tokenizer and check it against the model's vocabulary (and the HF config's
     special ids, when given); raise DataError naming the mismatch."""

@@ -156,7 +156,7 @@ class Launch:
         ]
         return f"cd {shlex.quote(self.workdir)} && exec {shlex.join(command)}"
 
-    def on_host(self, node_rank: int, line: str, *, stdout: int, stderr: int) -> subprocess.Popen:
+    def on_host(self, node_rank: int, line: str, *, stdout: int, stderr: int) -> subprocess.Popen[bytes]:
         # A session of its own: Ctrl-C in the terminal reaches the launcher, which stops the
         # hosts in order, instead of killing every ssh client at once.
         return subprocess.Popen(
@@ -190,7 +190,7 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
     raise _Interrupted(signum)
 
 
-def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen]) -> None:
+def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen[bytes]]) -> None:
     """Stop every still-running host through its guard, then end the local clients."""
     stoppers = [
         launch.on_host(r, launch.stop_line(r), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -208,7 +208,7 @@ def stop_hosts(launch: Launch, running: dict[int, subprocess.Popen]) -> None:
 
 def run_launch(launch: Launch, run_args: list[str]) -> int:
     lock = threading.Lock()
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, subprocess.Popen[bytes]] = {}
     readers: list[threading.Thread] = []
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -59,7 +59,7 @@ def code_version(root: Path = REPO) -> str:
     """`commit <sha>` (with a hash of uncommitted changes to tracked files), or, without git,
     a hash of the sources."""
 
-    def git(*args: str) -> subprocess.CompletedProcess:
+    def git(*args: str) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=False)
 
     try:

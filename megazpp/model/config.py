@@ -8,7 +8,6 @@ leaves as None, so a YAML file names only what it changes. Every inconsistency i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megazpp.errors import ConfigError, required
@@ -67,7 +66,10 @@ class ModelConfig:
         if self.arch not in ARCHITECTURES:
             raise ConfigError(f"model.arch = {self.arch!r}: expected one of {list(ARCHITECTURES)}")
         # the fields left None are derived from arch, once, here (the type is frozen after)
-        fill = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+
+        def fill(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
         if self.num_query_groups is None:
             fill("num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
@@ -169,8 +171,3 @@ class ModelConfig:
                 "model.num_experts > 0 with model.arch = 'gpt2': the MoE experts are SwiGLU "
                 "(Qwen2-MoE-like) and are only implemented for arch 'llama'"
             )
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        """Keys a YAML `model:` section may use (for closest-name suggestions upstream)."""
-        return [f.name for f in dataclasses.fields(cls)]

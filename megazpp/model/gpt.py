@@ -28,6 +28,7 @@ coefficient is 0.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,9 @@ from megazpp.parallel.tensor_parallel import (
 from megazpp.parallel.topology import check_model_split
 
 
-def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def _tp_rng_preserving_contexts() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
     """Contexts for torch.utils.checkpoint's `context_fn`.
 
     Checkpointing restores torch's default generator before recomputing a layer, but dropout
@@ -62,15 +65,15 @@ def _tp_rng_preserving_contexts() -> tuple[contextlib.AbstractContextManager, co
     forward context records the tracker's streams, the recompute context replays from them.
     """
     tracker = get_rng_tracker()
-    recorded: dict = {}
+    recorded: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     @contextlib.contextmanager
-    def forward_context():
+    def forward_context() -> Iterator[None]:
         recorded.update(tracker.states())
         yield
 
     @contextlib.contextmanager
-    def recompute_context():
+    def recompute_context() -> Iterator[None]:
         current = tracker.states()
         tracker.set_states(recorded)
         try:

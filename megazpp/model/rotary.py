@@ -36,10 +36,11 @@ class RotaryEmbedding:
         self._real_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _angles(self, seq_len: int) -> torch.Tensor:
-        """position * theta^(-2k / head_dim) in fp64, [seq_len, head_dim / 2]."""
+        """position * theta^(-2k / head_dim) in fp64, [seq_len, head_dim / 2]: on the host on
+        purpose, so every device gets the same rotations (moved there once, cached)."""
         half = self.head_dim // 2
-        inv_freq = self.theta ** (-torch.arange(half, dtype=torch.float64) / half)
-        return torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+        inv_freq = self.theta ** (-torch.arange(half, dtype=torch.float64, device="cpu") / half)
+        return torch.outer(torch.arange(seq_len, dtype=torch.float64, device="cpu"), inv_freq)
 
     def rotations(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """exp(i * position * theta^(-2k / head_dim)) as complex64 [seq_len, head_dim / 2]."""

@@ -9,18 +9,23 @@ and the parameters are on CUDA (NGC images), else torch's fused (CUDA) or foreac
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
 from megazpp.optim.options import OptimizerOptions
 
+# torch.optim's own type of a parameter group (its optimizers take `Iterable[dict[str, Any]]`):
+# "params" a list of tensors, the rest the group's hyper-parameters.
+ParamGroup: TypeAlias = dict[str, Any]
+
 
 def is_decayed(name: str, param: torch.Tensor) -> bool:
     return param.dim() >= 2 and not name.endswith("bias")
 
 
-def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[ParamGroup]:
     """Split parameters into a decayed and a non-decayed group (empty groups are dropped)."""
     decay: list[torch.Tensor] = []
     no_decay: list[torch.Tensor] = []
@@ -30,7 +35,7 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(groups: list[dict], cfg: OptimizerOptions) -> torch.optim.Optimizer:
+def build_adamw(groups: list[ParamGroup], cfg: OptimizerOptions) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and params[0].is_cuda
     lr, betas, eps = cfg.lr, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps

@@ -1,21 +1,29 @@
 """DiLoCo over islands: a ZeRO engine inside each island, an outer Nesterov step across them.
 
 Why a wrapper and not a ZeRO path: the inner step is exactly the synchronous engine's (any
-strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only reads and
-replaces the fp32 master shards every H inner steps, so it needs nothing of the engine but its
-masters and `publish_masters`. The trainer sees one `Engine`.
+strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks, and the trainer sees one `Engine`.
+The outer step works on the inner engine's fp32 master shards and re-publishes them
+(`publish_masters`), but it also reads the engine's layout: its buckets (which cut the
+fragments and hold the masters), its strategy's optimizer-state level, its ZeRO++ CPU kernels
+(the int4 wire), its groups and padded sizes (the traffic and memory formulas).
 
-With `outer.fragments` F > 1 the parameters are cut into F fragments of whole tensors, each synced
-every H steps at its own offset (Streaming DiLoCo's staggering), so one step moves one
-fragment. An outer sync of a fragment, on every rank at once (docs/arch/outer.md):
-1. the pseudo-gradient of this rank's os shard: snapshot (the parameters at the last sync) minus
-   the masters now;
+The parameters are cut into `outer.fragments` F fragments of whole tensors (F = 1: one), each
+due every H = `outer.sync_every` inner steps at its own offset (Streaming DiLoCo's staggering),
+so one step starts at most one fragment's sync. A fragment's sync, on every rank at once
+(docs/arch/outer.md):
+1. the pseudo-gradient of this rank's os shard of the fragment: its snapshot (the parameters at
+   its last sync) minus the masters now;
 2. averaged over the peer group (the rank at my place in every island, holding the same shard):
    an all-to-all of it in the wire format (`outer.quantize`), the average of each chunk in fp32,
-   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these);
-3. Nesterov SGD on the snapshot with the average (`outer_update`), the result replaces the
-   masters and the snapshot and is re-published to the p level; AdamW's state is kept.
-Every island ends the sync with the same bits, so they stay one model at the syncs.
+   an all-gather of the averaged chunks (`megazpp.outer.traffic` counts exactly these). With
+   `outer.overlap_steps` tau > 0 the exchange runs on while tau more inner steps are taken and
+   lands tau steps after it started (at once when tau = 0);
+3. when it lands, Nesterov SGD on the snapshot with the average (`outer_update`): the result is
+   the fragment's new snapshot and replaces its masters (with tau > 0 merged first with the
+   island's own progress since the exchange started: `merge`), which are re-published to the p
+   level; AdamW's state is kept.
+Every island ends a fragment's sync with the same snapshot bits, and, without overlap, the same
+masters, so they stay one model at the syncs.
 
 This module is the engine: the protocol, the schedule of exchanges, the outer state and its
 formulas. What it runs lives beside it: the fragments and their schedule (`fragments.py`), the
@@ -45,9 +53,9 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory
 from megazpp.zero import traffic as traffic_zero
-from megazpp.zero.sequences import GroupShape
 from megazpp.zero.strategy import Strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
@@ -70,6 +78,8 @@ class DiLoCoEngine:
         self.islands = island.islands
         self.inner_steps = 0
         self._wire = WIRE_DTYPES[options.quantize]
+        # the masters' device: every outer buffer lives there (a rank's os shard may be empty)
+        self.device = inner.buckets[0].param_store.device
         self.snapshot = self._masters_flat()
         self.numel = self.snapshot.numel()
         self.momentum = torch.zeros_like(self.snapshot)
@@ -97,13 +107,14 @@ class DiLoCoEngine:
         return [m.param.data for b in self.inner.buckets for m in b.masters]
 
     def _masters_flat(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in self._masters()])
+        masters = self._masters()
+        return torch.cat([t.reshape(-1) for t in masters]) if masters else torch.zeros(0, device=self.device)
 
     def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """int4 error feedback of a fragment: what the wire dropped of this rank's pseudo-gradient
         (the padded fragment) and of the averaged chunk it owns (fp32, zero at the start)."""
         n = traffic.padded_numel(numel, self.islands, "int4")
-        return torch.zeros(n), torch.zeros(n // self.islands)
+        return torch.zeros(n, device=self.device), torch.zeros(n // self.islands, device=self.device)
 
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment."""
@@ -147,6 +158,7 @@ class DiLoCoEngine:
         self.inner_steps += 1
         t, group = self.inner_steps, self.island.peer_group
         before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        advanced = any(x.stage == 1 for x in self.in_flight)  # an all-gather issued now: its bytes are logged
         for x in self.in_flight:
             x.advance(group)
         landing = [x for x in self.in_flight if x.lands == t]
@@ -160,7 +172,7 @@ class DiLoCoEngine:
         elif started:
             scalars = self._land(started)
         after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
-        if not (scalars or started):
+        if not (scalars or started or advanced):
             return result
         scalars.update(
             {
@@ -176,7 +188,7 @@ class DiLoCoEngine:
         straight into the padded send buffer, piece by piece from views (a subtraction is exact,
         so this is the whole vector's result bit for bit)."""
         frag, masters = self.fragments[f], self._masters()
-        padded = torch.zeros(padded_size(frag.numel, self.islands, self.options.quantize, self._int4))
+        padded = self.snapshot.new_zeros(padded_size(frag.numel, self.islands, self.options.quantize, self._int4))
         snapshot = frag.gather(self.snapshot)
         for lo, hi, master in frag.masters(masters):
             torch.sub(snapshot[lo:hi], master, out=padded[lo:hi])
@@ -200,7 +212,7 @@ class DiLoCoEngine:
         exchange started when it overlapped: `merge`), one re-publication; returns what to log.
         One fragment at a time, each vector the fragment's length (the arithmetic of the whole
         vector, so the same bits), its temporaries freed before the next is made."""
-        sums = torch.zeros(2)
+        sums = self.snapshot.new_zeros(2)
         masters = self._masters()
         for x in exchanges:
             frag = self.fragments[x.fragment]
@@ -218,12 +230,11 @@ class DiLoCoEngine:
             frag.scatter(self.snapshot, synced)
             frag.scatter(self.momentum, momentum)
             del mean, momentum
-            if self.options.overlap_steps:
-                local = torch.cat([master for _, _, master in frag.masters(masters)])
-                synced = merge(local, synced, self.options.merge_alpha)
-                del local
-            for lo, hi, master in frag.masters(masters):
-                master.copy_(synced[lo:hi])
+            for lo, hi, master in frag.masters(masters):  # none where this rank holds nothing of it
+                if self.options.overlap_steps:  # elementwise, so piece by piece: no copy of the fragment
+                    master.copy_(merge(master, synced[lo:hi], self.options.merge_alpha))
+                else:
+                    master.copy_(synced[lo:hi])
             del synced
         comm.all_reduce(sums, tag=STATS_TAG)
         self.inner.publish_masters()
@@ -360,13 +371,15 @@ class DiLoCoEngine:
                 f"outer state saved with {len(saved_fragments)} fragments cut otherwise than this "
                 f"run's {len(self.fragments)} (outer.fragments changed?)"
             )
-        self.snapshot = saved["snapshot"].clone()
-        self.momentum = saved["momentum"].clone()
+        # copies onto the masters' device: a checkpoint written on GPU ranks resumes on CPU ones and
+        # the reverse (the files are read onto the host, `map_location="cpu"`)
+        self.snapshot = saved["snapshot"].to(self.device, copy=True)
+        self.momentum = saved["momentum"].to(self.device, copy=True)
         self.inner_steps = int(saved["inner_steps"])
-        self.in_flight = [Exchange.from_state(x, self._int4) for x in saved.get("in_flight", [])]
+        self.in_flight = [Exchange.from_state(x, self.device, self._int4) for x in saved.get("in_flight", [])]
         if self._int4 is not None:
             if len(saved.get("errors", [])) != len(self.fragments):
                 raise CheckpointError(
                     "outer state has no int4 error buffers for these fragments (saved with another outer.quantize?)"
                 )
-            self.errors = [(a.clone(), b.clone()) for a, b in saved["errors"]]
+            self.errors = [(a.to(self.device, copy=True), b.to(self.device, copy=True)) for a, b in saved["errors"]]

@@ -36,7 +36,11 @@ class Int4Wire:
     rank's fp32 error buffer of what the wire dropped is added back before the next quantization
     (the project's LoCo kernel, `kernels.api`, with no blending), carried across outer steps.
     With `feedback` off (`outer.error_feedback false`, the ablation) the buffer is cleared before
-    each quantization, so the same kernel rounds plainly and nothing is carried."""
+    each quantization, so the same kernel rounds plainly and nothing is carried.
+
+    The kernels follow the tensors' device, as the inner engine's (`zero.zeropp_paths`): each op
+    of `kernels.api.kernel_set` runs the Triton kernel on CUDA tensors and `cpu_kernels` (the
+    run's `zero.cpu_quant_kernels`) on CPU ones; the rows are made on the values' device."""
 
     def __init__(self, block: int, cpu_kernels: str = "reference", feedback: bool = True) -> None:
         self.block = block
@@ -52,7 +56,7 @@ class Int4Wire:
         if not self.feedback:
             err.zero_()
         chunk = values.numel() // parts
-        rows = torch.empty(parts, self.row_bytes(chunk), dtype=torch.uint8)
+        rows = torch.empty(parts, self.row_bytes(chunk), dtype=torch.uint8, device=values.device)
         step = ENCODE_BLOCKS * self.block
         for p in range(parts):  # a slice of whole blocks at a time: each block quantizes alone, so the same bits
             for lo in range(0, chunk, step):
@@ -70,6 +74,8 @@ class Int4Wire:
         """fp32 values of [parts, row_bytes] rows, one row per chunk: [parts, chunk]."""
         parts, width = rows.shape
         chunk = width * 2 * self.block // (self.block + 8)
+        if chunk == 0:  # a rank holding nothing of the fragment: no bytes, no scales to view as fp32
+            return torch.zeros(parts, 0, device=rows.device)
         codes = rows[:, : chunk // 2].contiguous()
         scales = rows[:, chunk // 2 :].contiguous().view(torch.float32)
         return torch.stack(
@@ -128,10 +134,10 @@ class Exchange:
         pseudo = padded[:numel]
         if int4 is not None and errors is not None:
             send = int4.encode(padded, errors[0], islands)
-            full = torch.empty(send.numel(), dtype=torch.uint8)
+            full = send.new_empty(send.numel())
         else:
             send = padded.to(wire).view(islands, n // islands)
-            full = torch.empty(n, dtype=wire)
+            full = padded.new_empty(n, dtype=wire)
         received = torch.empty_like(send)
         work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=SYNC_TAG)
         return cls(fragment, lands, pseudo, 1, full, received, send, work, int4, errors, islands)
@@ -148,7 +154,7 @@ class Exchange:
         if self.int4 is not None and self.errors is not None:
             mine = self.int4.encode(average_chunks(self.int4.decode(received)), self.errors[1], 1).view(-1)
         else:  # a slice of columns at a time: each the same mean over islands, no fp32 copy of them all
-            mine = torch.empty(received.shape[1], dtype=self.full.dtype)
+            mine = received.new_empty(received.shape[1])
             for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
                 mine[lo : lo + AVERAGE_COLUMNS] = average_chunks(received[:, lo : lo + AVERAGE_COLUMNS])
         self.received = None
@@ -183,13 +189,14 @@ class Exchange:
         }
 
     @classmethod
-    def from_state(cls, state: StateDict, int4: Int4Wire | None = None) -> Exchange:
+    def from_state(cls, state: StateDict, device: torch.device, int4: Int4Wire | None = None) -> Exchange:
+        """A finished exchange from `state_dict`, its tensors copied onto `device` (the masters')."""
         return cls(
             int(state["fragment"]),
             int(state["lands"]),
-            state["pseudo"].clone(),
+            state["pseudo"].to(device, copy=True),
             3,
-            state["full"].clone(),
+            state["full"].to(device, copy=True),
             int4=int4,
             islands=int(state["islands"]),
         )

@@ -37,8 +37,11 @@ def merge_ranges(ranges: list[Range]) -> list[Range]:
 
 
 def range_indices(ranges: list[Range]) -> torch.Tensor:
-    """The element indices of `ranges`: the form checkpoints store a fragment in."""
-    return torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+    """The element indices of `ranges`: the form checkpoints store a fragment in (on the host on
+    purpose: the checkpoint's files and the comparison on loading are the host's)."""
+    if not ranges:
+        return torch.zeros(0, dtype=torch.long, device="cpu")
+    return torch.cat([torch.arange(a, b, device="cpu") for a, b in ranges])
 
 
 @dataclass(frozen=True)

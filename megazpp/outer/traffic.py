@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megazpp.outer.settings import QUANTIZE
-from megazpp.zero.sequences import GroupShape
-from megazpp.zero.traffic import all_reduce_bytes
+from megazpp.parallel.wire import GroupShape, all_reduce_bytes
 from megazpp.zero.zeropp import QuantFormat
 
 DEFAULT_BLOCK = 256  # values per fp32 scale of the int4 format (as qgZ's default)

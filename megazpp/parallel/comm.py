@@ -79,20 +79,24 @@ Group: TypeAlias = ProcessGroup | None
 _W = TypeVar("_W")
 
 
-def _native(name: str, call: Callable[[], _W]) -> _W | None:
-    """Run a native collective; remember a backend refusal so the caller can emulate.
+def _native_or_emulated(
+    name: str, native: Callable[[], Work[object] | None], emulated: Callable[[], Work[object] | None]
+) -> Work[object] | None:
+    """Run the native collective `name`, or its emulation once the backend has refused it
+    (remembered in EMULATED, so later calls go straight to the emulation).
 
     A backend refuses an unsupported operation before any byte moves, on every rank alike,
-    so falling back after the refusal cannot leave ranks mismatched.
-    """
-    try:
-        return call()
-    except (RuntimeError, NotImplementedError) as err:
-        text = str(err).lower()
-        if "support" not in text and "implement" not in text:
-            raise
-        EMULATED.add(name)
-        return None
+    so falling back after the refusal cannot leave ranks mismatched. The caller counts the
+    operation's bytes once, before either runs."""
+    if name not in EMULATED:
+        try:
+            return native()
+        except (RuntimeError, NotImplementedError) as err:
+            text = str(err).lower()
+            if "support" not in text and "implement" not in text:
+                raise
+            EMULATED.add(name)
+    return emulated()
 
 
 @overload
@@ -111,6 +115,31 @@ def all_reduce(
         return Done(None) if async_op else None
     record_all_reduce(tag, group, nbytes(t))
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def _chunked(
+    kind: Literal["all_gather", "reduce_scatter"],
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Group,
+    async_op: bool,
+    tag: str | None,
+    native: Callable[[], Work[object] | None],
+    emulated: Callable[[], Work[object] | None],
+) -> Work[object] | None:
+    """The body `all_gather_into_tensor` and `reduce_scatter_tensor` share: the identity in a
+    world of one; else the whole side (all-gather's output, reduce-scatter's input) checked to be
+    k chunks, one chunk's bytes counted, and the collective run (`_native_or_emulated`)."""
+    if not dist.is_initialized():
+        out.copy_(inp.reshape(out.shape))
+        return Done(None) if async_op else None
+    gather = kind == "all_gather"
+    whole, chunk = (out, inp) if gather else (inp, out)
+    if whole.numel() != chunk.numel() * group_size(group):
+        name, side = ("all_gather_into_tensor", "output") if gather else ("reduce_scatter_tensor", "input")
+        raise ValueError(f"{name}: {side} has {whole.numel()} elements, expected {group_size(group)} x {chunk.numel()}")
+    record_chunks(kind, tag, group, nbytes(chunk))
+    return _native_or_emulated(kind, native, emulated)
 
 
 def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object] | None:
@@ -181,19 +210,16 @@ def all_gather_into_tensor(
     out: torch.Tensor, inp: torch.Tensor, group: Group = None, async_op: bool = False, tag: str | None = None
 ) -> Work[object] | None:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
-    if not dist.is_initialized():
-        out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
-    if out.numel() != inp.numel() * group_size(group):
-        raise ValueError(
-            f"all_gather_into_tensor: output has {out.numel()} elements, expected {group_size(group)} x {inp.numel()}"
-        )
-    record_chunks("all_gather", tag, group, nbytes(inp))
-    if "all_gather" not in EMULATED:
-        work = _native("all_gather", lambda: _all_gather_native(out, inp, group, async_op))
-        if "all_gather" not in EMULATED:
-            return work
-    return _all_gather_emulated(out, inp, group, async_op)
+    return _chunked(
+        "all_gather",
+        out,
+        inp,
+        group,
+        async_op,
+        tag,
+        lambda: _all_gather_native(out, inp, group, async_op),
+        lambda: _all_gather_emulated(out, inp, group, async_op),
+    )
 
 
 def _reduce_scatter_native(
@@ -249,19 +275,16 @@ def reduce_scatter_tensor(
     tag: str | None = None,
 ) -> Work[object] | None:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
-    if not dist.is_initialized():
-        out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
-    if inp.numel() != out.numel() * group_size(group):
-        raise ValueError(
-            f"reduce_scatter_tensor: input has {inp.numel()} elements, expected {group_size(group)} x {out.numel()}"
-        )
-    record_chunks("reduce_scatter", tag, group, nbytes(out))
-    if "reduce_scatter" not in EMULATED:
-        work = _native("reduce_scatter", lambda: _reduce_scatter_native(out, inp, op, group, async_op))
-        if "reduce_scatter" not in EMULATED:
-            return work
-    return _reduce_scatter_emulated(out, inp, op, group, async_op)
+    return _chunked(
+        "reduce_scatter",
+        out,
+        inp,
+        group,
+        async_op,
+        tag,
+        lambda: _reduce_scatter_native(out, inp, op, group, async_op),
+        lambda: _reduce_scatter_emulated(out, inp, op, group, async_op),
+    )
 
 
 def reduce_scatter_parts(
@@ -368,18 +391,13 @@ def all_to_all_single(
         record_chunks("all_to_all", tag, group, nbytes(out) // k)
     else:
         record_from_peers("all_to_all", tag, group, [s * row for s in output_split_sizes])
-    if "all_to_all" not in EMULATED:
-        work = _native(
-            "all_to_all",
-            lambda: dist.all_to_all_single(
-                out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-            ),
-        )
-        if "all_to_all" not in EMULATED:
-            return work
     out_splits = output_split_sizes or [out.shape[0] // k] * k
     in_splits = input_split_sizes or [inp.shape[0] // k] * k
-    return _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op)
+    return _native_or_emulated(
+        "all_to_all",
+        lambda: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op),
+        lambda: _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op),
+    )
 
 
 @overload

@@ -90,11 +90,6 @@ class CommCounter:
         self._step = _Totals()
         self.steps += 1
 
-    def reset_all(self) -> None:
-        self._step = _Totals()
-        self._run = _Totals()
-        self.steps = 0
-
     def scalars(self) -> dict[str, int]:
         """This step's totals flattened to TensorBoard scalar names (`comm/inter_bytes`, ...)."""
         totals = self.step_totals()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megazpp.parallel import comm
-from megazpp.parallel.counter import write_json_atomic
+from megazpp.parallel.counter import counter, write_json_atomic
 
 
 def _rx_bytes(iface: str) -> int:
@@ -50,15 +50,13 @@ def measure(elems: int, iface: str, repeats: int) -> dict[str, dict[str, int]]:
     for name, run in _operations(elems).items():
         comm.barrier(tag="wire/barrier")
         before = _rx_bytes(iface) if local_rank == 0 else 0
-        counted_before = comm.counter.run_totals()["inter"]
+        counted_before = counter.run_totals()["inter"]
         comm.barrier(tag="wire/barrier")  # nobody sends before every node has read its counter
         for _ in range(repeats):
             run()
         comm.barrier(tag="wire/barrier")
         after = _rx_bytes(iface) if local_rank == 0 else 0
-        counted = torch.tensor(
-            [comm.counter.run_totals()["inter"] - counted_before, after - before], dtype=torch.float64
-        )
+        counted = torch.tensor([counter.run_totals()["inter"] - counted_before, after - before], dtype=torch.float64)
         comm.all_reduce(counted, tag="wire/bookkeeping")  # after both snapshots: not measured
         results[name] = {"counted_inter_bytes": int(counted[0]), "kernel_rx_bytes": int(counted[1])}
     return results

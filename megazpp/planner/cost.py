@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from megazpp.errors import ConfigError
 from megazpp.model.flops import training_flops_per_token
 from megazpp.parallel import wire
+from megazpp.parallel.wire import GroupShape
 from megazpp.planner.activations import stage_activation_bytes
 from megazpp.planner.cluster import Cluster
 from megazpp.planner.shape import StageShape
@@ -55,8 +56,8 @@ class Layout:
     group_size: int
     shapes: sequences.DPShapes
     hier: sequences.Hierarchy
-    extra_norm_groups: tuple[sequences.GroupShape, ...]
-    tp_group: sequences.GroupShape
+    extra_norm_groups: tuple[GroupShape, ...]
+    tp_group: GroupShape
     pp_neighbor_inter: bool
 
 
@@ -74,13 +75,13 @@ def layout(workload: Workload, cluster: Cluster, hpz: int = 1) -> Layout:
     dp_ranks = [workload.tp * j for j in range(d)]
     shapes = sequences.dp_shapes(dp_ranks, k, 0, cluster.gpus_per_node, hpz, cluster.backend)
     rpn = cluster.gpus_per_node
-    tp_group = sequences.GroupShape.of(list(range(workload.tp)), 0, rpn, cluster.backend)
+    tp_group = GroupShape.of(list(range(workload.tp)), 0, rpn, cluster.backend)
     pp_ranks = [workload.tp * d * s for s in range(workload.pp)]
     extra = tuple(
         g
         for g, size in (
             (tp_group, workload.tp),
-            (sequences.GroupShape.of(pp_ranks, 0, rpn, cluster.backend), workload.pp),
+            (GroupShape.of(pp_ranks, 0, rpn, cluster.backend), workload.pp),
         )
         if size > 1
     )

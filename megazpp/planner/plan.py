@@ -122,7 +122,7 @@ class Plan:
     reason: str
 
 
-def _sort_key(p: Prediction) -> tuple:
+def _sort_key(p: Prediction) -> tuple[bool, float, float, str]:
     return (not p.fits, p.step_s, p.memory_bytes, p.name)
 
 

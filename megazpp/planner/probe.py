@@ -25,6 +25,7 @@ from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw
 from megazpp.optim.options import OptimizerOptions
 from megazpp.parallel import comm
+from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.planner.cluster import Cluster, gbit
 
@@ -168,9 +169,9 @@ def _calls(op: str, numel: int, size: int, group: ProcessGroup | None) -> Callab
 def _recorded(call: Callable[[], object]) -> float:
     """Bytes (intra + inter) the counter records for one `call`: the axis `timing.measured_time`
     reads the points on, the formula `traffic.collective_bytes` prices (`parallel.wire`)."""
-    before = comm.counter.step_totals()
+    before = counter.step_totals()
     call()
-    after = comm.counter.step_totals()
+    after = counter.step_totals()
     return float(after["intra"] + after["inter"] - before["intra"] - before["inter"])
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megazpp.parallel import wire
+from megazpp.parallel.wire import GroupShape
 from megazpp.planner.cluster import Cluster
 from megazpp.zero import sequences, traffic
 
@@ -48,7 +49,7 @@ def _probed(c: sequences.Collective, cluster: Cluster) -> Sequence[tuple[float, 
     return (cluster.collective_times or {}).get(f"{c.op}/{c.group}")
 
 
-def _call_time(c: sequences.Collective, group: sequences.GroupShape, cluster: Cluster) -> float:
+def _call_time(c: sequences.Collective, group: GroupShape, cluster: Cluster) -> float:
     """Seconds a call costs besides its bytes: the probed smallest message's time, else the
     latency of each ring step (an all-reduce, and gloo's reduce-scatter, take twice the steps)."""
     points = _probed(c, cluster)
@@ -63,7 +64,7 @@ def collective_time(
 ) -> tuple[int, int, float]:
     """(intra bytes, inter bytes, seconds) of one call of collective `c` on `numel` elements."""
     intra, inter = traffic.collective_bytes(c, numel, elem, shapes)
-    group: sequences.GroupShape = getattr(shapes, c.group)
+    group: GroupShape = getattr(shapes, c.group)
     if group.size == 1:
         return 0, 0, 0.0
     points = _probed(c, cluster)
@@ -95,7 +96,7 @@ def host_time(
     return min(seconds, call + (intra + inter) / cluster.intra_bw)
 
 
-def group_all_reduce_time(nbytes: float, group: sequences.GroupShape, cluster: Cluster) -> float:
+def group_all_reduce_time(nbytes: float, group: GroupShape, cluster: Cluster) -> float:
     """A ring all-reduce of `nbytes` over `group` (tensor-parallel activations, norm scalars)."""
     if group.size == 1:
         return 0.0

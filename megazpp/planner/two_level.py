@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megazpp.outer import traffic as outer_traffic
-from megazpp.outer.settings import OuterOptions
+from megazpp.outer.settings import QUANTIZE, OuterOptions
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, layout, stage_padded
 from megazpp.planner.plan import TIE, Plan, Prediction, options, pick, plan, predict
@@ -321,9 +321,9 @@ def _island_reason(
     return "; ".join(parts)
 
 
-def _preference(p: TwoLevelPrediction) -> tuple:
+def _preference(p: TwoLevelPrediction) -> tuple[int, int, int, int, float]:
     o = p.outer
-    return (o.sync_every, outer_traffic.QUANTIZE.index(o.quantize), o.overlap_steps, o.fragments, p.step_s)
+    return (o.sync_every, QUANTIZE.index(o.quantize), o.overlap_steps, o.fragments, p.step_s)
 
 
 def recommend(rows: list[TwoLevelPrediction]) -> TwoLevelPrediction | None:
@@ -354,7 +354,7 @@ def plan_two_level(
         if inner_plan.choice is not None:
             inner_rows.insert(0, inner_plan.choice)
         for h in SYNC_EVERY:
-            for q in outer_traffic.QUANTIZE:
+            for q in QUANTIZE:
                 for tau in OVERLAP_STEPS:
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)

@@ -60,7 +60,7 @@ def expected_rank_files(layout: Mapping[str, int]) -> list[str]:
     ]
 
 
-def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(load_dir: str | os.PathLike[str]) -> Path | None:
     """The directory `latest` names, or None when nothing was saved there yet."""
     root = Path(load_dir)
     pointer = root / LATEST_FILE
@@ -75,7 +75,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def is_weights_only(load_dir: str | os.PathLike) -> bool:
+def is_weights_only(load_dir: str | os.PathLike[str]) -> bool:
     """Whether `load_dir`'s latest checkpoint is an import (model weights, no run state)."""
     path = latest_checkpoint(load_dir)
     return path is not None and bool(read_metadata(path).get(WEIGHTS_ONLY_KEY))

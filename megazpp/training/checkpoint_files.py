@@ -59,7 +59,7 @@ def _write_failure(path: Path, exc: OSError) -> CheckpointError:
     return CheckpointError(f"cannot write {path} ({exc.strerror or exc}): the partial file was removed")
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> str:
+def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> str:
     """`write(file)` into a temporary sibling, flush it to disk, then rename over `path`: a
     reader sees the old file or the whole new one, never a torn write. Returns the written
     bytes' checksum ("sha256:<hex>"). A write that fails for lack of space or another OS

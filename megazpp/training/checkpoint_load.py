@@ -38,7 +38,7 @@ from megazpp.training.checkpoint_files import verify_checksum
 from megazpp.unique_keys import JSONObject
 
 
-def check_loadable(load_dir: str | os.PathLike) -> None:
+def check_loadable(load_dir: str | os.PathLike[str]) -> None:
     """`--load DIR` must name a directory with a `latest` checkpoint: a mistyped path would
     otherwise start from scratch and, with `--save` on the real directory, overwrite its
     checkpoints. Names the closest sibling directory when there is one."""
@@ -136,7 +136,7 @@ def _candidates(root: Path, fallback: bool) -> list[Path]:
 
 
 def load_checkpoint(
-    load_dir: str | os.PathLike, topology: Topology, *, fallback: bool = False
+    load_dir: str | os.PathLike[str], topology: Topology, *, fallback: bool = False
 ) -> LoadedCheckpoint | None:
     """Collectively load the checkpoint `latest` names (None when `latest` does not exist).
 

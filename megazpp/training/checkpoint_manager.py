@@ -107,10 +107,10 @@ class Progress:
 class Resharder(Protocol):
     """Resuming a ZeRO checkpoint under another data-parallel layout (`megazpp.interop.reshard`)."""
 
-    def needs_reshard(self, path: str | os.PathLike, engine: Engine, topology: Topology) -> bool: ...
+    def needs_reshard(self, path: str | os.PathLike[str], engine: Engine, topology: Topology) -> bool: ...
 
     def load_resharded(
-        self, path: str | os.PathLike, topology: Topology, model: nn.Module, engine: ZeroEngine
+        self, path: str | os.PathLike[str], topology: Topology, model: nn.Module, engine: ZeroEngine
     ) -> LoadedCheckpoint: ...
 
 

@@ -42,7 +42,7 @@ def _barrier() -> None:
 
 
 def save_checkpoint(
-    save_dir: str | os.PathLike,
+    save_dir: str | os.PathLike[str],
     iteration: int,
     state: StateDict,
     topology: Topology,
@@ -129,7 +129,7 @@ def _raise_if_failed(root: Path, tmp: Path, iteration: int, failures: list[str],
     )
 
 
-def check_save_dir(save_dir: str | os.PathLike, topology: Topology) -> None:
+def check_save_dir(save_dir: str | os.PathLike[str], topology: Topology) -> None:
     """Collective, before step 1: every rank creates, writes and removes a probe file in
     `save_dir` (every rank writes its own file at each save), so an unwritable `--save` (a
     file, a read-only mount, no permission) stops the run before any step is computed rather
@@ -155,7 +155,7 @@ def check_save_dir(save_dir: str | os.PathLike, topology: Topology) -> None:
         raise CheckpointError(f"--save {save_dir} is not writable: " + "; ".join(failures))
 
 
-def check_not_behind(save_dir: str | os.PathLike, start_iteration: int) -> None:
+def check_not_behind(save_dir: str | os.PathLike[str], start_iteration: int) -> None:
     """Refuse a run that would move `save_dir`'s `latest` back: it starts at
     `start_iteration`, below the newest checkpoint there, so its saves would point `latest`
     at an older state and later overwrite the newer checkpoints."""

@@ -1,9 +1,15 @@
 """Build a ZeroEngine from the run's checked options (`config.options.RunOptions`).
 
 Why a separate function: under `paro_strategy: auto` and `hierarchical: auto` the planner
-decides once the ranks can measure their links, and the engine should get those decisions as
-data. Everything else was mapped and checked before any rank started (`config.checks.
-check_config`); nothing here parses or checks a setting again.
+decides in the ranks, where it can probe the links and the device (collectively), and the
+engine gets those decisions as data: the strategy through `ZeroOptions.chosen` (only among those
+the options allow), the per-kind hierarchy as a `Hierarchy`. The options themselves were mapped
+and checked by `config.checks.check_config` before the ranks started (and again by each rank's
+start); nothing here parses a setting again, but the options the decisions make are rebuilt
+through `ZeroOptions`, whose constructor checks them again, and the planner refuses a `planner`
+section that neither gives nor lets it probe a quantity it needs. The engine repeats two of the
+config's rules for callers that build it without the config (frozen parameters against the
+strategy, a pipeline-tied embedding against sharded gradients).
 """
 
 from __future__ import annotations

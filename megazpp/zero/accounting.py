@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import ZeroGroups
@@ -79,10 +80,10 @@ def expected_bytes(e: AccountedEngine) -> memory.StateBytes:
     return memory.StateBytes(plain.params + frozen, plain.grads, plain.optimizer, extra)
 
 
-def _model_parallel_norm_groups(e: AccountedEngine) -> list[sequences.GroupShape]:
+def _model_parallel_norm_groups(e: AccountedEngine) -> list[GroupShape]:
     topo = e.topology
     return [
-        sequences.GroupShape.of(ranks, topo.rank, topo.ranks_per_node, e.shapes.dp.backend)
+        GroupShape.of(ranks, topo.rank, topo.ranks_per_node, e.shapes.dp.backend)
         for ranks, size in ((topo.tp_ranks, topo.tp), (topo.pp_ranks, topo.pp))
         if size > 1
     ]

@@ -6,16 +6,18 @@ fields by name, and its check adds what other sections decide (`micro_batches_pe
 `narrowed`) once, before any rank starts; every rule that concerns only zero (sizes, modes,
 keys not implemented, persistence and ZeRO++ against the strategy, ZeRO++'s own values in
 `ZeroPP`) is checked here, naming the config key, so whoever holds a ZeroOptions holds valid
-settings and the engine neither parses nor checks them again. This module never imports the
-config: tests and tools build options directly, with the same checks.
+settings and the engine does not parse them again; it repeats two of the config's cross-section
+rules for callers that build it without the config (frozen parameters against the strategy,
+`zero.frozen.check_frozen_support`; a pipeline-tied embedding against sharded gradients). This
+module never imports the config: tests and tools build options directly, with the same checks.
 
 `paro_strategy: auto` is the `PlannerChoice` state. Every rule that does not need the chosen
 strategy is checked as for a named one, and the strategy-dependent rules (persistence and each
 ZeRO++ switch against p and g) narrow `PlannerChoice.allowed` to the strategies they accept (a
 setting no strategy accepts is refused at once). The config's cross-section rules narrow it
 further (`narrowed`: frozen parameters, a pipeline-tied embedding), and the planner only picks
-among `allowed` (`chosen` refuses anything else as a bug), so no rule can fail once the ranks
-have started.
+among `allowed` (`chosen` refuses anything else as a bug), so none of these rules can refuse the
+strategy the ranks run.
 """
 
 from __future__ import annotations

@@ -73,7 +73,12 @@ def unpack(
 
 
 def _positions(pieces: Sequence[tuple[int, int]], offset: int = 0) -> torch.Tensor:
-    return torch.cat([torch.arange(offset + a, offset + b) for a, b in pieces] or [torch.zeros(0, dtype=torch.long)])
+    """The element indices of `pieces`, on the host on purpose (plans are built there, then moved
+    to the bucket's device once)."""
+    return torch.cat(
+        [torch.arange(offset + a, offset + b, device="cpu") for a, b in pieces]
+        or [torch.zeros(0, dtype=torch.long, device="cpu")]
+    )
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,12 @@ class ExactPlan:
         for (parts, me), width in zip(stages, widths):
             chunks = chunk_ranges(current, size, parts)
             dests.append(
-                torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk)) for j, chunk in enumerate(chunks)])
+                torch.cat(
+                    [
+                        j * width + torch.arange(sum(b - a for a, b in chunk), device="cpu")
+                        for j, chunk in enumerate(chunks)
+                    ]
+                )
             )
             current, size = chunks[me], size // parts
             keeps.append(sum(b - a for a, b in current))
@@ -142,7 +152,9 @@ class ExactGather:
             return None
         chunks, size = chunk_ranges(ranges, numel, shards), numel // shards
         width = most_per_chunk(ranges, numel, shards)
-        src = torch.cat([j * width + torch.arange(sum(b - a for a, b in chunk)) for j, chunk in enumerate(chunks)])
+        src = torch.cat(
+            [j * width + torch.arange(sum(b - a for a, b in chunk), device="cpu") for j, chunk in enumerate(chunks)]
+        )
         dst = torch.cat([_positions(chunk, j * size) for j, chunk in enumerate(chunks)])
         return ExactGather(_positions(chunks[me]).to(device), width, src.to(device), dst.to(device))
 

@@ -10,14 +10,13 @@ formula the counter records). A micro-batch step has A micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from megazpp.parallel.wire import all_reduce_bytes, chunk_bytes
+from megazpp.parallel.wire import GroupShape, all_reduce_bytes, chunk_bytes
 from megazpp.zero.sequences import (
     Collective,
     DPShapes,
-    GroupShape,
     Hierarchy,
     boundary_sequence,
     gather_sequence,
@@ -87,11 +86,12 @@ def choose_hierarchy(shapes: DPShapes, mode: str | Hierarchy = "auto") -> Hierar
     unit = shapes.dp_size * shapes.group_size * 8
     flat, hier = Hierarchy(), Hierarchy(True, True, True)
     pick = {}
-    for name, seq_of in (
+    kinds: tuple[tuple[str, Callable[[Hierarchy], list[Collective]]], ...] = (
         ("gather", lambda h: gather_sequence(Level.G, Level.N, shapes.group_size, h)),
         ("reduce", lambda h: reduce_sequence(Level.N, Level.G, shapes.group_size, h)),
         ("all_reduce", lambda h: boundary_sequence(Strategy(Level.N, Level.N, Level.N), shapes.group_size, h)),
-    ):
+    )
+    for name, seq_of in kinds:
         pick[name] = sequence_bytes(seq_of(hier), unit, 1, shapes)[1] < sequence_bytes(seq_of(flat), unit, 1, shapes)[1]
     return Hierarchy(**pick)
 

@@ -2,7 +2,8 @@
 
 Why a registry: optimizers, gradient-norm code and checkpoints must know whether a parameter
 is a shard (its norm contribution is summed over TP ranks) or a replica (counted once), and
-the project keeps such state out of `nn.Parameter` attributes (design decision 5).
+the project keeps such state out of `nn.Parameter` attributes (docs/architecture.md, "State is
+explicit").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import weakref
 
 import torch
 
-_sharded: dict[int, tuple[weakref.ref, int]] = {}
+_sharded: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
 
 def mark_tp_sharded(p: torch.Tensor, dim: int) -> None:
@@ -20,7 +21,7 @@ def mark_tp_sharded(p: torch.Tensor, dim: int) -> None:
     _sharded[key] = (weakref.ref(p, lambda _ref: _sharded.pop(key, None)), dim)
 
 
-def _entry(p: torch.Tensor) -> tuple[weakref.ref, int] | None:
+def _entry(p: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
     entry = _sharded.get(id(p))
     if entry is None or entry[0]() is not p:
         return None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megazpp.bench.results import Row
-from megazpp.bench.suite import MEGAZPP, BenchConfig
+from benchmarks.results import Row
+from benchmarks.suite import MEGAZPP, BenchConfig
 
 FROZEN_REFUSED_FLAGS = ("--zero-quantized-weights", "--zero-hpz-partition-size")
 TARGET_SPEEDUP, MEMORY_SLACK = 1.5, 1.25

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megazpp.data.jsonl import SkipReason, strip_jsonl_suffix
-from megazpp.data.signal_filter import Signals
 from megazpp.errors import DataError
+from megazpp.preprocess.jsonl import SkipReason, strip_jsonl_suffix
+from megazpp.preprocess.signal_filter import Signals
 
 DOCUMENTS_DIR, SIGNALS_DIR, DUPLICATES_DIR = "documents", "quality_signals", "duplicates"
 SIGNALS_SUFFIX, DUPLICATES_SUFFIX = ".signals.json.gz", ".duplicates.parquet"

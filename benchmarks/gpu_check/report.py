@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from megazpp.bench.gpu_check.commands import Outcome
+from benchmarks.gpu_check.commands import Outcome
 
 
 def write_report(out: Path, outcomes: list[tuple[str, Outcome, float]], root: Path) -> None:

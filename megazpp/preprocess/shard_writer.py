@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from megazpp.data.chunk_encoder import ChunkResult
 from megazpp.data.indexed_dataset import IndexedDatasetBuilder, data_file, index_file
-from megazpp.data.shards import Shard, ShardResult, marker_path
 from megazpp.data.tokenizer_record import TokenizerRecord, record_file, write_record
+from megazpp.preprocess.chunk_encoder import ChunkResult
+from megazpp.preprocess.shards import Shard, ShardResult, marker_path
 
 
-def output_prefix_for(output_prefix: str | os.PathLike, key: str, source: str = "") -> str:
+def output_prefix_for(output_prefix: str | os.PathLike[str], key: str, source: str = "") -> str:
     """Megatron's naming, `<prefix>_<key>_document`; split by source, `<prefix>_<source>_<key>_document`."""
     return f"{output_prefix}_{source}_{key}_document" if source else f"{output_prefix}_{key}_document"
 

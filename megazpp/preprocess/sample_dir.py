@@ -7,7 +7,7 @@ run.sh's sample build and nothing else (its files, temp names and index caches, 
 not); a directory holding anything else is refused in one line naming what was found. Either
 way, the line printed says which dataset and tokenizer the job will use.
 
-    python -m megazpp.data.sample_dir DATA_DIR [pretrain_gpt.py flags]
+    python -m megazpp.preprocess.sample_dir DATA_DIR [pretrain_gpt.py flags]
                                       (run.sh runs it; exit 2 with one line to refuse)
 
 A `--data-path` or `--tokenizer-model` among the job's flags wins over DATA_DIR's; the line
@@ -21,8 +21,8 @@ import os
 import re
 from pathlib import Path
 
-from megazpp.data.sample_corpus import CODE_SOURCE, DOCS_SOURCE
 from megazpp.errors import DataError
+from megazpp.preprocess.sample_corpus import CODE_SOURCE, DOCS_SOURCE
 
 CORPUS, TOKENIZER, DATASET = "corpus", "tokenizer.model", "corpus_text_document"
 # Everything run.sh's build writes under DATA_DIR: the finished names, the temp names each step
@@ -53,7 +53,7 @@ def foreign_entries(data_dir: Path) -> list[str]:
 
 
 def describe(
-    data_dir: str | os.PathLike, data_path: list[str] | None = None, tokenizer_model: str | None = None
+    data_dir: str | os.PathLike[str], data_path: list[str] | None = None, tokenizer_model: str | None = None
 ) -> str:
     """The line run.sh prints: what DATA_DIR holds and what the job will use (the job's own
     `data_path` / `tokenizer_model` when given); a DataError when run.sh must not build or

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
-from megazpp.data.compressed import READ_ERRORS, open_binary, zstd_damage
 from megazpp.errors import DataError
+from megazpp.preprocess.compressed import READ_ERRORS, open_binary, zstd_damage
 
 # RedPajama v2 stores the document under `raw_content`; v1 (and Megatron) under `text`.
 KEY_ALIASES = {"text": ("text", "raw_content")}
@@ -55,7 +55,7 @@ def strip_jsonl_suffix(name: str) -> str:
     return name
 
 
-def resolve_inputs(pattern: str | os.PathLike) -> list[Path]:
+def resolve_inputs(pattern: str | os.PathLike[str]) -> list[Path]:
     """A file, a directory (its JSONL files, recursively; for a RedPajama-V2 download, those
     under its `documents/`) or a glob, as a sorted list of existing files."""
     pattern = str(pattern)
@@ -75,7 +75,7 @@ def resolve_inputs(pattern: str | os.PathLike) -> list[Path]:
     return files
 
 
-def input_root(pattern: str | os.PathLike) -> Path:
+def input_root(pattern: str | os.PathLike[str]) -> Path:
     """The directory the input's files are named relative to: a directory input itself, a glob's
     fixed leading directories, or a single file's parent."""
     pattern = str(pattern)

@@ -18,9 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from megazpp.data.jsonl import strip_jsonl_suffix
-from megazpp.data.redpajama_v2 import V2Files, v2_files
 from megazpp.errors import DataError
+from megazpp.preprocess.jsonl import strip_jsonl_suffix
+from megazpp.preprocess.redpajama_v2 import V2Files, v2_files
 
 MARKER_SUFFIX = ".done.json"
 MARKER_VERSION = 1
@@ -81,11 +81,11 @@ class DocumentCounts:
     """What preprocessing counts, per output label or per rule: one shard's, or a whole run's
     (the sum of its shards')."""
 
-    documents: Counter = field(default_factory=Counter)
-    tokens: Counter = field(default_factory=Counter)
-    skipped: Counter = field(default_factory=Counter)  # reason -> documents
-    dropped: Counter = field(default_factory=Counter)  # filter rule -> documents
-    unevaluable: Counter = field(default_factory=Counter)  # filter rule -> documents missing a signal
+    documents: Counter[str] = field(default_factory=Counter)
+    tokens: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)  # reason -> documents
+    dropped: Counter[str] = field(default_factory=Counter)  # filter rule -> documents
+    unevaluable: Counter[str] = field(default_factory=Counter)  # filter rule -> documents missing a signal
     damage: list[str] = field(default_factory=list)  # one line per damaged input file
 
     def add_counts(self, other: DocumentCounts) -> None:

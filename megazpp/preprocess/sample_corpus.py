@@ -17,7 +17,7 @@ import json
 import os
 import sysconfig
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +91,10 @@ def _record(text: str, source: str, path: str) -> str:
 
 
 def build_sample_corpus(
-    out_dir: str | os.PathLike, total_bytes: int = DEFAULT_TOTAL_BYTES, root: Path | None = None, progress: bool = False
+    out_dir: str | os.PathLike[str],
+    total_bytes: int = DEFAULT_TOTAL_BYTES,
+    root: Path | None = None,
+    progress: bool = False,
 ) -> CorpusSummary:
     """Writes `<out_dir>/stdlib_code.jsonl` and `<out_dir>/stdlib_docs.jsonl`, about `total_bytes`.
 
@@ -132,7 +135,7 @@ def _module_name(rel: str) -> str:
 _FULL_SLACK = 4096
 
 
-def _lines(source: str, texts, budget: int) -> list[bytes]:
+def _lines(source: str, texts: Iterable[tuple[str, str]], budget: int) -> list[bytes]:
     """Encoded JSONL records of the non-empty texts, in order, while they fit in `budget` bytes."""
     lines, size = [], 0
     for rel, text in texts:

@@ -43,7 +43,7 @@ class Context:
 class Job:
     """A started command, its output going to OUT/logs/NAME.log."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[str]
     log: Path
     timeout: float
 

@@ -1,4 +1,4 @@
-"""How much of int4's loss gap LoCo closes: `python -m megazpp.bench.loco_gap FP32 INT4 LOCO`.
+"""How much of int4's loss gap LoCo closes: `python -m benchmarks.loco_gap FP32 INT4 LOCO`.
 
 The LoCo paper's claim, as the experiment tests it: with g = final loss, closed =
 (g(int4) - g(int4 + LoCo)) / (g(int4) - g(fp32)); the target is closed >= 0.5. Computed for

@@ -18,8 +18,8 @@ from pathlib import Path
 import sentencepiece as spm
 from tqdm import tqdm
 
-from megazpp.data.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.jsonl import JSONL_SUFFIXES, SkipReason, extract_text, iter_line_chunks
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_INPUT_SENTENCE_SIZE = 200_000
@@ -27,7 +27,7 @@ DEFAULT_INPUT_SENTENCE_SIZE = 200_000
 MAX_SENTENCE_BYTES = 4192
 
 
-def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter) -> Iterator[str]:
+def iter_training_lines(files: Iterable[Path], key: str, skipped: Counter[str]) -> Iterator[str]:
     """Non-empty lines of every document: SentencePiece trains on lines, not whole documents."""
     for path in files:
         if path.name.endswith(JSONL_SUFFIXES):
@@ -52,15 +52,15 @@ def _announce_end(lines: Iterable[str], log: Callable[[str], None] | None) -> It
 
 
 def train_tokenizer(
-    files: Sequence[str | os.PathLike],
+    files: Sequence[str | os.PathLike[str]],
     vocab_size: int,
-    output_prefix: str | os.PathLike,
+    output_prefix: str | os.PathLike[str],
     key: str = "text",
     input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE,
     seed: int = 1234,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
-) -> tuple[Path, Counter]:
+) -> tuple[Path, Counter[str]]:
     """Trains and writes `<output_prefix>.model` / `.vocab`; returns the model path and skip counts.
 
     SentencePiece reads every line first, then learns its merges without reporting progress;
@@ -76,7 +76,7 @@ def train_tokenizer(
     for suffix in (".model", ".vocab"):  # the rule of every tool that writes a result
         refuse_existing(f"{prefix}{suffix}", DataError, instead="give another --out prefix or remove it")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    skipped: Counter = Counter()
+    skipped: Counter[str] = Counter()
     tmp_prefix = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
     spm.set_random_generator_seed(seed)  # the line sample, hence the model, follows the seed
     try:

@@ -1,4 +1,4 @@
-"""The two-level quality sweep's table and plots: `python -m megazpp.bench.outer_sweep OUT`.
+"""The two-level quality sweep's table and plots: `python -m benchmarks.outer_sweep OUT`.
 
 `tools/run_outer_experiment.sh` trains the LoCo experiment's model synchronously (`sync`) and
 with DiLoCo outer steps every H inner steps (`h1` ... `h50`, int4 rows), each under
@@ -8,7 +8,7 @@ batches (an island takes its half of each), so runs of one seed are at equal tok
 
 Reported per run, as mean +- sample std [min, max] over the seeds that finished: the final
 training loss (the last logged interval), the mean of the logged intervals over the last
-`--train-window` steps (the less noisy estimate, see `megazpp.bench.loco_gap`), the final
+`--train-window` steps (the less noisy estimate, see `benchmarks.loco_gap`), the final
 validation loss and its gap to `sync`; and the inter-node bytes per step rank 0 counted
 (`comm/inter_bytes` averaged over every step, outer syncs included; each rank of these layouts
 counts the same share, so the world's is 4 times this). A run with fewer seeds than `sync`

@@ -1,6 +1,6 @@
 """Train megazpp's model on megazpp's data with DeepSpeed ZeRO: the benchmark's peer.
 
-    python -m torch.distributed.run ... megazpp/bench/deepspeed_peer.py \
+    python -m torch.distributed.run ... benchmarks/deepspeed_peer.py \
         --ds-zero '{"stage": 3, "zero_hpz_partition_size": 2}' --config CFG [pretrain_gpt flags]
 
 Why it exists: "megazpp ZeRO-3 is at least as fast as DeepSpeed ZeRO-3, with matching losses"
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megazpp.bench.peer_log import PeerLog
+from benchmarks.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megazpp.data.jsonl import SkipReason, parse_record, record_set_name, record_text
-from megazpp.data.redpajama_v2 import parse_signals
-from megazpp.data.shards import safe_name
-from megazpp.data.signal_filter import DocumentFilter, FilterSpec
 from megazpp.data.tokenizer import Tokenizer
+from megazpp.preprocess.jsonl import SkipReason, parse_record, record_set_name, record_text
+from megazpp.preprocess.redpajama_v2 import parse_signals
+from megazpp.preprocess.shards import safe_name
+from megazpp.preprocess.signal_filter import DocumentFilter, FilterSpec
 
 
 @dataclass
@@ -45,9 +45,9 @@ class ChunkResult:
     last: bool
     damage: tuple[str, ...]
     tokens: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
-    skipped: Counter
-    dropped: Counter = field(default_factory=Counter)
-    unevaluable: Counter = field(default_factory=Counter)
+    skipped: Counter[str]
+    dropped: Counter[str] = field(default_factory=Counter)
+    unevaluable: Counter[str] = field(default_factory=Counter)
 
 
 class ChunkEncoder:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megazpp.data.chunk_encoder import Chunk
-from megazpp.data.jsonl import iter_line_chunks
-from megazpp.data.redpajama_v2 import load_duplicate_rows
-from megazpp.data.shards import Shard
-from megazpp.data.signal_filter import FilterSpec
 from megazpp.errors import DataError
+from megazpp.preprocess.chunk_encoder import Chunk
+from megazpp.preprocess.jsonl import iter_line_chunks
+from megazpp.preprocess.redpajama_v2 import load_duplicate_rows
+from megazpp.preprocess.shards import Shard
+from megazpp.preprocess.signal_filter import FilterSpec
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 _NO_ROWS = np.empty(0, dtype=np.int64)

@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from megazpp.unique_keys import JSONObject
+
 
 def bandwidth_rows(markdown: str) -> list[tuple[str, float]]:
     """(op, share of copy bandwidth) from bench_quant.py's CUDA table."""
@@ -19,7 +21,7 @@ def bandwidth_rows(markdown: str) -> list[tuple[str, float]]:
     return rows
 
 
-def last_json(text: str) -> dict:
+def last_json(text: str) -> JSONObject:
     """The last line of `text` that is a JSON object (bench_model.py's result)."""
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):

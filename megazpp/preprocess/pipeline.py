@@ -29,14 +29,17 @@ from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
-from megazpp.data.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
-from megazpp.data.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
 from megazpp.data.indexed_dataset import merge_indexed_datasets, token_dtype_for
-from megazpp.data.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
-from megazpp.data.progress import Progress
-from megazpp.data.redpajama_v2 import PYARROW_HINT, have_pyarrow
-from megazpp.data.shard_writer import ShardWriter, output_prefix_for, remove_shards
-from megazpp.data.shards import (
+from megazpp.data.tokenizer import Tokenizer
+from megazpp.data.tokenizer_record import TokenizerRecord, write_record
+from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.chunk_encoder import ChunkEncoder, ChunkResult, encode_in_worker, init_worker
+from megazpp.preprocess.chunk_reader import DEFAULT_CHUNK_BYTES, read_chunks
+from megazpp.preprocess.jsonl import KEY_ALIASES, input_root, record_keys, resolve_inputs
+from megazpp.preprocess.progress import Progress
+from megazpp.preprocess.redpajama_v2 import PYARROW_HINT, have_pyarrow
+from megazpp.preprocess.shard_writer import ShardWriter, output_prefix_for, remove_shards
+from megazpp.preprocess.shards import (
     DocumentCounts,
     Shard,
     ShardResult,
@@ -48,10 +51,7 @@ from megazpp.data.shards import (
     safe_name,
     write_marker,
 )
-from megazpp.data.signal_filter import FilterSpec
-from megazpp.data.tokenizer import Tokenizer
-from megazpp.data.tokenizer_record import TokenizerRecord, write_record
-from megazpp.errors import DataError, refuse_existing
+from megazpp.preprocess.signal_filter import FilterSpec
 
 
 @dataclass(kw_only=True)
@@ -93,9 +93,9 @@ class PreprocessSummary(DocumentCounts):
 
 
 def preprocess(
-    input_pattern: str | os.PathLike,
-    tokenizer_model: str | os.PathLike,
-    output_prefix: str | os.PathLike,
+    input_pattern: str | os.PathLike[str],
+    tokenizer_model: str | os.PathLike[str],
+    output_prefix: str | os.PathLike[str],
     workers: int = 1,
     json_keys: tuple[str, ...] = ("text",),
     append_eod: bool = False,
@@ -183,7 +183,7 @@ def _interrupted(results: list[ShardResult | None], shard_dir: Path) -> str:
 
 
 def _refuse_existing_outputs(
-    output_prefix: str | os.PathLike, json_keys: tuple[str, ...], split_by_source: bool, shard_dir: Path
+    output_prefix: str | os.PathLike[str], json_keys: tuple[str, ...], split_by_source: bool, shard_dir: Path
 ) -> None:
     """A dataset already at the output prefix is refused (outputs are never overwritten), unless
     the prefix's shard directory is there: then this run resumes an interrupted one, or updates

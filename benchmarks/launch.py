@@ -102,7 +102,7 @@ def node_command(
         "--rdzv-endpoint",
         f"{master_addr(setting)}:{port}",
         "-m",
-        "megazpp.bench.rank_probe",
+        "benchmarks.rank_probe",
         "--out",
         probe_dir,
         script,
@@ -149,7 +149,7 @@ def replica_group_command(
         "--rdzv-endpoint",
         f"{node_addr(setting, node)}:{port + 2 + node}",
         "-m",
-        "megazpp.bench.rank_probe",
+        "benchmarks.rank_probe",
         "--out",
         probe_dir,
         script,
@@ -204,14 +204,14 @@ def run_nodes(commands: Sequence[list[str]], log_paths: Sequence[str], timeout_s
     return failure or _failed_node(procs, log_paths)
 
 
-def _failed_node(procs: Sequence[subprocess.Popen], log_paths: Sequence[str]) -> str | None:
+def _failed_node(procs: Sequence[subprocess.Popen[bytes]], log_paths: Sequence[str]) -> str | None:
     bad = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
     if bad is None:
         return None
     return f"node {bad} exited with status {procs[bad].returncode}: {_last_line(log_paths[bad])}"
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGTERM each still-running node's process group (torchrun passes it to its ranks),
     SIGKILL what is left after 30 s."""
     for p in procs:

@@ -3,8 +3,8 @@
 Why one list: `--only` selects from it, the result table keeps its order, and the tests check
 it, so a configuration cannot be benchmarked under one name and reported under another.
 Every megazpp configuration runs `pretrain_gpt.py` with flags on top of the benchmark YAML;
-every DeepSpeed one runs `megazpp/bench/deepspeed_peer.py` with a `zero_optimization` override;
-the torchft one runs `megazpp/bench/torchft_peer.py` (one launcher per node: a replica group).
+every DeepSpeed one runs `benchmarks/deepspeed_peer.py` with a `zero_optimization` override;
+the torchft one runs `benchmarks/torchft_peer.py` (one launcher per node: a replica group).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from megazpp.zero.strategy import VALID_NAMES
 
 MEGAZPP, DEEPSPEED, TORCHFT = "megazpp", "deepspeed", "torchft"
 PRETRAIN_SCRIPT = "pretrain_gpt.py"
-PEER_SCRIPT = "megazpp/bench/deepspeed_peer.py"
-TORCHFT_SCRIPT = "megazpp/bench/torchft_peer.py"
+PEER_SCRIPT = "benchmarks/deepspeed_peer.py"
+TORCHFT_SCRIPT = "benchmarks/torchft_peer.py"
 
 
 @dataclass(frozen=True)

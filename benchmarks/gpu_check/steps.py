@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megazpp.bench.gpu_check.commands import Context, Outcome, run, run_sh, tail
-from megazpp.bench.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib, tb_losses
-from megazpp.bench.gpu_check.settings import (
+from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
+from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib, tb_losses
+from benchmarks.gpu_check.settings import (
     ENGINE_BOUND,
     ENGINE_COMMON,
     ENGINE_JOBS,

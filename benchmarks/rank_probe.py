@@ -1,6 +1,6 @@
 """Run a training script as one launched rank; record its peak memory and collective calls.
 
-    python -m torch.distributed.run ... -m megazpp.bench.rank_probe --out DIR SCRIPT [ARGS...]
+    python -m torch.distributed.run ... -m benchmarks.rank_probe --out DIR SCRIPT [ARGS...]
 
 Why a wrapper: the trainer logs the peak RSS of its logging rank only, and a launcher's
 RUSAGE_CHILDREN keeps the largest child over its whole life, so neither gives every rank's

@@ -14,11 +14,12 @@ from matplotlib.figure import Figure
 
 from megazpp.analysis.plots import save_png
 from megazpp.errors import DataError
+from megazpp.unique_keys import JSONObject
 
 SETTING_ORDER = ("1gbit", "10gbit", "loopback")
 
 
-def _load(out_dir: Path) -> dict[str, list[dict]]:
+def _load(out_dir: Path) -> dict[str, list[JSONObject]]:
     found = {p.stem: json.loads(p.read_text())["rows"] for p in sorted(out_dir.glob("*.json"))}
     if not found:
         raise DataError(f"{out_dir}: no <setting>.json from tools/bench_netlab.py to plot")

@@ -1,7 +1,7 @@
 """Train megazpp's model on megazpp's data with torchft's DiLoCo: the two-level rows' peer.
 
     # one launcher per replica group (node); group 0's first rank also runs the lighthouse
-    python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 ... megazpp/bench/torchft_peer.py \
+    python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 ... benchmarks/torchft_peer.py \
         --replica-group 0 --replica-groups 2 --lighthouse 10.78.0.1:29700 --advertise 10.78.0.1 \
         --config CFG --outer-algorithm diloco --outer-sync-every 20 [pretrain_gpt flags]
 
@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megazpp.bench.peer_log import PeerLog
+from benchmarks.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
