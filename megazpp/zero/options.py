@@ -120,6 +120,7 @@ class ZeroOptions:
     choice: Strategy | PlannerChoice | None = resolved(
         None, "the strategy as narrowed by other sections' rules or chosen by the planner (None: from the keys)"
     )
+    strategy: Strategy | PlannerChoice = field(init=False)  # `choice`, else the keys' (rebuilt by replace)
     zeropp: ZeroPP = field(init=False)  # the ZeRO++ keys, as the engine's paths take them
 
     def __post_init__(self) -> None:
@@ -156,14 +157,7 @@ class ZeroOptions:
                 first = self.refusal(strategy.allowed[0]) if strategy.allowed else None
                 raise ConfigError(f"zero.paro_strategy = auto: no strategy accepts these settings ({first})")
             strategy = PlannerChoice(allowed)
-        object.__setattr__(self, "choice", strategy)  # normalised once, at construction
-
-    @property
-    def strategy(self) -> Strategy | PlannerChoice:
-        """The strategy the keys name, or PlannerChoice (the strategies auto may still pick)."""
-        if self.choice is None:
-            raise ValueError("ZeroOptions.choice is set when built")  # unreachable after __post_init__
-        return self.choice
+        object.__setattr__(self, "strategy", strategy)  # normalised once, at construction
 
     def runs_engine(self, dp: int) -> bool:
         """Whether a run over `dp` data-parallel ranks needs the ZeRO engine: data parallel, or
