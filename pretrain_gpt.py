@@ -5,7 +5,7 @@ Launched directly (one process) or by torchrun (`run.sh`), which sets RANK / WOR
 LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK. The whole configuration is checked against the
 world size before the process group starts (`megazpp.training.startup`, which also asks the
 checkpoint manager what the run loads), so a bad flag never leaves ranks waiting. This file
-builds the parts and runs them; loads and saves are `training/checkpoint_manager.py`'s.
+builds the parts and runs them; loads and saves are `megazpp/checkpoint/manager.py`'s.
 `--help` lists every flag.
 """
 
@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazpp.checkpoint.manager import CheckpointManager
 from megazpp.cli import configure_logging, run_tool
 from megazpp.config.options import RunOptions
 from megazpp.config.reference import render_help
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.interop import reshard
 from megazpp.launch.lifeline import die_with_launcher
 from megazpp.launch.local_ranks import release_process_groups
 from megazpp.launch.preflight import check_nodes
@@ -43,7 +43,6 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
 from megazpp.parallel.topology import Topology
 from megazpp.training.banner import banner
-from megazpp.training.checkpoint_manager import CheckpointManager
 from megazpp.training.forward_backward import forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.startup import Startup, prepare, read_handoff, replan, torchrun_restart_count
@@ -155,8 +154,7 @@ def _train(start: Startup, device: torch.device) -> TrainHistory:
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
-    # interop's resharding is handed in: it sits above the training layer
-    checkpoints = CheckpointManager(cfg, topology, device, start.load, resharder=reshard)
+    checkpoints = CheckpointManager(cfg, topology, device, start.load)
     checkpoints.check_writable()
     with checkpoints.hold_save_dir():
         return _train_holding_save(start, device, topology, checkpoints)

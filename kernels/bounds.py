@@ -7,6 +7,16 @@ absolute maximum A >= TINY_ABSMAX and scale s = fl(A / qmax) decodes every eleme
 
 (the s/2 is rounding to the grid; the rest covers the four fp32 roundings of scale, reciprocal,
 product and decode). A block below TINY_ABSMAX decodes to zeros, off by less than TINY_ABSMAX.
+
+Re-derived for the two-addition rounding (kernels/format.py, ROUND_MAGIC), which replaced
+`torch.round(...).clamp(...)`: with t = fl(x * fl(qmax / A)), |t| <= qmax (1 + u)**2 < 2**22, so
+fl(t + M) = M + rint(t) exactly (fp32 spacing is 1 on [2**23, 2**24); ties go to the even sum,
+and M = 1.5 * 2**23 is even) and fl(fl(t + M) - M) = rint(t) exactly (a difference of two
+integers below 2**24). The code is therefore the same c = rint(t) with |t - c| <= 1/2, and
+|t| < qmax + 1/2 keeps c in [-qmax, qmax] without the clamp, which was a no-op. No rounding was
+added or removed from the chain above, so the bound is unchanged term for term. It relies on the
+two additions being rounded separately (no FMA contraction of x * inv into the first, no
+reassociation): how each implementation ensures that is in kernels/format.py.
 """
 
 from __future__ import annotations

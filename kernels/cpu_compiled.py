@@ -6,7 +6,12 @@ it saved on the link. Compiling the very same source (`reference.Arithmetic`, th
 part of each op; the checks, padding and casts around it stay eager) fuses those passes into
 one or two loops; the arithmetic is unchanged (no reciprocal for a division, sums in the same order), so the
 codes and scales are the reference's bit for bit, which tests/test_kernels_cpu_compiled.py
-checks. Shapes are compiled static: with symbolic sizes Inductor's loops did not vectorize
+checks. That needs the C++ compiler to keep one rounding per operation: no multiply-add
+contraction and no reassociation (either would fold the rounding's `(t + ROUND_MAGIC) -
+ROUND_MAGIC`, kernels/format.py); both are Inductor's defaults but settable from the
+environment, so `_compile` pins them (`EXACT_FP`).
+
+Shapes are compiled static: with symbolic sizes Inductor's loops did not vectorize
 (the int4 dequantize-reduce ran 3x slower), and a run has only a few bucket sizes, each
 compiled once per process (and cached on disk across processes).
 
@@ -39,6 +44,12 @@ OPS = (
 # Distinct static shapes one function may be compiled for (TorchDynamo's default of 8 would send
 # a model with many bucket sizes back to eager, silently and slowly).
 SHAPES_PER_OP = 64
+# Inductor settings that keep the generated C++ at one rounding per fp32 operation, whatever
+# TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG / ..._UNSAFE_MATH_OPT_FLAG say.
+EXACT_FP: dict[str, str | int | bool | Callable[..., object]] = {
+    "cpp.enable_floating_point_contract_flag": "off",
+    "cpp.enable_unsafe_math_opt_flag": False,
+}
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -79,7 +90,7 @@ def separate_cache_per_isa() -> str:
 def _compile(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """`fn` compiled lazily, once per input shape."""
     separate_cache_per_isa()
-    op = torch.compile(fn, dynamic=False)
+    op = torch.compile(fn, dynamic=False, options=EXACT_FP)
 
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:

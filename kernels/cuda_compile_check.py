@@ -16,6 +16,7 @@ TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
 from __future__ import annotations
 
 import re
+import struct
 import sys
 from typing import TypeAlias
 
@@ -23,7 +24,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kernels import triton_ops
-from kernels.format import QMAX
+from kernels.format import QMAX, ROUND_MAGIC
+from kernels.triton_geometry import CANDIDATES, Geometry, default_geometry
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
@@ -44,14 +46,16 @@ _REDUCE_ARGS = {
 
 
 _LAUNCH_OPTIONS = ("num_warps", "enable_fp_fusion")
+# +ROUND_MAGIC and -ROUND_MAGIC as PTX writes fp32 immediates (0f + IEEE bits, upper case).
+_MAGIC_PTX = tuple(f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}" for v in (ROUND_MAGIC, -ROUND_MAGIC))
 
-# a variant's constexprs and launch options, by name (`triton_ops._tiling`'s and the kernel's own)
+# a variant's constexprs and launch options, by name (`Geometry.launch_options` and the kernel's own)
 Constexprs: TypeAlias = dict[str, int | bool]
 
 
-def _tile(block_size: int) -> Constexprs:
-    """The launchers' own geometry and options for this block size (constexprs and options)."""
-    return triton_ops._tiling(block_size, 1)[1]
+def _tile(block_size: int, geometry: Geometry | None = None) -> Constexprs:
+    """Constexprs and launch options for this block size, at the default geometry or `geometry`."""
+    return (geometry or default_geometry(block_size)).launch_options(block_size)
 
 
 def variants() -> list[tuple[str, object, dict[str, str], Constexprs]]:
@@ -108,6 +112,20 @@ def variants() -> list[tuple[str, object, dict[str, str], Constexprs]]:
         )
         args = {**_REDUCE_ARGS, "in_codes_ptr": "*u8" if bits == 4 else "*i8"}
         out.append((label, triton_ops._dequant_reduce_kernel, args, consts))
+    # The extremes of the tuned geometries (kernels/triton_geometry.py): the fewest elements and
+    # warps, and the most, each still with vector loads and without FMAs.
+    for geometry in (
+        min(CANDIDATES, key=lambda g: (g.elements, g.warps)),
+        max(CANDIDATES, key=lambda g: (g.elements, g.warps)),
+    ):
+        out.append(
+            (
+                f"quantize bf16 int8, {geometry.elements} elements x {geometry.warps} warps",
+                triton_ops._quantize_kernel,
+                {"x_ptr": "*bf16", **quant, "codes_ptr": "*i8"},
+                {**_tile(2048, geometry), "BITS": 8, "QMAX": 127},
+            )
+        )
     # A block wider than one tile: one row per program, eight warps.
     out.append(
         (
@@ -141,6 +159,9 @@ def problems(ptx: str, consts: Constexprs | None = None) -> list[str]:
         found.append("contains fma (fp fusion must stay off for bit-identity)")
     if not re.search(r"\bld\.global(\.\w+)*\.v[24]\.", ptx):
         found.append("has no vectorized global load")
+    quantizes = "QMAX" in (consts or {}) or (consts or {}).get("OUT_BITS")
+    if quantizes and not all(re.search(rf"\badd\.rn\.f32\s[^;]*, {c};", ptx) for c in _MAGIC_PTX):
+        found.append("lacks the rounding's add.rn.f32 of +-ROUND_MAGIC (folded or fused away)")
     return found
 
 

@@ -27,6 +27,18 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # below the fp32 maximum) so no block ever produces inf or NaN codes.
 TINY_ABSMAX = 2.0**-120
 
+# Rounding to the nearest integer, ties to even, in two exact-by-construction fp32 additions:
+# for |t| <= 2**22, t + 1.5 * 2**23 lies in [2**23, 2**24), where fp32's spacing is 1, so the
+# sum is rounded to an integer, ties to the even sum (1.5 * 2**23 is even, so that is the even
+# integer), and subtracting the constant back is exact. Codes reach |t| <= qmax (1 + u)**2, far
+# inside that range. Two additions instead of the floor-based rounding (about twelve operations
+# per element on a GPU, where libdevice's rint is missing from Triton's interpreter). Every
+# implementation writes `(t + ROUND_MAGIC) - ROUND_MAGIC` as two separate roundings: no
+# reassociation (which would fold it to t) and no multiply-add contraction of the product t
+# into the first addition (kernels/cpu_compiled.py pins both compiler settings; the Triton
+# kernels launch with enable_fp_fusion=False).
+ROUND_MAGIC = 1.5 * 2**23
+
 # One tile must fit in a Triton program's registers; larger blocks would spill badly on a GPU.
 MAX_BLOCK_SIZE = 16384
 

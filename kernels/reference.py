@@ -6,8 +6,14 @@ operation and in the same order, so the integer codes and scales agree bit for b
     absmax = max |x| over the block            (exact)
     scale  = absmax / qmax                     (IEEE division)
     inv    = qmax / absmax                     (IEEE division; scale = inv = 0 when absmax < TINY)
-    code   = clamp(round_half_even(x * inv), -qmax, qmax)
+    t      = x * inv
+    code   = (t + ROUND_MAGIC) - ROUND_MAGIC       (round half to even, exact: format.ROUND_MAGIC)
     x_hat  = code * scale
+
+No clamp: |t| <= qmax (1 + u)**2 < qmax + 1/2 (|x| <= absmax, and inv is qmax / absmax rounded
+once), so the rounded code is already in [-qmax, qmax]. The rounding is bit-identical to
+`torch.round` on every code (only the sign of a zero code may differ, and codes are stored as
+integers), so codes written before this rounding decode and continue unchanged.
 
 Sums over k received chunks run in chunk order starting from 0, one rounding per addition, so
 this file never calls torch.sum (whose order is unspecified). Divisions are written as tensor by
@@ -23,6 +29,7 @@ import torch
 
 from kernels.format import (
     QMAX,
+    ROUND_MAGIC,
     TINY_ABSMAX,
     check_bits,
     check_block_size,
@@ -54,7 +61,7 @@ def quantize_tile(tile: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     safe = torch.where(live, absmax, torch.ones_like(absmax))
     scale = torch.where(live, safe / qmax, torch.zeros_like(absmax))
     inv = torch.where(live, qmax / safe, torch.zeros_like(absmax))
-    codes = torch.round(tile * inv[:, None]).clamp_(-qmax, qmax)
+    codes = (tile * inv[:, None] + ROUND_MAGIC) - ROUND_MAGIC
     return codes, scale
 
 

@@ -1,7 +1,9 @@
 """Triton quantization kernels and their host launchers.
 
 The launchers have the signatures of their twins in kernels/reference.py and produce the same
-bits. They run on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before this
+bits, plus a keyword `geometry` (kernels/triton_geometry.py): None, the default, tunes the
+launch geometry per GPU and size; a Geometry fixes it (tests, benchmarks).
+They run on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before this
 module was imported (that is how the tests check them without a GPU).
 """
 
@@ -27,11 +29,8 @@ from kernels.format import (
     num_blocks,
 )
 from kernels.reference import all_finite as all_finite  # re-exported: one fused torch reduction on CUDA already
+from kernels.triton_geometry import Geometry, launch
 from kernels.triton_tiles import cast_rne, load_dequant, loco_tile, quantize_tile, store_codes, tile_rows
-
-# Elements per program: big enough to amortize the per-program overhead on a GPU and give
-# each thread several 16-byte accesses, small enough to stay in registers.
-TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -146,21 +145,6 @@ def _dequant_reduce_kernel(
         store_codes(out_codes_ptr, out_scales_ptr, rows, blocks, codes, scale, BLOCK, BLOCK_P2, ROWS, OUT_BITS)
 
 
-def _tiling(block_size: int, blocks: int) -> tuple[tuple[int], dict[str, int | bool]]:
-    """Launch geometry: (grid, constexprs and launch options) for a tensor of `blocks` blocks."""
-    block_p2 = triton.next_power_of_2(block_size)
-    rows = max(1, TILE_ELEMENTS // block_p2)
-    grid = (triton.cdiv(blocks, rows),)
-    options = dict(
-        BLOCK=block_size,
-        BLOCK_P2=block_p2,
-        ROWS=rows,
-        num_warps=4 if rows * block_p2 <= TILE_ELEMENTS else 8,
-        enable_fp_fusion=False,
-    )
-    return grid, options
-
-
 def _new_codes(blocks: int, bits: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(blocks * code_bytes_per_block(bits, block_size), dtype=CODE_DTYPE[bits], device=device)
     return codes, torch.empty(blocks, dtype=torch.float32, device=device)
@@ -177,7 +161,9 @@ def _loco_weights(err_beta: float) -> tuple[float, float]:
     return weights[0].item(), weights[1].item()
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, block_size: int, *, geometry: Geometry | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a float tensor; returns (codes, fp32 scales), codes padded to whole blocks."""
     check_float_input("quantize input", x)
     check_bits(bits)
@@ -186,8 +172,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor,
     blocks = num_blocks(flat.numel(), block_size)
     codes, scales = _new_codes(blocks, bits, block_size, x.device)
     if blocks:
-        grid, opts = _tiling(block_size, blocks)
-        _quantize_kernel[grid](flat, codes, scales, flat.numel(), blocks, BITS=bits, QMAX=QMAX[bits], **opts)
+        args = (flat, codes, scales, flat.numel(), blocks)
+        launch(_quantize_kernel, blocks, block_size, *args, geometry=geometry, BITS=bits, QMAX=QMAX[bits])
     return codes, scales
 
 
@@ -198,6 +184,8 @@ def dequantize(
     block_size: int,
     numel: int | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    geometry: Geometry | None = None,
 ) -> torch.Tensor:
     """Decode codes to a flat tensor of `numel` values (default: every block) of `dtype`."""
     blocks = check_codes("dequantize", codes, scales, bits, block_size)
@@ -205,8 +193,8 @@ def dequantize(
     check_out_dtype(dtype)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if blocks:
-        grid, opts = _tiling(block_size, blocks)
-        _dequantize_kernel[grid](codes.contiguous(), scales.contiguous(), out, numel, blocks, BITS=bits, **opts)
+        args = (codes.contiguous(), scales.contiguous(), out, numel, blocks)
+        launch(_dequantize_kernel, blocks, block_size, *args, geometry=geometry, BITS=bits)
     return out
 
 
@@ -216,6 +204,8 @@ def loco_quantize(
     err_beta: float,
     block_size: int,
     bits: int = 4,
+    *,
+    geometry: Geometry | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LoCo-quantize `grad`; returns (codes, scales, err), the fp32 error buffer updated in place."""
     check_float_input("loco_quantize grad", grad)
@@ -226,19 +216,16 @@ def loco_quantize(
     check_error_buffer(err, blocks, block_size, grad.device)
     codes, scales = _new_codes(blocks, bits, block_size, grad.device)
     if blocks:
-        grid, opts = _tiling(block_size, blocks)
-        _loco_quantize_kernel[grid](
-            flat,
-            err,
-            codes,
-            scales,
-            flat.numel(),
+        args = (flat, err, codes, scales, flat.numel(), blocks, beta, keep)
+        launch(
+            _loco_quantize_kernel,
             blocks,
-            beta,
-            keep,
+            block_size,
+            *args,
+            geometry=geometry,
+            restore=("err_ptr",),
             BITS=bits,
             QMAX=QMAX[bits],
-            **opts,
         )
     return codes, scales, err
 
@@ -255,6 +242,7 @@ def _launch_reduce(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     err: tuple[torch.Tensor, float, float] | None = None,
+    geometry: Geometry | None = None,
 ) -> None:
     blocks = scales.shape[1]
     if not blocks:
@@ -265,8 +253,10 @@ def _launch_reduce(
     out = scales if out is None else out
     out_codes = scales if out_codes is None else out_codes
     out_scales = scales if out_scales is None else out_scales
-    grid, opts = _tiling(block_size, blocks)
-    _dequant_reduce_kernel[grid](
+    launch(
+        _dequant_reduce_kernel,
+        blocks,
+        block_size,
         codes,
         scales,
         codes.shape[1],
@@ -283,30 +273,67 @@ def _launch_reduce(
         BITS=bits,
         OUT_BITS=out_bits,
         OUT_QMAX=QMAX.get(out_bits, 0),
+        geometry=geometry,
+        restore=("err_ptr",) if err is not None else (),
         LOCO=err is not None,
-        **opts,
     )
 
 
+def _reduce_to_codes(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    blocks: int,
+    out_bits: int,
+    err: tuple[torch.Tensor, float, float] | None,
+    geometry: Geometry | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The re-quantized sum's new codes and scales (LoCo-updating `err` when given)."""
+    out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
+    _launch_reduce(
+        codes,
+        scales,
+        bits,
+        block_size,
+        out_bits=out_bits,
+        out_codes=out_codes,
+        out_scales=out_scales,
+        err=err,
+        geometry=geometry,
+    )
+    return out_codes, out_scales
+
+
 def dequant_reduce(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int | None = None
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    numel: int | None = None,
+    *,
+    geometry: Geometry | None = None,
 ) -> torch.Tensor:
     """fp32 sum of k quantized tensors stacked as codes [k, bytes], scales [k, blocks]."""
     blocks = check_stacked(codes, scales, bits, block_size)
     numel = check_numel(numel, blocks, block_size)
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
-    _launch_reduce(codes, scales, bits, block_size, numel=numel, out=out)
+    _launch_reduce(codes, scales, bits, block_size, numel=numel, out=out, geometry=geometry)
     return out
 
 
 def dequant_reduce_quantize(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out_bits: int = 4
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    out_bits: int = 4,
+    *,
+    geometry: Geometry | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors and re-quantize the sum to `out_bits` (same block size)."""
     blocks = check_stacked(codes, scales, bits, block_size)
-    out_codes, out_scales = _new_codes(blocks, check_bits(out_bits), block_size, codes.device)
-    _launch_reduce(codes, scales, bits, block_size, out_bits=out_bits, out_codes=out_codes, out_scales=out_scales)
-    return out_codes, out_scales
+    return _reduce_to_codes(codes, scales, bits, block_size, blocks, check_bits(out_bits), None, geometry)
 
 
 def dequant_reduce_loco_quantize(
@@ -317,21 +344,13 @@ def dequant_reduce_loco_quantize(
     err: torch.Tensor,
     err_beta: float,
     out_bits: int = 4,
+    *,
+    geometry: Geometry | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum k quantized tensors, then LoCo-quantize the sum (second qgZ stage with LoCo)."""
     blocks = check_stacked(codes, scales, bits, block_size)
     check_bits(out_bits)
     beta, keep = _loco_weights(err_beta)
     check_error_buffer(err, blocks, block_size, codes.device)
-    out_codes, out_scales = _new_codes(blocks, out_bits, block_size, codes.device)
-    _launch_reduce(
-        codes,
-        scales,
-        bits,
-        block_size,
-        out_bits=out_bits,
-        out_codes=out_codes,
-        out_scales=out_scales,
-        err=(err, beta, keep),
-    )
-    return out_codes, out_scales, err
+    out = _reduce_to_codes(codes, scales, bits, block_size, blocks, out_bits, (err, beta, keep), geometry)
+    return *out, err

@@ -4,16 +4,18 @@ Every kernel program handles a tile of ROWS consecutive quantization blocks, eac
 BLOCK_P2 lanes (block_size rounded up to a power of two, which `tl.arange` needs); lanes past the
 block and rows past the last block are masked, so any even block size works. The arithmetic is
 the sequence of fp32 operations spelled out in kernels/reference.py, with IEEE division
-(`div_rn`), an explicit round-half-to-even (the interpreter has no libdevice `rint`), and the
-kernels are launched with fp fusion off so no multiply-add is contracted into an FMA on a GPU.
+(`div_rn`), the two-addition round-half-to-even of kernels/format.py (ROUND_MAGIC), and the
+kernels are launched with fp fusion off so no multiply-add is contracted into an FMA on a GPU
+(that would fold the product into the rounding's first addition).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.format import TINY_ABSMAX
+from kernels.format import ROUND_MAGIC, TINY_ABSMAX
 
 TINY: tl.constexpr = tl.constexpr(TINY_ABSMAX)
+MAGIC: tl.constexpr = tl.constexpr(ROUND_MAGIC)
 
 
 @triton.jit
@@ -24,16 +26,6 @@ def tile_rows(pid, blocks, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl
     offs = rows[:, None].to(tl.int64) * BLOCK + cols[None, :]
     live = (rows[:, None] < blocks) & (cols[None, :] < BLOCK)
     return rows, offs, live
-
-
-@triton.jit
-def round_half_even(t):
-    """Round to the nearest integer, ties to even (torch.round); exact for |t| < 2**22."""
-    low = tl.floor(t)
-    frac = t - low
-    low_is_odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
-    up = (frac > 0.5) | ((frac == 0.5) & low_is_odd)
-    return tl.where(up, low + 1.0, low)
 
 
 @triton.jit
@@ -56,8 +48,8 @@ def quantize_tile(x, QMAX: tl.constexpr):
     qmax = tl.full(absmax.shape, QMAX, tl.float32)
     scale = tl.where(live, tl.math.div_rn(safe, qmax), 0.0)
     inv = tl.where(live, tl.math.div_rn(qmax, safe), 0.0)
-    codes = round_half_even(x * inv[:, None])
-    codes = tl.minimum(tl.maximum(codes, -qmax[:, None]), qmax[:, None])
+    # round half to even in two fp32 additions; no clamp needed (kernels/reference.py says why)
+    codes = (x * inv[:, None] + MAGIC) - MAGIC
     return codes, scale
 
 

@@ -125,7 +125,7 @@ class DevicelessPadded(DiLoCoEngine):
         frag = self.fragments[f]
         padded = torch.zeros(padded_size(frag.numel, self.islands, self.options.quantize, self._int4))
         snapshot = frag.gather(self.snapshot)
-        for lo, hi, master in frag.masters(self._masters()):
+        for lo, hi, master in frag.masters(self.inner.masters()):
             torch.sub(snapshot[lo:hi], master, out=padded[lo:hi])
         return Exchange.start(f, lands, padded, frag.numel, self.islands, self.options.quantize, self._wire, group)
 

@@ -33,12 +33,17 @@ def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess
 def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
     proc = _sh("--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("kernels-bitwise", "kernels-bandwidth", "data", "engine", "model-step", "end-to-end"):
+    steps = ["kernels-bitwise", "kernels-bandwidth", "data", "engine", "model-step", "end-to-end"]
+    steps += ["kernels-geometry", "zero3-compiled", "loop-overhead"]  # issue 40's
+    for step in steps:
         assert f"  {step} " in proc.stdout
     for job in ("zero1", "zero3", "paro-IGG", "zeropp-loco"):
         assert f"engine job {job}:" in proc.stdout and "flags valid" in proc.stdout
+    assert "zero3-compiled job: 2 ranks, flags valid:" in proc.stdout and proc.stdout.count("--compile") >= 2
     total = int(proc.stdout.split("total ~")[1].split()[0])
-    assert total <= 480  # the issue's 8 minutes (estimates; the report records the real times)
+    # estimates; the report records the real times. Issue 30's six steps fit its 8 minutes; issue
+    # 40's three add ~3.5 minutes, within the 15 minutes a session's device time now allows.
+    assert total <= 720
 
 
 def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
@@ -112,3 +117,25 @@ def test_report_and_exit_status_follow_the_steps(tmp_path, monkeypatch):
     assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 3  # only skipped: incomplete
     monkeypatch.setattr(g, "STEPS", [steps[0]])
     assert g.main(["--out", str(tmp_path), "--budget-s", "50"]) == 0  # a missed target is no failure
+
+
+def test_tuned_geometry_rows_from_the_bandwidth_log(tmp_path):
+    """kernels-geometry reads the autotuner's table bench_quant.py printed in kernels-bandwidth."""
+    from benchmarks.gpu_check.commands import Context
+    from benchmarks.gpu_check.overheads import geometry_rows, step_kernels_geometry
+
+    log = (
+        "| op | bytes moved | time (us) | GB/s | % of copy |\n|---|---:|---:|---:|---:|\n"
+        "| quantize int8 (qwZ, bf16 in) | 1 | 2 | 3 | 80% |\n\n"
+        "| kernel | constants | blocks | elements per program | warps |\n|---|---|---:|---:|---:|\n"
+        "| _quantize_kernel | BITS=8 QMAX=127 | 131072 | 2048 | 2 |\n"
+        "| _dequant_reduce_kernel | BITS=4 LOCO=False OUT_BITS=4 OUT_QMAX=7 PARTS=4 | 262144 | 8192 | 4 |\n"
+    )
+    assert [r[0] for r in geometry_rows(log)] == ["_quantize_kernel", "_dequant_reduce_kernel"]
+    ctx = Context(tmp_path, 0.0, tmp_path)
+    assert step_kernels_geometry(ctx).status == "FAILED"  # no log yet
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "kernels-bandwidth.log").write_text(log)
+    outcome = step_kernels_geometry(ctx)
+    assert outcome.status == "ok" and outcome.summary.startswith("2 kernel variants")
+    assert "| _quantize_kernel | BITS=8 QMAX=127 | 131072 | 2048 | 2 |" in outcome.lines

@@ -18,7 +18,7 @@ from support import load_script, load_tool
 from test_interop_layout import checkpoint_logits_on_rank  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from megazpp.interop.checkpoint_io import CheckpointReader  # noqa: E402
+from megazpp.checkpoint.reader import CheckpointReader  # noqa: E402
 from megazpp.interop.consolidate import consolidated_weights  # noqa: E402
 from megazpp.interop.convert import export_hf, import_hf  # noqa: E402
 from megazpp.interop.hf_llama import model_config_from_hf  # noqa: E402

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megazpp.checkpoint.reader import CheckpointReader
+from megazpp.checkpoint.save import save_checkpoint
 from megazpp.errors import CheckpointError, ConfigError, TopologyError
-from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
+from megazpp.interop.checkpoint_io import write_weights_checkpoint
 from megazpp.interop.consolidate import consolidated_weights
 from megazpp.interop.model_layout import full_weight_names, shard_for_rank, stage_layouts
 from megazpp.launch.local_ranks import run_ranks
@@ -19,7 +21,6 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint_save import save_checkpoint
 
 pytest.importorskip("safetensors", reason="safetensors (a core dependency) is not installed")
 

@@ -22,7 +22,7 @@ from safetensors import safe_open  # noqa: E402
 from support import TINY_LORA, load_script, load_tool, save_tiny_hf_llama, write_lora_run
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from megazpp.interop.checkpoint_io import CheckpointReader  # noqa: E402
+from megazpp.checkpoint.reader import CheckpointReader  # noqa: E402
 from megazpp.interop.consolidate import consolidated_weights  # noqa: E402
 from megazpp.launch.local_ranks import run_ranks  # noqa: E402
 from megazpp.model.config import ModelConfig  # noqa: E402

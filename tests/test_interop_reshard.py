@@ -22,17 +22,16 @@ from safetensors.torch import load_file
 from support import QUIET_FLAGS, TINY_MODEL_FLAGS, data_flags, load_tool
 
 import pretrain_gpt
+from megazpp.checkpoint.manager import CheckpointManager, LoadKind, LoadPlan
+from megazpp.checkpoint.reader import CheckpointReader
+from megazpp.checkpoint.reshard import needs_reshard
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.errors import CheckpointError
-from megazpp.interop import reshard
-from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
-from megazpp.interop.reshard import needs_reshard
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint_manager import CheckpointManager, LoadKind, LoadPlan
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.trainer import Trainer
 
@@ -88,7 +87,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
         device=device,
     )
     plan = LoadPlan(LoadKind.RESUME, reshard_from, "resharding", None) if reshard_from is not None else None
-    checkpoints = CheckpointManager(cfg, topology, device, plan, resharder=reshard)
+    checkpoints = CheckpointManager(cfg, topology, device, plan)
     trainer = Trainer(options, model, engine, topology, train_ds, None, logger, device, checkpoints=checkpoints)
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler()

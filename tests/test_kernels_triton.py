@@ -34,6 +34,7 @@ def _import_interpreted_triton_ops():
 triton_ops = _import_interpreted_triton_ops()
 # the GPU check's inputs (tests and check alike); imported after the interpreted module, which it uses
 from kernels.cuda_bitwise_check import inputs as _inputs  # noqa: E402
+from kernels.triton_geometry import Geometry  # noqa: E402
 
 # (numel, block_size): divides / does not divide; power of two / not; several tiles per launch;
 # a block larger than one 4096-element tile (one row per program, 8 warps).
@@ -224,3 +225,62 @@ def test_gpu_bitwise_check_passes_under_the_interpreter(monkeypatch):
     cases = [(label, run) for label, run in cuda_bitwise_check.cases() if "block 8192" not in label]
     assert len(cases) > 80
     assert [(label, problem) for label, run in cases if (problem := run())] == []
+
+
+# Rows per program 1, 4 and 64 for blocks of 256 (the interpreter ignores the warp count; the
+# rows decide which program holds which block, and a last program that is partly past the end).
+GEOMETRIES = [Geometry(256, 2), Geometry(1024, 4), Geometry(16384, 8)]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.elements}x{g.warps}")
+def test_every_geometry_gives_the_reference_bits(geometry):
+    """The tuned launch geometry cannot change the bits: blocks are independent and whole in
+    one program. Every op at a few geometries, 5 blocks and a ragged tail."""
+    block, numel = 256, 5 * 256 - 3
+    x = _inputs(numel, block, seed=5)
+    for bits in (4, 8):
+        want = reference.quantize(x, bits, block)
+        _same(triton_ops.quantize(x, bits, block, geometry=geometry), want)
+        _same(
+            triton_ops.dequantize(*want, bits, block, numel, dtype=torch.bfloat16, geometry=geometry),
+            reference.dequantize(*want, bits, block, numel, dtype=torch.bfloat16),
+        )
+        mine = _error_buffer(numel, block, seed=bits, scale=0.1)
+        theirs = mine.clone()
+        _same(
+            triton_ops.loco_quantize(x, mine, 0.8, block, bits, geometry=geometry),
+            reference.loco_quantize(x, theirs, 0.8, block, bits),
+        )
+    parts = [reference.quantize(_inputs(5 * block, block, seed=p), 4, block) for p in range(3)]
+    codes, scales = torch.stack([c for c, _ in parts]), torch.stack([s for _, s in parts])
+    _same(
+        triton_ops.dequant_reduce(codes, scales, 4, block, numel, geometry=geometry),
+        reference.dequant_reduce(codes, scales, 4, block, numel),
+    )
+    _same(
+        triton_ops.dequant_reduce_quantize(codes, scales, 4, block, geometry=geometry),
+        reference.dequant_reduce_quantize(codes, scales, 4, block),
+    )
+    mine = _error_buffer(5 * block, block, seed=9, scale=0.1)
+    theirs = mine.clone()
+    _same(
+        triton_ops.dequant_reduce_loco_quantize(codes, scales, 4, block, mine, 0.8, geometry=geometry),
+        reference.dequant_reduce_loco_quantize(codes, scales, 4, block, theirs, 0.8),
+    )
+
+
+def test_the_tuner_spans_the_distinct_geometries_and_restores_error_buffers():
+    """What the autotuner on a GPU chooses among: for blocks of 256 every candidate is a
+    distinct (rows, warps); for blocks of 8192 the candidates collapse to one or two blocks per
+    program. A LoCo variant restores its error buffer between trials."""
+    from kernels import triton_geometry
+
+    def configs(block_size, restore=()):
+        tuner = triton_geometry._tuner(triton_ops._loco_quantize_kernel, block_size, (("BITS", 4),), restore)
+        return tuner, sorted((c.kwargs["ROWS"], c.num_warps) for c in tuner.configs)
+
+    _, wide = configs(8192)
+    assert wide == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
+    tuner, narrow = configs(256, ("err_ptr",))
+    assert len(narrow) == len(triton_geometry.CANDIDATES) and (16, 4) in narrow
+    assert tuner.restore_value == ["err_ptr"] and tuner.keys == ["blocks"]

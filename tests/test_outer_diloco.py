@@ -30,6 +30,7 @@ from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.local_engine import LocalEngine
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
+from megazpp.outer import traffic as outer_traffic
 from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import average_chunks
 from megazpp.outer.fragments import due_fragments
@@ -38,6 +39,8 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
+from megazpp.parallel.wire import GroupShape
+from megazpp.zero import traffic as zero_traffic
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.zero_engine import ZeroEngine
@@ -105,9 +108,55 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
     return out
 
 
+def _publish_predicted(e: ZeroEngine) -> tuple[int, int, int]:
+    """(intra, inter, calls) of re-publishing new masters to level p inside the island
+    (`ZeroEngine.publish_masters`) by the traffic formula: the inner step's refresh phases, once."""
+    parts = zero_traffic.step_parts(
+        e.strategy,
+        e.padded_numels(),
+        e.shapes,
+        e.hier,
+        micro_batches=1,
+        param_bytes=e.param_dtype.itemsize,
+        accum_bytes=e.accum_dtype.itemsize,
+        zeropp=e.zeropp,
+        reused=e.reused,
+        persistent=e.persistent,
+    )
+    intra = inter = calls = 0
+    for part in (parts["refresh"], parts["refresh_persistent"]):
+        a, b = part.bytes_once(e.shapes)
+        intra, inter, calls = intra + a, inter + b, calls + part.calls_once(e.shapes)
+    return intra, inter, calls
+
+
+def _stats_predicted(island: Topology) -> tuple[int, int]:
+    """(intra, inter) of the outer step's logged norms: one all-reduce of two fp32 over the world."""
+    world = GroupShape.of(range(island.world_size * island.islands), island.rank, island.ranks_per_node, comm.backend())
+    return outer_traffic.stats_bytes(world)
+
+
+def _moments_as_saved(inner: ZeroEngine) -> bool:
+    """The inner optimizer's state the outer loop gets (`moments()`: AdamW's moments of each
+    master, in the masters' order) is what the engine's checkpoint saves for each master."""
+    state = inner.state_dict()
+    slot_of = {tuple(place): slot for slot, place in enumerate(state["optimizer_slots"])}
+    places = [(b, j) for b, bucket in enumerate(state["buckets"]) for j in range(len(bucket["masters"]))]
+    moments, masters = inner.moments(), inner.masters()
+    if len(moments) != len(places) or len(masters) != len(places):
+        return False
+    for moment, master, place in zip(moments, masters, places):
+        saved = state["optimizer"]["state"].get(slot_of.get(place, -1))
+        if moment is None or saved is None or moment[0].shape != master.shape:
+            return False  # every master has taken steps by now
+        if not (torch.equal(moment[0], saved["exp_avg"]) and torch.equal(moment[1], saved["exp_avg_sq"])):
+            return False
+    return True
+
+
 def _strategies_rank(ckpt_root: str) -> dict:
-    from megazpp.training.checkpoint_load import load_checkpoint
-    from megazpp.training.checkpoint_save import save_checkpoint
+    from megazpp.checkpoint.load import load_checkpoint
+    from megazpp.checkpoint.save import save_checkpoint
 
     topo = Topology.from_env(ranks_per_node=2)
     island = topo.island_view(1)
@@ -126,8 +175,9 @@ def _strategies_rank(ckpt_root: str) -> dict:
             "expected": engine.expected_bytes(),
             "inner_predicted": (*engine.inner.expected_step_bytes(MICRO), engine.inner.expected_step_calls(MICRO)),
             "sync_predicted": engine.expected_sync_bytes(),
-            "stats_predicted": engine.expected_stats_bytes(),
-            "publish_predicted": engine.expected_publish(),
+            "stats_predicted": _stats_predicted(island),
+            "publish_predicted": _publish_predicted(engine.inner),
+            "moments_as_saved": _moments_as_saved(engine.inner),
             "fragment_names": engine.fragment_names(),
             "fragment_bytes": [engine.expected_sync_bytes([f]) for f in range(len(engine.fragments))],
         }
@@ -238,6 +288,7 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             assert losses == pytest.approx(references[kind][dp_rank], abs=bound), where
             assert run["islands_equal"], where
             assert run["held"] == run["expected"], where
+            assert run["moments_as_saved"], where
             if name in RESUMED:
                 assert run["resumed"], where
             intra, inter, calls = run["inner_predicted"]

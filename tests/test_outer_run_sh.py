@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from megazpp.analysis.event_reader import read_run
-from megazpp.interop.checkpoint_io import CheckpointReader
+from megazpp.checkpoint.reader import CheckpointReader
 from tests.test_first_hour import one_line_refusal, run_sh, tool
 
 OUTER = ["--micro-batch-size", "4", "--ranks-per-node", "2", "--outer-algorithm", "diloco", "--outer-sync-every", "5"]

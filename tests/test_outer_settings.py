@@ -148,7 +148,7 @@ def test_refused_before_any_rank_starts(tmp_path):
 def test_checkpoints_saved_before_the_section_resume_unchanged():
     """A run saved before the `outer` section existed has the same settings as one with its
     defaults; turning two-level training on is a change the resume rule names."""
-    from megazpp.training.resume_rule import settings_diff
+    from megazpp.checkpoint.resume_rule import settings_diff
 
     saved = load_config([]).to_dict()
     del saved["outer"]

@@ -1,7 +1,7 @@
 """Atomic checkpoints under injected crashes, refusal of incomplete or inconsistent ones, and
 the explicit fallback to the previous checkpoint.
 
-Crashes are injected with `MEGAZPP_FAULT` (megazpp/training/faults.py): `raise_after_rank_file`
+Crashes are injected with `MEGAZPP_FAULT` (megazpp/faults.py): `raise_after_rank_file`
 (a rank dies after writing its shard, before the others meet) and `raise_before_latest` (the
 directory is complete but `latest` has not moved)."""
 
@@ -19,10 +19,10 @@ from support import QUIET_FLAGS
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
+from megazpp.checkpoint.load import load_checkpoint
 from megazpp.errors import CheckpointError
+from megazpp.faults import InjectedFault
 from megazpp.launch.local_ranks import run_ranks
-from megazpp.training.checkpoint_load import load_checkpoint
-from megazpp.training.faults import InjectedFault
 
 
 def hashes(directory: Path) -> dict[str, str]:

@@ -16,8 +16,8 @@ from support import ROOT, checkout_env, free_port
 from test_reliability_signals import LONG, run_sh, run_sh_data
 from test_training_pretrain import tiny_args
 
-from megazpp.training.checkpoint import LATEST_FILE, expected_rank_files, read_metadata
-from megazpp.training.checkpoint_files import verify_checksum
+from megazpp.checkpoint.files import verify_checksum
+from megazpp.checkpoint.format import LATEST_FILE, expected_rank_files, read_metadata
 
 
 def children(pid: int) -> list[int]:

@@ -13,8 +13,8 @@ from test_reliability_checkpoint import topo
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
+from megazpp.checkpoint.load import load_checkpoint
 from megazpp.errors import ConfigError, NumericalError
-from megazpp.training.checkpoint_load import load_checkpoint
 
 
 def test_a_nan_step_is_skipped_and_not_saved(tmp_path, monkeypatch, tiny_indexed_prefix, tiny_tokenizer_model):

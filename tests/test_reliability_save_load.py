@@ -22,7 +22,7 @@ from test_reliability_inputs import pretrain, refused
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
-from megazpp.training.checkpoint_load import load_checkpoint
+from megazpp.checkpoint.load import load_checkpoint
 
 RANK_FILE = "rank_tp00_pp000_dp0000.pt"
 ONE_RANK = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0)

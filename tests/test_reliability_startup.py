@@ -21,8 +21,8 @@ from test_reliability_inputs import pretrain, refused
 from test_training_pretrain import tiny_args
 
 import pretrain_gpt
+from megazpp.checkpoint import lock as save_lock
 from megazpp.errors import CheckpointError
-from megazpp.training import save_lock
 from megazpp.training.startup import prepare
 
 _AT = TINY.index("--max-position-embeddings")

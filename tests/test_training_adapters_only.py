@@ -20,16 +20,16 @@ import pytest
 import torch
 from support import HF_SIZED_LLAMA, TINY_LORA, load_script, load_tool, save_tiny_hf_llama, write_lora_run
 
+from megazpp.checkpoint.files import file_checksum
+from megazpp.checkpoint.format import METADATA_FILE
+from megazpp.checkpoint.frozen_base import BASE_KEY
+from megazpp.checkpoint.reader import CheckpointReader
 from megazpp.errors import CheckpointError
-from megazpp.interop.checkpoint_io import CheckpointReader
 from megazpp.interop.consolidate import consolidated_weights
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
 from megazpp.model.lora import is_adapter
-from megazpp.training.checkpoint import METADATA_FILE
-from megazpp.training.checkpoint_files import file_checksum
-from megazpp.training.frozen_base import BASE_KEY
 from megazpp.training.startup import prepare
 from megazpp.zero.frozen import FROZEN_PREFIX, FROZEN_SAVED_KEY
 

@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megazpp.checkpoint.manager import CheckpointManager, LoadKind, Progress, plan_load
 from megazpp.config.checks import check_config, validate_config
 from megazpp.config.load import load_config
 from megazpp.errors import CheckpointError
-from megazpp.interop import reshard
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint_manager import CheckpointManager, LoadKind, Progress, plan_load
 from megazpp.training.lr_schedule import LRSchedule
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
@@ -87,7 +86,7 @@ def test_checkpoint_of_the_previous_code_resumes_and_saves_the_same_format(tmp_p
 
     topology, device = Topology.from_env(1, 1), torch.device("cpu")
     model = pretrain_gpt.build_model(cfg, topology, device)
-    checkpoints = CheckpointManager(cfg, topology, device, plan, resharder=reshard)
+    checkpoints = CheckpointManager(cfg, topology, device, plan)
     checkpoints.load_base(model)  # a full checkpoint's run has no base to load
     engine = pretrain_gpt.build_engine(model, topology, check_config(cfg, 1))
     loaded = checkpoints.load(model, engine)

@@ -13,8 +13,8 @@ from support import TINY_MODEL_FLAGS, data_flags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pretrain_gpt
+from megazpp.checkpoint.format import latest_checkpoint
 from megazpp.errors import CheckpointError
-from megazpp.training.checkpoint import latest_checkpoint
 from megazpp.training.logger import TAGS
 
 

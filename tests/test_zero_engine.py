@@ -20,6 +20,8 @@ import pytest
 import torch
 from support import TINY_LLAMA
 
+from megazpp.checkpoint.load import load_checkpoint
+from megazpp.checkpoint.save import save_checkpoint
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
@@ -29,8 +31,6 @@ from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.counter import counter
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint_load import load_checkpoint
-from megazpp.training.checkpoint_save import save_checkpoint
 from megazpp.zero import sequences
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES

@@ -145,6 +145,13 @@ def bench_device(device: str, numel: int, args: argparse.Namespace, cpu_kernels:
             f"| {case.name} | {moved:,} | {seconds * 1e6:,.1f} | {moved / seconds / 1e9:,.1f} | "
             f"{100 * moved / seconds / copy_bw:.0f}% |"
         )
+    if device == "cuda":  # what Triton's autotuner chose for each kernel variant and size
+        from kernels.triton_geometry import tuned
+
+        lines += ["", "| kernel | constants | blocks | elements per program | warps |", "|---|---|---:|---:|---:|"]
+        for kernel, consts, blocks, geometry in tuned():
+            shown = " ".join(f"{k}={v}" for k, v in consts.items())
+            lines.append(f"| {kernel} | {shown} | {blocks} | {geometry.elements} | {geometry.warps} |")
     return "\n".join(lines)
 
 

@@ -12,6 +12,9 @@ GPU machines are lent for minutes, so what needs one is prepared here and run as
                      32000) beside Hugging Face's Llama, then compiled (--compile)
 6. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
                      tokens/s (bench_model at vocab 2048) and the planner's predicted peak memory
+7. kernels-geometry  the launch geometry Triton's autotuner chose in step 2, per kernel and size
+8. zero3-compiled    ZeRO-3 on 2 gloo ranks sharing the GPU, eager then --compile: losses, tokens/s
+9. loop-overhead     tools/profile_loop.py on step 6's job: the loop's time per phase (issue 40)
 
 A mismatch (a kernel bit, losses off the CPU job or the HF peer by more than the bound, a
 failed or timed-out command) makes the exit status 1; a step skipped because the time budget
@@ -36,6 +39,7 @@ from pathlib import Path
 import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 
 from benchmarks.gpu_check.commands import Context, Outcome
+from benchmarks.gpu_check.overheads import COMPILED_ZERO3, RUN_SH_CONFIG
 from benchmarks.gpu_check.report import write_report
 from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
 from benchmarks.gpu_check.steps import STEPS
@@ -56,11 +60,16 @@ def dry_run() -> int:
         cfg = load_config(ENGINE_COMMON + flags + ["--distributed-backend", "gloo"])
         check_config(cfg, ranks)  # every subsystem's options, the engine's included
         print(f"  engine job {name}: {ranks} ranks, flags valid: {' '.join(flags)}")
+    compiled = ENGINE_COMMON + COMPILED_ZERO3 + ["--compile"]
+    check_config(load_config(compiled), 2)
+    print(f"  zero3-compiled job: 2 ranks, flags valid: {' '.join(COMPILED_ZERO3)} --compile")
     for path in (
         "run.sh",
         "tools/bench_quant.py",
         "tools/bench_model.py",
         "tools/plan.py",
+        "tools/profile_loop.py",
+        RUN_SH_CONFIG,
         "kernels/cuda_bitwise_check.py",
     ):
         if not (ROOT / path).exists():

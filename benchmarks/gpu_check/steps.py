@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
+from benchmarks.gpu_check.overheads import OVERHEAD_STEPS
 from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib, tb_losses
 from benchmarks.gpu_check.settings import (
     ENGINE_BOUND,
@@ -263,4 +264,5 @@ STEPS: list[tuple[str, str, int, Callable[[Context], Outcome]]] = [
         90,
         step_end_to_end,
     ),
+    *OVERHEAD_STEPS,
 ]

@@ -29,7 +29,7 @@ from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split, dp_groups, island_layout
 from megazpp.zero.frozen import check_frozen_support
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import Level, PlannerChoice, Strategy
+from megazpp.zero.strategy import Level, Strategy
 from megazpp.zero.zeropp import hpz_group_size
 
 
@@ -86,8 +86,6 @@ def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOption
     k = zero.paro_group_size
     if k is not None and dp % k:
         raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the data-parallel size {dp}")
-    if cfg.training.compile:
-        _check_compile(zero.strategy)
     if (cfg.model.lora_rank or cfg.training.trainable) and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
         zpp = zero.zeropp
         persistence = zero.stage3_param_persistence_threshold
@@ -113,26 +111,6 @@ def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOption
             )
         )
     return zero
-
-
-def _check_compile(strategy: Strategy | PlannerChoice) -> None:
-    """training.compile needs every layer's parameters resident: a strategy that shards them
-    (p = I or G) swaps each parameter's storage for a gathered one and back around every call,
-    and a compiled graph keeps the shapes it was traced with (under ZeRO-3 the first released
-    parameter fails Inductor's size check), so that pairing is refused before any rank starts."""
-    if isinstance(strategy, PlannerChoice):
-        raise ConfigError(
-            "training.compile with zero.paro_strategy = auto: the planner may choose a strategy "
-            "that shards parameters, which compiled layers cannot follow; name a strategy whose "
-            "parameters stay whole (zero.stage 0, 1 or 2, or a PaRO strategy N**)"
-        )
-    if strategy.params != Level.N:
-        raise ConfigError(
-            f"training.compile with strategy {strategy.name}: its parameters are sharded "
-            f"({strategy.params.name}) and gathered around each layer call, which a compiled layer "
-            "cannot follow (it keeps the shapes it was traced with); use zero.stage 0, 1 or 2 "
-            "(or a PaRO strategy N**), or drop --compile"
-        )
 
 
 def _require_positive(where: str, value: int | float | None) -> None:

@@ -1,7 +1,8 @@
-"""megazpp checkpoints as seen from outside a training run: read any rank's model part, and
-write a weights-only checkpoint for a chosen tensor/pipeline layout.
+"""megazpp checkpoints as seen from outside a training run: any rank's model part (read through
+`megazpp.checkpoint.reader.CheckpointReader`), and a weights-only checkpoint written for a chosen
+tensor/pipeline layout.
 
-A checkpoint (see megazpp/training/checkpoint.py) is `iter_N/` with `metadata.json` (format,
+A checkpoint (see megazpp/checkpoint/format.py) is `iter_N/` with `metadata.json` (format,
 iteration, world_size, tp, pp, dp) and one `rank_tpXX_ppYYY_dpZZZZ.pt` per rank holding
 {"model": that rank's model state dict, "engine": its optimizer engine's state, ...}.
 
@@ -11,7 +12,7 @@ Where the weights of a (tp_rank, pp_rank) part live depends on the engine that w
 - ZeRO engines (engine state carries "strategy" = "pgo", e.g. "NNG"): with parameters
   replicated (p = N) DP rank 0's "model" holds the whole part and is read. Released
   parameters (p = I or G, saved as empty tensors) and the sharded fp32 masters are
-  reassembled from the flat bucket shards of every DP rank (`zero_shards.py`).
+  reassembled from the flat bucket shards of every DP rank (`megazpp/checkpoint/zero_shards.py`).
 
 Weights-only checkpoints (what an import writes) hold {"iteration": 0, "consumed_samples": 0,
 "model": ...} per rank and record the model config and `"weights_only": true` in
@@ -31,12 +32,8 @@ from pathlib import Path
 
 import torch
 
-from megazpp.errors import CheckpointError, ConfigError
-from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
-from megazpp.interop.zero_shards import OUTER_KEY, consolidated_part
-from megazpp.model.config import ModelConfig
-from megazpp.state import StateDict
-from megazpp.training.checkpoint import (
+from megazpp.checkpoint.files import write_atomically
+from megazpp.checkpoint.format import (
     CHECKSUMS_KEY,
     CONFIG_KEY,
     FORMAT_VERSION,
@@ -45,25 +42,16 @@ from megazpp.training.checkpoint import (
     MODEL_CONFIG_KEY,
     WEIGHTS_ONLY_KEY,
     checkpoint_name,
-    latest_checkpoint,
     layout_of,
     rank_file_name,
 )
-from megazpp.training.checkpoint_files import verify_checksum, write_atomically
+from megazpp.checkpoint.reader import CheckpointReader
+from megazpp.checkpoint.zero_shards import consolidated_part
+from megazpp.errors import CheckpointError
+from megazpp.interop.model_layout import StageLayout, layout_topology, shard_for_rank, stage_layouts
+from megazpp.model.config import ModelConfig
+from megazpp.outer.diloco import OUTER_STATE_KEY
 from megazpp.unique_keys import JSONObject
-
-
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A save directory (its `latest` checkpoint) or an `iter_N` directory itself."""
-    path = Path(path)
-    if (path / METADATA_FILE).exists():
-        return path
-    found = latest_checkpoint(path)
-    if found is None:
-        raise CheckpointError(
-            f"{path}: neither a checkpoint directory (no {METADATA_FILE}) nor a save directory (no {LATEST_FILE})"
-        )
-    return found
 
 
 def _zero_strategy(engine_state: object) -> str | None:
@@ -78,90 +66,30 @@ def _is_whole(model: Mapping[str, torch.Tensor], stage: StageLayout, tp: int) ->
     return all(model[key].shape == stage.shard_shape(key, tp) for key in stage.keys if key in model)
 
 
-class CheckpointReader:
-    """Reads the model parts of one checkpoint (one rank file at a time, memory-mapped)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = resolve_checkpoint(path)
-        meta_file = self.path / METADATA_FILE
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{meta_file}: unreadable ({exc})") from exc
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{meta_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r}"
-            )
-        for key in ("iteration", "tp", "pp", "dp"):
-            if not isinstance(meta.get(key), int) or meta[key] < (0 if key == "iteration" else 1):
-                raise CheckpointError(f"{meta_file}: {key} = {meta.get(key)!r} is not valid")
-        self.meta: JSONObject = meta
-        self.tp, self.pp, self.dp = meta["tp"], meta["pp"], meta["dp"]
-        self.iteration = meta["iteration"]
-
-    def model_config(self, given: ModelConfig | None = None) -> ModelConfig:
-        """The model config saved in the checkpoint, or `given` (a run's checkpoints do not
-        record it; then the run's config must be given). Both present must agree."""
-        saved = self.meta.get(MODEL_CONFIG_KEY)
-        if saved is None:
-            if given is None:
-                raise ConfigError(
-                    f"{self.path / METADATA_FILE} does not record the model "
-                    "config: give the training run's config (--config FILE)"
-                )
-            return given.validate()
-        try:
-            cfg = ModelConfig(**saved).validate()
-        except TypeError as exc:
-            raise CheckpointError(
-                f"{self.path / METADATA_FILE}: {MODEL_CONFIG_KEY} is not a model config ({exc})"
-            ) from exc
-        if given is not None and dataclasses.asdict(given) != dataclasses.asdict(cfg):
-            diff = sorted(k for k, v in dataclasses.asdict(cfg).items() if getattr(given, k) != v)
-            raise ConfigError(
-                f"the given model config differs from the one saved in {self.path / METADATA_FILE} in {diff}"
-            )
-        return cfg
-
-    def rank_file(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> Path:
-        topo = layout_topology(self.tp, self.pp, tp_rank, pp_rank, dp=self.dp, dp_rank=dp_rank)
-        return self.path / rank_file_name(topo.tp_rank, topo.pp_rank, topo.dp_rank)
-
-    def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> StateDict:
-        file = self.rank_file(tp_rank, pp_rank, dp_rank)
-        if not file.exists():
-            raise CheckpointError(f"{file}: missing (checkpoint {self.path} is incomplete)")
-        verify_checksum(file, self.meta)
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # any unpickling failure means an unusable file
-            raise CheckpointError(f"{file}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise CheckpointError(f"{file}: holds no 'model' state dict")
-        return state
-
-    def part_weights(self, tp_rank: int, pp_rank: int, stage: StageLayout, masters: bool) -> dict[str, torch.Tensor]:
-        """The (tp_rank, pp_rank) part's state dict: the model's tensors as saved, or with
-        `masters` the optimizer's fp32 master copies where the run kept them (bf16/fp16)."""
-        file = self.rank_file(tp_rank, pp_rank)
-        state = self.rank_state(tp_rank, pp_rank)
-        engine = state.get("engine")
-        strategy = _zero_strategy(engine)
-        model = state["model"]
-        if strategy is not None:
-            # a two-level checkpoint's rank holds its island's own weights: the export takes the
-            # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)
-            if masters or (engine is not None and OUTER_KEY in engine) or not _is_whole(model, stage, self.tp):
-                return consolidated_part(self, tp_rank, pp_rank, model, masters)
-            return model
-        if not masters or engine is None or engine.get("masters") is None:
-            return model
-        saved = engine["masters"]
-        if len(saved) != len(stage.parameter_names):
-            raise CheckpointError(f"{file}: {len(saved)} fp32 masters for {len(stage.parameter_names)} parameters")
-        out = dict(model)
-        out.update(zip(stage.parameter_names, saved))
-        return out
+def part_weights(
+    reader: CheckpointReader, tp_rank: int, pp_rank: int, stage: StageLayout, masters: bool
+) -> dict[str, torch.Tensor]:
+    """The (tp_rank, pp_rank) part's state dict: the model's tensors as saved, or with
+    `masters` the optimizer's fp32 master copies where the run kept them (bf16/fp16)."""
+    file = reader.rank_file(tp_rank, pp_rank)
+    state = reader.rank_state(tp_rank, pp_rank)
+    engine = state.get("engine")
+    strategy = _zero_strategy(engine)
+    model = state["model"]
+    if strategy is not None:
+        # a two-level checkpoint's rank holds its island's own weights: the export takes the
+        # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)
+        if masters or (engine is not None and OUTER_STATE_KEY in engine) or not _is_whole(model, stage, reader.tp):
+            return consolidated_part(reader, tp_rank, pp_rank, model, masters)
+        return model
+    if not masters or engine is None or engine.get("masters") is None:
+        return model
+    saved = engine["masters"]
+    if len(saved) != len(stage.parameter_names):
+        raise CheckpointError(f"{file}: {len(saved)} fp32 masters for {len(stage.parameter_names)} parameters")
+    out = dict(model)
+    out.update(zip(stage.parameter_names, saved))
+    return out
 
 
 def saved_tokenizer(path: str | os.PathLike[str]) -> str | None:

@@ -14,13 +14,14 @@ from collections.abc import Mapping
 
 import torch
 
+from megazpp.checkpoint.format import CONFIG_KEY
+from megazpp.checkpoint.frozen_base import check_base, recorded_base
+from megazpp.checkpoint.reader import CheckpointReader
 from megazpp.errors import ConfigError
-from megazpp.interop.checkpoint_io import CheckpointReader
+from megazpp.interop.checkpoint_io import part_weights
 from megazpp.interop.model_layout import merge_stages, merge_tp_shards, shard_for_rank, stage_layouts
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
-from megazpp.training.checkpoint import CONFIG_KEY
-from megazpp.training.frozen_base import check_base, recorded_base
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,7 +64,7 @@ def consolidated_weights(
     for stage in stages:
         parts: list[Mapping[str, torch.Tensor]] = []
         for tp_rank in range(reader.tp):
-            part = reader.part_weights(tp_rank, stage.pp_rank, stage, masters)
+            part = part_weights(reader, tp_rank, stage.pp_rank, stage, masters)
             if base is not None:  # an adapters-only checkpoint: the frozen weights are the base's
                 absent = [k for k in stage.keys if k not in part]
                 part = {**shard_for_rank(base, stage, cfg, reader.tp, tp_rank, absent), **part}

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from megazpp.checkpoint.reader import CheckpointReader
 from megazpp.errors import CheckpointError, refuse_existing
-from megazpp.interop.checkpoint_io import CheckpointReader, write_weights_checkpoint
+from megazpp.interop.checkpoint_io import write_weights_checkpoint
 from megazpp.interop.consolidate import cast, consolidated_weights
 from megazpp.interop.hf_llama import hf_config_from_model, hf_to_megazpp, megazpp_to_hf, model_config_from_hf
 from megazpp.interop.safetensors_io import (

@@ -15,7 +15,7 @@ started some other way) or off Linux, nothing is done.
 SIGKILL, not SIGTERM: a launcher killed outright means the job is over, and a rank blocked
 in a collective whose peer already died would never act on SIGTERM. Nothing is lost but the
 steps since the last checkpoint: a save is written to a temporary directory and `latest`
-moves only once it is complete (`training.checkpoint`), so a rank killed mid-save leaves
+moves only once it is complete (`megazpp.checkpoint`), so a rank killed mid-save leaves
 `latest` naming the previous complete checkpoint. To stop with a save, send SIGTERM to the
 launcher: it forwards it (`node_launcher`).
 """

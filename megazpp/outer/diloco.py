@@ -1,11 +1,10 @@
 """DiLoCo over islands: a ZeRO engine inside each island, an outer Nesterov step across them.
 
 Why a wrapper and not a ZeRO path: the inner step is exactly the synchronous engine's (any
-strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks, and the trainer sees one `Engine`.
-The outer step works on the inner engine's fp32 master shards and re-publishes them
-(`publish_masters`), but it also reads the engine's layout: its buckets (which cut the
-fragments and hold the masters), its strategy's optimizer-state level, its ZeRO++ CPU kernels
-(the int4 wire), its groups and padded sizes (the traffic and memory formulas).
+strategy, ZeRO++, LoCo, TP/PP) over the island's DP ranks; the outer step only reads and
+replaces the fp32 master shards, so it asks the engine only what `zero.inner_engine.InnerEngine`
+offers: the masters and their publishing, where fragments and norms sit in them, the memory
+figures. The trainer sees one `Engine`.
 
 The parameters are cut into `outer.fragments` F fragments of whole tensors (F = 1: one), each
 due every H = `outer.sync_every` inner steps at its own offset (Streaming DiLoCo's staggering),
@@ -37,7 +36,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -53,11 +52,9 @@ from megazpp.outer.update import merge, outer_update
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
-from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory
-from megazpp.zero import traffic as traffic_zero
-from megazpp.zero.strategy import Strategy
-from megazpp.zero.zero_engine import ZeroEngine
+from megazpp.zero.inner_engine import InnerEngine
+from megazpp.zero.shard_map import ShardLayout
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +63,23 @@ OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
 
 
+@runtime_checkable
+class TwoLevelEngine(Protocol):
+    """What the banner says of two-level training, asked of whichever engine runs it."""
+
+    options: OuterOptions
+    island: Topology  # this rank's island (`Topology.island_view`)
+    islands: int
+
+    def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]: ...
+
+
 class DiLoCoEngine:
-    """The engine protocol over `inner` (a ZeroEngine over one island's DP ranks, built on
+    """The engine protocol over `inner` (a ZeRO engine over one island's DP ranks, built on
     `island`, a `Topology.island_view`), syncing across islands every `options.sync_every`
     inner steps."""
 
-    def __init__(self, inner: ZeroEngine, options: OuterOptions, island: Topology) -> None:
+    def __init__(self, inner: InnerEngine, options: OuterOptions, island: Topology) -> None:
         self.inner = inner
         self.options = options
         self.island = island
@@ -79,15 +87,16 @@ class DiLoCoEngine:
         self.inner_steps = 0
         self._wire = WIRE_DTYPES[options.quantize]
         # the masters' device: every outer buffer lives there (a rank's os shard may be empty)
-        self.device = inner.buckets[0].param_store.device
+        self.device = inner.device
         self.snapshot = self._masters_flat()
         self.numel = self.snapshot.numel()
         self.momentum = torch.zeros_like(self.snapshot)
-        self._norms = NormWeights(inner)
-        self.fragments = build_fragments(inner.buckets, inner.strategy.optimizer_state, options.fragments)
+        self._shard = inner.shard_map()
+        self._norms = NormWeights(self._shard)
+        self.fragments = build_fragments(self._shard, options.fragments)
         self.in_flight: list[Exchange] = []
         self._int4 = (
-            Int4Wire(traffic.DEFAULT_BLOCK, inner.zeropp.cpu_kernels, options.error_feedback)
+            Int4Wire(traffic.DEFAULT_BLOCK, inner.shard_layout().zeropp.cpu_kernels, options.error_feedback)
             if options.quantize == "int4"
             else None
         )
@@ -103,11 +112,8 @@ class DiLoCoEngine:
         )
 
     # -- what the outer step reads and writes ---------------------------------------------------
-    def _masters(self) -> list[torch.Tensor]:
-        return [m.param.data for b in self.inner.buckets for m in b.masters]
-
     def _masters_flat(self) -> torch.Tensor:
-        masters = self._masters()
+        masters = self.inner.masters()
         return torch.cat([t.reshape(-1) for t in masters]) if masters else torch.zeros(0, device=self.device)
 
     def _new_errors(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,16 +124,15 @@ class DiLoCoEngine:
 
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment."""
-        return fragment_names(self.inner.buckets, len(self.fragments))
+        return fragment_names(self._shard, len(self.fragments))
 
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
 
     # -- the engine protocol ----------------------------------------------------------------
-    @property
-    def strategy(self) -> Strategy:
-        """The islands' PaRO strategy (the banner reads it)."""
-        return self.inner.strategy
+    def shard_layout(self) -> ShardLayout:
+        """The islands' layout (`zero.inner_engine.ShardedEngine`: the banner and checkpoints ask it)."""
+        return self.inner.shard_layout()
 
     @property
     def loss_scale(self) -> float:
@@ -187,7 +192,7 @@ class DiLoCoEngine:
         """Issue fragment `f`'s exchange: its pseudo-gradient (snapshot minus masters) written
         straight into the padded send buffer, piece by piece from views (a subtraction is exact,
         so this is the whole vector's result bit for bit)."""
-        frag, masters = self.fragments[f], self._masters()
+        frag, masters = self.fragments[f], self.inner.masters()
         padded = self.snapshot.new_zeros(padded_size(frag.numel, self.islands, self.options.quantize, self._int4))
         snapshot = frag.gather(self.snapshot)
         for lo, hi, master in frag.masters(masters):
@@ -213,7 +218,7 @@ class DiLoCoEngine:
         One fragment at a time, each vector the fragment's length (the arithmetic of the whole
         vector, so the same bits), its temporaries freed before the next is made."""
         sums = self.snapshot.new_zeros(2)
-        masters = self._masters()
+        masters = self.inner.masters()
         for x in exchanges:
             frag = self.fragments[x.fragment]
             mean = x.mean(self.island.peer_group)
@@ -255,34 +260,6 @@ class DiLoCoEngine:
         ]
         return sum(a for a, _ in each), sum(b for _, b in each)
 
-    def expected_publish(self) -> tuple[int, int, int]:
-        """(intra, inter, calls) of re-publishing the new masters to level p inside the island
-        (`ZeroEngine.publish_masters`): the inner step's refresh phases, once."""
-        e = self.inner
-        parts = traffic_zero.step_parts(
-            e.strategy,
-            e.padded_numels(),
-            e.shapes,
-            e.hier,
-            micro_batches=1,
-            param_bytes=e.param_dtype.itemsize,
-            accum_bytes=e.accum_dtype.itemsize,
-            zeropp=e.zeropp,
-            reused=e.reused,
-            persistent=e.persistent,
-        )
-        intra = inter = calls = 0
-        for part in (parts["refresh"], parts["refresh_persistent"]):
-            a, b = part.bytes_once(e.shapes)
-            intra, inter, calls = intra + a, inter + b, calls + part.calls_once(e.shapes)
-        return intra, inter, calls
-
-    def expected_stats_bytes(self) -> tuple[int, int]:
-        world = GroupShape.of(
-            range(self.island.world_size * self.islands), self.island.rank, self.island.ranks_per_node, comm.backend()
-        )
-        return traffic.stats_bytes(world)
-
     def held_bytes(self) -> memory.StateBytes:
         inner = self.inner.held_bytes()
         kept = [self.snapshot, self.momentum] + [t for pair in self.errors for t in pair]
@@ -291,10 +268,7 @@ class DiLoCoEngine:
 
     def expected_bytes(self) -> memory.StateBytes:
         inner = self.inner.expected_bytes()
-        g = self.inner.groups
-        outer = memory.outer_state_bytes(
-            self.inner.strategy, self.inner.padded_numels(), g.dp_size, g.group_size, fp32_copies=2
-        )
+        outer = self.inner.expected_shard_bytes(fp32_copies=2)  # the snapshot and the momentum
         if self._int4 is not None:  # the error buffers: each fragment padded, and one chunk of it
             outer += sum(traffic.error_buffer_bytes(frag.numel, self.islands) for frag in self.fragments)
         return memory.StateBytes(inner.params, inner.grads, inner.optimizer + outer, inner.path_state)
@@ -335,7 +309,6 @@ class DiLoCoEngine:
                 "inner_steps": self.inner_steps,
                 "islands": self.islands,
                 "sync_every": self.options.sync_every,
-                "quantize": self.options.quantize,
                 "fragments": [range_indices(frag.ranges) for frag in self.fragments],
                 "snapshot": self.snapshot.clone(),
                 "momentum": self.momentum.clone(),

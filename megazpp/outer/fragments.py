@@ -17,10 +17,7 @@ import torch
 
 from megazpp.errors import ConfigError
 from megazpp.outer import traffic
-from megazpp.zero.bucket import Bucket
-from megazpp.zero.strategy import Level
-
-Range = tuple[int, int]  # [start, stop) of elements of the rank's flat os shard
+from megazpp.zero.shard_map import Range, ShardMap
 
 
 def merge_ranges(ranges: list[Range]) -> list[Range]:
@@ -105,55 +102,24 @@ def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
     return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
 
 
-def shard_offsets(buckets: list[Bucket]) -> list[int]:
-    """Where each bucket's masters start in the rank's flat os shard (the masters of all buckets
-    back to back), and the shard's end."""
-    offsets = [0]
-    for b in buckets:
-        offsets.append(offsets[-1] + sum(m.param.numel() for m in b.masters))
-    return offsets
-
-
-def trained_parameters(buckets: list[Bucket]) -> list[tuple[int, int]]:
-    """(bucket, tensor) of every trained parameter, in bucket order: the same on every rank
-    of a peer group (one strategy, one model)."""
-    return [(i, j) for i, b in enumerate(buckets) for j in range(b.num_params)]
-
-
-def build_fragments(buckets: list[Bucket], level: Level, count: int) -> list[Fragment]:
-    """`count` runs of consecutive parameter tensors (as even in count as they divide), so a
+def build_fragments(shard: ShardMap, count: int) -> list[Fragment]:
+    """`count` runs of consecutive trained tensors (as even in count as they divide), so a
     fragment is the same parameters on every rank, whatever part of them (maybe none) a
-    rank's shard (at `level`, the optimizer state's) holds; each as ranges of the flat shard
-    (one, unless padding splits it)."""
-    params = trained_parameters(buckets)
-    if count > len(params):
+    rank's os shard holds; each as ranges of the flat shard (one, unless padding splits it)."""
+    if count > len(shard.tensors):
         raise ConfigError(
-            f"outer.fragments = {count}: this pipeline stage trains only {len(params)} "
+            f"outer.fragments = {count}: this pipeline stage trains only {len(shard.tensors)} "
             f"parameter tensors, the units fragments are made of"
         )
-    offsets = shard_offsets(buckets)
-    pieces = [(offsets[i] + m.start, offsets[i] + m.end) for i, b in enumerate(buckets) for m in b.masters]
-    out = []
-    for run in traffic.fragment_runs(len(params), count):
-        out.append(
-            fragment_of(
-                [
-                    (offsets[i] + lo, offsets[i] + hi)
-                    for i, j in params[run.start : run.stop]
-                    for _, lo, hi in buckets[i].layout.ranges_in_shard(
-                        level, [k == j for k in range(buckets[i].num_params)]
-                    )
-                ],
-                pieces,
-            )
-        )
-    return out
-
-
-def fragment_names(buckets: list[Bucket], count: int) -> list[list[str]]:
-    """The parameter names of each of `count` fragments."""
-    params = trained_parameters(buckets)
     return [
-        [buckets[i].layout.names[j] for i, j in params[run.start : run.stop]]
-        for run in traffic.fragment_runs(len(params), count)
+        fragment_of([r for _, ranges in shard.tensors[run.start : run.stop] for r in ranges], shard.pieces)
+        for run in traffic.fragment_runs(len(shard.tensors), count)
+    ]
+
+
+def fragment_names(shard: ShardMap, count: int) -> list[list[str]]:
+    """The parameter names of each of `count` fragments."""
+    return [
+        [name for name, _ in shard.tensors[run.start : run.stop]]
+        for run in traffic.fragment_runs(len(shard.tensors), count)
     ]

@@ -1,7 +1,7 @@
 """The weights behind the outer step's logged norms (`outer/pseudo_grad_norm`,
 `outer/island_divergence`): which elements of the rank's flat os shard it counts, and by how much.
 
-A rank counts the elements the engine counts in its norms (`Bucket.norm_ranges`: TP-replicated
+A rank counts the elements the engine counts in its norms (`ShardMap.norm_ranges`: TP-replicated
 tensors on one TP rank), each weighing 1 / replication (how many ranks of an island hold the
 same os shard), so summed over every rank of every island each element counts once per island.
 """
@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from megazpp.outer.fragments import Fragment, Range, shard_offsets
-from megazpp.zero.strategy import level_div
-from megazpp.zero.zero_engine import ZeroEngine
+from megazpp.outer.fragments import Fragment
+from megazpp.zero.shard_map import Range, ShardMap
 
 
 class NormWeights:
-    """The counted ranges of the flat shard and their weight, for one island's engine `inner`."""
+    """The counted ranges of the flat shard and their weight, from one island's engine's map."""
 
-    def __init__(self, inner: ZeroEngine) -> None:
-        offsets = shard_offsets(inner.buckets)
-        self.ranges: list[Range] = [
-            (offsets[i] + lo, offsets[i] + hi) for i, b in enumerate(inner.buckets) for _, lo, hi in b.norm_ranges
-        ]
-        groups = inner.groups
+    def __init__(self, shard: ShardMap) -> None:
+        self.ranges: list[Range] = shard.norm_ranges
         # how many ranks of an island hold each os shard (os = N: all of them)
-        self.replication = groups.dp_size // level_div(
-            inner.strategy.optimizer_state, groups.dp_size, groups.group_size
-        )
+        self.replication = shard.replication
 
     def weighted_squares(self, frag: Fragment, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """sum(weight * values * values) over `frag`'s vector, the weight per element 1 /

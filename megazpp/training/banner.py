@@ -14,22 +14,21 @@ from megazpp.config.schema import Config
 from megazpp.model.flops import parameter_count
 from megazpp.model.trainable import trainable_fraction
 from megazpp.optim.engine_protocol import Engine
-from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.diloco import TwoLevelEngine
 from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
-from megazpp.zero.zero_engine import ZeroEngine
+from megazpp.zero.inner_engine import ShardedEngine
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
     """The strategy, who chose it, the group sizes and hierarchy the engine runs, and ZeRO++ as
     it runs (hpZ lowered to a node's DP ranks, all off on one DP rank) with why it differs from
     what was asked: said here once, not by every rank of the engine."""
-    two_level = isinstance(engine, DiLoCoEngine)
-    if isinstance(engine, DiLoCoEngine):
-        engine = engine.inner  # the island's engine
-    if not isinstance(engine, ZeroEngine):
+    if not isinstance(engine, ShardedEngine):
         return "none: one data-parallel replica (LocalEngine)"
-    strategy = engine.strategy
+    shards = engine.shard_layout()  # with two-level training, each island's
+    two_level = isinstance(engine, TwoLevelEngine)
+    strategy = shards.strategy
     z = cfg.zero
     if z.paro_strategy is not None and str(z.paro_strategy).lower() == "auto":
         source = (
@@ -43,15 +42,15 @@ def _strategy(cfg: Config, engine: Engine) -> str:
         source = f"zero.stage {z.stage}"
     else:
         source = "data parallel with no ZeRO stage: plain DDP"
-    groups, hier = engine.groups, engine.hier
+    hier = shards.hier
     two_stage = [
         name for name, on in (("gather", hier.gather), ("reduce", hier.reduce), ("all-reduce", hier.all_reduce)) if on
     ]
     layout = (
-        f"dp {groups.dp_size}, PaRO group {groups.group_size}; G collectives "
+        f"dp {shards.dp}, PaRO group {shards.group_size}; G collectives "
         f"{'in two stages (group, then across): ' + ', '.join(two_stage) if two_stage else 'in one stage'}"
     )
-    zpp = engine.zeropp
+    zpp = shards.zeropp
     zeropp = [
         name
         for name, on in (("qwZ", zpp.qwz), (f"hpZ {zpp.hpz}", zpp.hpz > 1), ("qgZ", zpp.qgz), ("LoCo", zpp.loco))
@@ -87,7 +86,7 @@ def _trains(cfg: Config) -> str:
 
 def _two_level(engine: Engine) -> list[str]:
     """The island layout and the outer step, when two-level training is on."""
-    if not isinstance(engine, DiLoCoEngine):
+    if not isinstance(engine, TwoLevelEngine):
         return []
     o, island = engine.options, engine.island
     inter = engine.expected_sync_bytes()[1]

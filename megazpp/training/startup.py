@@ -16,7 +16,7 @@ frozen sections that a text format would rebuild through their checking construc
 written by the same job on the same node just before its ranks read it, never taken from
 elsewhere.
 
-What it starts from (resume, import, frozen base) is `checkpoint_manager.plan_load`'s decision,
+What it starts from (resume, import, frozen base) is `checkpoint.manager.plan_load`'s decision,
 made here so that a refusal is one line per job.
 """
 
@@ -31,6 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megazpp import faults
+from megazpp.checkpoint.lock import check_save_lock
+from megazpp.checkpoint.manager import LoadPlan, plan_load
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
 from megazpp.config.options import RunOptions
@@ -39,10 +42,7 @@ from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
-from megazpp.training import faults
-from megazpp.training.checkpoint_manager import LoadPlan, plan_load
 from megazpp.training.memory_check import check_memory
-from megazpp.training.save_lock import check_save_lock
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Startup:
     """The run's checked options and how the run starts."""
 
     options: RunOptions  # every section checked and resolved, once (config.checks.check_config)
-    load: LoadPlan  # what the run starts from and why (checkpoint_manager.plan_load)
+    load: LoadPlan  # what the run starts from and why (checkpoint.manager.plan_load)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
 
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """run.sh's check, once per node before torchrun starts any rank: `--world-size N
     --ranks-on-node R --node-rank K [--handoff FILE]` then pretrain_gpt.py's arguments; silent
     when fine. Node 0 also checks that no other job writes the `--save` directory (its rank 0
-    then takes the lock: `save_lock`). With `--handoff`, the decision is written to FILE for
+    then takes the lock: `checkpoint.lock`). With `--handoff`, the decision is written to FILE for
     the ranks (`read_handoff`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)

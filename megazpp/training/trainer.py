@@ -27,6 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from megazpp import faults
+from megazpp.checkpoint.format import LoadedCheckpoint
+from megazpp.checkpoint.manager import CheckpointManager, Progress
+from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazpp.config.options import RunOptions
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import NumericalError
@@ -34,14 +38,10 @@ from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
-from megazpp.training import faults
-from megazpp.training.checkpoint import LoadedCheckpoint
-from megazpp.training.checkpoint_manager import CheckpointManager, Progress
 from megazpp.training.forward_backward import MicroBatch, forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
-from megazpp.training.rng_state import capture_rng_state, restore_rng_state
 from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]

@@ -90,7 +90,7 @@ def _optimizer_slots(engine: CheckpointedEngine) -> list[tuple[int, int]]:
 
 def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
     """This rank's own saved state (same layout: restored bit for bit), or a full per-
-    parameter state (`FULL_STATE_FORMAT`, made by `megazpp.interop.reshard` from every rank
+    parameter state (`FULL_STATE_FORMAT`, made by `megazpp.checkpoint.reshard` from every rank
     file of a checkpoint saved under another DP size or strategy), cut by this layout."""
     if engine.fetcher is not None:
         engine.fetcher.release_all()
@@ -103,7 +103,7 @@ def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
         raise CheckpointError(
             f"ZeRO checkpoint was written for (strategy, dp, paro group, dp rank) "
             f"= {theirs}, this run is {mine}; a checkpoint of another layout "
-            f"resumes through megazpp.interop.reshard"
+            f"resumes through megazpp.checkpoint.reshard"
         )
     # without its frozen buckets: they hold the base the model was built with, never updated
     held = engine.buckets + engine.frozen if state.get(FROZEN_SAVED_KEY, True) else engine.buckets
@@ -117,7 +117,7 @@ def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
             raise CheckpointError(
                 f"ZeRO checkpoint bucket {saved['name']} was laid out differently "
                 f"(parameters, padding or ZeRO++ alignment); it resumes through "
-                f"megazpp.interop.reshard"
+                f"megazpp.checkpoint.reshard"
             )
         b.load_state_dict(saved)
     engine.optimizer.load_state_dict(state["optimizer"])

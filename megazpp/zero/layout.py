@@ -35,7 +35,7 @@ from megazpp.zero.strategy import Level, level_div
 
 class LayoutRecord(TypedDict):
     """A bucket's layout as a rank file records it (`BucketLayout.describe`), read back by
-    `interop.zero_shards` to place the shards of another layout."""
+    `checkpoint.zero_shards` to place the shards of another layout."""
 
     names: list[str]
     shapes: list[list[int]]

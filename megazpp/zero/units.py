@@ -8,6 +8,15 @@ parameter count divided by (1 + its number of descendant modules) is below the t
 one unit with its whole subtree, so a layer of 64 three-linear experts costs one hook instead of
 197. Threshold 0 gives one unit per module that owns parameters.
 
+A module whose forward is compiled (`training.compile` compiles each transformer layer's
+`forward`) is always one unit with its whole subtree, whatever the threshold: its fetch hooks
+must run in its `__call__`, outside the compiled code. Hooks on modules inside it would run
+inside the compiled forward, where TorchDynamo traces them (it traced the parameter swap and
+then failed Inductor's size check on a released parameter) instead of running them. Gathered
+before the call and released after it, the parameters have the shapes the graph was traced
+with whenever the graph runs: torchtitan compiles each block over FSDP2's sharded parameters
+the same way, the gather outside the block's compiled code.
+
 Why fetch groups on top: each collective call costs a fixed host time (1-4 ms on CPU ranks,
 whatever its size), so gathering a Llama layer's seven units one by one costs seven calls per
 stage where one would do. A fetch group is a run of consecutive units sharing one flat buffer:
@@ -55,6 +64,11 @@ def is_fine_grained(module: nn.Module, threshold: int, trainable: bool = True) -
     return numel > 0 and numel / (1 + descendants) < threshold
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """The module's own forward was replaced by a torch.compile'd one (see the docstring)."""
+    return hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
+
+
 def parameter_units(model: nn.Module, threshold: int, trainable: bool = True) -> list[ParamGroupSpec]:
     """Units in module-registration order (the recorded execution order refines prefetch), of
     the trainable parameters, or of the frozen ones (`trainable=False`)."""
@@ -62,7 +76,7 @@ def parameter_units(model: nn.Module, threshold: int, trainable: bool = True) ->
     seen: set[int] = set()
 
     def visit(name: str, module: nn.Module) -> None:
-        if is_fine_grained(module, threshold, trainable):
+        if is_fine_grained(module, threshold, trainable) or is_compiled(module):
             unit = ParamGroupSpec(name or "<root>", modules=[module])
             for pname, p in module.named_parameters(prefix=name):
                 if p.requires_grad == trainable and id(p) not in seen:

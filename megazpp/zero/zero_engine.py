@@ -44,6 +44,7 @@ from megazpp.zero.layout import BucketLayout
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
+from megazpp.zero.shard_map import ShardLayout, ShardMap, shard_map
 from megazpp.zero.strategy import Level, Strategy
 from megazpp.zero.units import bucket_bound, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
@@ -488,6 +489,31 @@ class ZeroEngine(ScaledOptimizerEngine):
             yield
         finally:
             self.fetcher.release_all()
+
+    # -- what the outer loop reads and writes (`inner_engine.InnerEngine`) ----------------------
+    @property
+    def device(self) -> torch.device:
+        return self.buckets[0].param_store.device
+
+    def masters(self) -> list[torch.Tensor]:
+        return [m.param.data for b in self.buckets for m in b.masters]
+
+    def moments(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        state = [self.optimizer.state.get(m.param, {}) for b in self.buckets for m in b.masters]
+        return [(s["exp_avg"], s["exp_avg_sq"]) if "exp_avg" in s else None for s in state]
+
+    def shard_map(self) -> ShardMap:
+        return shard_map(self.buckets, self.strategy.optimizer_state, self.groups)
+
+    def shard_layout(self) -> ShardLayout:
+        g = self.groups
+        return ShardLayout(
+            self.strategy, g.dp_size, g.group_size, self.hier, self.zeropp, [b.layout.describe() for b in self.buckets]
+        )
+
+    def expected_shard_bytes(self, fp32_copies: int) -> int:
+        g = self.groups
+        return memory.outer_state_bytes(self.strategy, self.padded_numels(), g.dp_size, g.group_size, fp32_copies)
 
     # -- introspection -----------------------------------------------------------------------
     def padded_numels(self) -> list[int]:

@@ -9,11 +9,11 @@ Layout of a save directory:
         rank_tp00_pp000_dp0000.pt   one file per rank: its model part, engine state, RNGs, ...
                                     and the layout it was written under
 
-The modules beside this one each do one job on this format: `checkpoint_files` writes a file
-atomically and checks its checksum, `checkpoint_save` writes a checkpoint (the commit order that
-keeps the last good one safe), `checkpoint_load` reads and verifies one collectively,
+The modules beside this one each do one job on this format: `files` writes a file
+atomically and checks its checksum, `save` writes a checkpoint (the commit order that
+keeps the last good one safe), `load` reads and verifies one collectively,
 `rng_state` is the RNG part of a rank file. What a run loads and when it saves is decided in
-one place, `checkpoint_manager`.
+one place, `manager`.
 """
 
 from __future__ import annotations

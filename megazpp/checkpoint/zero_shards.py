@@ -19,13 +19,14 @@ import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.model.gpt import EMBEDDING_WEIGHT
+from megazpp.outer.diloco import OUTER_STATE_KEY
 from megazpp.state import StateDict
 from megazpp.zero.engine_state import FULL_STATE_FORMAT
 from megazpp.zero.layout import LayoutRecord
 
 
 class PartReader(Protocol):
-    """What is read from a checkpoint (`checkpoint_io.CheckpointReader`)."""
+    """What is read from a checkpoint (`reader.CheckpointReader`)."""
 
     path: Path
     dp: int
@@ -65,12 +66,9 @@ class FullPartState:
         }
 
 
-OUTER_KEY = "outer"  # two-level training's state in a rank's engine state (megazpp.outer.diloco)
-
-
 def _islands(reader: PartReader, tp_rank: int, pp_rank: int) -> int:
     engine = reader.rank_state(tp_rank, pp_rank, 0).get("engine")
-    outer = engine.get(OUTER_KEY) if isinstance(engine, dict) else None
+    outer = engine.get(OUTER_STATE_KEY) if isinstance(engine, dict) else None
     return int(outer["islands"]) if outer else 1
 
 
@@ -78,7 +76,7 @@ def _at_last_sync(engine: StateDict) -> StateDict:
     """A two-level rank's engine state with the islands' parameters at the last outer sync (the
     outer snapshot, the same on every island) in place of its own masters; its parameters at p
     are then made from those (`full_part_state`), so the island's own drift since is left out."""
-    snapshot = engine[OUTER_KEY]["snapshot"]
+    snapshot = engine[OUTER_STATE_KEY]["snapshot"]
     buckets, start = [], 0
     for b in engine["buckets"]:
         masters = []

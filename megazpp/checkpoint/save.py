@@ -18,12 +18,9 @@ from pathlib import Path
 
 import torch
 
-from megazpp.errors import CheckpointError
-from megazpp.parallel import comm
-from megazpp.parallel.topology import Topology
-from megazpp.state import StateDict
-from megazpp.training import faults
-from megazpp.training.checkpoint import (
+from megazpp import faults
+from megazpp.checkpoint.files import fsync_dir, write_atomically
+from megazpp.checkpoint.format import (
     CHECKSUMS_KEY,
     FORMAT_VERSION,
     ITER_DIR,
@@ -33,7 +30,10 @@ from megazpp.training.checkpoint import (
     layout_of,
     rank_file_name,
 )
-from megazpp.training.checkpoint_files import fsync_dir, write_atomically
+from megazpp.errors import CheckpointError
+from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from megazpp.checkpoint.format import CHECKSUMS_KEY, METADATA_FILE
 from megazpp.errors import CheckpointError
-from megazpp.training.checkpoint import CHECKSUMS_KEY, METADATA_FILE
 from megazpp.unique_keys import JSONObject
 
 

@@ -9,7 +9,7 @@ A run continues the checkpoint in a directory when
 Otherwise a checkpoint in `--save` is refused by name, with the settings that differ and the
 two ways on: `--load DIR` to continue it with the new settings, or another `--save` to start
 a new run (a new run never writes into another run's directory). The rule is applied by
-`checkpoint_manager.plan_load`; this module says which settings count.
+`manager.plan_load`; this module says which settings count.
 """
 
 from __future__ import annotations
@@ -43,3 +43,8 @@ def settings_diff(saved: dict[str, JSONObject], current: dict[str, JSONObject]) 
     old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RUN_ONLY_KEYS)]
     return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys if old.get(k) != new.get(k)]
+
+
+def shown(diff: list[str], most: int = 4) -> str:
+    """The first `most` differences of a refusal, and how many more there are."""
+    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most else "")

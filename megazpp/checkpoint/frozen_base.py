@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megazpp.checkpoint.files import file_checksum
+from megazpp.checkpoint.format import METADATA_FILE, latest_checkpoint
 from megazpp.errors import CheckpointError
-from megazpp.training.checkpoint import METADATA_FILE, latest_checkpoint
-from megazpp.training.checkpoint_files import file_checksum
 from megazpp.unique_keys import JSONObject
 
 BASE_KEY = "base"  # metadata.json of an adapters-only checkpoint: the base it needs

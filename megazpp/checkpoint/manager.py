@@ -12,8 +12,7 @@ and, beside each, the frozen base (`frozen_base.FrozenBase`) whose weights an ad
 checkpoint leaves out: the import the run started from, or the model's init.
 What is decided once the ranks and the engine exist: whether a RESUME is read as written or
 resharded (saved under another data-parallel size, PaRO strategy or bucket layout: only the
-engine knows its layout). Resharding reads ZeRO shards through `megazpp.interop.reshard`,
-which sits above this layer, so the caller hands it in as a `Resharder`.
+engine knows its layout), through `reshard.py`.
 
 The order of a run's loads (`CheckpointManager`): `load_base` puts the import's or the base's
 weights into the model before the engine is built (the engine copies them into its fp32
@@ -21,7 +20,7 @@ masters and shards), `load` reads the run's checkpoint (or takes the import) and
 `--save` whose `latest` is newer than the start, `restore` puts a run's state into model,
 engine, lr schedule and RNGs and gives the trainer its iteration and the sampler's position.
 Saves (`due` says when: the interval, the last step, a stop on a signal or time limit) go
-through `save`: all ranks agree that every weight is finite, then `checkpoint_save` writes
+through `save`: all ranks agree that every weight is finite, then `save.py` writes
 with its atomic protocol; `--save` is probed and locked (`writer.lock`) before any step.
 """
 
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +36,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from megazpp.config.schema import Config
-from megazpp.errors import CheckpointError, ConfigError, NumericalError
-from megazpp.model.lora import is_adapter
-from megazpp.optim.engine_protocol import Engine
-from megazpp.outer.diloco import DiLoCoEngine
-from megazpp.parallel import comm
-from megazpp.parallel.topology import Topology
-from megazpp.state import StateDict
-from megazpp.training.checkpoint import (
+from megazpp.checkpoint.format import (
     CONFIG_KEY,
     LATEST_FILE,
     MODEL_CONFIG_KEY,
@@ -56,9 +46,7 @@ from megazpp.training.checkpoint import (
     latest_checkpoint,
     read_metadata,
 )
-from megazpp.training.checkpoint_load import check_loadable, load_checkpoint, load_model_weights
-from megazpp.training.checkpoint_save import check_not_behind, check_save_dir, save_checkpoint
-from megazpp.training.frozen_base import (
+from megazpp.checkpoint.frozen_base import (
     BASE_KEY,
     FrozenBase,
     base_refusal,
@@ -69,12 +57,20 @@ from megazpp.training.frozen_base import (
     recorded_base,
     without_frozen,
 )
-from megazpp.training.lr_schedule import LRSchedule
-from megazpp.training.resume_check import check_resumable
-from megazpp.training.resume_rule import settings_diff
-from megazpp.training.rng_state import capture_rng_state, restore_rng_state
-from megazpp.training.save_lock import hold_save_dir
-from megazpp.zero.zero_engine import ZeroEngine
+from megazpp.checkpoint.load import check_loadable, load_checkpoint, load_model_weights
+from megazpp.checkpoint.lock import hold_save_dir
+from megazpp.checkpoint.reshard import load_resharded, needs_reshard
+from megazpp.checkpoint.resume_check import check_resumable
+from megazpp.checkpoint.resume_rule import settings_diff, shown
+from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
+from megazpp.checkpoint.save import check_not_behind, check_save_dir, save_checkpoint
+from megazpp.config.schema import Config
+from megazpp.errors import CheckpointError, ConfigError, NumericalError
+from megazpp.model.lora import is_adapter
+from megazpp.optim.engine_protocol import Engine
+from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 
 # What a run's checkpoint holds for `restore` (an import holds only the model).
 RESUME_KEYS = ("iteration", "consumed_samples", "model", "engine", "lr_schedule", "rng")
@@ -104,14 +100,12 @@ class Progress:
     consumed_samples: int
 
 
-class Resharder(Protocol):
-    """Resuming a ZeRO checkpoint under another data-parallel layout (`megazpp.interop.reshard`)."""
+class ScheduleState(Protocol):
+    """What a checkpoint keeps of the lr schedule (`training.lr_schedule.LRSchedule`)."""
 
-    def needs_reshard(self, path: str | os.PathLike[str], engine: Engine, topology: Topology) -> bool: ...
+    def state_dict(self) -> dict[str, int]: ...
 
-    def load_resharded(
-        self, path: str | os.PathLike[str], topology: Topology, model: nn.Module, engine: ZeroEngine
-    ) -> LoadedCheckpoint: ...
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
 
 
 def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
@@ -147,10 +141,9 @@ def choose_checkpoint(cfg: Config, restarts: int = 0) -> tuple[str | None, str]:
         )
     diff = settings_diff(saved, cfg.to_dict())
     if diff:
-        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
         raise ConfigError(
             f"--save {ck.save} already holds {path.name} of a run with other "
-            f"settings ({shown}): pass --load {ck.save} to continue it with "
+            f"settings ({shown(diff)}): pass --load {ck.save} to continue it with "
             "these settings, or give another --save directory to start a new run"
         )
     return ck.save, f"--save {ck.save} (same settings)"
@@ -225,13 +218,9 @@ class CheckpointManager:
         topology: Topology,
         device: torch.device,
         plan: LoadPlan | None = None,
-        resharder: Resharder | None = None,
     ) -> None:
-        """`resharder`: None when the run never resumes across layouts (the loader then
-        refuses a checkpoint of another data-parallel layout)."""
         self.cfg, self.topology, self.device = cfg, topology, device
         self.plan = plan if plan is not None else LoadPlan(LoadKind.SCRATCH, None, "nothing to load", None)
-        self.resharder = resharder
         self.last: Path | None = None
         self._base: LoadedCheckpoint | None = None
 
@@ -268,17 +257,14 @@ class CheckpointManager:
         directory = self.plan.directory
         if directory is None:
             raise CheckpointError("a resume needs the directory to resume (LoadPlan.directory)")
-        zero = engine.inner if isinstance(engine, DiLoCoEngine) else engine
         try:
-            reshard = self.resharder is not None and self.resharder.needs_reshard(directory, zero, self.topology)
+            reshard = needs_reshard(directory, engine, self.topology)
         except CheckpointError:
             # unreadable newest checkpoint: the loader names the damage, or falls back when asked
             reshard = False
-        if reshard and self.resharder is not None:
+        if reshard:
             self._check_reshardable(directory)
-            if not isinstance(zero, ZeroEngine):
-                raise CheckpointError(f"{directory}: resharding needs the ZeRO engine, not {type(zero).__name__}")
-            return self.resharder.load_resharded(directory, self.topology, model, zero)
+            return load_resharded(directory, self.topology, model, engine)
         loaded = load_checkpoint(directory, self.topology, fallback=self.cfg.checkpoint.load_fallback)
         if loaded is None:
             raise CheckpointError(f"{directory}: {LATEST_FILE} names no checkpoint to resume")
@@ -303,7 +289,7 @@ class CheckpointManager:
                 "it leaves out)"
             )
 
-    def restore(self, loaded: LoadedCheckpoint, model: nn.Module, engine: Engine, schedule: LRSchedule) -> Progress:
+    def restore(self, loaded: LoadedCheckpoint, model: nn.Module, engine: Engine, schedule: ScheduleState) -> Progress:
         """Put the run state of `loaded` (a verified checkpoint of a run, not weights only)
         into model, engine, lr schedule and RNGs; return where the run stands. An
         adapters-only checkpoint lacks the frozen parameters: the model keeps its own (the
@@ -340,7 +326,7 @@ class CheckpointManager:
             check_save_dir(self.cfg.checkpoint.save, self.topology)
 
     def hold_save_dir(self) -> AbstractContextManager[None]:
-        """`--save`'s `writer.lock` for the run's life (`save_lock`): one writer per directory."""
+        """`--save`'s `writer.lock` for the run's life (`lock.py`): one writer per directory."""
         return hold_save_dir(self.cfg.checkpoint.save, self.topology)
 
     def due(self, iteration: int, exiting: bool) -> bool:
@@ -353,7 +339,7 @@ class CheckpointManager:
             or iteration == self.cfg.training.train_iters
         )
 
-    def save(self, progress: Progress, model: nn.Module, engine: Engine, schedule: LRSchedule) -> Path:
+    def save(self, progress: Progress, model: nn.Module, engine: Engine, schedule: ScheduleState) -> Path:
         """Save, unless a weight is not finite anywhere (all ranks agree before any write, so
         a poisoned state never becomes the `latest` checkpoint); return the checkpoint."""
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -380,7 +366,7 @@ class CheckpointManager:
         )
         return self.last
 
-    def _state(self, progress: Progress, model: nn.Module, engine: Engine, schedule: LRSchedule) -> StateDict:
+    def _state(self, progress: Progress, model: nn.Module, engine: Engine, schedule: ScheduleState) -> StateDict:
         """Everything a resume needs; with `checkpoint.save_adapters_only`, less the frozen
         parameters and their engine buckets (the recorded base has them)."""
         whole = not self.cfg.checkpoint.save_adapters_only
@@ -400,6 +386,6 @@ class CheckpointManager:
             return {}
         if self.plan.base is None:
             raise CheckpointError(
-                "checkpoint.save_adapters_only: the run has no frozen base (checkpoint_manager.run_base) to record"
+                "checkpoint.save_adapters_only: the run has no frozen base (checkpoint.manager.run_base) to record"
             )
         return {BASE_KEY: self.plan.base.record()}

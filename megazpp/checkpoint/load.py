@@ -18,11 +18,8 @@ from pathlib import Path
 
 import torch
 
-from megazpp.errors import CheckpointError
-from megazpp.parallel import comm
-from megazpp.parallel.topology import Topology
-from megazpp.state import StateDict
-from megazpp.training.checkpoint import (
+from megazpp.checkpoint.files import verify_checksum
+from megazpp.checkpoint.format import (
     ITER_DIR,
     LATEST_FILE,
     METADATA_FILE,
@@ -34,7 +31,10 @@ from megazpp.training.checkpoint import (
     rank_file_name,
     read_metadata,
 )
-from megazpp.training.checkpoint_files import verify_checksum
+from megazpp.errors import CheckpointError
+from megazpp.parallel import comm
+from megazpp.parallel.topology import Topology
+from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
 
 

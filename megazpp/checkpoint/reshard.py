@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
+from megazpp.checkpoint.format import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
+from megazpp.checkpoint.reader import CheckpointReader
+from megazpp.checkpoint.zero_shards import full_part_state
 from megazpp.errors import CheckpointError
-from megazpp.interop.checkpoint_io import CheckpointReader
-from megazpp.interop.zero_shards import full_part_state
 from megazpp.model.gpt import EMBEDDING_WEIGHT
 from megazpp.optim.engine_protocol import Engine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
-from megazpp.training.checkpoint import WEIGHTS_ONLY_KEY, LoadedCheckpoint, layout_of
-from megazpp.zero.zero_engine import ZeroEngine
+from megazpp.zero.inner_engine import ShardedEngine
 
 
 def _reader(path: str | os.PathLike[str], topology: Topology) -> CheckpointReader:
@@ -55,16 +55,12 @@ def _layout_differs(path: str | os.PathLike[str], engine: Engine, topology: Topo
     if {k: reader.meta.get(k) for k in layout_of(topology)} != layout_of(topology):
         return True
     saved = reader.rank_state(topology.tp_rank, topology.pp_rank, topology.dp_rank).get("engine")
-    if not isinstance(engine, ZeroEngine):
+    if not isinstance(engine, ShardedEngine):
         return isinstance(saved, dict) and "strategy" in saved
     if not isinstance(saved, dict) or "strategy" not in saved:
         return True
-    mine = (
-        engine.strategy.name,
-        engine.groups.dp_size,
-        engine.groups.group_size,
-        [b.layout.describe() for b in engine.buckets],
-    )
+    layout = engine.shard_layout()
+    mine = (layout.strategy.name, layout.dp, layout.group_size, layout.buckets)
     return (
         saved["strategy"],
         saved.get("dp"),
@@ -89,7 +85,7 @@ def needs_reshard(path: str | os.PathLike[str], engine: Engine, topology: Topolo
 
 
 def load_resharded(
-    path: str | os.PathLike[str], topology: Topology, model: torch.nn.Module, engine: ZeroEngine
+    path: str | os.PathLike[str], topology: Topology, model: torch.nn.Module, engine: Engine
 ) -> LoadedCheckpoint:
     """Collectively read checkpoint `path` for this rank of a run with another DP layout: the
     returned state resumes through `Trainer.resume` like one of this run's own checkpoints.
@@ -101,7 +97,7 @@ def load_resharded(
     """
     try:
         reader = _reader(path, topology)
-        if not isinstance(engine, ZeroEngine):
+        if not isinstance(engine, ShardedEngine):
             raise CheckpointError(
                 f"{reader.path}: resharding resumes into the ZeRO engine; this run "
                 "uses LocalEngine (set a zero stage or paro_strategy)"

@@ -1,7 +1,7 @@
 """Whether the checkpoint a run starts from can start it, decided from its `metadata.json`
 before any rank exists.
 
-Why here and not in the loader: the loader (`checkpoint.load_checkpoint`, `interop.reshard`)
+Why here and not in the loader: the loader (`load.load_checkpoint`, `reshard.py`)
 refuses the same mismatches, but only once every rank has started, so a user read one error
 per rank and a launcher's failure block, and an architecture change surfaced as torch's raw
 `Error(s) in loading state_dict` with the key list. The checkpoint records the layout it was
@@ -13,7 +13,7 @@ What a checkpoint can start:
     of one (tp, pp) part; a new tp / pp split goes through an export and an import);
   - a model whose tensors have the same names and shapes (LoRA adapters aside: a fine-tune
     adds them to imported weights);
-  - a run's checkpoint (not an import): the engine kind it was saved by. `interop.reshard`
+  - a run's checkpoint (not an import): the engine kind it was saved by. `reshard.py`
     reassembles ZeRO shards at another data-parallel size or PaRO strategy, but the
     single-replica engine (LocalEngine: one data-parallel rank, no zero stage or strategy)
     neither writes nor reads ZeRO shards; and an adapters-only checkpoint resumes only under
@@ -30,12 +30,7 @@ import dataclasses
 
 import torch
 
-from megazpp.config.schema import Config
-from megazpp.errors import CheckpointError, ConfigError
-from megazpp.model.config import ModelConfig
-from megazpp.model.gpt import GPTModel
-from megazpp.model.lora import is_adapter
-from megazpp.training.checkpoint import (
+from megazpp.checkpoint.format import (
     CONFIG_KEY,
     METADATA_FILE,
     MODEL_CONFIG_KEY,
@@ -43,7 +38,13 @@ from megazpp.training.checkpoint import (
     latest_checkpoint,
     read_metadata,
 )
-from megazpp.training.frozen_base import BASE_KEY
+from megazpp.checkpoint.frozen_base import BASE_KEY
+from megazpp.checkpoint.resume_rule import shown
+from megazpp.config.schema import Config
+from megazpp.errors import CheckpointError, ConfigError
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.model.lora import is_adapter
 from megazpp.unique_keys import JSONObject
 from megazpp.zero.options import ZeroOptions
 
@@ -126,9 +127,8 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int) -> None:
     if isinstance(saved_model, dict):
         diff = _model_diff(saved_model, cfg.model)
         if diff:
-            shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
             raise CheckpointError(
-                f"{where} holds another model ({shown}): its weights do not fit this one. "
+                f"{where} holds another model ({shown(diff)}): its weights do not fit this one. "
                 f"Load it with the model settings it was saved with ({path / METADATA_FILE}), "
                 "or start this model from scratch with another --save"
             )
