@@ -23,13 +23,11 @@ import torch
 import torch.distributed as dist
 
 from megazpp.checkpoint.manager import CheckpointManager
-from megazpp.checkpoint.resume_check import uses_zero_engine
 from megazpp.cli import configure_logging, run_tool
 from megazpp.config.options import RunOptions
 from megazpp.config.reference import render_help
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
-from megazpp.errors import required
 from megazpp.launch.lifeline import die_with_launcher
 from megazpp.launch.local_ranks import release_process_groups
 from megazpp.launch.preflight import check_nodes
@@ -43,11 +41,11 @@ from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
-from megazpp.parallel.topology import Topology, check_model_split
+from megazpp.parallel.topology import Topology
 from megazpp.training.banner import banner
 from megazpp.training.forward_backward import forward_backward
 from megazpp.training.logger import TrainingLogger
-from megazpp.training.startup import Startup, prepare, torchrun_restart_count
+from megazpp.training.startup import Startup, prepare, read_handoff, replan, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
 
@@ -79,7 +77,7 @@ def seed_everything(seed: int, topology: Topology) -> None:
     model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
 
 
-def build_engine(cfg: Config, model: GPTModel, topology: Topology, options: RunOptions) -> Engine:
+def build_engine(model: GPTModel, topology: Topology, options: RunOptions) -> Engine:
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
     with two-level training (`options.outer`), the ZeRO engine over each island's DP ranks
@@ -87,12 +85,12 @@ def build_engine(cfg: Config, model: GPTModel, topology: Topology, options: RunO
     outer = options.outer
     if outer is not None:
         island = topology.island_view(outer.island_nodes)
-        inner = build_zero_engine(model, cfg, options, island, counts_in_norm=counts_in_norm(model, island))
+        inner = build_zero_engine(model, options, island, counts_in_norm=counts_in_norm(model, island))
         return DiLoCoEngine(inner, outer, island)
-    if uses_zero_engine(topology.dp, cfg.zero.stage, cfg.zero.paro_strategy):
-        return build_zero_engine(model, cfg, options, topology, counts_in_norm=counts_in_norm(model, topology))
+    if options.uses_zero_engine:
+        return build_zero_engine(model, options, topology, counts_in_norm=counts_in_norm(model, topology))
     group = topology.model_parallel_group
-    model_parallel = [group] if cfg.tp * cfg.pp > 1 and group is not None else []
+    model_parallel = [group] if options.config.tp * options.config.pp > 1 and group is not None else []
     return LocalEngine(
         model,
         options.optimizer,
@@ -134,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     # under a launcher, its once-per-job check (run.sh: startup.main) compared the memory
     # estimate with the node's; ranks starting side by side would each see another share
     alone = "LOCAL_WORLD_SIZE" not in os.environ
-    start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
+    handed = read_handoff(args, world_size)  # run.sh's check decided for its ranks: nothing is checked again
+    if handed is not None:
+        start = replan(handed, world_size, torchrun_restart_count())
+    else:
+        start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()
     started = init_distributed(start.cfg, world_size, start.backend)
     finished = False
@@ -150,10 +152,8 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
 def _train(start: Startup, device: torch.device) -> TrainHistory:
     cfg = start.cfg
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
-    check_model_split(cfg.model, topology.tp, topology.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     configure_logging(topology.rank, to_stdout=True)
     check_nodes(topology, cfg.data.data_path, cfg.data.tokenizer_model, cfg.checkpoint.save)
-    # interop's resharding is handed in: it sits above the training layer
     checkpoints = CheckpointManager(cfg, topology, device, start.load)
     checkpoints.check_writable()
     with checkpoints.hold_save_dir():
@@ -165,20 +165,20 @@ def _train_holding_save(
 ) -> TrainHistory:
     cfg = start.cfg
     seed_everything(cfg.training.seed, topology)
-    t = cfg.training
-    eval_samples = t.eval_iters * required(t.global_batch_size, "training.global_batch_size")
+    t, global_batch = cfg.training, start.options.global_batch_size
+    eval_samples = t.eval_iters * global_batch
     train_ds, valid_ds, _ = build_gpt_datasets(
         start.options.data,
         cfg.model.seq_length,
-        (t.train_iters * required(t.global_batch_size, "training.global_batch_size"), eval_samples, eval_samples),
+        (t.train_iters * global_batch, eval_samples, eval_samples),
         t.seed,
         vocab_size=cfg.model.vocab_size,
     )
     model = build_model(cfg, topology, device)
     checkpoints.load_base(model)  # before the engine: it copies the weights into its masters
-    engine = build_engine(cfg, model, topology, start.options)
+    engine = build_engine(model, topology, start.options)
     loaded = checkpoints.load(model, engine)
-    tokens_per_step = required(t.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
+    tokens_per_step = global_batch * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
         tensorboard_dir=cfg.logging.tensorboard_dir,
@@ -194,7 +194,7 @@ def _train_holding_save(
     for line in banner(cfg, topology, engine, (train_ds, valid_ds), start):
         logger.info(line)
     trainer = Trainer(
-        cfg,
+        start.options,
         model,
         engine,
         topology,

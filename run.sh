@@ -153,9 +153,13 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 # Check the whole configuration (which checkpoint it would resume and whether that can start
 # it, the memory per rank it needs against this node's, on node 0 that no other job writes
 # --save) once per node, before torchrun starts any rank: a refused input is then one line,
-# not an error and a launcher traceback per rank.
+# not an error and a launcher traceback per rank. The ranks take what it decided from the
+# handoff file (MEGAZPP_CHECKED_RUN) and check nothing again (megazpp/training/startup.py).
+HANDOFF=$(mktemp "${TMPDIR:-/tmp}/megazpp-checked-run.XXXXXX")
 "$PYTHON" -m megazpp.training.startup --world-size $((NNODES * NPROC_PER_NODE)) \
-  --ranks-on-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK" "${TRAIN_ARGS[@]}"
+  --ranks-on-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK" --handoff "$HANDOFF" "${TRAIN_ARGS[@]}" \
+  || { status=$?; rm -f "$HANDOFF"; exit "$status"; }
+export MEGAZPP_CHECKED_RUN=$HANDOFF
 
 # torchrun behind megazpp.launch.node_launcher: MASTER_PORT unset is a free port on one node
 # (29500 on several); RDZV_TIMEOUT (600 s) bounds the wait for node 0 and for every node,
@@ -163,5 +167,5 @@ TRAIN_ARGS=(--config "$CONFIG" --data-path "$DATA_DIR/corpus_text_document"
 exec "$PYTHON" -m megazpp.launch.node_launcher \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-}" \
-  --rdzv-timeout "${RDZV_TIMEOUT:-600}" --max-restarts "${MAX_RESTARTS:-0}" \
+  --rdzv-timeout "${RDZV_TIMEOUT:-600}" --max-restarts "${MAX_RESTARTS:-0}" --remove-after "$HANDOFF" \
   pretrain_gpt.py "${TRAIN_ARGS[@]}"

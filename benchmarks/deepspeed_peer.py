@@ -31,7 +31,6 @@ from benchmarks.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
-from megazpp.config.options import options_of
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.options import DataOptions
@@ -39,7 +38,6 @@ from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
-from megazpp.optim.options import OptimizerOptions
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
 from megazpp.unique_keys import JSONObject
@@ -109,9 +107,7 @@ def train(cfg: Config, zero: JSONObject, data: DataOptions) -> None:
     )
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
-    optimizer = build_adamw(
-        param_groups(named_trainable(model), cfg.optimizer.weight_decay), options_of(OptimizerOptions, cfg.optimizer)
-    )
+    optimizer = build_adamw(param_groups(named_trainable(model), cfg.optimizer.weight_decay), cfg.optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world, zero))
     schedule = LRSchedule(
         cfg.optimizer.lr, cfg.optimizer.min_lr, t.lr_warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style
@@ -137,9 +133,8 @@ def train(cfg: Config, zero: JSONObject, data: DataOptions) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     zero, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(rest)
-    options = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    train(cfg, zero, options.data)
+    options = check_config(load_config(rest), int(os.environ.get("WORLD_SIZE", "1")))
+    train(options.config, zero, options.data)
 
 
 if __name__ == "__main__":

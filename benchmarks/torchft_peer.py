@@ -41,7 +41,7 @@ from benchmarks.peer_log import PeerLog
 from megazpp.cli import run_tool
 from megazpp.config.checks import check_config
 from megazpp.config.load import load_config
-from megazpp.config.options import RunOptions, options_of
+from megazpp.config.options import RunOptions
 from megazpp.config.schema import Config
 from megazpp.data.builder import build_gpt_datasets
 from megazpp.data.options import DataOptions
@@ -49,7 +49,6 @@ from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
 from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups, set_lr
-from megazpp.optim.options import OptimizerOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.trainer import make_micro_batch
@@ -171,9 +170,7 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: Data
     torch.manual_seed(t.seed)
     model = GPTModel(cfg.model)
     shard(model)
-    inner = build_adamw(
-        param_groups(named_trainable(model), cfg.optimizer.weight_decay), options_of(OptimizerOptions, cfg.optimizer)
-    )
+    inner = build_adamw(param_groups(named_trainable(model), cfg.optimizer.weight_decay), cfg.optimizer)
     outer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=options.momentum, nesterov=True)
     # every group starts from the same seeded weights, so no start-up sync (init_sync=False);
     # min_replica_size = all groups: every outer step averages all of them, as megazpp's does
@@ -243,11 +240,11 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: Data
 
 def main(argv: Sequence[str] | None = None) -> None:
     ns, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(rest)
+    given = load_config(rest)
     per_group = int(os.environ.get("WORLD_SIZE", "1"))
     world = ns.replica_groups * per_group
-    run = check_config(cfg, world, per_group)  # every subsystem's options; the peer's own rules next
-    train(cfg, ns, peer_outer(cfg, run), run.data)
+    run = check_config(given, world, per_group)  # every subsystem's options; the peer's own rules next
+    train(run.config, ns, peer_outer(run.config, run), run.data)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def refuse_existing(
 
 def required(value: T | None, key: str) -> T:
     """`value` of config key `key`, one the config fills itself (ModelConfig's None fields are
-    derived from its arch on construction, the global batch size by validate_config)."""
+    derived from its arch on construction, the global batch size in the checked config that
+    `config.checks.check_config` returns)."""
     if value is None:
         raise ConfigError(f"{key} is unset: the config resolves it when built and validated")
     return value

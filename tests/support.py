@@ -5,6 +5,7 @@ and functions, so tests and the ranks they spawn import it alike.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -13,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+
+from megazpp.zero.zeropp import ZeroPP
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,9 +188,11 @@ def checkout_env(**variables: str) -> dict[str, str]:
 
 def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) -> dict[str, str]:
     """run.sh's variables for a job of `nproc` ranks on this node: DATA_DIR, this Python, a
-    free MASTER_PORT, plus `variables`."""
+    free MASTER_PORT, TMPDIR beside DATA_DIR (run.sh's checked-run file stays in the test's
+    temporary directories), plus `variables`."""
     return {
         "DATA_DIR": str(data_dir),
+        "TMPDIR": str(Path(data_dir).resolve().parent),
         "NPROC_PER_NODE": str(nproc),
         "PYTHON": sys.executable,
         "MASTER_PORT": str(free_port()),
@@ -209,3 +214,9 @@ def wait_until_paused(proc: subprocess.Popen, file: Path, timeout_s: float = 120
         assert proc.poll() is None, f"exited with {proc.returncode} before reaching its pause point"
         assert time.monotonic() < deadline, f"did not reach its pause point ({file}) in {timeout_s} s"
         time.sleep(0.01)
+
+
+def zero_keys(zeropp: ZeroPP) -> dict[str, object]:
+    """`zeropp` as the `zero` section's keys (each ZeroPP field names its key), so a test that
+    shares one ZeroPP between engines builds their `ZeroOptions` from it."""
+    return {f.metadata["key"]: getattr(zeropp, f.name) for f in dataclasses.fields(zeropp)}

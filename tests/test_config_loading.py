@@ -9,8 +9,8 @@ import pytest
 
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
-from megazpp.config.schema import NOT_IMPLEMENTED_YET
 from megazpp.errors import ConfigError
+from megazpp.zero.options import NOT_IMPLEMENTED_YET
 
 BASE_YAML = """\
 model: {arch: llama, num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2}
@@ -214,7 +214,7 @@ def test_bad_deepspeed_keys_rejected(tmp_path):
 
 
 def test_not_implemented_features_refused_from_flags(base_yaml):
-    assert "zero.contiguous_gradients" in NOT_IMPLEMENTED_YET
+    assert "contiguous_gradients" in NOT_IMPLEMENTED_YET
     with pytest.raises(ConfigError, match=r"command line: zero\.contiguous_gradients = False: .*not implemented yet"):
         load_config(["--no-contiguous-gradients"])
     assert load_config(["--no-overlap-comm"]).zero.overlap_comm is False  # acts: no prefetch, reductions waited
@@ -241,9 +241,6 @@ def test_pretrain_checks_inputs_before_any_work(base_yaml, monkeypatch):
 
 
 def test_zeropp_keys_reach_the_engine_settings(base_yaml):
-    from megazpp.config.options import options_of
-    from megazpp.zero.zeropp import ZeroPP
-
     z = validate_config(
         load_config(
             [
@@ -261,6 +258,6 @@ def test_zeropp_keys_reach_the_engine_settings(base_yaml):
             ]
         )
     ).zero
-    settings = options_of(ZeroPP, z)
+    settings = z.zeropp
     assert (settings.qgz, settings.qgz_block, settings.qwz_block, settings.cpu_kernels) == (True, 4096, 512, "compiled")
     assert settings.grads.block == 4096 and settings.alignment() == 4096

@@ -41,6 +41,7 @@ from support import TINY_LLAMA
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megazpp.config.planner import PlannerSettings
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.model.config import ModelConfig
 from megazpp.model.gpt import GPTModel
@@ -50,7 +51,6 @@ from megazpp.outer.exchange import Exchange, padded_size
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
 from megazpp.planner import auto, probe
-from megazpp.planner.settings import PlannerSettings
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine

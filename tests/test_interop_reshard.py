@@ -65,8 +65,8 @@ def _args(prefix: str, tokenizer: str, save: str, strategy: str) -> list[str]:
 def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     """pretrain_gpt's setup with the checkpoint manager resharding: losses, the gathered weights right after
     the resume and at the end, whether the manager saw a layout change, the engine's warnings."""
-    cfg = load_config(argv)
-    options = check_config(cfg, int(os.environ["WORLD_SIZE"]))
+    options = check_config(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    cfg = options.config
     topology = Topology.from_env(cfg.tp, cfg.pp, cfg.parallel.ranks_per_node)
     pretrain_gpt.seed_everything(cfg.training.seed, topology)
     t = cfg.training
@@ -75,7 +75,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     )
     device = torch.device("cpu")
     model = pretrain_gpt.build_model(cfg, topology, device)
-    engine = pretrain_gpt.build_engine(cfg, model, topology, options)
+    engine = pretrain_gpt.build_engine(model, topology, options)
     logger = TrainingLogger(
         enabled=False,
         tensorboard_dir=None,
@@ -88,7 +88,7 @@ def _train(argv: list[str], reshard_from: str | None) -> dict[str, Any]:
     )
     plan = LoadPlan(LoadKind.RESUME, reshard_from, "resharding", None) if reshard_from is not None else None
     checkpoints = CheckpointManager(cfg, topology, device, plan)
-    trainer = Trainer(cfg, model, engine, topology, train_ds, None, logger, device, checkpoints=checkpoints)
+    trainer = Trainer(options, model, engine, topology, train_ds, None, logger, device, checkpoints=checkpoints)
     warnings: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = warnings.append  # type: ignore[method-assign]

@@ -42,12 +42,12 @@ from megazpp.parallel.topology import Topology
 from megazpp.parallel.wire import GroupShape
 from megazpp.zero import traffic as zero_traffic
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, H, SAVE_AT, ISLANDS = 5, 2, 2, 3, 2
 OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
-OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+OUTER = OuterOptions(algorithm="diloco", sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 RESUMED = (
     "NNN",
     "GGG",
@@ -72,7 +72,7 @@ def _build(
     topo: Topology, island: Topology, strategy: str, outer: OuterOptions = OUTER, bucket: int = 4000
 ) -> tuple[GPTModel, DiLoCoEngine]:
     model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
-    opts = ZeroOptions(strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=bucket)
+    opts = ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=bucket)
     return model, DiLoCoEngine(ZeroEngine(model, OPT, PrecisionOptions(), opts, island), outer, island)
 
 

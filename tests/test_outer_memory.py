@@ -29,12 +29,10 @@ from megazpp.outer.settings import OuterOptions
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
-from megazpp.zero.zeropp import ZeroPP
 
 STEPS, MICRO, H = 4, 2, 2
-OUTER = OuterOptions(sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+OUTER = OuterOptions(algorithm="diloco", sync_every=H, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
 # (label, strategy, outer options, qgZ: aligned tensors, so padding splits fragments into several ranges)
 RUNS = [
     ("GGG/bf16", "GGG", dataclasses.replace(OUTER, quantize="bf16"), False),
@@ -100,10 +98,10 @@ def _held_rank() -> dict:
     for label, strategy, outer, qgz in RUNS:
         model = GPTModel(cfg, tp_group=topo.tp_group)
         opts = ZeroOptions(
-            strategy=parse_strategy(strategy),
+            paro_strategy=strategy,
             micro_batches_per_step=MICRO,
             reduce_bucket_size=4000,
-            zeropp=ZeroPP(qgz=qgz),
+            zero_quantized_gradients=qgz,
         )
         engine = DiLoCoEngine(
             ZeroEngine(model, OptimizerOptions(lr=1e-2), PrecisionOptions(), opts, island), outer, island

@@ -40,7 +40,9 @@ def test_flags_resolve_to_options():
             "2",
         ]
     )
-    assert o == OuterOptions(sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2)
+    assert o == OuterOptions(
+        algorithm="diloco", sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2
+    )
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
     assert not _outer(
         ["--outer-algorithm", "diloco", "--outer-quantize", "int4", "--no-outer-error-feedback"]

@@ -23,7 +23,6 @@ from megazpp.parallel.tensor_parallel import tp_partition_dim
 from megazpp.parallel.topology import Topology, check_model_split
 from megazpp.training.forward_backward import forward_backward
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 
 STEPS, MICRO, MICRO_BATCH, SEQ = 5, 2, 2, 8
@@ -78,7 +77,7 @@ def _train(arch: str, tp: int, pp: int, zero: bool = False, sp: bool = False) ->
     )
     mp = [topo.model_parallel_group] if tp * pp > 1 else []
     if zero:
-        engine = ZeroEngine(model, _optimizer(), PrecisionOptions(), ZeroOptions(strategy=parse_strategy("NNN")), topo)
+        engine = ZeroEngine(model, _optimizer(), PrecisionOptions(), ZeroOptions(paro_strategy="NNN"), topo)
     else:
         engine = LocalEngine(
             model, _optimizer(), PrecisionOptions(), norm_groups=mp, counts_in_norm=counts_in_norm(model, topo)

@@ -389,13 +389,13 @@ def test_without_overlap_only_the_link_wait_hides():
 
 
 def test_planner_settings_refuse_non_positive_values():
-    from megazpp.planner.settings import PlannerSettings
+    from megazpp.config.planner import PlannerSettings
 
-    PlannerSettings(probe=True).validate()
+    PlannerSettings(probe=True)
     with pytest.raises(ConfigError, match="planner.inter_node_gbit = 0"):
-        PlannerSettings(inter_node_gbit=0).validate()
+        PlannerSettings(inter_node_gbit=0)
     with pytest.raises(ConfigError, match="planner.usable_memory_fraction"):
-        PlannerSettings(usable_memory_fraction=1.5).validate()
+        PlannerSettings(usable_memory_fraction=1.5)
 
 
 def test_probed_collective_times_replace_latency_and_bandwidth():

@@ -21,9 +21,10 @@ import math
 
 import pytest
 import torch
-from support import TINY_LLAMA
+from support import TINY_LLAMA, zero_keys
 
 from megazpp.config.checks import check_config
+from megazpp.config.planner import PlannerSettings
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.launch.local_ranks import run_ranks
@@ -36,13 +37,12 @@ from megazpp.planner.auto import auto_hierarchy, auto_strategy, choose_strategy
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import fastest_hierarchy, layout, reused_groups, stage_padded
 from megazpp.planner.plan import Option, predict
-from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import shape_of_model, shapes_of_config
 from megazpp.planner.workload import Workload, workload_of_config
 from megazpp.training.zero_factory import build_zero_engine
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.sequences import Hierarchy
-from megazpp.zero.strategy import VALID_NAMES, PlannerChoice, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES, parse_strategy
 from megazpp.zero.traffic import choose_hierarchy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
@@ -81,7 +81,7 @@ def _config() -> Config:
     cfg = Config()
     cfg.model = ModelConfig(**TINY_LLAMA)
     cfg.training.micro_batch_size, cfg.training.global_batch_size = MICRO, MICRO * 4 * 2
-    cfg.zero.reduce_bucket_size = BUCKET
+    cfg.zero = ZeroOptions(reduce_bucket_size=BUCKET)
     return cfg
 
 
@@ -111,11 +111,11 @@ def _rank() -> dict:
             OptimizerOptions(lr=1e-2),
             precision,
             ZeroOptions(
-                strategy=parse_strategy(name),
+                paro_strategy=name,
                 micro_batches_per_step=MICRO,
                 reduce_bucket_size=BUCKET,
                 stage3_max_live_parameters=live,
-                zeropp=zpp,
+                **zero_keys(zpp),
                 stage3_param_persistence_threshold=persistence,
             ),
             topo,
@@ -123,20 +123,18 @@ def _rank() -> dict:
         counted = _one_step(model, engine, topo)
         out["runs"].append({"shape": shape, "held": engine.held_bytes(), "counted": counted})
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    anything = ZeroOptions(strategy=PlannerChoice())  # paro_strategy auto: every strategy allowed
+    anything = ZeroOptions(paro_strategy="auto")  # paro_strategy auto: every strategy allowed
     out["probed"] = auto_strategy(
         model, _config(), topo, PlannerSettings(probe=True, accelerator_memory_gib=0.001), anything
     )
     out["given"] = auto_strategy(model, _config(), topo, GIVEN, anything)
     cfg = _config()  # the engine factory's hook: `paro_strategy: auto` with a `planner` section
-    cfg.zero.paro_strategy, cfg.zero.stage, cfg.planner = "auto", 3, GIVEN
-    out["factory"] = build_zero_engine(
-        GPTModel(ModelConfig(**TINY_LLAMA)), cfg, check_config(cfg, 4), topo
-    ).strategy.name
+    cfg.zero, cfg.planner = dataclasses.replace(cfg.zero, paro_strategy="auto", stage=3), GIVEN
+    out["factory"] = build_zero_engine(GPTModel(ModelConfig(**TINY_LLAMA)), check_config(cfg, 4), topo).strategy.name
     cfg = _config()  # `hierarchical: auto` priced on the section's links: the engine runs the planner's choice
-    cfg.zero.stage, cfg.planner = 3, SLOW_INTRA_STEP
+    cfg.zero, cfg.planner = dataclasses.replace(cfg.zero, stage=3), SLOW_INTRA_STEP
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    engine = build_zero_engine(model, cfg, check_config(cfg, 4), topo)
+    engine = build_zero_engine(model, check_config(cfg, 4), topo)
     counted = _one_step(model, engine, topo)
     calls = sum(
         r["calls"]
@@ -228,7 +226,7 @@ def test_hierarchical_auto_runs_the_planners_choice(results):
     """The builder hands the engine the planner's per-kind choice (here one stage, where the
     byte rule would take two); the engine's counted bytes and calls equal the formulas for it."""
     cfg = _config()
-    cfg.zero.stage = 3
+    cfg.zero = dataclasses.replace(cfg.zero, stage=3)
     settings = SLOW_INTRA_STEP
     cluster = Cluster(
         nodes=2,
@@ -274,6 +272,6 @@ def test_hierarchical_auto_on_an_island_prices_the_islands_share_of_the_batch(mo
 
     monkeypatch.setattr("megazpp.planner.auto.fastest_hierarchy", priced)
     monkeypatch.setattr("megazpp.planner.auto.hierarchy_seconds", lambda *args: {})
-    zero = ZeroOptions(strategy=parse_strategy("GGG"), paro_group_size=2)
+    zero = ZeroOptions(paro_strategy="GGG", paro_group_size=2)
     assert auto_hierarchy(GPTModel(cfg.model), cfg, zero, island, cluster) == Hierarchy(gather=True, reduce=True)
     assert seen == [2]

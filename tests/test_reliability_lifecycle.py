@@ -148,7 +148,7 @@ dist.init_process_group("gloo")
 topology = Topology.from_env(1, 1, 1)
 model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
 engine = ZeroEngine(model, OptimizerOptions(), PrecisionOptions(),
-                    ZeroOptions(strategy=parse_strategy("GGG"), micro_batches_per_step=1,
+                    ZeroOptions(paro_strategy="GGG", micro_batches_per_step=1,
                                 stage3_param_persistence_threshold=0), topology)
 for _ in range(2):
     model(torch.randn(4, 32)).square().mean().backward()

@@ -240,7 +240,7 @@ def test_a_run_too_large_for_memory_is_refused_before_any_rank(
         "from megazpp.training.memory_check import estimate_peak\n"
         "from megazpp.training.startup import prepare\n"
         "start = prepare(sys.argv[1:], 1)\n"
-        "e = estimate_peak(start.cfg, start.options.zero, 1, 1)\n"
+        "e = estimate_peak(start.options, 1)\n"
         "print('estimate', e.total, e.activations)\n"
         "pretrain_gpt.main(sys.argv[1:])\n"
         "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"

@@ -22,7 +22,7 @@ import torch
 
 import pretrain_gpt
 from megazpp.checkpoint.manager import CheckpointManager, LoadKind, Progress, plan_load
-from megazpp.config.checks import check_config
+from megazpp.config.checks import check_config, validate_config
 from megazpp.config.load import load_config
 from megazpp.errors import CheckpointError
 from megazpp.parallel.topology import Topology
@@ -80,7 +80,7 @@ def assert_same(new: Any, old: Any, where: str = "state") -> None:
 def test_checkpoint_of_the_previous_code_resumes_and_saves_the_same_format(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     shutil.copytree(FIXTURE, old)
-    cfg = load_config([*MODEL_FLAGS, "--load", str(old), "--save", str(new)])
+    cfg = validate_config(load_config([*MODEL_FLAGS, "--load", str(old), "--save", str(new)]), 1)
     plan = plan_load(cfg, world_size=1)
     assert (plan.kind, plan.directory, plan.why) == (LoadKind.RESUME, str(old), f"--load {old}")
 
@@ -88,7 +88,7 @@ def test_checkpoint_of_the_previous_code_resumes_and_saves_the_same_format(tmp_p
     model = pretrain_gpt.build_model(cfg, topology, device)
     checkpoints = CheckpointManager(cfg, topology, device, plan)
     checkpoints.load_base(model)  # a full checkpoint's run has no base to load
-    engine = pretrain_gpt.build_engine(cfg, model, topology, check_config(cfg, 1))
+    engine = pretrain_gpt.build_engine(model, topology, check_config(cfg, 1))
     loaded = checkpoints.load(model, engine)
     assert loaded is not None and not loaded.weights_only and loaded.path == old / "iter_0000002"
     t = cfg.training

@@ -33,7 +33,7 @@ from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.topology import Topology
 from megazpp.zero import sequences
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained, parameter_units
 from megazpp.zero.zero_engine import ZeroEngine
 
@@ -65,9 +65,7 @@ def _model(cfg: dict, topo: Topology) -> GPTModel:
 
 
 def _engine(model: GPTModel, topo: Topology, strategy: str, **options) -> ZeroEngine:
-    opts = ZeroOptions(
-        strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=4000, **options
-    )
+    opts = ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000, **options)
     return ZeroEngine(model, OPT, PrecisionOptions(), opts, topo)
 
 
@@ -254,7 +252,7 @@ def _pipeline_steps(topo: Topology, cfg_dict: dict, strategy: str, **options) ->
         model,
         OPT,
         PrecisionOptions(),
-        ZeroOptions(strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, **options),
+        ZeroOptions(paro_strategy=strategy, micro_batches_per_step=MICRO, **options),
         topo,
         counts_in_norm=counts_in_norm(model, topo),
         tied_embeddings=cfg.tie_embeddings,
@@ -369,7 +367,7 @@ def _accumulated_gradient_error(accum: str) -> float:
         model,
         OPT,
         PrecisionOptions(bf16=True, grad_accum_dtype=accum),
-        ZeroOptions(strategy=parse_strategy("NNN"), reduce_bucket_size=10**9),
+        ZeroOptions(paro_strategy="NNN", reduce_bucket_size=10**9),
         topo,
     )
     bucket = engine.buckets[0]
@@ -402,7 +400,7 @@ def test_gpt2_tied_position_table_and_checkpointed_layers_under_zero3():
         engine = (
             LocalEngine(model, OPT, PrecisionOptions())
             if name == "local"
-            else ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(strategy=parse_strategy(name)), topo)
+            else ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(paro_strategy=name), topo)
         )
         inputs, labels = _batch(ModelConfig(**cfg), 0, 0)
         losses[name] = []
@@ -419,7 +417,7 @@ def test_gathered_parameters_expose_whole_weights_then_release():
     topo = Topology.from_env()
     reference = GPTModel(ModelConfig(**TINY_LLAMA))
     model = GPTModel(ModelConfig(**TINY_LLAMA))
-    engine = ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(strategy=parse_strategy("GGG")), topo)
+    engine = ZeroEngine(model, OPT, PrecisionOptions(), ZeroOptions(paro_strategy="GGG"), topo)
     assert all(p.numel() == 0 for p in model.parameters())
     with engine.gathered_parameters():
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -441,7 +439,7 @@ def test_half_precision_follows_local_engine_including_overflow_skips():
             engine = (
                 LocalEngine(model, OPT, precision)
                 if name == "local"
-                else ZeroEngine(model, OPT, precision, ZeroOptions(strategy=parse_strategy(name)), topo)
+                else ZeroEngine(model, OPT, precision, ZeroOptions(paro_strategy=name), topo)
             )
             runs[name] = []
             for _ in range(5):

@@ -122,7 +122,7 @@ def _strategies_rank() -> dict:
                 model,
                 OPT,
                 PrecisionOptions(),
-                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                ZeroOptions(paro_strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                 topo,
             )
             steps = _train(model, engine, cfg, topo, range(1))
@@ -137,7 +137,7 @@ def _strategies_rank() -> dict:
                 resumed_model,
                 OPT,
                 PrecisionOptions(),
-                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO, reduce_bucket_size=4000),
+                ZeroOptions(paro_strategy=name, micro_batches_per_step=MICRO, reduce_bucket_size=4000),
                 topo,
             )
             resumed.load_state_dict(saved)
@@ -160,7 +160,7 @@ def _strategies_rank() -> dict:
             model,
             OPT,
             PrecisionOptions(),
-            ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO),
+            ZeroOptions(paro_strategy=name, micro_batches_per_step=MICRO),
             topo,
         )
         report[f"lora/{name}/ckpt"] = _train(model, engine, cfg, topo, range(STEPS))
@@ -215,7 +215,7 @@ def _model_parallel_rank() -> dict:
                 model,
                 OPT,
                 PrecisionOptions(),
-                ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=MICRO),
+                ZeroOptions(paro_strategy=name, micro_batches_per_step=MICRO),
                 topo,
                 counts_in_norm=counts_in_norm(model, topo),
             )

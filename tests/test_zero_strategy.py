@@ -3,16 +3,16 @@ units under module_granularity_threshold (no ranks needed)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
 
 from megazpp.config.checks import validate_config
+from megazpp.config.load import load_config
 from megazpp.errors import ConfigError
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.layout import BucketLayout, dp_pieces, padded_numel
+from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import VALID_NAMES, Level, parse_strategy
 from megazpp.zero.units import is_fine_grained, parameter_units
 from megazpp.zero.zeropp import ZeroPP
@@ -169,23 +169,24 @@ def test_module_granularity_threshold_groups_fine_grained_subtrees():
     assert [u.name for u in parameter_units(block, 10**6)] == ["<root>"]
 
 
-def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
-    from megazpp.config.options import zero_options
-    from megazpp.config.schema import Config, ZeroConfig
+def test_zero_section_is_the_engine_options_and_refuses_what_it_cannot_honour():
+    from megazpp.config.schema import Config
 
-    opts = zero_options(
-        ZeroConfig(
-            stage=3,
-            module_granularity_threshold=5000,
-            reduce_bucket_size=1234,
-            allgather_bucket_size=7,
-            stage3_max_live_parameters=0,
-            fetch_groups="size",
-            hierarchical="never",
-            overlap_comm=False,
+    opts = validate_config(
+        Config(
+            zero=ZeroOptions(
+                stage=3,
+                module_granularity_threshold=5000,
+                reduce_bucket_size=1234,
+                allgather_bucket_size=7,
+                stage3_max_live_parameters=0,
+                fetch_groups="size",
+                hierarchical="never",
+                overlap_comm=False,
+            )
         ),
-        4,
-    )
+        1,
+    ).zero
     assert (
         opts.resolved.name,
         opts.module_granularity_threshold,
@@ -196,50 +197,46 @@ def test_zero_config_maps_to_engine_options_and_refuses_what_it_cannot_honour():
         opts.hierarchical,
         opts.overlap_comm,
         opts.micro_batches_per_step,
-    ) == ("GGG", 5000, 1234, 7, 0, "size", "never", False, 4)
-    # one vocabulary: the engine's options carry the section's names and defaults
-    defaults = zero_options(ZeroConfig(stage=3))
-    for f in dataclasses.fields(defaults):
-        if hasattr(ZeroConfig, f.name) and f.name != "zeropp":
-            assert getattr(defaults, f.name) == getattr(ZeroConfig(stage=3), f.name) or f.name == "strategy", f.name
-    assert zero_options(ZeroConfig(paro_strategy="nig", paro_group_size=2)).resolved.name == "NIG"
-    assert zero_options(ZeroConfig(paro_strategy="ggg", stage=3)).resolved.name == "GGG"
-    with pytest.raises(ConfigError):  # refused with the features not implemented, by the config
-        validate_config(Config(zero=ZeroConfig(stage=3, reduce_scatter=False)), 1)
+    ) == ("GGG", 5000, 1234, 7, 0, "size", "never", False, 1)
+    assert ZeroOptions(paro_strategy="nig", paro_group_size=2).resolved.name == "NIG"
+    assert ZeroOptions(paro_strategy="ggg", stage=3).resolved.name == "GGG"
+    with pytest.raises(ConfigError, match="not implemented yet"):  # refused by the section's own type
+        ZeroOptions(stage=3, reduce_scatter=False)
     for bad in (
-        ZeroConfig(paro_strategy="NIG", stage=3),
-        ZeroConfig(paro_strategy="GNN"),
-        ZeroConfig(stage=1, zero_quantized_weights=True),
-        ZeroConfig(stage=2, zero_hpz_partition_size=2),
-        ZeroConfig(stage=1, zero_quantized_gradients=True),
-        ZeroConfig(stage=3, loco=True),
-        ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
+        {"paro_strategy": "NIG", "stage": 3},
+        {"paro_strategy": "GNN"},
+        {"stage": 1, "zero_quantized_weights": True},
+        {"stage": 2, "zero_hpz_partition_size": 2},
+        {"stage": 1, "zero_quantized_gradients": True},
+        {"stage": 3, "loco": True},
+        {"stage": 2, "stage3_param_persistence_threshold": 100},
     ):
         with pytest.raises(ConfigError):
-            zero_options(bad)
+            ZeroOptions(**bad)
 
 
 def test_config_validate_refuses_bad_zero_values_before_any_process_group():
-    """Config.validate runs before torch.distributed is initialised: every bad `zero` value
-    named there, with the key."""
-    from megazpp.config.schema import Config, ZeroConfig
-
-    for zero, key in (
-        (ZeroConfig(paro_strategy="GNN"), "zero.paro_strategy"),
-        (ZeroConfig(paro_strategy="NIG", stage=3), "zero.paro_strategy"),
-        (ZeroConfig(stage=3, loco_err_beta=1.5), "zero.loco_err_beta"),
-        (ZeroConfig(stage=3, fetch_groups="module"), "zero.fetch_groups"),
-        (ZeroConfig(stage=3, hierarchical="on"), "zero.hierarchical"),
-        (ZeroConfig(stage=3, stage3_max_reuse_distance=-1), "zero.stage3_max_reuse_distance"),
+    """The `zero` section refuses every bad value when built, before torch.distributed is
+    initialised, naming the key; as flags they are refused by the loader."""
+    for flags, key in (
+        (["--paro-strategy", "GNN"], "zero.paro_strategy"),
+        (["--paro-strategy", "NIG", "--zero-stage", "3"], "zero.paro_strategy"),
+        (["--zero-stage", "3", "--loco-err-beta", "1.5"], "zero.loco_err_beta"),
+        (["--zero-stage", "3", "--fetch-groups", "module"], "zero.fetch_groups"),
+        (["--zero-stage", "3", "--hierarchical", "on"], "zero.hierarchical"),
+        (["--zero-stage", "3", "--stage3-max-reuse-distance", "-1"], "zero.stage3_max_reuse_distance"),
         (
-            ZeroConfig(stage=2, stage3_param_persistence_threshold=100),
-            "zero.stage3_param_persistence_threshold = 100: strategy NGG keeps every parameter",
+            ["--zero-stage", "2", "--stage3-param-persistence-threshold", "100"],
+            "command line: zero.stage3_param_persistence_threshold = 100: strategy NGG keeps every parameter",
         ),
-        (ZeroConfig(stage=3, stage3_param_persistence_threshold=-1), "zero.stage3_param_persistence_threshold"),
+        (
+            ["--zero-stage", "3", "--stage3-param-persistence-threshold", "-1"],
+            "zero.stage3_param_persistence_threshold",
+        ),
     ):
         with pytest.raises(ConfigError, match=key):
-            validate_config(Config(zero=zero), 1)
-    validate_config(Config(zero=ZeroConfig(paro_strategy="auto")), 1)  # the planner decides later
+            load_config(flags)
+    validate_config(load_config(["--paro-strategy", "auto"]), 1)  # the planner decides later
 
 
 class _Stack(nn.Module):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY_MODEL_FLAGS, data_flags
+from support import TINY_MODEL_FLAGS, data_flags, zero_keys
 
 import kernels
 from megazpp.errors import ConfigError
@@ -44,7 +44,6 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.paths import CommPaths
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -103,10 +102,10 @@ def _engine(
 ) -> tuple[GPTModel, ZeroEngine]:
     model = GPTModel(ModelConfig(**LLAMA))
     opts = ZeroOptions(
-        strategy=parse_strategy(strategy),
+        paro_strategy=strategy,
         micro_batches_per_step=MICRO,
         module_granularity_threshold=THRESHOLD,
-        zeropp=zeropp,
+        **zero_keys(zeropp),
         **options,
     )
     return model, ZeroEngine(model, OPT, precision, opts, topo)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import zero_keys
 from torch import nn
 
 import kernels
@@ -24,7 +25,6 @@ from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.topology import Topology
 from megazpp.zero.layout import BucketLayout
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -55,7 +55,7 @@ def _targets(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tens
 
 def _engine(topo: Topology, micro: int, precision: PrecisionOptions = FP32) -> tuple[Toy, ZeroEngine]:
     model = Toy()
-    opts = ZeroOptions(strategy=parse_strategy("NGG"), micro_batches_per_step=micro, zeropp=LOCO)
+    opts = ZeroOptions(paro_strategy="NGG", micro_batches_per_step=micro, **zero_keys(LOCO))
     return model, ZeroEngine(model, OPT, precision, opts, topo)
 
 

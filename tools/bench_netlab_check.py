@@ -114,11 +114,10 @@ def _rank_main(a: argparse.Namespace) -> JSONObject | None:
         )
     jobs = []
     for name, argv, measured in bench.jobs:
-        cfg = load_config(argv)
-        options = check_config(cfg, topo.world_size, topo.ranks_per_node)
+        options = check_config(load_config(argv), topo.world_size, topo.ranks_per_node)
         if options.outer is None:
             raise ConfigError(f"{a.results}: row {name} trains synchronously; expected only two-level rows here")
-        jobs.append((name, cfg, options.outer, options.zero, measured))
+        jobs.append((name, options.config, options.outer, options.zero, measured))
     island_nodes = {outer.island_nodes for _, _, outer, _, _ in jobs}
     if len(island_nodes) != 1:
         raise ConfigError(

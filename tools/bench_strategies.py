@@ -30,7 +30,7 @@ from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
 from megazpp.unique_keys import JSONObject
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import VALID_NAMES, parse_strategy
+from megazpp.zero.strategy import VALID_NAMES
 from megazpp.zero.units import is_fine_grained
 from megazpp.zero.zero_engine import ZeroEngine
 
@@ -82,7 +82,7 @@ def _rank_main(args: argparse.Namespace) -> JSONObject:
     dense = _model_cfg(args)
     out: dict[str, Any] = {"strategies": {}}  # the JSON report
     for name in args.strategies:
-        opts = ZeroOptions(strategy=parse_strategy(name), micro_batches_per_step=args.micro_batches)
+        opts = ZeroOptions(paro_strategy=name, micro_batches_per_step=args.micro_batches)
         out["strategies"][name] = _run(dense, topo, opts, args)
     moe = _model_cfg(args, experts=args.experts)
     layer = GPTModel(moe).layers["0"].mlp
@@ -94,7 +94,7 @@ def _rank_main(args: argparse.Namespace) -> JSONObject:
     out["threshold"] = threshold
     for t in (0, threshold):
         opts = ZeroOptions(
-            strategy=parse_strategy("GGG"), micro_batches_per_step=args.micro_batches, module_granularity_threshold=t
+            paro_strategy="GGG", micro_batches_per_step=args.micro_batches, module_granularity_threshold=t
         )
         out[f"moe/{t}"] = _run(moe, topo, opts, args)
     return out

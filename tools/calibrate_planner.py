@@ -75,9 +75,7 @@ def _measure_step(cfg: ModelConfig, a: argparse.Namespace, topo: Topology, strat
         model,
         OptimizerOptions(lr=1e-4),
         PrecisionOptions(),
-        ZeroOptions(
-            strategy=parse_strategy(strategy), micro_batches_per_step=a.micro_batches, reduce_bucket_size=a.bucket_numel
-        ),
+        ZeroOptions(paro_strategy=strategy, micro_batches_per_step=a.micro_batches, reduce_bucket_size=a.bucket_numel),
         topo,
     )
     batches = _batches(cfg, a, topo.dp_rank)

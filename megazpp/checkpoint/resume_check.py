@@ -59,12 +59,7 @@ from megazpp.model.lora import is_adapter
 from megazpp.outer.diloco import OUTER_STATE_KEY
 from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
-
-
-def uses_zero_engine(dp: int, stage: int, paro_strategy: str | None) -> bool:
-    """The ZeRO engine runs when data parallel or when a zero stage / PaRO strategy is asked
-    for (stage 0 over dp > 1 is NNN: plain DDP); else LocalEngine (`pretrain_gpt.build_engine`)."""
-    return dp > 1 or stage != 0 or paro_strategy is not None
+from megazpp.zero.options import ZeroOptions
 
 
 def _tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -156,9 +151,10 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int, ranks_per_node:
         return  # an import starts any data-parallel layout; an old run's config is unknown
     _check_two_level(cfg, saved, meta, path, load_dir, world_size, ranks_per_node)
     zero = saved.get("zero", {})
-    was_zero = uses_zero_engine(meta["dp"], zero.get("stage", 0), zero.get("paro_strategy"))
+    # the saved run's keys: ZeroOptions' own rule of which engine runs, on the saved values
+    was_zero = ZeroOptions(stage=zero.get("stage", 0), paro_strategy=zero.get("paro_strategy")).runs_engine(meta["dp"])
     dp = world_size // (tp * pp)
-    now_zero = uses_zero_engine(dp, cfg.zero.stage, cfg.zero.paro_strategy)
+    now_zero = cfg.zero.runs_engine(dp)
     if was_zero != now_zero:
         engine = {
             True: "the ZeRO engine",

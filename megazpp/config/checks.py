@@ -1,31 +1,32 @@
-"""The rules that span sections, and the one place every subsystem's options are built.
+"""The rules that span sections, checked once per job; the run's resolved options returned.
 
-Why here: the config layer reads sources (YAML, DeepSpeed JSON, flags) into the schema's
-sections; each subsystem owns a typed options type that checks its own section's rules when
-built (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
-`DataOptions`). `check_config` maps the sections onto those types by field name (`options.options_of`), once,
-before any rank starts, and adds only the rules no single section can see: batch sizes against
-the world, tp / pp against the model, compilation and frozen parameters against the ZeRO
-strategy, islands against the world. Each refusal is a `ConfigError` naming the key, the value
-and what was expected.
+Why here: each section is its subsystem's own type and checks its own rules when the loader
+builds it (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
+`DataOptions`, `PlannerSettings`). `check_config` adds only the rules no single section can see:
+batch sizes against the world, tp / pp against the model, compilation and frozen parameters
+against the ZeRO strategy, islands against the world. Each refusal is a `ConfigError` naming
+the key, the value and what was expected.
 
-Where it runs: `training.startup.prepare`, before any process group, in `run.sh`'s once-per-job
-check and again in each rank's own start (a rank launched without run.sh must be checked too):
-the same pure function of the same argv and world size, so a rank rebuilds exactly the options
-the job's check accepted, and the engines take them as built.
+Pure: it writes nothing into the Config it is given; what it resolves (the global batch size,
+the warmup in iterations, the `zero` options' micro-batch count and the strategies `auto` may
+pick) is in the `RunOptions` it returns, a new checked Config that every part of a rank reads.
+
+Where it runs: `training.startup.prepare`, before any process group, in `run.sh`'s
+once-per-job check, which hands its decision to the ranks (`startup.read_handoff`): a rank
+checks nothing again. A rank started without run.sh runs `prepare` itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from megazpp.config.load import validate_types
-from megazpp.config.options import RunOptions, options_of, zero_options
-from megazpp.config.schema import Config, refuse_not_implemented
-from megazpp.data.options import DataOptions
+from megazpp.config.options import RunOptions
+from megazpp.config.schema import Config, TrainingConfig
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
-from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
-from megazpp.parallel.topology import dp_groups, island_layout
+from megazpp.parallel.topology import check_model_split, dp_groups, island_layout
 from megazpp.zero.frozen import check_frozen_support
 from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import Level, Strategy
@@ -33,37 +34,32 @@ from megazpp.zero.zeropp import hpz_group_size
 
 
 def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> RunOptions:
-    """Refuse the first inconsistent value; resolve the derived batch sizes (into `cfg`); return
-    every subsystem's options. `ranks_per_node`: the launcher's, for the `outer` islands (the
-    config's `parallel.ranks_per_node` wins)."""
+    """Refuse the first inconsistent value; return the run's options: a new Config with the
+    global batch size and warmup resolved and the `zero` options told the micro-batch count and
+    narrowed by the other sections (`cfg` is left as given). `ranks_per_node`: the launcher's,
+    for the `outer` islands (the config's `parallel.ranks_per_node` wins)."""
     validate_types(cfg)
     cfg.model.validate()
     _validate_parallel(cfg, world_size)
-    _resolve_batch(cfg, world_size)
+    check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
+    training = _resolve_batch(cfg.training, cfg.data_parallel_size(world_size))
     _validate_schedule(cfg)
-    data = options_of(DataOptions, cfg.data)  # the blend and the split parsed, once
-    cfg.planner.validate()
+    training = dataclasses.replace(training, lr_warmup_iters=_warmup_iters(training), lr_warmup_fraction=None)
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
-    refuse_not_implemented(cfg)
     if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
         raise ConfigError(
             "checkpoint.save_adapters_only: every parameter trains (model.lora_rank is 0 "
             "and training.trainable is empty), so there is no frozen base to leave out"
         )
-    zero = zero_options(cfg.zero, cfg.num_micro_batches(world_size))
-    outer = resolve_outer(cfg, world_size, ranks_per_node)
+    resolved = dataclasses.replace(cfg, training=training)
+    zero = dataclasses.replace(cfg.zero, micro_batches_per_step=resolved.num_micro_batches(world_size))
+    resolve_outer(cfg, world_size, ranks_per_node)  # the outer rules that span sections
     per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
     islands = islands_of(cfg, world_size, ranks_per_node)
     dp = cfg.data_parallel_size(world_size) // islands  # the engine runs over one island's DP ranks
     _check_hpz_nodes(zero.zeropp.hpz, cfg, world_size, per_node, islands)
-    return RunOptions(
-        _zero_across_sections(cfg, zero, dp),
-        options_of(OptimizerOptions, cfg.optimizer),
-        options_of(PrecisionOptions, cfg.precision),
-        outer,
-        data,
-    )
+    return RunOptions(dataclasses.replace(resolved, zero=_zero_across_sections(cfg, zero, dp)), world_size)
 
 
 def islands_of(cfg: Config, world_size: int, ranks_per_node: int | None) -> int:
@@ -76,9 +72,9 @@ def islands_of(cfg: Config, world_size: int, ranks_per_node: int | None) -> int:
 
 
 def validate_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> Config:
-    """`check_config` for callers that need only the checked config (tools, tests): `cfg`."""
-    check_config(cfg, world_size, ranks_per_node)
-    return cfg
+    """`check_config` for callers that need only the checked config (tools, tests): the
+    resolved copy."""
+    return check_config(cfg, world_size, ranks_per_node).config
 
 
 def _check_hpz_nodes(hpz: int, cfg: Config, world_size: int, per_node: int, islands: int) -> None:
@@ -150,29 +146,28 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
         )
 
 
-def _resolve_batch(cfg: Config, world_size: int) -> None:
-    t = cfg.training
-    dp = cfg.data_parallel_size(world_size)
+def _resolve_batch(t: TrainingConfig, dp: int) -> TrainingConfig:
+    """The training section with the global batch size set (given, micro x accumulation x dp,
+    or one micro-batch per DP rank), refused where those disagree."""
     _require_positive("training.micro_batch_size", t.micro_batch_size)
     _require_positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
     per_step = t.micro_batch_size * dp
+    total = per_step if t.global_batch_size is None else t.global_batch_size
     if t.gradient_accumulation_steps is not None:
-        implied = per_step * t.gradient_accumulation_steps
-        if t.global_batch_size is not None and t.global_batch_size != implied:
+        total = per_step * t.gradient_accumulation_steps
+        if t.global_batch_size is not None and t.global_batch_size != total:
             raise ConfigError(
                 f"training.global_batch_size = {t.global_batch_size} disagrees with "
                 f"micro_batch_size {t.micro_batch_size} x gradient_accumulation_steps "
-                f"{t.gradient_accumulation_steps} x data-parallel size {dp} = {implied}"
+                f"{t.gradient_accumulation_steps} x data-parallel size {dp} = {total}"
             )
-        t.global_batch_size = implied
-    if t.global_batch_size is None:
-        t.global_batch_size = per_step
-    _require_positive("training.global_batch_size", t.global_batch_size)
-    if t.global_batch_size % per_step:
+    _require_positive("training.global_batch_size", total)
+    if total % per_step:
         raise ConfigError(
-            f"training.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"training.global_batch_size = {total} is not divisible by "
             f"micro_batch_size {t.micro_batch_size} x data-parallel size {dp} = {per_step}"
         )
+    return dataclasses.replace(t, global_batch_size=total)
 
 
 def _validate_schedule(cfg: Config) -> None:
@@ -201,25 +196,30 @@ def _validate_schedule(cfg: Config) -> None:
                 f"training.lr_warmup_iters = {t.lr_warmup_iters} are both set: "
                 "give one"
             )
-        # resolved once into iterations, which is what the schedule and checkpoints record
-        t.lr_warmup_iters = round(t.lr_warmup_fraction * decay_iters)
-        t.lr_warmup_fraction = None
-    if t.lr_warmup_iters > decay_iters:
+    if _warmup_iters(t) > decay_iters:
         raise ConfigError(
-            f"training.lr_warmup_iters = {t.lr_warmup_iters} exceeds the decay "
+            f"training.lr_warmup_iters = {_warmup_iters(t)} exceeds the decay "
             f"length (lr_decay_iters or train_iters) = {decay_iters}"
         )
 
 
+def _warmup_iters(t: TrainingConfig) -> int:
+    """The warmup in iterations, which is what the schedule and checkpoints record (a fraction
+    of the decay length resolved)."""
+    if t.lr_warmup_fraction is None:
+        return t.lr_warmup_iters
+    return round(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
+
+
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
-    """The `outer` section's checked options (None: two-level training off), with the rules that
-    span sections: islands of whole nodes over this world (`ranks_per_node`: the launcher's,
-    unless the config sets it), and the combinations not built yet. `zero.paro_strategy: auto`
+    """The `outer` options (None: two-level training off), with the rules that span sections:
+    islands of whole nodes over this world (`ranks_per_node`: the launcher's, unless the config
+    sets it), and the combinations not built yet. `zero.paro_strategy: auto`
     is allowed: the island's strategy is chosen once the ranks can probe their links
     (`planner.auto.auto_strategy` with the outer options)."""
-    if not cfg.outer.enabled():
+    if not cfg.outer.enabled:
         return None
-    options = options_of(OuterOptions, cfg.outer)
+    options = cfg.outer
     first_landing = options.sync_every + options.overlap_steps
     if first_landing > cfg.training.train_iters:
         raise ConfigError(

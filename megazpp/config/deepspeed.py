@@ -23,7 +23,7 @@ from megazpp.unique_keys import DuplicateKeyError, load_json
 Sections = dict[str, dict[str, Any]]
 Put = Callable[[str, str, Any, str], None]  # section, field, value, the DeepSpeed key's path
 
-# zero_optimization keys that map one to one onto `ZeroConfig` fields of the same meaning.
+# zero_optimization keys that map one to one onto `ZeroOptions` fields (the `zero` section) of the same meaning.
 _ZERO_DIRECT = {
     "stage": "stage",
     "reduce_bucket_size": "reduce_bucket_size",

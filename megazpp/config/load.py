@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 
 from megazpp.config.aliases import MEGATRON_ALIASES, translate_megatron_flags
-from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table, refuse_not_implemented
+from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table
 from megazpp.config.values import coerce, suggest
 from megazpp.errors import ConfigError, MegazppError
+from megazpp.setting import keys
 from megazpp.unique_keys import load_yaml
 
 
@@ -36,8 +37,7 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     values, origins = _read_files(yaml_path, ds_path)
     from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
-    cfg = _build(values)
-    refuse_not_implemented(cfg, origins)
+    cfg = _build(values, origins)
     _fit_warmup_to_run(cfg.training, from_files, origins, notes if notes is not None else [])
     _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
     return cfg
@@ -49,7 +49,7 @@ def file_defaults(argv: Sequence[str]) -> tuple[Config, dict[str, str]]:
     (`section.field` -> source). Nothing is derived from data (the tokenizer may not exist yet)."""
     yaml_path, ds_path, _ = _split_file_flags(list(argv))
     values, origins = _read_files(yaml_path, ds_path)
-    return _build(values), origins
+    return _build(values, origins), origins
 
 
 def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -63,7 +63,7 @@ def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, d
 
         names: dict[str, str] = {}
         sections = read_deepspeed_config(ds_path, names)
-        _merge(values, origins, sections, source=f"DeepSpeed config {ds_path}", names=names)
+        _merge(values, origins, sections, source=f"DeepSpeed config {ds_path}", spelled=names)
     return values, origins
 
 
@@ -151,27 +151,28 @@ def _merge(
     origins: dict[str, str],
     update: dict[str, dict[str, Any]],
     source: str,
-    names: dict[str, str] | None = None,
+    spelled: dict[str, str] | None = None,
 ) -> None:
     """Type-check each key of `update` against its section and write it into `values`,
-    remembering in `origins` which source set it (for error messages). `names` spells a key
+    remembering in `origins` which source set it (for error messages). `spelled` spells a key
     as its source wrote it (a DeepSpeed key: `train_batch_size`, not `training.global_batch_size`)."""
     for section, body in update.items():
         cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
+        names = {f.name for f in keys(cls)}
         for key, value in body.items():
-            if key not in hints:
+            if key not in names:
                 raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest_key(section, str(key))}")
-            name = (names or {}).get(f"{section}.{key}", f"{section}.{key}")
+            name = (spelled or {}).get(f"{section}.{key}", f"{section}.{key}")
             values[section][key] = coerce(value, hints[key], f"{source}: {name}")
             origins[f"{section}.{key}"] = source
 
 
 def _suggest_key(section: str, key: str) -> str:
     for other, cls in SECTIONS.items():
-        if other != section and key in {f.name for f in dataclasses.fields(cls)}:
+        if other != section and key in {f.name for f in keys(cls)}:
             return f" (it belongs in section {other!r})"
-    return suggest(key, [f.name for f in dataclasses.fields(SECTIONS[section])])
+    return suggest(key, [f.name for f in keys(SECTIONS[section])])
 
 
 def _parse_flags(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -233,11 +234,19 @@ def _is_negative_number(word: str) -> bool:
     return re.match(r"-\.?\d", word) is not None
 
 
-def _build(values: dict[str, dict[str, Any]]) -> Config:
+def _build(values: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config:
+    """Each section built from its values: its constructor checks it (a subsystem's section
+    refuses what that subsystem cannot run), and a refusal naming a key says where it was set."""
     sections = {}
     for name, cls in SECTIONS.items():
         try:
             sections[name] = cls(**values[name])
+        except ConfigError as err:
+            key = re.match(r"[a-z_]+\.[a-z0-9_]+", str(err))
+            source = origins.get(key[0]) if key else None
+            if source is None or str(err).startswith(source):
+                raise
+            raise ConfigError(f"{source}: {err}") from None
         except MegazppError:
             raise
         except (TypeError, ValueError) as exc:
@@ -260,7 +269,7 @@ def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
             )
         return
     multiple = cfg.data.make_vocab_size_divisible_by * cfg.tp
-    cfg.model.vocab_size = -(-tokenizer_vocab // multiple) * multiple
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
 
 
 def validate_types(cfg: Config) -> None:
@@ -268,5 +277,5 @@ def validate_types(cfg: Config) -> None:
     for section in SECTIONS:
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(type(obj))
-        for f in dataclasses.fields(obj):
+        for f in keys(obj):
             coerce(getattr(obj, f.name), hints[f.name], f"{section}.{f.name}")

@@ -1,67 +1,67 @@
-"""Sections onto the subsystems' options types, by field name: the one mapping of the config.
+"""The run's checked options: the config as `config.checks.check_config` resolved it.
 
-Why one generic helper: each subsystem owns a typed, checked options type (`zero.options.
-ZeroOptions`, `zero.zeropp.ZeroPP`, `optim.options.OptimizerOptions` / `PrecisionOptions`,
-`outer.settings.OuterOptions`, `data.options.DataOptions`) whose fields carry the names of its
-section's keys, as Megatron-core's DDP config carries its argument names. Mapping by name means a key added to a
-section and its options type reaches the subsystem with no code in between, and a field whose
-key differs says so once, in its metadata (`key`), beside its default.
+Why a type of its own: the loader's `Config` holds what the sources said (a global batch size
+may be absent, a warmup given as a fraction); the check resolves those from the world size and
+the other sections into a new Config, leaving its input untouched, and every part of a rank
+(the engine builder, the trainer, the logger, the banner) reads this one, never the loader's.
+Each section is its subsystem's own type, checked when built (`zero.options.ZeroOptions`,
+`optim.options.OptimizerOptions` / `PrecisionOptions`, `outer.settings.OuterOptions`,
+`data.options.DataOptions`), so nothing here maps or checks a setting again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
-from megazpp.config.schema import ZeroConfig
+from megazpp.config.schema import Config
 from megazpp.data.options import DataOptions
+from megazpp.errors import required
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.outer.settings import OuterOptions
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import strategy_setting
-from megazpp.zero.zeropp import ZeroPP
-
-T = TypeVar("T")
-
-
-def options_of(cls: type[T], section: object, **given: Any) -> T:
-    """`cls` built from `section`: each field takes `given[name]` when given, else the section's
-    value of the field's key (its metadata "key", else its name), else the field's default;
-    `cls`'s constructor checks the result (and fills the fields it derives, `init=False`)."""
-    values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init:
-            continue
-        key = f.metadata.get("key", f.name)
-        if f.name in given:
-            values[f.name] = given[f.name]
-        elif hasattr(section, key):
-            values[f.name] = getattr(section, key)
-    return cls(**values)
-
-
-def zero_options(z: ZeroConfig, micro_batches_per_step: int | None = None) -> ZeroOptions:
-    """The `zero` section as zero's options: `paro_strategy` / `stage` parsed by zero
-    (`strategy.strategy_setting`), the ZeRO++ keys onto `ZeroPP`, everything else by name.
-    `reduce_scatter` and `contiguous_gradients` have no field: their only accepted values are
-    the defaults (`schema.NOT_IMPLEMENTED_YET`)."""
-    return options_of(
-        ZeroOptions,
-        z,
-        strategy=strategy_setting(z.paro_strategy, z.stage),
-        zeropp=options_of(ZeroPP, z),
-        micro_batches_per_step=micro_batches_per_step,
-    )
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """Every subsystem's checked options for one run, built once by `config.checks.check_config`
-    before any rank starts; the engines are built from these, never from the sections."""
+    """Every section of one run, checked and resolved once before any rank starts: the global
+    batch size and warmup iterations set (`training`), the `zero` options told the micro-batch
+    count and narrowed by the other sections' rules."""
 
-    zero: ZeroOptions
-    optimizer: OptimizerOptions
-    precision: PrecisionOptions
-    outer: OuterOptions | None
-    data: DataOptions
+    config: Config
+    world_size: int
+
+    @property
+    def zero(self) -> ZeroOptions:
+        return self.config.zero
+
+    @property
+    def optimizer(self) -> OptimizerOptions:
+        return self.config.optimizer
+
+    @property
+    def precision(self) -> PrecisionOptions:
+        return self.config.precision
+
+    @property
+    def data(self) -> DataOptions:
+        return self.config.data
+
+    @property
+    def outer(self) -> OuterOptions | None:
+        """The `outer` options when two-level training is on, else None."""
+        return self.config.outer if self.config.outer.enabled else None
+
+    @property
+    def global_batch_size(self) -> int:
+        return required(self.config.training.global_batch_size, "training.global_batch_size")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.config.num_micro_batches(self.world_size)
+
+    @property
+    def uses_zero_engine(self) -> bool:
+        """The ZeRO engine runs when data parallel or when a zero stage / PaRO strategy is asked
+        for (stage 0 over dp > 1 is NNN: plain DDP); else LocalEngine."""
+        return self.zero.runs_engine(self.config.data_parallel_size(self.world_size))

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from megazpp.cli import add_renamed_flag
-from megazpp.config.reference import HELP
-from megazpp.config.schema import flag_table
+from megazpp.config.schema import SECTIONS, flag_table
 from megazpp.model.config import ModelConfig
+from megazpp.setting import help_of, keys
 
 # fields whose flags a tool may take: the model's shape and the training job's batch sizes
 MODEL_FIELDS = (
@@ -54,7 +54,8 @@ def add_shape_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, d
     for field, default in defaults.items():
         if field not in MODEL_FIELDS + BATCH_FIELDS:
             raise ValueError(f"{field} is not a model-shape or batch field")
-        flag, help_line = flag_of[field], HELP[f"{section_of[field]}.{field}"]
+        flag = flag_of[field]
+        help_line = next(help_of(f) for f in keys(SECTIONS[section_of[field]]) if f.name == field)
         if field == "arch":
             parser.add_argument(flag, choices=("llama", "gpt2"), default=default, help=help_line)
         else:

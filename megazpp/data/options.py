@@ -1,12 +1,12 @@
 """DataOptions: where a run's samples come from, parsed and checked once, when built.
 
-Why here and not in the config: data owns its settings as zero owns `ZeroOptions`, the code
-that uses them beside them. The config layer maps its `data` section onto this type by field name
-(`megazpp.config.options.options_of`) before any rank starts; the constructor parses Megatron's
+Why here and not in the config: data owns its settings as zero owns `ZeroOptions`. This type
+is the `data` config section itself: the config layer reads YAML keys and flags onto its fields
+by name (each field's help beside it) before any rank starts; the constructor parses Megatron's
 `--data-path` blend and `--split` text here, in the one parser of each, so the dataset builder
 and the start-up checks take the parsed `blend` and `fractions` and never parse them again. The
 text is kept beside them for the messages that quote what the user wrote. This module never
-imports the config schema: the config's `data` section takes its defaults from here.
+imports the config.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megazpp.errors import ConfigError, DataError
+from megazpp.setting import setting
 
 Blend = tuple[tuple[float, str], ...]  # (weight, dataset prefix) per blend member
 Fractions = tuple[float, float, float]  # train, valid, test; they sum to 1
@@ -76,20 +77,22 @@ class DataOptions:
     `data_path` leaves `blend` empty: tools check configs without data, and a run refuses it,
     `training.startup.check_inputs`)."""
 
-    data_path: Sequence[str] = ()
-    split: str = "969,30,1"
-    tokenizer_model: str | None = None
+    data_path: list[str] = setting([], "indexed dataset prefix, or a blend: W1 PREFIX1 W2 PREFIX2 ...")
+    split: str = setting("969,30,1", "train,valid,test weights of the documents")
+    tokenizer_model: str | None = setting(None, "SentencePiece .model file")
     # the embedding is padded to a multiple of this (times TP), as in Megatron
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = setting(128, "pad the vocabulary to a multiple of this x TP")
     # a dataset made by another tokenizer than tokenizer_model is refused unless this is set
-    allow_tokenizer_mismatch: bool = False
+    allow_tokenizer_mismatch: bool = setting(
+        False, "train on data whose recorded tokenizer (PREFIX.tokenizer.json) is not --tokenizer-model"
+    )
     blend: Blend = field(init=False)
     fractions: Fractions = field(init=False)
 
     def __post_init__(self) -> None:
         """DataError for a `data.data_path` that is not a blend, ConfigError naming the key for
         a split that cannot be cut or a vocabulary multiple below 1; parsed here, once."""
-        object.__setattr__(self, "data_path", tuple(str(p) for p in self.data_path))
+        object.__setattr__(self, "data_path", [str(p) for p in self.data_path])
         object.__setattr__(self, "blend", tuple(parse_data_path(self.data_path)) if self.data_path else ())
         object.__setattr__(self, "fractions", parse_split(self.split))
         if self.make_vocab_size_divisible_by < 1:

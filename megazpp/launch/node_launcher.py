@@ -298,6 +298,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--report-interval", type=float, default=DEFAULT_REPORT_S, help="seconds between 'waiting for ...' lines"
     )
     parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument(
+        "--remove-after", help="a file the job made for its ranks (run.sh's checked run), removed when this ends"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(list(argv))
     if not args.command:
@@ -312,7 +315,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return launch(parse_args(sys.argv[1:] if argv is None else argv))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return launch(args)
+    finally:
+        if args.remove_after:  # every attempt (restarts included) has read it by now
+            Path(args.remove_after).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazpp.errors import ConfigError, required
+from megazpp.setting import setting
 
 ARCHITECTURES = ("llama", "gpt2")
 # the linears of a layer that can carry a LoRA adapter, per architecture (attribute names)
@@ -23,7 +24,7 @@ def _llama_ffn_size(hidden_size: int) -> int:
     return (int(8 * hidden_size / 3) + 63) // 64 * 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and behaviour of a GPT-2 or Llama model.
 
@@ -31,43 +32,54 @@ class ModelConfig:
     before building a model (GPTModel runs it too).
     """
 
-    arch: str = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None  # None: one group per head (plain multi-head attention)
-    ffn_hidden_size: int | None = None  # None: 4h for gpt2, ~8h/3 (multiple of 64) for llama
-    vocab_size: int = 512
-    seq_length: int = 128  # the longest sequence (also the size of gpt2's position table)
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_embeddings: bool | None = None  # None: True for gpt2, False for llama
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    num_experts: int = 0  # 0: dense MLP; >0: mixture of experts in every layer
-    moe_top_k: int = 2
-    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size // moe_top_k
-    moe_aux_loss_coeff: float = 0.01
-    activation_checkpointing: bool = False
-    lora_rank: int = 0  # 0: no adapters; r > 0: LoRA of rank r on every linear named in lora_targets
-    lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
-    lora_targets: list[str] | None = None  # None: every attention and MLP linear of the arch
-    init_std: float = 0.02
-    init_seed: int = 1234
+    arch: str = setting("llama", "llama (RoPE, RMSNorm, SwiGLU) or gpt2 (learned positions, LayerNorm, GELU)")
+    num_layers: int = setting(2, "transformer layers")
+    hidden_size: int = setting(64, "model width")
+    num_attention_heads: int = setting(4, "attention heads")
+    num_query_groups: int | None = setting(None, "key/value heads for grouped-query attention; none: one per head")
+    ffn_hidden_size: int | None = setting(None, "MLP width; none: 4h for gpt2, ~8h/3 rounded to 64 for llama")
+    vocab_size: int = setting(512, "embedding rows; unless set: the tokenizer's vocabulary, padded")
+    seq_length: int = setting(128, "training sequence length (also gpt2's position table size)")
+    norm_eps: float = setting(1e-5, "epsilon of RMSNorm / LayerNorm")
+    rope_theta: float = setting(10000.0, "RoPE base frequency")
+    tie_embeddings: bool | None = setting(None, "share input embedding and output layer; none: gpt2 yes, llama no")
+    hidden_dropout: float = setting(0.0, "dropout after attention and MLP")
+    attention_dropout: float = setting(0.0, "dropout on attention probabilities")
+    num_experts: int = setting(0, "experts per MoE layer (0: dense MLP)")
+    moe_top_k: int = setting(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int | None = setting(None, "expert MLP width; none: ffn_hidden_size / moe_top_k")
+    moe_aux_loss_coeff: float = setting(0.01, "weight of the MoE load-balancing loss")
+    activation_checkpointing: bool = setting(False, "recompute each layer's activations in backward")
+    lora_rank: int = setting(
+        0,
+        "LoRA adapter rank on the lora_targets linears (0: none); with adapters, only they train unless "
+        "training.trainable adds more",
+    )
+    lora_alpha: float = setting(16.0, "LoRA scale numerator: adapters add lora_alpha / lora_rank x B A")
+    lora_targets: list[str] | None = setting(
+        None, "linears that get adapters: qkv out gate_proj up_proj down_proj (llama), fc1 fc2 (gpt2); none: all"
+    )
+    init_std: float = setting(0.02, "standard deviation of the weight init")
+    init_seed: int = setting(1234, "seed of the weight init (same model for every parallel layout)")
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ConfigError(f"model.arch = {self.arch!r}: expected one of {list(ARCHITECTURES)}")
+        # the fields left None are derived from arch, once, here (the type is frozen after)
+
+        def fill(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            fill("num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
-            self.ffn_hidden_size = 4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size)
+            fill("ffn_hidden_size", 4 * self.hidden_size if self.arch == "gpt2" else _llama_ffn_size(self.hidden_size))
         if self.tie_embeddings is None:
-            self.tie_embeddings = self.arch == "gpt2"
+            fill("tie_embeddings", self.arch == "gpt2")
         if self.moe_ffn_hidden_size is None and isinstance(self.ffn_hidden_size, int):
-            self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // max(1, self.moe_top_k))
+            fill("moe_ffn_hidden_size", max(1, self.ffn_hidden_size // max(1, self.moe_top_k)))
         if self.lora_targets is None:
-            self.lora_targets = list(LORA_TARGETS[self.arch])
+            fill("lora_targets", list(LORA_TARGETS[self.arch]))
 
     @property
     def is_llama(self) -> bool:

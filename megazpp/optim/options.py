@@ -1,11 +1,10 @@
-"""The optimizer's options: AdamW's hyper-parameters and the precision, typed and checked once,
-when built.
+"""The `optimizer` and `precision` config sections: AdamW's hyper-parameters and the precision,
+checked when built.
 
 Why here and not in the config: every engine (local, ZeRO) reads them, and optim owns them as
-zero owns `ZeroOptions`, the code that uses them beside them. The config layer maps its `optimizer` and
-`precision` sections onto these types by field name (`megazpp.config.options.options_of`)
-before any rank starts; the rules here concern one section each and name its keys. This module
-never imports the config schema: the config's sections take their defaults from here.
+zero owns `ZeroOptions`. These types are the sections themselves: the config layer reads YAML
+keys and flags onto their fields by name (each field's help beside it), before any rank starts;
+the rules here concern one section each and name its keys. This module never imports the config.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Literal
 import torch
 
 from megazpp.errors import ConfigError
+from megazpp.setting import setting
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,13 +24,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class OptimizerOptions:
     """AdamW hyper-parameters; `clip_grad` 0 disables clipping; `min_lr` is the schedule's floor."""
 
-    lr: float = 3.0e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    lr: float = setting(3.0e-4, "peak learning rate")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay")
+    weight_decay: float = setting(0.01, "AdamW decoupled weight decay (not on norms and biases)")
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.95, "AdamW beta2")
+    adam_eps: float = setting(1.0e-8, "AdamW epsilon")
+    clip_grad: float = setting(1.0, "clip the global gradient norm to this (0: off)")
 
     def __post_init__(self) -> None:
         """ConfigError naming the `optimizer` key for the first value AdamW cannot run with."""
@@ -62,14 +62,16 @@ class PrecisionOptions:
     `grad_accum_dtype` is the dtype micro-batch gradients are summed in under bf16/fp16.
     """
 
-    bf16: bool = False
-    fp16: bool = False
-    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale: float = 0.0
-    initial_loss_scale: float = 65536.0
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 1
+    bf16: bool = setting(False, "bf16 model with fp32 master weights")
+    fp16: bool = setting(False, "fp16 model with fp32 masters and a loss scaler")
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32", "dtype micro-batch gradients are summed in (fp32 or the model's)"
+    )
+    loss_scale: float = setting(0.0, "fp16 static loss scale (0: dynamic)")
+    initial_loss_scale: float = setting(65536.0, "fp16 dynamic scale to start from")
+    min_loss_scale: float = setting(1.0, "fp16 dynamic scale floor")
+    loss_scale_window: int = setting(1000, "good steps before the dynamic scale doubles")
+    hysteresis: int = setting(1, "overflows in a row before the dynamic scale halves")
 
     def __post_init__(self) -> None:
         """ConfigError naming the `precision` key for the first inconsistent value."""

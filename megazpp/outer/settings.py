@@ -1,21 +1,19 @@
-"""The `outer` config section (two-level training) and the checked options it maps onto.
+"""The `outer` config section (two-level training): `OuterOptions`, checked when built.
 
-Why here and not in `megazpp.config`: the section belongs to the code that uses it, as every
-subsystem's options do. `OuterOptions` checks every rule of its own values when built, naming the key,
-as `ZeroOptions` and `OptimizerOptions` do; the config layer above composes `OuterSettings`
-into its schema (so YAML keys and `--outer-*` flags work like every other section's) and maps
-it onto `OuterOptions` by field name (`megazpp.config.options.options_of`) when `enabled` says
-two-level training is on, with the rules that span sections (islands against the world), before
-any rank starts. It imports nothing of megazpp but errors; the runtime (`megazpp.outer.diloco`)
-takes `OuterOptions` only.
+Why here and not in `megazpp.config`: the section belongs to the code that uses it, as `zero`'s
+does to zero. `OuterOptions` checks every rule of its own values when built, naming the key, as
+`ZeroOptions` and `OptimizerOptions` do; the config layer above reads YAML keys and `--outer-*`
+flags onto its fields by name, and its check adds the rules that span sections (islands against
+the world) before any rank starts, handing the runtime these options only when `enabled`. It
+imports nothing of megazpp but errors and the field helper.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
 
 from megazpp.errors import ConfigError
+from megazpp.setting import setting
 
 ALGORITHMS = ("none", "diloco")
 QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.outer.traffic)
@@ -27,21 +25,45 @@ MAX_LR = 2.0
 
 @dataclass(frozen=True)
 class OuterOptions:
-    """Two-level training as resolved: DiLoCo every `sync_every` inner steps, Nesterov SGD with
-    `lr` and `momentum` on the islands' averaged pseudo-gradient, moved in `quantize` format;
-    ConfigError naming the `outer` key for a value out of range or asking for what is not built."""
+    """The `outer` section: islands of synchronous ZeRO joined by an outer optimizer
+    (docs/arch/outer.md). `algorithm` none (the default) is plain synchronous data parallelism
+    over all ranks; diloco runs the ZeRO engine inside each island of `island_nodes` nodes and
+    every `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the
+    last sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9),
+    moved in `quantize` format. ConfigError naming the `outer` key for a value out of range or
+    asking for what is not built."""
 
-    sync_every: int = 20
-    lr: float = 0.7
-    momentum: float = 0.9
-    quantize: Literal["none", "bf16", "int4"] = "none"
-    island_nodes: int = 1
-    fragments: int = 1  # streaming: fragments synced at staggered steps
-    overlap_steps: int = 0  # tau: inner steps an exchange runs before it is applied
-    merge_alpha: float = 0.5  # with tau > 0: weight of the island's own parameters when applied
-    error_feedback: bool = True  # int4: what the wire dropped is added back at the next sync
+    algorithm: str = setting("none", "none (synchronous over all ranks) or diloco (islands + outer optimizer)")
+    sync_every: int = setting(20, "H: inner steps between outer syncs")
+    lr: float = setting(0.7, "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
+    momentum: float = setting(0.9, "outer Nesterov momentum")
+    fragments: int = setting(1, "streaming: fragments (runs of parameter tensors) synced at staggered steps, at most H")
+    overlap_steps: int = setting(0, "streaming: inner steps an outer exchange runs before it is applied (tau, below H)")
+    merge_alpha: float = setting(0.5, "with overlap: weight of the island's own parameters when an exchange is applied")
+    quantize: str = setting(
+        "none", "outer-gradient wire format: none (fp32), bf16, int4 (blocks of 256, error feedback)"
+    )
+    error_feedback: bool = setting(
+        True, "int4 wire: add what the wire dropped back at the next sync (false: the ablation)"
+    )
+    island_nodes: int = setting(1, "nodes per island")
 
     def __post_init__(self) -> None:
+        """ConfigError naming the `outer` key: an unknown algorithm, a setting given while
+        two-level training is off (nothing would use it), or a value out of range."""
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"outer.algorithm = {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
+        if not self.enabled:
+            changed = [
+                f"outer.{f.name} = {getattr(self, f.name)!r}"
+                for f in fields(self)
+                if f.name != "algorithm" and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{changed[0]} is set but outer.algorithm is none, so nothing would use it: "
+                    f"set outer.algorithm diloco (--outer-algorithm diloco) or drop the setting"
+                )
         if self.sync_every < 1:
             raise ConfigError(f"outer.sync_every = {self.sync_every}: expected at least 1 inner step per outer step")
         if not 0 < self.lr <= MAX_LR:
@@ -84,43 +106,7 @@ class OuterOptions:
                 f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting"
             )
 
-
-@dataclass
-class OuterSettings:
-    """Islands of synchronous ZeRO joined by an outer optimizer (docs/arch/outer.md).
-
-    `algorithm` none (the default) is plain synchronous data parallelism over all ranks;
-    diloco runs the ZeRO engine inside each island of `island_nodes` nodes and every
-    `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the last
-    sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9). The
-    other keys are `OuterOptions`' fields, with its defaults."""
-
-    algorithm: str = "none"
-    sync_every: int = OuterOptions.sync_every
-    lr: float = OuterOptions.lr
-    momentum: float = OuterOptions.momentum
-    fragments: int = OuterOptions.fragments
-    overlap_steps: int = OuterOptions.overlap_steps
-    merge_alpha: float = OuterOptions.merge_alpha
-    quantize: str = OuterOptions.quantize
-    error_feedback: bool = OuterOptions.error_feedback
-    island_nodes: int = OuterOptions.island_nodes
-
+    @property
     def enabled(self) -> bool:
-        """Whether two-level training is on; ConfigError for an unknown algorithm, or for a
-        setting given while it is off (nothing would use it)."""
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"outer.algorithm = {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-        if self.algorithm != "none":
-            return True
-        changed = [
-            f"outer.{f.name} = {getattr(self, f.name)!r}"
-            for f in fields(self)
-            if f.name != "algorithm" and getattr(self, f.name) != f.default
-        ]
-        if changed:
-            raise ConfigError(
-                f"{changed[0]} is set but outer.algorithm is none, so nothing would use it: "
-                f"set outer.algorithm diloco (--outer-algorithm diloco) or drop the setting"
-            )
-        return False
+        """Whether two-level training is on (the run's options then carry these)."""
+        return self.algorithm != "none"

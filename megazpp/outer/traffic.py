@@ -126,9 +126,8 @@ def per_step(
     """The outer traffic of one rank amortised over `sync_every` (H) inner steps: every
     fragment (its shard's elements in `fragment_numels`) is synced once per H steps, at its own
     step, staggered by H / F, so no two fragments share an inner step when F <= H (else the
-    peak is that of the most fragments due at one step)."""
-    if sync_every < 1:
-        raise ValueError(f"outer sync_every {sync_every}: expected at least 1")
+    peak is that of the most fragments due at one step). `sync_every` is a checked one
+    (`settings.OuterOptions` refuses H < 1, naming the key)."""
     each = [sync_bytes(n, islands, quantize, block) for n in fragment_numels]
     intra = sum(a for a, _ in each)
     inter = sum(b for _, b in each)

@@ -366,14 +366,29 @@ class ModelShape(Protocol):
     """The sizes a tp x pp split must divide: a `ModelConfig` is one (parallel sits below
     model, so it names the attributes instead of importing the class)."""
 
-    num_attention_heads: int
-    num_query_groups: int | None
-    vocab_size: int
-    ffn_hidden_size: int | None
-    num_layers: int
-    seq_length: int
-    num_experts: int
-    moe_ffn_hidden_size: int | None
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_query_groups(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def ffn_hidden_size(self) -> int | None: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def seq_length(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def moe_ffn_hidden_size(self) -> int | None: ...
 
 
 def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel: bool = False) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megazpp.config.planner import PlannerSettings
 from megazpp.config.schema import Config
 from megazpp.errors import ConfigError, required
 from megazpp.outer.settings import OuterOptions
@@ -35,7 +36,6 @@ from megazpp.planner.cost import fastest_hierarchy, hierarchy_seconds, layout, r
 from megazpp.planner.plan import Plan, plan
 from megazpp.planner.probe import broadcast_values, probe_host, probe_link, probe_matmul_flops
 from megazpp.planner.report import island_table, table, two_level_reason, two_level_table
-from megazpp.planner.settings import PlannerSettings
 from megazpp.planner.shape import StageShape, shape_of_model, shapes_of_config
 from megazpp.planner.two_level import IslandPlan, OuterChoice, plan_island, plan_two_level
 from megazpp.planner.workload import Workload, workload_of_config

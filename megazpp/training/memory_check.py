@@ -35,14 +35,12 @@ from pathlib import Path
 
 import torch
 
-from megazpp.checkpoint.resume_check import uses_zero_engine
-from megazpp.config.schema import Config
+from megazpp.config.options import RunOptions
 from megazpp.errors import ConfigError
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import Option, predict
 from megazpp.planner.shape import shapes_of_config
 from megazpp.planner.workload import workload_of_config
-from megazpp.zero.options import ZeroOptions
 from megazpp.zero.strategy import PlannerChoice, parse_strategy
 from megazpp.zero.zeropp import ZeroPP
 
@@ -103,15 +101,15 @@ class Estimate:
         return self.state + self.activations + self.transient + self.runtime
 
 
-def estimate_peak(cfg: Config, options: ZeroOptions, world_size: int, ranks_per_node: int) -> Estimate | None:
-    """The planner's peak memory of the fullest rank of this run (`options`: its checked zero
-    options); None under `paro_strategy: auto` (the planner then picks a strategy that fits,
-    once the ranks measured the machine)."""
-    z = cfg.zero
+def estimate_peak(run: RunOptions, ranks_per_node: int) -> Estimate | None:
+    """The planner's peak memory of the fullest rank of this run (`run`: its checked options);
+    None under `paro_strategy: auto` (the planner then picks a strategy that fits, once the
+    ranks measured the machine)."""
+    cfg, options, world_size = run.config, run.zero, run.world_size
     if isinstance(options.strategy, PlannerChoice):
         return None
-    dp = world_size // (cfg.tp * cfg.pp)
-    zero = uses_zero_engine(dp, z.stage, z.paro_strategy)
+    dp = cfg.data_parallel_size(world_size)
+    zero = run.uses_zero_engine
     strategy = options.strategy if zero else parse_strategy("NNN")
     workload = workload_of_config(cfg)
     rpn = min(ranks_per_node, world_size)
@@ -127,10 +125,10 @@ def estimate_peak(cfg: Config, options: ZeroOptions, world_size: int, ranks_per_
         tp=cfg.tp,
         pp=cfg.pp,
         bucket_numel=workload.bucket_numel,
-        threshold=z.module_granularity_threshold,
-        fetch_mode=z.fetch_groups,
+        threshold=options.module_granularity_threshold,
+        fetch_mode=options.fetch_groups,
         trainable_fraction=workload.trainable_fraction,
-        persistence=z.stage3_param_persistence_threshold,
+        persistence=options.stage3_param_persistence_threshold,
     )
     cluster = Cluster(
         nodes=max(1, world_size // rpn),
@@ -151,12 +149,13 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB"
 
 
-def check_memory(cfg: Config, options: ZeroOptions, world_size: int, ranks_on_node: int) -> None:
+def check_memory(run: RunOptions, ranks_on_node: int) -> None:
     """Refuse a run estimated to need more memory per rank than this node has free for it."""
+    cfg = run.config
     if cfg.training.skip_memory_check:
         return
     rpn = cfg.parallel.ranks_per_node or ranks_on_node
-    estimate = estimate_peak(cfg, options, world_size, rpn)
+    estimate = estimate_peak(run, rpn)
     available = available_memory(ranks_on_node, cfg.planner.usable_memory_fraction)
     if estimate is None or available is None or estimate.total <= available.bytes_per_rank:
         return

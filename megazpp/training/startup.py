@@ -1,9 +1,20 @@
-"""Everything a run decides before a process group exists: the validated config (and what the
+"""Everything a run decides before a process group exists: the checked options (and what the
 loader adjusted), its inputs, and which checkpoint it starts from.
 
-Why apart from pretrain_gpt.py: `run.sh` runs the same checks once per job before torchrun
-starts any rank (`python -m megazpp.training.startup --world-size N ARGS`), so a refused input
-is one line per job instead of one error and a launcher traceback per rank.
+Why apart from pretrain_gpt.py: `run.sh` runs these checks once per node before torchrun
+starts any rank (`python -m megazpp.training.startup --world-size N ... --handoff FILE ARGS`),
+so a refused input is one line per job instead of one error and a launcher traceback per rank.
+
+Checked once, truly: the check writes what it decided (the `Startup`) with the arguments and
+world size it was decided for into FILE, and `run.sh` hands FILE's path to its ranks in
+`HANDOFF_ENV`; a rank whose arguments and world size match takes that decision as it is
+(`read_handoff`: unpickled, so no constructor and no check runs again), and only a restarted
+attempt decides its load plan again (`replan`: torchrun restarts resume from the newest
+checkpoint). A rank started without a handoff (a test, a direct `python pretrain_gpt.py`)
+runs `prepare` itself. The file is pickle because the options hold parsed strategies and
+frozen sections that a text format would rebuild through their checking constructors; it is
+written by the same job on the same node just before its ranks read it, never taken from
+elsewhere.
 
 What it starts from (resume, import, frozen base) is `checkpoint.manager.plan_load`'s decision,
 made here so that a refusal is one line per job.
@@ -12,8 +23,10 @@ made here so that a refusal is one line per job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
+import pickle
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -31,20 +44,24 @@ from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
 from megazpp.parallel.device import resolve_backend, visible_gpus
-from megazpp.parallel.topology import check_model_split, dp_groups
+from megazpp.parallel.topology import dp_groups
 from megazpp.training.memory_check import check_memory
 from megazpp.zero.strategy import PlannerChoice
 
 
 @dataclass
 class Startup:
-    """A validated config and how the run starts."""
+    """The run's checked options and how the run starts."""
 
-    cfg: Config
+    options: RunOptions  # every section checked and resolved, once (config.checks.check_config)
     load: LoadPlan  # what the run starts from and why (checkpoint.manager.plan_load)
-    options: RunOptions  # every subsystem's checked options, built once (config.checks.check_config)
     notes: list[str] = field(default_factory=list)  # values the loader adjusted
     backend: str = "gloo"  # the process group's backend (megazpp.parallel.device)
+
+    @property
+    def cfg(self) -> Config:
+        """The checked config (the global batch and warmup resolved), never the loader's."""
+        return self.options.config
 
 
 def torchrun_restart_count() -> int:
@@ -126,14 +143,12 @@ def prepare(
     `check_lock` (node 0's check) that no other job writes `--save`; a MegazppError before any
     work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
-    cfg = load_config(list(argv), notes)
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    # every subsystem's options, checked here and nowhere after: see config.checks
-    options = check_config(cfg, world_size, on_node)
+    # every section checked and resolved here and nowhere after: see config.checks
+    options = check_config(load_config(list(argv), notes), world_size, on_node)
+    cfg = options.config
     check_planner_settings(cfg, options, world_size, on_node)
     backend = resolve_backend(cfg.parallel.distributed_backend, on_node, visible_gpus())
-    # the model's split over tp x pp depends on those two sizes only, not on any process group
-    check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     notes += check_inputs(options.data)
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
@@ -141,30 +156,82 @@ def prepare(
     faults.check_spec()
     load = plan_load(cfg, world_size, restarts, on_node)
     if ranks_on_node is not None:
-        check_memory(cfg, options.zero, world_size, ranks_on_node)
-    return Startup(cfg, load, options, notes, backend)
+        check_memory(options, ranks_on_node)
+    return Startup(options, load, notes, backend)
+
+
+HANDOFF_ENV = "MEGAZPP_CHECKED_RUN"  # the path of the job check's decision, set by run.sh for its ranks
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A job check's decision and what it was decided for."""
+
+    argv: tuple[str, ...]
+    world_size: int
+    start: Startup
+
+
+def write_handoff(path: str, argv: Sequence[str], world_size: int, start: Startup) -> None:
+    """Write the check's decision for `argv` on `world_size` ranks, atomically (renamed into place)."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(pickle.dumps(Handoff(tuple(argv), world_size, start)))
+    tmp.replace(target)
+
+
+def read_handoff(argv: Sequence[str], world_size: int) -> Startup | None:
+    """The job check's decision when the launcher handed one (`HANDOFF_ENV`), else None;
+    ConfigError when it was made for other arguments or another world size (a variable left
+    in the environment by another job), or cannot be read."""
+    path = os.environ.get(HANDOFF_ENV)
+    if not path:
+        return None
+    try:
+        handed = pickle.loads(Path(path).read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as err:
+        raise ConfigError(f"{HANDOFF_ENV}={path}: the job check's file cannot be read ({err})") from None
+    if not isinstance(handed, Handoff):
+        raise ConfigError(f"{HANDOFF_ENV}={path}: not a job check's file")
+    if handed.argv != tuple(argv) or handed.world_size != world_size:
+        raise ConfigError(
+            f"{HANDOFF_ENV}={path} was checked for {handed.world_size} rank(s) and other arguments than this "
+            f"rank's ({world_size} rank(s)): unset {HANDOFF_ENV} to check this run here"
+        )
+    return handed.start
+
+
+def replan(start: Startup, world_size: int, restarts: int) -> Startup:
+    """A handed decision for a restarted attempt: the load plan decided again (the attempt
+    resumes from the newest checkpoint), the checked options kept."""
+    return dataclasses.replace(start, load=plan_load(start.cfg, world_size, restarts)) if restarts else start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """run.sh's check, once per node before torchrun starts any rank: `--world-size N
-    --ranks-on-node R --node-rank K` then pretrain_gpt.py's arguments; silent when fine.
-    Node 0 also checks that no other job writes the `--save` directory (its rank 0 then
-    takes the lock: `checkpoint.lock`)."""
+    --ranks-on-node R --node-rank K [--handoff FILE]` then pretrain_gpt.py's arguments; silent
+    when fine. Node 0 also checks that no other job writes the `--save` directory (its rank 0
+    then takes the lock: `checkpoint.lock`). With `--handoff`, the decision is written to FILE for
+    the ranks (`read_handoff`)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--ranks-on-node", type=int, required=True)
     parser.add_argument("--node-rank", type=int, required=True)
+    parser.add_argument("--handoff")
     known, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if known.world_size < 1 or known.ranks_on_node < 1 or known.node_rank < 0:
         raise ConfigError(
             f"--world-size {known.world_size} --ranks-on-node {known.ranks_on_node} "
             f"--node-rank {known.node_rank}: expected sizes >= 1 and a rank >= 0"
         )
-    prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node, check_lock=known.node_rank == 0)
+    start = prepare(rest, known.world_size, ranks_on_node=known.ranks_on_node, check_lock=known.node_rank == 0)
+    if known.handoff:
+        write_handoff(known.handoff, rest, known.world_size, start)
     return 0
 
 
 if __name__ == "__main__":
     from megazpp.cli import run_tool
+    from megazpp.training import startup  # this module by its name: the handoff pickles its classes
 
-    run_tool(main, prog="pretrain_gpt.py")
+    run_tool(startup.main, prog="pretrain_gpt.py")

@@ -31,9 +31,9 @@ from megazpp import faults
 from megazpp.checkpoint.format import LoadedCheckpoint
 from megazpp.checkpoint.manager import CheckpointManager, Progress
 from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
-from megazpp.config.schema import Config
+from megazpp.config.options import RunOptions
 from megazpp.data.sampler import PretrainingSampler
-from megazpp.errors import NumericalError, required
+from megazpp.errors import NumericalError
 from megazpp.optim.engine_protocol import Engine, StepResult
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
@@ -78,7 +78,7 @@ def make_micro_batch(dataset: TokenSamples, indices: Sequence[int], device: torc
 class Trainer:
     def __init__(
         self,
-        cfg: Config,
+        options: RunOptions,
         model: nn.Module,
         engine: Engine,
         topology: Topology,
@@ -91,17 +91,20 @@ class Trainer:
         checkpoints: CheckpointManager | None = None,
     ) -> None:
         """`checkpoints`: the run's loads and saves (pretrain_gpt's, which carries the load plan
-        and the frozen base adapters-only saves record); by default one that only saves."""
+        and the frozen base adapters-only saves record); by default one that only saves.
+        `options`: the run's checked options, the global batch and warmup resolved."""
+        cfg = options.config
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointManager(cfg, topology, device)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
         t = cfg.training
-        self.num_micro_batches = cfg.num_micro_batches(topology.world_size)
+        self.num_micro_batches = options.micro_batches
+        self.global_batch_size = options.global_batch_size
         self.lr_schedule = LRSchedule(
-            cfg.optimizer.lr,
-            cfg.optimizer.min_lr,
+            options.optimizer.lr,
+            options.optimizer.min_lr,
             t.lr_warmup_iters,
             t.lr_decay_iters or t.train_iters,
             t.lr_decay_style,
@@ -109,7 +112,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.numerics = NumericsMonitor(
-            fp16=cfg.precision.fp16, spike_factor=t.loss_spike_factor, spike_window=t.loss_spike_window
+            fp16=options.precision.fp16, spike_factor=t.loss_spike_factor, spike_window=t.loss_spike_window
         )
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class Trainer:
             if not result.skipped:
                 self.lr_schedule.step()
             self.iteration += 1
-            self.consumed_samples += required(t.global_batch_size, "training.global_batch_size")
+            self.consumed_samples += self.global_batch_size
             loss = self._dp_mean(losses)
             history.losses[self.iteration] = loss
             history.skipped[self.iteration] = result.skipped

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from torch import nn
 
 from megazpp.config.options import RunOptions
-from megazpp.config.schema import Config
 from megazpp.errors import required
 from megazpp.model.gpt import GPTModel
 from megazpp.parallel.topology import Topology
@@ -31,7 +30,6 @@ from megazpp.zero.zero_engine import ZeroEngine
 
 def build_zero_engine(
     model: GPTModel,
-    cfg: Config,
     options: RunOptions,
     topology: Topology,
     counts_in_norm: Callable[[str, nn.Parameter], bool] | None = None,
@@ -42,9 +40,8 @@ def build_zero_engine(
     among the strategies `options.zero` allows, and so does `hierarchical: auto`: the engine gets
     the planner's per-kind decision as data. With `options.outer` (two-level training,
     `topology` an island view) auto prices each island option as the two-level job it makes.
-    `cfg` is read by the planner (the model's shapes and the workload) and for
-    `model.tie_embeddings`."""
-    zero = options.zero
+    The planner reads the whole checked config (the model's shapes and the workload)."""
+    cfg, zero = options.config, options.zero
     cluster = None
     if isinstance(zero.strategy, PlannerChoice):
         choice = auto_strategy(model, cfg, topology, cfg.planner, zero, options.outer)
@@ -53,7 +50,7 @@ def build_zero_engine(
     if zero.hierarchical == "auto":
         hier = auto_hierarchy(model, cfg, zero, topology, cluster)
         if hier is not None:
-            zero = dataclasses.replace(zero, hierarchical=hier)
+            zero = dataclasses.replace(zero, hierarchy=hier)
     return ZeroEngine(
         model,
         options.optimizer,

@@ -87,7 +87,8 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.scaler = scaler_for(precision)
         self.zeropp = resolve_zeropp(options.zeropp, topology)
         self.groups, self.shapes = zero_groups(topology, options.paro_group_size, self.zeropp.hpz)
-        self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical)
+        chosen = options.hierarchy  # the planner's, under hierarchical auto; else the key's mode
+        self.hier = traffic.choose_hierarchy(self.shapes, options.hierarchical if chosen is None else chosen)
         self.paths = (
             ZeroPPPaths(
                 self.strategy, self.groups, self.hier, self.shapes, self.zeropp, topology.dp_rank % self.zeropp.hpz

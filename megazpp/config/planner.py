@@ -1,8 +1,10 @@
 """The `planner` config section: the cluster facts `paro_strategy: auto` cannot see itself.
 
-Why a section of its own: the topology (nodes, ranks per node) is known at start-up, but the
-network's bandwidths and the accelerator's rate are not; a user states them here or asks for
-a short probe. It imports nothing of megazpp but errors, so `megazpp.config` can compose it.
+Why a section of its own, and why in the config layer: the topology (nodes, ranks per node) is
+known at start-up, but the network's bandwidths and the accelerator's rate are not; a user
+states them here or asks for a short probe. The planner that reads them sits above the config
+(it prices a whole run), so the section lives here, below it, and is checked when built like
+every subsystem's section.
 """
 
 from __future__ import annotations
@@ -10,22 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megazpp.errors import ConfigError
+from megazpp.setting import setting
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannerSettings:
     """Fields left None are probed when `probe` is true, and refused (ConfigError) otherwise;
     accelerator memory defaults to the device's own size on CUDA."""
 
-    probe: bool = False  # measure link bandwidth / latency (timed all-reduces) and matmul rate
-    accelerator_memory_gib: float | None = None
-    achievable_tflops: float | None = None
-    intra_node_gbs: float | None = None  # GB/s per accelerator
-    inter_node_gbit: float | None = None  # Gbit/s per node
-    intra_node_latency_us: float = 5.0
-    inter_node_latency_us: float = 15.0
-    memory_bandwidth_gbs: float = 2000.0
-    usable_memory_fraction: float = 0.9
+    probe: bool = setting(False, "measure links and compute at start-up")
+    accelerator_memory_gib: float | None = setting(None, "memory per accelerator; none: the device's")
+    achievable_tflops: float | None = setting(None, "sustained TFLOP/s per accelerator")
+    intra_node_gbs: float | None = setting(None, "GB/s per accelerator inside a node")
+    inter_node_gbit: float | None = setting(None, "Gbit/s per node between nodes")
+    intra_node_latency_us: float = setting(5.0, "latency of an intra-node collective step")
+    inter_node_latency_us: float = setting(15.0, "latency of an inter-node collective step")
+    memory_bandwidth_gbs: float = setting(2000.0, "accelerator memory bandwidth")
+    usable_memory_fraction: float = setting(0.9, "share of memory the plan may fill")
 
     def missing(self, *, device_memory: bool, intra: bool, inter: bool) -> list[str]:
         """Every key `paro_strategy: auto` needs here and this section leaves unset, to be named
@@ -38,7 +41,7 @@ class PlannerSettings:
             needed += [("achievable_tflops", True), ("intra_node_gbs", intra), ("inter_node_gbit", inter)]
         return [f"planner.{key}" for key, need in needed if need and getattr(self, key) is None]
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         """ConfigError naming the key for a value that is not a positive number."""
         for f in fields(self):
             value = getattr(self, f.name)
