@@ -185,6 +185,6 @@ def test_a_frozen_base_checkpoint_of_the_same_layout_is_not_resharded(
     cfg = load_config(argv)
     topology = Topology.from_env()
     model = pretrain_gpt.build_model(cfg, topology, torch.device("cpu"))
-    engine = pretrain_gpt.build_engine(cfg, model, topology, check_config(cfg))
+    engine = pretrain_gpt.build_engine(model, topology, check_config(cfg))
     assert engine.frozen and engine.buckets  # both kinds saved
     assert not needs_reshard(save, engine, topology)
