@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-from support import TINY_LLAMA
+from support import TINY_LLAMA, zero_keys
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -52,7 +52,6 @@ from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import Topology
 from megazpp.planner import auto, probe
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -141,7 +140,7 @@ def _build(
     engine, built under the guard: the synchronous one over the world, or two islands."""
     model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
     opts = ZeroOptions(
-        strategy=parse_strategy(strategy), micro_batches_per_step=MICRO, reduce_bucket_size=4000, zeropp=zeropp
+        paro_strategy=strategy, micro_batches_per_step=MICRO, reduce_bucket_size=4000, **zero_keys(zeropp)
     )
     with guard():
         if outer is None:

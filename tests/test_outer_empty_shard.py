@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import TINY_LLAMA
+from support import TINY_LLAMA, zero_keys
 from test_outer_diloco import MICRO, OPT, OUTER, _reference, _steps
 
 from megazpp.launch.local_ranks import run_ranks
@@ -28,7 +28,6 @@ from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel import comm
 from megazpp.parallel.topology import Topology
 from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import parse_strategy
 from megazpp.zero.zero_engine import ZeroEngine
 from megazpp.zero.zeropp import ZeroPP
 
@@ -53,10 +52,7 @@ def _empty_shard_rank() -> dict[str, dict]:
     for label, bucket in BUCKETS.items():
         model = GPTModel(ModelConfig(**TINY_LLAMA), tp_group=topo.tp_group)
         opts = ZeroOptions(
-            strategy=parse_strategy("GGG"),
-            micro_batches_per_step=MICRO,
-            reduce_bucket_size=bucket,
-            zeropp=ZeroPP(qwz=True),
+            paro_strategy="GGG", micro_batches_per_step=MICRO, reduce_bucket_size=bucket, **zero_keys(ZeroPP(qwz=True))
         )
         engine = DiLoCoEngine(ZeroEngine(model, OPT, PrecisionOptions(), opts, island), OUTER, island)
         steps = _steps(model, engine, topo, range(STEPS))
