@@ -67,6 +67,7 @@ environment variables (the value each has now):
   RDZV_TIMEOUT    seconds a node waits for the others (${RDZV_TIMEOUT:-unset: 600})
   MAX_RESTARTS    torchrun restarts of a failed attempt; one given --save resumes (${MAX_RESTARTS:-unset: 0})
   OMP_NUM_THREADS threads per CPU rank (${OMP_NUM_THREADS:-unset: 1 on CPU ranks})
+  TMPDIR          where the job's checked config waits for its ranks, removed at the end (${TMPDIR:-unset: /tmp})
   MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, TORCH_DISABLE_SHARE_RDZV_TCP_STORE: set by run.sh
                   unless given (why: the comments in run.sh)
 Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
