@@ -308,7 +308,8 @@ class DiLoCoEngine:
             OUTER_STATE_KEY: {
                 "inner_steps": self.inner_steps,
                 "islands": self.islands,
-                "sync_every": self.options.sync_every,
+                "sync_every": self.options.sync_every,  # the export note's last syncs
+                "quantize": self.options.quantize,  # the load rules before any rank (checkpoint.resume_check)
                 "fragments": [range_indices(frag.ranges) for frag in self.fragments],
                 "snapshot": self.snapshot.clone(),
                 "momentum": self.momentum.clone(),
