@@ -220,14 +220,6 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     if not cfg.outer.enabled:
         return None
     options = cfg.outer
-    first_landing = options.sync_every + options.overlap_steps
-    if first_landing > cfg.training.train_iters:
-        raise ConfigError(
-            f"outer.sync_every = {options.sync_every} with training.train_iters = {cfg.training.train_iters}: "
-            f"the first outer sync would land after step {first_landing}, past the run's end, so the islands "
-            f"never meet and its checkpoints and exports hold the parameters it started from: give "
-            f"outer.sync_every <= {cfg.training.train_iters - options.overlap_steps} (--outer-sync-every)"
-        )
     layers = cfg.model.num_layers // cfg.pp
     if options.fragments > layers:
         raise ConfigError(
@@ -239,4 +231,12 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
         island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
     except TopologyError as err:
         raise ConfigError(f"outer.algorithm diloco on {world_size} ranks, {per_node} per node: {err}") from None
+    first_landing = options.sync_every + options.overlap_steps
+    if first_landing > cfg.training.train_iters:
+        raise ConfigError(
+            f"outer.sync_every = {options.sync_every} with training.train_iters = {cfg.training.train_iters}: "
+            f"the first outer sync would land after step {first_landing}, past the run's end, so the islands "
+            f"never meet and its checkpoints and exports hold the parameters it started from: give "
+            f"outer.sync_every <= {cfg.training.train_iters - options.overlap_steps} (--outer-sync-every)"
+        )
     return options
