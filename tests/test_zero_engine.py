@@ -137,7 +137,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
         + [(f"{name}/k4", name, {"paro_group_size": 4}) for name in WIDE]
         + [(f"{name}/noreuse", name, NO_REUSE) for name in REUSE_OFF]
         + [("GGG/size", "GGG", {"fetch_groups": "size", "allgather_bucket_size": 3000})]
-        + [(f"{name}/mixed", name, {"hierarchical": hier}) for name, hier in MIXED.items()]
+        + [(f"{name}/mixed", name, {"hierarchical": "auto", "hierarchy": hier}) for name, hier in MIXED.items()]
         + [(f"{name}/persist", name, PERSIST) for name in SHARDED_P]
     )
     report = {"reference": _reference_losses(TINY_LLAMA, topo), "runs": {}}
