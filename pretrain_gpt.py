@@ -38,6 +38,8 @@ from megazpp.model.trainable import apply_trainable
 from megazpp.optim.engine_protocol import Engine
 from megazpp.optim.local_engine import LocalEngine
 from megazpp.outer.diloco import DiLoCoEngine
+from megazpp.outer.elastic import ElasticDiLoCoEngine
+from megazpp.outer.membership import Membership
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -81,8 +83,22 @@ def build_engine(model: GPTModel, topology: Topology, options: RunOptions) -> En
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
     with two-level training (`options.outer`), the ZeRO engine over each island's DP ranks
-    inside the DiLoCo engine. `options` were checked before any rank started (`startup.prepare`)."""
+    inside the DiLoCo engine (elastic: over this job's world, which is one island). `options` were checked before any rank started (`startup.prepare`)."""
     outer = options.outer
+    if outer is not None and outer.elastic:  # this job is one island: its engine spans the world
+        inner = build_zero_engine(model, options, topology, counts_in_norm=counts_in_norm(model, topology))
+        membership = Membership(
+            outer.island_id,
+            outer.lighthouse,
+            outer.min_islands,
+            topology.rank,
+            topology.world_size,
+            os.environ["MASTER_ADDR"],  # node 0 of the island, as the other islands reach it
+            outer.quorum_timeout_s,
+            outer.sync_timeout_s,
+        )
+        tokens_per_step = options.global_batch_size * options.config.model.seq_length
+        return ElasticDiLoCoEngine(inner, outer, topology, membership, tokens_per_step)
     if outer is not None:
         island = topology.island_view(outer.island_nodes)
         inner = build_zero_engine(model, options, island, counts_in_norm=counts_in_norm(model, island))

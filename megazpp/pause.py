@@ -22,6 +22,8 @@ Points (each named where it is called):
     tokenizer_reading       tokenizer training, inside SentencePiece's reading of the lines,
                             after the first line is handed over
     evaluation              the trainer, at the start of an evaluation
+    elastic_start           an elastic island, once its membership heartbeats the lighthouse,
+                            before its first inner step
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 from megazpp.errors import ConfigError
 
 ENV = "MEGAZPP_PAUSE_AT"
-POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation")
+POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation", "elastic_start")
 STEP_S = 0.01
 _reached: set[str] = set()
 

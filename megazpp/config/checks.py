@@ -63,9 +63,10 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
 
 
 def islands_of(cfg: Config, world_size: int, ranks_per_node: int | None) -> int:
-    """The run's islands: 1 without two-level training, else the nodes (the config's
-    `parallel.ranks_per_node`, or the launcher's) over `outer.island_nodes` per island."""
-    if cfg.outer.algorithm == "none":
+    """The run's islands: 1 without two-level training or with elastic islands (each island is
+    a job of its own), else the nodes (the config's `parallel.ranks_per_node`, or the launcher's)
+    over `outer.island_nodes` per island."""
+    if cfg.outer.algorithm == "none" or cfg.outer.elastic:
         return 1
     per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
     return max(world_size // per_node // max(cfg.outer.island_nodes, 1), 1)
@@ -228,7 +229,8 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
         )
     per_node = cfg.parallel.ranks_per_node or ranks_per_node or world_size
     try:
-        island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
+        if not options.elastic:  # an elastic island is its job's whole world
+            island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
     except TopologyError as err:
         raise ConfigError(f"outer.algorithm diloco on {world_size} ranks, {per_node} per node: {err}") from None
     first_landing = options.sync_every + options.overlap_steps

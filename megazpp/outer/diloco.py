@@ -101,14 +101,17 @@ class DiLoCoEngine:
             else None
         )
         self.errors = [self._new_errors(frag.numel) for frag in self.fragments] if self._int4 else []
+        self._log_start()
+
+    def _log_start(self) -> None:
         log.info(
             "outer: DiLoCo over %d islands of %d DP ranks, H %d, lr %g, momentum %g, %s outer gradients",
             self.islands,
-            island.dp,
-            options.sync_every,
-            options.lr,
-            options.momentum,
-            options.quantize,
+            self.island.dp,
+            self.options.sync_every,
+            self.options.lr,
+            self.options.momentum,
+            self.options.quantize,
         )
 
     # -- what the outer step reads and writes ---------------------------------------------------

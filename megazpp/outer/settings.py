@@ -21,6 +21,8 @@ QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.oute
 # mean, lr 2 to its mirror image beyond the mean; on a quadratic the distance to the optimum
 # then scales by |1 - lr| per sync, which grows past 2 (1e300 overflowed at the first sync).
 MAX_LR = 2.0
+# the keys only elastic two-level training reads (docs/arch/elastic.md)
+ELASTIC_KEYS = ("lighthouse", "island_id", "min_islands", "quorum_timeout_s", "sync_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,14 @@ class OuterOptions:
         True, "int4 wire: add what the wire dropped back at the next sync (false: the ablation)"
     )
     island_nodes: int = setting(1, "nodes per island")
+    elastic: bool = setting(
+        False, "each island its own job, meeting at outer syncs over a membership that may change (docs/arch/elastic.md)"
+    )
+    lighthouse: str = setting("", "elastic: HOST:PORT of the job's membership service (python -m megazpp.launch.lighthouse)")
+    island_id: int = setting(0, "elastic: this island's id, distinct among the job's islands")
+    min_islands: int = setting(1, "elastic: the fewest live islands an outer sync waits for")
+    quorum_timeout_s: float = setting(600.0, "elastic: how long an outer sync waits for min_islands islands")
+    sync_timeout_s: float = setting(60.0, "elastic: how long an outer exchange waits for a peer before dropping it")
 
     def __post_init__(self) -> None:
         """ConfigError naming the `outer` key: an unknown algorithm, a setting given while
@@ -104,6 +114,42 @@ class OuterOptions:
             raise ConfigError(
                 f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
                 f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting"
+            )
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """The elastic keys' own rules (ConfigError naming the key)."""
+        given = [k for k in ELASTIC_KEYS if getattr(self, k) != getattr(OuterOptions, k)]
+        if not self.elastic:
+            if given:
+                raise ConfigError(
+                    f"outer.{given[0]} = {getattr(self, given[0])!r} is an elastic setting and outer.elastic "
+                    f"is false: set outer.elastic true (--outer-elastic) or drop the setting"
+                )
+            return
+        host, _, port = self.lighthouse.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"outer.lighthouse = {self.lighthouse!r}: outer.elastic needs the membership service's "
+                f"HOST:PORT (--outer-lighthouse, the port python -m megazpp.launch.lighthouse listens on)"
+            )
+        if self.island_id < 0:
+            raise ConfigError(f"outer.island_id = {self.island_id}: expected an id >= 0")
+        if self.min_islands < 1:
+            raise ConfigError(f"outer.min_islands = {self.min_islands}: expected at least 1 island per outer sync")
+        for key in ("quorum_timeout_s", "sync_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"outer.{key} = {getattr(self, key)}: expected a positive number of seconds")
+        unbuilt = [
+            f"outer.{k} = {getattr(self, k)!r}"
+            for k in ("fragments", "overlap_steps", "quantize", "island_nodes")
+            if getattr(self, k) != getattr(OuterOptions, k)
+        ]
+        if unbuilt:
+            raise ConfigError(
+                f"{unbuilt[0]} with outer.elastic: an elastic island syncs its whole shard in fp32 at once "
+                f"and is its job's whole world (streaming, compressed wires and island_nodes are not built "
+                f"for it yet, docs/arch/elastic.md): drop the setting"
             )
 
     @property

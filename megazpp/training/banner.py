@@ -93,6 +93,13 @@ def _two_level(engine: Engine) -> list[str]:
     if not isinstance(engine, TwoLevelEngine):
         return []
     o, island = engine.options, engine.island
+    if o.elastic:  # the islands are other jobs, met through the lighthouse (docs/arch/elastic.md)
+        return [
+            f"two-level, elastic: island {o.island_id}, {island.dp} DP rank(s) (ZeRO inside); DiLoCo every "
+            f"{o.sync_every} inner steps with the islands live at each sync (at least {o.min_islands}, "
+            f"lighthouse {o.lighthouse}), their pseudo-gradients weighted by the tokens each trained; outer lr "
+            f"{o.lr:g}, Nesterov momentum {o.momentum:g}; fp32 outer gradients, the whole model at each sync"
+        ]
     inter = engine.expected_sync_bytes()[1]
     wire = WIRE.get(o.quantize) or f"int4 {'with' if o.error_feedback else 'without'} error feedback"
     if o.fragments == 1:

@@ -1,0 +1,221 @@
+"""Which islands meet at an outer sync, and their token-weighted mean over the peer group.
+
+Why torchft and not a protocol of our own (docs/arch/elastic.md has the measurements): its
+lighthouse forms a quorum per request with a minimum size, drops an island that stops
+heartbeating or does not ask within the join timeout, and its `Manager` reconfigures a gloo
+group joining group rank r of every island in the quorum (our peer group: rank r holds the same
+shard in every island) and lets the ranks of one island agree whether an exchange succeeded
+(`should_commit`). The survivors of a failure keep running; a failed exchange is redone with a
+new quorum from the same pseudo-gradient, since nothing was changed yet.
+
+Every rank of an island holds one `Membership` (group rank = its rank in the island's world);
+rank 0's manager heartbeats the lighthouse. One sync is one quorum, one all-gather of each
+island's (id, tokens, shard size) and one all-reduce of its weighted pseudo-gradient, both
+counted under `outer/sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import AllgatherOptions, ReduceOp
+from torchft import Manager, ProcessGroupGloo
+
+from megazpp.errors import MegazppError
+from megazpp.parallel import comm, wire
+from megazpp.parallel.counter import counter
+
+log = logging.getLogger(__name__)
+
+SYNC_TAG = "outer/sync"
+STORE_TAG = "outer/membership"
+# A failed exchange is redone with a new quorum; each failure comes from an island that died or
+# hung in it, which the next quorum leaves out, so more attempts than this means the job is failing
+# as a whole, not losing an island.
+MAX_ATTEMPTS = 4
+INFO_FIELDS = 3  # island id, tokens since the last sync, shard elements
+
+
+class ElasticError(MegazppError):
+    """An elastic island cannot go on: behind the quorum, or unlike the other islands."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """One outer sync's membership: the islands averaged, each one's tokens, this island's
+    weight in the mean, and the attempts it took (1 without a failure)."""
+
+    islands: tuple[int, ...]
+    tokens: tuple[int, ...]
+    weight: float
+    attempts: int
+
+
+def peer_shape(islands: int) -> wire.GroupShape:
+    """The peer group as the counter sees it: one rank per island, every hop between islands."""
+    return wire.GroupShape(islands, 0, islands - 1, islands if islands > 1 else 0, "gloo")
+
+
+def island_store(host: str, rank: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
+    """The replica group's store, hosted by the island's rank 0 on a free port of `host` (the
+    address the other islands reach this island at: they form the peer groups on it), its port
+    broadcast to the island's ranks (collective over the island's world). Why not torchrun's
+    store: its worker-facing port is the launcher's business (under run.sh's launcher nothing
+    listened at MASTER_PORT for a second client), and the peer groups' keys stay apart from it."""
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if rank == 0 else None
+    port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64)
+    comm.broadcast(port, src=0, tag=STORE_TAG)
+    return store, int(port.item())
+
+
+class Membership:
+    """This rank's torchft manager for island `island_id`: group rank `rank` of `world_size`
+    (collective over the island's world when made: the replica group's store, `island_store` at
+    `store_host`), the lighthouse at `lighthouse` (HOST:PORT)."""
+
+    def __init__(
+        self,
+        island_id: int,
+        lighthouse: str,
+        min_islands: int,
+        rank: int,
+        world_size: int,
+        store_host: str,
+        quorum_timeout_s: float,
+        sync_timeout_s: float,
+    ) -> None:
+        self.island_id = island_id
+        self._store, store_port = island_store(store_host, rank, timedelta(seconds=sync_timeout_s))
+        self.rank = rank
+        self.syncs = 0  # outer syncs committed (the manager's step)
+        self._live: set[int] = set()
+        timeout = timedelta(seconds=sync_timeout_s)
+        self._quorum_timeout = timedelta(seconds=quorum_timeout_s)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        # every island starts from the same seeded weights (layout-independent init), so no
+        # start-up copy (init_sync False); live state for a restarted island is a later phase
+        self._manager = Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=min_islands,
+            use_async_quorum=False,
+            replica_id=f"island{island_id}",
+            lighthouse_addr=f"http://{lighthouse}",
+            store_addr=store_host,
+            store_port=store_port,
+            hostname=store_host,
+            rank=rank,
+            world_size=world_size,
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=self._quorum_timeout,
+            connect_timeout=timeout,
+        )
+
+    def set_syncs(self, syncs: int) -> None:
+        """Resume at `syncs` committed outer syncs (the manager's step, which the quorum compares)."""
+        self.syncs = syncs
+        self._manager.load_state_dict({"step": syncs, "batches_committed": 0})
+
+    def average(self, pseudo: torch.Tensor, tokens: int) -> SyncResult:
+        """Replace `pseudo` (this rank's shard of the island's pseudo-gradient, fp32) by the
+        mean over the islands in the quorum, weighted by the tokens each trained since the last
+        sync; every island ends with the same bits. Collective over every rank of every island
+        in the quorum; redone with a new quorum when a peer fails in it."""
+        own = pseudo.clone()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            self._manager.start_quorum(allow_heal=False, timeout=self._quorum_timeout)
+            behind = not self._manager.is_participating()
+            info = self._gather(tokens if not behind else 0, pseudo.numel())
+            if info is not None:
+                ids, counts, sizes = info
+                self._check_alike(ids, sizes)
+                total = sum(counts)
+                weight = tokens / total if total and not behind else 0.0
+                pseudo.copy_(own).mul_(weight)
+                self._all_reduce(pseudo)
+            if self._manager.should_commit():
+                if behind:
+                    raise ElasticError(
+                        f"outer: island {self.island_id} is behind the quorum at outer sync {self.syncs + 1} "
+                        f"(restarted, or late past the lighthouse's join timeout): rejoining with the live "
+                        f"state of a peer is not built yet (docs/arch/elastic.md); restart every island"
+                    )
+                assert info is not None  # committed: the gather succeeded on every rank
+                self.syncs += 1
+                self._note(info[0])
+                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt)
+            log.warning(
+                "outer: island %d: outer sync %d failed (%s), redone with a new quorum",
+                self.island_id,
+                self.syncs + 1,
+                self._manager.errored() or "an island of the quorum failed",
+            )
+        raise ElasticError(
+            f"outer: island {self.island_id}: outer sync {self.syncs + 1} failed {MAX_ATTEMPTS} times in a row "
+            f"(each failure drops the island that caused it): the islands cannot meet (see the log above)"
+        )
+
+    def _gather(self, tokens: int, numel: int) -> tuple[list[int], list[int], list[int]] | None:
+        """(ids, tokens, shard sizes) of the islands in the quorum, in their quorum order; None
+        when the exchange failed (reported to the manager, so the island votes not to commit)."""
+        if self._manager.errored():  # the group could not be configured
+            return None
+        size = self._pg.size()
+        mine = torch.tensor([self.island_id, tokens, numel], dtype=torch.int64)
+        outs = [torch.empty_like(mine) for _ in range(size)]
+        counter.record("all_gather", SYNC_TAG, *wire.chunk_bytes("all_gather", peer_shape(size), mine.numel() * 8))
+        try:
+            self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
+        except Exception as exc:  # noqa: BLE001  # any transport failure is a lost peer: torchft votes on it
+            self._manager.report_error(exc)
+            return None
+        rows = torch.stack(outs).tolist()
+        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the quorum (torchft's managed all-reduce: a failure marks the manager
+        errored instead of raising)."""
+        n = self._pg.size()
+        counter.record("all_reduce", SYNC_TAG, *wire.all_reduce_bytes(t.numel() * t.element_size(), peer_shape(n)))
+        self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+
+    def _check_alike(self, ids: list[int], sizes: list[int]) -> None:
+        """Refuse a quorum no island can average in: two islands with one id, or shards of
+        different sizes (another model or layout)."""
+        if len(set(ids)) != len(ids):
+            raise ElasticError(
+                f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have one id "
+                f"(--outer-island-id must differ per island)"
+            )
+        if len(set(sizes)) != 1:
+            by_island = ", ".join(f"island {i}: {n}" for i, n in zip(ids, sizes))
+            raise ElasticError(
+                f"outer: rank {self.rank}'s shards differ between islands ({by_island} elements): every "
+                f"island must run the same model, parallel layout and ZeRO strategy"
+            )
+
+    def _note(self, ids: list[int]) -> None:
+        """A log line per island that joined or was dropped since the last sync."""
+        live = set(ids)
+        for j in sorted(live - self._live):
+            log.info("outer: island %d joined at outer sync %d (%d islands live)", j, self.syncs, len(live))
+        for j in sorted(self._live - live):
+            log.warning(
+                "outer: island %d dropped at outer sync %d (absent from the quorum: no heartbeat within the "
+                "lighthouse's heartbeat timeout, or no quorum request within its join timeout); %d islands live",
+                j,
+                self.syncs,
+                len(live),
+            )
+        self._live = live
+
+    def leave(self) -> None:
+        """This island is done: its manager stops heartbeating, so the others drop it."""
+        log.info("outer: island %d leaves after outer sync %d (run finished)", self.island_id, self.syncs)
+        self._manager.shutdown(wait=False)

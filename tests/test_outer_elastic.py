@@ -1,0 +1,145 @@
+"""Elastic islands as a user runs them (docs/arch/elastic.md): the membership service
+(`python -m megazpp.launch.lighthouse`) and three islands, each its own `run.sh` job of one rank
+(tiny model, gloo); island 2 is killed (SIGKILL, its whole process tree) after the first outer
+sync. The other two reach their next syncs without it and finish: the log says island 2 was
+dropped and why, their parameters are equal bit for bit at every sync (their checkpoints, saved
+at the syncs), and each trained every inner step once. Plus the refusals of the elastic flags,
+in one line before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import ROOT, free_port, run_sh_variables
+
+from megazpp.checkpoint.format import rank_file_name
+from tests.test_first_hour import TINY, one_line_refusal, run_sh
+
+H, ITERS = 4, 12
+ELASTIC = ["--outer-algorithm", "diloco", "--outer-elastic", "--outer-sync-every", str(H)]
+# The lighthouse drops a replica whose heartbeats stop after this; the join timeout is the grace
+# a sync gives the heartbeating islands once min-islands have asked (the islands start at
+# different times on a loaded machine; a missed first sync would leave one behind).
+HEARTBEAT_MS, JOIN_MS = 1500, 20000
+
+
+def start_island(data: Path, island: int, lighthouse: int, tmp: Path, *extra: str) -> subprocess.Popen[str]:
+    """One island: `run.sh` on one rank with its own store port, checkpoint every sync, in a
+    process group of its own (so the whole island can be killed at once); paused once its
+    membership heartbeats the lighthouse (pause point `elastic_start`, the file `ready<I>`)."""
+    env = {
+        **os.environ,
+        **run_sh_variables(data, 1, MAX_RESTARTS="0"),
+        "MEGAZPP_PAUSE_AT": f"elastic_start:{tmp / f'ready{island}'}",
+    }
+    args = [*TINY, "--train-iters", str(ITERS), "--log-interval", "1", "--save-interval", str(H)]
+    args += ["--save", str(tmp / f"ckpt{island}"), *ELASTIC, "--outer-lighthouse", f"127.0.0.1:{lighthouse}"]
+    args += ["--outer-island-id", str(island), "--outer-min-islands", "2", "--outer-sync-timeout-s", "10", *extra]
+    log = (tmp / f"island{island}.log").open("w")
+    return subprocess.Popen(
+        ["bash", str(ROOT / "run.sh"), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(what: str, ready: Callable[[], bool], procs: Sequence[subprocess.Popen[Any]], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        for p in procs:
+            assert p.poll() is None, f"an island ended (rc {p.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def snapshot_at(tmp: Path, island: int, iteration: int) -> dict[str, torch.Tensor]:
+    """The island's model parameters and outer snapshot as saved at `iteration` (a sync)."""
+    state = torch.load(
+        tmp / f"ckpt{island}" / f"iter_{iteration:07d}" / rank_file_name(0, 0, 0), map_location="cpu", weights_only=False
+    )
+    return {**{f"model.{k}": v for k, v in state["model"].items()}, "snapshot": state["engine"]["outer"]["snapshot"]}
+
+
+@pytest.mark.slow
+def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tmp_path):
+    port, lighthouse_log = free_port(), tmp_path / "lighthouse.log"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "megazpp.launch.lighthouse", "--min-islands", "2", "--port", str(port)]
+        + ["--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", str(JOIN_MS)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=lighthouse_log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    islands: list[subprocess.Popen[str]] = []
+    try:
+        wait_for("the lighthouse", lambda: "lighthouse: listening at " in lighthouse_log.read_text(), [lighthouse])
+        # island 2 trains 3x the others' batch per step: its steps are slower and weigh 3x
+        islands = [start_island(run_sh_data_dir, i, port, tmp_path) for i in range(2)]
+        islands.append(start_island(run_sh_data_dir, 2, port, tmp_path, "--global-batch-size", "12"))
+        ready = [tmp_path / f"ready{i}" for i in range(3)]
+        wait_for("every island heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
+        for f in ready:
+            f.unlink()
+        log2 = tmp_path / "island2.log"
+        wait_for("island 2's first sync", lambda: "outer sync 1 at step 4" in log2.read_text(), islands)
+        os.killpg(islands[2].pid, signal.SIGKILL)
+        for p in islands[:2]:
+            assert p.wait(timeout=120) == 0, (tmp_path / f"island{islands.index(p)}.log").read_text()[-3000:]
+    finally:
+        for p in islands:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
+    logs = [(tmp_path / f"island{i}.log").read_text() for i in range(2)]
+    for i, out in enumerate(logs):
+        syncs = re.findall(rf"outer: island {i}, outer sync (\d) at step (\d+): islands ([\d,]+), tokens ([\d,]+)", out)
+        # sync 1 with all three, token-weighted (island 2: 3x the tokens); 2 and 3 without island 2
+        assert syncs[0] == ("1", "4", "0,1,2", "64,64,192") or sorted(syncs[0][2].split(",")) == ["0", "1", "2"]
+        assert [s[:3] for s in syncs[1:]] == [("2", "8", "0,1"), ("3", "12", "0,1")], syncs
+        assert "outer: island 2 dropped at outer sync 2 (absent from the quorum: no heartbeat" in out, out[-3000:]
+        assert "outer: island 2 joined at outer sync 1" in out
+        assert f"outer: island {i} leaves after outer sync 3 (run finished)" in out
+        # every inner step once: the iteration lines 1..12, in order
+        steps = [int(m) for m in re.findall(r"^\s*iter\s+(\d+)/12 \|", out, flags=re.M)]
+        assert steps == list(range(1, ITERS + 1)), steps
+    for it in (H, 2 * H, 3 * H):
+        a, b = snapshot_at(tmp_path, 0, it), snapshot_at(tmp_path, 1, it)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (it, k)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--outer-algorithm", "diloco", "--outer-elastic"], "outer.elastic needs the membership service's HOST:PORT"),
+        (
+            [*ELASTIC, "--outer-lighthouse", "127.0.0.1:29510", "--outer-min-islands", "0"],
+            "outer.min_islands = 0: expected at least 1",
+        ),
+        (["--outer-algorithm", "diloco", "--outer-lighthouse", "h:1"], "is an elastic setting and outer.elastic is false"),
+        (
+            [*ELASTIC, "--outer-lighthouse", "127.0.0.1:29510", "--outer-quantize", "bf16"],
+            "outer.quantize = 'bf16' with outer.elastic",
+        ),
+    ],
+)
+def test_elastic_flags_are_refused_in_one_line(run_sh_data_dir, flags, expected):
+    one_line_refusal(run_sh(run_sh_data_dir, *TINY, "--train-iters", "8", *flags, ok=False), expected)
