@@ -83,7 +83,8 @@ def build_engine(model: GPTModel, topology: Topology, options: RunOptions) -> En
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
     with two-level training (`options.outer`), the ZeRO engine over each island's DP ranks
-    inside the DiLoCo engine (elastic: over this job's world, which is one island). `options` were checked before any rank started (`startup.prepare`)."""
+    inside the DiLoCo engine (elastic: over this job's world, which is one island). `options`
+    were checked before any rank started (`startup.prepare`)."""
     outer = options.outer
     if outer is not None and outer.elastic:  # this job is one island: its engine spans the world
         inner = build_zero_engine(model, options, topology, counts_in_norm=counts_in_norm(model, topology))

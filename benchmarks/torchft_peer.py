@@ -138,7 +138,7 @@ def loss_group(address: str, rank: int, world: int) -> dist.ProcessGroupGloo:
 
 
 def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: DataOptions) -> None:
-    # the optional `torchft` extra; imported here so --help and the checks work without it
+    # imported here so --help and the checks work in a python without torchft (--torchft-python)
     try:
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
@@ -146,8 +146,8 @@ def train(cfg: Config, ns: argparse.Namespace, options: OuterOptions, data: Data
         from torchft.process_group import ProcessGroupGloo
     except ImportError as exc:
         raise ConfigError(
-            f"torchft_peer: {sys.executable} cannot import torchft ({exc}): install the extra "
-            f"(pip install -e '.[torchft]') or give bench_netlab.py --torchft-python"
+            f"torchft_peer: {sys.executable} cannot import torchft ({exc}): install the project "
+            f"(pip install -e ., torchft is a core dependency) or give bench_netlab.py --torchft-python"
         ) from None
 
     dist.init_process_group("gloo")

@@ -18,8 +18,7 @@ from megazpp.analysis.event_reader import read_run
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip(
-        "torchft is not installed in this python (the optional extra: pip install -e '.[torchft]'); "
-        "the torchft peer cannot run",
+        "torchft is not installed in this python (a core dependency: pip install -e .); the torchft peer cannot run",
         allow_module_level=True,
     )
 

@@ -16,6 +16,7 @@ from megazpp.errors import ConfigError
 from megazpp.outer.settings import OuterOptions
 
 ROOT = Path(__file__).resolve().parents[1]
+ELASTIC = ["--outer-algorithm", "diloco", "--outer-elastic", "--outer-lighthouse", "127.0.0.1:29510"]
 
 
 def _outer(flags: list[str], world: int = 4, per_node: int | None = 2) -> OuterOptions | None:
@@ -110,11 +111,29 @@ def test_flags_resolve_to_options():
             1,
             "cannot split the data-parallel size 2",
         ),
+        # elastic islands (docs/arch/elastic.md)
+        (["--outer-algorithm", "diloco", "--outer-elastic"], 1, 1, "outer.elastic needs the membership service's"),
+        (["--outer-algorithm", "diloco", "--outer-elastic", "--outer-lighthouse", "h"], 1, 1, "outer.lighthouse = 'h'"),
+        ([*ELASTIC, "--outer-min-islands", "0"], 1, 1, "outer.min_islands = 0: expected at least 1"),
+        ([*ELASTIC, "--outer-island-id", "-1"], 1, 1, "outer.island_id = -1"),
+        ([*ELASTIC, "--outer-sync-timeout-s", "0"], 1, 1, "outer.sync_timeout_s = 0.0"),
+        (["--outer-algorithm", "diloco", "--outer-lighthouse", "h:1"], 4, 2, "is an elastic setting and outer.elastic"),
+        ([*ELASTIC, "--outer-quantize", "bf16"], 1, 1, "outer.quantize = 'bf16' with outer.elastic"),
+        ([*ELASTIC, "--outer-fragments", "2"], 1, 1, "outer.fragments = 2 with outer.elastic"),
+        ([*ELASTIC, "--outer-island-nodes", "2"], 1, 1, "outer.island_nodes = 2 with outer.elastic"),
     ],
 )
 def test_refusals(flags, world, per_node, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _outer(flags, world, per_node)
+
+
+def test_an_elastic_island_is_its_jobs_whole_world():
+    """One rank, or 4 on 2 nodes: either way one island (the islands are other jobs), so the
+    synchronous rule "at least two islands of whole nodes" does not apply."""
+    for world, per_node in ((1, 1), (4, 2)):
+        o = _outer([*ELASTIC, "--outer-island-id", "3", "--outer-min-islands", "2"], world, per_node)
+        assert o is not None and o.elastic and (o.island_id, o.min_islands, o.lighthouse) == (3, 2, "127.0.0.1:29510")
 
 
 def test_refused_before_any_rank_starts(tmp_path):

@@ -55,7 +55,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}): another service holds it")
+            raise ConfigError(
+                f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}): another service holds it"
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,13 +94,14 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         comm.all_reduce(sums, tag=STATS_TAG)  # over this island's ranks: the mean's whole norm
         self.inner.publish_masters()
         log.info(
-            "outer: island %d, outer sync %d at step %d: islands %s, tokens %s, weight %.4g%s",
+            "outer: island %d, outer sync %d at step %d: islands %s, tokens %s, weight %.4g, quorum in %.2f s%s",
             self.options.island_id,
             self.membership.syncs,
             self.inner_steps,
             ",".join(map(str, met.islands)),
             ",".join(map(str, met.tokens)),
             met.weight,
+            met.quorum_s,
             f", after {met.attempts} attempts" if met.attempts > 1 else "",
         )
         return {

@@ -17,6 +17,7 @@ counted under `outer/sync`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,12 +48,14 @@ class ElasticError(MegazppError):
 @dataclass(frozen=True)
 class SyncResult:
     """One outer sync's membership: the islands averaged, each one's tokens, this island's
-    weight in the mean, and the attempts it took (1 without a failure)."""
+    weight in the mean, the attempts it took (1 without a failure) and the seconds this island
+    waited for its quorums (the time a dropped island cost it, with the others' lateness)."""
 
     islands: tuple[int, ...]
     tokens: tuple[int, ...]
     weight: float
     attempts: int
+    quorum_s: float
 
 
 def peer_shape(islands: int) -> wire.GroupShape:
@@ -127,9 +130,11 @@ class Membership:
         mean over the islands in the quorum, weighted by the tokens each trained since the last
         sync; every island ends with the same bits. Collective over every rank of every island
         in the quorum; redone with a new quorum when a peer fails in it."""
-        own = pseudo.clone()
+        own, waited = pseudo.clone(), 0.0
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            start = time.perf_counter()
             self._manager.start_quorum(allow_heal=False, timeout=self._quorum_timeout)
+            waited += time.perf_counter() - start
             behind = not self._manager.is_participating()
             info = self._gather(tokens if not behind else 0, pseudo.numel())
             if info is not None:
@@ -149,7 +154,7 @@ class Membership:
                 assert info is not None  # committed: the gather succeeded on every rank
                 self.syncs += 1
                 self._note(info[0])
-                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt)
+                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited)
             log.warning(
                 "outer: island %d: outer sync %d failed (%s), redone with a new quorum",
                 self.island_id,

@@ -50,9 +50,12 @@ class OuterOptions:
     )
     island_nodes: int = setting(1, "nodes per island")
     elastic: bool = setting(
-        False, "each island its own job, meeting at outer syncs over a membership that may change (docs/arch/elastic.md)"
+        False,
+        "each island its own job, meeting at outer syncs over a membership that may change (docs/arch/elastic.md)",
     )
-    lighthouse: str = setting("", "elastic: HOST:PORT of the job's membership service (python -m megazpp.launch.lighthouse)")
+    lighthouse: str = setting(
+        "", "elastic: HOST:PORT of the job's membership service (python -m megazpp.launch.lighthouse)"
+    )
     island_id: int = setting(0, "elastic: this island's id, distinct among the job's islands")
     min_islands: int = setting(1, "elastic: the fewest live islands an outer sync waits for")
     quorum_timeout_s: float = setting(600.0, "elastic: how long an outer sync waits for min_islands islands")
