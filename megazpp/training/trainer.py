@@ -43,6 +43,7 @@ from megazpp.training.forward_backward import MicroBatch, forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
+from megazpp.training.start_iter import IslandSwitch
 from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
@@ -89,16 +90,20 @@ class Trainer:
         *,
         forward_backward_fn: ForwardBackward = forward_backward,
         checkpoints: CheckpointManager | None = None,
+        switch: IslandSwitch | None = None,
     ) -> None:
         """`checkpoints`: the run's loads and saves (pretrain_gpt's, which carries the load plan
         and the frozen base adapters-only saves record); by default one that only saves.
-        `options`: the run's checked options, the global batch and warmup resolved."""
+        `options`: the run's checked options, the global batch and warmup resolved. `switch`:
+        `engine` is the synchronous phase of a two-level run (`outer.start_iter`), replaced by
+        the islands' engine after the step the switch is due at."""
         cfg = options.config
         self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointManager(cfg, topology, device)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
+        self.switch = switch
         t = cfg.training
         self.num_micro_batches = options.micro_batches
         self.global_batch_size = options.global_batch_size
@@ -181,6 +186,8 @@ class Trainer:
                 self.logger.info(
                     f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items())
                 )
+            if self.switch is not None and self.switch.due(self.iteration):
+                self._switch_engine(self.switch)  # before the step's evaluation and save: both see the islands
             bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()
@@ -210,6 +217,17 @@ class Trainer:
             if exiting:
                 break
         return history
+
+    def _switch_engine(self, switch: IslandSwitch) -> None:
+        """Collective: the synchronous engine's state onto the islands (`start_iter`); its last
+        reference is dropped here, so its memory is freed before the islands' engine is built.
+        The switch's traffic is no step's (the loop's next `counter.end_step` drops it)."""
+        part = switch.release(self.engine)
+        del self.engine
+        self.engine, lines = switch.build(part)
+        self.switch = None
+        for line in lines:
+            self.logger.info(line)
 
     def _agreed_stop(self, stop: StopRequests) -> int:
         """This step's stop decision, the same on every rank: the largest rank's code (one
