@@ -34,6 +34,13 @@ from support import TINY_MODEL_FLAGS, data_flags, state_differences
 
 import pretrain_gpt
 from megazpp.analysis.event_reader import read_run
+from megazpp.checkpoint.format import is_two_level, read_metadata
+from megazpp.checkpoint.manager import CheckpointManager
+from megazpp.checkpoint.resume_check import check_resumable
+from megazpp.config.load import load_config
+from megazpp.config.schema import Config
+from megazpp.errors import CheckpointError
+from megazpp.interop.consolidate import two_level_note
 from megazpp.launch.local_ranks import run_ranks, scoped_groups
 
 WORLD, H, STEPS, START = 4, 2, 6, 3
@@ -214,3 +221,43 @@ def test_start_iter_tensorboard_bytes_are_the_synchronous_runs_then_the_islands(
     # the synchronous ZeRO-2 step crosses the nodes; an island's step between syncs does not (the
     # loss's 4-byte logging sum over all ranks aside), a sync step carries the outer exchange
     assert inter[START] > 100 * inter[START + 2] and inter[START + 1] > 100 * inter[START + 2]
+
+
+def _only(checkpoint: Path, where: Path) -> Path:
+    """A save directory holding a copy of `checkpoint` alone, as its latest."""
+    shutil.copytree(checkpoint, where / checkpoint.name)
+    (where / "latest").write_text(checkpoint.name)
+    return where
+
+
+def test_start_iter_checkpoints_are_synchronous_before_it_for_every_reader(
+    start_iter_runs, tiny_indexed_prefix, tiny_tokenizer_model, tmp_path
+):
+    """What the loads and exports decide before any rank, from a checkpoint's metadata
+    (`format.is_two_level`): before S a synchronous checkpoint (any run, synchronous or two-level,
+    starts from it; resharding takes it; the export has no two-level note); from S a two-level
+    one, which a run whose outer.start_iter lies past its iteration cannot start (one line)."""
+    switch = start_iter_runs["root"] / "zero2" / "switch"
+    before, after = switch / f"iter_{START - 1:07d}", switch / f"iter_{START + 1:07d}"
+    assert not is_two_level(read_metadata(before)) and is_two_level(read_metadata(after))
+    assert two_level_note(str(before)) is None
+    assert f"at the last outer sync (iteration {START + 1}; every {H} steps)" in (two_level_note(str(after)) or "")
+    CheckpointManager._check_reshardable(str(_only(before, tmp_path / "before")))
+    with pytest.raises(CheckpointError, match="a two-level"):
+        CheckpointManager._check_reshardable(str(_only(after, tmp_path / "after")))
+    late = START + 2
+
+    def config(*flags: str, outer: bool = True) -> Config:
+        data = (str(tiny_indexed_prefix), str(tiny_tokenizer_model))
+        return load_config(_argv(*data, "zero2", tmp_path / "new", *flags, outer=outer))
+
+    for cfg in (config(outer=False), config("--outer-start-iter", "1"), config("--outer-start-iter", str(late))):
+        check_resumable(cfg, str(tmp_path / "before"), WORLD, 2)  # synchronous, warm start, synchronous phase
+    check_resumable(config("--outer-start-iter", str(START)), str(tmp_path / "after"), WORLD, 2)
+    with pytest.raises(CheckpointError) as refused:
+        check_resumable(config("--outer-start-iter", str(late)), str(tmp_path / "after"), WORLD, 2)
+    assert str(refused.value).startswith(
+        f"--load {tmp_path / 'after'}: {after.name} holds the islands' state at iteration {START + 1}; this run's "
+        f"outer.start_iter {late} would train synchronously until then, and the islands' parameters and "
+        f"optimizer states are no one synchronous state: resume it with --outer-start-iter at most {START + 1}"
+    )

@@ -215,9 +215,10 @@ def _warmup_iters(t: TrainingConfig) -> int:
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
     """The `outer` options (None: two-level training off), with the rules that span sections:
     islands of whole nodes over this world (`ranks_per_node`: the launcher's, unless the config
-    sets it), a first outer sync before the run's end (counted from `outer.start_iter`, whose
-    synchronous phase the hpZ rule checks over all DP ranks too), and the combinations not
-    built yet. `zero.paro_strategy: auto`
+    sets it), a first outer sync before the run's end (counted from `outer.start_iter`), and
+    the combinations not built yet. The synchronous phase before `outer.start_iter` needs no
+    rule of its own: its engine spans the islands' DP ranks together, so a PaRO group dividing
+    an island's divides it, and on each node it holds the island's ranks (hpZ's rule). `zero.paro_strategy: auto`
     is allowed: the island's strategy is chosen once the ranks can probe their links
     (`planner.auto.auto_strategy` with the outer options), and with `outer.start_iter` the
     synchronous phase's as a synchronous job's."""
@@ -257,7 +258,4 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
             f"outer.overlap_steps {options.overlap_steps}) would land at {first_landing}, past the run's end, "
             f"so they never meet: give an earlier --outer-start-iter or a smaller --outer-sync-every"
         )
-    if start:
-        # the synchronous phase runs the engine over all DP ranks: hpZ's group against those too
-        _check_hpz_nodes(cfg.zero.zeropp.hpz, cfg, world_size, per_node, 1)
     return options
