@@ -70,6 +70,13 @@ TINY_MODEL_FLAGS = [
 QUIET_FLAGS = ["--eval-iters", "0", "--log-interval", "100"]
 
 
+def short_run_flags(steps: int) -> list[str]:
+    """A short two-level end-to-end run's schedule: a global batch of 8, lr 1e-2 after one warmup
+    step, `steps` steps, no evaluation, quiet logging, seed 5."""
+    schedule = "--global-batch-size 8 --lr 1e-2 --lr-warmup-iters 1 --eval-iters 0 --log-interval 100 --seed 5"
+    return [*schedule.split(), "--train-iters", str(steps)]
+
+
 def data_flags(prefix: str | os.PathLike, tokenizer: str | os.PathLike) -> list[str]:
     """The dataset, its tokenizer and the split every end-to-end test trains on."""
     return ["--data-path", str(prefix), "--tokenizer-model", str(tokenizer), "--split", "90,10,0"]

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY_MODEL_FLAGS, data_flags, state_differences
+from support import TINY_MODEL_FLAGS, data_flags, short_run_flags, state_differences
 
 import pretrain_gpt
 from megazpp.launch.local_ranks import run_ranks, scoped_groups
@@ -132,20 +132,7 @@ def _argv(prefix: str, tokenizer: str, combo: Combo, save: Path, *extra: str) ->
         *TINY_MODEL_FLAGS,
         "--num-layers",
         "4",
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        str(STEPS),
-        "--lr-warmup-iters",
-        "1",
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
-        "--seed",
-        "5",
+        *short_run_flags(STEPS),
         *combo.flags(),
         "--save",
         str(save),

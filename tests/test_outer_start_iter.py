@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY_MODEL_FLAGS, data_flags, state_differences
+from support import TINY_MODEL_FLAGS, data_flags, short_run_flags, state_differences
 
 import pretrain_gpt
 from megazpp.analysis.event_reader import read_run
@@ -58,20 +58,7 @@ def _argv(prefix: str, tokenizer: str, family: str, save: Path, *extra: str, out
     return [
         *data_flags(prefix, tokenizer),
         *TINY_MODEL_FLAGS,
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        str(STEPS),
-        "--lr-warmup-iters",
-        "1",
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
-        "--seed",
-        "5",
+        *short_run_flags(STEPS),
         "--ranks-per-node",
         "2",
         "--save-interval",

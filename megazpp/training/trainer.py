@@ -8,7 +8,10 @@ One iteration, top to bottom:
   4. advance the lr schedule only if the update was applied, count the consumed samples;
   5. check the step's numerics (`numerics.NumericsMonitor`): a non-finite step was skipped
      by the engine; `max_bad_steps` of them in a row stop the run with NumericalError;
-  6. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
+  6. in a two-level run with `outer.start_iter` S, after step S (logged and checked): the
+     synchronous engine's state moves onto the islands' engine (`start_iter.IslandSwitch`),
+     which the rest of the run (this step's evaluation and save included) uses;
+  7. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
      save and exit at their intervals, or save and stop early when a rank got SIGTERM /
      SIGINT or `exit_duration_in_mins` has passed (`stopping.py`; the ranks agree each
      step); never save right after a bad step or weights that are not finite.
@@ -186,9 +189,9 @@ class Trainer:
                 self.logger.info(
                     f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items())
                 )
+            bad = self._check_numerics(loss if losses else None, result, history)
             if self.switch is not None and self.switch.due(self.iteration):
                 self._switch_engine(self.switch)  # before the step's evaluation and save: both see the islands
-            bad = self._check_numerics(loss if losses else None, result, history)
 
             self.logger.pause_clock()
             faults.maybe_signal(self.iteration, self.topology.rank)
