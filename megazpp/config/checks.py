@@ -218,10 +218,10 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
     sets it), a first outer sync before the run's end (counted from `outer.start_iter`), and
     the combinations not built yet. The synchronous phase before `outer.start_iter` needs no
     rule of its own: its engine spans the islands' DP ranks together, so a PaRO group dividing
-    an island's divides it, and on each node it holds the island's ranks (hpZ's rule). `zero.paro_strategy: auto`
-    is allowed: the island's strategy is chosen once the ranks can probe their links
-    (`planner.auto.auto_strategy` with the outer options), and with `outer.start_iter` the
-    synchronous phase's as a synchronous job's."""
+    an island's divides it, and on each node it holds the island's ranks (hpZ's rule).
+    `zero.paro_strategy: auto` is allowed: the island's strategy is chosen once the ranks can
+    probe their links (`planner.auto.auto_strategy` with the outer options), and with
+    `outer.start_iter` the synchronous phase's as a synchronous job's."""
     if not cfg.outer.enabled:
         return None
     options = cfg.outer
