@@ -17,7 +17,7 @@ control that shows this anchor can fail.
 from __future__ import annotations
 
 import torch
-from support import TINY_LLAMA
+from support import TINY_LLAMA, train_losses
 
 from megazpp.launch.local_ranks import run_ranks, scoped_groups
 from megazpp.model.config import ModelConfig
@@ -57,12 +57,6 @@ OPTIMIZERS = {
 }
 
 
-def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 100 * micro + dp_rank)
-    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
 def _run(opt: OptimizerOptions, two_level: bool) -> dict:
     """STEPS steps of this rank's micro-batches, synchronous over the 4 ranks or as 2 islands:
     its losses and the final whole fp32 weights (ZeRO-2 keeps parameters whole on every rank;
@@ -78,15 +72,7 @@ def _run(opt: OptimizerOptions, two_level: bool) -> dict:
         engine = DiLoCoEngine(ZeroEngine(model, opt, PrecisionOptions(), zero2, island), ANCHOR, island)
     else:
         engine = ZeroEngine(model, opt, PrecisionOptions(), zero2, topo)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for micro in range(MICRO):
-            loss = model(*_batch(cfg, topo.dp_rank, micro, step)).mean() / MICRO
-            engine.scale_loss(loss).backward()
-            total += loss.item()
-        engine.step()
-        losses.append(total)
+    losses = train_losses(model, engine, topo.dp_rank, range(STEPS), MICRO)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.close()
     return {"losses": losses, "weights": weights}
