@@ -37,10 +37,11 @@ class OptimizerOptions:
 
     `name` sgd is Megatron-LM's `--optimizer sgd`: torch.optim.SGD's update with `sgd_momentum`
     (heavy ball, no dampening, no Nesterov) and `weight_decay` coupled as L2 (added to the
-    gradient before the momentum, as torch.optim.SGD and Megatron do). Coupled because with
-    plain SGD the two are the same update up to a rescaling of the decay by lr, and because
-    it keeps the step linear in the gradient plus decay term, the property that makes
-    two-level training at H = 1 equal synchronous training (`tests/test_outer_anchor.py`).
+    gradient before the momentum, as torch.optim.SGD and Megatron do). Coupled because
+    without momentum it is the same update as decay decoupled and scaled by lr (AdamW's form),
+    so nothing is lost, and with momentum it keeps the step linear in gradient plus decay,
+    the property that makes two-level training at H = 1 equal synchronous training
+    (`tests/test_outer_anchor.py`).
     Settings of the other optimizer left at their defaults are ignored; changed ones are
     refused (they would not act).
     """
