@@ -17,6 +17,9 @@ from types import ModuleType
 
 import torch
 
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.optim.engine_protocol import Engine
 from megazpp.zero.zeropp import ZeroPP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,3 +246,25 @@ def state_differences(a: object, b: object, where: str) -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
     return [] if a == b else [where]
+
+
+def step_batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of 2 samples for one DP rank's micro-batch of one step, seeded by all three."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def train_losses(model: GPTModel, engine: Engine, dp_rank: int, steps: range, micro_batches: int) -> list[float]:
+    """Train `steps` steps of this DP rank's `step_batch`es (`micro_batches` accumulated per step)
+    through `engine`; its loss at each step."""
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(micro_batches):
+            loss = model(*step_batch(model.cfg, dp_rank, micro, step)).mean() / micro_batches
+            engine.scale_loss(loss).backward()
+            total += loss.item()
+        engine.step()
+        losses.append(total)
+    return losses

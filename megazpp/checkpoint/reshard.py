@@ -16,7 +16,8 @@ no mapping of the old errors means anything; the new engine zeroes them and logs
 (the same state LoCo's periodic `reset_T` produces).
 
 Memory: a resharding rank holds its (tp, pp) part's full state once (parameters + fp32
-master + two moments, 16 bytes per parameter in fp32), read from memory-mapped files.
+master + the optimizer's state: 16 bytes per parameter in fp32 with AdamW's two moments),
+read from memory-mapped files.
 """
 
 from __future__ import annotations

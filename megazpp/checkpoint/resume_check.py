@@ -20,7 +20,10 @@ What a checkpoint can start:
     the layout that saved it (resharding needs the frozen weights it leaves out);
   - a run's checkpoint: the precision whose engine state it holds (fp16's loss scaler;
     LocalEngine's fp32 masters of a 16-bit model; the ZeRO engine keeps fp32 masters in
-    every precision, so it resumes fp32 as bf16 and back).
+    every precision, so it resumes fp32 as bf16 and back);
+  - a run's checkpoint: the optimizer (`optimizer.name`) whose state it holds (AdamW's moments
+    and SGD's momentum buffer are different state; SGD's momentum may change, a buffer missing
+    starts from the first gradient as at step 1).
   - a two-level (DiLoCo) run's checkpoint (`_check_two_level`): a two-level run with the same
     islands and data-parallel size (each island's optimizer state and parameters are its
     own), the same `outer.fragments` (the outer state is cut into them), and with an exchange
@@ -32,7 +35,7 @@ What a checkpoint can start:
     or its synchronous phase when saved before this run's `outer.start_iter`; H, the
     outer lr and momentum, overlap and merge-alpha may change; int4 may become bf16 or none,
     and bf16 and none each other, when nothing is in flight.
-Anything else (dropout, sequence length, the optimizer, ...) a `--load` may change.
+Anything else (dropout, sequence length, the optimizer's hyper-parameters, ...) a `--load` may change.
 """
 
 from __future__ import annotations
@@ -186,6 +189,13 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int, ranks_per_node:
             f"masters, fp16 loss scaler) resumes only under {was}"
             f"{' or, with the ZeRO engine, the other of fp32 / bf16' if was != 'fp16' else ''}: "
             f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir)
+        )
+    was_optimizer = (saved.get("optimizer") or {}).get("name", "adamw")  # before SGD: AdamW
+    if was_optimizer != cfg.optimizer.name:
+        raise CheckpointError(
+            f"{where} holds {was_optimizer} optimizer state; this run's optimizer.name is "
+            f"{cfg.optimizer.name}: resume it with --optimizer {was_optimizer}, or start {cfg.optimizer.name} "
+            "from its weights: " + _convert_hint(cfg.model.arch, load_dir)
         )
     if BASE_KEY in meta and meta["dp"] != dp:
         raise CheckpointError(

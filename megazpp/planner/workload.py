@@ -12,6 +12,7 @@ from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.trainable import trainable_fraction
+from megazpp.optim.options import ADAMW_STATE
 from megazpp.planner.cluster import Cluster
 from megazpp.zero.units import bucket_bound
 
@@ -26,6 +27,7 @@ class Workload:
     param_bytes: int = 2  # model dtype (bf16 / fp16: 2, fp32: 4)
     fp16: bool = False  # fp16 with loss scaling (LoCo then keeps a copy for skipped steps)
     accum_bytes: int = 4  # gradient accumulation dtype
+    optimizer_states: int = len(ADAMW_STATE)  # fp32 state tensors per parameter (`OptimizerOptions.state_names`)
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     flash_attention: bool = True
@@ -90,6 +92,7 @@ def workload_of_config(cfg: Config) -> Workload:
         param_bytes=DTYPE_BYTES[dtype],
         fp16=prec.fp16,
         accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
+        optimizer_states=len(cfg.optimizer.state_names),
         activation_checkpointing=cfg.model.activation_checkpointing,
         sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,

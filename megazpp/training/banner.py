@@ -14,11 +14,16 @@ from megazpp.config.schema import Config
 from megazpp.model.flops import parameter_count, parameter_text
 from megazpp.model.trainable import trainable_fraction
 from megazpp.optim.engine_protocol import Engine
+from megazpp.optim.options import OptimizerOptions
 from megazpp.outer.diloco import TwoLevelEngine
 from megazpp.outer.fragments import first_sync_after
 from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
 from megazpp.zero.inner_engine import ShardedEngine
+
+
+def _optimizer(o: OptimizerOptions) -> str:
+    return f"sgd (momentum {o.sgd_momentum:g})" if o.name == "sgd" else "adamw"
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
@@ -167,7 +172,7 @@ def banner(
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {topology.dp} "
         f"x {cfg.num_micro_batches(topology.world_size)} accumulation; {t.train_iters} steps, "
         f"warmup {t.lr_warmup_iters}, lr {cfg.optimizer.lr:g} {t.lr_decay_style} to "
-        f"{cfg.optimizer.min_lr:g}",
+        f"{cfg.optimizer.min_lr:g}, {_optimizer(cfg.optimizer)}",
         f"data: {' '.join(cfg.data.data_path)} (split {cfg.data.split}): {sizes}",
         f"checkpoints: {saving}; TensorBoard: {cfg.logging.tensorboard_dir or 'off'}",
         f"start: {start.load.why}",
