@@ -32,13 +32,17 @@ class OuterOptions:
     over all ranks; diloco runs the ZeRO engine inside each island of `island_nodes` nodes and
     every `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the
     last sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9),
-    moved in `quantize` format. ConfigError naming the `outer` key for a value out of range or
-    asking for what is not built."""
+    moved in `quantize` format. With `start_iter` S > 0 the first S iterations train
+    synchronously over all ranks (the warm start, in one job: `training/start_iter.py`).
+    ConfigError naming the `outer` key for a value out of range or asking for what is not built."""
 
     algorithm: str = setting("none", "none (synchronous over all ranks) or diloco (islands + outer optimizer)")
     sync_every: int = setting(20, "H: inner steps between outer syncs")
     lr: float = setting(0.7, "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
     momentum: float = setting(0.9, "outer Nesterov momentum")
+    warmup_syncs: int = setting(
+        0, "outer syncs over which the outer step ramps from plain averaging (lr 1, momentum 0) to lr and momentum"
+    )
     fragments: int = setting(1, "streaming: fragments (runs of parameter tensors) synced at staggered steps, at most H")
     overlap_steps: int = setting(0, "streaming: inner steps an outer exchange runs before it is applied (tau, below H)")
     merge_alpha: float = setting(0.5, "with overlap: weight of the island's own parameters when an exchange is applied")
@@ -60,6 +64,11 @@ class OuterOptions:
     min_islands: int = setting(1, "elastic: the fewest live islands an outer sync waits for")
     quorum_timeout_s: float = setting(600.0, "elastic: how long an outer sync waits for min_islands islands")
     sync_timeout_s: float = setting(60.0, "elastic: how long an outer exchange waits for a peer before dropping it")
+    start_iter: int = setting(
+        0,
+        "S: synchronous data parallelism over all ranks for the first S iterations, islands from S on "
+        "(0: islands from the start)",
+    )
 
     def __post_init__(self) -> None:
         """ConfigError naming the `outer` key: an unknown algorithm, a setting given while
@@ -87,10 +96,17 @@ class OuterOptions:
             )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"outer.momentum = {self.momentum}: expected a value in [0, 1)")
+        if self.warmup_syncs < 0:
+            raise ConfigError(f"outer.warmup_syncs = {self.warmup_syncs}: expected a number of outer syncs >= 0")
         if self.quantize not in QUANTIZE:
             raise ConfigError(f"outer.quantize = {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
         if self.island_nodes < 1:
             raise ConfigError(f"outer.island_nodes = {self.island_nodes}: expected a positive number of nodes")
+        if self.start_iter < 0:
+            raise ConfigError(
+                f"outer.start_iter = {self.start_iter}: expected the iteration the islands start at, >= 0 "
+                f"(0: from the start)"
+            )
         if self.fragments < 1:
             raise ConfigError(f"outer.fragments = {self.fragments}: expected at least 1")
         if self.overlap_steps < 0:
@@ -145,14 +161,14 @@ class OuterOptions:
                 raise ConfigError(f"outer.{key} = {getattr(self, key)}: expected a positive number of seconds")
         unbuilt = [
             f"outer.{k} = {getattr(self, k)!r}"
-            for k in ("fragments", "overlap_steps", "quantize", "island_nodes")
+            for k in ("fragments", "overlap_steps", "quantize", "island_nodes", "start_iter")
             if getattr(self, k) != getattr(OuterOptions, k)
         ]
         if unbuilt:
             raise ConfigError(
                 f"{unbuilt[0]} with outer.elastic: an elastic island syncs its whole shard in fp32 at once "
-                f"and is its job's whole world (streaming, compressed wires and island_nodes are not built "
-                f"for it yet, docs/arch/elastic.md): drop the setting"
+                f"and is its job's whole world from the start (streaming, compressed wires, island_nodes and "
+                f"start_iter are not built for it yet, docs/arch/elastic.md): drop the setting"
             )
 
     @property
