@@ -9,21 +9,32 @@ launcher was given and the other islands reach).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from megazpp.config.options import RunOptions
-from megazpp.errors import required
+from megazpp.errors import ConfigError, required
 from megazpp.model.gpt import GPTModel
-from megazpp.outer.elastic import ElasticDiLoCoEngine
-from megazpp.outer.membership import Membership
 from megazpp.parallel.pipeline import counts_in_norm
 from megazpp.parallel.topology import Topology
 from megazpp.training.zero_factory import build_zero_engine
 
+if TYPE_CHECKING:
+    from megazpp.outer.elastic import ElasticDiLoCoEngine
+
 
 def build_elastic_island(model: GPTModel, options: RunOptions, topology: Topology) -> ElasticDiLoCoEngine:
     """The ZeRO engine over this job's world inside `ElasticDiLoCoEngine` (collective: the
-    membership's store port is broadcast to the island's ranks)."""
+    membership's store port is broadcast to the island's ranks). torchft is imported here, so a
+    python without it (the GPU image does not install it) runs everything else."""
     outer = required(options.outer, "outer")
+    try:
+        from megazpp.outer.elastic import ElasticDiLoCoEngine
+        from megazpp.outer.membership import Membership
+    except ImportError as exc:
+        raise ConfigError(
+            f"outer.elastic: this python cannot import torchft ({exc}), the membership engine of elastic "
+            f"islands: pip install torchft==0.2.0 (a core dependency of the project)"
+        ) from None
     inner = build_zero_engine(model, options, topology, counts_in_norm=counts_in_norm(model, topology))
     membership = Membership(
         outer.island_id,
