@@ -147,9 +147,9 @@ def _moments_as_saved(inner: ZeroEngine) -> bool:
         return False
     for moment, master, place in zip(moments, masters, places):
         saved = state["optimizer"]["state"].get(slot_of.get(place, -1))
-        if moment is None or saved is None or moment[0].shape != master.shape:
+        if saved is None or sorted(moment) != ["exp_avg", "exp_avg_sq"]:
             return False  # every master has taken steps by now
-        if not (torch.equal(moment[0], saved["exp_avg"]) and torch.equal(moment[1], saved["exp_avg_sq"])):
+        if not all(t.shape == master.shape and torch.equal(t, saved[k]) for k, t in moment.items()):
             return False
     return True
 
