@@ -71,30 +71,42 @@ class OuterChoice:
     fragments: int
     overlap_steps: int
     quantize: str
-    # the user's (the planner prices them, never picks them): per moment averaged across
-    # islands, every how many syncs of a fragment (`OuterOptions.averaged_state`, nonzero ones)
-    moment_every: tuple[int, ...] = ()
+    # the user's (the planner prices them, never picks them): the inner moments averaged
+    # across islands every k-th sync of a fragment (0: never)
+    exp_avg_every: int = 0
+    exp_avg_sq_every: int = 0
 
     @classmethod
     def of(cls, options: OuterOptions) -> OuterChoice:
         """The setting a run's resolved `outer` section stands for."""
-        every = tuple(k for k in options.averaged_state.values() if k)
+        o = options
         return cls(
-            options.island_nodes, options.sync_every, options.fragments, options.overlap_steps, options.quantize, every
+            o.island_nodes, o.sync_every, o.fragments, o.overlap_steps, o.quantize, o.exp_avg_every, o.exp_avg_sq_every
         )
 
     @property
+    def moment_every(self) -> tuple[int, ...]:
+        """The periods of the moments averaged (`outer.traffic.per_step`)."""
+        return tuple(k for k in (self.exp_avg_every, self.exp_avg_sq_every) if k)
+
+    @property
     def name(self) -> str:
+        moments = f" moments {self.exp_avg_every}/{self.exp_avg_sq_every}" if self.moment_every else ""
         return (
-            f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}, "
+            f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}{moments}, "
             f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}"
         )
 
     def flags(self) -> str:
+        moments = (
+            f" --outer-exp-avg-every {self.exp_avg_every} --outer-exp-avg-sq-every {self.exp_avg_sq_every}"
+            if self.moment_every
+            else ""
+        )
         return (
             f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
             f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
-            f"{self.overlap_steps} --outer-quantize {self.quantize}"
+            f"{self.overlap_steps} --outer-quantize {self.quantize}{moments}"
         )
 
 
