@@ -5,7 +5,6 @@ import torch
 
 from megazpp.outer import traffic
 from megazpp.outer.exchange import Int4Wire
-from megazpp.outer.fragments import due_fragments, sync_count
 from megazpp.zero.sequences import GroupShape
 
 
@@ -55,20 +54,6 @@ def test_moments_cross_in_fp32_or_bf16_and_amortise_over_their_period():
     assert t.mean_inter == pytest.approx(plain.mean_inter + 2 * moment * (1 / 3 + 1 / 6) / h)
     assert t.peak_inter == plain.peak_inter + 2 * moment  # a sync where both moments fall (the 6th)
     assert t.calls_per_interval == pytest.approx(4 * (1 + 1 / 3 + 1 / 6))
-
-
-def test_sync_count_follows_the_staggered_schedule():
-    # H = 4, 2 fragments: fragment 0 syncs at 4, 8, 12; fragment 1 at 2, 6, 10
-    assert [_counted(t, 0) for t in range(1, 13)] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
-    assert [_counted(t, 1) for t in range(1, 13)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3]
-
-
-def _counted(t: int, fragment: int) -> int:
-    """The sync count of `fragment` (of 2, H = 4) at inner step t, asserted equal to the number
-    of steps up to t at which `due_fragments` names it."""
-    count = sync_count(t, 4, 2, fragment)
-    assert count == sum(fragment in due_fragments(s, 4, 2) for s in range(1, t + 1))
-    return count
 
 
 def test_stats_and_refusals():

@@ -45,7 +45,7 @@ from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer import traffic
 from megazpp.outer.exchange import SYNC_TAG, WIRE_DTYPES, Exchange, Int4Wire, padded_size
-from megazpp.outer.fragments import build_fragments, due_fragments, fragment_names, range_indices, sync_count
+from megazpp.outer.fragments import build_fragments, due_fragments, fragment_names, range_indices
 from megazpp.outer.moments import MOMENTS_TAG, average_moment
 from megazpp.outer.norm_weights import NormWeights
 from megazpp.outer.settings import OuterOptions
@@ -130,10 +130,12 @@ class DiLoCoEngine:
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
 
-    def moments_due(self, fragment: int, inner_steps: int) -> list[str]:
-        """The inner optimizer's state averaged at `fragment`'s sync due after `inner_steps`:
-        each whose period (`OuterOptions.averaged_state`) divides the fragment's sync count."""
-        k = sync_count(inner_steps, self.options.sync_every, len(self.fragments), fragment)
+    def moments_due(self, fragment: int) -> list[str]:
+        """The inner optimizer's state averaged at the sync of `fragment` due now: each whose
+        period (`OuterOptions.averaged_state`) divides the number of this sync, its applied
+        syncs (outer state, so a resume keeps the schedule) plus one (tau < H: the fragment's
+        previous exchange has landed by now)."""
+        k = self.syncs[fragment] + 1
         return [name for name, every in self.options.averaged_state.items() if every and k % every == 0]
 
     def average_moments(self, fragment: int, names: list[str]) -> None:
@@ -187,7 +189,7 @@ class DiLoCoEngine:
         tau = self.options.overlap_steps
         started = []
         for f in self.due(t):
-            self.average_moments(f, self.moments_due(f, t))
+            self.average_moments(f, self.moments_due(f))
             started.append(self._start(f, t + tau, group))
         if tau:
             self.in_flight += started

@@ -102,14 +102,6 @@ def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
     return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
 
 
-def sync_count(inner_steps: int, sync_every: int, count: int, fragment: int) -> int:
-    """How many syncs `fragment` has started by inner step `inner_steps` (the one due at it
-    included): what the moments' schedule counts (`outer.exp_avg_every`), so it follows from
-    the saved inner-step count alone."""
-    offset = fragment * sync_every // count
-    return len(range(offset or sync_every, inner_steps + 1, sync_every))
-
-
 def last_landed(inner_steps: int, sync_every: int, count: int, overlap: int) -> list[int | None]:
     """Per fragment, the inner step whose sync it last applied by inner step `inner_steps` (a
     sync started at s lands at s + overlap), or None when none had landed: what the outer

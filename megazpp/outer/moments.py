@@ -6,8 +6,8 @@ keeping them local (DiLoCo) accumulates that noise; averaging them now and then 
 islands' optimizer state towards the one synchronous training would have. Which state and how
 often is `OuterOptions.averaged_state` (by the state's name, so the loop is the same over any
 inner optimizer's `InnerEngine.moments`); the k-th sync of a fragment averages a state when k is
-a multiple of its period, counted from the saved inner-step count (`fragments.sync_count`), so a
-resume keeps the schedule.
+a multiple of its period, counted by the fragment's applied syncs (`DiLoCoEngine.syncs`, outer
+state, the warmup's count too), so a resume keeps the schedule.
 
 A moment is averaged over the peer group as the pseudo-gradient is (`Exchange`: an all-to-all,
 the fp32 mean of the chunks, an all-gather; the counter's tag `outer/moments`), in
