@@ -324,7 +324,8 @@ class DiLoCoEngine:
 
     def expected_sync_peak_bytes(self) -> int:
         """Bytes a sync adds on top of `expected_bytes` at its peak: the exchanges alive at once
-        and the landing's fp32 vectors of the largest fragment."""
+        and the landing's fp32 vectors of the largest fragment, or a moment's averaging where
+        that is more."""
         largest = max(frag.numel for frag in self.fragments)
         peak = self.expected_exchange_bytes() + traffic.LANDING_FP32_VECTORS * 4 * largest
         if not any(self.options.averaged_state.values()):
