@@ -103,8 +103,13 @@ DEFAULTS600 = Experiment(
         "olr05": (*DILOCO, "--outer-lr", "0.5"),
         "olr05_warm10": (*DILOCO, "--outer-lr", "0.5", "--outer-warmup-syncs", "10"),
         "olr10_om05": (*DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.5"),
+        # Nesterov 0.9 moves lr (1 + 0.9 / 0.1) = 10 lr times the mean pseudo-gradient once its
+        # buffer is full: lr 0.1-0.3 keeps that near plain averaging's 1 while smoothing over syncs
+        "olr02_warm10": (*DILOCO, "--outer-lr", "0.2", "--outer-warmup-syncs", "10"),
+        "olr03_warm10": (*DILOCO, "--outer-lr", "0.3", "--outer-warmup-syncs", "10"),
     },
-    _queue((TUNING_SEED,), (REFERENCE, "defaults", "plain", "warm10", "olr05_warm10", "warm5", "olr05", "olr10_om05")),
+    _queue((TUNING_SEED,), (REFERENCE, "defaults", "plain", "warm10", "olr05_warm10", "warm5", "olr05", "olr10_om05"))
+    + _queue((TUNING_SEED,), ("olr02_warm10", "olr03_warm10")),
 )
 
 # Issue 37's experiment in the method's regime: 3000 steps (the synchronous loss flattens; H 10
