@@ -363,8 +363,10 @@ class DiLoCoEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
-        state) starts the first interval at its weights, with zero outer momentum."""
+        """Bit for bit from this layout's own state; a synchronous state (no outer state: a
+        synchronous run's checkpoint, or `outer.start_iter`'s switch, which loads through here so
+        that it is a warm start bit for bit) starts the first interval at its weights, with zero
+        outer momentum, the inner steps counting on from the engine's step count."""
         self.inner.load_state_dict(state)
         saved = state.get(OUTER_STATE_KEY)
         if saved is None:
@@ -373,8 +375,8 @@ class DiLoCoEngine:
             self.inner_steps = self.inner.step_count
             self.syncs = [0] * len(self.fragments)
             log.warning(
-                "outer: the checkpoint has no outer state (a synchronous run): the first outer "
-                "interval starts at its weights, with zero outer momentum"
+                "outer: a synchronous state (a synchronous run's checkpoint, or outer.start_iter's "
+                "switch): the first outer interval starts at its weights, with zero outer momentum"
             )
             return
         if saved["snapshot"].numel() != self.numel:

@@ -30,8 +30,9 @@ class OuterOptions:
     over all ranks; diloco runs the ZeRO engine inside each island of `island_nodes` nodes and
     every `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the
     last sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9),
-    moved in `quantize` format. ConfigError naming the `outer` key for a value out of range or
-    asking for what is not built."""
+    moved in `quantize` format. With `start_iter` S > 0 the first S iterations train
+    synchronously over all ranks (the warm start, in one job: `training/start_iter.py`).
+    ConfigError naming the `outer` key for a value out of range or asking for what is not built."""
 
     algorithm: str = setting("none", "none (synchronous over all ranks) or diloco (islands + outer optimizer)")
     sync_every: int = setting(20, "H: inner steps between outer syncs")
@@ -55,6 +56,11 @@ class OuterOptions:
     )
     exp_avg_sq_every: int = setting(
         0, "average the inner AdamW's second moment across islands every k-th outer sync of a fragment (0: never)"
+    )
+    start_iter: int = setting(
+        0,
+        "S: synchronous data parallelism over all ranks for the first S iterations, islands from S on "
+        "(0: islands from the start)",
     )
 
     def __post_init__(self) -> None:
@@ -95,6 +101,11 @@ class OuterOptions:
                     f"outer.{key}_every = {every}: expected 0 (keep each island's {key}) or every how "
                     f"many outer syncs of a fragment to average it across islands"
                 )
+        if self.start_iter < 0:
+            raise ConfigError(
+                f"outer.start_iter = {self.start_iter}: expected the iteration the islands start at, >= 0 "
+                f"(0: from the start)"
+            )
         if self.fragments < 1:
             raise ConfigError(f"outer.fragments = {self.fragments}: expected at least 1")
         if self.overlap_steps < 0:

@@ -16,6 +16,11 @@ multiple of I (x `block` for int4) so that every chunk has one size and whole bl
 
 Islands are made of whole nodes, so every member of a peer group is on another node: all the
 bytes are inter-node.
+
+These are the bytes of the islands' phase: with `outer.start_iter` S the steps before S are a
+synchronous job's over all DP ranks (`zero.traffic.step_bytes` of its engine), and the one-time
+gather of the synchronous engine's state at S (`training/start_iter.py`) is counted apart from
+any step.
 """
 
 from __future__ import annotations

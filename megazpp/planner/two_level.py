@@ -32,6 +32,11 @@ What a row costs, per inner step, on the slowest pipeline stage:
   averaging, `moment_peak_bytes`, when larger), on top of the island's: what
   `DiLoCoEngine.expected_bytes` and `expected_sync_peak_bytes` count.
 
+A row prices a step of the islands' phase: with `outer.start_iter` S the first S steps are the
+synchronous job's (the synchronous table's row of the run's strategy), so a run's mean step is
+(S x that + (T - S) x the row's) / T; the rows themselves and the choice among them do not
+depend on S (only which H can still sync before the run ends does).
+
 Recommendation (`recommend`): among the rows that fit and whose exposed outer time is at most
 `LINK_BUDGET` of the inner step, the smallest H (the closest to synchronous training: DiLoCo's
 quality falls as H grows), then the least compression, no overlap before overlap (its merge is
@@ -46,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megazpp.outer import traffic as outer_traffic
+from megazpp.outer.fragments import first_sync_after
 from megazpp.outer.settings import QUANTIZE, OuterOptions
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, layout, stage_padded
@@ -377,8 +383,8 @@ def plan_two_level(
     """Every island size, H, fragment count, overlap and outer quantization on the island's
     fastest fitting synchronous option (the next fastest where the outer state does not fit).
     Fragments are at most H and at most the stage's layers, and the first sync lands within the
-    run's `train_iters` (H + tau at most that, or the islands never meet): the runtime's limits
-    (`config.checks`)."""
+    run's `train_iters` (H + tau at most that, or the islands never meet; counted from
+    `outer.start_iter` when the islands start later): the runtime's limits (`config.checks`)."""
     rows: list[TwoLevelPrediction] = []
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
@@ -393,7 +399,8 @@ def plan_two_level(
         for h in SYNC_EVERY:
             for q in QUANTIZE:
                 for tau in OVERLAP_STEPS:
-                    if workload.train_iters is not None and h + tau > workload.train_iters:
+                    landing = first_sync_after(workload.start_iter, h, tau)
+                    if workload.train_iters is not None and landing > workload.train_iters:
                         continue
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)

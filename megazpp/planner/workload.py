@@ -40,6 +40,7 @@ class Workload:
     hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
     persistence_threshold: int = 0  # zero.stage3_param_persistence_threshold
     train_iters: int | None = None  # the run's length: no two-level option whose first sync lands after it
+    start_iter: int = 0  # outer.start_iter: the islands start there (their first sync is counted from it)
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -102,4 +103,5 @@ def workload_of_config(cfg: Config) -> Workload:
         persistence_threshold=z.stage3_param_persistence_threshold,
         trainable_fraction=trainable_fraction(cfg.model, t.trainable),
         train_iters=t.train_iters,
+        start_iter=cfg.outer.start_iter,
     )
