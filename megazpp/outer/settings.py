@@ -51,6 +51,12 @@ class OuterOptions:
         True, "int4 wire: add what the wire dropped back at the next sync (false: the ablation)"
     )
     island_nodes: int = setting(1, "nodes per island")
+    exp_avg_every: int = setting(
+        0, "average the inner AdamW's first moment across islands every k-th outer sync of a fragment (0: never)"
+    )
+    exp_avg_sq_every: int = setting(
+        0, "average the inner AdamW's second moment across islands every k-th outer sync of a fragment (0: never)"
+    )
     start_iter: int = setting(
         0,
         "S: synchronous data parallelism over all ranks for the first S iterations, islands from S on "
@@ -89,6 +95,12 @@ class OuterOptions:
             raise ConfigError(f"outer.quantize = {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
         if self.island_nodes < 1:
             raise ConfigError(f"outer.island_nodes = {self.island_nodes}: expected a positive number of nodes")
+        for key, every in self.averaged_state.items():
+            if every < 0:
+                raise ConfigError(
+                    f"outer.{key}_every = {every}: expected 0 (keep each island's {key}) or every how "
+                    f"many outer syncs of a fragment to average it across islands"
+                )
         if self.start_iter < 0:
             raise ConfigError(
                 f"outer.start_iter = {self.start_iter}: expected the iteration the islands start at, >= 0 "
@@ -121,6 +133,13 @@ class OuterOptions:
                 f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
                 f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting"
             )
+
+    @property
+    def averaged_state(self) -> dict[str, int]:
+        """The inner optimizer's state averaged across islands (DES-LOC, arXiv 2505.22549: the
+        first moment every 3 syncs, the second every 6), by its name in the optimizer's state
+        (`InnerEngine.moments`): every how many outer syncs of a fragment (0: never)."""
+        return {"exp_avg": self.exp_avg_every, "exp_avg_sq": self.exp_avg_sq_every}
 
     @property
     def enabled(self) -> bool:
