@@ -127,6 +127,19 @@ def test_flags_resolve_to_options():
             2,
             "a pipeline stage holds 2 layer(s)",
         ),
+        (
+            ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--outer-exp-avg-every", "3"],
+            4,
+            2,
+            "outer.exp_avg_every = 3: the inner optimizer (sgd) keeps no exp_avg (its state: momentum_buffer)",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--sgd-momentum", "0"]
+            + ["--outer-exp-avg-sq-every", "6"],
+            4,
+            2,
+            "keeps no exp_avg_sq (its state: none)",
+        ),
         (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "3"], 8, 2, "positive divisor of the 4 node(s)"),
