@@ -17,6 +17,7 @@ from megazpp.optim.engine_protocol import Engine
 from megazpp.optim.options import OptimizerOptions
 from megazpp.outer.diloco import TwoLevelEngine
 from megazpp.outer.fragments import first_sync_after
+from megazpp.outer.traffic import moment_wire
 from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
 from megazpp.zero.inner_engine import ShardedEngine
@@ -133,12 +134,20 @@ def _two_level(engine: Engine) -> list[str]:
         )
     else:
         applied = "each exchange applied at once (no overlap)"
+    every = {name: k for name, k in o.averaged_state.items() if k}
+    moments = (
+        "; the inner optimizer's "
+        + ", ".join(f"{name} averaged across islands every {k} syncs" for name, k in every.items())
+        + f" (blocking, in {'fp32' if moment_wire(o.quantize) == 'none' else 'bf16'})"
+        if every
+        else "; the inner optimizer's state kept per island"
+    )
     warmup = f" (reached after {o.warmup_syncs} syncs ramping from plain averaging)" if o.warmup_syncs else ""
     return [
         f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
         f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
         f"{o.momentum:g}{warmup}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
-        f"per rank every {o.sync_every} steps"
+        f"per rank every {o.sync_every} steps{moments}"
         + (f"; synchronous over all ranks before iteration {o.start_iter} (outer.start_iter)" if o.start_iter else "")
     ]
 

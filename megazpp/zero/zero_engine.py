@@ -499,9 +499,12 @@ class ZeroEngine(ScaledOptimizerEngine):
     def masters(self) -> list[torch.Tensor]:
         return [m.param.data for b in self.buckets for m in b.masters]
 
-    def moments(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        state = [self.optimizer.state.get(m.param, {}) for b in self.buckets for m in b.masters]
-        return [(s["exp_avg"], s["exp_avg_sq"]) if "exp_avg" in s else None for s in state]
+    def moments(self) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = []
+        for m in (m for b in self.buckets for m in b.masters):
+            state = self.optimizer.state.get(m.param, {})
+            out.append({k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == m.param.shape})
+        return out
 
     def shard_map(self) -> ShardMap:
         return shard_map(self.buckets, self.strategy.optimizer_state, self.groups)
