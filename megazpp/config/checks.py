@@ -27,9 +27,8 @@ from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split, dp_groups, island_layout
-from megazpp.zero.frozen import check_frozen_support
-from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.frozen import frozen_refusal
+from megazpp.zero.options import ZeroOptions, tied_split_refusal
 from megazpp.zero.zeropp import hpz_group_size
 
 
@@ -96,29 +95,10 @@ def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOption
     if k is not None and dp % k:
         raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the data-parallel size {dp}")
     if (cfg.model.lora_rank or cfg.training.trainable) and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
-        zpp = zero.zeropp
-        persistence = zero.stage3_param_persistence_threshold
-
-        def frozen(s: Strategy) -> str | None:
-            try:
-                check_frozen_support(s, zpp.qwz, zpp.hpz, persistence)
-            except ConfigError as err:
-                return str(err)
-            return None
-
-        zero = zero.narrowed(frozen)
+        zpp, persistence = zero.zeropp, zero.stage3_param_persistence_threshold
+        zero = zero.narrowed(lambda s: frozen_refusal(s, zpp.qwz, zpp.hpz, persistence))
     if cfg.pp > 1 and cfg.model.tie_embeddings:
-        zero = zero.narrowed(
-            lambda s: (
-                None
-                if s.grads == Level.N
-                else (
-                    f"zero strategy {s}: gradients sharded (g = {s.grads.name}) cannot be combined with tied "
-                    f"embeddings split over pipeline stages; use a strategy with g = N (e.g. NNG, INI, GNG) "
-                    f"or model.tie_embeddings: false"
-                )
-            )
-        )
+        zero = zero.narrowed(tied_split_refusal)
     return zero
 
 
