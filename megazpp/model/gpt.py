@@ -110,7 +110,7 @@ class Embedding(nn.Module):
             init.normal("embedding.position_embeddings.weight")(self.position_embeddings.weight)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.word_embeddings(token_ids)
+        hidden: torch.Tensor = self.word_embeddings(token_ids)
         if self.position_embeddings is not None:
             hidden = hidden + self.position_embeddings.weight[: token_ids.shape[1]]
         if self.dropout > 0.0:
@@ -208,7 +208,7 @@ class GPTModel(nn.Module):
                 f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
                 f"model.seq_length = {self.cfg.seq_length}"
             )
-        hidden = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
+        hidden: torch.Tensor = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
         aux_terms = []
         for layer in self.layers.values():
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -221,7 +221,7 @@ class GPTModel(nn.Module):
         self.last_moe_aux_loss = aux_total.detach() if aux_total is not None else None
         if self.output_layer is None or self.final_norm is None:  # not the last stage
             return hidden
-        logits = self.output_layer(self.final_norm(hidden))
+        logits: torch.Tensor = self.output_layer(self.final_norm(hidden))
         if labels is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
