@@ -75,9 +75,9 @@ class CheckpointReader:
                     f"{self.path / METADATA_FILE} does not record the model "
                     "config: give the training run's config (--config FILE)"
                 )
-            return given.validate()
+            return given
         try:
-            cfg = ModelConfig(**saved).validate()
+            cfg = ModelConfig(**saved)
         except TypeError as exc:
             raise CheckpointError(
                 f"{self.path / METADATA_FILE}: {MODEL_CONFIG_KEY} is not a model config ({exc})"

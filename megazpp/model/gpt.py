@@ -132,16 +132,10 @@ class GPTModel(nn.Module):
         layer_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        cfg.validate()
         start, end = layer_range if layer_range is not None else (0, cfg.num_layers)
         if not 0 <= start <= end <= cfg.num_layers:
             raise ConfigError(
                 f"layer_range = {layer_range!r}: expected 0 <= start <= end <= model.num_layers = {cfg.num_layers}"
-            )
-        if cfg.num_experts > 0 and sequence_parallel:
-            raise ConfigError(
-                "sequence parallelism with model.num_experts > 0 is not implemented: the router "
-                "would see only this rank's sequence chunk; turn one of them off"
             )
         if cfg.num_experts > 0 and cfg.moe_aux_loss_coeff > 0 and end > start and not post_process:
             raise ConfigError(
@@ -149,7 +143,10 @@ class GPTModel(nn.Module):
                 "a stage without the loss head cannot reach the loss (not implemented); set "
                 "model.moe_aux_loss_coeff: 0 or use one pipeline stage"
             )
-        check_model_split(cfg, 1 if tp_group is None else comm.group_size(tp_group), 1)
+        # the job's config check ran this before any rank started; a library caller gets it here
+        check_model_split(
+            cfg, 1 if tp_group is None else comm.group_size(tp_group), 1, sequence_parallel=sequence_parallel
+        )
         self.cfg = cfg
         self.tp_group = tp_group
         self.pre_process = pre_process
