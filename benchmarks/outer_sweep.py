@@ -1,10 +1,10 @@
-"""The two-level quality sweep's table and plots: `python -m benchmarks.outer_sweep OUT`.
+"""The two-level quality sweep's table and plots: `python -m benchmarks.outer_sweep OUT --experiment NAME`.
 
-`tools/run_outer_experiment.sh` trains the LoCo experiment's model synchronously (`sync`) and
-with DiLoCo outer steps every H inner steps (`h1` ... `h50`, int4 rows), each under
-`OUT/seed<S>/<run>`. The issue's target: at H = 10 and H = 25 the final validation loss is at
-most 0.05 above synchronous ZeRO-2's, on the mean over seeds. Every run reads the same global
-batches (an island takes its half of each), so runs of one seed are at equal tokens.
+`tools/run_outer_experiment.sh NAME` trains an experiment of `benchmarks.outer_plan` (a
+synchronous reference and two-level runs), each under `OUT/seed<S>/<run>`. The experiment's
+targets bound a run's mean final validation loss above the reference's on the same seeds, as a
+fraction of the reference's. Every run reads the same global batches (an island takes its share
+of each), so runs of one seed are at equal tokens.
 
 Reported per run, as mean +- sample std [min, max] over the seeds that finished: the final
 training loss (the last logged interval), the mean of the logged intervals over the last
@@ -29,16 +29,13 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from benchmarks.outer_plan import EXPERIMENTS, Experiment
 from megazpp.analysis.comparison import INTER_BYTES, TRAIN_LOSS, VAL_LOSS
 from megazpp.analysis.event_reader import Run, read_run
 from megazpp.analysis.plots import plot_seed_bands, save_png
 from megazpp.errors import MegazppError
 from megazpp.unique_keys import JSONObject
 
-REFERENCE = "sync"
-TARGET_GAP = 0.05
-TARGET_RUNS = ("h10", "h25")
-ORDER = ("sync", "h1", "h5", "h10", "h25", "h50", "h25_int4", "h25_int4_noef", "h1_diloco", "h10_diloco", "h25_diloco")
 FINISHED = "DONE"
 
 
@@ -55,9 +52,11 @@ def describe(name: str, config: JSONObject | None) -> str:
         if outer["quantize"] != "int4"
         else (" + error feedback" if outer["error_feedback"] else ", no error feedback")
     )
+    warmup = f", warmup {outer['warmup_syncs']} syncs" if outer.get("warmup_syncs") else ""
+    lr = config.get("optimizer", {}).get("lr")
     return (
         f"H = {outer['sync_every']}, {outer['quantize']}{feedback}, outer lr {outer['lr']:g} "
-        f"momentum {outer['momentum']:g}"
+        f"momentum {outer['momentum']:g}{warmup}{f', inner lr {lr:g}' if lr else ''}"
     )
 
 
@@ -85,20 +84,21 @@ def seed_result(run: Run, seed: int, window: int) -> SeedResult:
     )
 
 
-def finished_runs(out: Path) -> dict[str, dict[int, Path]]:
-    """run name -> seed -> directory, for the runs that left `DONE`."""
+def finished_runs(out: Path, experiment: Experiment) -> dict[str, dict[int, Path]]:
+    """run name -> seed -> directory, for the runs that left `DONE`, in the plan's order."""
     found: dict[str, dict[int, Path]] = {}
     for marker in sorted(out.glob(f"seed*/*/{FINISHED}")):
         seed = re.fullmatch(r"seed(\d+)", marker.parent.parent.name)
         if seed:
             found.setdefault(marker.parent.name, {})[int(seed.group(1))] = marker.parent
-    if REFERENCE not in found:
+    reference = experiment.reference
+    if reference not in found:
         raise MegazppError(
-            f"{out}: no finished '{REFERENCE}' run (seed*/{REFERENCE}/{FINISHED}); "
-            f"expected tools/run_outer_experiment.sh's output directory"
+            f"{out}: no finished '{reference}' run (seed*/{reference}/{FINISHED}); "
+            f"expected tools/run_outer_experiment.sh {experiment.name}'s output directory"
         )
-    rank = {name: i for i, name in enumerate(ORDER)}
-    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(ORDER)), item[0])))
+    rank = {name: i for i, name in enumerate(experiment.runs)}
+    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))
 
 
 def _spread(values: list[float]) -> str:
@@ -107,35 +107,41 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
 
 
-def report(out: Path, window: int) -> tuple[list[str], dict[str, list[SeedResult]]]:
+def report(out: Path, experiment: Experiment, window: int) -> tuple[list[str], dict[str, list[SeedResult]]]:
     """The table's lines and verdicts, and each run's results under its description."""
-    runs = finished_runs(out)
+    runs = finished_runs(out, experiment)
+    ref_name = experiment.reference
     read = {name: {s: read_run(d, f"{name}/s{s}") for s, d in seeds.items()} for name, seeds in runs.items()}
     results = {name: [seed_result(run, s, window) for s, run in seeds.items()] for name, seeds in read.items()}
     names = {name: describe(name, next(iter(seeds.values())).config) for name, seeds in read.items()}
-    reference = {r.seed: r for r in results[REFERENCE]}
+    reference = {r.seed: r for r in results[ref_name]}
     lines = [
         f"| run | seeds | final train loss | train loss, last {window} steps | final val loss | "
-        f"val gap to {REFERENCE} (same seeds) | inter-node MB per step, rank 0 |",
+        f"val gap to {ref_name} (same seeds) | inter-node MB per step, rank 0 |",
         "|---|---|---|---|---|---|---:|",
     ]
     verdicts = []
     for name, rows in results.items():
         paired = [r.final_val - reference[r.seed].final_val for r in rows if r.seed in reference]
-        gap = "reference" if name == REFERENCE else (f"{statistics.mean(paired):+.4f}" if paired else "n/a")
+        relative = [r.final_val / reference[r.seed].final_val - 1 for r in rows if r.seed in reference]
+        gap = (
+            "reference"
+            if name == ref_name
+            else (f"{statistics.mean(paired):+.4f} ({statistics.mean(relative):+.2%})" if paired else "n/a")
+        )
         lines.append(
             f"| {names[name]} | {','.join(str(r.seed) for r in rows)} | "
             f"{_spread([r.final_train for r in rows])} | {_spread([r.window_train for r in rows])} | "
             f"{_spread([r.final_val for r in rows])} | {gap} | "
             f"{statistics.mean(r.inter_bytes_per_step for r in rows) / 1e6:.3f} |"
         )
-        if name in TARGET_RUNS and paired:
-            mean_gap = statistics.mean(paired)
-            verdict = "meets" if mean_gap <= TARGET_GAP else "misses"
+        if name in experiment.targets and paired:
+            mean_gap, target = statistics.mean(relative), experiment.targets[name]
+            verdict = "meets" if mean_gap <= target else "misses"
             verdicts.append(
-                f"{names[name]}: mean val gap {mean_gap:+.4f} over seeds "
+                f"{names[name]}: mean val gap {mean_gap:+.2%} over seeds "
                 f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
-                f"<= {TARGET_GAP} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})"
+                f"<= {target:.1%} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})"
             )
     return lines + [""] + verdicts, {names[name]: rows for name, rows in results.items()}
 
@@ -170,7 +176,8 @@ def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("directory", help="tools/run_outer_experiment.sh's output directory (runs/outer)")
+    p.add_argument("directory", help="tools/run_outer_experiment.sh's output directory (runs/outer/NAME)")
+    p.add_argument("--experiment", required=True, choices=sorted(EXPERIMENTS), help="the plan the runs follow")
     p.add_argument(
         "--train-window",
         type=int,
@@ -184,10 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.train_window < 1:
         p.error(f"--train-window {ns.train_window}: expected a positive number of steps")
     try:
-        lines, results = report(Path(ns.directory), ns.train_window)
+        experiment = EXPERIMENTS[ns.experiment]
+        lines, results = report(Path(ns.directory), experiment, ns.train_window)
         if ns.plot:
             plot_loss_against_bytes(results, Path(ns.plot))
-            runs = finished_runs(Path(ns.directory))
+            runs = finished_runs(Path(ns.directory), experiment)
             curves = Path(ns.plot).with_name(Path(ns.plot).stem + "_curves.png")
             plot_seed_bands(
                 {name: [read_run(d, name) for d in seeds.values()] for name, seeds in zip(results, runs.values())},

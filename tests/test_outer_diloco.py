@@ -35,7 +35,7 @@ from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.outer.exchange import average_chunks
 from megazpp.outer.fragments import due_fragments
 from megazpp.outer.settings import OuterOptions
-from megazpp.outer.update import merge, outer_update
+from megazpp.outer.update import merge, outer_update, warmed_up
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
@@ -54,11 +54,13 @@ RESUMED = (
     "IIG",
     "GGG/tau1",
     "GGG/int4",
+    "GGG/warm2",
 )  # also saved mid-interval (tau1: an exchange in flight) and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
 FRAGMENTED = ("NNG", "GGG", "IIG")  # also run with 2 fragments (one synced at every step)
 INT4 = ("NNG", "GGG")  # also with int4 outer gradients and error feedback
 OVERLAPPED = ("NNG", "GGG")  # also with 2 fragments whose exchanges overlap one inner step (tau = 1)
+WARMED = ("GGG",)  # also with the outer step ramping from plain averaging over 2 syncs (outer.warmup_syncs)
 WIRE = {"none": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -167,6 +169,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
         + [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED]
         + [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1)) for n in OVERLAPPED]
         + [(f"{n}/int4", n, dataclasses.replace(OUTER, quantize="int4")) for n in INT4]
+        + [(f"{n}/warm2", n, dataclasses.replace(OUTER, warmup_syncs=2)) for n in WARMED]
     ):
         model, engine = _build(topo, island, name, outer)
         steps = _steps(model, engine, topo, range(SAVE_AT))
@@ -200,13 +203,19 @@ def _strategies_rank(ckpt_root: str) -> dict:
 
 
 def _reference(
-    fragments: list[list[str]], quantize: str = "none", tau: int = 0, sync_every: int = H, steps: int = STEPS
+    fragments: list[list[str]],
+    quantize: str = "none",
+    tau: int = 0,
+    sync_every: int = H,
+    steps: int = STEPS,
+    warmup_syncs: int = 0,
 ) -> dict[int, list[float]]:
     """Per global DP rank, its loss at each of `steps` steps: 2 islands as LocalEngines on their
     share of the batch, each fragment (parameter names) exchanged at its steps (every
     `sync_every`, staggered) and applied `tau` steps later (merged with the islands' own
     progress when tau > 0), with DiLoCoEngine's own functions (the pseudo-gradients and their
-    mean rounded to the wire format, as on the wire)."""
+    mean rounded to the wire format, as on the wire; the outer lr and momentum of each
+    fragment's sync ramped over its first `warmup_syncs`)."""
     wire = WIRE[quantize]
     cfg = ModelConfig(**TINY_LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
@@ -217,11 +226,14 @@ def _reference(
     per_island = 4 // ISLANDS
     losses: dict[int, list[float]] = {r: [] for r in range(4)}
     pending: list[tuple[int, int, dict[str, torch.Tensor]]] = []
+    syncs = [0] * len(fragments)
 
     def apply(f: int, pseudos: dict[str, torch.Tensor]) -> None:
+        lr, mu = warmed_up(OUTER.lr, OUTER.momentum, syncs[f], warmup_syncs)
+        syncs[f] += 1
         for name in fragments[f]:
             mean = average_chunks(pseudos[name].to(wire)).to(wire).float()
-            outer_update(snapshot[name], mean, momentum[name], OUTER.lr, OUTER.momentum)
+            outer_update(snapshot[name], mean, momentum[name], lr, mu)
             for ps in params:
                 ps[name].data.copy_(
                     merge(ps[name].detach(), snapshot[name], OUTER.merge_alpha) if tau else snapshot[name]
@@ -254,7 +266,12 @@ def _reference(
 def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
     ranks = run_ranks(_strategies_rank, 4, str(tmp_path), timeout_s=600)
     whole = ranks[0]["runs"]["NNN"]["fragment_names"]
-    references = {"none": _reference(whole), "bf16": _reference(whole, "bf16")}
+    references = {
+        "none": _reference(whole),
+        "bf16": _reference(whole, "bf16"),
+        "warm2": _reference(whole, warmup_syncs=2),
+    }
+    assert references["warm2"] != references["none"]  # the warmup reaches the model
     assert references["bf16"] != references["none"]  # the wire format reaches the model
     for name in FRAGMENTED:  # the buckets (so fragments) differ between p = N and p sharded
         halves = ranks[0]["runs"][f"{name}/frag2"]["fragment_names"]
@@ -314,3 +331,7 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
                     assert s["scalars"]["outer/inter_bytes"] == moved[1]
                 if landed:
                     assert s["scalars"]["outer/pseudo_grad_norm"] > 0 and s["scalars"]["outer/island_divergence"] > 0
+                    if count == 1:  # the logged outer lr and momentum of this sync (the warmup's ramp)
+                        warmup = 2 if name.endswith("/warm2") else 0
+                        lr, mu = warmed_up(OUTER.lr, OUTER.momentum, (t - tau) // H - 1, warmup)
+                        assert (s["scalars"]["outer/lr"], s["scalars"]["outer/momentum"]) == (lr, mu), (where, i)

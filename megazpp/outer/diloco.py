@@ -48,7 +48,7 @@ from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire, padded_size
 from megazpp.outer.fragments import build_fragments, due_fragments, fragment_names, range_indices
 from megazpp.outer.norm_weights import NormWeights
 from megazpp.outer.settings import OuterOptions
-from megazpp.outer.update import merge, outer_update
+from megazpp.outer.update import merge, outer_update, warmed_up
 from megazpp.parallel import comm
 from megazpp.parallel.counter import counter
 from megazpp.parallel.topology import Topology
@@ -94,6 +94,7 @@ class DiLoCoEngine:
         self._shard = inner.shard_map()
         self._norms = NormWeights(self._shard)
         self.fragments = build_fragments(self._shard, options.fragments)
+        self.syncs = [0] * len(self.fragments)  # outer steps applied to each fragment (its warmup)
         self.in_flight: list[Exchange] = []
         self._int4 = (
             Int4Wire(traffic.DEFAULT_BLOCK, inner.shard_layout().zeropp.cpu_kernels, options.error_feedback)
@@ -219,8 +220,13 @@ class DiLoCoEngine:
         vector, so the same bits), its temporaries freed before the next is made."""
         sums = self.snapshot.new_zeros(2)
         masters = self.inner.masters()
+        lr = momentum_factor = 0.0
         for x in exchanges:
             frag = self.fragments[x.fragment]
+            lr, momentum_factor = warmed_up(
+                self.options.lr, self.options.momentum, self.syncs[x.fragment], self.options.warmup_syncs
+            )
+            self.syncs[x.fragment] += 1
             mean = x.mean(self.island.peer_group)
             scratch = torch.empty_like(mean)
             sums += torch.stack(
@@ -231,7 +237,7 @@ class DiLoCoEngine:
             )
             del scratch
             synced, momentum = frag.gather(self.snapshot), frag.gather(self.momentum)
-            outer_update(synced, mean, momentum, self.options.lr, self.options.momentum)
+            outer_update(synced, mean, momentum, lr, momentum_factor)
             frag.scatter(self.snapshot, synced)
             frag.scatter(self.momentum, momentum)
             del mean, momentum
@@ -247,6 +253,8 @@ class DiLoCoEngine:
         return {
             "outer/pseudo_grad_norm": math.sqrt(mean_sq),
             "outer/island_divergence": math.sqrt(max(own_sq - mean_sq, 0.0)),
+            "outer/lr": lr,
+            "outer/momentum": momentum_factor,
         }
 
     # -- accounting ---------------------------------------------------------------------------
@@ -307,6 +315,7 @@ class DiLoCoEngine:
             **self.inner.state_dict(frozen=frozen),
             OUTER_STATE_KEY: {
                 "inner_steps": self.inner_steps,
+                "syncs": list(self.syncs),
                 "islands": self.islands,
                 "sync_every": self.options.sync_every,  # the export note's last syncs
                 "quantize": self.options.quantize,  # the load rules before any rank (checkpoint.resume_check)
@@ -327,6 +336,7 @@ class DiLoCoEngine:
             self.snapshot = self._masters_flat()
             self.momentum = torch.zeros_like(self.snapshot)
             self.inner_steps = self.inner.step_count
+            self.syncs = [0] * len(self.fragments)
             log.warning(
                 "outer: the checkpoint has no outer state (a synchronous run): the first outer "
                 "interval starts at its weights, with zero outer momentum"
@@ -350,6 +360,10 @@ class DiLoCoEngine:
         self.snapshot = saved["snapshot"].to(self.device, copy=True)
         self.momentum = saved["momentum"].to(self.device, copy=True)
         self.inner_steps = int(saved["inner_steps"])
+        # saved before the outer warmup existed: at most one sync per H steps were applied
+        self.syncs = [
+            int(n) for n in saved.get("syncs", [self.inner_steps // self.options.sync_every] * len(self.fragments))
+        ]
         self.in_flight = [Exchange.from_state(x, self.device, self._int4) for x in saved.get("in_flight", [])]
         if self._int4 is not None:
             if len(saved.get("errors", [])) != len(self.fragments):

@@ -37,6 +37,9 @@ class OuterOptions:
     sync_every: int = setting(20, "H: inner steps between outer syncs")
     lr: float = setting(0.7, "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
     momentum: float = setting(0.9, "outer Nesterov momentum")
+    warmup_syncs: int = setting(
+        0, "outer syncs over which the outer step ramps from plain averaging (lr 1, momentum 0) to lr and momentum"
+    )
     fragments: int = setting(1, "streaming: fragments (runs of parameter tensors) synced at staggered steps, at most H")
     overlap_steps: int = setting(0, "streaming: inner steps an outer exchange runs before it is applied (tau, below H)")
     merge_alpha: float = setting(0.5, "with overlap: weight of the island's own parameters when an exchange is applied")
@@ -74,6 +77,8 @@ class OuterOptions:
             )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"outer.momentum = {self.momentum}: expected a value in [0, 1)")
+        if self.warmup_syncs < 0:
+            raise ConfigError(f"outer.warmup_syncs = {self.warmup_syncs}: expected a number of outer syncs >= 0")
         if self.quantize not in QUANTIZE:
             raise ConfigError(f"outer.quantize = {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
         if self.island_nodes < 1:

@@ -15,6 +15,18 @@ def merge(local: torch.Tensor, synced: torch.Tensor, alpha: float) -> torch.Tens
     return local.mul(alpha).add_(synced, alpha=1 - alpha)
 
 
+def warmed_up(lr: float, momentum: float, syncs_done: int, warmup_syncs: int) -> tuple[float, float]:
+    """The outer lr and momentum of a fragment's sync after `syncs_done` earlier ones: over the
+    first `warmup_syncs` they ramp linearly from plain averaging (lr 1, momentum 0) to the set
+    values. Why: from scratch the first pseudo-gradients are large and point the same way, and a
+    momentum of 0.9 sums about ten of them into one step, which overshoots; plain averaging is
+    safe there, and Nesterov helps once the islands' steps are smaller and noisier."""
+    if syncs_done >= warmup_syncs:
+        return lr, momentum
+    t = syncs_done / warmup_syncs
+    return 1.0 + t * (lr - 1.0), t * momentum
+
+
 def outer_update(
     snapshot: torch.Tensor, mean_pseudo_grad: torch.Tensor, momentum_buf: torch.Tensor, lr: float, momentum: float
 ) -> None:

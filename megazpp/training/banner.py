@@ -106,10 +106,11 @@ def _two_level(engine: Engine) -> list[str]:
         )
     else:
         applied = "each exchange applied at once (no overlap)"
+    warmup = f" (reached after {o.warmup_syncs} syncs ramping from plain averaging)" if o.warmup_syncs else ""
     return [
         f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
         f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
-        f"{o.momentum:g}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
+        f"{o.momentum:g}{warmup}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
         f"per rank every {o.sync_every} steps"
     ]
 
