@@ -37,7 +37,6 @@ from megazpp.model.gpt import GPTModel
 from megazpp.model.trainable import apply_trainable
 from megazpp.optim.engine_protocol import Engine
 from megazpp.optim.local_engine import LocalEngine
-from megazpp.outer.diloco import DiLoCoEngine
 from megazpp.parallel.device import rank_device, visible_gpus
 from megazpp.parallel.pipeline import counts_in_norm, forward_backward_1f1b
 from megazpp.parallel.tensor_parallel import model_parallel_seed
@@ -45,6 +44,7 @@ from megazpp.parallel.topology import Topology
 from megazpp.training.banner import banner
 from megazpp.training.forward_backward import forward_backward
 from megazpp.training.logger import TrainingLogger
+from megazpp.training.start_iter import build_islands, check_start, island_switch, planned_iteration
 from megazpp.training.startup import Startup, prepare, read_handoff, replan, torchrun_restart_count
 from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
@@ -77,16 +77,16 @@ def seed_everything(seed: int, topology: Topology) -> None:
     model_parallel_seed(seed, topology.tp_rank, topology.pp_rank)
 
 
-def build_engine(model: GPTModel, topology: Topology, options: RunOptions) -> Engine:
+def build_engine(model: GPTModel, topology: Topology, options: RunOptions, iteration: int = 0) -> Engine:
     """LocalEngine for one model replica (any TP x PP); the ZeRO engine when data parallel or
     when a ZeRO stage / PaRO strategy is asked for (stage 0 over DP > 1 is NNN: plain DDP);
     with two-level training (`options.outer`), the ZeRO engine over each island's DP ranks
-    inside the DiLoCo engine. `options` were checked before any rank started (`startup.prepare`)."""
+    inside the DiLoCo engine, or, for a run starting at `iteration` before `outer.start_iter`,
+    the ZeRO engine over all DP ranks until the trainer's switch (`training/start_iter.py`).
+    `options` were checked before any rank started (`startup.prepare`)."""
     outer = options.outer
-    if outer is not None:
-        island = topology.island_view(outer.island_nodes)
-        inner = build_zero_engine(model, options, island, counts_in_norm=counts_in_norm(model, island))
-        return DiLoCoEngine(inner, outer, island)
+    if outer is not None and iteration >= outer.start_iter:
+        return build_islands(model, options, topology)
     if options.uses_zero_engine:
         return build_zero_engine(model, options, topology, counts_in_norm=counts_in_norm(model, topology))
     group = topology.model_parallel_group
@@ -176,8 +176,9 @@ def _train_holding_save(
     )
     model = build_model(cfg, topology, device)
     checkpoints.load_base(model)  # before the engine: it copies the weights into its masters
-    engine = build_engine(model, topology, start.options)
+    engine = build_engine(model, topology, start.options, planned_iteration(start.load))
     loaded = checkpoints.load(model, engine)
+    check_start(start.options, engine, loaded)
     tokens_per_step = global_batch * cfg.model.seq_length
     logger = TrainingLogger(
         enabled=topology.is_last_stage and topology.tp_rank == 0 and topology.dp_rank == 0,
@@ -204,7 +205,9 @@ def _train_holding_save(
         device,
         forward_backward_fn=pick_schedule(cfg, topology),
         checkpoints=checkpoints,
+        switch=island_switch(model, start.options, topology, engine),
     )
+    del engine  # the trainer's from here: replaced at outer.start_iter, the synchronous one then freed
     if loaded is not None and not loaded.weights_only:
         trainer.resume(loaded)
     started = checkpoints.start_line(loaded, trainer.iteration)
@@ -212,7 +215,7 @@ def _train_holding_save(
         logger.info(started)
     try:
         history = trainer.train()
-        engine.close()  # collective: what is in flight is finished, the model unhooked
+        trainer.engine.close()  # collective: what is in flight is finished, the model unhooked
         return history
     finally:
         logger.close()  # joins TensorBoard's writer thread

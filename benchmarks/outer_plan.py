@@ -10,6 +10,7 @@ Every run of an experiment reads the same global batches (an island takes its sh
 so runs of one seed are at equal tokens. Seed 4 is the tuning seed: no reported run uses it.
 Run names say their settings: hN (H = N), int4 / noef (the wire, without error feedback), lrN
 (inner lr N e-3), olrNN / omNN (outer lr / momentum N.N), warmN (outer warmup over N syncs),
+desAB (AdamW's first moment averaged across islands every A syncs, the second every B),
 sync (no islands); tests/test_bench_outer_sweep.py holds every name to its flags.
 
     python -m benchmarks.outer_plan queue NAME   # "seed run flags..." per line, in priority order
@@ -87,6 +88,9 @@ LOCO600 = Experiment(
     + _queue((1,), ("h1_diloco", "h10_diloco", "h25_diloco")),
 )
 
+_DES36 = ("--outer-exp-avg-every", "3", "--outer-exp-avg-sq-every", "6")
+_DES11 = ("--outer-exp-avg-every", "1", "--outer-exp-avg-sq-every", "1")
+
 # Issue 37: the outer defaults a user's first try gets (`--outer-algorithm diloco` and nothing
 # else: H 20, no wire compression), from scratch on the 600-step schedule. Candidates on the
 # tuning seed; then the defaults and the best candidate on seeds 1-3.
@@ -103,8 +107,18 @@ DEFAULTS600 = Experiment(
         "olr05": (*DILOCO, "--outer-lr", "0.5"),
         "olr05_warm10": (*DILOCO, "--outer-lr", "0.5", "--outer-warmup-syncs", "10"),
         "olr10_om05": (*DILOCO, "--outer-lr", "1.0", "--outer-momentum", "0.5"),
+        # Nesterov 0.9 moves lr (1 + 0.9 / 0.1) = 10 lr times the mean pseudo-gradient once its
+        # buffer is full: lr 0.1-0.3 keeps that near plain averaging's 1 while smoothing over syncs
+        "olr02_warm10": (*DILOCO, "--outer-lr", "0.2", "--outer-warmup-syncs", "10"),
+        "olr03_warm10": (*DILOCO, "--outer-lr", "0.3", "--outer-warmup-syncs", "10"),
+        # AdamW's moments averaged across islands (DES-LOC's periods: first every 3 syncs, second
+        # every 6; and both at every sync)
+        "plain_des36": (*DILOCO, *PLAIN, *_DES36),
+        "plain_des11": (*DILOCO, *PLAIN, *_DES11),
+        "warm10_des36": (*DILOCO, "--outer-warmup-syncs", "10", *_DES36),
     },
-    _queue((TUNING_SEED,), (REFERENCE, "defaults", "plain", "warm10", "olr05_warm10", "warm5", "olr05", "olr10_om05")),
+    _queue((TUNING_SEED,), (REFERENCE, "defaults", "plain", "warm10", "olr05_warm10", "warm5", "olr05", "olr10_om05"))
+    + _queue((TUNING_SEED,), ("plain_des36", "plain_des11", "warm10_des36", "olr02_warm10", "olr03_warm10")),
 )
 
 # Issue 37's experiment in the method's regime: 3000 steps (the synchronous loss flattens; H 10

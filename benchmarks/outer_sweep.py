@@ -53,6 +53,8 @@ def describe(name: str, config: JSONObject | None) -> str:
         else (" + error feedback" if outer["error_feedback"] else ", no error feedback")
     )
     warmup = f", warmup {outer['warmup_syncs']} syncs" if outer.get("warmup_syncs") else ""
+    if outer.get("exp_avg_every") or outer.get("exp_avg_sq_every"):
+        warmup += f", moments averaged every {outer.get('exp_avg_every', 0)}/{outer.get('exp_avg_sq_every', 0)} syncs"
     lr = config.get("optimizer", {}).get("lr")
     return (
         f"H = {outer['sync_every']}, {outer['quantize']}{feedback}, outer lr {outer['lr']:g} "

@@ -15,6 +15,11 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
+from megazpp.model.config import ModelConfig
+from megazpp.model.gpt import GPTModel
+from megazpp.optim.engine_protocol import Engine
 from megazpp.zero.zeropp import ZeroPP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +71,13 @@ TINY_MODEL_FLAGS = [
 
 # No evaluation and a log line only every 100 steps: for runs whose console the test does not read.
 QUIET_FLAGS = ["--eval-iters", "0", "--log-interval", "100"]
+
+
+def short_run_flags(steps: int) -> list[str]:
+    """A short two-level end-to-end run's schedule: a global batch of 8, lr 1e-2 after one warmup
+    step, `steps` steps, no evaluation, quiet logging, seed 5."""
+    schedule = "--global-batch-size 8 --lr 1e-2 --lr-warmup-iters 1 --eval-iters 0 --log-interval 100 --seed 5"
+    return [*schedule.split(), "--train-iters", str(steps)]
 
 
 def data_flags(prefix: str | os.PathLike, tokenizer: str | os.PathLike) -> list[str]:
@@ -220,3 +232,39 @@ def zero_keys(zeropp: ZeroPP) -> dict[str, object]:
     """`zeropp` as the `zero` section's keys (each ZeroPP field names its key), so a test that
     shares one ZeroPP between engines builds their `ZeroOptions` from it."""
     return {f.metadata["key"]: getattr(zeropp, f.name) for f in dataclasses.fields(zeropp)}
+
+
+def state_differences(a: object, b: object, where: str) -> list[str]:
+    """Where two saved states differ (tensors bit for bit, with their dtypes): empty when equal."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [d for k in a for d in state_differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [where]
+
+
+def step_batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of 2 samples for one DP rank's micro-batch of one step, seeded by all three."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def train_losses(model: GPTModel, engine: Engine, dp_rank: int, steps: range, micro_batches: int) -> list[float]:
+    """Train `steps` steps of this DP rank's `step_batch`es (`micro_batches` accumulated per step)
+    through `engine`; its loss at each step."""
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(micro_batches):
+            loss = model(*step_batch(model.cfg, dp_rank, micro, step)).mean() / micro_batches
+            engine.scale_loss(loss).backward()
+            total += loss.item()
+        engine.step()
+        losses.append(total)
+    return losses

@@ -66,10 +66,12 @@ RUNS: dict[str, tuple[str, ZeroPP, OuterOptions | None]] = {
         ZeroPP(),
         dataclasses.replace(OUTER, quantize="int4", fragments=2, overlap_steps=1),
     ),
-    "zero3/bf16/frag3/tau2": (
+    "zero3/bf16/frag3/tau2/moments": (  # the inner moments averaged: their exchanges' buffers too
         "GGG",
         ZeroPP(),
-        dataclasses.replace(OUTER, quantize="bf16", sync_every=3, fragments=3, overlap_steps=2),
+        dataclasses.replace(
+            OUTER, quantize="bf16", sync_every=3, fragments=3, overlap_steps=2, exp_avg_every=1, exp_avg_sq_every=1
+        ),
     ),
 }
 

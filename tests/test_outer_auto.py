@@ -11,6 +11,7 @@ import re
 import pretrain_gpt
 from megazpp.config.checks import resolve_outer
 from megazpp.config.load import load_config
+from megazpp.config.schema import Config
 from megazpp.launch.local_ranks import run_ranks
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.plan import plan
@@ -65,14 +66,10 @@ def _job(args: list[str]) -> dict:
     return {"losses": history.losses, "log": records}
 
 
-def _expected(args: list[str]) -> str:
-    """The planner's own recommendation for the island, from the inputs the ranks use."""
-    cfg = load_config(args)
-    outer = resolve_outer(cfg, 4, 2)
-    workload = workload_of_config(cfg)
-    shapes = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)
+def _cluster(cfg: Config) -> Cluster:
+    """The 2 nodes x 2 ranks at the `planner` section's rates, as the ranks see them."""
     p = cfg.planner
-    whole = Cluster(
+    return Cluster(
         nodes=2,
         gpus_per_node=2,
         memory_bytes=p.accelerator_memory_gib * GIB,
@@ -86,6 +83,15 @@ def _expected(args: list[str]) -> str:
         backend="gloo",
         overlap=False,
     )
+
+
+def _expected(args: list[str]) -> str:
+    """The planner's own recommendation for the island, from the inputs the ranks use."""
+    cfg = load_config(args)
+    outer = resolve_outer(cfg, 4, 2)
+    workload = workload_of_config(cfg)
+    shapes = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)
+    whole = _cluster(cfg)
     island = plan_island(shapes, workload, whole, OuterChoice.of(outer), fixed_zeropp=ZeroPP())
     assert island.choice is not None and island.runner_up is not None
     # the outer traffic decides: the island's synchronous plan alone would pick another strategy
@@ -104,3 +110,22 @@ def test_auto_with_islands_runs_the_planners_choice(tiny_indexed_prefix, tiny_to
     assert "priced as the two-level job" in ranks[0]["log"][0] and "**<-**" in ranks[0]["log"][0]
     assert sorted(ranks[0]["losses"]) == [1, 2, 3, 4]
     assert all(loss == loss for loss in ranks[0]["losses"].values())  # trained, no NaN
+
+
+def test_auto_with_a_synchronous_start_plans_each_phase(tiny_indexed_prefix, tiny_tokenizer_model, tmp_path):
+    """With `outer.start_iter` the first steps run the strategy the planner recommends for the
+    synchronous job over all 4 DP ranks, and from the switch the islands run the one it recommends
+    for the two-level job (the same as from the start): auto plans each phase as what it is."""
+    args = common_args(str(tiny_indexed_prefix), str(tiny_tokenizer_model)) + ["--config", _yaml(tmp_path)] + FLAGS
+    args += ["--outer-start-iter", "2"]
+    ranks = run_ranks(_job, 4, args, timeout_s=300)
+    cfg = load_config(args)
+    workload = workload_of_config(cfg)
+    shapes = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)
+    whole = _cluster(cfg)
+    synchronous = plan(shapes, workload, whole, fixed_zeropp=ZeroPP()).choice.option.strategy.name
+    log = ranks[0]["log"]
+    planned = [m.group(1) for m in (re.search(r"paro_strategy auto -> (\w+) \(runner-up", line) for line in log) if m]
+    islands = [m.group(1) for m in (re.search(r"auto with islands -> (\w+) in each", line) for line in log) if m]
+    assert planned == [synchronous] and islands == [_expected(args)], log
+    assert sorted(ranks[0]["losses"]) == [1, 2, 3, 4]

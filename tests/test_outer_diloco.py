@@ -14,7 +14,11 @@ error feedback (within 5e-2 of the fp32 reference: 7 levels a side per block of 
 outer step by up to absmax / 14 an element; one resumed bit for bit, error buffers included), three with two streaming
 fragments (whole buckets, one synced at every step; the reference syncs the same parameters),
 two with those exchanges overlapping one inner step and merged with Streaming DiLoCo's mixing
-(one saved with an exchange in flight and resumed bit for bit).
+(one saved with an exchange in flight and resumed bit for bit). Three average AdamW's moments
+across islands (the first at every sync of a fragment, the second at every other; fp32, bf16, and
+two fragments overlapping one step, resumed bit for bit) against the reference averaging them at
+the same syncs, their bytes and calls (`outer/moments`) equal to the formula; after a direct
+averaging of every fragment's moments the islands hold the same bits, the mean of theirs.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ RESUMED = (
     "IIG",
     "GGG/tau1",
     "GGG/int4",
+    "GGG/moments-tau1",
     "GGG/warm2",
 )  # also saved mid-interval (tau1: an exchange in flight) and resumed
 BF16 = ("NNG", "GGG")  # also run with bf16 outer gradients
@@ -62,6 +67,13 @@ INT4 = ("NNG", "GGG")  # also with int4 outer gradients and error feedback
 OVERLAPPED = ("NNG", "GGG")  # also with 2 fragments whose exchanges overlap one inner step (tau = 1)
 WARMED = ("GGG",)  # also with the outer step ramping from plain averaging over 2 syncs (outer.warmup_syncs)
 WIRE = {"none": torch.float32, "bf16": torch.bfloat16}
+MOMENT_EVERY = {"exp_avg": 1, "exp_avg_sq": 2}  # what the runs below average, every how many syncs
+# also with the inner moments averaged across islands (MOMENT_EVERY), and these outer settings
+MOMENTS = {
+    "IIG/moments": {},
+    "NNG/moments-bf16": {"quantize": "bf16"},
+    "GGG/moments-tau1": {"fragments": 2, "overlap_steps": 1},
+}
 
 
 def _batch(cfg: ModelConfig, dp_rank: int, micro: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +116,7 @@ def _steps(model: GPTModel, engine: DiLoCoEngine, topo: Topology, steps: range) 
                 "inner": summed(("zero/", "train/grad_norm")),
                 "sync": summed(("outer/sync",)),
                 "stats": summed(("outer/stats",)),
+                "moments": summed(("outer/moments",)),
                 "snapshot": engine.snapshot.clone(),
             }
         )
@@ -149,11 +162,43 @@ def _moments_as_saved(inner: ZeroEngine) -> bool:
         return False
     for moment, master, place in zip(moments, masters, places):
         saved = state["optimizer"]["state"].get(slot_of.get(place, -1))
-        if moment is None or saved is None or moment[0].shape != master.shape:
+        if saved is None or sorted(moment) != ["exp_avg", "exp_avg_sq"]:
             return False  # every master has taken steps by now
-        if not (torch.equal(moment[0], saved["exp_avg"]) and torch.equal(moment[1], saved["exp_avg_sq"])):
+        if not all(t.shape == master.shape and torch.equal(t, saved[k]) for k, t in moment.items()):
             return False
     return True
+
+
+def _sync_number(t: int, sync_every: int, count: int, fragment: int) -> int:
+    """Which sync of `fragment` (of `count`) the one due after inner step t is: the steps up to
+    t at which it is due, the moments' schedule (`outer.exp_avg_every`)."""
+    return sum(fragment in due_fragments(s, sync_every, count) for s in range(1, t + 1))
+
+
+def _averaged_moments(engine: DiLoCoEngine, island: Topology) -> dict[str, bool]:
+    """Average every fragment's moments now (as a sync does) and compare with the islands'
+    moments before: every island holds the same bits after, their mean (fp32: (a + b) / 2 is
+    one rounding, so exact; bf16: the mean of the values rounded to bf16, rounded again, so
+    within 2^-7 of the larger)."""
+    names = list(MOMENT_EVERY)
+
+    def flat() -> dict[str, torch.Tensor]:
+        moments = engine.inner.moments()
+        return {k: torch.cat([m[k].reshape(-1) for m in moments]) for k in names}
+
+    before = comm.all_gather_object(flat(), group=island.peer_group, tag="test/peers")
+    for f in range(len(engine.fragments)):
+        engine.average_moments(f, names)
+    after = flat()
+    peers = comm.all_gather_object(after, group=island.peer_group, tag="test/peers")
+    out = {}
+    for k in names:
+        both = torch.stack([b[k] for b in before])
+        bound = 0.0 if engine.options.quantize == "none" else 2.0**-7
+        out[f"{k}_equal"] = all(torch.equal(p[k], after[k]) for p in peers)
+        out[f"{k}_mean"] = bool(((after[k] - both.mean(dim=0)).abs() <= bound * both.abs().amax(dim=0)).all())
+        out[f"{k}_moved"] = not torch.equal(before[0][k], before[-1][k])  # the islands' moments differed
+    return out
 
 
 def _strategies_rank(ckpt_root: str) -> dict:
@@ -169,6 +214,10 @@ def _strategies_rank(ckpt_root: str) -> dict:
         + [(f"{n}/frag2", n, dataclasses.replace(OUTER, fragments=2)) for n in FRAGMENTED]
         + [(f"{n}/tau1", n, dataclasses.replace(OUTER, fragments=2, overlap_steps=1)) for n in OVERLAPPED]
         + [(f"{n}/int4", n, dataclasses.replace(OUTER, quantize="int4")) for n in INT4]
+        + [
+            (label, label.split("/")[0], dataclasses.replace(OUTER, exp_avg_every=1, exp_avg_sq_every=2, **extra))
+            for label, extra in MOMENTS.items()
+        ]
         + [(f"{n}/warm2", n, dataclasses.replace(OUTER, warmup_syncs=2)) for n in WARMED]
     ):
         model, engine = _build(topo, island, name, outer)
@@ -183,6 +232,7 @@ def _strategies_rank(ckpt_root: str) -> dict:
             "moments_as_saved": _moments_as_saved(engine.inner),
             "fragment_names": engine.fragment_names(),
             "fragment_bytes": [engine.expected_sync_bytes([f]) for f in range(len(engine.fragments))],
+            "moment_bytes": [engine.expected_moment_bytes(f) for f in range(len(engine.fragments))],
         }
         if label in RESUMED:
             save_checkpoint(f"{ckpt_root}/{name}", SAVE_AT, {"iteration": SAVE_AT, "engine": engine.state_dict()}, topo)
@@ -197,6 +247,8 @@ def _strategies_rank(ckpt_root: str) -> dict:
         peers = comm.all_gather_object(engine.snapshot, group=island.peer_group, tag="test/peers")
         run["islands_equal"] = all(torch.equal(peers[0], p) for p in peers)
         run["errors_nonzero"] = all(bool(t.abs().sum() > 0) for pair in engine.errors for t in pair)
+        if label in MOMENTS:
+            run["moments_averaged"] = _averaged_moments(engine, island)
         run["steps"] = [{k: v for k, v in s.items() if k != "snapshot"} for s in steps]
         report["runs"][label] = run
     return report
@@ -208,6 +260,7 @@ def _reference(
     tau: int = 0,
     sync_every: int = H,
     steps: int = STEPS,
+    moments: dict[str, int] | None = None,
     warmup_syncs: int = 0,
 ) -> dict[int, list[float]]:
     """Per global DP rank, its loss at each of `steps` steps: 2 islands as LocalEngines on their
@@ -215,7 +268,8 @@ def _reference(
     `sync_every`, staggered) and applied `tau` steps later (merged with the islands' own
     progress when tau > 0), with DiLoCoEngine's own functions (the pseudo-gradients and their
     mean rounded to the wire format, as on the wire; the outer lr and momentum of each
-    fragment's sync ramped over its first `warmup_syncs`)."""
+    fragment's sync ramped over its first `warmup_syncs`). `moments`: AdamW's state averaged
+    over the islands at every k-th sync of a fragment, when it is due (in the moments' wire)."""
     wire = WIRE[quantize]
     cfg = ModelConfig(**TINY_LLAMA)
     models = [GPTModel(cfg) for _ in range(ISLANDS)]
@@ -255,6 +309,14 @@ def _reference(
             apply(f, pseudos)
         pending = [p for p in pending if p[0] != t]
         for f in due_fragments(t, sync_every, len(fragments)):
+            k = _sync_number(t, sync_every, len(fragments), f)
+            for key in [key for key, every in (moments or {}).items() if k % every == 0]:
+                mwire = WIRE[outer_traffic.moment_wire(quantize)]
+                for name in fragments[f]:
+                    held = [e.optimizer.state[ps[name]][key] for e, ps in zip(engines, params)]
+                    mean = average_chunks(torch.stack(held).to(mwire)).to(mwire).float()
+                    for t_ in held:
+                        t_.copy_(mean)
             pseudos = {n: torch.stack([snapshot[n] - ps[n].detach() for ps in params]) for n in fragments[f]}
             if tau:
                 pending.append((t + tau, f, pseudos))
@@ -281,6 +343,11 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
         if name in OVERLAPPED:
             references[f"{name}/tau1"] = _reference(halves, tau=1)
             assert references[f"{name}/tau1"] != references[f"{name}/frag2"]
+    for label, extra in MOMENTS.items():  # against the same outer step with each island's moments kept
+        names, quantize = ranks[0]["runs"][label]["fragment_names"], extra.get("quantize", "none")
+        references[label] = _reference(names, quantize, extra.get("overlap_steps", 0), moments=MOMENT_EVERY)
+        kept = references[quantize if len(names) == 1 else f"{label.split('/')[0]}/tau1"]
+        assert references[label] != kept, label
     for rank, report in enumerate(ranks):
         dp_rank = rank  # tp = pp = 1: the global DP rank is the rank
         for name, run in report["runs"].items():
@@ -288,10 +355,10 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             losses = [s["loss"] for s in run["steps"]]
             # bf16: a pseudo-gradient differing by fp32 reduction order may round to the next
             # bf16 value (a relative 2^-8 of that element), so the bound is looser
-            bound = {"bf16": 1e-3, "int4": 5e-2}.get(name.split("/")[-1], 1e-5)
+            bound = {"bf16": 1e-3, "int4": 5e-2}.get(name.split("-")[-1].split("/")[-1], 1e-5)
             kind = (
                 name
-                if name.endswith(("/frag2", "/tau1"))
+                if name.endswith(("/frag2", "/tau1")) or name in MOMENTS
                 else "none"
                 if name.endswith("/int4")
                 else name.split("/")[1]
@@ -300,12 +367,16 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
             )
             if name.endswith("/int4"):  # the int4 wire reaches the model, with its error fed back
                 assert losses[-1] != references["none"][dp_rank][-1] and run["errors_nonzero"], where
-            tau = 1 if name.endswith("/tau1") else 0
+            tau = 1 if name.endswith("tau1") else 0
             assert run["fragment_names"] == ranks[0]["runs"][name]["fragment_names"], where  # same on every rank
             assert losses == pytest.approx(references[kind][dp_rank], abs=bound), where
             assert run["islands_equal"], where
             assert run["held"] == run["expected"], where
             assert run["moments_as_saved"], where
+            if name in MOMENTS:
+                done = run["moments_averaged"]
+                assert done["exp_avg_sq_moved"], where  # the islands' second moments differed before
+                assert all(done[f"{k}_{c}"] for k in MOMENT_EVERY for c in ("equal", "mean")), where
             if name in RESUMED:
                 assert run["resumed"], where
             intra, inter, calls = run["inner_predicted"]
@@ -326,9 +397,19 @@ def test_diloco_every_strategy_matches_reference_and_formulas(tmp_path):
                 assert s["inner"] == (intra + extra[0], inter + extra[1], calls + extra[2]), (where, i)
                 moved = tuple(sum(run["fragment_bytes"][f][k] // 2 for f in halves_now) for k in (0, 1))
                 assert s["sync"] == ((*moved, len(halves_now)) if halves_now else (0, 0, 0)), (where, i)
+                # each moment due at a fragment's k-th sync: one exchange of its own, blocking
+                averaged = [
+                    f
+                    for f in due
+                    for every in (MOMENT_EVERY.values() if name in MOMENTS else ())
+                    if _sync_number(t, H, count, f) % every == 0
+                ]
+                moments = tuple(sum(run["moment_bytes"][f][k] for f in averaged) for k in (0, 1))
+                assert s["moments"] == (*moments, 2 * len(averaged)), (where, i)
                 assert s["stats"] == ((*run["stats_predicted"], 1) if landed else (0, 0, 0)), (where, i)
                 if halves_now:
-                    assert s["scalars"]["outer/inter_bytes"] == moved[1]
+                    assert s["scalars"]["outer/inter_bytes"] == moved[1] + moments[1], (where, i)
+                    assert s["scalars"].get("outer/moments_inter_bytes") == (moments[1] if name in MOMENTS else None)
                 if landed:
                     assert s["scalars"]["outer/pseudo_grad_norm"] > 0 and s["scalars"]["outer/island_divergence"] > 0
                     if count == 1:  # the logged outer lr and momentum of this sync (the warmup's ramp)

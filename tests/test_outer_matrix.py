@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY_MODEL_FLAGS, data_flags
+from support import TINY_MODEL_FLAGS, data_flags, short_run_flags, state_differences
 
 import pretrain_gpt
 from megazpp.launch.local_ranks import run_ranks, scoped_groups
@@ -132,20 +132,7 @@ def _argv(prefix: str, tokenizer: str, combo: Combo, save: Path, *extra: str) ->
         *TINY_MODEL_FLAGS,
         "--num-layers",
         "4",
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        str(STEPS),
-        "--lr-warmup-iters",
-        "1",
-        "--eval-iters",
-        "0",
-        "--log-interval",
-        "100",
-        "--seed",
-        "5",
+        *short_run_flags(STEPS),
         *combo.flags(),
         "--save",
         str(save),
@@ -201,20 +188,6 @@ def _spawn(args: tuple[str, str, str], combos: list[Combo], part: str) -> tuple[
     return per_rank, failures
 
 
-def _equal(a: object, b: object, where: str) -> list[str]:
-    """Where two saved states differ (tensors bit for bit, with their dtypes)."""
-    if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [where]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [d for k in a for d in _equal(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _equal(x, y, f"{where}[{i}]")]
-    return [] if a == b else [where]
-
-
 def _same_float(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -260,7 +233,7 @@ def _check(combo: Combo, matrix_results: dict) -> None:
     for name in files:
         states[name] = torch.load(a / name, map_location="cpu", weights_only=True)
         again = torch.load(b / name, map_location="cpu", weights_only=True)
-        assert _equal(states[name], again, name) == []
+        assert state_differences(states[name], again, name) == []
     # rank files are named by global DP rank, the islands' blocks in order: DP rank d of
     # island 0 holds the same shard as d + dp / 2 of island 1, synced to the same snapshot
     dp = json.loads((a / "metadata.json").read_text())["dp"]

@@ -44,12 +44,18 @@ def test_flags_resolve_to_options():
         algorithm="diloco", sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2
     )
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
+    moments = _outer(["--outer-algorithm", "diloco", "--outer-exp-avg-every", "3", "--outer-exp-avg-sq-every", "6"])
+    assert moments.averaged_state == {"exp_avg": 3, "exp_avg_sq": 6}
+    assert _outer(["--outer-algorithm", "diloco"]).averaged_state == {"exp_avg": 0, "exp_avg_sq": 0}  # DiLoCo's
     assert not _outer(
         ["--outer-algorithm", "diloco", "--outer-quantize", "int4", "--no-outer-error-feedback"]
     ).error_feedback
     # auto with islands: accepted here, the island's strategy is chosen once the ranks probed their links
     # (tests/test_outer_auto.py runs it)
     assert _outer(["--outer-algorithm", "diloco", "--paro-strategy", "auto"]).island_nodes == 1
+    # islands from 7, H = 4: the first sync lands at 8, the run's last step
+    late = ["--outer-algorithm", "diloco", "--train-iters", "8", "--outer-sync-every", "4", "--outer-start-iter", "7"]
+    assert _outer(late).start_iter == 7
 
 
 @pytest.mark.parametrize(
@@ -82,6 +88,33 @@ def test_flags_resolve_to_options():
             "outer.merge_alpha = 1.5",
         ),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
+        (["--outer-algorithm", "diloco", "--outer-exp-avg-every", "-1"], 4, 2, "outer.exp_avg_every = -1: expected 0"),
+        (["--outer-algorithm", "diloco", "--outer-exp-avg-sq-every", "-3"], 4, 2, "outer.exp_avg_sq_every = -3"),
+        (["--outer-exp-avg-every", "3"], 4, 2, "outer.exp_avg_every = 3 is set but outer.algorithm is none"),
+        (["--outer-start-iter", "5"], 4, 2, "outer.start_iter = 5 is set but outer.algorithm is none"),
+        (["--outer-algorithm", "diloco", "--outer-start-iter", "-1"], 4, 2, "outer.start_iter = -1: expected"),
+        (
+            ["--outer-algorithm", "diloco", "--train-iters", "10", "--outer-start-iter", "10"],
+            4,
+            2,
+            "outer.start_iter = 10 with training.train_iters = 10: the islands would start after the run's last "
+            "step, so it would train synchronously throughout: give outer.start_iter below 10",
+        ),
+        (  # islands from 8, H = 4: the first sync at 12
+            ["--outer-algorithm", "diloco", "--train-iters", "10", "--outer-sync-every", "4"]
+            + ["--outer-start-iter", "8"],
+            4,
+            2,
+            "outer.start_iter = 8, outer.sync_every = 4 with training.train_iters = 10: the islands start at 8 and "
+            "their first outer sync (at the multiples of H, plus outer.overlap_steps 0) would land at 12, past",
+        ),
+        (  # ... at 8, landing one step later
+            ["--outer-algorithm", "diloco", "--train-iters", "8", "--outer-sync-every", "4", "--outer-start-iter", "4"]
+            + ["--outer-overlap-steps", "1"],
+            4,
+            2,
+            "would land at 9, past the run's end",
+        ),
         (
             ["--outer-algorithm", "diloco", "--outer-quantize", "bf16", "--no-outer-error-feedback"],
             4,
@@ -93,6 +126,19 @@ def test_flags_resolve_to_options():
             4,
             2,
             "a pipeline stage holds 2 layer(s)",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--outer-exp-avg-every", "3"],
+            4,
+            2,
+            "outer.exp_avg_every = 3: the inner optimizer (sgd) keeps no exp_avg (its state: momentum_buffer)",
+        ),
+        (
+            ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--sgd-momentum", "0"]
+            + ["--outer-exp-avg-sq-every", "6"],
+            4,
+            2,
+            "keeps no exp_avg_sq (its state: none)",
         ),
         (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),

@@ -40,6 +40,22 @@ def test_per_step_amortises_and_staggers():
     assert traffic.per_step([400], 2, "none", sync_every=8).peak_inter == whole
 
 
+def test_moments_cross_in_fp32_or_bf16_and_amortise_over_their_period():
+    # never int4: the second moment's blocks would lose most of their values (traffic.moment_wire)
+    assert [traffic.moment_wire(q) for q in traffic.QUANTIZE] == ["none", "bf16", "bf16"]
+    assert traffic.moment_sync_bytes(1000, 2, "none") == (0, 2 * 500 * 4)
+    assert traffic.moment_sync_bytes(1000, 2, "int4") == (0, 2 * 500 * 2)
+    # padded 1000 fp32 + sent / received / gathered in bf16, and the fp32 mean written back
+    assert traffic.moment_peak_bytes(1000, 2, "int4") == 4 * 1000 + 3 * 2 * 1000 + 4 * 1000
+    frags, h = [100, 100], 4
+    plain = traffic.per_step(frags, 2, "bf16", sync_every=h)
+    t = traffic.per_step(frags, 2, "bf16", sync_every=h, moment_every=(3, 6))  # DES-LOC's periods
+    moment = traffic.moment_sync_bytes(100, 2, "bf16")[1]
+    assert t.mean_inter == pytest.approx(plain.mean_inter + 2 * moment * (1 / 3 + 1 / 6) / h)
+    assert t.peak_inter == plain.peak_inter + 2 * moment  # a sync where both moments fall (the 6th)
+    assert t.calls_per_interval == pytest.approx(4 * (1 + 1 / 3 + 1 / 6))
+
+
 def test_stats_and_refusals():
     assert traffic.stats_bytes(GroupShape(4, 1, 2)) == (2 * 8 * 1 // 4, 2 * 8 * 2 // 4)
     with pytest.raises(ValueError, match="quantize 'int8'"):

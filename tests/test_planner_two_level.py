@@ -14,6 +14,7 @@ import pytest
 
 from megazpp.model.config import ModelConfig
 from megazpp.outer import traffic as outer_traffic
+from megazpp.outer.settings import OuterOptions
 from megazpp.planner.cluster import ACCELERATORS, GIB, Cluster, gbit
 from megazpp.planner.cost import layout, stage_padded
 from megazpp.planner.plan import plan
@@ -105,6 +106,42 @@ def test_outer_bytes_state_and_exposed_time_follow_the_formulas(quantize):
             hidden = max(sum(max(0.0, x - free) for x in t) / 10, sum(t) / 10 - free)
             assert outer.exposed_s == pytest.approx(hidden + republish)
         assert row.step_s == pytest.approx(stage.step_s + outer.exposed_s)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_averaged_moments_add_their_bytes_blocking_time_and_peak(quantize):
+    """The inner moments averaged every 3rd and 6th sync (DES-LOC's periods) add their exchanges
+    amortised over the period to the bytes, their whole link time (blocking, whatever tau) to
+    the exposed time, and a moment's averaging to the peak where it is the larger."""
+    cluster, workload = _cluster(1.0), _job()
+    shapes = shapes_of_config(SMALL, bucket_numel=workload.bucket_numel)
+    job, island, islands = island_job(workload, cluster, 1)
+    inner = plan(shapes, job, island).choice
+    opt, lay = inner.option, layout(job, island, inner.option.zeropp.hpz)
+    div = level_div(opt.strategy.optimizer_state, lay.dp_size, lay.group_size)
+    tensors = [n for group in shapes[0].group_tensors(opt.strategy) for n, _ in group]
+    frags = [n // div for n in fragment_numels(tensors, 2)]
+    options = OuterOptions(algorithm="diloco", sync_every=10, fragments=2, overlap_steps=1, quantize=quantize)
+    every = dataclasses.replace(options, exp_avg_every=3, exp_avg_sq_every=6)
+    assert OuterChoice.of(options).moment_every == () and OuterChoice.of(every).moment_every == (3, 6)
+    kept, averaged = (
+        predict_two_level(OuterChoice.of(o), inner, shapes, workload, cluster).stages[0] for o in (options, every)
+    )
+    assert averaged.traffic == outer_traffic.per_step(frags, islands, quantize, 10, moment_every=(3, 6))
+    per_rank = cluster.inter_bw / cluster.gpus_per_node
+    link = sum(
+        (
+            2 * (islands - 1) * cluster.inter_latency
+            + outer_traffic.moment_sync_bytes(n, islands, quantize)[1] / per_rank
+        )
+        / k
+        for n in frags
+        for k in (3, 6)
+    )
+    assert averaged.exposed_s == pytest.approx(kept.exposed_s + link / 10)
+    sync_peak = max(outer_traffic.sync_peak_bytes(n, islands, quantize) for n in frags)
+    moment_peak = max(outer_traffic.moment_peak_bytes(n, islands, quantize) for n in frags)
+    assert averaged.state_bytes == kept.state_bytes - sync_peak + max(sync_peak, moment_peak)
 
 
 def test_recommendation_takes_the_smallest_h_within_the_budget_then_least_compression():

@@ -41,6 +41,14 @@ CHECKSUMS_KEY = "checksums"  # metadata.json: rank file name -> "sha256:<hex>"
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # a checkpoint directory's name
 
 
+def is_two_level(meta: JSONObject) -> bool:
+    """Whether a run's checkpoint (its `metadata.json`) holds the islands' state: saved by a
+    two-level run at or after its `outer.start_iter` (before it, the run was synchronous and so
+    is its checkpoint: `training/start_iter.py`)."""
+    outer = (meta.get(CONFIG_KEY) or {}).get("outer") or {}
+    return outer.get("algorithm", "none") != "none" and int(meta.get("iteration", 0)) >= int(outer.get("start_iter", 0))
+
+
 def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 

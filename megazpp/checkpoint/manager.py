@@ -42,6 +42,7 @@ from megazpp.checkpoint.format import (
     MODEL_CONFIG_KEY,
     WEIGHTS_ONLY_KEY,
     LoadedCheckpoint,
+    is_two_level,
     is_weights_only,
     latest_checkpoint,
     read_metadata,
@@ -276,10 +277,9 @@ class CheckpointManager:
         """Refuse the checkpoints a change of layout cannot carry."""
         path = latest_checkpoint(directory)
         meta = read_metadata(path) if path is not None else {}
-        saved_outer = meta.get(CONFIG_KEY, {}).get("outer", {})
-        if saved_outer and saved_outer.get("algorithm", "none") != "none":
+        if is_two_level(meta):
             raise CheckpointError(
-                f"{path}: a two-level (outer.algorithm {saved_outer['algorithm']}) checkpoint "
+                f"{path}: a two-level (outer.algorithm {meta[CONFIG_KEY]['outer']['algorithm']}) checkpoint "
                 "resumes only under the islands, data-parallel size and strategy that saved it; "
                 "export it (the islands' parameters at the last outer sync) and import that"
             )

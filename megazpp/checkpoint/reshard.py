@@ -16,7 +16,8 @@ no mapping of the old errors means anything; the new engine zeroes them and logs
 (the same state LoCo's periodic `reset_T` produces).
 
 Memory: a resharding rank holds its (tp, pp) part's full state once (parameters + fp32
-master + two moments, 16 bytes per parameter in fp32), read from memory-mapped files.
+master + the optimizer's state: 16 bytes per parameter in fp32 with AdamW's two moments),
+read from memory-mapped files.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def needs_reshard(path: str | os.PathLike[str], engine: Engine, topology: Topolo
     return any(a for a, _ in answers)
 
 
+def full_weight(weights: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The full tensor of model state key `key` among a part's full parameters by name (a tied
+    output layer on another pipeline stage is the embedding's tensor); None for a buffer."""
+    name = EMBEDDING_WEIGHT if key == "output_layer.weight" and key not in weights else key
+    return weights.get(name)
+
+
 def load_resharded(
     path: str | os.PathLike[str], topology: Topology, model: torch.nn.Module, engine: Engine
 ) -> LoadedCheckpoint:
@@ -116,10 +124,10 @@ def load_resharded(
     current = model.state_dict()
     model_state = {}
     for key, now in current.items():
-        name = EMBEDDING_WEIGHT if key == "output_layer.weight" and key not in weights else key
-        if name in weights and now.numel() == weights[name].numel():
-            model_state[key] = weights[name].to(now.dtype)
-        elif name in weights:
+        full = full_weight(weights, key)
+        if full is not None and now.numel() == full.numel():
+            model_state[key] = full.to(now.dtype)
+        elif full is not None:
             model_state[key] = now  # released by the engine: its load fills the shard
         else:
             model_state[key] = base["model"][key]  # a buffer, identical on every DP rank

@@ -20,16 +20,22 @@ What a checkpoint can start:
     the layout that saved it (resharding needs the frozen weights it leaves out);
   - a run's checkpoint: the precision whose engine state it holds (fp16's loss scaler;
     LocalEngine's fp32 masters of a 16-bit model; the ZeRO engine keeps fp32 masters in
-    every precision, so it resumes fp32 as bf16 and back).
+    every precision, so it resumes fp32 as bf16 and back);
+  - a run's checkpoint: the optimizer (`optimizer.name`) whose state it holds (AdamW's moments
+    and SGD's momentum buffer are different state; SGD's momentum may change, a buffer missing
+    starts from the first gradient as at step 1).
   - a two-level (DiLoCo) run's checkpoint (`_check_two_level`): a two-level run with the same
     islands and data-parallel size (each island's optimizer state and parameters are its
     own), the same `outer.fragments` (the outer state is cut into them), and with an exchange
     in flight the same `outer.quantize` (it is encoded in it); int4 needs int4's error
-    buffers. Legitimate changes: a synchronous run's checkpoint starts two-level training
-    (the warm start: the first interval starts at its weights, zero outer momentum); H, the
+    buffers; at an iteration at or after this run's `outer.start_iter` (the islands cannot go
+    back to synchronous training). Legitimate changes: a synchronous run's checkpoint (or a
+    two-level run's before its `outer.start_iter`: `format.is_two_level`) starts two-level
+    training (the warm start: the first interval starts at its weights, zero outer momentum),
+    or its synchronous phase when saved before this run's `outer.start_iter`; H, the
     outer lr and momentum, overlap and merge-alpha may change; int4 may become bf16 or none,
     and bf16 and none each other, when nothing is in flight.
-Anything else (dropout, sequence length, the optimizer, ...) a `--load` may change.
+Anything else (dropout, sequence length, the optimizer's hyper-parameters, ...) a `--load` may change.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from megazpp.checkpoint.format import (
     METADATA_FILE,
     MODEL_CONFIG_KEY,
     WEIGHTS_ONLY_KEY,
+    is_two_level,
     latest_checkpoint,
     rank_file_name,
     read_metadata,
@@ -182,6 +189,13 @@ def check_resumable(cfg: Config, load_dir: str, world_size: int, ranks_per_node:
             f"{' or, with the ZeRO engine, the other of fp32 / bf16' if was != 'fp16' else ''}: "
             f"run with {_PRECISION_FLAGS[was]}, or " + _convert_hint(cfg.model.arch, load_dir)
         )
+    was_optimizer = (saved.get("optimizer") or {}).get("name", "adamw")  # before SGD: AdamW
+    if was_optimizer != cfg.optimizer.name:
+        raise CheckpointError(
+            f"{where} holds {was_optimizer} optimizer state; this run's optimizer.name is "
+            f"{cfg.optimizer.name}: resume it with --optimizer {was_optimizer}, or start {cfg.optimizer.name} "
+            "from its weights: " + _convert_hint(cfg.model.arch, load_dir)
+        )
     if BASE_KEY in meta and meta["dp"] != dp:
         raise CheckpointError(
             f"{where} is adapters-only (--save-adapters-only) and was saved over {meta['dp']} "
@@ -215,9 +229,11 @@ def _check_two_level(
     """The module docstring's two-level rules, before any rank (the loader refused the same
     only once every rank ran: per rank, or as a size mismatch at the first landing)."""
     was = (saved.get("outer") or {}).get("algorithm", "none")
-    outer = _saved_outer(path) if was != "none" else None
+    outer = _saved_outer(path) if is_two_level(meta) else None
     if outer is None:
-        return  # a synchronous run's checkpoint: any run starts from it (two-level: the warm start)
+        # a synchronous run's checkpoint (or a two-level run's before its outer.start_iter): any
+        # run starts from it (two-level: the warm start, or the synchronous phase up to start_iter)
+        return
     where = f"--load {load_dir}: {path.name}"
     islands, dp = int(outer["islands"]), int(meta["dp"])
     if cfg.outer.algorithm == "none":
@@ -226,6 +242,14 @@ def _check_two_level(
             f"and optimizer state; this run is synchronous (outer.algorithm none): continue it with "
             f"--outer-algorithm {was} and its islands, or start from the islands' averaged parameters: "
             + _convert_hint(cfg.model.arch, load_dir)
+        )
+    if meta["iteration"] < cfg.outer.start_iter:
+        raise CheckpointError(
+            f"{where} holds the islands' state at iteration {meta['iteration']}; this run's "
+            f"outer.start_iter {cfg.outer.start_iter} would train synchronously until then, and the islands' "
+            f"parameters and optimizer states are no one synchronous state: resume it with --outer-start-iter "
+            f"at most {meta['iteration']} (0: islands from the start), or start from the islands' averaged "
+            "parameters: " + _convert_hint(cfg.model.arch, load_dir)
         )
     now_islands, now_dp = islands_of(cfg, world_size, ranks_per_node), world_size // (cfg.tp * cfg.pp)
     if (islands, dp) != (now_islands, now_dp):

@@ -3,7 +3,8 @@
 Every rank file of a ZeRO run records, per bucket, its layout (global parameter names,
 shapes, flat offsets, padding) and the `[start, end)` ranges of the bucket's unpermuted flat
 buffer that each saved tensor covers (`ZeroEngine.state_dict`). So a reader fills one flat
-buffer per bucket and kind (parameters, fp32 masters, Adam moments) from all DP ranks' files
+buffer per bucket and kind (parameters, fp32 masters, the optimizer's state tensors: AdamW's
+moments or SGD's momentum buffer) from all DP ranks' files
 without knowing the PaRO strategy or the nested I/G order, checks that every element of the
 unpadded part was covered, and slices tensors by name. Consolidated exports and resharding
 resume (`reshard.py`) both start from here.
@@ -19,6 +20,8 @@ import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.model.gpt import EMBEDDING_WEIGHT
+from megazpp.optim.optimizer import OPTIMIZER_NAME_KEY
+from megazpp.optim.options import STATE_NAMES
 from megazpp.outer.diloco import OUTER_STATE_KEY
 from megazpp.state import StateDict
 from megazpp.zero.engine_state import FULL_STATE_FORMAT
@@ -37,32 +40,32 @@ class PartReader(Protocol):
     def rank_state(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> StateDict: ...
 
 
-KINDS = ("params", "masters", "exp_avg", "exp_avg_sq")
+KINDS = ("params", "masters", *STATE_NAMES)
 
 
 @dataclass
 class FullPartState:
     """One (tp, pp) part's ZeRO state as full tensors keyed by global parameter name."""
 
-    tensors: dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor (moments may be empty)
-    adam_step: torch.Tensor | None
+    tensors: dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor (the optimizer's kinds may be empty)
+    optimizer_name: str | None  # None: saved before SGD existed (AdamW)
+    optimizer_step: torch.Tensor | None  # AdamW's step count (the same for every parameter); SGD has none
     step_count: int
     loss_scaler: StateDict | None
     source: str  # "strategy S, dp D, paro group K" of the checkpoint
 
     def engine_state(self) -> StateDict:
         """The input of `ZeroEngine.load_state_dict` for a layout other than the saved one."""
-        has_moments = self.adam_step is not None
         return {
             "format": FULL_STATE_FORMAT,
             "source": self.source,
             "step_count": self.step_count,
             "loss_scaler": self.loss_scaler,
-            "adam_step": self.adam_step,
+            OPTIMIZER_NAME_KEY: self.optimizer_name,
+            "optimizer_step": self.optimizer_step,
             "params": self.tensors["params"],
             "masters": self.tensors["masters"],
-            "exp_avg": self.tensors["exp_avg"] if has_moments else None,
-            "exp_avg_sq": self.tensors["exp_avg_sq"] if has_moments else None,
+            "optimizer_state": {k: self.tensors[k] for k in STATE_NAMES},
         }
 
 
@@ -152,12 +155,13 @@ def _assemble(states: list[StateDict], index: int, where: str) -> dict[str, dict
             put("params", lo, hi, saved["param_store"])
         for (lo, hi), master in zip(ranges["masters"], saved["masters"]):
             put("masters", lo, hi, master)
-        adam = engine["optimizer"]["state"]
+        optimizer = engine["optimizer"]["state"]
         for slot, (b, j) in enumerate(engine["optimizer_slots"]):
-            if b == index and slot in adam:
+            if b == index and slot in optimizer:
                 lo, hi = ranges["masters"][j]
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    put(kind, lo, hi, adam[slot][kind])
+                for kind in STATE_NAMES:
+                    if kind in optimizer[slot]:
+                        put(kind, lo, hi, optimizer[slot][kind])
     out: dict[str, dict[str, torch.Tensor]] = {}
     for kind in KINDS:
         if kind not in flats:
@@ -174,7 +178,7 @@ def _assemble(states: list[StateDict], index: int, where: str) -> dict[str, dict
     return out
 
 
-def _adam_step(states: list[StateDict]) -> torch.Tensor | None:
+def _optimizer_step(states: list[StateDict]) -> torch.Tensor | None:
     for engine in states:
         for entry in engine["optimizer"]["state"].values():
             if "step" in entry:
@@ -195,12 +199,13 @@ def full_part_state(reader: PartReader, tp_rank: int, pp_rank: int) -> FullPartS
     if synced:  # a two-level checkpoint: its trainable parameters are the synced masters
         for name, master in tensors["masters"].items():
             tensors["params"].setdefault(name, master.to(synced[0]))
-    step = _adam_step(states)
-    if step is not None and len(tensors["exp_avg"]) != len(tensors["masters"]):
-        raise CheckpointError(f"{where}: Adam moments saved for only some parameters")
+    partial = [k for k in STATE_NAMES if tensors[k] and len(tensors[k]) != len(tensors["masters"])]
+    if partial:
+        raise CheckpointError(f"{where}: optimizer state {partial[0]} saved for only some parameters")
     return FullPartState(
         tensors,
-        step,
+        first.get(OPTIMIZER_NAME_KEY),
+        _optimizer_step(states),
         int(first["step_count"]),
         first.get("loss_scaler"),
         f"strategy {first['strategy']}, dp {first['dp']}, paro group {first['k']}",

@@ -27,6 +27,7 @@ from megazpp.config.schema import Config
 from megazpp.config.sections import TrainingOptions
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
+from megazpp.outer.fragments import first_sync_after
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split, dp_groups, island_layout
 from megazpp.zero.frozen import frozen_refusal
@@ -131,9 +132,13 @@ def _resolve_batch(t: TrainingOptions, dp: int) -> TrainingOptions:
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:
     """The `outer` options (None: two-level training off), with the rules that span sections:
     islands of whole nodes over this world (`ranks_per_node`: the launcher's, unless the config
-    sets it), and the combinations not built yet. `zero.paro_strategy: auto`
-    is allowed: the island's strategy is chosen once the ranks can probe their links
-    (`planner.auto.auto_strategy` with the outer options)."""
+    sets it), a first outer sync before the run's end (counted from `outer.start_iter`), and
+    the combinations not built yet. The synchronous phase before `outer.start_iter` needs no
+    rule of its own: its engine spans the islands' DP ranks together, so a PaRO group dividing
+    an island's divides it, and on each node it holds the island's ranks (hpZ's rule).
+    `zero.paro_strategy: auto` is allowed: the island's strategy is chosen once the ranks can
+    probe their links (`planner.auto.auto_strategy` with the outer options), and with
+    `outer.start_iter` the synchronous phase's as a synchronous job's."""
     if not cfg.outer.enabled:
         return None
     options = cfg.outer
@@ -148,12 +153,33 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
         island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
     except TopologyError as err:
         raise ConfigError(f"outer.algorithm diloco on {world_size} ranks, {per_node} per node: {err}") from None
-    first_landing = options.sync_every + options.overlap_steps
-    if first_landing > cfg.training.train_iters:
+    kept = cfg.optimizer.state_names
+    for key, every in options.averaged_state.items():
+        if every and key not in kept:
+            raise ConfigError(
+                f"outer.{key}_every = {every}: the inner optimizer ({cfg.optimizer.name}) keeps no {key} "
+                f"(its state: {', '.join(kept) or 'none'}); drop the setting"
+            )
+    iters, start = cfg.training.train_iters, options.start_iter
+    if start >= iters:
         raise ConfigError(
-            f"outer.sync_every = {options.sync_every} with training.train_iters = {cfg.training.train_iters}: "
+            f"outer.start_iter = {start} with training.train_iters = {iters}: the islands would start after "
+            f"the run's last step, so it would train synchronously throughout: give outer.start_iter below "
+            f"{iters} (--outer-start-iter; 0: islands from the start), or outer.algorithm none"
+        )
+    first_landing = first_sync_after(start, options.sync_every, options.overlap_steps)
+    if first_landing > iters and not start:
+        raise ConfigError(
+            f"outer.sync_every = {options.sync_every} with training.train_iters = {iters}: "
             f"the first outer sync would land after step {first_landing}, past the run's end, so the islands "
             f"never meet and its checkpoints and exports hold the parameters it started from: give "
-            f"outer.sync_every <= {cfg.training.train_iters - options.overlap_steps} (--outer-sync-every)"
+            f"outer.sync_every <= {iters - options.overlap_steps} (--outer-sync-every)"
+        )
+    if first_landing > iters:
+        raise ConfigError(
+            f"outer.start_iter = {start}, outer.sync_every = {options.sync_every} with training.train_iters = "
+            f"{iters}: the islands start at {start} and their first outer sync (at the multiples of H, plus "
+            f"outer.overlap_steps {options.overlap_steps}) would land at {first_landing}, past the run's end, "
+            f"so they never meet: give an earlier --outer-start-iter or a smaller --outer-sync-every"
         )
     return options

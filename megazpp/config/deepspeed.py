@@ -235,8 +235,8 @@ def _map_optimizer(value: Any, where: str, put: Put) -> None:
     kind = str(block.get("type", "AdamW"))
     if kind.lower() not in _OPTIMIZER_TYPES:
         raise ConfigError(
-            f"{where}.type = {kind!r}: only AdamW is implemented yet "
-            f"(accepted: Adam, AdamW, FusedAdam with decoupled weight decay)"
+            f"{where}.type = {kind!r}: only AdamW is read from a DeepSpeed config "
+            f"(accepted: Adam, AdamW, FusedAdam with decoupled weight decay; SGD is --optimizer sgd)"
         )
     params = _require_mapping(block.get("params", {}), f"{where}.params", _OPTIMIZER_PARAMS)
     for key in ("lr", "eps", "weight_decay"):

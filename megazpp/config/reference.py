@@ -26,7 +26,7 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 SECTION_HELP: dict[str, str] = {
     "model": "shape and behaviour of the GPT-2 / Llama model",
     "data": "indexed dataset, blend, split and tokenizer",
-    "optimizer": "AdamW and gradient clipping",
+    "optimizer": "the inner optimizer (AdamW or SGD) and gradient clipping",
     "training": "batch sizes, run length, learning-rate schedule, evaluation, numerics",
     "precision": "model dtype, gradient accumulation dtype, fp16 loss scaling",
     "checkpoint": "where checkpoints go and come from",

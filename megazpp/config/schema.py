@@ -93,6 +93,7 @@ SECTIONS: dict[str, type] = {f.name: cast(type, f.default_factory) for f in data
 FLAG_NAMES: dict[str, str] = {
     "zero.stage": "--zero-stage",
     "planner.probe": "--planner-probe",
+    "optimizer.name": "--optimizer",  # Megatron-LM's spelling
     **{f"outer.{f.name}": "--outer-" + f.name.replace("_", "-") for f in keys(OuterOptions)},
 }
 

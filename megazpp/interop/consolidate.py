@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megazpp.checkpoint.format import CONFIG_KEY
+from megazpp.checkpoint.format import CONFIG_KEY, is_two_level
 from megazpp.checkpoint.frozen_base import check_base, recorded_base
 from megazpp.checkpoint.reader import CheckpointReader
 from megazpp.errors import ConfigError
@@ -82,9 +82,9 @@ def two_level_note(path: str) -> str | None:
     sync at staggered steps, and an exchange in flight is not applied yet); None for any other
     checkpoint."""
     reader = CheckpointReader(path)
-    outer = (reader.meta.get(CONFIG_KEY) or {}).get("outer") or {}
-    if outer.get("algorithm", "none") == "none":
-        return None
+    if not is_two_level(reader.meta):
+        return None  # a synchronous run's, or a two-level run's before its outer.start_iter
+    outer = reader.meta[CONFIG_KEY]["outer"]
     state = reader.rank_state(0, 0, 0)["engine"][OUTER_STATE_KEY]
     every, inner_steps, count = int(state["sync_every"]), int(state["inner_steps"]), len(state["fragments"])
     overlap = int(outer.get("overlap_steps", 0))

@@ -58,7 +58,7 @@ class Engine(Protocol):
 
 
 class ScaledOptimizerEngine:
-    """What every engine shares: an fp16 loss scaler (None outside fp16) and the AdamW whose
+    """What every engine shares: an fp16 loss scaler (None outside fp16) and the optimizer whose
     learning rate the trainer sets each step. Subclasses assign `scaler` and `optimizer`."""
 
     scaler: LossScaler | None

@@ -1,5 +1,6 @@
 """`LocalEngine`, one data-parallel rank holding whole gradients:
-- fp32: AdamW directly on the model's parameters.
+- fp32: the optimizer (AdamW or SGD, `optim.optimizer.build_optimizer`) directly on the
+  model's parameters.
 - bf16 / fp16: the model runs in half precision; the optimizer updates fp32 master copies and
   writes them back, rounded, into the model after each step. Micro-batch gradients are summed
   into fp32 buffers as each parameter's gradient completes (a post-accumulate hook), so long
@@ -24,7 +25,13 @@ from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
-from megazpp.optim.optimizer import build_adamw, named_trainable, param_groups
+from megazpp.optim.optimizer import (
+    OPTIMIZER_NAME_KEY,
+    build_optimizer,
+    check_same_optimizer,
+    named_trainable,
+    param_groups,
+)
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 
 
@@ -59,7 +66,8 @@ class LocalEngine(ScaledOptimizerEngine):
         else:
             self.masters = self.params
         names = [n for n, _ in named]
-        self.optimizer = build_adamw(param_groups(zip(names, self.masters), optimizer.weight_decay), optimizer)
+        self.optimizer_options = optimizer
+        self.optimizer = build_optimizer(param_groups(zip(names, self.masters), optimizer.weight_decay), optimizer)
         self._fp32_accum = self._mixed and precision.grad_accum_dtype == "fp32"
         self._main_grads: list[torch.Tensor] = []
         self._touched: list[bool] = []
@@ -146,11 +154,13 @@ class LocalEngine(ScaledOptimizerEngine):
         ones live in the model only, so `frozen` leaves nothing out here."""
         return {
             "optimizer": self.optimizer.state_dict(),
+            OPTIMIZER_NAME_KEY: self.optimizer_options.name,
             "masters": [m.detach().clone() for m in self.masters] if self._mixed else None,
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_same_optimizer(state.get(OPTIMIZER_NAME_KEY), self.optimizer_options, "engine state")
         masters = state.get("masters")
         if self._mixed != (masters is not None) or (self.scaler is None) != (state.get("loss_scaler") is None):
             raise CheckpointError(

@@ -1,5 +1,5 @@
-"""The `optimizer` and `precision` config sections: AdamW's hyper-parameters and the precision,
-checked when built.
+"""The `optimizer` and `precision` config sections: the inner optimizer (AdamW or SGD) with its
+hyper-parameters, and the precision, checked when built.
 
 Why here and not in the config: every engine (local, ZeRO) reads them, and optim owns them as
 zero owns `ZeroOptions`. These types are the sections themselves: the config layer reads YAML
@@ -9,6 +9,7 @@ the rules here concern one section each and name its keys. This module never imp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,20 +21,57 @@ from megazpp.setting import setting
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+OptimizerName = Literal["adamw", "sgd"]
+
+# the per-parameter state tensors each optimizer keeps beside its fp32 master, by torch's names
+# (what checkpoints save, resharding cuts and the memory formula counts)
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")
+SGD_MOMENTUM_STATE = ("momentum_buffer",)
+STATE_NAMES = ADAMW_STATE + SGD_MOMENTUM_STATE  # every optimizer's, as a checkpoint reader meets them
+
+
 @dataclass(frozen=True)
 class OptimizerOptions:
-    """AdamW hyper-parameters; `clip_grad` 0 disables clipping; `min_lr` is the schedule's floor."""
+    """The inner optimizer and its hyper-parameters; `clip_grad` 0 disables clipping; `min_lr`
+    is the schedule's floor.
 
+    `name` sgd is Megatron-LM's `--optimizer sgd`: torch.optim.SGD's update with `sgd_momentum`
+    (heavy ball, no dampening, no Nesterov) and `weight_decay` coupled as L2 (added to the
+    gradient before the momentum, as torch.optim.SGD and Megatron do). Coupled because
+    without momentum it is the same update as decay decoupled and scaled by lr (AdamW's form),
+    so nothing is lost, and with momentum it keeps the step linear in gradient plus decay,
+    the property that makes two-level training at H = 1 equal synchronous training
+    (`tests/test_outer_anchor.py`).
+    Settings of the other optimizer left at their defaults are ignored; changed ones are
+    refused (they would not act).
+    """
+
+    name: OptimizerName = setting("adamw", "inner optimizer: adamw or sgd (Megatron-LM's --optimizer)")
     lr: float = setting(3.0e-4, "peak learning rate")
     min_lr: float = setting(0.0, "learning rate at the end of the decay")
-    weight_decay: float = setting(0.01, "AdamW decoupled weight decay (not on norms and biases)")
-    adam_beta1: float = setting(0.9, "AdamW beta1")
-    adam_beta2: float = setting(0.95, "AdamW beta2")
-    adam_eps: float = setting(1.0e-8, "AdamW epsilon")
+    weight_decay: float = setting(
+        0.01, "weight decay, not on norms and biases (adamw: decoupled; sgd: coupled L2, as torch.optim.SGD)"
+    )
+    adam_beta1: float = setting(0.9, "AdamW beta1 (adamw only)")
+    adam_beta2: float = setting(0.95, "AdamW beta2 (adamw only)")
+    adam_eps: float = setting(1.0e-8, "AdamW epsilon (adamw only)")
+    sgd_momentum: float = setting(0.9, "SGD heavy-ball momentum, 0: none and no state (sgd only)")
     clip_grad: float = setting(1.0, "clip the global gradient norm to this (0: off)")
 
     def __post_init__(self) -> None:
-        """ConfigError naming the `optimizer` key for the first value AdamW cannot run with."""
+        """ConfigError naming the `optimizer` key for the first value the optimizer cannot run with."""
+        if self.name not in ("adamw", "sgd"):
+            raise ConfigError(f"optimizer.name (--optimizer) = {self.name!r}: expected 'adamw' or 'sgd'")
+        others = ("sgd_momentum",) if self.name == "adamw" else ("adam_beta1", "adam_beta2", "adam_eps")
+        changed = [k for k in others if getattr(self, k) != _DEFAULTS[k]]
+        if changed:
+            raise ConfigError(
+                f"optimizer.{changed[0]} = {getattr(self, changed[0])!r} is set, but optimizer.name is "
+                f"{self.name!r}, which does not use it: leave it at {_DEFAULTS[changed[0]]!r} or choose the "
+                f"other --optimizer"
+            )
+        if not 0 <= self.sgd_momentum < 1:
+            raise ConfigError(f"optimizer.sgd_momentum = {self.sgd_momentum!r}: expected a value in [0, 1)")
         if not self.lr > 0:
             raise ConfigError(
                 f"optimizer.lr (--lr) = {self.lr:g}: expected a learning rate > 0 (a negative "
@@ -51,6 +89,17 @@ class OptimizerOptions:
                 "optimizer.weight_decay and optimizer.clip_grad must be >= 0, "
                 f"got {self.weight_decay} and {self.clip_grad}"
             )
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The state tensors the optimizer keeps per parameter, each the parameter's size:
+        AdamW's two moments, SGD's momentum buffer (none without momentum)."""
+        if self.name == "adamw":
+            return ADAMW_STATE
+        return SGD_MOMENTUM_STATE if self.sgd_momentum > 0 else ()
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerOptions)}
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ from torch import nn
 from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer import traffic
-from megazpp.outer.exchange import SYNC_TAG, Exchange, Int4Wire, padded_size
+from megazpp.outer.exchange import SYNC_TAG, WIRE_DTYPES, Exchange, Int4Wire, padded_size
 from megazpp.outer.fragments import build_fragments, due_fragments, fragment_names, range_indices
+from megazpp.outer.moments import MOMENTS_TAG, average_moment
 from megazpp.outer.norm_weights import NormWeights
 from megazpp.outer.settings import OuterOptions
 from megazpp.outer.update import merge, outer_update, warmed_up
@@ -58,7 +59,6 @@ from megazpp.zero.shard_map import ShardLayout
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}
 OUTER_STATE_KEY = "outer"  # the engine state dict's entry for the outer state
 STATS_TAG = "outer/stats"
 
@@ -130,6 +130,21 @@ class DiLoCoEngine:
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
 
+    def moments_due(self, fragment: int) -> list[str]:
+        """The inner optimizer's state averaged at the sync of `fragment` due now: each whose
+        period (`OuterOptions.averaged_state`) divides the number of this sync, its applied
+        syncs (outer state, so a resume keeps the schedule) plus one (tau < H: the fragment's
+        previous exchange has landed by now)."""
+        k = self.syncs[fragment] + 1
+        return [name for name, every in self.options.averaged_state.items() if every and k % every == 0]
+
+    def average_moments(self, fragment: int, names: list[str]) -> None:
+        """Average the inner optimizer's state `names` of `fragment` across islands (collective
+        over the peer group, `megazpp.outer.moments`)."""
+        moments, frag, o = self.inner.moments(), self.fragments[fragment], self.options
+        for name in names:
+            average_moment(frag, moments, name, self.islands, o.quantize, self.island.peer_group, self.device)
+
     # -- the engine protocol ----------------------------------------------------------------
     def shard_layout(self) -> ShardLayout:
         """The islands' layout (`zero.inner_engine.ShardedEngine`: the banner and checkpoints ask it)."""
@@ -158,12 +173,12 @@ class DiLoCoEngine:
 
     def step(self) -> StepResult:
         """The inner step, then the outer work due after it: exchanges in flight advance (their
-        all-gather is issued), those landing now are applied, fragments due start theirs (and
-        land at once without overlap)."""
+        all-gather is issued), those landing now are applied, fragments due average the inner
+        optimizer's moments due and start their exchanges (which land at once without overlap)."""
         result = self.inner.step()
         self.inner_steps += 1
         t, group = self.inner_steps, self.island.peer_group
-        before = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        before = self._outer_bytes()
         advanced = any(x.stage == 1 for x in self.in_flight)  # an all-gather issued now: its bytes are logged
         for x in self.in_flight:
             x.advance(group)
@@ -172,21 +187,29 @@ class DiLoCoEngine:
         scalars = self._land(landing) if landing else {}
         del landing  # their buffers go before the next exchanges' are made
         tau = self.options.overlap_steps
-        started = [self._start(f, t + tau, group) for f in self.due(t)]
+        started = []
+        for f in self.due(t):
+            self.average_moments(f, self.moments_due(f))
+            started.append(self._start(f, t + tau, group))
         if tau:
             self.in_flight += started
         elif started:
             scalars = self._land(started)
-        after = counter.step_totals()["tags"].get(SYNC_TAG, {"intra": 0, "inter": 0})
+        after = self._outer_bytes()
         if not (scalars or started or advanced):
             return result
-        scalars.update(
-            {
-                "outer/intra_bytes": float(after["intra"] - before["intra"]),
-                "outer/inter_bytes": float(after["inter"] - before["inter"]),
-            }
-        )
+        scalars.update({f"outer/{k}": float(after[k] - before[k]) for k in after})
         return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **scalars})
+
+    def _outer_bytes(self) -> dict[str, int]:
+        """This step's counted outer bytes so far, as logged: every outer exchange's (intra_bytes,
+        inter_bytes), and when moments are averaged their part of them (moments_inter_bytes)."""
+        tags = counter.step_totals()["tags"]
+        sync, moments = (tags.get(tag, {"intra": 0, "inter": 0}) for tag in (SYNC_TAG, MOMENTS_TAG))
+        out = {"intra_bytes": sync["intra"] + moments["intra"], "inter_bytes": sync["inter"] + moments["inter"]}
+        if any(self.options.averaged_state.values()):
+            out["moments_inter_bytes"] = moments["inter"]
+        return out
 
     # -- the outer step -----------------------------------------------------------------------
     def _start(self, f: int, lands: int, group: Any) -> Exchange:
@@ -268,6 +291,11 @@ class DiLoCoEngine:
         ]
         return sum(a for a, _ in each), sum(b for _, b in each)
 
+    def expected_moment_bytes(self, fragment: int) -> tuple[int, int]:
+        """(intra, inter) of averaging one moment of `fragment` (tag `outer/moments`), by the
+        traffic formula."""
+        return traffic.moment_sync_bytes(self.fragments[fragment].numel, self.islands, self.options.quantize)
+
     def held_bytes(self) -> memory.StateBytes:
         inner = self.inner.held_bytes()
         kept = [self.snapshot, self.momentum] + [t for pair in self.errors for t in pair]
@@ -296,9 +324,16 @@ class DiLoCoEngine:
 
     def expected_sync_peak_bytes(self) -> int:
         """Bytes a sync adds on top of `expected_bytes` at its peak: the exchanges alive at once
-        and the landing's fp32 vectors of the largest fragment."""
+        and the landing's fp32 vectors of the largest fragment, or a moment's averaging where
+        that is more."""
         largest = max(frag.numel for frag in self.fragments)
-        return self.expected_exchange_bytes() + traffic.LANDING_FP32_VECTORS * 4 * largest
+        peak = self.expected_exchange_bytes() + traffic.LANDING_FP32_VECTORS * 4 * largest
+        if not any(self.options.averaged_state.values()):
+            return peak
+        # the moments are averaged after the step's landings, before its exchanges start (a
+        # bound: those issued earlier and still in flight counted at their largest)
+        moment = traffic.moment_peak_bytes(largest, self.islands, self.options.quantize)
+        return max(peak, moment + (self.expected_exchange_bytes() if self.options.overlap_steps > 1 else 0))
 
     def close(self) -> None:
         """Collective: the exchanges still in flight finish their collectives (the job ends, so
@@ -328,8 +363,10 @@ class DiLoCoEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Bit for bit from this layout's own state; a checkpoint of a synchronous run (no outer
-        state) starts the first interval at its weights, with zero outer momentum."""
+        """Bit for bit from this layout's own state; a synchronous state (no outer state: a
+        synchronous run's checkpoint, or `outer.start_iter`'s switch, which loads through here so
+        that it is a warm start bit for bit) starts the first interval at its weights, with zero
+        outer momentum, the inner steps counting on from the engine's step count."""
         self.inner.load_state_dict(state)
         saved = state.get(OUTER_STATE_KEY)
         if saved is None:
@@ -338,8 +375,8 @@ class DiLoCoEngine:
             self.inner_steps = self.inner.step_count
             self.syncs = [0] * len(self.fragments)
             log.warning(
-                "outer: the checkpoint has no outer state (a synchronous run): the first outer "
-                "interval starts at its weights, with zero outer momentum"
+                "outer: a synchronous state (a synchronous run's checkpoint, or outer.start_iter's "
+                "switch): the first outer interval starts at its weights, with zero outer momentum"
             )
             return
         if saved["snapshot"].numel() != self.numel:

@@ -23,6 +23,7 @@ from megazpp.parallel.work import Work
 from megazpp.state import StateDict
 
 SYNC_TAG = "outer/sync"
+WIRE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int4": torch.uint8}  # per `outer.quantize`
 INT4_BITS = 4
 AVERAGE_COLUMNS = 1 << 18  # elements averaged at a time: bounds the fp32 copy of the received chunks
 # blocks quantized at a time: bounds the quantize kernel's fp32 temporaries to a few MiB, not the fragment's size
@@ -110,6 +111,7 @@ class Exchange:
     int4: Int4Wire | None = None  # the int4 wire, with error feedback into `errors`
     errors: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: (sent pseudo-gradient, averaged chunk)
     islands: int = 1
+    tag: str = SYNC_TAG  # the counter's tag of both collectives
 
     @classmethod
     def start(
@@ -124,12 +126,13 @@ class Exchange:
         group: ProcessGroup | None,
         int4: Int4Wire | None = None,
         errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tag: str = SYNC_TAG,
     ) -> Exchange:
         """Issue stage 1. `padded` (fp32, `padded_size` elements) holds this island's
         pseudo-gradient of the fragment in its first `numel` elements and zeros after; it is
         kept (as `pseudo`, a view), not copied. Under int4 `wire` is ignored and `errors` (fp32,
         the padded fragment and one chunk) carry each quantization's error to the next sync of
-        the fragment."""
+        the fragment. `tag`: what the counter files both collectives under."""
         n = padded.numel()
         pseudo = padded[:numel]
         if int4 is not None and errors is not None:
@@ -139,8 +142,8 @@ class Exchange:
             send = padded.to(wire).view(islands, n // islands)
             full = padded.new_empty(n, dtype=wire)
         received = torch.empty_like(send)
-        work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=SYNC_TAG)
-        return cls(fragment, lands, pseudo, 1, full, received, send, work, int4, errors, islands)
+        work = comm.all_to_all_single(received, send, group=group, async_op=True, tag=tag)
+        return cls(fragment, lands, pseudo, 1, full, received, send, work, int4, errors, islands, tag)
 
     def advance(self, group: ProcessGroup | None) -> None:
         """Stage 1 -> 2: wait for the chunks, average them, issue the all-gather."""
@@ -158,7 +161,7 @@ class Exchange:
             for lo in range(0, mine.numel(), AVERAGE_COLUMNS):
                 mine[lo : lo + AVERAGE_COLUMNS] = average_chunks(received[:, lo : lo + AVERAGE_COLUMNS])
         self.received = None
-        self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=SYNC_TAG)
+        self.work = comm.all_gather_into_tensor(self.full, mine, group=group, async_op=True, tag=self.tag)
         self.stage = 2
 
     def _wait(self) -> None:

@@ -102,6 +102,14 @@ def due_fragments(inner_steps: int, sync_every: int, count: int) -> list[int]:
     return [f for f, off in enumerate(offsets) if inner_steps >= max(off, 1) and (inner_steps - off) % sync_every == 0]
 
 
+def first_sync_after(iteration: int, sync_every: int, overlap: int) -> int:
+    """The iteration at which the first whole-model outer sync after `iteration` lands: fragment
+    0's first start after it (`due_fragments`: at the multiples of H, the inner steps counting
+    on from the iteration the islands start at, `outer.start_iter` or a warm start's checkpoint)
+    plus the overlap; from iteration 0, H + tau."""
+    return (iteration // sync_every + 1) * sync_every + overlap
+
+
 def last_landed(inner_steps: int, sync_every: int, count: int, overlap: int) -> list[int | None]:
     """Per fragment, the inner step whose sync it last applied by inner step `inner_steps` (a
     sync started at s lands at s + overlap), or None when none had landed: what the outer

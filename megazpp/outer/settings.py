@@ -30,8 +30,9 @@ class OuterOptions:
     over all ranks; diloco runs the ZeRO engine inside each island of `island_nodes` nodes and
     every `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the
     last sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9),
-    moved in `quantize` format. ConfigError naming the `outer` key for a value out of range or
-    asking for what is not built."""
+    moved in `quantize` format. With `start_iter` S > 0 the first S iterations train
+    synchronously over all ranks (the warm start, in one job: `training/start_iter.py`).
+    ConfigError naming the `outer` key for a value out of range or asking for what is not built."""
 
     algorithm: str = setting("none", "none (synchronous over all ranks) or diloco (islands + outer optimizer)")
     sync_every: int = setting(20, "H: inner steps between outer syncs")
@@ -50,6 +51,17 @@ class OuterOptions:
         True, "int4 wire: add what the wire dropped back at the next sync (false: the ablation)"
     )
     island_nodes: int = setting(1, "nodes per island")
+    exp_avg_every: int = setting(
+        0, "average the inner AdamW's first moment across islands every k-th outer sync of a fragment (0: never)"
+    )
+    exp_avg_sq_every: int = setting(
+        0, "average the inner AdamW's second moment across islands every k-th outer sync of a fragment (0: never)"
+    )
+    start_iter: int = setting(
+        0,
+        "S: synchronous data parallelism over all ranks for the first S iterations, islands from S on "
+        "(0: islands from the start)",
+    )
 
     def __post_init__(self) -> None:
         """ConfigError naming the `outer` key: an unknown algorithm, a setting given while
@@ -83,6 +95,17 @@ class OuterOptions:
             raise ConfigError(f"outer.quantize = {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
         if self.island_nodes < 1:
             raise ConfigError(f"outer.island_nodes = {self.island_nodes}: expected a positive number of nodes")
+        for key, every in self.averaged_state.items():
+            if every < 0:
+                raise ConfigError(
+                    f"outer.{key}_every = {every}: expected 0 (keep each island's {key}) or every how "
+                    f"many outer syncs of a fragment to average it across islands"
+                )
+        if self.start_iter < 0:
+            raise ConfigError(
+                f"outer.start_iter = {self.start_iter}: expected the iteration the islands start at, >= 0 "
+                f"(0: from the start)"
+            )
         if self.fragments < 1:
             raise ConfigError(f"outer.fragments = {self.fragments}: expected at least 1")
         if self.overlap_steps < 0:
@@ -110,6 +133,13 @@ class OuterOptions:
                 f"outer.error_feedback = false: only the int4 wire drops anything to feed back, and "
                 f"outer.quantize is {self.quantize!r}: set outer.quantize int4 or drop the setting"
             )
+
+    @property
+    def averaged_state(self) -> dict[str, int]:
+        """The inner optimizer's state averaged across islands (DES-LOC, arXiv 2505.22549: the
+        first moment every 3 syncs, the second every 6), by its name in the optimizer's state
+        (`InnerEngine.moments`): every how many outer syncs of a fragment (0: never)."""
+        return {"exp_avg": self.exp_avg_every, "exp_avg_sq": self.exp_avg_sq_every}
 
     @property
     def enabled(self) -> bool:

@@ -16,6 +16,11 @@ multiple of I (x `block` for int4) so that every chunk has one size and whole bl
 
 Islands are made of whole nodes, so every member of a peer group is on another node: all the
 bytes are inter-node.
+
+These are the bytes of the islands' phase: with `outer.start_iter` S the steps before S are a
+synchronous job's over all DP ranks (`zero.traffic.step_bytes` of its engine), and the one-time
+gather of the synchronous engine's state at S (`training/start_iter.py`) is counted apart from
+any step.
 """
 
 from __future__ import annotations
@@ -96,6 +101,29 @@ def sync_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLO
     return 0, 2 * (islands - 1) * per_peer  # all-to-all + all-gather, one chunk from each peer each
 
 
+def moment_wire(quantize: str) -> str:
+    """The wire the inner optimizer's moments cross islands in (`outer.exp_avg_every`): fp32
+    under fp32 outer gradients, else bf16. Never int4: a block of the second moment (positive,
+    heavy-tailed: its values span orders of magnitude) shares one absmax scale, so most of it
+    would round to 0 or to a level far from it, and AdamW divides by its square root; and no
+    error feedback can carry what was dropped, since the averaged moments replace the islands'
+    own. bf16 keeps fp32's range and a relative 2^-9 of each value, positive stays positive."""
+    return "none" if quantize == "none" else "bf16"
+
+
+def moment_sync_bytes(numel: int, islands: int, quantize: str) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives averaging one moment (a state tensor of the inner
+    optimizer) of a fragment of `numel` elements of its shard: an exchange as the pseudo-
+    gradient's, in `moment_wire`, `SYNC_CALLS` calls."""
+    return sync_bytes(numel, islands, moment_wire(quantize))
+
+
+def moment_peak_bytes(numel: int, islands: int, quantize: str) -> int:
+    """What averaging one moment of a fragment adds at its peak: its exchange's buffers at their
+    largest and the fp32 mean written back (`megazpp.outer.moments`)."""
+    return exchange_bytes(numel, islands, moment_wire(quantize)) + 4 * numel
+
+
 def sync_calls(islands: int) -> int:
     """Collective calls one rank issues in one outer sync of one fragment."""
     return SYNC_CALLS if islands > 1 else 0
@@ -110,7 +138,7 @@ class OuterTraffic:
     mean_intra: float
     mean_inter: float
     peak_inter: int
-    calls_per_interval: int
+    calls_per_interval: float  # moments averaged every k-th sync count 1 / k of theirs
 
 
 def fragment_runs(tensors: int, fragments: int) -> list[range]:
@@ -121,25 +149,33 @@ def fragment_runs(tensors: int, fragments: int) -> list[range]:
 
 
 def per_step(
-    fragment_numels: Sequence[int], islands: int, quantize: str, sync_every: int, block: int = DEFAULT_BLOCK
+    fragment_numels: Sequence[int],
+    islands: int,
+    quantize: str,
+    sync_every: int,
+    block: int = DEFAULT_BLOCK,
+    moment_every: Sequence[int] = (),
 ) -> OuterTraffic:
     """The outer traffic of one rank amortised over `sync_every` (H) inner steps: every
     fragment (its shard's elements in `fragment_numels`) is synced once per H steps, at its own
     step, staggered by H / F, so no two fragments share an inner step when F <= H (else the
-    peak is that of the most fragments due at one step). `sync_every` is a checked one
-    (`settings.OuterOptions` refuses H < 1, naming the key)."""
+    peak is that of the most fragments due at one step). `moment_every`: for each moment of
+    the inner optimizer averaged across islands, every how many of a fragment's syncs (k >= 1;
+    `OuterOptions.averaged_state`); the peak step is a sync where all of them fall together.
+    `sync_every` is a checked one (`settings.OuterOptions` refuses H < 1, naming the key)."""
     each = [sync_bytes(n, islands, quantize, block) for n in fragment_numels]
-    intra = sum(a for a, _ in each)
-    inter = sum(b for _, b in each)
+    moments = [moment_sync_bytes(n, islands, quantize) for n in fragment_numels]
+    intra = sum(a for a, _ in each) + sum(a / k for a, _ in moments for k in moment_every)
+    inter = sum(b for _, b in each) + sum(b / k for _, b in moments for k in moment_every)
     at_step: dict[int, int] = {}
-    for f, (_, b) in enumerate(each):
+    for f, ((_, b), (_, m)) in enumerate(zip(each, moments)):
         step = f * sync_every // len(each)
-        at_step[step] = at_step.get(step, 0) + b
+        at_step[step] = at_step.get(step, 0) + b + m * len(moment_every)
     return OuterTraffic(
         intra / sync_every,
         inter / sync_every,
         max(at_step.values(), default=0),
-        sync_calls(islands) * len(fragment_numels),
+        sync_calls(islands) * len(fragment_numels) * (1 + sum(1 / k for k in moment_every)),
     )
 
 

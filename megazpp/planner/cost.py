@@ -316,7 +316,7 @@ def predict_stage(
         lay = dataclasses.replace(
             lay, hier=fastest_hierarchy(s, zpp, padded, lay, workload, cluster, reused, persistent)
         )
-    plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent)
+    plain = memory.state_bytes(s, padded, lay.dp_size, lay.group_size, pb, ab, persistent, workload.optimizer_states)
     state = memory.StateBytes(
         plain.params,
         plain.grads,

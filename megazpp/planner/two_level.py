@@ -15,6 +15,10 @@ What a row costs, per inner step, on the slowest pipeline stage:
   runtime's rule) synced once per H inner steps, the bytes of `megazpp.outer.traffic` at the
   rank's share of the node's link, 2 calls of (I - 1) latency steps each; after each sync the
   island re-publishes its parameters (the inner step's refresh phases once more);
+* the inner optimizer's moments averaged across islands (`outer.exp_avg_every`,
+  `exp_avg_sq_every`: every k-th sync of a fragment), each an exchange like the fragment's in
+  `outer.traffic.moment_wire`, 1 / k of it per sync; blocking at the sync (not overlapped), so
+  exposed whatever tau;
 * overlap (`overlap_steps` tau >= 1, Streaming DiLoCo): a fragment's sync runs while tau inner
   steps compute, on the link time the inner step leaves free, so what is exposed per step is
   max(sum_f max(0, t_f - tau free) / H, sum_f t_f / H - free): a fragment longer than tau
@@ -24,8 +28,14 @@ What a row costs, per inner step, on the slowest pipeline stage:
   (sum_f t_f / H);
 * memory: the outer state (fp32 snapshot and momentum, sharded like the optimizer state:
   `zero.memory.outer_state_bytes`; int4's error buffers, `outer.traffic.error_buffer_bytes`)
-  and the peak one fragment's sync adds (`outer.traffic.sync_peak_bytes`), on top of the
-  island's: what `DiLoCoEngine.expected_bytes` and `expected_sync_peak_bytes` count.
+  and the peak one fragment's sync adds (`outer.traffic.sync_peak_bytes`, or a moment's
+  averaging, `moment_peak_bytes`, when larger), on top of the island's: what
+  `DiLoCoEngine.expected_bytes` and `expected_sync_peak_bytes` count.
+
+A row prices a step of the islands' phase: with `outer.start_iter` S the first S steps are the
+synchronous job's (the synchronous table's row of the run's strategy), so a run's mean step is
+(S x that + (T - S) x the row's) / T; the rows themselves and the choice among them do not
+depend on S (only which H can still sync before the run ends does).
 
 Recommendation (`recommend`): among the rows that fit and whose exposed outer time is at most
 `LINK_BUDGET` of the inner step, the smallest H (the closest to synchronous training: DiLoCo's
@@ -41,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megazpp.outer import traffic as outer_traffic
+from megazpp.outer.fragments import first_sync_after
 from megazpp.outer.settings import QUANTIZE, OuterOptions
 from megazpp.planner.cluster import GIB, Cluster
 from megazpp.planner.cost import StagePrediction, layout, stage_padded
@@ -66,24 +77,42 @@ class OuterChoice:
     fragments: int
     overlap_steps: int
     quantize: str
+    # the user's (the planner prices them, never picks them): the inner moments averaged
+    # across islands every k-th sync of a fragment (0: never)
+    exp_avg_every: int = 0
+    exp_avg_sq_every: int = 0
 
     @classmethod
     def of(cls, options: OuterOptions) -> OuterChoice:
         """The setting a run's resolved `outer` section stands for."""
-        return cls(options.island_nodes, options.sync_every, options.fragments, options.overlap_steps, options.quantize)
+        o = options
+        return cls(
+            o.island_nodes, o.sync_every, o.fragments, o.overlap_steps, o.quantize, o.exp_avg_every, o.exp_avg_sq_every
+        )
+
+    @property
+    def moment_every(self) -> tuple[int, ...]:
+        """The periods of the moments averaged (`outer.traffic.per_step`)."""
+        return tuple(k for k in (self.exp_avg_every, self.exp_avg_sq_every) if k)
 
     @property
     def name(self) -> str:
+        moments = f" moments {self.exp_avg_every}/{self.exp_avg_sq_every}" if self.moment_every else ""
         return (
-            f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}, "
+            f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}{moments}, "
             f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}"
         )
 
     def flags(self) -> str:
+        moments = (
+            f" --outer-exp-avg-every {self.exp_avg_every} --outer-exp-avg-sq-every {self.exp_avg_sq_every}"
+            if self.moment_every
+            else ""
+        )
         return (
             f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
             f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
-            f"{self.overlap_steps} --outer-quantize {self.quantize}"
+            f"{self.overlap_steps} --outer-quantize {self.quantize}{moments}"
         )
 
 
@@ -186,8 +215,14 @@ def outer_stage(
     parameter tensors in bucket order (a rank's fragment is its os shard's share of a run)."""
     div = level_div(strategy.optimizer_state, dp_size, group_size)
     frags = [n // div for n in fragment_numels(tensors, choice.fragments)]
-    moved = outer_traffic.per_step(frags, islands, choice.quantize, choice.sync_every)
+    moved = outer_traffic.per_step(frags, islands, choice.quantize, choice.sync_every, moment_every=choice.moment_every)
     calls_s = outer_traffic.sync_calls(islands) * (islands - 1) * cluster.inter_latency
+    # each fragment's moments, averaged at 1 / k of its syncs, blocking
+    moments_s = sum(
+        (calls_s + outer_traffic.moment_sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank) / k
+        for n in frags
+        for k in choice.moment_every
+    )
     sync_s = tuple(
         calls_s + outer_traffic.sync_bytes(n, islands, choice.quantize)[1] / cluster.inter_bw_per_rank for n in frags
     )
@@ -209,13 +244,19 @@ def outer_stage(
         )
     else:
         link = sum(sync_s) / h
+    link += moments_s / h
     # the snapshot and momentum, int4's error buffers, and the sync's peak (one fragment in
     # flight: the planner's overlap is at most one step), as DiLoCoEngine.expected_bytes and
     # expected_sync_peak_bytes count them
     state = (
         memory.outer_state_bytes(strategy, padded, dp_size, group_size, fp32_copies=2)
         + (sum(outer_traffic.error_buffer_bytes(n, islands) for n in frags) if choice.quantize == "int4" else 0)
-        + max(outer_traffic.sync_peak_bytes(n, islands, choice.quantize) for n in frags)
+        + max(
+            max(outer_traffic.sync_peak_bytes(n, islands, choice.quantize) for n in frags),
+            max(outer_traffic.moment_peak_bytes(n, islands, choice.quantize) for n in frags)
+            if choice.moment_every
+            else 0,
+        )
     )
     return OuterStage(moved, sync_s, republish, link + len(frags) * republish / h, state)
 
@@ -342,8 +383,8 @@ def plan_two_level(
     """Every island size, H, fragment count, overlap and outer quantization on the island's
     fastest fitting synchronous option (the next fastest where the outer state does not fit).
     Fragments are at most H and at most the stage's layers, and the first sync lands within the
-    run's `train_iters` (H + tau at most that, or the islands never meet): the runtime's limits
-    (`config.checks`)."""
+    run's `train_iters` (H + tau at most that, or the islands never meet; counted from
+    `outer.start_iter` when the islands start later): the runtime's limits (`config.checks`)."""
     rows: list[TwoLevelPrediction] = []
     island_plans: dict[int, Plan] = {}
     for nodes in island_sizes(cluster):
@@ -358,7 +399,8 @@ def plan_two_level(
         for h in SYNC_EVERY:
             for q in QUANTIZE:
                 for tau in OVERLAP_STEPS:
-                    if workload.train_iters is not None and h + tau > workload.train_iters:
+                    landing = first_sync_after(workload.start_iter, h, tau)
+                    if workload.train_iters is not None and landing > workload.train_iters:
                         continue
                     for f in (f for f in FRAGMENTS if f <= h):
                         choice = OuterChoice(nodes, h, f, tau, q)

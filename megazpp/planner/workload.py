@@ -12,6 +12,7 @@ from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.trainable import trainable_fraction
+from megazpp.optim.options import ADAMW_STATE
 from megazpp.planner.cluster import Cluster
 from megazpp.zero.units import bucket_bound
 
@@ -26,6 +27,7 @@ class Workload:
     param_bytes: int = 2  # model dtype (bf16 / fp16: 2, fp32: 4)
     fp16: bool = False  # fp16 with loss scaling (LoCo then keeps a copy for skipped steps)
     accum_bytes: int = 4  # gradient accumulation dtype
+    optimizer_states: int = len(ADAMW_STATE)  # fp32 state tensors per parameter (`OptimizerOptions.state_names`)
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     flash_attention: bool = True
@@ -40,6 +42,7 @@ class Workload:
     hierarchical: str = "auto"  # zero.hierarchical: two-stage G collectives (auto / always / never)
     persistence_threshold: int = 0  # zero.stage3_param_persistence_threshold
     train_iters: int | None = None  # the run's length: no two-level option whose first sync lands after it
+    start_iter: int = 0  # outer.start_iter: the islands start there (their first sync is counted from it)
 
     def dp(self, cluster: Cluster) -> int:
         if cluster.world_size % (self.tp * self.pp):
@@ -89,6 +92,7 @@ def workload_of_config(cfg: Config) -> Workload:
         param_bytes=DTYPE_BYTES[dtype],
         fp16=prec.fp16,
         accum_bytes=DTYPE_BYTES[prec.grad_accum_dtype],
+        optimizer_states=len(cfg.optimizer.state_names),
         activation_checkpointing=cfg.model.activation_checkpointing,
         sequence_parallel=par.sequence_parallel,
         paro_group_size=z.paro_group_size,
@@ -102,4 +106,5 @@ def workload_of_config(cfg: Config) -> Workload:
         persistence_threshold=z.stage3_param_persistence_threshold,
         trainable_fraction=trainable_fraction(cfg.model, t.trainable),
         train_iters=t.train_iters,
+        start_iter=cfg.outer.start_iter,
     )

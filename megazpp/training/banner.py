@@ -14,10 +14,17 @@ from megazpp.config.schema import Config
 from megazpp.model.flops import parameter_count, parameter_text
 from megazpp.model.trainable import trainable_fraction
 from megazpp.optim.engine_protocol import Engine
+from megazpp.optim.options import OptimizerOptions
 from megazpp.outer.diloco import TwoLevelEngine
+from megazpp.outer.fragments import first_sync_after
+from megazpp.outer.traffic import moment_wire
 from megazpp.parallel.topology import Topology
 from megazpp.training.startup import Startup
 from megazpp.zero.inner_engine import ShardedEngine
+
+
+def _optimizer(o: OptimizerOptions) -> str:
+    return f"sgd (momentum {o.sgd_momentum:g})" if o.name == "sgd" else "adamw"
 
 
 def _strategy(cfg: Config, engine: Engine) -> str:
@@ -87,6 +94,20 @@ def _trains(cfg: Config) -> str:
 WIRE = {"none": "fp32 (uncompressed)", "bf16": "bf16"}  # the outer gradients' wire, in words
 
 
+def _synchronous_phase(cfg: Config, topology: Topology, engine: Engine) -> list[str]:
+    """Before `outer.start_iter` the engine is the synchronous one: when the islands start."""
+    o = cfg.outer
+    if not o.enabled or isinstance(engine, TwoLevelEngine):
+        return []
+    islands = topology.num_nodes // o.island_nodes
+    return [
+        f"two-level from iteration {o.start_iter} (outer.start_iter): synchronous over all {topology.dp} DP "
+        f"ranks until then (the strategy above), then {islands} islands of {o.island_nodes} node(s), DiLoCo "
+        f"every {o.sync_every} inner steps, the first outer sync landing at iteration "
+        f"{first_sync_after(o.start_iter, o.sync_every, o.overlap_steps)}; the switch is logged"
+    ]
+
+
 def _two_level(engine: Engine) -> list[str]:
     """The island layout and the outer step, when two-level training is on: every outer setting
     that changes what a sync does, in words (not "none outer gradients")."""
@@ -106,13 +127,27 @@ def _two_level(engine: Engine) -> list[str]:
         )
     else:
         applied = "each exchange applied at once (no overlap)"
+    every = {name: k for name, k in o.averaged_state.items() if k}
+    moments = (
+        "; the inner optimizer's "
+        + ", ".join(f"{name} averaged across islands every {k} syncs" for name, k in every.items())
+        + f" (blocking, in {'fp32' if moment_wire(o.quantize) == 'none' else 'bf16'})"
+        if every
+        else "; the inner optimizer's state kept per island"
+    )
     warmup = f" (reached after {o.warmup_syncs} syncs ramping from plain averaging)" if o.warmup_syncs else ""
     return [
         f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
         f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
         f"{o.momentum:g}{warmup}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
-        f"per rank every {o.sync_every} steps"
+        f"per rank every {o.sync_every} steps{moments}"
+        + (f"; synchronous over all ranks before iteration {o.start_iter} (outer.start_iter)" if o.start_iter else "")
     ]
+
+
+def engine_lines(cfg: Config, engine: Engine) -> list[str]:
+    """What the banner says of the data-parallel engine (and the switch, of the islands')."""
+    return [f"data-parallel optimizer: {_strategy(cfg, engine)}", *_two_level(engine)]
 
 
 def banner(
@@ -141,12 +176,12 @@ def banner(
         f"parameters, {precision}{_trains(cfg)}",
         f"layout: world {topology.world_size} = tp {topology.tp} x pp {topology.pp} x dp "
         f"{topology.dp}; {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks",
-        f"data-parallel optimizer: {_strategy(cfg, engine)}",
-        *_two_level(engine),
+        *engine_lines(cfg, engine),
+        *_synchronous_phase(cfg, topology, engine),
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {topology.dp} "
         f"x {cfg.num_micro_batches(topology.world_size)} accumulation; {t.train_iters} steps, "
         f"warmup {t.lr_warmup_iters}, lr {cfg.optimizer.lr:g} {t.lr_decay_style} to "
-        f"{cfg.optimizer.min_lr:g}",
+        f"{cfg.optimizer.min_lr:g}, {_optimizer(cfg.optimizer)}",
         f"data: {' '.join(cfg.data.data_path)} (split {cfg.data.split}): {sizes}",
         f"checkpoints: {saving}; TensorBoard: {cfg.logging.tensorboard_dir or 'off'}",
         f"start: {start.load.why}",

@@ -8,7 +8,10 @@ One iteration, top to bottom:
   4. advance the lr schedule only if the update was applied, count the consumed samples;
   5. check the step's numerics (`numerics.NumericsMonitor`): a non-finite step was skipped
      by the engine; `max_bad_steps` of them in a row stop the run with NumericalError;
-  6. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
+  6. in a two-level run with `outer.start_iter` S, after step S (logged and checked): the
+     synchronous engine's state moves onto the islands' engine (`start_iter.IslandSwitch`),
+     which the rest of the run (this step's evaluation and save included) uses;
+  7. log (with the step's communication bytes from `megazpp.parallel.counter`), evaluate,
      save and exit at their intervals, or save and stop early when a rank got SIGTERM /
      SIGINT or `exit_duration_in_mins` has passed (`stopping.py`; the ranks agree each
      step); never save right after a bad step or weights that are not finite.
@@ -43,6 +46,7 @@ from megazpp.training.forward_backward import MicroBatch, forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.lr_schedule import LRSchedule
 from megazpp.training.numerics import NumericsMonitor
+from megazpp.training.start_iter import IslandSwitch
 from megazpp.training.stopping import NO_STOP, SIGNAL, StopRequests
 
 ForwardBackward = Callable[..., list[torch.Tensor]]
@@ -89,10 +93,13 @@ class Trainer:
         *,
         forward_backward_fn: ForwardBackward = forward_backward,
         checkpoints: CheckpointManager | None = None,
+        switch: IslandSwitch | None = None,
     ) -> None:
         """`checkpoints`: the run's loads and saves (pretrain_gpt's, which carries the load plan
         and the frozen base adapters-only saves record); by default one that only saves.
-        `options`: the run's checked options, the global batch and warmup resolved."""
+        `options`: the run's checked options, the global batch and warmup resolved. `switch`:
+        `engine` is the synchronous phase of a two-level run (`outer.start_iter`), replaced by
+        the islands' engine after the step the switch is due at."""
         cfg = options.config
         self.model, self.engine, self.topology = model, engine, topology
         self.training, self.saving = options.training, cfg.checkpoint  # resolved, checked once
@@ -100,6 +107,7 @@ class Trainer:
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
+        self.switch = switch
         t = options.training
         self.num_micro_batches = options.micro_batches
         self.global_batch_size = options.global_batch_size
@@ -183,6 +191,8 @@ class Trainer:
                     f"iter {self.iteration:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.scalars.items())
                 )
             bad = self._check_numerics(loss if losses else None, result, history)
+            if self.switch is not None and self.switch.due(self.iteration):
+                self._switch_engine(self.switch)  # before the step's evaluation and save: both see the islands
 
             self.logger.pause_clock()
             faults.maybe_signal(self.iteration, self.topology.rank)
@@ -211,6 +221,17 @@ class Trainer:
             if exiting:
                 break
         return history
+
+    def _switch_engine(self, switch: IslandSwitch) -> None:
+        """Collective: the synchronous engine's state onto the islands (`start_iter`); its last
+        reference is dropped here, so its memory is freed before the islands' engine is built.
+        The switch's traffic is no step's (the loop's next `counter.end_step` drops it)."""
+        part = switch.release(self.engine)
+        del self.engine
+        self.engine, lines = switch.build(part)
+        self.switch = None
+        for line in lines:
+            self.logger.info(line)
 
     def _agreed_stop(self, stop: StopRequests) -> int:
         """This step's stop decision, the same on every rank: the largest rank's code (one

@@ -38,13 +38,14 @@ def build_zero_engine(
     `counts_in_norm` as for LocalEngine (the pipeline's rule that skips a tied duplicate).
     `paro_strategy: auto` asks the planner (collective: every rank gets rank 0's choice) to pick
     among the strategies `options.zero` allows, and so does `hierarchical: auto`: the engine gets
-    the planner's per-kind decision as data. With `options.outer` (two-level training,
-    `topology` an island view) auto prices each island option as the two-level job it makes.
+    the planner's per-kind decision as data. With `topology` an island view (two-level
+    training's islands) auto prices each island option as the two-level job it makes; over all
+    DP ranks (the synchronous phase before `outer.start_iter` too) as a synchronous job.
     The planner reads the whole checked config (the model's shapes and the workload)."""
     cfg, zero = options.config, options.zero
     cluster = None
     if isinstance(zero.strategy, PlannerChoice):
-        choice = auto_strategy(model, cfg, topology, cfg.planner, zero, options.outer)
+        choice = auto_strategy(model, cfg, topology, cfg.planner, zero, options.outer if topology.islands > 1 else None)
         cluster = choice.cluster
         zero = zero.chosen(choice.strategy)
     if zero.hierarchical == "auto":

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from megazpp.optim.options import OptimizerOptions
 from megazpp.parallel.topology import Topology
 from megazpp.parallel.wire import GroupShape
 from megazpp.zero import memory, sequences, traffic
@@ -35,6 +36,7 @@ class AccountedEngine(Protocol):
     buckets: list[Bucket]
     frozen: list[Bucket]
     optimizer: torch.optim.Optimizer
+    optimizer_options: OptimizerOptions
     paths: CommPaths
     param_dtype: torch.dtype
     accum_dtype: torch.dtype
@@ -56,8 +58,8 @@ def held_bytes(e: AccountedEngine) -> memory.StateBytes:
     optim = 0
     for b in e.buckets:
         for m in b.masters:
-            moments = e.optimizer.state.get(m.param, {})
-            optim += nbytes(m.param) + sum(nbytes(moments[k]) for k in ("exp_avg", "exp_avg_sq") if k in moments)
+            state = e.optimizer.state.get(m.param, {})
+            optim += nbytes(m.param) + sum(nbytes(state[k]) for k in e.optimizer_options.state_names if k in state)
     return memory.StateBytes(params, grads, optim, e.paths.state_nbytes())
 
 
@@ -70,6 +72,7 @@ def expected_bytes(e: AccountedEngine) -> memory.StateBytes:
         e.param_dtype.itemsize,
         e.accum_dtype.itemsize,
         e.persistent,
+        len(e.optimizer_options.state_names),
     )
     extra = memory.zeropp_state_bytes(
         e.padded_numels(), e.shapes, e.hier, e.zeropp, e.param_dtype.itemsize, e.strategy, e.persistent

@@ -2,7 +2,8 @@
 per-parameter state (another DP size or strategy) by this engine's layout.
 
 Why apart from the engine: the engine runs a step; this file knows how its buckets, masters
-and AdamW moments are laid out on disk and how a reader places them without an engine.
+and optimizer state (AdamW's moments, SGD's momentum buffer) are laid out on disk and how a
+reader places them without an engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from megazpp.errors import CheckpointError
 from megazpp.optim.loss_scaler import LossScaler
+from megazpp.optim.optimizer import OPTIMIZER_NAME_KEY, check_same_optimizer
+from megazpp.optim.options import OptimizerOptions
 from megazpp.parallel.topology import Topology
 from megazpp.state import StateDict
 from megazpp.zero.bucket import Bucket
@@ -37,14 +40,16 @@ class CheckpointedEngine(Protocol):
     buckets: list[Bucket]
     frozen: list[Bucket]
     optimizer: torch.optim.Optimizer
+    optimizer_options: OptimizerOptions
     scaler: LossScaler | None
     fetcher: ParamFetcher | None
     param_dtype: torch.dtype
     paths: CommPaths
 
 
-# `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, Adam
-# moments) rather than one rank's shards: what resharding across DP sizes / strategies feeds in
+# `load_state_dict` input holding full tensors by parameter name (params, fp32 masters, the
+# optimizer's state tensors) rather than one rank's shards: what resharding across DP sizes /
+# strategies feeds in
 FULL_STATE_FORMAT = "megazpp.zero.full_state.v1"
 
 
@@ -58,7 +63,7 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> StateD
     """This rank's state, plus what a reader needs to place it without this engine: each
     bucket's layout (global names, shapes, flat offsets) and the [start, end) ranges of
     the bucket's unpermuted flat buffer that each saved tensor covers, and which (bucket,
-    master piece) each AdamW state entry belongs to (`optimizer_slots`). Without `frozen` the
+    master piece) each optimizer state entry belongs to (`optimizer_slots`). Without `frozen` the
     frozen buckets are left out (an adapters-only checkpoint)."""
     held = held_buckets(engine, frozen)
     return {
@@ -70,6 +75,7 @@ def engine_state_dict(engine: CheckpointedEngine, frozen: bool = True) -> StateD
         FROZEN_SAVED_KEY: frozen,
         "buckets": [{**b.state_dict(), **_placement(engine, b)} for b in held],
         "optimizer": engine.optimizer.state_dict(),
+        OPTIMIZER_NAME_KEY: engine.optimizer_options.name,
         "optimizer_slots": [list(slot) for slot in _optimizer_slots(engine)],
         "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
     }
@@ -89,7 +95,7 @@ def _placement(engine: CheckpointedEngine, b: Bucket) -> StateDict:
 
 
 def _optimizer_slots(engine: CheckpointedEngine) -> list[tuple[int, int]]:
-    """(bucket index, master index) of each AdamW parameter, in the optimizer's order."""
+    """(bucket index, master index) of each optimizer parameter, in the optimizer's order."""
     slots = {id(m.param): (i, j) for i, b in enumerate(engine.buckets) for j, m in enumerate(b.masters)}
     return [slots[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
 
@@ -98,6 +104,7 @@ def load_engine_state(engine: CheckpointedEngine, state: StateDict) -> None:
     """This rank's own saved state (same layout: restored bit for bit), or a full per-
     parameter state (`FULL_STATE_FORMAT`, made by `megazpp.checkpoint.reshard` from every rank
     file of a checkpoint saved under another DP size or strategy), cut by this layout."""
+    check_same_optimizer(state.get(OPTIMIZER_NAME_KEY), engine.optimizer_options, "ZeRO checkpoint")
     if engine.fetcher is not None:
         engine.fetcher.release_all()
     if state.get("format") == FULL_STATE_FORMAT:
@@ -157,7 +164,7 @@ def _load_full_state(engine: CheckpointedEngine, state: StateDict) -> None:
     """Cut full per-parameter tensors by this engine's layout. LoCo's error buffers are in
     the coordinates of the layout that wrote them and are zeroed (see docs/arch/interop.md)."""
     s = engine.strategy
-    moments = [k for k in ("exp_avg", "exp_avg_sq") if state.get(k) is not None]
+    kinds = [k for k in engine.optimizer_options.state_names if state["optimizer_state"].get(k)]
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     reset = []
     with torch.no_grad():
@@ -170,13 +177,14 @@ def _load_full_state(engine: CheckpointedEngine, state: StateDict) -> None:
             b.grad_acc.zero_()
             os_lo, _ = b.layout.shard_range(s.optimizer_state)
             masters = _flat(b, state["masters"], "fp32 master", torch.float32)
-            cut = {k: _flat(b, state[k], k, torch.float32) for k in moments}
+            cut = {k: _flat(b, state["optimizer_state"][k], k, torch.float32) for k in kinds}
+            step = state["optimizer_step"]
             for m in b.masters:
                 a, z = os_lo + m.start, os_lo + m.end
                 m.param.copy_(masters[a:z])
-                if moments:
+                if kinds:
                     per_param[id(m.param)] = {
-                        "step": state["adam_step"].clone(),
+                        **({"step": step.clone()} if step is not None else {}),
                         **{k: v[a:z].clone() for k, v in cut.items()},
                     }
             for v in b.extra_state.values():

@@ -57,9 +57,12 @@ class InnerEngine(Engine, ShardedEngine, Protocol):
         ranges a fragment may cut and the norms' weights."""
         ...
 
-    def moments(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """AdamW's (exp_avg, exp_avg_sq) of each master, in `masters()` order (None before the
-        first step): the inner optimizer's state, to be averaged across islands like the masters."""
+    def moments(self) -> list[dict[str, torch.Tensor]]:
+        """The inner optimizer's per-element state of each master, in `masters()` order: its
+        state name -> a tensor of the master's shape (AdamW's "exp_avg" and "exp_avg_sq", an
+        SGD's "momentum_buffer"; scalars such as Adam's step count left out), written in place
+        when averaged across islands (`outer.exp_avg_every`); empty before the optimizer's
+        first step made it. By name, so the outer loop is the same over any inner optimizer."""
         ...
 
     def held_bytes(self) -> memory.StateBytes: ...

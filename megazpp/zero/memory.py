@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from megazpp.optim.options import ADAMW_STATE
 from megazpp.zero.sequences import DPShapes, Hierarchy, qgz_sequence
 from megazpp.zero.strategy import Level, Strategy, level_div
 from megazpp.zero.zeropp import ZeroPP
 
-ADAM_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + fp32 exp_avg + fp32 exp_avg_sq
+
+def optimizer_bytes_per_element(optimizer_states: int) -> int:
+    """Bytes per os-shard element: the fp32 master and the optimizer's fp32 state tensors
+    (`OptimizerOptions.state_names`: AdamW 2, so 12 bytes; SGD 1 with momentum, 0 without)."""
+    return 4 * (1 + optimizer_states)
 
 
 @dataclass(frozen=True)
@@ -33,16 +38,24 @@ class StateBytes:
 
 
 def state_bytes(
-    s: Strategy, padded_numels: Iterable[int], d: int, k: int, param_bytes: int, accum_bytes: int, persistent: int = 0
+    s: Strategy,
+    padded_numels: Iterable[int],
+    d: int,
+    k: int,
+    param_bytes: int,
+    accum_bytes: int,
+    persistent: int = 0,
+    optimizer_states: int = len(ADAMW_STATE),
 ) -> StateBytes:
-    """Parameters at p (model dtype), gradient accumulators at g, fp32 master + Adam at os; the
-    last `persistent` buckets hold their parameters whole (`units.split_persistent`)."""
+    """Parameters at p (model dtype), gradient accumulators at g, fp32 master + the optimizer's
+    `optimizer_states` fp32 state tensors at os; the last `persistent` buckets hold their
+    parameters whole (`units.split_persistent`)."""
     params = grads = optim = 0
     numels = list(padded_numels)
     for i, n in enumerate(numels):
         params += n // level_div(Level.N if i >= len(numels) - persistent else s.params, d, k) * param_bytes
         grads += n // level_div(s.grads, d, k) * accum_bytes
-        optim += n // level_div(s.optimizer_state, d, k) * ADAM_STATE_BYTES_PER_ELEMENT
+        optim += n // level_div(s.optimizer_state, d, k) * optimizer_bytes_per_element(optimizer_states)
     return StateBytes(params, grads, optim)
 
 

@@ -6,7 +6,7 @@ One step, top to bottom:
    when a bucket is complete its reduction to level g starts asynchronously;
 2. `step()`: finish the reductions, take every bucket from level g to the full sum at level
    os (`sequences.boundary_sequence`), compute the global gradient norm over the os shards,
-   unscale (fp16) and clip, run AdamW on the fp32 master pieces, and refresh parameters at
+   unscale (fp16) and clip, run the optimizer (AdamW or SGD) on the fp32 master pieces, and refresh parameters at
    level p from the updated os shard (`sequences.param_sync_sequence`).
 With p sharded, `param_fetch.ParamFetcher` gathers and releases parameter units around each
 module's forward and backward. Every collective comes from `sequences`, so the bytes the
@@ -29,7 +29,7 @@ from megazpp.errors import ConfigError
 from megazpp.optim.engine_protocol import ScaledOptimizerEngine, StepResult
 from megazpp.optim.grad_norm import clip_by_norm_, global_grad_norm
 from megazpp.optim.loss_scaler import scaler_for
-from megazpp.optim.optimizer import build_adamw
+from megazpp.optim.optimizer import build_optimizer
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
 from megazpp.parallel.tensor_parallel import param_is_tp_sharded
 from megazpp.parallel.topology import Topology
@@ -136,7 +136,8 @@ class ZeroEngine(ScaledOptimizerEngine):
             },
             {"params": [m.param for b in self.buckets for m in b.masters if not m.decays], "weight_decay": 0.0},
         ]
-        self.optimizer = build_adamw([g for g in groups if g["params"]], optimizer)
+        self.optimizer_options = optimizer
+        self.optimizer = build_optimizer([g for g in groups if g["params"]], optimizer)
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.fetcher: ParamFetcher | None = None
@@ -412,9 +413,12 @@ class ZeroEngine(ScaledOptimizerEngine):
     def masters(self) -> list[torch.Tensor]:
         return [m.param.data for b in self.buckets for m in b.masters]
 
-    def moments(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        state = [self.optimizer.state.get(m.param, {}) for b in self.buckets for m in b.masters]
-        return [(s["exp_avg"], s["exp_avg_sq"]) if "exp_avg" in s else None for s in state]
+    def moments(self) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = []
+        for m in (m for b in self.buckets for m in b.masters):
+            state = self.optimizer.state.get(m.param, {})
+            out.append({k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == m.param.shape})
+        return out
 
     def shard_map(self) -> ShardMap:
         return shard_map(self.buckets, self.strategy.optimizer_state, self.groups)
