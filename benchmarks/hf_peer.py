@@ -9,6 +9,7 @@ benchmark batch before any update must equal megazpp's to within rounding.
 from __future__ import annotations
 
 import importlib.util
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def hf_peer(model: GPTModel, cfg: ModelConfig) -> nn.Module:
     peer = peer.to(device=weight.device, dtype=weight.dtype).train()  # type: ignore[call-arg]
     if cfg.activation_checkpointing:
         peer.gradient_checkpointing_enable()
-    return peer
+    return cast(nn.Module, peer)  # transformers' model, typed Any through that decorator
 
 
 def peer_loss(peer: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,18 @@ def _same(got: object, want: object) -> str:
     return ""
 
 
+def _case(op: str, *args: object) -> Callable[[], str]:
+    """Triton's `op` on CUDA copies of the tensor arguments against the reference's `op` on host
+    copies: each side gets its own (the LoCo kernels update their error feedback in place)."""
+
+    def run() -> str:
+        on_gpu = [a.clone().cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        on_host = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        return _same(getattr(triton_ops, op)(*on_gpu), getattr(reference, op)(*on_host))
+
+    return run
+
+
 def cases() -> list[tuple[str, Callable[[], str]]]:
     """(label, run) for every case; run returns '' or what differs."""
     out: list[tuple[str, Callable[[], str]]] = []
@@ -64,75 +76,46 @@ def cases() -> list[tuple[str, Callable[[], str]]]:
         for bits in (4, 8):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = base.clamp(-6e4, 6e4).to(dtype)
-                out.append(
-                    (
-                        f"quantize int{bits} {dtype} block {block}",
-                        lambda x=x, bits=bits, block=block: _same(
-                            triton_ops.quantize(x.cuda(), bits, block), reference.quantize(x, bits, block)
-                        ),
-                    )
-                )
+                out.append((f"quantize int{bits} {dtype} block {block}", _case("quantize", x, bits, block)))
             codes, scales = reference.quantize(base, bits, block)
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 out.append(
                     (
                         f"dequantize int{bits} -> {dtype} block {block}",
-                        lambda c=codes, s=scales, bits=bits, block=block, numel=numel, dtype=dtype: _same(
-                            triton_ops.dequantize(c.cuda(), s.cuda(), bits, block, numel, dtype),
-                            reference.dequantize(c, s, bits, block, numel, dtype),
-                        ),
+                        _case("dequantize", codes, scales, bits, block, numel, dtype),
                     )
                 )
             err = inputs(-(-numel // block) * block, block, seed=block + 1) * 1e-2
-            out.append(
-                (
-                    f"loco_quantize int{bits} block {block}",
-                    lambda err=err, bits=bits, block=block, x=base: _same(
-                        triton_ops.loco_quantize(x.cuda(), err.clone().cuda(), 0.8, block, bits),
-                        reference.loco_quantize(x, err.clone(), 0.8, block, bits),
-                    ),
-                )
-            )
+            out.append((f"loco_quantize int{bits} block {block}", _case("loco_quantize", base, err, 0.8, block, bits)))
             for parts in (2, 4):
                 quantized = [
                     reference.quantize(inputs(5 * block, block, seed=31 * p + bits), bits, block) for p in range(parts)
                 ]
-                stacked = (torch.stack([c for c, _ in quantized]), torch.stack([s for _, s in quantized]))
+                st = (torch.stack([c for c, _ in quantized]), torch.stack([s for _, s in quantized]))
                 out.append(
                     (
                         f"dequant_reduce {parts} x int{bits} -> fp32 block {block}",
-                        lambda st=stacked, bits=bits, block=block, numel=numel: _same(
-                            triton_ops.dequant_reduce(st[0].cuda(), st[1].cuda(), bits, block, numel),
-                            reference.dequant_reduce(st[0], st[1], bits, block, numel),
-                        ),
+                        _case("dequant_reduce", st[0], st[1], bits, block, numel),
                     )
                 )
                 for out_bits in (4, 8):
                     out.append(
                         (
                             f"dequant_reduce {parts} x int{bits} -> int{out_bits} block {block}",
-                            lambda st=stacked, bits=bits, block=block, ob=out_bits: _same(
-                                triton_ops.dequant_reduce_quantize(st[0].cuda(), st[1].cuda(), bits, block, ob),
-                                reference.dequant_reduce_quantize(st[0], st[1], bits, block, ob),
-                            ),
+                            _case("dequant_reduce_quantize", st[0], st[1], bits, block, out_bits),
                         )
                     )
                 err = inputs(5 * block, block, seed=parts) * 1e-2
                 out.append(
                     (
                         f"dequant_reduce + LoCo {parts} x int{bits} -> int4 block {block}",
-                        lambda st=stacked, bits=bits, block=block, err=err: _same(
-                            triton_ops.dequant_reduce_loco_quantize(
-                                st[0].cuda(), st[1].cuda(), bits, block, err.clone().cuda(), 0.8
-                            ),
-                            reference.dequant_reduce_loco_quantize(st[0], st[1], bits, block, err.clone(), 0.8),
-                        ),
+                        _case("dequant_reduce_loco_quantize", st[0], st[1], bits, block, err, 0.8),
                     )
                 )
     bad = inputs(4096, 256, seed=5)
     bad[1234] = float("inf")
     for label, x in (("finite", inputs(4096, 256, seed=4)), ("with inf", bad)):
-        out.append((f"all_finite {label}", lambda x=x: _same(triton_ops.all_finite(x.cuda()), reference.all_finite(x))))
+        out.append((f"all_finite {label}", _case("all_finite", x)))
     return out
 
 

@@ -40,7 +40,7 @@ class Geometry:
     warps: int
 
     def rows(self, block_size: int) -> int:
-        return max(1, self.elements // triton.next_power_of_2(block_size))
+        return max(1, self.elements // int(triton.next_power_of_2(block_size)))
 
     def launch_options(self, block_size: int) -> dict[str, int | bool]:
         """Constexprs and launch options of one launch (fp fusion off: one rounding per op)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from megazpp.errors import ConfigError
+
 T = TypeVar("T")
 
 RESOLVED = "resolved"  # metadata: filled by the config check from other sections, never a key
@@ -38,3 +40,10 @@ def keys(section: Any) -> list[dataclasses.Field[Any]]:
 def help_of(f: dataclasses.Field[Any]) -> str:
     """A key's help line ('' when it has none: a test requires one for every key)."""
     return str(f.metadata.get("help", ""))
+
+
+def require_positive(key: str, value: int | float | None) -> None:
+    """Refuse a set value that is not > 0, naming its key (`training.train_iters`); None passes
+    (a key whose absence means "derive it" or "off")."""
+    if value is not None and not value > 0:
+        raise ConfigError(f"{key} = {value!r}: expected a value > 0")

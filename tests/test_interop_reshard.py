@@ -166,7 +166,7 @@ def test_reshard_refuses_other_tensor_parallel_layout(tiny_indexed_prefix, tmp_p
         ffn_hidden_size=64,
         vocab_size=128,
         seq_length=16,
-    ).validate()
+    )
     path = write_weights_checkpoint(tmp_path / "tp2", cfg, GPTModel(cfg).state_dict(), tp=2, pp=1)
     topology = Topology.from_env(1, 1)
     with pytest.raises(CheckpointError, match="tp 2"):

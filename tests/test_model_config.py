@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megazpp.config.checks import validate_config
+from megazpp.config.schema import Config
 from megazpp.errors import ConfigError
 from megazpp.model.config import ModelConfig
 from megazpp.model.flops import matmul_weights_per_token, parameter_count, training_flops_per_token
 from megazpp.model.gpt import GPTModel
 from megazpp.model.init import normal_init, scaled_std
+from megazpp.parallel.options import ParallelOptions
 
 BAD = [
     (dict(arch="bert"), "model.arch = 'bert'"),
@@ -36,7 +39,7 @@ BAD = [
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m[:30] for _, m in BAD])
 def test_bad_config_is_rejected_with_its_message(kwargs, message):
     with pytest.raises(ConfigError) as info:
-        ModelConfig(**kwargs).validate()
+        ModelConfig(**kwargs)
     assert message in str(info.value)
 
 
@@ -47,6 +50,10 @@ def test_bad_layer_range_and_unimplemented_combinations_are_rejected():
     moe = ModelConfig(num_experts=2, moe_top_k=1)
     with pytest.raises(ConfigError, match="sequence parallelism"):
         GPTModel(moe, sequence_parallel=True)
+    # the job's config check refuses it once, before any rank starts (parallel.topology.check_model_split)
+    two_way = ParallelOptions(tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="sequence parallelism with model.num_experts > 0"):
+        validate_config(Config(model=moe, parallel=two_way), world_size=2)
     with pytest.raises(ConfigError, match="moe_aux_loss_coeff: 0"):
         GPTModel(moe, post_process=False, layer_range=(0, 1))
     with pytest.raises(ConfigError, match="longer than model.seq_length = 128"):

@@ -80,7 +80,7 @@ GIVEN = PlannerSettings(accelerator_memory_gib=0.0003, achievable_tflops=0.01, i
 def _config() -> Config:
     cfg = Config()
     cfg.model = ModelConfig(**TINY_LLAMA)
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = MICRO, MICRO * 4 * 2
+    cfg.training = dataclasses.replace(cfg.training, micro_batch_size=MICRO, global_batch_size=MICRO * 4 * 2)
     cfg.zero = ZeroOptions(reduce_bucket_size=BUCKET)
     return cfg
 
@@ -258,7 +258,7 @@ def test_hierarchical_auto_on_an_island_prices_the_islands_share_of_the_batch(mo
     micro-batches per step, not the 4 that the whole job's batch over one island's ranks gives."""
     cfg = Config()
     cfg.model = ModelConfig(**TINY_LLAMA)
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 32
+    cfg.training = dataclasses.replace(cfg.training, micro_batch_size=2, global_batch_size=32)
     island = Topology(
         rank=0, world_size=4, tp=1, pp=1, dp=4, ranks_per_node=2, islands=2,
         dp_ranks=[0, 1, 2, 3], dp_intra_ranks=[0, 1], dp_inter_ranks=[0, 2],

@@ -30,7 +30,7 @@ def tiny_llama() -> GPTModel:
         seq_length=16,
         init_seed=7,
     )
-    return GPTModel(cfg.validate())
+    return GPTModel(cfg)
 
 
 def test_gradient_accumulation_equals_one_large_batch():

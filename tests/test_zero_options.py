@@ -177,7 +177,7 @@ def test_hpz_group_against_the_nodes_is_checked_before_any_rank():
     assert dp_groups(8, 2, 2, islands=2) == [[0], [2], [1], [3], [4], [6], [5], [7]]
     cfg = Config()
     cfg.model = dataclasses.replace(cfg.model, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 6
+    cfg.training = dataclasses.replace(cfg.training, micro_batch_size=1, global_batch_size=6)
     cfg.zero = ZeroOptions(
         stage=3, zero_hpz_partition_size=2
     )  # 6 DP ranks, 3 per node: ranks 2 and 3 would share a group

@@ -94,7 +94,7 @@ def _time(fn: Callable[[], object], device: str, warmup: int, iters: int) -> flo
     """Median seconds per call (CUDA events on a GPU, wall clock on CPU)."""
     for _ in range(warmup):
         fn()
-    samples = []
+    samples: list[float] = []
     for _ in range(iters):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

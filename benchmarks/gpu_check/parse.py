@@ -24,8 +24,9 @@ def bandwidth_rows(markdown: str) -> list[tuple[str, float]]:
 def last_json(text: str) -> JSONObject:
     """The last line of `text` that is a JSON object (bench_model.py's result)."""
     for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
+        value = json.loads(line) if line.startswith("{") else None
+        if isinstance(value, dict):
+            return value
     raise ValueError("no JSON result line in the output")
 
 

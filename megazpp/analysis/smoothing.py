@@ -21,7 +21,7 @@ def ema_debiased(values: np.ndarray, weight: float) -> np.ndarray:
     check_weight(weight)
     values = np.asarray(values, dtype=np.float64)
     if len(values) and np.all(values == values[0]):
-        return values.copy()
+        return np.array(values)
     smoothed = np.empty_like(values)
     mean, count = 0.0, 0
     for i, value in enumerate(values):

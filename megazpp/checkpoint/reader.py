@@ -63,7 +63,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{meta_file}: {key} = {meta.get(key)!r} is not valid")
         self.meta: JSONObject = meta
         self.tp, self.pp, self.dp = meta["tp"], meta["pp"], meta["dp"]
-        self.iteration = meta["iteration"]
+        self.iteration: int = meta["iteration"]
 
     def model_config(self, given: ModelConfig | None = None) -> ModelConfig:
         """The model config saved in the checkpoint, or `given` (a run's checkpoints do not
@@ -75,9 +75,9 @@ class CheckpointReader:
                     f"{self.path / METADATA_FILE} does not record the model "
                     "config: give the training run's config (--config FILE)"
                 )
-            return given.validate()
+            return given
         try:
-            cfg = ModelConfig(**saved).validate()
+            cfg = ModelConfig(**saved)
         except TypeError as exc:
             raise CheckpointError(
                 f"{self.path / METADATA_FILE}: {MODEL_CONFIG_KEY} is not a model config ({exc})"

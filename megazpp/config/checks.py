@@ -1,8 +1,9 @@
 """The rules that span sections, checked once per job; the run's resolved options returned.
 
-Why here: each section is its subsystem's own type and checks its own rules when the loader
-builds it (`ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`, `OuterOptions`,
-`DataOptions`, `PlannerSettings`). `check_config` adds only the rules no single section can see:
+Why here: each section is its own frozen type and checks its own rules when the loader
+builds it (`ModelConfig`, `ZeroOptions`, `ZeroPP`, `OptimizerOptions`, `PrecisionOptions`,
+`OuterOptions`, `DataOptions`, `ParallelOptions`, `TrainingOptions`, `CheckpointOptions`,
+`LoggingOptions`, `PlannerSettings`). `check_config` adds only the rules no single section can see:
 batch sizes against the world, tp / pp against the model, compilation and frozen parameters
 against the ZeRO strategy, islands against the world. Each refusal is a `ConfigError` naming
 the key, the value and what was expected.
@@ -22,15 +23,15 @@ import dataclasses
 
 from megazpp.config.load import validate_types
 from megazpp.config.options import RunOptions
-from megazpp.config.schema import Config, TrainingConfig
+from megazpp.config.schema import Config
+from megazpp.config.sections import TrainingOptions
 from megazpp.errors import ConfigError, TopologyError
 from megazpp.model.trainable import trainable_fraction, trainable_rule
 from megazpp.outer.fragments import first_sync_after
 from megazpp.outer.settings import OuterOptions
 from megazpp.parallel.topology import check_model_split, dp_groups, island_layout
-from megazpp.zero.frozen import check_frozen_support
-from megazpp.zero.options import ZeroOptions
-from megazpp.zero.strategy import Level, Strategy
+from megazpp.zero.frozen import frozen_refusal
+from megazpp.zero.options import ZeroOptions, tied_split_refusal
 from megazpp.zero.zeropp import hpz_group_size
 
 
@@ -40,12 +41,14 @@ def check_config(cfg: Config, world_size: int = 1, ranks_per_node: int | None = 
     narrowed by the other sections (`cfg` is left as given). `ranks_per_node`: the launcher's,
     for the `outer` islands (the config's `parallel.ranks_per_node` wins)."""
     validate_types(cfg)
-    cfg.model.validate()
-    _validate_parallel(cfg, world_size)
+    if world_size % (cfg.tp * cfg.pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {cfg.tp} "
+            f"x pipeline_model_parallel_size {cfg.pp}"
+        )
     check_model_split(cfg.model, cfg.tp, cfg.pp, sequence_parallel=cfg.parallel.sequence_parallel)
     training = _resolve_batch(cfg.training, cfg.data_parallel_size(world_size))
-    _validate_schedule(cfg)
-    training = dataclasses.replace(training, lr_warmup_iters=_warmup_iters(training), lr_warmup_fraction=None)
+    training = dataclasses.replace(training, lr_warmup_iters=training.warmup_iters, lr_warmup_fraction=None)
     if cfg.training.trainable:
         trainable_rule(cfg.training.trainable, cfg.model)  # refuses a pattern that matches nothing
     if cfg.checkpoint.save_adapters_only and not (cfg.model.lora_rank or cfg.training.trainable):
@@ -98,61 +101,17 @@ def _zero_across_sections(cfg: Config, zero: ZeroOptions, dp: int) -> ZeroOption
     if k is not None and dp % k:
         raise ConfigError(f"zero.paro_group_size = {k}: expected a positive divisor of the data-parallel size {dp}")
     if (cfg.model.lora_rank or cfg.training.trainable) and trainable_fraction(cfg.model, cfg.training.trainable) < 1:
-        zpp = zero.zeropp
-        persistence = zero.stage3_param_persistence_threshold
-
-        def frozen(s: Strategy) -> str | None:
-            try:
-                check_frozen_support(s, zpp.qwz, zpp.hpz, persistence)
-            except ConfigError as err:
-                return str(err)
-            return None
-
-        zero = zero.narrowed(frozen)
+        zpp, persistence = zero.zeropp, zero.stage3_param_persistence_threshold
+        zero = zero.narrowed(lambda s: frozen_refusal(s, zpp.qwz, zpp.hpz, persistence))
     if cfg.pp > 1 and cfg.model.tie_embeddings:
-        zero = zero.narrowed(
-            lambda s: (
-                None
-                if s.grads == Level.N
-                else (
-                    f"zero strategy {s}: gradients sharded (g = {s.grads.name}) cannot be combined with tied "
-                    f"embeddings split over pipeline stages; use a strategy with g = N (e.g. NNG, INI, GNG) "
-                    f"or model.tie_embeddings: false"
-                )
-            )
-        )
+        zero = zero.narrowed(tied_split_refusal)
     return zero
 
 
-def _require_positive(where: str, value: int | float | None) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{where} = {value!r}: expected a value > 0")
-
-
-def _validate_parallel(cfg: Config, world_size: int) -> None:
-    p = cfg.parallel
-    _require_positive("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size)
-    _require_positive("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size)
-    _require_positive("parallel.ranks_per_node", p.ranks_per_node)
-    _require_positive("parallel.distributed_timeout_minutes", p.distributed_timeout_minutes)
-    if p.sequence_parallel and cfg.tp == 1:
-        raise ConfigError(
-            "parallel.sequence_parallel = true needs "
-            "parallel.tensor_model_parallel_size > 1 (it splits the sequence "
-            "over the tensor-parallel ranks)"
-        )
-    if world_size % (cfg.tp * cfg.pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size {cfg.tp} "
-            f"x pipeline_model_parallel_size {cfg.pp}"
-        )
-
-
-def _resolve_batch(t: TrainingConfig, dp: int) -> TrainingConfig:
+def _resolve_batch(t: TrainingOptions, dp: int) -> TrainingOptions:
     """The training section with the global batch size set (given, micro x accumulation x dp,
-    or one micro-batch per DP rank), refused where those disagree."""
-    _require_positive("training.micro_batch_size", t.micro_batch_size)
-    _require_positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    or one micro-batch per DP rank), refused where those disagree (each value is > 0: the
+    section checked that when built)."""
     per_step = t.micro_batch_size * dp
     total = per_step if t.global_batch_size is None else t.global_batch_size
     if t.gradient_accumulation_steps is not None:
@@ -163,54 +122,12 @@ def _resolve_batch(t: TrainingConfig, dp: int) -> TrainingConfig:
                 f"micro_batch_size {t.micro_batch_size} x gradient_accumulation_steps "
                 f"{t.gradient_accumulation_steps} x data-parallel size {dp} = {total}"
             )
-    _require_positive("training.global_batch_size", total)
     if total % per_step:
         raise ConfigError(
             f"training.global_batch_size = {total} is not divisible by "
             f"micro_batch_size {t.micro_batch_size} x data-parallel size {dp} = {per_step}"
         )
     return dataclasses.replace(t, global_batch_size=total)
-
-
-def _validate_schedule(cfg: Config) -> None:
-    t = cfg.training
-    for key in ("train_iters", "eval_interval", "lr_decay_iters"):
-        _require_positive(f"training.{key}", getattr(t, key))
-    _require_positive("logging.log_interval", cfg.logging.log_interval)
-    _require_positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
-    _require_positive("checkpoint.exit_interval", cfg.checkpoint.exit_interval)
-    _require_positive("checkpoint.exit_duration_in_mins", cfg.checkpoint.exit_duration_in_mins)
-    _require_positive("training.max_bad_steps", t.max_bad_steps)
-    _require_positive("training.loss_spike_window", t.loss_spike_window)
-    if t.loss_spike_factor != 0 and t.loss_spike_factor <= 1:
-        raise ConfigError(f"training.loss_spike_factor = {t.loss_spike_factor}: expected 0 (off) or a factor > 1")
-    if t.eval_iters < 0 or t.lr_warmup_iters < 0:
-        raise ConfigError(
-            f"training.eval_iters and training.lr_warmup_iters must be >= 0, got {t.eval_iters} and {t.lr_warmup_iters}"
-        )
-    decay_iters = t.lr_decay_iters or t.train_iters
-    if t.lr_warmup_fraction is not None:
-        if not 0 <= t.lr_warmup_fraction <= 1:
-            raise ConfigError(f"training.lr_warmup_fraction = {t.lr_warmup_fraction}: expected a fraction in [0, 1]")
-        if t.lr_warmup_iters:
-            raise ConfigError(
-                f"training.lr_warmup_fraction = {t.lr_warmup_fraction} and "
-                f"training.lr_warmup_iters = {t.lr_warmup_iters} are both set: "
-                "give one"
-            )
-    if _warmup_iters(t) > decay_iters:
-        raise ConfigError(
-            f"training.lr_warmup_iters = {_warmup_iters(t)} exceeds the decay "
-            f"length (lr_decay_iters or train_iters) = {decay_iters}"
-        )
-
-
-def _warmup_iters(t: TrainingConfig) -> int:
-    """The warmup in iterations, which is what the schedule and checkpoints record (a fraction
-    of the decay length resolved)."""
-    if t.lr_warmup_fraction is None:
-        return t.lr_warmup_iters
-    return round(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
 
 
 def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> OuterOptions | None:

@@ -8,7 +8,6 @@ file, a flag, a Megatron alias, a negative number after a flag) is this module's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import typing
 from collections.abc import Sequence
@@ -18,9 +17,12 @@ from typing import Any
 import yaml
 
 from megazpp.config.aliases import MEGATRON_ALIASES, translate_megatron_flags
-from megazpp.config.schema import SECTIONS, Config, TrainingConfig, flag_table
+from megazpp.config.schema import SECTIONS, Config, flag_table
+from megazpp.config.sections import TrainingOptions
 from megazpp.config.values import coerce, suggest
+from megazpp.data.options import DataOptions
 from megazpp.errors import ConfigError, MegazppError
+from megazpp.parallel.options import ParallelOptions
 from megazpp.setting import keys
 from megazpp.unique_keys import load_yaml
 
@@ -37,10 +39,8 @@ def load_config(argv: Sequence[str] | None = None, notes: list[str] | None = Non
     values, origins = _read_files(yaml_path, ds_path)
     from_files = dict(values["training"])
     _merge(values, origins, _parse_flags(flag_args), source="command line")
-    cfg = _build(values, origins)
-    _fit_warmup_to_run(cfg.training, from_files, origins, notes if notes is not None else [])
-    _derive_vocab_size(cfg, explicit="vocab_size" in values["model"])
-    return cfg
+    _fit_warmup_to_run(values["training"], from_files, origins, notes if notes is not None else [])
+    return _build(values, origins, derive_vocab="vocab_size" not in values["model"])
 
 
 def file_defaults(argv: Sequence[str]) -> tuple[Config, dict[str, str]]:
@@ -68,29 +68,33 @@ def _read_files(yaml_path: str | None, ds_path: str | None) -> tuple[dict[str, d
 
 
 def _fit_warmup_to_run(
-    t: TrainingConfig, from_files: dict[str, Any], origins: dict[str, str], notes: list[str]
+    t: dict[str, Any], from_files: dict[str, Any], origins: dict[str, str], notes: list[str]
 ) -> None:
     """A quick try such as `--train-iters 10` on a config file written for a longer run keeps
     the file's warmup as the same share of the (shorter) run: warmup x this run's decay length
     / the file's, rounded down, so the warmup grows with the run up to the file's own at the
     file's length (never a jump from a scaled 2 steps at 29 to the file's 30 at 30). A warmup
-    given on the command line, or a run as long as the file's or longer, is never changed."""
+    given on the command line, or a run as long as the file's or longer, is never changed.
+    `t`: the training section's values before it is built (the section is checked once, with
+    the warmup it will keep)."""
     source = origins.get("training.lr_warmup_iters")
     if source in (None, "command line"):
         return
-    decay = t.lr_decay_iters or t.train_iters
-    file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters") or TrainingConfig.train_iters)
-    if decay >= file_decay or t.lr_warmup_iters > file_decay:
-        return  # a longer run keeps the warmup; a file contradicting itself is refused later
-    adjusted = t.lr_warmup_iters * decay // file_decay
-    if adjusted == t.lr_warmup_iters:
+    default = TrainingOptions.train_iters
+    warmup = int(t["lr_warmup_iters"])
+    decay = int(t.get("lr_decay_iters") or t.get("train_iters") or default)
+    file_decay = int(from_files.get("lr_decay_iters") or from_files.get("train_iters") or default)
+    if decay >= file_decay or warmup > file_decay:
+        return  # a longer run keeps the warmup; a file contradicting itself is refused when built
+    adjusted = warmup * decay // file_decay
+    if adjusted == warmup:
         return
     notes.append(
-        f"training.lr_warmup_iters = {t.lr_warmup_iters} ({source}) is for its "
+        f"training.lr_warmup_iters = {warmup} ({source}) is for its "
         f"{file_decay} steps: using {adjusted} for this run's {decay}, the same share "
-        f"({t.lr_warmup_iters}/{file_decay}); give --lr-warmup-iters to choose"
+        f"({warmup}/{file_decay}); give --lr-warmup-iters to choose"
     )
-    t.lr_warmup_iters = adjusted
+    t["lr_warmup_iters"] = adjusted
 
 
 def _split_file_flags(args: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -234,13 +238,19 @@ def _is_negative_number(word: str) -> bool:
     return re.match(r"-\.?\d", word) is not None
 
 
-def _build(values: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config:
-    """Each section built from its values: its constructor checks it (a subsystem's section
-    refuses what that subsystem cannot run), and a refusal naming a key says where it was set."""
-    sections = {}
-    for name, cls in SECTIONS.items():
+def _build(values: dict[str, dict[str, Any]], origins: dict[str, str], derive_vocab: bool | None = None) -> Config:
+    """Each section built once from its values: its constructor checks it (a subsystem's section
+    refuses what that subsystem cannot run), and a refusal naming a key says where it was set.
+    The model is built last: with `derive_vocab` true its vocabulary is sized from the data
+    section's tokenizer, false checks a given size against it (`_vocab_size`), None does neither
+    (`--help`'s defaults: the tokenizer may not exist yet); no section is changed once built."""
+    sections: dict[str, Any] = {}
+    for name in sorted(SECTIONS, key=lambda n: n == "model"):
+        given = values[name]
+        if name == "model" and derive_vocab is not None:
+            given = {**given, **_vocab_size(sections["data"], sections["parallel"], given, derive_vocab)}
         try:
-            sections[name] = cls(**values[name])
+            sections[name] = SECTIONS[name](**given)
         except ConfigError as err:
             key = re.match(r"[a-z_]+\.[a-z0-9_]+", str(err))
             source = origins.get(key[0]) if key else None
@@ -254,22 +264,23 @@ def _build(values: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config
     return Config(**sections)
 
 
-def _derive_vocab_size(cfg: Config, explicit: bool) -> None:
-    """Size the embedding from the tokenizer (padded), or check an explicit size covers it."""
-    if cfg.data.tokenizer_model is None or cfg.data.make_vocab_size_divisible_by < 1:
-        return  # a multiple below 1 is refused, naming the key, by DataOptions (config.checks)
+def _vocab_size(data: DataOptions, parallel: ParallelOptions, model: dict[str, Any], derive: bool) -> dict[str, int]:
+    """The model's vocabulary sized from the tokenizer (padded to the data section's multiple x
+    tp) when `derive`; else an explicit size checked to cover it. Empty without a tokenizer."""
+    if data.tokenizer_model is None or data.make_vocab_size_divisible_by < 1:
+        return {}  # a multiple below 1 is refused, naming the key, by DataOptions
     from megazpp.data.tokenizer import Tokenizer
 
-    tokenizer_vocab = Tokenizer(cfg.data.tokenizer_model).vocab_size
-    if explicit:
-        if cfg.model.vocab_size < tokenizer_vocab:
+    tokenizer_vocab = Tokenizer(data.tokenizer_model).vocab_size
+    if not derive:
+        if model["vocab_size"] < tokenizer_vocab:
             raise ConfigError(
-                f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
-                f"data.tokenizer_model {cfg.data.tokenizer_model} ({tokenizer_vocab} tokens)"
+                f"model.vocab_size = {model['vocab_size']} is smaller than the vocabulary of "
+                f"data.tokenizer_model {data.tokenizer_model} ({tokenizer_vocab} tokens)"
             )
-        return
-    multiple = cfg.data.make_vocab_size_divisible_by * cfg.tp
-    cfg.model = dataclasses.replace(cfg.model, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
+        return {}
+    multiple = data.make_vocab_size_divisible_by * parallel.tensor_model_parallel_size
+    return {"vocab_size": -(-tokenizer_vocab // multiple) * multiple}
 
 
 def validate_types(cfg: Config) -> None:

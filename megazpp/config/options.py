@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazpp.config.schema import Config
+from megazpp.config.sections import TrainingOptions
 from megazpp.data.options import DataOptions
 from megazpp.errors import required
 from megazpp.optim.options import OptimizerOptions, PrecisionOptions
@@ -29,6 +30,11 @@ class RunOptions:
 
     config: Config
     world_size: int
+
+    @property
+    def training(self) -> TrainingOptions:
+        """The `training` section with the global batch size and the warmup iterations resolved."""
+        return self.config.training
 
     @property
     def zero(self) -> ZeroOptions:

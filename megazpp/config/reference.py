@@ -48,7 +48,7 @@ def _type_name(hint: Any) -> str:
     if origin is typing.Literal:
         return "{" + ",".join(str(c) for c in typing.get_args(hint)) + "}"
     if origin is list:
-        return typing.get_args(hint)[0].__name__ + " ..."
+        return str(typing.get_args(hint)[0].__name__) + " ..."
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if args:
         return _type_name(args[0])

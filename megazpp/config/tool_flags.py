@@ -68,4 +68,4 @@ def model_config(args: argparse.Namespace, **fixed: Any) -> ModelConfig:
     """The validated ModelConfig of the model-shape flags given in `args` (those left None
     take ModelConfig's defaults) and the tool's own `fixed` values."""
     given = {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
-    return ModelConfig(**{**given, **fixed}).validate()
+    return ModelConfig(**{**given, **fixed})

@@ -43,12 +43,15 @@ class Tokenizer:
         return self.eos_id
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.EncodeAsIds(text)
+        ids: list[int] = self._sp.EncodeAsIds(text)  # sentencepiece is untyped
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """One C++ call for many documents, single-threaded: parallelism belongs to the caller's
         worker processes, and hidden threads would make worker scaling unmeasurable."""
-        return self._sp.Encode(list(texts), out_type=int, num_threads=1)
+        batch: list[list[int]] = self._sp.Encode(list(texts), out_type=int, num_threads=1)
+        return batch
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.DecodeIds([int(i) for i in ids])
+        text: str = self._sp.DecodeIds([int(i) for i in ids])
+        return text

@@ -75,7 +75,7 @@ def part_weights(
     state = reader.rank_state(tp_rank, pp_rank)
     engine = state.get("engine")
     strategy = _zero_strategy(engine)
-    model = state["model"]
+    model: dict[str, torch.Tensor] = state["model"]  # a rank file's model state (torch.load is untyped)
     if strategy is not None:
         # a two-level checkpoint's rank holds its island's own weights: the export takes the
         # islands' common ones at the last outer sync, from the shards (`zero_shards._at_last_sync`)

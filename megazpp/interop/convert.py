@@ -82,7 +82,7 @@ def _full_weights(
     full = consolidated_weights(reader, model_cfg, masters=masters)
     if model_cfg.lora_rank:  # exports are plain models: adapters folded into their weights
         full = merge_adapters(full, model_cfg)
-        model_cfg = dataclasses.replace(model_cfg, lora_rank=0, lora_targets=None).validate()
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=0, lora_targets=None)
     return model_cfg, cast(full, dtype)
 
 

@@ -156,22 +156,23 @@ def _model_config_from_hf(hf: JSONObject, seq_length: int | None, where: str) ->
     length = seq_length if seq_length is not None else max_positions
     if length is None:
         raise ConfigError(f"{where}: max_position_embeddings is missing; give the sequence length explicitly")
-    cfg = ModelConfig(
-        arch="llama",
-        num_layers=_require(hf, "num_hidden_layers", where),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=_require(hf, "intermediate_size", where),
-        vocab_size=_require(hf, "vocab_size", where),
-        seq_length=length,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf, where),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_dropout=float(hf.get("attention_dropout", 0.0)),
-    )
-    try:
-        return cfg.validate()
+    layers, ffn = _require(hf, "num_hidden_layers", where), _require(hf, "intermediate_size", where)
+    vocab, theta = _require(hf, "vocab_size", where), _rope_theta(hf, where)
+    try:  # the model config checks itself when built; its refusal names the file
+        return ModelConfig(
+            arch="llama",
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads") or heads,
+            ffn_hidden_size=ffn,
+            vocab_size=vocab,
+            seq_length=length,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            rope_theta=theta,
+        )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 

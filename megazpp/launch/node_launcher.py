@@ -64,7 +64,7 @@ def _say(text: str) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def resolve_port(given: str, nnodes: int) -> int:

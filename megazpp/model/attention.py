@@ -84,4 +84,5 @@ class SelfAttention(nn.Module):
             context = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.local_groups != self.local_heads
             )
-        return self.out(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        out: torch.Tensor = self.out(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return out

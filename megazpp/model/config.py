@@ -2,8 +2,9 @@
 
 One dataclass covers both architectures because they differ only in a few switches (norm,
 activation, positions, biases, tying); `arch` picks sensible defaults for the switches a user
-leaves as None, so a YAML file names only what it changes. Every inconsistency is reported by
-`validate()` as a ConfigError naming the key and the value, before any weight is allocated.
+leaves as None, so a YAML file names only what it changes. Every inconsistency is refused when
+the config is built (`__post_init__`), as a ConfigError naming the key and the value: whoever
+holds a ModelConfig holds a consistent one, and no caller has a check to remember.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ def _llama_ffn_size(hidden_size: int) -> int:
 class ModelConfig:
     """Shape and behaviour of a GPT-2 or Llama model.
 
-    `None` fields are filled from `arch` in `__post_init__`; `validate()` is what callers run
-    before building a model (GPTModel runs it too).
+    `None` fields are filled from `arch` in `__post_init__`, which then checks every field.
     """
 
     arch: str = setting("llama", "llama (RoPE, RMSNorm, SwiGLU) or gpt2 (learned positions, LayerNorm, GELU)")
@@ -80,6 +80,7 @@ class ModelConfig:
             fill("moe_ffn_hidden_size", max(1, self.ffn_hidden_size // max(1, self.moe_top_k)))
         if self.lora_targets is None:
             fill("lora_targets", list(LORA_TARGETS[self.arch]))
+        self._check()
 
     @property
     def is_llama(self) -> bool:
@@ -94,8 +95,8 @@ class ModelConfig:
         """GPT-2 has biases on every linear layer and norm; Llama has none."""
         return self.arch == "gpt2"
 
-    def validate(self) -> ModelConfig:
-        """Raise ConfigError on the first inconsistent value; return self for chaining."""
+    def _check(self) -> None:
+        """Raise ConfigError on the first inconsistent value."""
         for key in (
             "num_layers",
             "hidden_size",
@@ -134,7 +135,6 @@ class ModelConfig:
             raise ConfigError(f"model.init_seed = {self.init_seed!r}: expected an integer")
         self._validate_moe()
         self._validate_lora()
-        return self
 
     def _validate_lora(self) -> None:
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:

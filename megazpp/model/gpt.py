@@ -110,7 +110,7 @@ class Embedding(nn.Module):
             init.normal("embedding.position_embeddings.weight")(self.position_embeddings.weight)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.word_embeddings(token_ids)
+        hidden: torch.Tensor = self.word_embeddings(token_ids)
         if self.position_embeddings is not None:
             hidden = hidden + self.position_embeddings.weight[: token_ids.shape[1]]
         if self.dropout > 0.0:
@@ -132,16 +132,10 @@ class GPTModel(nn.Module):
         layer_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        cfg.validate()
         start, end = layer_range if layer_range is not None else (0, cfg.num_layers)
         if not 0 <= start <= end <= cfg.num_layers:
             raise ConfigError(
                 f"layer_range = {layer_range!r}: expected 0 <= start <= end <= model.num_layers = {cfg.num_layers}"
-            )
-        if cfg.num_experts > 0 and sequence_parallel:
-            raise ConfigError(
-                "sequence parallelism with model.num_experts > 0 is not implemented: the router "
-                "would see only this rank's sequence chunk; turn one of them off"
             )
         if cfg.num_experts > 0 and cfg.moe_aux_loss_coeff > 0 and end > start and not post_process:
             raise ConfigError(
@@ -149,7 +143,10 @@ class GPTModel(nn.Module):
                 "a stage without the loss head cannot reach the loss (not implemented); set "
                 "model.moe_aux_loss_coeff: 0 or use one pipeline stage"
             )
-        check_model_split(cfg, 1 if tp_group is None else comm.group_size(tp_group), 1)
+        # the job's config check ran this before any rank started; a library caller gets it here
+        check_model_split(
+            cfg, 1 if tp_group is None else comm.group_size(tp_group), 1, sequence_parallel=sequence_parallel
+        )
         self.cfg = cfg
         self.tp_group = tp_group
         self.pre_process = pre_process
@@ -208,7 +205,7 @@ class GPTModel(nn.Module):
                 f"a batch of {inputs.shape[1]} tokens per sequence is longer than "
                 f"model.seq_length = {self.cfg.seq_length}"
             )
-        hidden = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
+        hidden: torch.Tensor = self.embedding(inputs) if self.embedding is not None else inputs  # a first stage
         aux_terms = []
         for layer in self.layers.values():
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -221,7 +218,7 @@ class GPTModel(nn.Module):
         self.last_moe_aux_loss = aux_total.detach() if aux_total is not None else None
         if self.output_layer is None or self.final_norm is None:  # not the last stage
             return hidden
-        logits = self.output_layer(self.final_norm(hidden))
+        logits: torch.Tensor = self.output_layer(self.final_norm(hidden))
         if labels is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)

@@ -51,7 +51,8 @@ class GeluMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        out: torch.Tensor = self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return out
 
 
 class SwiGLUMLP(nn.Module):
@@ -95,4 +96,5 @@ class SwiGLUMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out

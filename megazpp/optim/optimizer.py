@@ -11,7 +11,7 @@ SGD is torch's, fused on CUDA and foreach on CPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,9 @@ def build_adamw(groups: list[ParamGroup], cfg: OptimizerOptions) -> torch.optim.
             from apex.optimizers import FusedAdam
         except ImportError:
             return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-        return FusedAdam(groups, adam_w_mode=True, lr=lr, betas=betas, eps=eps)
+        return cast(
+            torch.optim.Optimizer, FusedAdam(groups, adam_w_mode=True, lr=lr, betas=betas, eps=eps)
+        )  # apex is untyped
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 

@@ -18,8 +18,9 @@ papers: the logical payload from each other member (N / k per member for a gathe
 Without an initialised process group every operation is the local identity of a world of
 one, so single-process code runs the same code path.
 
-Handles: with `async_op=True` a collective returns a `work.Work` (its `wait()` gives nothing a
-caller uses); without, None once it has finished. The overloads say so to the type checker.
+Handles: every collective returns a `work.Work` (its `wait()` gives nothing a caller uses):
+with `async_op=True` the backend's handle, still running; without, a finished one (`Done`),
+after the operation has completed. One return type, so no caller needs to tell them apart.
 
 CUDA tensors over gloo (several ranks sharing a GPU, `megazpp.parallel.device`): gloo's
 all-reduce, broadcast, all-gather (list and into-tensor), reduce-scatter-tensor (an all-reduce
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeAlias, TypeVar, overload
+from typing import Literal, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -79,9 +80,15 @@ Group: TypeAlias = ProcessGroup | None
 _W = TypeVar("_W")
 
 
+def _handle(work: Work[object] | None) -> Work[object]:
+    """A backend call's result as a handle: its own work when it ran asynchronously, a finished
+    one when it returned None (it ran to completion before returning)."""
+    return Done(None) if work is None else work
+
+
 def _native_or_emulated(
-    name: str, native: Callable[[], Work[object] | None], emulated: Callable[[], Work[object] | None]
-) -> Work[object] | None:
+    name: str, native: Callable[[], Work[object]], emulated: Callable[[], Work[object]]
+) -> Work[object]:
     """Run the native collective `name`, or its emulation once the backend has refused it
     (remembered in EMULATED, so later calls go straight to the emulation).
 
@@ -99,22 +106,14 @@ def _native_or_emulated(
     return emulated()
 
 
-@overload
-def all_reduce(
-    t: torch.Tensor, op: Op = ..., group: Group = ..., async_op: Literal[False] = ..., tag: str | None = ...
-) -> None: ...
-@overload
-def all_reduce(
-    t: torch.Tensor, op: Op = ..., group: Group = ..., *, async_op: Literal[True], tag: str | None = ...
-) -> Work[object]: ...
 @named_failures("all_reduce")
 def all_reduce(
     t: torch.Tensor, op: Op = SUM, group: Group = None, async_op: bool = False, tag: str | None = None
-) -> Work[object] | None:
+) -> Work[object]:
     if not dist.is_initialized():
-        return Done(None) if async_op else None
+        return Done(None)
     record_all_reduce(tag, group, nbytes(t))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return _handle(dist.all_reduce(t, op=op, group=group, async_op=async_op))
 
 
 def _chunked(
@@ -124,15 +123,15 @@ def _chunked(
     group: Group,
     async_op: bool,
     tag: str | None,
-    native: Callable[[], Work[object] | None],
-    emulated: Callable[[], Work[object] | None],
-) -> Work[object] | None:
+    native: Callable[[], Work[object]],
+    emulated: Callable[[], Work[object]],
+) -> Work[object]:
     """The body `all_gather_into_tensor` and `reduce_scatter_tensor` share: the identity in a
     world of one; else the whole side (all-gather's output, reduce-scatter's input) checked to be
     k chunks, one chunk's bytes counted, and the collective run (`_native_or_emulated`)."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
+        return Done(None)
     gather = kind == "all_gather"
     whole, chunk = (out, inp) if gather else (inp, out)
     if whole.numel() != chunk.numel() * group_size(group):
@@ -142,35 +141,17 @@ def _chunked(
     return _native_or_emulated(kind, native, emulated)
 
 
-def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object] | None:
+def _all_gather_emulated(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object]:
     """all_gather into a list of views of `out`: same wire bytes as the native operation."""
     parts = list(out.view(-1).chunk(group_size(group)))
-    work = dist.all_gather(parts, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
-    return work if async_op else None
+    return _handle(dist.all_gather(parts, inp.reshape(-1).contiguous(), group=group, async_op=async_op))
 
 
-def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object] | None:
+def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool) -> Work[object]:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, inp, group=group, async_op=async_op)
+    return _handle(gather(out, inp, group=group, async_op=async_op))
 
 
-@overload
-def all_gather_into_parts(
-    parts: Sequence[torch.Tensor],
-    inp: torch.Tensor,
-    group: Group = ...,
-    async_op: Literal[False] = ...,
-    tag: str | None = ...,
-) -> None: ...
-@overload
-def all_gather_into_parts(
-    parts: Sequence[torch.Tensor],
-    inp: torch.Tensor,
-    group: Group = ...,
-    *,
-    async_op: Literal[True],
-    tag: str | None = ...,
-) -> Work[object]: ...
 @named_failures("all_gather_into_tensor")
 def all_gather_into_parts(
     parts: Sequence[torch.Tensor],
@@ -178,7 +159,7 @@ def all_gather_into_parts(
     group: Group = None,
     async_op: bool = False,
     tag: str | None = None,
-) -> Work[object] | None:
+) -> Work[object]:
     """Member r's `inp` into `parts[r]`, counted as `all_gather_into_tensor` (the same bytes).
 
     Why: a caller whose buffer is not in group-rank order (ZeRO's flat DP gather, whose layout
@@ -186,29 +167,20 @@ def all_gather_into_parts(
     permuting copy after it; the backend writes each piece in place of its own chunking."""
     if not dist.is_initialized():
         parts[0].copy_(inp.reshape(parts[0].shape))
-        return Done(None) if async_op else None
+        return Done(None)
     if len(parts) != group_size(group) or any(p.numel() != inp.numel() for p in parts):
         raise ValueError(
             f"all_gather_into_parts: {len(parts)} parts of {[p.numel() for p in parts[:2]]}... "
             f"elements, expected {group_size(group)} of {inp.numel()}"
         )
     record_chunks("all_gather", tag, group, nbytes(inp))
-    work = dist.all_gather(list(parts), inp.reshape(-1).contiguous(), group=group, async_op=async_op)
-    return work if async_op else None
+    return _handle(dist.all_gather(list(parts), inp.reshape(-1).contiguous(), group=group, async_op=async_op))
 
 
-@overload
-def all_gather_into_tensor(
-    out: torch.Tensor, inp: torch.Tensor, group: Group = ..., async_op: Literal[False] = ..., tag: str | None = ...
-) -> None: ...
-@overload
-def all_gather_into_tensor(
-    out: torch.Tensor, inp: torch.Tensor, group: Group = ..., *, async_op: Literal[True], tag: str | None = ...
-) -> Work[object]: ...
 @named_failures("all_gather_into_tensor")
 def all_gather_into_tensor(
     out: torch.Tensor, inp: torch.Tensor, group: Group = None, async_op: bool = False, tag: str | None = None
-) -> Work[object] | None:
+) -> Work[object]:
     """Concatenate every member's `inp` along dim 0 into `out` (out = k * inp)."""
     return _chunked(
         "all_gather",
@@ -222,16 +194,14 @@ def all_gather_into_tensor(
     )
 
 
-def _reduce_scatter_native(
-    out: torch.Tensor, inp: torch.Tensor, op: Op, group: Group, async_op: bool
-) -> Work[object] | None:
+def _reduce_scatter_native(out: torch.Tensor, inp: torch.Tensor, op: Op, group: Group, async_op: bool) -> Work[object]:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(out, inp, op=op, group=group, async_op=async_op)
+    return _handle(scatter(out, inp, op=op, group=group, async_op=async_op))
 
 
 def _reduce_scatter_emulated(
     out: torch.Tensor, inp: torch.Tensor, op: Op, group: Group, async_op: bool
-) -> Work[object] | None:
+) -> Work[object]:
     """All-reduce a copy of the input, keep this rank's chunk: twice the native wire bytes."""
     full = inp.detach().clone()
     mine = group_rank(group)
@@ -239,32 +209,13 @@ def _reduce_scatter_emulated(
     def finish() -> None:
         out.copy_(full.view(-1).chunk(group_size(group))[mine].view(out.shape))
 
-    work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
-    if async_op and work is not None:
+    work = _handle(dist.all_reduce(full, op=op, group=group, async_op=async_op))
+    if async_op:
         return Then([work], finish)
     finish()
-    return None
+    return work
 
 
-@overload
-def reduce_scatter_tensor(
-    out: torch.Tensor,
-    inp: torch.Tensor,
-    op: Op = ...,
-    group: Group = ...,
-    async_op: Literal[False] = ...,
-    tag: str | None = ...,
-) -> None: ...
-@overload
-def reduce_scatter_tensor(
-    out: torch.Tensor,
-    inp: torch.Tensor,
-    op: Op = ...,
-    group: Group = ...,
-    *,
-    async_op: Literal[True],
-    tag: str | None = ...,
-) -> Work[object]: ...
 @named_failures("reduce_scatter_tensor")
 def reduce_scatter_tensor(
     out: torch.Tensor,
@@ -273,7 +224,7 @@ def reduce_scatter_tensor(
     group: Group = None,
     async_op: bool = False,
     tag: str | None = None,
-) -> Work[object] | None:
+) -> Work[object]:
     """Reduce `inp` over the group; member i keeps chunk i (along dim 0) in `out`."""
     return _chunked(
         "reduce_scatter",
@@ -319,17 +270,15 @@ def _reduce_parts_into(
     """`reduce_scatter_parts`' collective, counted and started (`mine`: my part of `t`)."""
     record_chunks("reduce_scatter", tag, group, nbytes(mine))
     if dist.get_backend(group) == "gloo":
-        return dist.all_reduce(t, op=op, group=group, async_op=True)
+        return _handle(dist.all_reduce(t, op=op, group=group, async_op=True))
     in_order = all(p.data_ptr() == t.data_ptr() + i * mine.numel() * t.element_size() for i, p in enumerate(parts))
     src = t.view(-1) if in_order else torch.cat([p.reshape(-1) for p in parts])
-    work = _reduce_scatter_native(mine.view(-1), src, op, group, async_op=True)
-    assert work is not None, "an asynchronous reduce-scatter returns its handle"
-    return work
+    return _reduce_scatter_native(mine.view(-1), src, op, group, async_op=True)
 
 
 def _all_to_all_emulated(
     out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group, async_op: bool
-) -> Work[object] | None:
+) -> Work[object]:
     """One batched isend/irecv per peer: the same wire bytes as the native operation."""
     ranks, mine = group_ranks(group), group_rank(group)
     outs = out.split(out_splits)
@@ -345,30 +294,9 @@ def _all_to_all_emulated(
         return Then(works, lambda: None)
     for w in works:
         w.wait()
-    return None
+    return Done(None)
 
 
-@overload
-def all_to_all_single(
-    out: torch.Tensor,
-    inp: torch.Tensor,
-    output_split_sizes: list[int] | None = ...,
-    input_split_sizes: list[int] | None = ...,
-    group: Group = ...,
-    async_op: Literal[False] = ...,
-    tag: str | None = ...,
-) -> None: ...
-@overload
-def all_to_all_single(
-    out: torch.Tensor,
-    inp: torch.Tensor,
-    output_split_sizes: list[int] | None = ...,
-    input_split_sizes: list[int] | None = ...,
-    group: Group = ...,
-    *,
-    async_op: Literal[True],
-    tag: str | None = ...,
-) -> Work[object]: ...
 @named_failures("all_to_all_single")
 def all_to_all_single(
     out: torch.Tensor,
@@ -378,11 +306,11 @@ def all_to_all_single(
     group: Group = None,
     async_op: bool = False,
     tag: str | None = None,
-) -> Work[object] | None:
+) -> Work[object]:
     """Member j receives slice j (along dim 0) of every member's `inp`, in member order."""
     if not dist.is_initialized():
         out.copy_(inp.reshape(out.shape))
-        return Done(None) if async_op else None
+        return Done(None)
     k = group_size(group)
     row = nbytes(out) // max(out.shape[0], 1) if out.dim() else out.element_size()
     if output_split_sizes is None:
@@ -395,26 +323,20 @@ def all_to_all_single(
     in_splits = input_split_sizes or [inp.shape[0] // k] * k
     return _native_or_emulated(
         "all_to_all",
-        lambda: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op),
+        lambda: _handle(
+            dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        ),
         lambda: _all_to_all_emulated(out, inp, out_splits, in_splits, group, async_op),
     )
 
 
-@overload
-def broadcast(
-    t: torch.Tensor, src: int, group: Group = ..., async_op: Literal[False] = ..., tag: str | None = ...
-) -> None: ...
-@overload
-def broadcast(
-    t: torch.Tensor, src: int, group: Group = ..., *, async_op: Literal[True], tag: str | None = ...
-) -> Work[object]: ...
 @named_failures("broadcast")
 def broadcast(
     t: torch.Tensor, src: int, group: Group = None, async_op: bool = False, tag: str | None = None
-) -> Work[object] | None:
+) -> Work[object]:
     """`src` is a global rank, as in torch.distributed."""
     if not dist.is_initialized():
-        return Done(None) if async_op else None
+        return Done(None)
     if dist.get_rank() != src:
         ranks = group_ranks(group)
         sender = src
@@ -423,7 +345,7 @@ def broadcast(
         record_from_peers("broadcast", tag, group, [nbytes(t) if p == sender else 0 for p in ranks])
     else:
         counter.record("broadcast", tag or "broadcast", 0, 0)
-    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    return _handle(dist.broadcast(t, src=src, group=group, async_op=async_op))
 
 
 @named_failures("all_gather_object")

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megazpp.errors import TopologyError
+from megazpp.errors import ConfigError, TopologyError
 from megazpp.parallel import comm
 
 
@@ -413,3 +413,8 @@ def check_model_split(model: ModelShape, tp: int, pp: int, *, sequence_parallel:
         need("moe_ffn_hidden_size", tp, "tensor_model_parallel_size")
     if sequence_parallel:
         need("seq_length", tp, "tensor_model_parallel_size (sequence parallelism)")
+        if model.num_experts:  # a combination not built, not a split that fails
+            raise ConfigError(
+                "sequence parallelism with model.num_experts > 0 is not implemented: the router "
+                "would see only this rank's sequence chunk; turn one of them off"
+            )

@@ -30,7 +30,7 @@ def _rx_bytes(iface: str) -> int:
         return int(f.read())
 
 
-def _operations(elems: int) -> dict[str, Callable[[], None]]:
+def _operations(elems: int) -> dict[str, Callable[[], object]]:
     world = dist.get_world_size()
     a = torch.ones(elems)
     shard = torch.ones(elems // world)

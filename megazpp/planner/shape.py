@@ -173,7 +173,6 @@ def shapes_of_config(
     """One StageShape per pipeline stage, from models built on the meta device (no memory);
     a model that does not split over `tp` x `pp` is refused as the job's start-up check refuses
     it (`parallel.topology.check_model_split`)."""
-    cfg.validate()
     check_model_split(cfg, tp, pp)
     shapes = []
     for stage in range(pp):

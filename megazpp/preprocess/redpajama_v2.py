@@ -94,8 +94,9 @@ def parse_signals(line: bytes | None, expected_id: str) -> Signals | SkipReason:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return SkipReason.MALFORMED_SIGNALS
-    if not isinstance(record, dict) or not isinstance(record.get("quality_signals"), dict):
+    signals = record.get("quality_signals") if isinstance(record, dict) else None
+    if not isinstance(signals, dict):
         return SkipReason.MALFORMED_SIGNALS
     if record.get("id") != expected_id:
         return SkipReason.SIGNALS_ID_MISMATCH
-    return record["quality_signals"]
+    return signals

@@ -101,13 +101,14 @@ class Trainer:
         `engine` is the synchronous phase of a two-level run (`outer.start_iter`), replaced by
         the islands' engine after the step the switch is due at."""
         cfg = options.config
-        self.cfg, self.model, self.engine, self.topology = cfg, model, engine, topology
+        self.model, self.engine, self.topology = model, engine, topology
+        self.training, self.saving = options.training, cfg.checkpoint  # resolved, checked once
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointManager(cfg, topology, device)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
         self.switch = switch
-        t = cfg.training
+        t = options.training
         self.num_micro_batches = options.micro_batches
         self.global_batch_size = options.global_batch_size
         self.lr_schedule = LRSchedule(
@@ -135,11 +136,11 @@ class Trainer:
         """Save through the checkpoint manager (which refuses non-finite weights) and say so."""
         progress = Progress(self.iteration, self.consumed_samples)
         path = self.checkpoints.save(progress, self.model, self.engine, self.lr_schedule)
-        self.logger.info(f"iter {self.iteration:>6}/{self.cfg.training.train_iters} | saved checkpoint {path}")
+        self.logger.info(f"iter {self.iteration:>6}/{self.training.train_iters} | saved checkpoint {path}")
 
     # -- the loop -----------------------------------------------------------------------------
     def _sampler(self, dataset: TokenSamples, consumed: int) -> PretrainingSampler:
-        t = self.cfg.training
+        t = self.training
         return PretrainingSampler(
             len(dataset), consumed, t.micro_batch_size, self.topology.dp_rank, self.topology.dp, t.seed
         )
@@ -160,11 +161,11 @@ class Trainer:
     def train(self) -> TrainHistory:
         """Run to `train_iters`, or until `exit_interval`, `exit_duration_in_mins`, SIGTERM or
         SIGINT stops the run after a step (saving first when `save` is set)."""
-        with StopRequests(self.cfg.checkpoint.exit_duration_in_mins) as stop:
+        with StopRequests(self.saving.exit_duration_in_mins) as stop:
             return self._train(stop)
 
     def _train(self, stop: StopRequests) -> TrainHistory:
-        t, ck = self.cfg.training, self.cfg.checkpoint
+        t, ck = self.training, self.saving
         history = TrainHistory(resumed_from=self.iteration or None)
         samples = iter(self._sampler(self.train_ds, self.consumed_samples))
         self.model.train()
@@ -246,11 +247,11 @@ class Trainer:
         why = (
             f"{stop.signal_name or 'a signal on another rank'}"
             if code == SIGNAL
-            else f"--exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins}"
+            else f"--exit-duration-in-mins {self.saving.exit_duration_in_mins}"
         )
         if saved:
             where = f"saved checkpoint {self.checkpoints.last}"
-        elif self.cfg.checkpoint.save:
+        elif self.saving.save:
             where = f"not saved (non-finite step); last good checkpoint: {self.checkpoints.last or 'none'}"
         else:
             where = "nothing saved (no --save)"
@@ -269,7 +270,7 @@ class Trainer:
             )
         if not health.bad:
             return False
-        limit = self.cfg.training.max_bad_steps
+        limit = self.training.max_bad_steps
         message = (
             f"iteration {self.iteration} on rank {self.topology.rank}: loss {loss}, "
             f"grad norm {result.grad_norm} ({health.consecutive_bad} consecutive "
@@ -291,7 +292,7 @@ class Trainer:
         self.model.eval()
         losses: list[torch.Tensor] = []
         samples = iter(self._sampler(valid, 0))
-        micro_steps = self.cfg.training.eval_iters * self.num_micro_batches
+        micro_steps = self.training.eval_iters * self.num_micro_batches
         rng = capture_rng_state()  # evaluation must not shift the training dropout stream
         for _ in range(micro_steps):
             indices = next(samples, None)

@@ -148,7 +148,8 @@ class ZeroGroups:
         return self.dp_size // self.group_size
 
     def get(self, name: str) -> ProcessGroup | None:
-        return getattr(self, name)
+        group: ProcessGroup | None = getattr(self, name)  # a field of this class, by name
+        return group
 
 
 def zero_groups(topo: Topology, k: int | None, h: int) -> tuple[ZeroGroups, DPShapes]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazpp.errors import ConfigError
 from megazpp.zero import memory, sequences, traffic
 from megazpp.zero.bucket import Bucket
 from megazpp.zero.layout import BucketLayout
@@ -33,24 +32,27 @@ FROZEN_PREFIX = "frozen/"
 FROZEN_SAVED_KEY = "frozen_saved"
 
 
-def check_frozen_support(strategy: Strategy, qwz: bool, hpz: int, persistence_threshold: int) -> None:
-    """Refuse what frozen groups do not implement when parameters are sharded: qwZ / hpZ
-    gathers and persistent parameters (they would be silently left out for frozen weights).
-    Run by the engine and, before any process group exists, by `config.checks`."""
+def frozen_refusal(strategy: Strategy, qwz: bool, hpz: int, persistence_threshold: int) -> str | None:
+    """Why frozen groups cannot run under `strategy` with these ZeRO++ and persistence settings,
+    or None: with parameters sharded, qwZ / hpZ gathers and persistent parameters are not
+    implemented for them (they would be silently left out for frozen weights). The config check
+    narrows the strategy by it before any process group exists; the engine refuses it for callers
+    that build it directly (`engine_buckets.frozen_groups`)."""
     if strategy.params == Level.N:
-        return
+        return None
     if qwz or hpz > 1:
-        raise ConfigError(
+        return (
             f"zero strategy {strategy} with qwZ / hpZ and frozen parameters "
             f"(training.trainable, LoRA) is not implemented: turn off "
             f"zero.zero_quantized_weights and zero.zero_hpz_partition_size"
         )
     if persistence_threshold > 0:
-        raise ConfigError(
+        return (
             f"zero strategy {strategy} with zero.stage3_param_persistence_threshold "
             f"and frozen parameters (training.trainable, LoRA) is not implemented: set the "
             f"threshold to 0"
         )
+    return None
 
 
 def frozen_buckets(

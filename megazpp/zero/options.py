@@ -8,7 +8,7 @@ keys not implemented, persistence and ZeRO++ against the strategy, ZeRO++'s own 
 `ZeroPP`) is checked here, naming the config key, so whoever holds a ZeroOptions holds valid
 settings and the engine does not parse them again; it repeats two of the config's cross-section
 rules for callers that build it without the config (frozen parameters against the strategy,
-`zero.frozen.check_frozen_support`; a pipeline-tied embedding against sharded gradients). This
+`zero.frozen.frozen_refusal`; a pipeline-tied embedding against sharded gradients). This
 module never imports the config: tests and tools build options directly, with the same checks.
 
 `paro_strategy: auto` is the `PlannerChoice` state. Every rule that does not need the chosen
@@ -207,3 +207,17 @@ class ZeroOptions:
         if not isinstance(self.strategy, PlannerChoice) or strategy not in self.strategy.allowed:
             raise ValueError(f"ZeroOptions.chosen({strategy}): not among the strategies the settings allow")
         return dataclasses.replace(self, choice=strategy)
+
+
+def tied_split_refusal(strategy: Strategy) -> str | None:
+    """Why `strategy` cannot train an embedding tied across pipeline stages, or None: the
+    pipeline sums the two copies' gradients through `ZeroEngine.grad_for` before `step()`,
+    which needs this rank's whole accumulated gradient, kept only with g = N. The config check
+    narrows the strategy by it; the engine refuses it for callers that build it directly."""
+    if strategy.grads == Level.N:
+        return None
+    return (
+        f"zero strategy {strategy}: gradients sharded (g = {strategy.grads.name}) cannot be combined with tied "
+        f"embeddings split over pipeline stages; use a strategy with g = N (e.g. NNG, INI, GNG) "
+        f"or model.tie_embeddings: false"
+    )

@@ -36,17 +36,22 @@ from megazpp.parallel.topology import Topology
 from megazpp.parallel.work import Done
 from megazpp.state import StateDict
 from megazpp.zero import accounting, memory, sequences, traffic
-from megazpp.zero.bucket import Bucket, MasterPiece
+from megazpp.zero.bucket import Bucket
 from megazpp.zero.collectives import zero_groups
+from megazpp.zero.engine_buckets import (
+    frozen_groups,
+    norm_order,
+    trainable_buckets,
+    unit_modules,
+    unit_parents,
+)
 from megazpp.zero.engine_state import engine_state_dict, load_engine_state
-from megazpp.zero.frozen import check_frozen_support, execution_keep, frozen_buckets
-from megazpp.zero.layout import BucketLayout
-from megazpp.zero.options import ZeroOptions
+from megazpp.zero.frozen import execution_keep
+from megazpp.zero.options import ZeroOptions, tied_split_refusal
 from megazpp.zero.param_fetch import ParamFetcher
 from megazpp.zero.paths import CommPaths
 from megazpp.zero.shard_map import ShardLayout, ShardMap, shard_map
 from megazpp.zero.strategy import Level, Strategy
-from megazpp.zero.units import bucket_bound, engine_groups
 from megazpp.zero.zeropp import resolve_zeropp
 from megazpp.zero.zeropp_paths import ZeroPPPaths
 
@@ -100,23 +105,20 @@ class ZeroEngine(ScaledOptimizerEngine):
         self.step_count = 0
         self._micro_batches = 0
         self._callback_queued = False
-        self.buckets = self._build_buckets()
+        self.buckets = trainable_buckets(
+            model,
+            options,
+            self.groups,
+            self.zeropp,
+            topology.dp_rank,
+            (self.param_dtype, self.accum_dtype),
+            self._counts_in_norm,
+            self.paths,
+        )
         self.fetched = [b for b in self.buckets if not b.persistent]  # the fetch groups (p sharded)
         self.persistent = len(self.buckets) - len(self.fetched)  # the last buckets, kept whole
-        # (bucket, start, end) of each os-shard part in the global norm, in the model's parameter
-        # order: the norm sums per-tensor squares, and a sum's rounding depends on its order, so
-        # one rank takes LocalEngine's arithmetic exactly on every CPU (the buckets' own order,
-        # weights before norms, matched it only on some vector widths)
-        position = {id(p): i for i, p in enumerate(model.parameters())}
-        self._norm_order = [
-            (k, lo, hi)
-            for _, k, lo, hi in sorted(
-                (position[id(b.layout.params[j])], k, lo, hi)
-                for k, b in enumerate(self.buckets)
-                for j, lo, hi in b.norm_ranges
-            )
-        ]
-        self.frozen = self._build_frozen()
+        self._norm_order = norm_order(model, self.buckets)
+        self.frozen = frozen_groups(model, options, self.groups, self.zeropp, topology.dp_rank, self.param_dtype)
         keep = (
             execution_keep(
                 self.fetched, self.frozen, model, options.stage3_max_live_parameters, options.stage3_max_reuse_distance
@@ -143,8 +145,8 @@ class ZeroEngine(ScaledOptimizerEngine):
             self.fetcher = ParamFetcher(
                 self.fetched + self.frozen,
                 self.paths,
-                self._unit_modules(),
-                self._unit_parents(),
+                unit_modules(model, self.fetched + self.frozen),
+                unit_parents(model, self.fetched + self.frozen),
                 self._queue_backward_callback,
                 keep,
                 options.stage3_prefetch_bucket_size if options.overlap_comm else 0,
@@ -152,67 +154,6 @@ class ZeroEngine(ScaledOptimizerEngine):
             self._hooks.append(model.register_forward_hook(lambda *_: self.fetcher.forward_finished()))
 
     # -- construction ------------------------------------------------------------------------
-    def _build_buckets(self) -> list[Bucket]:
-        o = self.options
-        specs, whole = engine_groups(
-            self.model,
-            sharded=self.strategy.params != Level.N,
-            threshold=o.module_granularity_threshold,
-            fetch_mode=o.fetch_groups,
-            persistence=o.stage3_param_persistence_threshold,
-            bucket_numel=bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size),
-        )
-        dp_index = self.topology.dp_rank
-        s = self.strategy
-        buckets = []
-        for spec, persistent in [(x, False) for x in specs] + [(x, True) for x in whole]:
-            layout = BucketLayout.build(
-                spec.params, self.groups.dp_size, self.groups.group_size, dp_index, self.zeropp.alignment()
-            )
-            flat = layout.flatten(torch.float32)
-            p_level = Level.N if persistent else s.params
-            lo, hi = layout.shard_range(p_level)
-            store = flat[lo:hi].to(self.param_dtype, copy=True)
-            if p_level == Level.N:
-                layout.view_params_into(store)
-            os_lo, _ = layout.shard_range(s.optimizer_state)
-            masters = [
-                MasterPiece(a, b, decays, flat[os_lo + a : os_lo + b].clone())
-                for a, b, decays in layout.decay_split(s.optimizer_state)
-            ]
-            keep = [self._counts_in_norm(n, p) for n, p in zip(layout.names, layout.params)]
-            bucket = Bucket(
-                spec.name,
-                layout,
-                spec.modules,
-                store,
-                flat.new_zeros(layout.shard_size(s.grads), dtype=self.accum_dtype),
-                masters,
-                layout.ranges_in_shard(s.optimizer_state, keep),
-                persistent,
-            )
-            self.paths.init_bucket(bucket)
-            buckets.append(bucket)
-        return buckets
-
-    def _build_frozen(self) -> list[Bucket]:
-        """Buckets of the frozen parameters (`frozen.py`), held at level p."""
-        if all(p.requires_grad for p in self.model.parameters()):
-            return []
-        o = self.options
-        check_frozen_support(self.strategy, self.zeropp.qwz, self.zeropp.hpz, o.stage3_param_persistence_threshold)
-        return frozen_buckets(
-            self.model,
-            self.strategy,
-            self.groups.dp_size,
-            self.groups.group_size,
-            self.topology.dp_rank,
-            self.param_dtype,
-            o.module_granularity_threshold,
-            o.fetch_groups,
-            bucket_bound(o.reduce_bucket_size, o.allgather_bucket_size),
-        )
-
     def _pipeline_tied_weight(self, tied_embeddings: bool, weight: nn.Parameter | None) -> nn.Parameter | None:
         """GPT-2's tied embedding when its two copies live on different pipeline stages.
 
@@ -222,12 +163,9 @@ class ZeroEngine(ScaledOptimizerEngine):
         """
         if self.topology.pp == 1:
             return None
-        if tied_embeddings and self.strategy.grads != Level.N:  # refused on every stage alike
-            raise ConfigError(
-                f"zero strategy {self.strategy}: gradients sharded (g = {self.strategy.grads.name}) "
-                f"cannot be combined with tied embeddings split over pipeline stages; "
-                f"use a strategy with g = N (e.g. NNG, INI, GNG) or model.tie_embeddings: false"
-            )
+        refusal = tied_split_refusal(self.strategy) if tied_embeddings else None
+        if refusal is not None:  # refused on every stage alike
+            raise ConfigError(refusal)
         return weight if weight is not None and weight.requires_grad else None
 
     def grad_for(self, param: nn.Parameter) -> torch.Tensor:
@@ -243,30 +181,6 @@ class ZeroEngine(ScaledOptimizerEngine):
             raise RuntimeError(f"grad_for: bucket {b.name} is already being reduced")
         off, shape = b.layout.offsets[i], b.layout.shapes[i]
         return b.grad_acc[off : off + shape.numel()].view(shape)
-
-    def _unit_modules(self) -> dict[int, list[nn.Module]]:
-        """The group's unit roots plus any module elsewhere that registers one of its parameters
-        (a tied output layer), so every user of a parameter gathers it first."""
-        fetched = self.fetched + self.frozen
-        owner = {id(p): b for b in fetched for p in b.layout.params}
-        modules: dict[int, list[nn.Module]] = {id(b): list(b.modules) for b in fetched}
-        subtree = {id(b): {id(m) for root in b.modules for m in root.modules()} for b in fetched}
-        for module in self.model.modules():
-            for p in module.parameters(recurse=False):
-                b = owner.get(id(p))
-                if b is not None and id(module) not in subtree[id(b)] and module not in modules[id(b)]:
-                    modules[id(b)].append(module)
-        return modules
-
-    def _unit_parents(self) -> list[tuple[nn.Module, list[tuple[nn.Module, Bucket]]]]:
-        """Modules whose direct children are unit roots, with those children and their groups."""
-        group_of = {id(m): b for b in self.fetched + self.frozen for m in b.modules}
-        out = []
-        for module in self.model.modules():
-            children = [(c, group_of[id(c)]) for c in module.children() if id(c) in group_of]
-            if children:
-                out.append((module, children))
-        return out
 
     # -- backward ----------------------------------------------------------------------------
     def _queue_backward_callback(self) -> None:

@@ -53,10 +53,11 @@ class _Stage:
         tokens, labels = self.micro_batches[index]
         if self.topo.is_last_stage:
             inputs = tokens if self.topo.is_first_stage else received
-            loss = self.model(inputs, labels).float().mean()
+            loss: torch.Tensor = self.model(inputs, labels).float().mean()
             self.losses.append(loss.detach())
             return loss / len(self.micro_batches)
-        return self.model(tokens if self.topo.is_first_stage else received)
+        hidden: torch.Tensor = self.model(tokens if self.topo.is_first_stage else received)
+        return hidden
 
     def backward(
         self, received: torch.Tensor | None, output: torch.Tensor, grad: torch.Tensor | None

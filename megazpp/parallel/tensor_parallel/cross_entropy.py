@@ -12,6 +12,7 @@ from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
 from megazpp.parallel import comm
+from megazpp.parallel.tensor_parallel.mappings import applied
 
 
 def _tp(group: ProcessGroup | None) -> tuple[int, int]:
@@ -71,4 +72,4 @@ def vocab_parallel_cross_entropy(
     local_logits: torch.Tensor, target: torch.Tensor, tp_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Per-token fp32 loss for `local_logits` [..., vocab / tp] and `target` [...] (global ids)."""
-    return _VocabParallelCrossEntropy.apply(local_logits, target, tp_group)
+    return applied(_VocabParallelCrossEntropy, local_logits, target, tp_group)

@@ -12,6 +12,8 @@ mappings act on `SEQUENCE_DIM`, the sequence dimension of activations laid out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
@@ -54,6 +56,13 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, tag: str) -> torch.
     x = x.contiguous().clone()
     comm.all_reduce(x, group=group, tag=tag)
     return x
+
+
+def applied(function: type[torch.autograd.Function], *args: object) -> torch.Tensor:
+    """`function.apply(*args)`, typed: torch leaves `Function.apply` unannotated (it forwards its
+    arguments to `forward`), and every autograd function of tensor parallelism returns one tensor."""
+    apply: Callable[..., torch.Tensor] = function.apply
+    return apply(*args)
 
 
 class _Ctx(FunctionCtx):
@@ -133,27 +142,27 @@ class _ReduceScatter(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient (input replicated, consumers sharded)."""
-    return x if _world(group) == 1 else _Copy.apply(x, group)
+    return x if _world(group) == 1 else applied(_Copy, x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce forward (sum of partial results); identity backward."""
-    return x if _world(group) == 1 else _Reduce.apply(x, group)
+    return x if _world(group) == 1 else applied(_Reduce, x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; all-gather the gradient."""
-    return x if _world(group) == 1 else _Scatter.apply(x, group, -1)
+    return x if _world(group) == 1 else applied(_Scatter, x, group, -1)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-gather the last dimension; backward keeps this rank's slice."""
-    return x if _world(group) == 1 else _Gather.apply(x, group, -1)
+    return x if _world(group) == 1 else applied(_Gather, x, group, -1)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's chunk of the sequence; all-gather the gradient."""
-    return x if _world(group) == 1 else _Scatter.apply(x, group, SEQUENCE_DIM)
+    return x if _world(group) == 1 else applied(_Scatter, x, group, SEQUENCE_DIM)
 
 
 def gather_from_sequence_parallel_region(
@@ -164,11 +173,9 @@ def gather_from_sequence_parallel_region(
     `grad_is_partial=False`, just keeps this rank's chunk."""
     if _world(group) == 1:
         return x
-    if grad_is_partial:
-        return _GatherReduceScatterGrad.apply(x, group, SEQUENCE_DIM)
-    return _Gather.apply(x, group, SEQUENCE_DIM)
+    return applied(_GatherReduceScatterGrad if grad_is_partial else _Gather, x, group, SEQUENCE_DIM)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk; all-gather the gradient."""
-    return x if _world(group) == 1 else _ReduceScatter.apply(x, group, SEQUENCE_DIM)
+    return x if _world(group) == 1 else applied(_ReduceScatter, x, group, SEQUENCE_DIM)
