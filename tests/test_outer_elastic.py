@@ -34,16 +34,19 @@ ELASTIC = ["--outer-algorithm", "diloco", "--outer-elastic", "--outer-sync-every
 HEARTBEAT_MS, JOIN_MS = 1500, 20000
 
 
-def start_island(data: Path, island: int, lighthouse: int, tmp: Path, *extra: str) -> subprocess.Popen[str]:
-    """One island: `run.sh` on one rank with its own store port, checkpoint every sync, in a
-    process group of its own (so the whole island can be killed at once); paused once its
-    membership heartbeats the lighthouse (pause point `elastic_start`, the file `ready<I>`)."""
+def start_island(
+    data: Path, island: int, lighthouse: int, tmp: Path, *extra: str, iters: int = ITERS, log_name: str = ""
+) -> subprocess.Popen[str]:
+    """One island: `run.sh` on one rank with its own store port, checkpoint every sync (into
+    `ckpt<I>`, which it resumes from), in a process group of its own (so the whole island can be
+    killed at once); paused once its membership heartbeats the lighthouse (pause point
+    `elastic_start`, the file `ready<I>`); its output in `island<I><log_name>.log`."""
     env = {
         **os.environ,
         **run_sh_variables(data, 1, MAX_RESTARTS="0"),
-        "MEGAZPP_PAUSE_AT": f"elastic_start:{tmp / f'ready{island}'}",
+        "MEGAZPP_PAUSE_AT": f"elastic_start:{tmp / f'ready{island}{log_name}'}",
     }
-    args = [*TINY, "--train-iters", str(ITERS), "--log-interval", "1", "--save-interval", str(H)]
+    args = [*TINY, "--train-iters", str(iters), "--log-interval", "1", "--save-interval", str(H)]
     args += [
         "--save",
         str(tmp / f"ckpt{island}"),
@@ -54,7 +57,7 @@ def start_island(data: Path, island: int, lighthouse: int, tmp: Path, *extra: st
         f"127.0.0.1:{lighthouse}",
     ]
     args += ["--outer-island-id", str(island), "--outer-min-islands", "2", "--outer-sync-timeout-s", "10", *extra]
-    log = (tmp / f"island{island}.log").open("w")
+    log = (tmp / f"island{island}{log_name}.log").open("w")
     return subprocess.Popen(
         ["bash", str(ROOT / "run.sh"), *args],
         env=env,
@@ -87,20 +90,38 @@ def snapshot_at(tmp: Path, island: int, iteration: int) -> dict[str, torch.Tenso
     return {**{f"model.{k}": v for k, v in state["model"].items()}, "snapshot": state["engine"]["outer"]["snapshot"]}
 
 
-@pytest.mark.slow
-def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tmp_path):
-    port, lighthouse_log = free_port(), tmp_path / "lighthouse.log"
+def start_lighthouse(tmp: Path, min_islands: int, join_ms: int = JOIN_MS) -> tuple[subprocess.Popen[bytes], int]:
+    """The membership service as a user starts it, on a free port, once it listens."""
+    port, lighthouse_log = free_port(), tmp / "lighthouse.log"
     lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "megazpp.launch.lighthouse", "--min-islands", "2", "--port", str(port)]
-        + ["--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", str(JOIN_MS)],
+        [sys.executable, "-m", "megazpp.launch.lighthouse", "--min-islands", str(min_islands), "--port", str(port)]
+        + ["--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", str(join_ms)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=lighthouse_log.open("w"),
         stderr=subprocess.STDOUT,
     )
+    wait_for("the lighthouse", lambda: "lighthouse: listening at " in lighthouse_log.read_text(), [lighthouse])
+    return lighthouse, port
+
+
+def sync_lines(out: str, island: int) -> list[tuple[str, str, str, str]]:
+    """(sync, step, islands, tokens) of each outer sync island `island` logged."""
+    return re.findall(
+        rf"outer: island {island}, outer sync (\d+) at step (\d+): islands (\d+(?:,\d+)*), tokens (\d+(?:,\d+)*)", out
+    )
+
+
+def trained_steps(out: str, iters: int) -> list[int]:
+    """The iteration lines' steps, in order."""
+    return [int(m) for m in re.findall(rf"^\s*iter\s+(\d+)/{iters} \| loss ", out, flags=re.M)]
+
+
+@pytest.mark.slow
+def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tmp_path):
+    lighthouse, port = start_lighthouse(tmp_path, 2)
     islands: list[subprocess.Popen[str]] = []
     try:
-        wait_for("the lighthouse", lambda: "lighthouse: listening at " in lighthouse_log.read_text(), [lighthouse])
         # island 2 trains 3x the others' batch per step: its steps are slower and weigh 3x
         islands = [start_island(run_sh_data_dir, i, port, tmp_path) for i in range(2)]
         islands.append(start_island(run_sh_data_dir, 2, port, tmp_path, "--global-batch-size", "12"))
@@ -122,9 +143,7 @@ def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tm
         lighthouse.wait(timeout=30)
     logs = [(tmp_path / f"island{i}.log").read_text() for i in range(2)]
     for i, out in enumerate(logs):
-        syncs = re.findall(
-            rf"outer: island {i}, outer sync (\d) at step (\d+): islands (\d+(?:,\d+)*), tokens (\d+(?:,\d+)*)", out
-        )
+        syncs = sync_lines(out, i)
         # sync 1 with all three, token-weighted: 4 steps x 4 samples x 32 tokens, island 2 three times
         # that; syncs 2 and 3 without island 2
         assert syncs[0] == ("1", "4", "0,1,2", "512,512,1536"), syncs
@@ -133,7 +152,7 @@ def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tm
         assert "outer: island 2 joined at outer sync 1" in out
         assert f"outer: island {i} leaves after outer sync 3 (run finished)" in out
         # every inner step once: the iteration lines 1..12, in order
-        steps = [int(m) for m in re.findall(r"^\s*iter\s+(\d+)/12 \| loss ", out, flags=re.M)]
+        steps = trained_steps(out, ITERS)
         assert steps == list(range(1, ITERS + 1)), steps
         assert list(read_run(tmp_path / f"tb{i}", "two-level").scalars["outer/islands_live"].values) == [3, 2, 2]
     for it in (H, 2 * H, 3 * H):

@@ -19,7 +19,7 @@ import torch
 
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer.diloco import OUTER_STATE_KEY, STATS_TAG, DiLoCoEngine
-from megazpp.outer.membership import Membership
+from megazpp.outer.membership import LiveState, Membership
 from megazpp.outer.settings import OuterOptions
 from megazpp.outer.update import outer_update
 from megazpp.parallel import comm
@@ -49,6 +49,7 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         self.tokens_per_step = tokens_per_step
         self.trained_steps = 0  # inner steps applied (not skipped) since the last sync
         super().__init__(inner, options, island)
+        membership.share(self.live_state, self.heal)
         pause_point("elastic_start")
 
     def _log_start(self) -> None:
@@ -73,19 +74,21 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
 
     def _sync(self) -> dict[str, float]:
         """Pseudo-gradient, its token-weighted mean over the live islands, the Nesterov step on
-        the snapshot, which replaces the masters; returns what to log."""
+        the snapshot, which replaces the masters; returns what to log. An island behind the
+        quorum heals inside `average` (`heal`), so the outer state is read after it."""
         frag, masters = self.fragments[0], self.inner.masters()
         snapshot = frag.gather(self.snapshot)
         pseudo = snapshot.new_zeros(frag.numel)
         for lo, hi, master in frag.masters(masters):
             torch.sub(snapshot[lo:hi], master, out=pseudo[lo:hi])
-        tokens = self.trained_steps * self.tokens_per_step
+        tokens, trained = self.trained_steps * self.tokens_per_step, self.trained_steps
         met = self.membership.average(pseudo, tokens)
         self.trained_steps = 0
         scratch = torch.empty_like(pseudo)
         sums = self._norms.weighted_squares(frag, pseudo, scratch).reshape(1)
         del scratch
-        momentum = frag.gather(self.momentum)
+        masters = self.inner.masters()  # a heal loaded the peer's inner state
+        snapshot, momentum = frag.gather(self.snapshot), frag.gather(self.momentum)
         outer_update(snapshot, pseudo, momentum, self.options.lr, self.options.momentum)
         frag.scatter(self.snapshot, snapshot)
         frag.scatter(self.momentum, momentum)
@@ -104,6 +107,15 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
             met.quorum_s,
             f", after {met.attempts} attempts" if met.attempts > 1 else "",
         )
+        if met.healed_from is not None:
+            log.info(
+                "outer: island %d rejoined at outer sync %d with island %d's live state (its %d inner steps "
+                "before it were trained from a stale state and not merged)",
+                self.options.island_id,
+                self.membership.syncs,
+                met.healed_from,
+                trained,
+            )
         return {
             "outer/islands_live": float(len(met.islands)),
             "outer/tokens_weight": met.weight,
@@ -115,14 +127,54 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         self.membership.leave()
         super().close()
 
+    def live_state(self) -> LiveState:
+        """What a healing island takes from this one (`Membership.share`), read in the quorum of
+        a sync before this island changed anything in it: the outer state as the last committed
+        sync left it (snapshot = the islands' common parameters, outer momentum), the sync
+        count, and this rank's inner engine state, for its AdamW moments and step count (the
+        healing island's own are stale or none; zero moments at a late step would make Adam's
+        first updates near sign(g) x lr, too large). Views, not copies: torchft serves them
+        until this island's vote, which its exchange with the healing island precedes."""
+        return {
+            "island": self.options.island_id,
+            "syncs": self.membership.syncs,
+            "inner": self.inner.state_dict(),
+            "snapshot": self.snapshot,
+            "momentum": self.momentum,
+        }
+
+    def heal(self, live: LiveState) -> None:
+        """Take a live peer's state (`live_state`): the same layout (its shards were checked
+        alike by the inner engine's load), this island's own inner step count kept (it only
+        phases the syncs, and each island's iteration is its own job's). The masters are the
+        peer's until this sync's outer step sets every island's to the new snapshot."""
+        inner_steps = self.inner_steps
+        self.inner.load_state_dict(live["inner"])
+        self.snapshot = live["snapshot"].to(self.device, copy=True)
+        self.momentum = live["momentum"].to(self.device, copy=True)
+        self.inner_steps = inner_steps
+        self.membership.syncs = int(live["syncs"])
+        log.info(
+            "outer: island %d is behind the quorum (restarted, new, or late): took island %d's live state "
+            "at outer sync %d",
+            self.options.island_id,
+            int(live["island"]),
+            self.membership.syncs,
+        )
+
     def state_dict(self, *, frozen: bool = True) -> dict[str, Any]:
         state = super().state_dict(frozen=frozen)
-        state[OUTER_STATE_KEY][ELASTIC_STATE_KEY] = {"trained_steps": self.trained_steps}
+        state[OUTER_STATE_KEY][ELASTIC_STATE_KEY] = {
+            "trained_steps": self.trained_steps,
+            "syncs": self.membership.syncs,
+        }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The outer state, and the membership's count of syncs (the quorum compares it)."""
+        """The outer state, and the membership's count of syncs (the quorum compares it: a
+        resumed island behind the others heals at its first sync)."""
         super().load_state_dict(state)
         saved = state.get(OUTER_STATE_KEY, {}).get(ELASTIC_STATE_KEY)
         self.trained_steps = int(saved["trained_steps"]) if saved else self.inner_steps % self.options.sync_every
-        self.membership.set_syncs(self.inner_steps // self.options.sync_every)
+        syncs = saved.get("syncs") if saved else None
+        self.membership.set_syncs(int(syncs) if syncs is not None else self.inner_steps // self.options.sync_every)

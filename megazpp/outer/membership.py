@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch.distributed import TCPStore
@@ -41,21 +43,26 @@ MAX_ATTEMPTS = 4
 INFO_FIELDS = 3  # island id, tokens since the last sync, shard elements
 
 
+LiveState = dict[str, Any]  # what a live island sends a healing one (`ElasticDiLoCoEngine.live_state`)
+
+
 class ElasticError(MegazppError):
-    """An elastic island cannot go on: behind the quorum, or unlike the other islands."""
+    """An elastic island cannot go on: unlike the other islands, or the islands cannot meet."""
 
 
 @dataclass(frozen=True)
 class SyncResult:
     """One outer sync's membership: the islands averaged, each one's tokens, this island's
-    weight in the mean, the attempts it took (1 without a failure) and the seconds this island
-    waited for its quorums (the time a dropped island cost it, with the others' lateness)."""
+    weight in the mean, the attempts it took (1 without a failure), the seconds this island
+    waited for its quorums (the time a dropped island cost it, with the others' lateness) and,
+    when this island was behind and healed in it, the island it took the live state from."""
 
     islands: tuple[int, ...]
     tokens: tuple[int, ...]
     weight: float
     attempts: int
     quorum_s: float
+    healed_from: int | None = None
 
 
 def peer_shape(islands: int) -> wire.GroupShape:
@@ -99,8 +106,9 @@ class Membership:
         timeout = timedelta(seconds=sync_timeout_s)
         self._quorum_timeout = timedelta(seconds=quorum_timeout_s)
         self._pg = ProcessGroupGloo(timeout=timeout)
+        self._healed_from: int | None = None
         # every island starts from the same seeded weights (layout-independent init), so no
-        # start-up copy (init_sync False); live state for a restarted island is a later phase
+        # start-up copy (init_sync False); an island behind the quorum heals (`share`)
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=None,
@@ -120,6 +128,19 @@ class Membership:
             connect_timeout=timeout,
         )
 
+    def share(self, state: Callable[[], LiveState], load: Callable[[LiveState], None]) -> None:
+        """The live state this island sends a peer that is behind (`state`, called in the
+        quorum, before anything of this sync changed it) and how it takes one (`load`, called
+        by the sync of an island behind the quorum before its exchange): torchft's checkpoint
+        transport carries it from group rank r of a live island to group rank r of the healing
+        one, over HTTP, peer to peer. The manager's own step (our sync count) travels with it."""
+
+        def take(live: LiveState) -> None:
+            self._healed_from = int(live["island"])
+            load(live)
+
+        self._manager.register_state_dict_fn("outer", take, state)
+
     def set_syncs(self, syncs: int) -> None:
         """Resume at `syncs` committed outer syncs (the manager's step, which the quorum compares)."""
         self.syncs = syncs
@@ -131,30 +152,30 @@ class Membership:
         sync; every island ends with the same bits. Collective over every rank of every island
         in the quorum; redone with a new quorum when a peer fails in it."""
         own, waited = pseudo.clone(), 0.0
+        self._healed_from = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             start = time.perf_counter()
-            self._manager.start_quorum(allow_heal=False, timeout=self._quorum_timeout)
+            # behind the quorum (restarted, new, or late past the join timeout): torchft fetches a
+            # live peer's state and calls `share`'s load here, before the exchange
+            self._manager.start_quorum(allow_heal=True, timeout=self._quorum_timeout)
             waited += time.perf_counter() - start
-            behind = not self._manager.is_participating()
-            info = self._gather(tokens if not behind else 0, pseudo.numel())
+            if self._healed_from is not None:  # (in this attempt or a failed one before) its
+                # interval was trained from a stale state: it adds nothing to the mean
+                tokens = 0
+                own.zero_()
+            info = self._gather(tokens, pseudo.numel())
             if info is not None:
                 ids, counts, sizes = info
                 self._check_alike(ids, sizes)
                 total = sum(counts)
-                weight = tokens / total if total and not behind else 0.0
+                weight = tokens / total if total else 0.0
                 pseudo.copy_(own).mul_(weight)
                 self._all_reduce(pseudo)
             if self._manager.should_commit():
-                if behind:
-                    raise ElasticError(
-                        f"outer: island {self.island_id} is behind the quorum at outer sync {self.syncs + 1} "
-                        f"(restarted, or late past the lighthouse's join timeout): rejoining with the live "
-                        f"state of a peer is not built yet (docs/arch/elastic.md); restart every island"
-                    )
                 assert info is not None  # committed: the gather succeeded on every rank
-                self.syncs += 1
+                self.syncs = self._manager.current_step()
                 self._note(info[0])
-                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited)
+                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited, self._healed_from)
             log.warning(
                 "outer: island %d: outer sync %d failed (%s), redone with a new quorum",
                 self.island_id,

@@ -1,0 +1,96 @@
+"""Islands that rejoin and join a running elastic job, as a user runs them (docs/arch/elastic.md):
+the lighthouse needs three islands per sync, and islands 0, 1 and 2 start (one rank each).
+Island 2 (checkpointing every 2 syncs) is killed after sync 3, so islands 0 and 1 wait at sync 4.
+Restarted with the same id, island 2 resumes from its checkpoint of sync 2, one sync behind, and
+island 3, an id never seen, starts beside it: at their first sync both take the live outer and
+inner state from a live peer (torchft's checkpoint transport, over HTTP) and every island goes on
+with them; the others log the join. Asserted: who met at each sync with which
+tokens (a healed island's stale interval weighs 0), the rejoin lines, every island's parameters
+and outer snapshot equal bit for bit at every sync after it came, and each survivor trained each
+of its inner steps once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from tests.test_outer_elastic import H, snapshot_at, start_island, start_lighthouse, sync_lines, trained_steps, wait_for
+
+ITERS = 6 * H  # the survivors' run: syncs 1..6
+
+
+@pytest.mark.slow
+def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_sh_data_dir, tmp_path):
+    # a long join timeout: once three islands asked, a sync waits for every island that heartbeats
+    # (both newcomers join the same sync, whichever asks first); a dead island stops heartbeating
+    lighthouse, port = start_lighthouse(tmp_path, 3, join_ms=120000)
+    islands: list[subprocess.Popen[str]] = []
+    data = run_sh_data_dir
+    try:
+        islands = [start_island(data, i, port, tmp_path, iters=ITERS) for i in range(2)]
+        islands.append(start_island(data, 2, port, tmp_path, "--save-interval", str(2 * H), iters=ITERS))
+        ready = [tmp_path / f"ready{i}" for i in range(3)]
+        wait_for("every island heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
+        for f in ready:
+            f.unlink()
+        log2 = tmp_path / "island2.log"
+        wait_for("island 2's third sync", lambda: "outer sync 3 at step 12" in log2.read_text(), islands)
+        os.killpg(islands[2].pid, signal.SIGKILL)
+        islands[2].wait()
+        # island 2 again, from its checkpoint of sync 2 (step 8), stopping with the others after sync 6;
+        # island 3, new; both held once heartbeating, then let go together
+        again = ["--exit-interval", str(5 * H)]
+        islands[2] = start_island(data, 2, port, tmp_path, *again, iters=ITERS, log_name="again")
+        islands.append(start_island(data, 3, port, tmp_path, iters=3 * H))
+        ready = [tmp_path / "ready2again", tmp_path / "ready3"]
+        wait_for("islands 2 and 3 heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
+        for f in ready:
+            f.unlink()
+        for i, p in enumerate(islands):
+            name = f"island{i}{'again' if i == 2 else ''}.log"
+            assert p.wait(timeout=300) == 0, (tmp_path / name).read_text()[-3000:]
+    finally:
+        for p in islands:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
+    outs = {i: (tmp_path / f"island{i}.log").read_text() for i in (0, 1, 3)}
+    outs[2] = (tmp_path / "island2again.log").read_text()
+    # 4 steps x 4 samples x 32 tokens per island and interval; a healed island's interval: 0
+    met = {
+        1: ("0,1,2", "512,512,512"),
+        2: ("0,1,2", "512,512,512"),
+        3: ("0,1,2", "512,512,512"),
+        4: ("0,1,2,3", "512,512,0,0"),
+        5: ("0,1,2,3", "512,512,512,512"),
+        6: ("0,1,2,3", "512,512,512,512"),
+    }
+    for i in (0, 1):
+        syncs = sync_lines(outs[i], i)
+        assert [(s[0], s[2], s[3]) for s in syncs] == [(str(k), *v) for k, v in met.items()], syncs
+        assert [s[1] for s in syncs] == [str(H * k) for k in met], syncs
+        assert "outer: island 3 joined at outer sync 4" in outs[i], outs[i][-3000:]
+        assert trained_steps(outs[i], ITERS) == list(range(1, ITERS + 1))
+    # island 2: resumed at step 8, its steps 9..12 from the stale sync-2 state, rejoined at sync 4
+    syncs2 = sync_lines(outs[2], 2)
+    assert [(s[0], s[1]) for s in syncs2] == [("4", "12"), ("5", "16"), ("6", "20")], syncs2
+    assert [(s[2], s[3]) for s in syncs2] == [met[4], met[5], met[6]]
+    assert "outer: island 2 rejoined at outer sync 4 with island " in outs[2], outs[2][-3000:]
+    syncs3 = sync_lines(outs[3], 3)
+    assert [(s[0], s[1]) for s in syncs3] == [("4", "4"), ("5", "8"), ("6", "12")], syncs3
+    assert [(s[2], s[3]) for s in syncs3] == [met[4], met[5], met[6]]
+    assert "outer: island 3 rejoined at outer sync 4 with island " in outs[3], outs[3][-3000:]
+    # each sync's parameters and outer snapshot, saved at the sync's step of each island
+    at = {4: {0: 16, 1: 16, 2: 12, 3: 4}, 5: {0: 20, 1: 20, 2: 16, 3: 8}, 6: {0: 24, 1: 24, 2: 20, 3: 12}}
+    for sync, steps in at.items():
+        saved = {i: snapshot_at(tmp_path, i, step) for i, step in steps.items()}
+        for i, state in saved.items():
+            assert state.keys() == saved[0].keys()
+            for k in state:
+                assert torch.equal(state[k], saved[0][k]), (sync, i, k)
