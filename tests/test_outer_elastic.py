@@ -35,17 +35,24 @@ HEARTBEAT_MS, JOIN_MS = 1500, 20000
 
 
 def start_island(
-    data: Path, island: int, lighthouse: int, tmp: Path, *extra: str, iters: int = ITERS, log_name: str = ""
+    data: Path,
+    island: int,
+    lighthouse: int,
+    tmp: Path,
+    *extra: str,
+    iters: int = ITERS,
+    log_name: str = "",
+    nproc: int = 1,
+    paused: bool = True,
 ) -> subprocess.Popen[str]:
-    """One island: `run.sh` on one rank with its own store port, checkpoint every sync (into
+    """One island: `run.sh` on `nproc` ranks with its own store port, checkpoint every sync (into
     `ckpt<I>`, which it resumes from), in a process group of its own (so the whole island can be
-    killed at once); paused once its membership heartbeats the lighthouse (pause point
-    `elastic_start`, the file `ready<I>`); its output in `island<I><log_name>.log`."""
-    env = {
-        **os.environ,
-        **run_sh_variables(data, 1, MAX_RESTARTS="0"),
-        "MEGAZPP_PAUSE_AT": f"elastic_start:{tmp / f'ready{island}{log_name}'}",
-    }
+    killed at once); when `paused` (one rank only: every rank would pause on the one file), held
+    once its membership heartbeats the lighthouse (pause point `elastic_start`, the file
+    `ready<I><log_name>`); its output in `island<I><log_name>.log`."""
+    env = {**os.environ, **run_sh_variables(data, nproc, MAX_RESTARTS="0")}
+    if paused:
+        env["MEGAZPP_PAUSE_AT"] = f"elastic_start:{tmp / f'ready{island}{log_name}'}"
     args = [*TINY, "--train-iters", str(iters), "--log-interval", "1", "--save-interval", str(H)]
     args += [
         "--save",
@@ -80,10 +87,11 @@ def wait_for(
         time.sleep(0.05)
 
 
-def snapshot_at(tmp: Path, island: int, iteration: int) -> dict[str, torch.Tensor]:
-    """The island's model parameters and outer snapshot as saved at `iteration` (a sync)."""
+def snapshot_at(tmp: Path, island: int, iteration: int, dp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The island's model parameters and outer snapshot as saved at `iteration` (a sync) by
+    its rank `dp_rank`."""
     state = torch.load(
-        tmp / f"ckpt{island}" / f"iter_{iteration:07d}" / rank_file_name(0, 0, 0),
+        tmp / f"ckpt{island}" / f"iter_{iteration:07d}" / rank_file_name(0, 0, dp_rank),
         map_location="cpu",
         weights_only=False,
     )

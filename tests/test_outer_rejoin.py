@@ -12,6 +12,7 @@ of its inner steps once."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 
@@ -94,3 +95,50 @@ def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_s
             assert state.keys() == saved[0].keys()
             for k in state:
                 assert torch.equal(state[k], saved[0][k]), (sync, i, k)
+
+
+@pytest.mark.slow
+def test_a_two_rank_island_restarted_without_its_checkpoints_heals_rank_by_rank(run_sh_data_dir, tmp_path):
+    """Islands of 2 ranks (ZeRO inside each): island 1 is killed after sync 1 and its checkpoints
+    are lost; island 0 waits at sync 2 (the lighthouse needs 2). Restarted from scratch, island 1
+    takes at its first sync the live state of island 0, each rank from the same rank of island 0
+    (both vote together, `should_commit`), and both islands hold the same shards at syncs 2, 3."""
+    lighthouse, port = start_lighthouse(tmp_path, 2)
+    islands: list[subprocess.Popen[str]] = []
+    data = run_sh_data_dir
+    try:
+        islands = [start_island(data, i, port, tmp_path, nproc=2, paused=False) for i in range(2)]
+        log1 = tmp_path / "island1.log"
+        wait_for("island 1's first sync", lambda: "outer sync 1 at step 4" in log1.read_text(), islands)
+        os.killpg(islands[1].pid, signal.SIGKILL)
+        islands[1].wait()
+        shutil.rmtree(tmp_path / "ckpt1")
+        islands[1] = start_island(data, 1, port, tmp_path, nproc=2, paused=False, iters=2 * H, log_name="again")
+        for i, p in enumerate(islands):
+            name = f"island{i}{'again' if i else ''}.log"
+            assert p.wait(timeout=300) == 0, (tmp_path / name).read_text()[-3000:]
+    finally:
+        for p in islands:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
+    out0, out1 = (tmp_path / "island0.log").read_text(), (tmp_path / "island1again.log").read_text()
+    assert [(s[0], s[1], s[2], s[3]) for s in sync_lines(out0, 0)] == [
+        ("1", "4", "0,1", "512,512"),
+        ("2", "8", "0,1", "512,0"),
+        ("3", "12", "0,1", "512,512"),
+    ]
+    assert [(s[0], s[1], s[2], s[3]) for s in sync_lines(out1, 1)] == [
+        ("2", "4", "0,1", "512,0"),
+        ("3", "8", "0,1", "512,512"),
+    ]
+    assert "outer: island 1 rejoined at outer sync 2 with island 0's live state" in out1, out1[-3000:]
+    assert trained_steps(out0, 3 * H) == list(range(1, 3 * H + 1))
+    for rank in (0, 1):
+        for step0, step1 in ((2 * H, H), (3 * H, 2 * H)):
+            a, b = snapshot_at(tmp_path, 0, step0, rank), snapshot_at(tmp_path, 1, step1, rank)
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k], b[k]), (rank, step0, k)
