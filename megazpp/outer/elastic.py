@@ -156,7 +156,7 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         self.membership.syncs = int(live["syncs"])
         log.info(
             "outer: island %d is behind the quorum (restarted, new, or late): took island %d's live state "
-            "at outer sync %d",
+            "(as outer sync %d left it)",
             self.options.island_id,
             int(live["island"]),
             self.membership.syncs,
