@@ -102,10 +102,13 @@ def two_level_configs() -> list[BenchConfig]:
 
 def torchft_config() -> BenchConfig:
     """torchft's DiLoCo beside the two-level rows: one replica group per node (FSDP2 inside),
-    H = 20, DiLoCo's outer lr 0.7 and momentum 0.9 (the outer section's defaults), fp32 outer
-    gradients (torchft's only wire format on CPU)."""
+    H = 20, DiLoCo's outer lr 0.7 and momentum 0.9, fp32 outer gradients (torchft's only wire
+    format on CPU)."""
     return BenchConfig(
-        "torchft-diloco-h20", TORCHFT, ("--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
+        "torchft-diloco-h20",
+        TORCHFT,
+        ("--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
+        + ("--outer-lr", "0.7", "--outer-momentum", "0.9"),
     )
 
 

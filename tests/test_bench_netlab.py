@@ -100,11 +100,16 @@ def test_two_level_rows_and_their_commands():
 
 
 def test_torchft_row_and_its_replica_group_commands(monkeypatch):
-    """torchft's DiLoCo: H = 20 from the outer section's flags, one launcher per node (a replica
+    """torchft's DiLoCo: H = 20 and DiLoCo's 0.7 / 0.9 from the outer section's flags, one launcher per node (a replica
     group) with its own rendezvous, the lighthouse and loss store on node 0, every port distinct."""
     ft = {c.name: c for c in all_configs(ranks_per_node=2)}["torchft-diloco-h20"]
     assert ft.runner == TORCHFT and ft.script == "benchmarks/torchft_peer.py" and ft.sync_every == 20
-    assert ft.script_args() == ["--outer-algorithm", "diloco", "--outer-sync-every", "20"]
+    assert ft.script_args() == ["--outer-algorithm", "diloco", "--outer-sync-every", "20"] + [
+        "--outer-lr",
+        "0.7",
+        "--outer-momentum",
+        "0.9",
+    ]  # DiLoCo's published outer step, as torchft's DiLoCo runs it
     layout = launch.Layout(nodes=2, ranks_per_node=2)
     loop = [
         launch.replica_group_command(launch.LOOPBACK, n, layout, 29800, "py", "/d", ft.script, ["--a"], {"X": "1"})
@@ -179,6 +184,8 @@ def test_torchft_peer_arguments_and_refusals():
         return peer_outer(cfg, check_config(cfg, 4, 2))
 
     got = options("--outer-algorithm", "diloco")
+    assert (got.sync_every, got.lr, got.momentum) == (20, 1.0, 0.0)  # the outer section's defaults
+    got = options("--outer-algorithm", "diloco", "--outer-lr", "0.7", "--outer-momentum", "0.9")
     assert (got.sync_every, got.lr, got.momentum) == (20, 0.7, 0.9)
     with pytest.raises(ConfigError, match="outer.algorithm is none"):
         options()

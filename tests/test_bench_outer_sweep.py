@@ -17,6 +17,7 @@ from benchmarks.outer_sweep import main as sweep_main
 from benchmarks.outer_sweep import report
 from megazpp.config.checks import resolve_outer, validate_config
 from megazpp.config.load import load_config
+from megazpp.outer.settings import OuterOptions
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "run_outer_experiment.sh"
@@ -108,7 +109,8 @@ def test_the_plans_runs_resolve_to_what_they_name(tiny_tokenizer_model, experime
         outer = resolve_outer(cfg, 4, cfg.parallel.ranks_per_node)
         assert cfg.zero.stage == 2, name
         if lr := re.search(r"(^|_)lr(\d+)(_|$)", name):
-            assert cfg.optimizer.lr == float(lr.group(2)) * 1e-3 and cfg.optimizer.min_lr == cfg.optimizer.lr / 10
+            assert cfg.optimizer.lr == pytest.approx(float(lr.group(2)) * 1e-3), name
+            assert cfg.optimizer.min_lr == pytest.approx(cfg.optimizer.lr / 10), name
         if name.startswith("sync"):
             assert outer is None, name
             continue
@@ -117,10 +119,13 @@ def test_the_plans_runs_resolve_to_what_they_name(tiny_tokenizer_model, experime
             assert outer.sync_every == int(h.group(1)), name
         assert (outer.quantize == "int4") == ("int4" in name), name
         assert outer.error_feedback == (not name.endswith("noef")), name
-        # the outer optimizer: DiLoCo's defaults, plain averaging where named (and in issue 28's
-        # sweep but for its *_diloco rows), or the lr / momentum the name gives
+        # the outer optimizer: the section's defaults where named so, plain averaging where named
+        # (and in issue 28's sweep but for its *_diloco rows), else DiLoCo's 0.7 / 0.9, or the lr /
+        # momentum the name gives
         plain = "plain" in name or (experiment == "loco600" and not name.endswith("_diloco"))
         lr, momentum = (1.0, 0.0) if plain else (0.7, 0.9)
+        if name == "defaults":
+            lr, momentum = OuterOptions.lr, OuterOptions.momentum
         if olr := re.search(r"olr(\d)(\d)", name):
             lr = float(f"{olr.group(1)}.{olr.group(2)}")
         if om := re.search(r"om(\d)(\d)", name):

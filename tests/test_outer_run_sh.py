@@ -160,9 +160,10 @@ def test_run_sh_streaming_int4_saved_in_flight_resumes(run_sh_data_dir, tmp_path
     out = first.stdout + first.stderr
     # the banner says every outer setting in words (it said "none outer gradients", no fragments)
     assert (
-        "DiLoCo every 4 inner steps, outer lr 0.7, Nesterov momentum 0.9; the model in 2 fragments at staggered "
-        "steps (streaming; one fragment a sync step); each exchange runs while 1 inner step(s) go on, then is "
-        "merged keeping 0.5 of the island's own parameters; outer gradients sent as int4 with error feedback: "
+        "DiLoCo every 4 inner steps to the islands' mean (plain averaging: outer lr 1, no momentum); the model in "
+        "2 fragments at staggered steps (streaming; one fragment a sync step); each exchange runs while 1 inner "
+        "step(s) go on, then is merged keeping 0.5 of the island's own parameters; outer gradients sent as int4 "
+        "with error feedback: "
     ) in out
     assert landed_at(out) == ["3", "5"]
     # what this checkpoint cannot start: one line before any rank (each used to fail on every rank,

@@ -31,15 +31,22 @@ class OuterOptions:
     (docs/arch/outer.md). `algorithm` none (the default) is plain synchronous data parallelism
     over all ranks; diloco runs the ZeRO engine inside each island of `island_nodes` nodes and
     every `sync_every` (H) inner steps averages the islands' pseudo-gradients (parameters at the
-    last sync minus now) and applies Nesterov SGD (`lr`, `momentum`: DiLoCo's 0.7 and 0.9),
-    moved in `quantize` format. With `start_iter` S > 0 the first S iterations train
-    synchronously over all ranks (the warm start, in one job: `training/start_iter.py`).
+    last sync minus now) and applies Nesterov SGD (`lr`, `momentum`), moved in `quantize`
+    format. The defaults, lr 1 and momentum 0, are plain averaging (the islands' mean becomes
+    the next start): measured from scratch on the 600-step LoCo schedule (docs/benchmarks.md,
+    "Two-level training: choosing the defaults"), every outer momentum tried (DiLoCo's lr 0.7 /
+    Nesterov 0.9, made for warm-started runs of hundreds of inner steps per sync, and lr 0.2-1.0
+    with momentum 0.5-0.9, warmed up or not) ended worse than plain averaging, most by far.
+    With `start_iter` S > 0 the first S iterations train synchronously over all ranks (the warm
+    start, in one job: `training/start_iter.py`).
     ConfigError naming the `outer` key for a value out of range or asking for what is not built."""
 
     algorithm: str = setting("none", "none (synchronous over all ranks) or diloco (islands + outer optimizer)")
     sync_every: int = setting(20, "H: inner steps between outer syncs")
-    lr: float = setting(0.7, "outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
-    momentum: float = setting(0.9, "outer Nesterov momentum")
+    lr: float = setting(
+        1.0, "outer learning rate (Nesterov SGD on the averaged pseudo-gradient; 1 with momentum 0: their mean)"
+    )
+    momentum: float = setting(0.0, "outer Nesterov momentum (DiLoCo's published setting: lr 0.7, momentum 0.9)")
     warmup_syncs: int = setting(
         0, "outer syncs over which the outer step ramps from plain averaging (lr 1, momentum 0) to lr and momentum"
     )

@@ -143,11 +143,18 @@ def _two_level(engine: Engine) -> list[str]:
         else "; the inner optimizer's state kept per island"
     )
     warmup = f" (reached after {o.warmup_syncs} syncs ramping from plain averaging)" if o.warmup_syncs else ""
+    if o.momentum:
+        step = f"outer lr {o.lr:g}, Nesterov momentum {o.momentum:g}{warmup}"
+    else:
+        step = (
+            "the islands' mean (plain averaging: outer lr 1, no momentum)"
+            if o.lr == 1
+            else f"outer lr {o.lr:g}, no momentum"
+        )
     return [
         f"two-level: {engine.islands} islands of {o.island_nodes} node(s), {island.dp} DP rank(s) each (ZeRO "
-        f"inside an island); DiLoCo every {o.sync_every} inner steps, outer lr {o.lr:g}, Nesterov momentum "
-        f"{o.momentum:g}{warmup}; {what}; {applied}; outer gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node "
-        f"per rank every {o.sync_every} steps{moments}"
+        f"inside an island); DiLoCo every {o.sync_every} inner steps to {step}; {what}; {applied}; outer "
+        f"gradients sent as {wire}: {inter / 1e6:.3g} MB inter-node per rank every {o.sync_every} steps{moments}"
         + (f"; synchronous over all ranks before iteration {o.start_iter} (outer.start_iter)" if o.start_iter else "")
     ]
 
