@@ -14,7 +14,7 @@ from pathlib import Path
 
 from support import ROOT, free_port
 
-from tests.test_launch_sbatch import job  # noqa: F401  # the fixture: stand-in srun / scontrol, a submit dir
+from tests.test_launch_sbatch import SRUN_RUN_SH, job  # noqa: F401  # job: stand-in srun / scontrol, a submit dir
 
 SLURM = ROOT / "tools" / "slurm"
 FAKE_SBATCH = """#!/usr/bin/env bash
@@ -63,12 +63,7 @@ def test_an_island_job_runs_run_sh_elastic_at_the_lighthouse(job, tmp_path):  # 
     run = _island(job, addr)
     assert run.returncode == 0, run.stderr
     assert (Path(job["LOG"]) / "srun.args").read_text().split() == [
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        "bash",
-        "run.sh",
-        "--save",
-        "checkpoints/tiny",
+        *SRUN_RUN_SH,
         "--outer-algorithm",
         "diloco",
         "--outer-elastic",

@@ -14,6 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "tools" / "slurm" / "pretrain.sbatch"
+# what pretrain.sbatch starts for the job `tiny`, before the flags it was given
+SRUN_RUN_SH = ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "run.sh", "--save", "checkpoints/tiny"]
 FAKE_SRUN = """#!/usr/bin/env bash
 echo "$@" > "$LOG/srun.args"
 trap 'echo TERM > "$LOG/srun.term"; kill $!; exit 143' TERM
@@ -62,16 +64,7 @@ def test_a_stop_signal_stops_the_ranks_and_requeues(job, sig):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert (log / "srun.args").read_text().split() == [
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        "bash",
-        "run.sh",
-        "--save",
-        "checkpoints/tiny",
-        "--train-iters",
-        "5",
-    ]
+    assert (log / "srun.args").read_text().split() == [*SRUN_RUN_SH, "--train-iters", "5"]
     assert (log / "srun.term").exists()
     assert (log / "scontrol.calls").read_text() == "requeue 4242\n"
     reason = "time limit near" if sig == signal.SIGUSR1 else "preempted"

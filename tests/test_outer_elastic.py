@@ -87,6 +87,36 @@ def wait_for(
         time.sleep(0.05)
 
 
+def release(tmp: Path, names: Sequence[str], procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """Once the islands held at their start (ready files `ready<name>`) all heartbeat, let them
+    go together."""
+    ready = [tmp / f"ready{n}" for n in names]
+    wait_for(f"islands {', '.join(names)} heartbeating", lambda: all(f.exists() for f in ready), procs, timeout_s=180)
+    for f in ready:
+        f.unlink()
+
+
+def kill_island(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL to the island's whole process tree (run.sh, its launcher, its ranks)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def finish(tmp: Path, islands: dict[str, subprocess.Popen[str]], timeout_s: float = 300) -> None:
+    """Each island (by its log's name, `island<name>.log`) ends by itself with exit code 0."""
+    for name, p in islands.items():
+        assert p.wait(timeout=timeout_s) == 0, (tmp / f"island{name}.log").read_text()[-3000:]
+
+
+def stop_all(islands: Sequence[subprocess.Popen[str]], lighthouse: subprocess.Popen[bytes]) -> None:
+    """Kill what still runs of `islands`, then stop the lighthouse."""
+    for p in islands:
+        if p.poll() is None:
+            kill_island(p)
+    lighthouse.send_signal(signal.SIGTERM)
+    lighthouse.wait(timeout=30)
+
+
 def snapshot_at(tmp: Path, island: int, iteration: int, dp_rank: int = 0) -> dict[str, torch.Tensor]:
     """The island's model parameters and outer snapshot as saved at `iteration` (a sync) by
     its rank `dp_rank`."""
@@ -133,22 +163,13 @@ def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tm
         # island 2 trains 3x the others' batch per step: its steps are slower and weigh 3x
         islands = [start_island(run_sh_data_dir, i, port, tmp_path) for i in range(2)]
         islands.append(start_island(run_sh_data_dir, 2, port, tmp_path, "--global-batch-size", "12"))
-        ready = [tmp_path / f"ready{i}" for i in range(3)]
-        wait_for("every island heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
-        for f in ready:
-            f.unlink()
+        release(tmp_path, ["0", "1", "2"], islands)
         log2 = tmp_path / "island2.log"
         wait_for("island 2's first sync", lambda: "outer sync 1 at step 4" in log2.read_text(), islands)
-        os.killpg(islands[2].pid, signal.SIGKILL)
-        for p in islands[:2]:
-            assert p.wait(timeout=120) == 0, (tmp_path / f"island{islands.index(p)}.log").read_text()[-3000:]
+        kill_island(islands[2])
+        finish(tmp_path, {"0": islands[0], "1": islands[1]}, timeout_s=120)
     finally:
-        for p in islands:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=30)
+        stop_all(islands, lighthouse)
     logs = [(tmp_path / f"island{i}.log").read_text() for i in range(2)]
     for i, out in enumerate(logs):
         syncs = sync_lines(out, i)

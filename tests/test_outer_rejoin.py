@@ -11,15 +11,25 @@ of its inner steps once."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 
 import pytest
 import torch
 
-from tests.test_outer_elastic import H, snapshot_at, start_island, start_lighthouse, sync_lines, trained_steps, wait_for
+from tests.test_outer_elastic import (
+    H,
+    finish,
+    kill_island,
+    release,
+    snapshot_at,
+    start_island,
+    start_lighthouse,
+    stop_all,
+    sync_lines,
+    trained_steps,
+    wait_for,
+)
 
 ITERS = 6 * H  # the survivors' run: syncs 1..6
 
@@ -34,33 +44,19 @@ def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_s
     try:
         islands = [start_island(data, i, port, tmp_path, iters=ITERS) for i in range(2)]
         islands.append(start_island(data, 2, port, tmp_path, "--save-interval", str(2 * H), iters=ITERS))
-        ready = [tmp_path / f"ready{i}" for i in range(3)]
-        wait_for("every island heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
-        for f in ready:
-            f.unlink()
+        release(tmp_path, ["0", "1", "2"], islands)
         log2 = tmp_path / "island2.log"
         wait_for("island 2's third sync", lambda: "outer sync 3 at step 12" in log2.read_text(), islands)
-        os.killpg(islands[2].pid, signal.SIGKILL)
-        islands[2].wait()
+        kill_island(islands[2])
         # island 2 again, from its checkpoint of sync 2 (step 8), stopping with the others after sync 6;
         # island 3, new; both held once heartbeating, then let go together
         again = ["--exit-interval", str(5 * H)]
         islands[2] = start_island(data, 2, port, tmp_path, *again, iters=ITERS, log_name="again")
         islands.append(start_island(data, 3, port, tmp_path, iters=3 * H))
-        ready = [tmp_path / "ready2again", tmp_path / "ready3"]
-        wait_for("islands 2 and 3 heartbeating", lambda: all(f.exists() for f in ready), islands, timeout_s=180)
-        for f in ready:
-            f.unlink()
-        for i, p in enumerate(islands):
-            name = f"island{i}{'again' if i == 2 else ''}.log"
-            assert p.wait(timeout=300) == 0, (tmp_path / name).read_text()[-3000:]
+        release(tmp_path, ["2again", "3"], islands)
+        finish(tmp_path, dict(zip(["0", "1", "2again", "3"], islands)))
     finally:
-        for p in islands:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=30)
+        stop_all(islands, lighthouse)
     outs = {i: (tmp_path / f"island{i}.log").read_text() for i in (0, 1, 3)}
     outs[2] = (tmp_path / "island2again.log").read_text()
     # 4 steps x 4 samples x 32 tokens per island and interval; a healed island's interval: 0
@@ -110,20 +106,12 @@ def test_a_two_rank_island_restarted_without_its_checkpoints_heals_rank_by_rank(
         islands = [start_island(data, i, port, tmp_path, nproc=2, paused=False) for i in range(2)]
         log1 = tmp_path / "island1.log"
         wait_for("island 1's first sync", lambda: "outer sync 1 at step 4" in log1.read_text(), islands)
-        os.killpg(islands[1].pid, signal.SIGKILL)
-        islands[1].wait()
+        kill_island(islands[1])
         shutil.rmtree(tmp_path / "ckpt1")
         islands[1] = start_island(data, 1, port, tmp_path, nproc=2, paused=False, iters=2 * H, log_name="again")
-        for i, p in enumerate(islands):
-            name = f"island{i}{'again' if i else ''}.log"
-            assert p.wait(timeout=300) == 0, (tmp_path / name).read_text()[-3000:]
+        finish(tmp_path, {"0": islands[0], "1again": islands[1]})
     finally:
-        for p in islands:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=30)
+        stop_all(islands, lighthouse)
     out0, out1 = (tmp_path / "island0.log").read_text(), (tmp_path / "island1again.log").read_text()
     assert [(s[0], s[1], s[2], s[3]) for s in sync_lines(out0, 0)] == [
         ("1", "4", "0,1", "512,512"),
