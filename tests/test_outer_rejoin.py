@@ -96,9 +96,11 @@ def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_s
 @pytest.mark.slow
 def test_a_two_rank_island_restarted_without_its_checkpoints_heals_rank_by_rank(run_sh_data_dir, tmp_path):
     """Islands of 2 ranks (ZeRO inside each): island 1 is killed after sync 1 and its checkpoints
-    are lost; island 0 waits at sync 2 (the lighthouse needs 2). Restarted from scratch, island 1
-    takes at its first sync the live state of island 0, each rank from the same rank of island 0
-    (both vote together, `should_commit`), and both islands hold the same shards at syncs 2, 3."""
+    are lost; island 0 waits at sync 2 (the lighthouse needs 2). Started again with another model
+    by mistake, island 1 stops with one line at its first sync (nothing of island 0's is lost: its
+    exchange is redone). Restarted from scratch as it was, island 1 takes at its first sync the
+    live state of island 0, each rank from the same rank of island 0 (both vote together,
+    `should_commit`), and both islands hold the same shards at syncs 2, 3."""
     lighthouse, port = start_lighthouse(tmp_path, 2)
     islands: list[subprocess.Popen[str]] = []
     data = run_sh_data_dir
@@ -108,11 +110,19 @@ def test_a_two_rank_island_restarted_without_its_checkpoints_heals_rank_by_rank(
         wait_for("island 1's first sync", lambda: "outer sync 1 at step 4" in log1.read_text(), islands)
         kill_island(islands[1])
         shutil.rmtree(tmp_path / "ckpt1")
+        wrong = start_island(
+            data, 1, port, tmp_path, "--ffn-hidden-size", "96", nproc=2, paused=False, log_name="wrong"
+        )
+        assert wrong.wait(timeout=300) != 0
+        shutil.rmtree(tmp_path / "ckpt1")
         islands[1] = start_island(data, 1, port, tmp_path, nproc=2, paused=False, iters=2 * H, log_name="again")
         finish(tmp_path, {"0": islands[0], "1again": islands[1]})
     finally:
         stop_all(islands, lighthouse)
     out0, out1 = (tmp_path / "island0.log").read_text(), (tmp_path / "island1again.log").read_text()
+    wrong_out = (tmp_path / "island1wrong.log").read_text()
+    assert "pretrain_gpt.py: error: outer: island 1 cannot take island 0's live state (its shard has " in wrong_out
+    assert "every island must run the same model, parallel layout and ZeRO strategy" in wrong_out, wrong_out[-3000:]
     assert [(s[0], s[1], s[2], s[3]) for s in sync_lines(out0, 0)] == [
         ("1", "4", "0,1", "512,512"),
         ("2", "8", "0,1", "512,0"),

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer.diloco import OUTER_STATE_KEY, STATS_TAG, DiLoCoEngine
-from megazpp.outer.membership import LiveState, Membership
+from megazpp.outer.membership import ElasticError, LiveState, Membership
 from megazpp.outer.settings import OuterOptions
 from megazpp.outer.update import outer_update
 from megazpp.parallel import comm
@@ -148,8 +149,17 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         alike by the inner engine's load), this island's own inner step count kept (it only
         phases the syncs, and each island's iteration is its own job's). The masters are the
         peer's until this sync's outer step sets every island's to the new snapshot."""
-        inner_steps = self.inner_steps
-        self.inner.load_state_dict(live["inner"])
+        inner_steps, source = self.inner_steps, int(live["island"])
+        unlike = (
+            f"outer: island {self.options.island_id} cannot take island {source}'s live state (%s): every island "
+            f"must run the same model, parallel layout and ZeRO strategy"
+        )
+        if live["snapshot"].numel() != self.numel:
+            raise ElasticError(unlike % f"its shard has {live['snapshot'].numel()} elements, this rank's {self.numel}")
+        try:
+            self.inner.load_state_dict(live["inner"])
+        except CheckpointError as exc:  # the inner engine's layout checks, in a heal's words
+            raise ElasticError(unlike % exc) from None
         self.snapshot = live["snapshot"].to(self.device, copy=True)
         self.momentum = live["momentum"].to(self.device, copy=True)
         self.inner_steps = inner_steps
@@ -158,7 +168,7 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
             "outer: island %d is behind the quorum (restarted, new, or late): took island %d's live state "
             "(as outer sync %d left it)",
             self.options.island_id,
-            int(live["island"]),
+            source,
             self.membership.syncs,
         )
 
