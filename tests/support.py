@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -268,3 +269,12 @@ def train_losses(model: GPTModel, engine: Engine, dp_rank: int, steps: range, mi
         engine.step()
         losses.append(total)
     return losses
+
+
+def as_from_a_terminal() -> None:
+    """`preexec_fn` of a subprocess a test interrupts as Ctrl-C would: SIGINT at its default, as a
+    terminal's foreground job has it, whatever this process inherited. A suite started in the
+    background by a script (`cmd &`) inherits SIGINT ignored, an ignored signal stays ignored
+    across exec (and a shell cannot even trap it then), so the tool would never see the test's
+    SIGINT and the test would wait for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import as_from_a_terminal
 
 from megazpp.errors import LaunchError
 from megazpp.launch.hosts import Host, parse_hostfile
@@ -78,6 +79,7 @@ def _launch(tmp_path: Path, checkout: Path, **env: str) -> subprocess.Popen:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=as_from_a_terminal,  # its SIGINT test: a shell cannot trap a signal ignored at entry
     )
 
 

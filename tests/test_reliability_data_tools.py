@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import checkout_env, paused_at, run_sh_variables, wait_until_paused
+from support import as_from_a_terminal, checkout_env, paused_at, run_sh_variables, wait_until_paused
 from test_training_pretrain import tiny_args
 
 from megazpp.data.indexed_dataset import IndexedDataset
@@ -311,6 +311,7 @@ def interrupt_at(cmd: list[str], point: str, cwd: Path) -> subprocess.CompletedP
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         wait_until_paused(proc, pause)

@@ -15,7 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from support import ROOT, TINY_MODEL_FLAGS, checkout_env, paused_at, run_sh_variables, wait_until_paused
+from support import (
+    ROOT,
+    TINY_MODEL_FLAGS,
+    as_from_a_terminal,
+    checkout_env,
+    paused_at,
+    run_sh_variables,
+    wait_until_paused,
+)
 from test_training_pretrain import tiny_args
 
 LONG = "5000"  # iterations: the runs are stopped long before
@@ -28,7 +36,13 @@ class Run:
     def __init__(self, command: list[str], env_extra: dict[str, str] | None = None) -> None:
         env = checkout_env(**{"PYTHONUNBUFFERED": "1", **(env_extra or {})})
         self.proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=as_from_a_terminal,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
