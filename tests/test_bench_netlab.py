@@ -81,6 +81,7 @@ def test_two_level_rows_and_their_commands():
     flags are the outer section's, given to pretrain_gpt.py ahead of the shared flags."""
     by_name = {c.name: c for c in all_configs(ranks_per_node=2)}
     base = ("--zero-stage", "3", "--outer-algorithm", "diloco", "--outer-sync-every", "20")
+    base += ("--outer-lr", "0.7", "--outer-momentum", "0.9")  # DiLoCo's outer step, as torchft's row
     assert by_name["diloco-h20-bf16"].flags == base + ("--outer-quantize", "bf16")
     assert by_name["diloco-h20-int4"].flags == base + ("--outer-quantize", "int4")
     stream = by_name["diloco-h20-bf16-stream"]
