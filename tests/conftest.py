@@ -58,9 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "quorum_race: depends on which of two starting islands the torchft lighthouse sees first "
-        "(failed once in a clean-clone .ci/run, 2026-11-28); .ci/run deselects it until the newcomers "
-        "are held until both heartbeat",
+        "quorum_race: kills an island once it logged a sync, racing its next one (failed once in a "
+        "clean-clone .ci/run, 2026-11-28: the island finished sync 4 before the kill); .ci/run deselects "
+        "it until the island is held at a pause point after that sync",
     )
 
 

@@ -35,7 +35,7 @@ ITERS = 6 * H  # the survivors' run: syncs 1..6
 
 
 @pytest.mark.slow
-@pytest.mark.quorum_race  # see tests/conftest.py: deselected by .ci/run until the newcomers are held together
+@pytest.mark.quorum_race  # see tests/conftest.py: the kill after sync 3 races sync 4; deselected by .ci/run
 def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_sh_data_dir, tmp_path):
     # a long join timeout: once three islands asked, a sync waits for every island that heartbeats
     # (both newcomers join the same sync, whichever asks first); a dead island stops heartbeating
