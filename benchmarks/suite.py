@@ -94,7 +94,14 @@ def two_level_configs() -> list[BenchConfig]:
     fragments each overlapped by one inner step, DiLoCo's outer lr 0.7 / Nesterov 0.9. The flags
     are the `outer` section's (megazpp/outer/settings.py, docs/flags.md); these rows change the optimisation, so their
     losses are not the synchronous rows'."""
-    base = ("--zero-stage", "3", "--outer-algorithm", "diloco", "--outer-sync-every", str(TWO_LEVEL_SYNC_EVERY))
+    base: tuple[str, ...] = (
+        "--zero-stage",
+        "3",
+        "--outer-algorithm",
+        "diloco",
+        "--outer-sync-every",
+        str(TWO_LEVEL_SYNC_EVERY),
+    )
     base += DILOCO_OUTER_STEP
     return [
         BenchConfig("diloco-h20-bf16", MEGAZPP, base + ("--outer-quantize", "bf16")),
