@@ -53,7 +53,9 @@ def describe(name: str, config: JSONObject | None) -> str:
         else (" + error feedback" if outer["error_feedback"] else ", no error feedback")
     )
     warmup = f", warmup {outer['warmup_syncs']} syncs" if outer.get("warmup_syncs") else ""
-    if outer.get("exp_avg_every") or outer.get("exp_avg_sq_every"):
+    if outer.get("optimizer_state_every"):
+        warmup += f", inner optimizer state averaged every {outer['optimizer_state_every']} sync(s)"
+    elif outer.get("exp_avg_every") or outer.get("exp_avg_sq_every"):  # as logged before the one period
         warmup += f", moments averaged every {outer.get('exp_avg_every', 0)}/{outer.get('exp_avg_sq_every', 0)} syncs"
     lr = config.get("optimizer", {}).get("lr")
     return (

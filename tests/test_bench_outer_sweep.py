@@ -99,7 +99,8 @@ def test_refuses_a_directory_without_the_reference(tmp_path, capsys):
 def test_the_plans_runs_resolve_to_what_they_name(tiny_tokenizer_model, experiment):
     """Every run of every experiment is a valid run.sh command line whose settings are what its
     name says (hN: H = N; int4 / noef: the wire and its error feedback; lrX: inner lr X e-3;
-    warmN: the outer warmup; desAB: moment averaging; sync: no islands), and the queue names only the plan's runs."""
+    warmN: the outer warmup; stateK: the inner optimizer's state averaged every K syncs, else
+    kept per island but under defaults; sync: no islands), and the queue names only the plan's runs."""
     plan = EXPERIMENTS[experiment]
     assert {run for _, run in plan.queue} <= set(plan.runs) and plan.reference in plan.runs
     assert set(plan.targets) <= set(plan.runs)
@@ -124,16 +125,17 @@ def test_the_plans_runs_resolve_to_what_they_name(tiny_tokenizer_model, experime
         # momentum the name gives
         plain = "plain" in name or (experiment == "loco600" and not name.endswith("_diloco"))
         lr, momentum = (1.0, 0.0) if plain else (0.7, 0.9)
-        if name == "defaults":
+        defaults = "defaults" in name
+        if defaults:
             lr, momentum = OuterOptions.lr, OuterOptions.momentum
         if olr := re.search(r"olr(\d)(\d)", name):
             lr = float(f"{olr.group(1)}.{olr.group(2)}")
         if om := re.search(r"om(\d)(\d)", name):
             momentum = float(f"{om.group(1)}.{om.group(2)}")
         assert (outer.lr, outer.momentum) == (lr, momentum), name
-        assert (outer.exp_avg_every, outer.exp_avg_sq_every) == (
-            tuple(int(d) for d in des.groups()) if (des := re.search(r"des(\d)(\d)", name)) else (0, 0)
-        ), name
+        state = re.search(r"state(\d+)", name)
+        every = int(state.group(1)) if state else OuterOptions.optimizer_state_every if defaults else 0
+        assert outer.optimizer_state_every == every, name
         if warm := re.search(r"warm(\d+)", name):
             assert outer.warmup_syncs == int(warm.group(1)), name
 

@@ -57,7 +57,9 @@ from megazpp.zero.zeropp import ZeroPP
 
 STEPS, SAVE_AT, MICRO = 5, 3, 2
 OPT = OptimizerOptions(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
-OUTER = OuterOptions(algorithm="diloco", sync_every=2, lr=0.7, momentum=0.9, quantize="none", island_nodes=1)
+OUTER = OuterOptions(
+    algorithm="diloco", sync_every=2, lr=0.7, momentum=0.9, quantize="none", island_nodes=1, optimizer_state_every=0
+)
 # label: (strategy, ZeRO++ switches, outer options or None for the synchronous engine)
 RUNS: dict[str, tuple[str, ZeroPP, OuterOptions | None]] = {
     "zero3/qwz+hpz+qgz+loco": ("GGG", ZeroPP(qwz=True, hpz=2, qgz=True, loco=True), None),
@@ -70,7 +72,7 @@ RUNS: dict[str, tuple[str, ZeroPP, OuterOptions | None]] = {
         "GGG",
         ZeroPP(),
         dataclasses.replace(
-            OUTER, quantize="bf16", sync_every=3, fragments=3, overlap_steps=2, exp_avg_every=1, exp_avg_sq_every=1
+            OUTER, quantize="bf16", sync_every=3, fragments=3, overlap_steps=2, optimizer_state_every=1
         ),
     ),
 }

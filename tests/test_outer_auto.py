@@ -92,7 +92,9 @@ def _expected(args: list[str]) -> str:
     workload = workload_of_config(cfg)
     shapes = shapes_of_config(cfg.model, bucket_numel=workload.bucket_numel)
     whole = _cluster(cfg)
-    island = plan_island(shapes, workload, whole, OuterChoice.of(outer), fixed_zeropp=ZeroPP())
+    island = plan_island(
+        shapes, workload, whole, OuterChoice.of(outer, workload.optimizer_states), fixed_zeropp=ZeroPP()
+    )
     assert island.choice is not None and island.runner_up is not None
     # the outer traffic decides: the island's synchronous plan alone would pick another strategy
     job, alone, _ = island_job(workload, whole, outer.island_nodes)

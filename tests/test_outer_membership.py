@@ -2,8 +2,10 @@
 An island dies inside a sync: island 2 enters the quorum and is killed before the exchange, so
 the other two meet a dead peer in their collective. torchft's vote discards the attempt on both,
 the sync is redone with a new quorum of the two, and both get the token-weighted mean of their
-own pseudo-gradients, bit for bit equal. A sync one island commits and another redoes (the vote
-is agreed inside an island only): the one that redid it is behind at its retry and heals."""
+own pseudo-gradients, bit for bit equal, and of what else the sync averages (`extra`: the inner
+optimizer's state). A sync one island commits and another redoes (the vote is agreed inside an
+island only): the one that redid it is behind at its retry and heals, and asks for the extra of
+the sync the others hold (its number after the heal), so the islands' buffers agree."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ if i == 2:  # in the quorum, then gone before the exchange: the others meet a de
     m._manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=60))
     os.kill(os.getpid(), signal.SIGKILL)
 g = torch.full((1000,), float(i + 1))
-r = m.average(g, 10 * (i + 1))
+r = m.average(g, 10 * (i + 1), lambda n: torch.full((3,), 10.0 * (i + 1)))
 print("RESULT", r.islands, r.tokens, r.attempts, g[0].item(), g.eq(g[0]).all().item(), flush=True)
+print("EXTRA", r.extra[0].item(), r.extra.eq(r.extra[0]).all().item(), r.extra.numel(), flush=True)
 m.leave()
 """
 
@@ -54,11 +57,16 @@ if i == 1:  # island 1's other rank lost its peer group after the exchange: isla
 Path(f"ready{i}").touch()
 while not Path("go").exists():
     time.sleep(0.05)
+asked = []
+def extra(n):  # every second sync averages more (as outer.optimizer_state_every 2 does)
+    asked.append(n)
+    return torch.full((2,), float(n)) if n % 2 == 0 else None
 while m.syncs < 2:
     g = torch.full((4,), float(10 * m.syncs + i + 1))
-    r = m.average(g, 10 * (i + 1))
+    r = m.average(g, 10 * (i + 1), extra)
     w.add_(g)  # the outer step
-    print("SYNC", m.syncs, r.islands, r.tokens, r.attempts, r.healed_from, w.tolist(), flush=True)
+    more = None if r.extra is None else r.extra.tolist()
+    print("SYNC", m.syncs, r.islands, r.tokens, r.attempts, r.healed_from, w.tolist(), asked, more, flush=True)
 m.leave()
 """
 
@@ -117,6 +125,8 @@ def test_an_island_killed_inside_the_sync_is_left_out_of_the_redone_exchange(tmp
     for i, (out, err) in enumerate(outs):
         assert islands[i].returncode == 0, err[-3000:]
         assert f"RESULT (0, 1) (10, 20) 2 {mean} True" in out, out + err[-3000:]
+        extra = (torch.tensor(10.0) * (10 / 30) + torch.tensor(20.0) * (20 / 30)).item()
+        assert f"EXTRA {extra} True 3" in out, out
         assert "outer sync 1 failed" in err and "redone with a new quorum" in err, err[-3000:]
 
 
@@ -130,9 +140,10 @@ def test_a_sync_one_island_committed_and_another_redid_is_repaired_by_a_heal(tmp
     mean1 = torch.full((4,), 1.0).mul_(10 / 30) + torch.full((4,), 2.0).mul_(20 / 30)
     w1 = torch.zeros(4).add_(mean1)
     # island 0 committed sync 1, then sync 2 with island 1 healing in it (its retry of sync 1)
-    assert f"SYNC 1 (0, 1) (10, 20) 1 None {w1.tolist()}" in out0, out0
+    assert f"SYNC 1 (0, 1) (10, 20) 1 None {w1.tolist()} [1] None" in out0, out0
     w2 = w1.add(torch.full((4,), 11.0).mul_(1.0)).tolist()
-    assert f"SYNC 2 (0, 1) (10, 0) 1 None {w2}" in out0, out0
+    assert f"SYNC 2 (0, 1) (10, 0) 1 None {w2} [1, 2] [2.0, 2.0]" in out0, out0
     # island 1 voted no; its second attempt found it behind: it took island 0's state, added nothing
     assert "outer sync 1 failed" in err1 and "redone with a new quorum" in err1, err1[-3000:]
-    assert out1.splitlines() == [f"SYNC 2 (0, 1) (10, 0) 2 0 {w2}"], out1 + err1[-3000:]
+    # (sync 1's extra asked at its first attempt, sync 2's at the retry after the heal)
+    assert out1.splitlines() == [f"SYNC 2 (0, 1) (10, 0) 2 0 {w2} [1, 2] [2.0, 2.0]"], out1 + err1[-3000:]

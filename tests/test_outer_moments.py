@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazpp.errors import ConfigError
 from megazpp.outer.fragments import fragment_of
 from megazpp.outer.moments import average_moment
 
@@ -44,11 +43,3 @@ def test_a_rank_without_state_yet_keeps_none():
     moments: list[dict[str, torch.Tensor]] = [{}, {}]
     average_moment(FRAG, moments, "exp_avg", 1, "none", None, DEVICE)
     assert moments == [{}, {}]
-
-
-def test_a_state_the_optimizer_does_not_keep_is_refused_by_key():
-    moments = [{"momentum_buffer": torch.zeros(6)} for _ in range(2)]
-    with pytest.raises(
-        ConfigError, match=r"outer.exp_avg_every: the inner optimizer keeps no 'exp_avg' \(its state: momentum_buffer\)"
-    ):
-        average_moment(FRAG, moments, "exp_avg", 1, "none", None, DEVICE)

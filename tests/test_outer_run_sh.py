@@ -44,9 +44,7 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
     proc = run_sh(
         run_sh_data_dir,
         *OUTER,
-        "--outer-exp-avg-every",  # AdamW's first moment averaged at both syncs, the second at the second
-        "1",
-        "--outer-exp-avg-sq-every",
+        "--outer-optimizer-state-every",  # AdamW's two moments averaged at the second sync only
         "2",
         "--train-iters",
         "12",
@@ -62,11 +60,11 @@ def test_run_sh_two_level_trains_saves_resumes_and_exports(run_sh_data_dir, tmp_
     assert "two-level: 2 islands of 1 node(s), 2 DP rank(s) each" in out and "DiLoCo every 5 inner steps" in out
     synced = [line for line in out.splitlines() if "outer/pseudo_grad_norm" in line]
     assert len(synced) == 2 and "iter      5" in synced[0] and "iter     10" in synced[1], synced
-    assert "the inner optimizer's exp_avg averaged across islands every 1 syncs, exp_avg_sq" in out
+    assert "the inner optimizer's exp_avg and exp_avg_sq averaged across islands every 2 sync(s)" in out
     scalars = read_run(tb, "two-level").scalars
     assert list(scalars["outer/inter_bytes"].steps) == [5, 10]
-    one, both = scalars["outer/moments_inter_bytes"].values  # one moment, then two of the same size
-    assert one > 0 and both == 2 * one
+    none, both = scalars["outer/moments_inter_bytes"].values  # none at the first sync, two moments at the second
+    assert none == 0 and both > 0 and both == 2 * scalars["outer/inter_bytes"].values[0]  # each the fp32 wire's
     assert all(v > 0 for v in scalars["outer/island_divergence"].values)
     assert (save / "latest").read_text().strip().endswith("12")
 

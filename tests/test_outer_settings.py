@@ -45,9 +45,12 @@ def test_flags_resolve_to_options():
         algorithm="diloco", sync_every=5, lr=0.5, momentum=0.8, quantize="bf16", island_nodes=1, fragments=2
     )
     assert _outer(["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], world=8).island_nodes == 2
-    moments = _outer(["--outer-algorithm", "diloco", "--outer-exp-avg-every", "3", "--outer-exp-avg-sq-every", "6"])
-    assert moments.averaged_state == {"exp_avg": 3, "exp_avg_sq": 6}
-    assert _outer(["--outer-algorithm", "diloco"]).averaged_state == {"exp_avg": 0, "exp_avg_sq": 0}  # DiLoCo's
+    assert _outer(["--outer-algorithm", "diloco", "--outer-optimizer-state-every", "3"]).optimizer_state_every == 3
+    assert _outer(["--outer-algorithm", "diloco"]).optimizer_state_every == 1  # the defaults (defaults600)
+    sgd = ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--outer-optimizer-state-every", "2"]
+    assert _outer(sgd).optimizer_state_every == 2  # its momentum buffer
+    # SGD without momentum keeps no state: the default period has nothing to average, and says so in the banner
+    assert _outer(["--outer-algorithm", "diloco", "--optimizer", "sgd", "--sgd-momentum", "0"]).optimizer_state_every
     assert not _outer(
         ["--outer-algorithm", "diloco", "--outer-quantize", "int4", "--no-outer-error-feedback"]
     ).error_feedback
@@ -89,9 +92,13 @@ def test_flags_resolve_to_options():
             "outer.merge_alpha = 1.5",
         ),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "0"], 4, 2, "outer.island_nodes = 0"),
-        (["--outer-algorithm", "diloco", "--outer-exp-avg-every", "-1"], 4, 2, "outer.exp_avg_every = -1: expected 0"),
-        (["--outer-algorithm", "diloco", "--outer-exp-avg-sq-every", "-3"], 4, 2, "outer.exp_avg_sq_every = -3"),
-        (["--outer-exp-avg-every", "3"], 4, 2, "outer.exp_avg_every = 3 is set but outer.algorithm is none"),
+        (
+            ["--outer-algorithm", "diloco", "--outer-optimizer-state-every", "-1"],
+            4,
+            2,
+            "outer.optimizer_state_every = -1: expected 0",
+        ),
+        (["--outer-optimizer-state-every", "3"], 4, 2, "outer.optimizer_state_every = 3 is set but outer.algorithm"),
         (["--outer-start-iter", "5"], 4, 2, "outer.start_iter = 5 is set but outer.algorithm is none"),
         (["--outer-algorithm", "diloco", "--outer-start-iter", "-1"], 4, 2, "outer.start_iter = -1: expected"),
         (
@@ -129,17 +136,11 @@ def test_flags_resolve_to_options():
             "a pipeline stage holds 2 layer(s)",
         ),
         (
-            ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--outer-exp-avg-every", "3"],
-            4,
-            2,
-            "outer.exp_avg_every = 3: the inner optimizer (sgd) keeps no exp_avg (its state: momentum_buffer)",
-        ),
-        (
             ["--outer-algorithm", "diloco", "--optimizer", "sgd", "--sgd-momentum", "0"]
-            + ["--outer-exp-avg-sq-every", "6"],
+            + ["--outer-optimizer-state-every", "6"],
             4,
             2,
-            "keeps no exp_avg_sq (its state: none)",
+            "outer.optimizer_state_every = 6: the inner optimizer (sgd, momentum 0) keeps no state to average",
         ),
         (["--outer-algorithm", "diloco"], 4, 4, "one island of all 1 node(s)"),
         (["--outer-algorithm", "diloco", "--outer-island-nodes", "2"], 4, 2, "one island of all 2 node(s)"),

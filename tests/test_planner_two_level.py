@@ -122,12 +122,14 @@ def test_averaged_moments_add_their_bytes_blocking_time_and_peak(quantize):
     tensors = [n for group in shapes[0].group_tensors(opt.strategy) for n, _ in group]
     frags = [n // div for n in fragment_numels(tensors, 2)]
     options = OuterOptions(algorithm="diloco", sync_every=10, fragments=2, overlap_steps=1, quantize=quantize)
-    every = dataclasses.replace(options, exp_avg_every=3, exp_avg_sq_every=6)
-    assert OuterChoice.of(options).moment_every == () and OuterChoice.of(every).moment_every == (3, 6)
+    options = dataclasses.replace(options, optimizer_state_every=0)
+    every = dataclasses.replace(options, optimizer_state_every=3)
+    assert OuterChoice.of(options, 2).moment_every == () and OuterChoice.of(every, 2).moment_every == (3, 3)
+    assert OuterChoice.of(every, 0).moment_every == ()  # an inner optimizer without state: nothing averaged
     kept, averaged = (
-        predict_two_level(OuterChoice.of(o), inner, shapes, workload, cluster).stages[0] for o in (options, every)
+        predict_two_level(OuterChoice.of(o, 2), inner, shapes, workload, cluster).stages[0] for o in (options, every)
     )
-    assert averaged.traffic == outer_traffic.per_step(frags, islands, quantize, 10, moment_every=(3, 6))
+    assert averaged.traffic == outer_traffic.per_step(frags, islands, quantize, 10, moment_every=(3, 3))
     per_rank = cluster.inter_bw / cluster.gpus_per_node
     link = sum(
         (
@@ -136,7 +138,7 @@ def test_averaged_moments_add_their_bytes_blocking_time_and_peak(quantize):
         )
         / k
         for n in frags
-        for k in (3, 6)
+        for k in (3, 3)
     )
     assert averaged.exposed_s == pytest.approx(kept.exposed_s + link / 10)
     sync_peak = max(outer_traffic.sync_peak_bytes(n, islands, quantize) for n in frags)

@@ -152,7 +152,7 @@ def _rank_main(a: argparse.Namespace) -> JSONObject | None:
         workload = workload_of_config(cfg)
         job, on_island, _ = island_job(workload, cluster, outer.island_nodes, times)
         inner = predict(Option(zero.resolved, zpp), [shape], job, on_island)
-        row = predict_two_level(OuterChoice.of(outer), inner, [shape], workload, cluster)
+        row = predict_two_level(OuterChoice.of(outer, workload.optimizer_states), inner, [shape], workload, cluster)
         c = inner.critical
         rows.append((name, row.step_s, measured, {"compute": c.compute_s, **c.exposed, "outer": row.exposed_s}))
     if topo.rank != 0:

@@ -5,8 +5,9 @@ Representative jobs, each on 4 ranks = 2 islands of 2 (`--ranks-per-node 2`, one
 island), on the default tiny model for 5 steps (every fragment syncs at least once): the int4
 outer wire with error feedback under ZeRO-2, after one synchronous step (`outer.start_iter`:
 the switch's host copies and their way back onto the device) and with AdamW's moments averaged
-across islands; streaming (3 fragments, an exchange overlapping 1 inner step) with the bf16
-wire under ZeRO-3 and the SGD inner optimizer (torch's fused kernel on CUDA); and both at once
+across islands every second sync; streaming (3 fragments, an exchange overlapping 1 inner step)
+with the bf16 wire under ZeRO-3 and the SGD inner optimizer (torch's fused kernel on CUDA; its
+momentum buffer averaged at every sync, the default); and both at once
 (int4, 2 fragments, overlap 1) under ZeRO-3 with qwZ + hpZ + qgZ. They run on ranks sharing the
 GPU over gloo, as the engine step's jobs do. With 2 or more GPUs, one more job runs over NCCL,
 one rank per GPU (2 islands of 1): the production layout; on one GPU that job is skipped, with a line saying so.
@@ -32,7 +33,7 @@ JOBS: list[Job] = [
         "zero2-int4",
         4,
         ["--zero-stage", "2", "--outer-sync-every", "2", "--outer-quantize", "int4", *ISLANDS]
-        + ["--outer-start-iter", "1", "--outer-exp-avg-every", "1", "--outer-exp-avg-sq-every", "2"],
+        + ["--outer-start-iter", "1", "--outer-optimizer-state-every", "2"],
     ),
     (
         "zero3-stream",

@@ -155,13 +155,12 @@ def resolve_outer(cfg: Config, world_size: int, ranks_per_node: int | None) -> O
             island_layout(world_size, cfg.tp, cfg.pp, per_node, options.island_nodes)
     except TopologyError as err:
         raise ConfigError(f"outer.algorithm diloco on {world_size} ranks, {per_node} per node: {err}") from None
-    kept = cfg.optimizer.state_names
-    for key, every in options.averaged_state.items():
-        if every and key not in kept:
-            raise ConfigError(
-                f"outer.{key}_every = {every}: the inner optimizer ({cfg.optimizer.name}) keeps no {key} "
-                f"(its state: {', '.join(kept) or 'none'}); drop the setting"
-            )
+    every = options.optimizer_state_every
+    if every not in (0, OuterOptions.optimizer_state_every) and not cfg.optimizer.state_names:
+        raise ConfigError(
+            f"outer.optimizer_state_every = {every}: the inner optimizer ({cfg.optimizer.name}, momentum 0) "
+            f"keeps no state to average across islands; drop the setting"
+        )
     iters, start = cfg.training.train_iters, options.start_iter
     if start >= iters:
         raise ConfigError(

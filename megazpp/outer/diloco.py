@@ -71,6 +71,9 @@ class TwoLevelEngine(Protocol):
     island: Topology  # this rank's island (`Topology.island_view`)
     islands: int
 
+    @property
+    def averaged_state(self) -> tuple[str, ...]: ...
+
     def expected_sync_bytes(self, fragments: list[int] | None = None) -> tuple[int, int]: ...
 
 
@@ -133,15 +136,21 @@ class DiLoCoEngine:
     def due(self, inner_steps: int) -> list[int]:
         return due_fragments(inner_steps, self.options.sync_every, len(self.fragments))
 
-    def moments_due(self, fragment: int) -> list[str]:
-        """The inner optimizer's state averaged at the sync of `fragment` due now: each whose
-        period (`OuterOptions.averaged_state`) divides the number of this sync, its applied
-        syncs (outer state, so a resume keeps the schedule) plus one (tau < H: the fragment's
-        previous exchange has landed by now)."""
-        k = self.syncs[fragment] + 1
-        return [name for name, every in self.options.averaged_state.items() if every and k % every == 0]
+    def moments_due(self, fragment: int) -> tuple[str, ...]:
+        """The inner optimizer's state averaged at the sync of `fragment` due now: all of it when
+        `outer.optimizer_state_every` divides the number of this sync, its applied syncs (outer
+        state, so a resume keeps the schedule) plus one (tau < H: the fragment's previous
+        exchange has landed by now); none otherwise."""
+        every = self.options.optimizer_state_every
+        return self.averaged_state if every and (self.syncs[fragment] + 1) % every == 0 else ()
 
-    def average_moments(self, fragment: int, names: list[str]) -> None:
+    @property
+    def averaged_state(self) -> tuple[str, ...]:
+        """The inner optimizer's state tensors some syncs average (none when it keeps none or
+        `outer.optimizer_state_every` is 0)."""
+        return self.inner.state_names if self.options.optimizer_state_every else ()
+
+    def average_moments(self, fragment: int, names: tuple[str, ...]) -> None:
         """Average the inner optimizer's state `names` of `fragment` across islands (collective
         over the peer group, `megazpp.outer.moments`)."""
         moments, frag, o = self.inner.moments(), self.fragments[fragment], self.options
@@ -210,7 +219,7 @@ class DiLoCoEngine:
         tags = counter.step_totals()["tags"]
         sync, moments = (tags.get(tag, {"intra": 0, "inter": 0}) for tag in (SYNC_TAG, MOMENTS_TAG))
         out = {"intra_bytes": sync["intra"] + moments["intra"], "inter_bytes": sync["inter"] + moments["inter"]}
-        if any(self.options.averaged_state.values()):
+        if self.averaged_state:
             out["moments_inter_bytes"] = moments["inter"]
         return out
 
@@ -331,7 +340,7 @@ class DiLoCoEngine:
         that is more."""
         largest = max(frag.numel for frag in self.fragments)
         peak = self.expected_exchange_bytes() + traffic.LANDING_FP32_VECTORS * 4 * largest
-        if not any(self.options.averaged_state.values()):
+        if not self.averaged_state:
             return peak
         # the moments are averaged after the step's landings, before its exchanges start (a
         # bound: those issued earlier and still in flight counted at their largest)

@@ -5,8 +5,10 @@ inner step count), its checkpoints and the memory figures are the same, and the 
 two-level path stays exactly as it was; what differs is the sync. Here the engine's world is
 one island (its own torchrun job), and every H inner steps the island asks `Membership` which
 islands meet, averages its pseudo-gradient with theirs weighted by the tokens each trained
-since the last sync, and takes the outer Nesterov step (docs/arch/elastic.md). The whole shard
-syncs at once in fp32 (streaming and compressed wires are refused with `elastic`).
+since the last sync, and takes the outer Nesterov step (docs/arch/elastic.md); at the syncs
+`outer.optimizer_state_every` names, the inner optimizer's state is averaged with the same
+weights in the same all-reduce. The whole shard syncs at once in fp32 (streaming and compressed
+wires are refused with `elastic`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megazpp.errors import CheckpointError
 from megazpp.optim.engine_protocol import StepResult
 from megazpp.outer.diloco import OUTER_STATE_KEY, STATS_TAG, DiLoCoEngine
 from megazpp.outer.membership import ElasticError, LiveState, Membership
+from megazpp.outer.moments import pack_state, state_made, unpack_state
 from megazpp.outer.settings import OuterOptions
 from megazpp.outer.update import outer_update
 from megazpp.parallel import comm
@@ -83,8 +86,10 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         for lo, hi, master in frag.masters(masters):
             torch.sub(snapshot[lo:hi], master, out=pseudo[lo:hi])
         tokens, trained = self.trained_steps * self.tokens_per_step, self.trained_steps
-        met = self.membership.average(pseudo, tokens)
+        met = self.membership.average(pseudo, tokens, self._state_due)
         self.trained_steps = 0
+        if met.extra is not None:
+            self._write_state(met.extra)
         scratch = torch.empty_like(pseudo)
         sums = self._norms.weighted_squares(frag, pseudo, scratch).reshape(1)
         del scratch
@@ -122,6 +127,31 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
             "outer/tokens_weight": met.weight,
             "outer/pseudo_grad_norm": math.sqrt(float(sums[0])),
         }
+
+    def _state_due(self, sync: int) -> torch.Tensor | None:
+        """The inner optimizer's state of this rank's shard, flat (its `averaged_state` names one
+        after another), when outer sync number `sync` averages it; else None. Asked after the
+        quorum, so a healed island packs the live peer's state it took. A rank whose optimizer
+        made no state yet (no applied step) sends zeros, as the synchronous path does."""
+        every, frag = self.options.optimizer_state_every, self.fragments[0]
+        if not self.averaged_state or sync % every:
+            return None
+        moments, n = self.inner.moments(), frag.numel
+        flat = torch.zeros(len(self.averaged_state) * n, device=self.device)
+        if state_made(frag, moments):
+            for i, name in enumerate(self.averaged_state):
+                pack_state(frag, moments, name, flat[i * n : (i + 1) * n])
+        return flat
+
+    def _write_state(self, mean: torch.Tensor) -> None:
+        """Write the islands' mean of the inner optimizer's state (`_state_due`'s layout) into it."""
+        moments, frag = self.inner.moments(), self.fragments[0]
+        if not state_made(frag, moments):
+            log.warning("outer: the inner optimizer's state is not made yet on this rank (no step taken): none kept")
+            return
+        n = frag.numel
+        for i, name in enumerate(self.averaged_state):
+            unpack_state(frag, moments, name, mean[i * n : (i + 1) * n])
 
     def close(self) -> None:
         """The island leaves the membership (the others drop it), then the inner engine closes."""

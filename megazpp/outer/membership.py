@@ -10,8 +10,9 @@ new quorum from the same pseudo-gradient, since nothing was changed yet.
 
 Every rank of an island holds one `Membership` (group rank = its rank in the island's world);
 rank 0's manager heartbeats the lighthouse. One sync is one quorum, one all-gather of each
-island's (id, tokens, shard size) and one all-reduce of its weighted pseudo-gradient, both
-counted under `outer/sync`.
+island's (id, tokens, shard size) and one all-reduce of its weighted pseudo-gradient (with the
+inner optimizer's state behind it at the syncs that average it), both counted under
+`outer/sync`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ INFO_FIELDS = 3  # island id, tokens since the last sync, shard elements
 
 
 LiveState = dict[str, Any]  # what a live island sends a healing one (`ElasticDiLoCoEngine.live_state`)
+# what else a sync averages, asked once the quorum is formed (after a heal): given the number of
+# the sync, a flat fp32 tensor to average with the pseudo-gradient's weights, or None
+Extra = Callable[[int], torch.Tensor | None]
 
 
 class ElasticError(MegazppError):
@@ -63,6 +67,7 @@ class SyncResult:
     attempts: int
     quorum_s: float
     healed_from: int | None = None
+    extra: torch.Tensor | None = None  # the weighted mean of what `average`'s `extra` gave
 
 
 def peer_shape(islands: int) -> wire.GroupShape:
@@ -146,11 +151,14 @@ class Membership:
         self.syncs = syncs
         self._manager.load_state_dict({"step": syncs, "batches_committed": 0})
 
-    def average(self, pseudo: torch.Tensor, tokens: int) -> SyncResult:
+    def average(self, pseudo: torch.Tensor, tokens: int, extra: Extra | None = None) -> SyncResult:
         """Replace `pseudo` (this rank's shard of the island's pseudo-gradient, fp32) by the
         mean over the islands in the quorum, weighted by the tokens each trained since the last
-        sync; every island ends with the same bits. Collective over every rank of every island
-        in the quorum; redone with a new quorum when a peer fails in it."""
+        sync; every island ends with the same bits. `extra`, when given, is asked after the
+        quorum (an island behind it has healed by then, so every island asks for the same sync)
+        for more to average alike in the same all-reduce; its mean is the result's `extra`.
+        Collective over every rank of every island in the quorum; redone with a new quorum when
+        a peer fails in it."""
         own, waited = pseudo.clone(), 0.0
         self._healed_from = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -163,19 +171,26 @@ class Membership:
                 # interval was trained from a stale state: it adds nothing to the mean
                 tokens = 0
                 own.zero_()
-            info = self._gather(tokens, pseudo.numel())
+            # the sync being formed, as the quorum counts it (a heal moved this island's count there)
+            more = extra(self._manager.current_step() + 1) if extra is not None else None
+            flat = pseudo.copy_(own) if more is None else torch.cat([own, more])  # `own` kept for a redo
+            info = self._gather(tokens, flat.numel())
             if info is not None:
                 ids, counts, sizes = info
                 self._check_alike(ids, sizes)
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
-                pseudo.copy_(own).mul_(weight)
-                self._all_reduce(pseudo)
+                flat.mul_(weight)
+                self._all_reduce(flat)
             if self._manager.should_commit():
                 assert info is not None  # committed: the gather succeeded on every rank
                 self.syncs = self._manager.current_step()
                 self._note(info[0])
-                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited, self._healed_from)
+                mean = None
+                if more is not None:
+                    pseudo.copy_(flat[: pseudo.numel()])
+                    mean = flat[pseudo.numel() :]
+                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited, self._healed_from, mean)
             log.warning(
                 "outer: island %d: outer sync %d failed (%s), redone with a new quorum",
                 self.island_id,

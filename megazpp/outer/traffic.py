@@ -102,7 +102,7 @@ def sync_bytes(numel: int, islands: int, quantize: str, block: int = DEFAULT_BLO
 
 
 def moment_wire(quantize: str) -> str:
-    """The wire the inner optimizer's moments cross islands in (`outer.exp_avg_every`): fp32
+    """The wire the inner optimizer's moments cross islands in (`outer.optimizer_state_every`): fp32
     under fp32 outer gradients, else bf16. Never int4: a block of the second moment (positive,
     heavy-tailed: its values span orders of magnitude) shares one absmax scale, so most of it
     would round to 0 or to a level far from it, and AdamW divides by its square root; and no
@@ -161,7 +161,7 @@ def per_step(
     step, staggered by H / F, so no two fragments share an inner step when F <= H (else the
     peak is that of the most fragments due at one step). `moment_every`: for each moment of
     the inner optimizer averaged across islands, every how many of a fragment's syncs (k >= 1;
-    `OuterOptions.averaged_state`); the peak step is a sync where all of them fall together.
+    `outer.optimizer_state_every` per state tensor); the peak step is a sync where all of them fall together.
     `sync_every` is a checked one (`settings.OuterOptions` refuses H < 1, naming the key)."""
     each = [sync_bytes(n, islands, quantize, block) for n in fragment_numels]
     moments = [moment_sync_bytes(n, islands, quantize) for n in fragment_numels]

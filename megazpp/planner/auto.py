@@ -288,7 +288,7 @@ def auto_strategy(
             workload,
             cluster,
             topology.islands,
-            OuterChoice.of(outer),
+            OuterChoice.of(outer, workload.optimizer_states),
             _zeropp_of(zero, topology),
             _allowed(zero),
         )

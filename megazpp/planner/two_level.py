@@ -15,10 +15,10 @@ What a row costs, per inner step, on the slowest pipeline stage:
   runtime's rule) synced once per H inner steps, the bytes of `megazpp.outer.traffic` at the
   rank's share of the node's link, 2 calls of (I - 1) latency steps each; after each sync the
   island re-publishes its parameters (the inner step's refresh phases once more);
-* the inner optimizer's moments averaged across islands (`outer.exp_avg_every`,
-  `exp_avg_sq_every`: every k-th sync of a fragment), each an exchange like the fragment's in
-  `outer.traffic.moment_wire`, 1 / k of it per sync; blocking at the sync (not overlapped), so
-  exposed whatever tau;
+* the inner optimizer's state averaged across islands (`outer.optimizer_state_every` k: every
+  k-th sync of a fragment), each of its tensors (AdamW 2, SGD 1) an exchange like the
+  fragment's in `outer.traffic.moment_wire`, 1 / k of it per sync; blocking at the sync (not
+  overlapped), so exposed whatever tau;
 * overlap (`overlap_steps` tau >= 1, Streaming DiLoCo): a fragment's sync runs while tau inner
   steps compute, on the link time the inner step leaves free, so what is exposed per step is
   max(sum_f max(0, t_f - tau free) / H, sum_f t_f / H - free): a fragment longer than tau
@@ -77,42 +77,39 @@ class OuterChoice:
     fragments: int
     overlap_steps: int
     quantize: str
-    # the user's (the planner prices them, never picks them): the inner moments averaged
-    # across islands every k-th sync of a fragment (0: never)
-    exp_avg_every: int = 0
-    exp_avg_sq_every: int = 0
+    # the user's (the planner prices it, never picks it; its own rows keep the state per
+    # island, and their flags say so): the inner optimizer's `state_tensors` tensors averaged
+    # across islands every `state_every`-th sync of a fragment (0: never)
+    state_every: int = 0
+    state_tensors: int = 0
 
     @classmethod
-    def of(cls, options: OuterOptions) -> OuterChoice:
-        """The setting a run's resolved `outer` section stands for."""
+    def of(cls, options: OuterOptions, state_tensors: int) -> OuterChoice:
+        """The setting a run's resolved `outer` section stands for, its inner optimizer keeping
+        `state_tensors` state tensors per parameter (`Workload.optimizer_states`)."""
         o = options
-        return cls(
-            o.island_nodes, o.sync_every, o.fragments, o.overlap_steps, o.quantize, o.exp_avg_every, o.exp_avg_sq_every
-        )
+        every = o.optimizer_state_every if state_tensors else 0
+        return cls(o.island_nodes, o.sync_every, o.fragments, o.overlap_steps, o.quantize, every, state_tensors)
 
     @property
     def moment_every(self) -> tuple[int, ...]:
-        """The periods of the moments averaged (`outer.traffic.per_step`)."""
-        return tuple(k for k in (self.exp_avg_every, self.exp_avg_sq_every) if k)
+        """The period of each state tensor averaged (`outer.traffic.per_step`)."""
+        return (self.state_every,) * self.state_tensors if self.state_every else ()
 
     @property
     def name(self) -> str:
-        moments = f" moments {self.exp_avg_every}/{self.exp_avg_sq_every}" if self.moment_every else ""
+        moments = f" state every {self.state_every}" if self.moment_every else ""
         return (
             f"DiLoCo H={self.sync_every} {self.quantize} F={self.fragments} tau={self.overlap_steps}{moments}, "
             f"islands of {self.island_nodes} node{'s' if self.island_nodes > 1 else ''}"
         )
 
     def flags(self) -> str:
-        moments = (
-            f" --outer-exp-avg-every {self.exp_avg_every} --outer-exp-avg-sq-every {self.exp_avg_sq_every}"
-            if self.moment_every
-            else ""
-        )
         return (
             f"--outer-algorithm diloco --outer-island-nodes {self.island_nodes} --outer-sync-every "
             f"{self.sync_every} --outer-fragments {self.fragments} --outer-overlap-steps "
-            f"{self.overlap_steps} --outer-quantize {self.quantize}{moments}"
+            f"{self.overlap_steps} --outer-quantize {self.quantize} --outer-optimizer-state-every "
+            f"{self.state_every if self.moment_every else 0}"
         )
 
 

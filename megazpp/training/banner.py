@@ -108,6 +108,17 @@ def _synchronous_phase(cfg: Config, topology: Topology, engine: Engine) -> list[
     ]
 
 
+def _state_averaging(engine: TwoLevelEngine) -> str:
+    """What becomes of the inner optimizer's state at the syncs, in words."""
+    o, state = engine.options, engine.averaged_state
+    if not state:
+        return "; the inner optimizer's state kept per island"
+    return (
+        f"; the inner optimizer's {' and '.join(state)} averaged across islands every "
+        f"{o.optimizer_state_every} sync(s) (blocking, in {'fp32' if moment_wire(o.quantize) == 'none' else 'bf16'})"
+    )
+
+
 def _two_level(engine: Engine) -> list[str]:
     """The island layout and the outer step, when two-level training is on: every outer setting
     that changes what a sync does, in words (not "none outer gradients")."""
@@ -120,6 +131,7 @@ def _two_level(engine: Engine) -> list[str]:
             f"{o.sync_every} inner steps with the islands live at each sync (at least {o.min_islands}, "
             f"lighthouse {o.lighthouse}), their pseudo-gradients weighted by the tokens each trained; outer lr "
             f"{o.lr:g}, Nesterov momentum {o.momentum:g}; fp32 outer gradients, the whole model at each sync"
+            + _state_averaging(engine)
         ]
     inter = engine.expected_sync_bytes()[1]
     wire = WIRE.get(o.quantize) or f"int4 {'with' if o.error_feedback else 'without'} error feedback"
@@ -134,14 +146,7 @@ def _two_level(engine: Engine) -> list[str]:
         )
     else:
         applied = "each exchange applied at once (no overlap)"
-    every = {name: k for name, k in o.averaged_state.items() if k}
-    moments = (
-        "; the inner optimizer's "
-        + ", ".join(f"{name} averaged across islands every {k} syncs" for name, k in every.items())
-        + f" (blocking, in {'fp32' if moment_wire(o.quantize) == 'none' else 'bf16'})"
-        if every
-        else "; the inner optimizer's state kept per island"
-    )
+    moments = _state_averaging(engine)
     warmup = f" (reached after {o.warmup_syncs} syncs ramping from plain averaging)" if o.warmup_syncs else ""
     if o.momentum:
         step = f"outer lr {o.lr:g}, Nesterov momentum {o.momentum:g}{warmup}"

@@ -57,11 +57,17 @@ class InnerEngine(Engine, ShardedEngine, Protocol):
         ranges a fragment may cut and the norms' weights."""
         ...
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The names of the inner optimizer's per-element state (`moments()`'s keys once made;
+        none for SGD without momentum): what `outer.optimizer_state_every` averages."""
+        ...
+
     def moments(self) -> list[dict[str, torch.Tensor]]:
         """The inner optimizer's per-element state of each master, in `masters()` order: its
         state name -> a tensor of the master's shape (AdamW's "exp_avg" and "exp_avg_sq", an
         SGD's "momentum_buffer"; scalars such as Adam's step count left out), written in place
-        when averaged across islands (`outer.exp_avg_every`); empty before the optimizer's
+        when averaged across islands (`outer.optimizer_state_every`); empty before the optimizer's
         first step made it. By name, so the outer loop is the same over any inner optimizer."""
         ...
 

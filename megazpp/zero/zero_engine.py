@@ -413,6 +413,10 @@ class ZeroEngine(ScaledOptimizerEngine):
     def masters(self) -> list[torch.Tensor]:
         return [m.param.data for b in self.buckets for m in b.masters]
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self.optimizer_options.state_names
+
     def moments(self) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []
         for m in (m for b in self.buckets for m in b.masters):
