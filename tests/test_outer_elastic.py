@@ -89,9 +89,10 @@ def wait_for(
 
 
 def held(tmp: Path, names: Sequence[str], procs: Sequence[subprocess.Popen[Any]]) -> list[Path]:
-    """The ready files `ready<name>` of the islands `names`, once each is held at its pause point."""
+    """The ready files `ready<name>` of the islands `names`, once each is held at its pause point
+    (the timeout only bounds a broken run: an island that ends fails the wait at once)."""
     ready = [tmp / f"ready{n}" for n in names]
-    wait_for(f"islands {', '.join(names)} held", lambda: all(f.exists() for f in ready), procs, timeout_s=180)
+    wait_for(f"islands {', '.join(names)} held", lambda: all(f.exists() for f in ready), procs, timeout_s=600)
     return ready
 
 
