@@ -11,9 +11,11 @@ The environment variable `MEGAZPP_PAUSE_AT=POINT:FILE` arms one point. When the 
 reaches `pause_point(POINT)` it creates FILE (holding its pid) and then waits while FILE
 exists, sleeping in short steps: a signal is handled in the wait as anywhere else (Ctrl-C
 raises KeyboardInterrupt there, the trainer's handler records a stop request), and removing
-FILE lets the process go on. Only the first arrival pauses (FILE is created once), so a point
-inside a loop pauses the first pass. Unset, which is every production run, `pause_point` is a
-dictionary lookup and nothing else. A malformed value is refused where the point is reached.
+FILE lets the process go on. Only one arrival pauses (FILE is created once): the first, or with
+`POINT@N:FILE` the N-th, so a point inside a loop pauses one chosen pass (an elastic island
+held at its 4th outer sync, after its 3rd). Unset, which is every production run,
+`pause_point` is a dictionary lookup and nothing else. A malformed value is refused where the
+point is reached.
 
 Points (each named where it is called):
 
@@ -24,6 +26,8 @@ Points (each named where it is called):
     evaluation              the trainer, at the start of an evaluation
     elastic_start           an elastic island, once its membership heartbeats the lighthouse,
                             before its first inner step
+    elastic_sync            an elastic island, at an outer sync, after the interval's last
+                            inner step, before its quorum request
 """
 
 from __future__ import annotations
@@ -35,30 +39,37 @@ from pathlib import Path
 from megazpp.errors import ConfigError
 
 ENV = "MEGAZPP_PAUSE_AT"
-POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation", "elastic_start")
+POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation", "elastic_start", "elastic_sync")
 STEP_S = 0.01
-_reached: set[str] = set()
+_arrivals: dict[str, int] = {}
 
 
-def armed(point: str) -> Path | None:
-    """The file the pause at `point` waits on, when `MEGAZPP_PAUSE_AT` names `point`."""
+def armed(point: str) -> tuple[Path, int] | None:
+    """The file the pause at `point` waits on and the arrival that pauses (1 = the first), when
+    `MEGAZPP_PAUSE_AT` names `point`."""
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    name, sep, file = spec.partition(":")
-    if not sep or not file or name not in POINTS:
-        raise ConfigError(f"{ENV} = {spec!r}: expected POINT:FILE with POINT one of {list(POINTS)}")
-    return Path(file) if name == point else None
+    where, sep, file = spec.partition(":")
+    name, at, nth = where.partition("@")
+    if not sep or not file or name not in POINTS or (at and not (nth.isdigit() and int(nth) >= 1)):
+        raise ConfigError(
+            f"{ENV} = {spec!r}: expected POINT:FILE or POINT@N:FILE (N >= 1) with POINT one of {list(POINTS)}"
+        )
+    return (Path(file), int(nth) if at else 1) if name == point else None
 
 
 def pause_point(point: str) -> None:
-    """Wait here while the armed file exists, the first time this process reaches `point`."""
+    """Wait here while the armed file exists, at the armed arrival of this process at `point`."""
     if point not in POINTS:
         raise ValueError(f"pause_point({point!r}): not one of {POINTS}")
-    file = armed(point)
-    if file is None or point in _reached:
+    spec = armed(point)
+    if spec is None:
         return
-    _reached.add(point)
+    file, nth = spec
+    _arrivals[point] = _arrivals.get(point, 0) + 1
+    if _arrivals[point] != nth:
+        return
     tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
     tmp.write_text(f"{os.getpid()}\n")
     os.replace(tmp, file)  # whole: a test that sees the file can read the pid

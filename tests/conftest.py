@@ -56,12 +56,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "full_matrix: the whole two-level combination matrix (tests/test_outer_matrix.py, tens of "
         "minutes); .ci/run deselects it, CI runs its pairwise tier",
     )
-    config.addinivalue_line(
-        "markers",
-        "quorum_race: kills an island once it logged a sync, racing its next one (failed once in a "
-        "clean-clone .ci/run, 2026-11-28: the island finished sync 4 before the kill); .ci/run deselects "
-        "it until the island is held at a pause point after that sync",
-    )
 
 
 # what spawns ranks: the local launcher, called by a test, its fixtures or helpers

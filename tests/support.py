@@ -214,8 +214,8 @@ def run_sh_variables(data_dir: str | os.PathLike, nproc: int, **variables: str) 
 
 
 def paused_at(point: str, file: Path) -> dict[str, str]:
-    """The environment variable that stops a subprocess at pause point `point` (megazpp/pause.py)
-    until `file` is removed."""
+    """The environment variable that stops a subprocess at pause point `point` (megazpp/pause.py;
+    `NAME@N` for its N-th arrival) until `file` is removed."""
     return {"MEGAZPP_PAUSE_AT": f"{point}:{file}"}
 
 

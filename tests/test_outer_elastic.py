@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import ROOT, free_port, run_sh_variables
+from support import ROOT, free_port, paused_at, run_sh_variables
 
 from megazpp.analysis.event_reader import read_run
 from megazpp.checkpoint.format import rank_file_name
@@ -43,16 +43,17 @@ def start_island(
     iters: int = ITERS,
     log_name: str = "",
     nproc: int = 1,
-    paused: bool = True,
+    pause_at: str | None = "elastic_start",
 ) -> subprocess.Popen[str]:
     """One island: `run.sh` on `nproc` ranks with its own store port, checkpoint every sync (into
     `ckpt<I>`, which it resumes from), in a process group of its own (so the whole island can be
-    killed at once); when `paused` (one rank only: every rank would pause on the one file), held
-    once its membership heartbeats the lighthouse (pause point `elastic_start`, the file
-    `ready<I><log_name>`); its output in `island<I><log_name>.log`."""
+    killed at once); unless `pause_at` is None (one rank only: every rank would pause on the one
+    file), held at that pause point (megazpp/pause.py; by default `elastic_start`, once its
+    membership heartbeats the lighthouse), the file `ready<I><log_name>`; its output in
+    `island<I><log_name>.log`."""
     env = {**os.environ, **run_sh_variables(data, nproc, MAX_RESTARTS="0")}
-    if paused:
-        env["MEGAZPP_PAUSE_AT"] = f"elastic_start:{tmp / f'ready{island}{log_name}'}"
+    if pause_at is not None:
+        env.update(paused_at(pause_at, tmp / f"ready{island}{log_name}"))
     args = [*TINY, "--train-iters", str(iters), "--log-interval", "1", "--save-interval", str(H)]
     args += [
         "--save",
@@ -87,12 +88,18 @@ def wait_for(
         time.sleep(0.05)
 
 
-def release(tmp: Path, names: Sequence[str], procs: Sequence[subprocess.Popen[Any]]) -> None:
-    """Once the islands held at their start (ready files `ready<name>`) all heartbeat, let them
-    go together."""
+def held(tmp: Path, names: Sequence[str], procs: Sequence[subprocess.Popen[Any]]) -> list[Path]:
+    """The ready files `ready<name>` of the islands `names`, once each is held at its pause point
+    (the timeout only bounds a broken run: an island that ends fails the wait at once)."""
     ready = [tmp / f"ready{n}" for n in names]
-    wait_for(f"islands {', '.join(names)} heartbeating", lambda: all(f.exists() for f in ready), procs, timeout_s=180)
-    for f in ready:
+    wait_for(f"islands {', '.join(names)} held", lambda: all(f.exists() for f in ready), procs, timeout_s=600)
+    return ready
+
+
+def release(tmp: Path, names: Sequence[str], procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """Once the islands `names` are all held at their pause points (at `elastic_start`: they
+    heartbeat), let them go together."""
+    for f in held(tmp, names, procs):
         f.unlink()
 
 

@@ -1,13 +1,14 @@
 """Islands that rejoin and join a running elastic job, as a user runs them (docs/arch/elastic.md):
 the lighthouse needs three islands per sync, and islands 0, 1 and 2 start (one rank each).
-Island 2 (checkpointing every 2 syncs) is killed after sync 3, so islands 0 and 1 wait at sync 4.
-Restarted with the same id, island 2 resumes from its checkpoint of sync 2, one sync behind, and
-island 3, an id never seen, starts beside it: at their first sync both take the live outer and
-inner state from a live peer (torchft's checkpoint transport, over HTTP) and every island goes on
-with them; the others log the join. Asserted: who met at each sync with which
-tokens (a healed island's stale interval weighs 0), the rejoin lines, every island's parameters
-and outer snapshot equal bit for bit at every sync after it came, and each survivor trained each
-of its inner steps once."""
+Island 2 (checkpointing every 2 syncs) is killed after sync 3, held at its next sync (pause point
+`elastic_sync`) so the kill lands there whatever the machine's load, and islands 0 and 1 are held
+there too. Restarted with the same id, island 2 resumes from its checkpoint of sync 2, one sync
+behind, and island 3, an id never seen, starts beside it; once both reach their first sync, all
+four ask for sync 4 together: there both newcomers take the live outer and inner state from a
+live peer (torchft's checkpoint transport, over HTTP) and every island goes on with them; the
+others log the join. Asserted: who met at each sync with which tokens (a healed island's stale
+interval weighs 0), the rejoin lines, every island's parameters and outer snapshot equal bit for
+bit at every sync after it came, and each survivor trained each of its inner steps once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from tests.test_outer_elastic import (
     H,
     finish,
+    held,
     kill_island,
     release,
     snapshot_at,
@@ -35,26 +37,32 @@ ITERS = 6 * H  # the survivors' run: syncs 1..6
 
 
 @pytest.mark.slow
-@pytest.mark.quorum_race  # see tests/conftest.py: the kill after sync 3 races sync 4; deselected by .ci/run
 def test_a_restarted_island_and_a_new_one_take_the_live_state_and_train_on(run_sh_data_dir, tmp_path):
-    # a long join timeout: once three islands asked, a sync waits for every island that heartbeats
-    # (both newcomers join the same sync, whichever asks first); a dead island stops heartbeating
+    # The lighthouse needs three islands per sync, so syncs 1..3 are 0, 1, 2 whenever each starts.
+    # Sync 4 is asked by all four islands within milliseconds (each held before its request, then
+    # let go together); the long join timeout makes the first requests wait for every island that
+    # heartbeats (a dead one stops heartbeating), so both newcomers meet the same sync.
     lighthouse, port = start_lighthouse(tmp_path, 3, join_ms=120000)
     islands: list[subprocess.Popen[str]] = []
     data = run_sh_data_dir
     try:
-        islands = [start_island(data, i, port, tmp_path, iters=ITERS) for i in range(2)]
-        islands.append(start_island(data, 2, port, tmp_path, "--save-interval", str(2 * H), iters=ITERS))
-        release(tmp_path, ["0", "1", "2"], islands)
-        log2 = tmp_path / "island2.log"
-        wait_for("island 2's third sync", lambda: "outer sync 3 at step 12" in log2.read_text(), islands)
+        before_sync_4 = "elastic_sync@4"  # after sync 3 and the next interval's 4 inner steps
+        islands = [start_island(data, i, port, tmp_path, iters=ITERS, pause_at=before_sync_4) for i in range(2)]
+        islands.append(
+            start_island(data, 2, port, tmp_path, "--save-interval", str(2 * H), iters=ITERS, pause_at=before_sync_4)
+        )
+        held(tmp_path, ["0", "1", "2"], islands)
         kill_island(islands[2])
+        log2 = (tmp_path / "island2.log").read_text()
+        assert "outer sync 3 at step 12" in log2 and "outer sync 4" not in log2, log2[-3000:]
         # island 2 again, from its checkpoint of sync 2 (step 8), stopping with the others after sync 6;
-        # island 3, new; both held once heartbeating, then let go together
+        # island 3, new; each held at its first sync (heartbeating), then all four let go together
         again = ["--exit-interval", str(5 * H)]
-        islands[2] = start_island(data, 2, port, tmp_path, *again, iters=ITERS, log_name="again")
-        islands.append(start_island(data, 3, port, tmp_path, iters=3 * H))
-        release(tmp_path, ["2again", "3"], islands)
+        islands[2] = start_island(
+            data, 2, port, tmp_path, *again, iters=ITERS, log_name="again", pause_at="elastic_sync"
+        )
+        islands.append(start_island(data, 3, port, tmp_path, iters=3 * H, pause_at="elastic_sync"))
+        release(tmp_path, ["0", "1", "2again", "3"], islands)
         finish(tmp_path, dict(zip(["0", "1", "2again", "3"], islands)))
     finally:
         stop_all(islands, lighthouse)
@@ -106,17 +114,17 @@ def test_a_two_rank_island_restarted_without_its_checkpoints_heals_rank_by_rank(
     islands: list[subprocess.Popen[str]] = []
     data = run_sh_data_dir
     try:
-        islands = [start_island(data, i, port, tmp_path, nproc=2, paused=False) for i in range(2)]
+        islands = [start_island(data, i, port, tmp_path, nproc=2, pause_at=None) for i in range(2)]
         log1 = tmp_path / "island1.log"
         wait_for("island 1's first sync", lambda: "outer sync 1 at step 4" in log1.read_text(), islands)
         kill_island(islands[1])
         shutil.rmtree(tmp_path / "ckpt1")
         wrong = start_island(
-            data, 1, port, tmp_path, "--ffn-hidden-size", "96", nproc=2, paused=False, log_name="wrong"
+            data, 1, port, tmp_path, "--ffn-hidden-size", "96", nproc=2, pause_at=None, log_name="wrong"
         )
         assert wrong.wait(timeout=300) != 0
         shutil.rmtree(tmp_path / "ckpt1")
-        islands[1] = start_island(data, 1, port, tmp_path, nproc=2, paused=False, iters=2 * H, log_name="again")
+        islands[1] = start_island(data, 1, port, tmp_path, nproc=2, pause_at=None, iters=2 * H, log_name="again")
         finish(tmp_path, {"0": islands[0], "1again": islands[1]})
     finally:
         stop_all(islands, lighthouse)

@@ -74,6 +74,7 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         self.trained_steps += 0 if result.skipped else 1
         if self.inner_steps % self.options.sync_every:
             return result
+        pause_point("elastic_sync")
         return StepResult(result.grad_norm, result.skipped, result.loss_scale, {**result.scalars, **self._sync()})
 
     def _sync(self) -> dict[str, float]:
