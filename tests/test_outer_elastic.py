@@ -44,14 +44,19 @@ def start_island(
     log_name: str = "",
     nproc: int = 1,
     pause_at: str | None = "elastic_start",
+    node: Sequence[str] = (),
+    node_env: dict[str, str] | None = None,
+    lighthouse_host: str = "127.0.0.1",
 ) -> subprocess.Popen[str]:
     """One island: `run.sh` on `nproc` ranks with its own store port, checkpoint every sync (into
     `ckpt<I>`, which it resumes from), in a process group of its own (so the whole island can be
     killed at once); unless `pause_at` is None (one rank only: every rank would pause on the one
     file), held at that pause point (megazpp/pause.py; by default `elastic_start`, once its
     membership heartbeats the lighthouse), the file `ready<I><log_name>`; its output in
-    `island<I><log_name>.log`."""
-    env = {**os.environ, **run_sh_variables(data, nproc, MAX_RESTARTS="0")}
+    `island<I><log_name>.log`. `node`: the command that runs it on another node (netlab's
+    `run NODE`), `node_env` that node's variables (its MASTER_ADDR), `lighthouse_host` the
+    lighthouse's address from there."""
+    env = {**os.environ, **run_sh_variables(data, nproc, MAX_RESTARTS="0"), **(node_env or {})}
     if pause_at is not None:
         env.update(paused_at(pause_at, tmp / f"ready{island}{log_name}"))
     args = [*TINY, "--train-iters", str(iters), "--log-interval", "1", "--save-interval", str(H)]
@@ -62,12 +67,12 @@ def start_island(
         str(tmp / f"tb{island}"),
         *ELASTIC,
         "--outer-lighthouse",
-        f"127.0.0.1:{lighthouse}",
+        f"{lighthouse_host}:{lighthouse}",
     ]
     args += ["--outer-island-id", str(island), "--outer-min-islands", "2", "--outer-sync-timeout-s", "10", *extra]
     log = (tmp / f"island{island}{log_name}.log").open("w")
     return subprocess.Popen(
-        ["bash", str(ROOT / "run.sh"), *args],
+        [*node, "bash", str(ROOT / "run.sh"), *args],
         env=env,
         cwd=ROOT,
         stdout=log,
@@ -135,12 +140,15 @@ def snapshot_at(tmp: Path, island: int, iteration: int, dp_rank: int = 0) -> dic
     return {**{f"model.{k}": v for k, v in state["model"].items()}, "snapshot": state["engine"]["outer"]["snapshot"]}
 
 
-def start_lighthouse(tmp: Path, min_islands: int, join_ms: int = JOIN_MS) -> tuple[subprocess.Popen[bytes], int]:
-    """The membership service as a user starts it, on a free port, once it listens."""
+def start_lighthouse(
+    tmp: Path, min_islands: int, join_ms: int = JOIN_MS, node: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The membership service as a user starts it, on a free port, once it listens (on another
+    node when `node` is netlab's `run NODE`)."""
     port, lighthouse_log = free_port(), tmp / "lighthouse.log"
     lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "megazpp.launch.lighthouse", "--min-islands", str(min_islands), "--port", str(port)]
-        + ["--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", str(join_ms)],
+        [*node, sys.executable, "-m", "megazpp.launch.lighthouse", "--min-islands", str(min_islands)]
+        + ["--port", str(port), "--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", str(join_ms)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=lighthouse_log.open("w"),
