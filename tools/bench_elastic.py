@@ -122,14 +122,14 @@ def start(command: list[str], env: dict[str, str], log: Path, clock: Clock) -> J
         command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
-    def copy(out: IO[str], to: Path) -> None:
-        with to.open("w") as f:
+    def copy(out: IO[str], to: IO[str]) -> None:
+        with to:
             for line in out:
-                f.write(elastic_log.stamp(clock.now(), line.rstrip("\n")) + "\n")
-                f.flush()
+                to.write(elastic_log.stamp(clock.now(), line.rstrip("\n")) + "\n")
+                to.flush()
 
     assert proc.stdout is not None
-    reader = threading.Thread(target=copy, args=(proc.stdout, log), daemon=True)
+    reader = threading.Thread(target=copy, args=(proc.stdout, log.open("w")), daemon=True)
     reader.start()
     return Job(proc, log, reader)
 
