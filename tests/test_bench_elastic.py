@@ -88,14 +88,14 @@ def test_arguments_and_table():
         with pytest.raises(SystemExit):
             tool.parse_args(bad)
     results = [
-        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, [], [], []),
-        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, [5.5], [None], []),
-        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, [], [], []),
-        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, [], [], [40.25]),
+        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, [], [], [], 2.0),
+        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, [5.5], [None], [], 2.0),
+        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, [], [], [], 2.0),
+        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, [], [], [40.25], 3.25),
     ]
     table = tool.render(results, "python tools/bench_elastic.py", "1.00, 2.00, 3.00").splitlines()
-    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 5.5 | n/a | - |" in table
-    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | - | - | 40.2 |" in table
+    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 5.5 | n/a | - | 2.0 |" in table
+    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | - | - | 40.2 | 3.2 |" in table
 
 
 def _upto(at: list[tuple[float, int]], when: float) -> int:

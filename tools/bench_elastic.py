@@ -272,7 +272,7 @@ def run_one(ns: argparse.Namespace, run: str, batch: int, clock: Clock) -> Path:
         )
         begin = first_sync(run, logs, ns.sync_every)
         assert begin is not None
-        kills = 0
+        kills, load = 0, []
         while clock.now() < begin + ns.duration:
             due = begin + (kills + 1) * ns.kill_every
             if run.endswith("failures") and clock.now() >= due:
@@ -288,12 +288,14 @@ def run_one(ns: argparse.Namespace, run: str, batch: int, clock: Clock) -> Path:
                 if job.proc.poll() is not None:
                     print(f"[{run}] {job.log.name} ended (exit {job.proc.returncode})", flush=True)
                     raise ConfigError(f"{job.log} ended (exit {job.proc.returncode}) during the run")
+            load.append(os.getloadavg()[0])
             time.sleep(0.2)
     finally:
         events.close()
         for job in [*islands.values(), *services]:
             kill_tree(job)
-    (run_dir / "window.json").write_text(json.dumps({"begin": begin, "end": begin + ns.duration}))
+    window = {"begin": begin, "end": begin + ns.duration, "load": sum(load) / max(1, len(load))}
+    (run_dir / "window.json").write_text(json.dumps(window))
     return run_dir
 
 
@@ -307,6 +309,7 @@ class Result:
     detect_s: list[float | None]  # elastic: kill -> the sync that dropped it
     rejoin_s: list[float | None]  # elastic: restart -> the sync it healed in
     back_s: list[float | None]  # synchronous: kill -> its first sync past where it was
+    load: float  # the machine's 1-minute load average, averaged over the window
 
 
 def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_step: int) -> Result:
@@ -326,7 +329,8 @@ def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_s
         steps = elastic_log.sync_steps(logs["island0.log"], sync_every)
         useful = islands * (elastic_log.reached(steps, end) - elastic_log.reached(steps, begin))
         detect, rejoin, back = [], [], elastic_log.back_times(kills, steps, end)
-    return Result(run, len(kills), end - begin, useful, useful / (end - begin), detect, rejoin, back)
+    load = float(window["load"])
+    return Result(run, len(kills), end - begin, useful, useful / (end - begin), detect, rejoin, back, load)
 
 
 def fmt(values: list[float | None]) -> str:
@@ -338,12 +342,12 @@ def render(results: list[Result], command: str, load: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        f"load average at the start: {load}",
+        f"load average at the start: {load} (the runs' own: the last column)",
         "",
         "| run | kills | window s | useful inner steps | steps/s | vs its path's failure-free "
         "| vs elastic failure-free "
-        "| detect s | rejoin s | back s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| detect s | rejoin s | back s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         own = by.get(r.run.split("-")[0] + "-steady")
@@ -351,7 +355,7 @@ def render(results: list[Result], command: str, load: str) -> str:
         ratio = [f"{100 * r.steps_per_s / b.steps_per_s:.1f}%" if b and b.steps_per_s else "n/a" for b in (own, base)]
         lines.append(
             f"| {r.run} | {r.kills} | {r.window_s:.0f} | {r.useful_steps:.0f} | {r.steps_per_s:.2f} | {ratio[0]} | "
-            f"{ratio[1]} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} |"
+            f"{ratio[1]} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} | {r.load:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
