@@ -88,14 +88,14 @@ def test_arguments_and_table():
         with pytest.raises(SystemExit):
             tool.parse_args(bad)
     results = [
-        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, [], [], [], 2.0),
-        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, [5.5], [None], [], 2.0),
-        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, [], [], [], 2.0),
-        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, [], [], [40.25], 3.25),
+        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, [], [], [], 2.0, "ok"),
+        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, [5.5], [None], [], 2.0, "ok"),
+        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, [], [], [], 2.0, "ok"),
+        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, [], [], [40.25], 3.25, "ok"),
     ]
     table = tool.render(results, "python tools/bench_elastic.py", "1.00, 2.00, 3.00").splitlines()
-    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 5.5 | n/a | - | 2.0 |" in table
-    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | - | - | 40.2 | 3.2 |" in table
+    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 5.5 | n/a | - | 2.0 | ok |" in table
+    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | - | - | 40.2 | 3.2 | ok |" in table
 
 
 def _upto(at: list[tuple[float, int]], when: float) -> int:
@@ -170,6 +170,7 @@ def test_the_benchmark_numbers_are_its_logs(run_sh_data_dir, tmp_path):
             past = [t for t, s in at if t > kill_t and s > _upto(at, kill_t) and t <= end]
             assert result["back_s"] == [pytest.approx(min(past) - kill_t) if past else None]
         assert result["steps_per_s"] == pytest.approx(result["useful_steps"] / 40.0)
+        assert result["status"] == "ok"  # no process ended by itself
         print(run, result)
     table = (out / "elastic.md").read_text()
     assert "| elastic-failures | 1 | 40 |" in table and "| sync-failures | 1 | 40 |" in table

@@ -53,7 +53,7 @@ from benchmarks import elastic_log, launch
 from megazpp.cli import add_out_flag, run_tool
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
-from megazpp.errors import ConfigError, required
+from megazpp.errors import LaunchError, required
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = ("elastic-steady", "elastic-failures", "sync-steady", "sync-failures")
@@ -235,9 +235,9 @@ def wait_for(ready: Callable[[], bool], jobs: list[Job], timeout_s: float, what:
         for job in jobs:
             if job.proc.poll() is not None:
                 tail = job.log.read_text()[-2000:] if job.log.exists() else ""
-                raise ConfigError(f"{job.log} ended (exit {job.proc.returncode}) before {what}:\n{tail}")
+                raise LaunchError(f"{job.log} ended (exit {job.proc.returncode}) before {what}:\n{tail}")
         if time.monotonic() > deadline:
-            raise ConfigError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise LaunchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(0.2)
 
 
@@ -252,8 +252,10 @@ def first_sync(run: str, logs: list[Path], sync_every: int) -> float | None:
 
 
 def run_one(ns: argparse.Namespace, run: str, batch: int, clock: Clock) -> Path:
-    """One run, from start to `duration` seconds after its first sync; its stamped logs and
-    events.log in OUT/<run>."""
+    """One run, from start to `duration` seconds after its first sync; its stamped logs,
+    events.log and window.json in OUT/<run>. A process that ends by itself meanwhile (a
+    synchronous world out of restarts, an island that failed) is noted in window.json's status
+    and left ended: what the job did without it is the measurement."""
     run_dir = Path(ns.out).resolve() / run
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -272,7 +274,7 @@ def run_one(ns: argparse.Namespace, run: str, batch: int, clock: Clock) -> Path:
         )
         begin = first_sync(run, logs, ns.sync_every)
         assert begin is not None
-        kills, load = 0, []
+        kills, load, ended = 0, list[float](), list[str]()
         while clock.now() < begin + ns.duration:
             due = begin + (kills + 1) * ns.kill_every
             if run.endswith("failures") and clock.now() >= due:
@@ -285,16 +287,18 @@ def run_one(ns: argparse.Namespace, run: str, batch: int, clock: Clock) -> Path:
                 events.write(elastic_log.stamp(clock.now(), f"restart island {victim} {log.name}") + "\n")
                 events.flush()
             for job in [*services, *islands.values()]:
-                if job.proc.poll() is not None:
-                    print(f"[{run}] {job.log.name} ended (exit {job.proc.returncode})", flush=True)
-                    raise ConfigError(f"{job.log} ended (exit {job.proc.returncode}) during the run")
+                note = f"{job.log.name} ended (exit {job.proc.returncode}) at {clock.now():.1f} s"
+                if job.proc.poll() is not None and not any(n.startswith(job.log.name) for n in ended):
+                    print(f"[{run}] {note}", flush=True)
+                    ended.append(note)
             load.append(os.getloadavg()[0])
             time.sleep(0.2)
     finally:
         events.close()
         for job in [*islands.values(), *services]:
             kill_tree(job)
-    window = {"begin": begin, "end": begin + ns.duration, "load": sum(load) / max(1, len(load))}
+    status = "; ".join(ended) or "ok"
+    window = {"begin": begin, "end": begin + ns.duration, "load": sum(load) / max(1, len(load)), "status": status}
     (run_dir / "window.json").write_text(json.dumps(window))
     return run_dir
 
@@ -310,6 +314,7 @@ class Result:
     rejoin_s: list[float | None]  # elastic: restart -> the sync it healed in
     back_s: list[float | None]  # synchronous: kill -> its first sync past where it was
     load: float  # the machine's 1-minute load average, averaged over the window
+    status: str  # "ok", or which processes ended by themselves during the window
 
 
 def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_step: int) -> Result:
@@ -330,7 +335,8 @@ def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_s
         useful = islands * (elastic_log.reached(steps, end) - elastic_log.reached(steps, begin))
         detect, rejoin, back = [], [], elastic_log.back_times(kills, steps, end)
     load = float(window["load"])
-    return Result(run, len(kills), end - begin, useful, useful / (end - begin), detect, rejoin, back, load)
+    steps_per_s = useful / (end - begin)
+    return Result(run, len(kills), end - begin, useful, steps_per_s, detect, rejoin, back, load, window["status"])
 
 
 def fmt(values: list[float | None]) -> str:
@@ -346,8 +352,8 @@ def render(results: list[Result], command: str, load: str) -> str:
         "",
         "| run | kills | window s | useful inner steps | steps/s | vs its path's failure-free "
         "| vs elastic failure-free "
-        "| detect s | rejoin s | back s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| detect s | rejoin s | back s | load | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         own = by.get(r.run.split("-")[0] + "-steady")
@@ -355,7 +361,7 @@ def render(results: list[Result], command: str, load: str) -> str:
         ratio = [f"{100 * r.steps_per_s / b.steps_per_s:.1f}%" if b and b.steps_per_s else "n/a" for b in (own, base)]
         lines.append(
             f"| {r.run} | {r.kills} | {r.window_s:.0f} | {r.useful_steps:.0f} | {r.steps_per_s:.2f} | {ratio[0]} | "
-            f"{ratio[1]} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} | {r.load:.1f} |"
+            f"{ratio[1]} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} | {r.load:.1f} | {r.status} |"
         )
     return "\n".join(lines) + "\n"
 
