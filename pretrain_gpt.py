@@ -134,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> TrainHistory | int:
     alone = "LOCAL_WORLD_SIZE" not in os.environ
     handed = read_handoff(args, world_size)  # run.sh's check decided for its ranks: nothing is checked again
     if handed is not None:
-        start = replan(handed, world_size, torchrun_restart_count())
+        start = replan(
+            handed, world_size, torchrun_restart_count(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        )
     else:
         start = prepare(args, world_size, torchrun_restart_count(), ranks_on_node=1 if alone else None)
     device = pick_device()

@@ -68,7 +68,7 @@ def test_a_rank_takes_the_job_checks_decision_and_checks_nothing(
     assert start is not None
     assert start.options.global_batch_size == 4 and start.options.zero.micro_batches_per_step == 1
     assert start.cfg is start.options.config
-    assert startup.replan(start, 2, restarts=0) is start  # a first attempt keeps the job's load plan
+    assert startup.replan(start, 2, restarts=0, ranks_on_node=2) is start  # a first attempt keeps the job's plan
     with pytest.raises(ConfigError, match="was checked for 2 rank\\(s\\) and other arguments"):
         startup.read_handoff([*argv, "--train-iters", "3"], 2)
     with pytest.raises(ConfigError, match="unset MEGAZPP_CHECKED_RUN"):
@@ -80,13 +80,15 @@ def test_a_restarted_attempt_decides_its_load_plan_again(
 ):
     argv = _job(tiny_indexed_prefix, str(tiny_tokenizer_model)) + ["--save", str(tmp_path / "ckpt")]
     start = startup.prepare(argv, 1, ranks_on_node=1)
-    planned: list[int] = []
+    planned: list[tuple[int, int]] = []
 
-    def plan_load(cfg: object, world_size: int, restarts: int) -> object:
-        planned.append(restarts)
+    def plan_load(cfg: object, world_size: int, restarts: int, ranks_per_node: int) -> object:
+        planned.append((restarts, ranks_per_node))
         return start.load
 
     monkeypatch.setattr(startup, "plan_load", plan_load)
-    again = startup.replan(start, 1, restarts=1)
-    assert planned == [1] and again.options is start.options
+    # the node's rank count goes with it: a two-level checkpoint's islands are whole nodes
+    # (without it a restarted 3-node job of 3 islands counted 1 and refused its own checkpoint)
+    again = startup.replan(start, 1, restarts=1, ranks_on_node=2)
+    assert planned == [(1, 2)] and again.options is start.options
     assert dataclasses.replace(again, load=start.load) == start

@@ -201,10 +201,14 @@ def read_handoff(argv: Sequence[str], world_size: int) -> Startup | None:
     return handed.start
 
 
-def replan(start: Startup, world_size: int, restarts: int) -> Startup:
+def replan(start: Startup, world_size: int, restarts: int, ranks_on_node: int) -> Startup:
     """A handed decision for a restarted attempt: the load plan decided again (the attempt
-    resumes from the newest checkpoint), the checked options kept."""
-    return dataclasses.replace(start, load=plan_load(start.cfg, world_size, restarts)) if restarts else start
+    resumes from the newest checkpoint) for `ranks_on_node` ranks per node (a two-level
+    checkpoint's islands are whole nodes: without it a restarted multi-node job counted one
+    island and refused its own checkpoint), the checked options kept."""
+    if not restarts:
+        return start
+    return dataclasses.replace(start, load=plan_load(start.cfg, world_size, restarts, ranks_on_node))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
