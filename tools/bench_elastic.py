@@ -380,12 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = batch * cfg.model.seq_length  # one island's inner step
     command = shlex.join(["python", "tools/bench_elastic.py", *args])
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     clock, results = Clock(), []
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    launch.netlab_up(ns.islands, ns.rate, ns.delay)
+    # a SIGTERM unwinds through the runs' and netlab's teardown below; the caller's handler comes back after
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
+        launch.netlab_up(ns.islands, ns.rate, ns.delay)
         for run in ns.runs:
             print(f"[{run}] ...", flush=True)
             run_dir = run_one(ns, run, batch, clock)
@@ -396,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / "elastic.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     finally:
         launch.netlab_down()
+        signal.signal(signal.SIGTERM, previous)
     print((out / "elastic.md").read_text(), flush=True)
     return 0
 
