@@ -9,7 +9,9 @@ Useful inner steps: an elastic job's are the inner steps merged at a sync (the t
 island in the sync's line, over the tokens of one inner step: a healed island's stale interval
 and a killed island's unfinished one weigh nothing); the synchronous job's are every island's
 steps up to its last outer sync (a failure restarts it from its checkpoint, which the benchmark
-saves at each sync, so steps past the last sync are redone).
+saves at each sync, so steps past the last sync are redone). Their share of the inner steps
+trained in the window (every iteration line, merged or not) is the failures' waste measured
+inside one run, whatever the machine's load did between runs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ def merged_steps(found: dict[int, Sync], start: float, end: float, tokens_per_st
     """Inner steps merged by the syncs committed in (start, end]: their tokens over one step's."""
     tokens = sum(sum(s.tokens) for s in found.values() if start < s.t <= end)
     return tokens / tokens_per_step
+
+
+def trained_steps(lines: Sequence[Line], start: float, end: float) -> int:
+    """Inner steps a log's iteration lines say were trained in (start, end] (merged or not)."""
+    return sum(1 for line in lines if start < line.t <= end and ITERATION.match(line.text))
 
 
 def first_after(lines: Sequence[Line], pattern: re.Pattern[str], island: int, t: float) -> float | None:

@@ -68,6 +68,8 @@ def test_synchronous_numbers_from_logs(tmp_path):
     at_syncs = elastic_log.sync_steps(elastic_log.read(tmp_path / "island0.log"), 4)
     assert at_syncs == [(4.0, 4), (8.0, 8), (31.0, 12)]
     assert (elastic_log.reached(at_syncs, 3.9), elastic_log.reached(at_syncs, 30.0)) == (0, 8)
+    # trained in (3.5, 30.0]: steps 4..10, then 9 and 10 again (redone after the restart)
+    assert elastic_log.trained_steps(elastic_log.read(tmp_path / "island0.log"), 3.5, 30.0) == 9
     kill = elastic_log.Event(10.0, "kill", 1, "island1.log")
     assert elastic_log.back_times([kill], at_syncs, end=40.0) == [21.0]
     assert elastic_log.back_times([kill], at_syncs, end=30.0) == [None]
@@ -88,14 +90,18 @@ def test_arguments_and_table():
         with pytest.raises(SystemExit):
             tool.parse_args(bad)
     results = [
-        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, [], [], [], 2.0, "ok"),
-        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, [5.5], [None], [], 2.0, "ok"),
-        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, [], [], [], 2.0, "ok"),
-        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, [], [], [40.25], 3.25, "ok"),
+        tool.Result("elastic-steady", 0, 100.0, 1000.0, 10.0, 1000, [], [], [], 2.0, "ok"),
+        tool.Result("elastic-failures", 1, 100.0, 950.0, 9.5, 1000, [5.5], [None], [], 2.0, "ok"),
+        tool.Result("sync-steady", 0, 100.0, 800.0, 8.0, 800, [], [], [], 2.0, "ok"),
+        tool.Result("sync-failures", 1, 100.0, 600.0, 6.0, 750, [], [], [40.25], 3.25, "ok"),
     ]
-    table = tool.render(results, "python tools/bench_elastic.py", "1.00, 2.00, 3.00").splitlines()
-    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 5.5 | n/a | - | 2.0 | ok |" in table
-    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | - | - | 40.2 | 3.2 | ok |" in table
+    started = {"command": "python tools/bench_elastic.py", "load": "1.00, 2.00, 3.00"}
+    table = tool.render(results, started, "python tools/bench_elastic.py").splitlines()
+    assert table[0] == "`python tools/bench_elastic.py`"
+    assert "| elastic-failures | 1 | 100 | 950 | 9.50 | 95.0% | 95.0% | 95.0% | 5.5 | n/a | - | 2.0 | ok |" in table
+    assert "| sync-failures | 1 | 100 | 600 | 6.00 | 75.0% | 60.0% | 80.0% | - | - | 40.2 | 3.2 | ok |" in table
+    again = tool.render(results, started, "python tools/bench_elastic.py --report")
+    assert again.startswith("`python tools/bench_elastic.py` (measured again from its logs by `python tools/bench")
 
 
 def _upto(at: list[tuple[float, int]], when: float) -> int:
@@ -169,6 +175,14 @@ def test_the_benchmark_numbers_are_its_logs(run_sh_data_dir, tmp_path):
             assert result["useful_steps"] == 3 * (_upto(at, end) - _upto(at, begin)) > 0
             past = [t for t, s in at if t > kill_t and s > _upto(at, kill_t) and t <= end]
             assert result["back_s"] == [pytest.approx(min(past) - kill_t) if past else None]
+        iterations = {
+            name: sum(
+                1 for t, text in found if begin < float(t) <= end and re.match(r"\s*iter\s+\d+/\d+ \| loss ", text)
+            )
+            for name, found in lines.items()
+        }  # the synchronous job's lines are node 0's, one per step of all 3 islands
+        trained = sum(iterations.values()) if run == "elastic-failures" else 3 * iterations["island0.log"]
+        assert result["trained_steps"] == trained >= result["useful_steps"]
         assert result["steps_per_s"] == pytest.approx(result["useful_steps"] / 40.0)
         assert result["status"] == "ok"  # no process ended by itself
         print(run, result)

@@ -83,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", default="configs/llama_tiny.yaml")
     p.add_argument("--data-dir", default="data", help="run.sh's DATA_DIR (the sample data)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a run may take to its first sync")
+    p.add_argument("--report", action="store_true", help="only measure the runs already in --out again (no netlab)")
     add_out_flag(p, default="runs/bench_elastic", help="result directory")
     ns = p.parse_args(argv)
     ns.extra = extra
@@ -310,6 +311,7 @@ class Result:
     window_s: float
     useful_steps: float
     steps_per_s: float
+    trained_steps: int  # every island's inner steps trained in the window, merged or not
     detect_s: list[float | None]  # elastic: kill -> the sync that dropped it
     rejoin_s: list[float | None]  # elastic: restart -> the sync it healed in
     back_s: list[float | None]  # synchronous: kill -> its first sync past where it was
@@ -326,6 +328,7 @@ def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_s
     logs = {p.name: elastic_log.read(p) for p in sorted(run_dir.glob("island*.log"))}
     if run.startswith("elastic"):
         useful = elastic_log.merged_steps(elastic_log.syncs(logs.values()), begin, end, tokens_per_step)
+        trained = sum(elastic_log.trained_steps(lines, begin, end) for lines in logs.values())
         restarts = [e for e in events if e.kind == "restart"]
         detect = elastic_log.detect_times(kills, logs, end)
         rejoin = elastic_log.rejoin_times(restarts, logs, end)
@@ -333,35 +336,42 @@ def measure(run_dir: Path, run: str, islands: int, sync_every: int, tokens_per_s
     else:
         steps = elastic_log.sync_steps(logs["island0.log"], sync_every)
         useful = islands * (elastic_log.reached(steps, end) - elastic_log.reached(steps, begin))
+        trained = islands * elastic_log.trained_steps(logs["island0.log"], begin, end)  # a line: every island's
         detect, rejoin, back = [], [], elastic_log.back_times(kills, steps, end)
     load = float(window["load"])
     steps_per_s = useful / (end - begin)
-    return Result(run, len(kills), end - begin, useful, steps_per_s, detect, rejoin, back, load, window["status"])
+    status = window["status"]
+    return Result(run, len(kills), end - begin, useful, steps_per_s, trained, detect, rejoin, back, load, status)
 
 
 def fmt(values: list[float | None]) -> str:
     return ", ".join("n/a" if v is None else f"{v:.1f}" for v in values) or "-"
 
 
-def render(results: list[Result], command: str, load: str) -> str:
+def render(results: list[Result], started: dict[str, str], command: str) -> str:
+    """The table; `started`: the measuring command and the load average when it started
+    (`command`, when another, measured its runs again)."""
     by = {r.run: r for r in results}
+    again = f" (measured again from its logs by `{command}`)" if command != started["command"] else ""
     lines = [
-        f"`{command}`",
+        f"`{started['command']}`{again}",
         "",
-        f"load average at the start: {load} (the runs' own: the last column)",
+        f"load average at the start: {started['load']} (the runs' own: the last column)",
         "",
         "| run | kills | window s | useful inner steps | steps/s | vs its path's failure-free "
-        "| vs elastic failure-free "
+        "| vs elastic failure-free | useful / trained "
         "| detect s | rejoin s | back s | load | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         own = by.get(r.run.split("-")[0] + "-steady")
         base = by.get("elastic-steady")
+        share = f"{100 * r.useful_steps / r.trained_steps:.1f}%" if r.trained_steps else "n/a"
         ratio = [f"{100 * r.steps_per_s / b.steps_per_s:.1f}%" if b and b.steps_per_s else "n/a" for b in (own, base)]
         lines.append(
             f"| {r.run} | {r.kills} | {r.window_s:.0f} | {r.useful_steps:.0f} | {r.steps_per_s:.2f} | {ratio[0]} | "
-            f"{ratio[1]} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} | {r.load:.1f} | {r.status} |"
+            f"{ratio[1]} | {share} | {fmt(r.detect_s)} | {fmt(r.rejoin_s)} | {fmt(r.back_s)} | {r.load:.1f} | "
+            f"{r.status} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -379,24 +389,29 @@ def main(argv: list[str] | None = None) -> int:
     batch = required(cfg.training.global_batch_size, "training.global_batch_size")
     tokens_per_step = batch * cfg.model.seq_length  # one island's inner step
     command = shlex.join(["python", "tools/bench_elastic.py", *args])
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     clock, results = Clock(), []
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if not ns.report:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        (out / "started.json").write_text(json.dumps({"command": command, "load": load}))
+    started = json.loads((out / "started.json").read_text())
     # a SIGTERM unwinds through the runs' and netlab's teardown below; the caller's handler comes back after
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        launch.netlab_up(ns.islands, ns.rate, ns.delay)
+        if not ns.report:
+            launch.netlab_up(ns.islands, ns.rate, ns.delay)
         for run in ns.runs:
             print(f"[{run}] ...", flush=True)
-            run_dir = run_one(ns, run, batch, clock)
+            run_dir = out / run if ns.report else run_one(ns, run, batch, clock)
             results.append(measure(run_dir, run, ns.islands, ns.sync_every, tokens_per_step))
             (run_dir / "result.json").write_text(json.dumps(asdict(results[-1]), indent=1))
             print(f"[{run}] {results[-1].steps_per_s:.2f} useful inner steps/s", flush=True)
-            (out / "elastic.md").write_text(render(results, command, load))
+            (out / "elastic.md").write_text(render(results, started, command))
             (out / "elastic.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     finally:
-        launch.netlab_down()
+        if not ns.report:
+            launch.netlab_down()
         signal.signal(signal.SIGTERM, previous)
     print((out / "elastic.md").read_text(), flush=True)
     return 0
