@@ -33,6 +33,14 @@ LOOPBACK = "loopback"
 CPU_RANK_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A benchmark's own arguments and those after `--`, which go to every run."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 @dataclass(frozen=True)
 class Layout:
     nodes: int

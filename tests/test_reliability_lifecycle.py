@@ -18,19 +18,7 @@ from test_training_pretrain import tiny_args
 
 from megazpp.checkpoint.files import verify_checksum
 from megazpp.checkpoint.format import LATEST_FILE, expected_rank_files, read_metadata
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+from megazpp.launch.proc_tree import child_pids
 
 
 def alive(pid: int) -> bool:
@@ -61,7 +49,7 @@ def test_kill_9_of_the_launcher_takes_the_ranks_with_it(tmp_path, tiny_indexed_p
     run = run_sh(tmp_path, data, "--train-iters", LONG, "--save", str(save), "--save-interval", "1", env_extra={})
     run.wait_for(r"^iter +3/")
     launcher = run.proc.pid  # run.sh execs the launcher
-    ranks = children(launcher)
+    ranks = child_pids(launcher)
     assert len(ranks) == 2, ranks
     os.kill(launcher, signal.SIGKILL)
     run.proc.wait(timeout=30)

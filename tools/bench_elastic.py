@@ -54,6 +54,7 @@ from megazpp.cli import add_out_flag, run_tool
 from megazpp.config.checks import validate_config
 from megazpp.config.load import load_config
 from megazpp.errors import LaunchError, required
+from megazpp.launch.proc_tree import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = ("elastic-steady", "elastic-failures", "sync-steady", "sync-failures")
@@ -61,10 +62,7 @@ LIGHTHOUSE_PORT, ISLAND_PORT = 29510, 29520  # inside netlab's namespaces: nothi
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = launch.split_passthrough(argv)
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
     )
@@ -135,28 +133,9 @@ def start(command: list[str], env: dict[str, str], log: Path, clock: Clock) -> J
     return Job(proc, log, reader)
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (torchrun starts its ranks in sessions of their own, so
-    a process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
-
-
 def kill_tree(job: Job) -> None:
-    """`kill -9` of the job's whole process tree (stopped first, so nothing forks meanwhile)."""
+    """`kill -9` of the job's whole process tree (torchrun starts its ranks in sessions of their
+    own, so a process group does not reach them; stopped first, so nothing forks meanwhile)."""
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for pid in process_tree(job.proc.pid):
             try:

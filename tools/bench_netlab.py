@@ -52,10 +52,7 @@ PNG = "netlab.png"  # every setting's tokens/s and inter-node bytes, redrawn aft
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = launch.split_passthrough(argv)
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
     )

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from megazpp.cli import run_tool
 from megazpp.errors import CommunicationError, ConfigError
 from megazpp.launch.lifeline import name_launcher
+from megazpp.launch.proc_tree import child_pids
 
 if TYPE_CHECKING:  # torch is imported late: the launcher must answer fast on bad input
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -193,17 +194,7 @@ TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 def _child_pids() -> list[int]:
     """This process's children: torchrun starts the ranks directly, each in its own session
     (so a terminal's Ctrl-C reaches only the launcher)."""
-    me, children = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-            children.append(int(entry))
-    return children
+    return child_pids(os.getpid())
 
 
 def _forward(signum: int, _frame: FrameType | None) -> None:
