@@ -146,7 +146,7 @@ def test_the_benchmark_numbers_are_its_logs(run_sh_data_dir, tmp_path):
             syncs = {}
             for found in lines.values():
                 for t, text in found:
-                    m = re.search(r"outer sync (\d+) at step \d+: islands ([\d,]+), tokens ([\d,]+)", text)
+                    m = re.search(r"outer sync (\d+) at step \d+: islands (\d+(?:,\d+)*), tokens (\d+(?:,\d+)*)", text)
                     if m:
                         syncs.setdefault(int(m.group(1)), []).append((float(t), m.group(3)))
             first = {n: min(seen) for n, seen in syncs.items()}
