@@ -5,7 +5,7 @@ processes' side (islands that start alike, die and come back): tests/test_outer_
 
 from __future__ import annotations
 
-from megazpp.data.global_order import BLOCK_SAMPLES, GlobalOrder
+from megazpp.data.global_order import BLOCK_SAMPLES, GlobalOrder, rank_micro_batches
 from megazpp.outer.data_plan import DataPlan
 
 
@@ -70,3 +70,12 @@ def test_the_global_order_is_one_permutation_per_pass_and_layout_independent():
     again = GlobalOrder(total, seed=1234)
     assert again.samples([total - 1, 5, BLOCK_SAMPLES]) == [first[total - 1], first[5], first[BLOCK_SAMPLES]]
     assert GlobalOrder(total, seed=99).samples(range(16)) != first[:16]
+
+
+def test_an_islands_ranks_split_its_global_batch_as_the_sampler_splits_a_global_micro_step():
+    """2 DP ranks, micro-batch 2, 2 micro-batches per step: rank r takes the r-th slice of each
+    global micro-step (as `PretrainingSampler` does), so the ranks partition the batch."""
+    batch = list(range(100, 108))
+    ranks = [rank_micro_batches(batch, 2, r, 2) for r in (0, 1)]
+    assert ranks == [[[100, 101], [104, 105]], [[102, 103], [106, 107]]]
+    assert sorted(i for r in ranks for mb in r for i in mb) == batch

@@ -44,3 +44,14 @@ class GlobalOrder:
             block, offset = divmod(q, BLOCK_SAMPLES)
             out.append(int(self._block(epoch, block)[offset]))
         return out
+
+
+def rank_micro_batches(batch: Sequence[int], micro_batch_size: int, dp_rank: int, dp: int) -> list[list[int]]:
+    """DP rank `dp_rank`'s micro-batches of one global `batch` (whole global micro-steps of
+    `micro_batch_size` x `dp` samples, rank r taking the r-th slice of each, as
+    `PretrainingSampler` lays them out)."""
+    step = micro_batch_size * dp
+    return [
+        list(batch[k + dp_rank * micro_batch_size : k + (dp_rank + 1) * micro_batch_size])
+        for k in range(0, len(batch), step)
+    ]

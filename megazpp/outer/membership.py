@@ -194,11 +194,11 @@ class Membership:
             info = self._gather([self.island_id, tokens, flat.numel(), dataset, wants])
             if info is not None:
                 ids, counts, sizes, datasets, _ = info
-                self._check_alike(ids, sizes, datasets)
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
-                flat.mul_(weight)
-                self._all_reduce(flat)
+                if self._check_alike(ids, counts, sizes, datasets):
+                    flat.mul_(weight)
+                    self._all_reduce(flat)
             if self._manager.should_commit():
                 assert info is not None  # committed: the gather succeeded on every rank
                 ids, counts, wanted = info[0], info[1], info[4]
@@ -249,27 +249,40 @@ class Membership:
         counter.record("all_reduce", SYNC_TAG, *wire.all_reduce_bytes(t.numel() * t.element_size(), peer_shape(n)))
         self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
-    def _check_alike(self, ids: list[int], sizes: list[int], datasets: list[int]) -> None:
+    def _check_alike(self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int]) -> bool:
         """Refuse a quorum no island can average in: two islands with one id, shards of
         different sizes (another model or layout), or train datasets of different sizes (the
-        islands' positions would name other samples)."""
+        islands' positions would name other samples). The islands that trained since the last
+        sync (all, at a job's start) set what is right: the island that differs from them stops
+        with ElasticError, the others report the error (they vote no, so the sync is redone
+        without it: nothing of theirs is lost) and get False."""
         if len(set(ids)) != len(ids):
             raise ElasticError(
                 f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have one id "
                 f"(--outer-island-id must differ per island)"
             )
-        if len(set(sizes)) != 1:
-            by_island = ", ".join(f"island {i}: {n}" for i, n in zip(ids, sizes))
-            raise ElasticError(
-                f"outer: rank {self.rank}'s shards differ between islands ({by_island} elements): every "
-                f"island must run the same model, parallel layout and ZeRO strategy"
-            )
-        if len(set(datasets)) != 1:
-            by_island = ", ".join(f"island {i}: {n}" for i, n in zip(ids, datasets))
-            raise ElasticError(
-                f"outer: the islands' train datasets differ ({by_island} samples): every island must read one "
-                f"sample order, so give every island the same outer.train_samples (--outer-train-samples)"
-            )
+        unlike = (
+            (
+                sizes,
+                f"rank {self.rank}'s shards differ between islands (%s elements): every island must run the same "
+                f"model, parallel layout and ZeRO strategy",
+            ),
+            (
+                datasets,
+                "the islands' train datasets differ (%s samples): every island must read one sample order, "
+                "so give every island the same outer.train_samples (--outer-train-samples)",
+            ),
+        )
+        for values, message in unlike:
+            if len(set(values)) == 1:
+                continue
+            error = ElasticError("outer: " + message % ", ".join(f"island {i}: {n}" for i, n in zip(ids, values)))
+            right = {v for v, n in zip(values, counts) if n > 0} or set(values)
+            if right != {values[ids.index(self.island_id)]}:
+                raise error
+            self._manager.report_error(error)
+            return False
+        return True
 
     def _note(self, ids: list[int]) -> None:
         """A log line per island that joined or was dropped since the last sync."""

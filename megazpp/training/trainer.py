@@ -35,7 +35,7 @@ from megazpp.checkpoint.format import LoadedCheckpoint
 from megazpp.checkpoint.manager import CheckpointManager, Progress
 from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazpp.config.options import RunOptions
-from megazpp.data.global_order import GlobalOrder
+from megazpp.data.global_order import GlobalOrder, rank_micro_batches
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import NumericalError
 from megazpp.optim.engine_protocol import Engine, StepResult
@@ -164,10 +164,7 @@ class Trainer:
         order = GlobalOrder(len(self.train_ds), self.training.seed)
         mbs, dp, rank = self.training.micro_batch_size, self.topology.dp, self.topology.dp_rank
         while True:
-            batch = order.samples(positions.next_batch(self.global_batch_size))
-            for k in range(self.num_micro_batches):
-                lo = (k * dp + rank) * mbs
-                yield batch[lo : lo + mbs]
+            yield from rank_micro_batches(order.samples(positions.next_batch(self.global_batch_size)), mbs, rank, dp)
 
     def _dp_mean(self, losses: list[torch.Tensor]) -> float:
         """Mean micro-batch loss over all data-parallel ranks (NaN where no loss is computed,
