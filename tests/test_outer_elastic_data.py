@@ -1,6 +1,6 @@
 """Where elastic islands read in the data, as a user runs them (docs/arch/elastic.md, "Data
 positions"): two one-rank islands (`run.sh`, gloo, the lighthouse needs both), island 1 with twice
-island 0's global batch, one job-wide train dataset (`--outer-train-samples`). They meet before
+island 0's global batch, one job-wide train dataset (`--outer-train-samples`, `start_island`'s). They meet before
 their first inner step and claim disjoint runs of the job's global sample order. Island 1 is
 killed before its second sync, after training its second interval (held at the pause point
 `elastic_sync@2`, so the kill lands there whatever the machine's load). A new island with another
@@ -21,6 +21,7 @@ import torch
 from megazpp.checkpoint.format import rank_file_name
 from megazpp.data.global_order import GlobalOrder
 from tests.test_outer_elastic import (
+    TRAIN_SAMPLES,
     H,
     finish,
     held,
@@ -31,7 +32,6 @@ from tests.test_outer_elastic import (
     sync_lines,
 )
 
-SAMPLES = ["--outer-train-samples", "400"]  # one dataset for both islands (their batches differ)
 Range = tuple[int, int]
 
 
@@ -72,14 +72,13 @@ def test_islands_read_disjoint_samples_and_a_dead_islands_interval_is_requeued(r
     lighthouse, port = start_lighthouse(tmp_path, 2)
     data, islands = run_sh_data_dir, []
     try:
-        islands = [start_island(data, 0, port, tmp_path, *SAMPLES, iters=4 * H, pause_at=None)]
-        double = ["--global-batch-size", "8", *SAMPLES]
+        islands = [start_island(data, 0, port, tmp_path, iters=4 * H, pause_at=None)]
+        double = ["--global-batch-size", "8"]
         islands.append(start_island(data, 1, port, tmp_path, *double, iters=4 * H, pause_at="elastic_sync@2"))
         held(tmp_path, ["1"], islands)
         kill_island(islands[1])
-        # a new island with another train dataset (its default: its own 4H x 8 samples): it stops
-        # with one line, island 0's sync is redone without it
-        wrong = start_island(data, 2, port, tmp_path, "--global-batch-size", "8", iters=4 * H, pause_at=None)
+        # a new island with another train dataset: it stops with one line, island 0's sync is redone
+        wrong = start_island(data, 2, port, tmp_path, "--outer-train-samples", "128", iters=4 * H, pause_at=None)
         assert wrong.wait(timeout=300) != 0
         # from its checkpoint of sync 1 (step 4), to step 12: syncs 2, 3, 4 with island 0
         again = [*double, "--exit-interval", str(3 * H)]
@@ -90,7 +89,7 @@ def test_islands_read_disjoint_samples_and_a_dead_islands_interval_is_requeued(r
     out0 = (tmp_path / "island0.log").read_text()
     out1 = (tmp_path / "island1again.log").read_text()
     wrong_out = (tmp_path / "island2.log").read_text()
-    assert "outer: the islands' train datasets differ (island " in wrong_out, wrong_out[-3000:]
+    assert f"outer: the islands' train datasets differ (island 0: {TRAIN_SAMPLES}, island 2: 128 samples)" in wrong_out
     assert "give every island the same outer.train_samples (--outer-train-samples)" in wrong_out
     assert "outer: island 0: outer sync 2 failed (" in out0 and "redone with a new quorum" in out0, out0[-3000:]
     # 4 steps x 4 samples of island 0 and 4 x 8 of island 1 per interval, 32 tokens each
@@ -118,8 +117,8 @@ def test_islands_read_disjoint_samples_and_a_dead_islands_interval_is_requeued(r
     last = [p for rs in laid[-1][1].values() for p in positions(rs)]
     assert sorted(flat + last) == list(range(len(flat) + len(last))), "a position skipped"
     assert set(positions(back[0][1])) <= set(positions(laid[2][1][0]) + positions(laid[2][1][1]))  # re-claimed
-    # and so no sample of a pass is merged twice (the order is a permutation of the 400 per pass)
-    samples = GlobalOrder(400, seed=1234).samples(flat)
+    # and so no sample of a pass is merged twice (the order is one permutation of the dataset per pass)
+    samples = GlobalOrder(TRAIN_SAMPLES, seed=1234).samples(flat)
     assert len(set(samples)) == len(samples)
     # consumed_samples: what each island read; its checkpoint holds the plan it read from
     assert consumed(tmp_path, 0, 4 * H)[0] == 4 * H * 4

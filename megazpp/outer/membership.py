@@ -206,7 +206,9 @@ class Membership:
                     self.syncs = self._manager.current_step() - self.starts
                 else:
                     self.starts = self._manager.current_step() - self.syncs
-                self._note(ids)
+                self._note(
+                    ids, f"outer sync {self.syncs}" if sum(counts) else f"the start after outer sync {self.syncs}"
+                )
                 mean = None
                 if more is not None:
                     pseudo.copy_(flat[: pseudo.numel()])
@@ -284,17 +286,17 @@ class Membership:
             return False
         return True
 
-    def _note(self, ids: list[int]) -> None:
-        """A log line per island that joined or was dropped since the last sync."""
+    def _note(self, ids: list[int], where: str) -> None:
+        """A log line per island that joined or was dropped since the last exchange (`where`)."""
         live = set(ids)
         for j in sorted(live - self._live):
-            log.info("outer: island %d joined at outer sync %d (%d islands live)", j, self.syncs, len(live))
+            log.info("outer: island %d joined at %s (%d islands live)", j, where, len(live))
         for j in sorted(self._live - live):
             log.warning(
-                "outer: island %d dropped at outer sync %d (absent from the quorum: no heartbeat within the "
+                "outer: island %d dropped at %s (absent from the quorum: no heartbeat within the "
                 "lighthouse's heartbeat timeout, or no quorum request within its join timeout); %d islands live",
                 j,
-                self.syncs,
+                where,
                 len(live),
             )
         self._live = live
