@@ -44,8 +44,8 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
     """`DiLoCoEngine` over `inner` (a ZeRO engine over this island's whole world, `island`),
     syncing with the other live islands through `membership`; `tokens_per_step`: the tokens
     one applied inner step of this island trains (its global batch, `batch_samples`, times the
-    sequence length); `dataset_samples`: the train dataset's size, which every island must share
-    (the global sample order runs through it)."""
+    sequence length); `dataset_samples` and `data_seed`: the train dataset's size and the seed
+    of the global sample order that runs through it, which every island must share."""
 
     def __init__(
         self,
@@ -56,10 +56,11 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
         tokens_per_step: int,
         batch_samples: int,
         dataset_samples: int,
+        data_seed: int,
     ) -> None:
         self.membership = membership
         self.tokens_per_step = tokens_per_step
-        self.batch_samples, self.dataset_samples = batch_samples, dataset_samples
+        self.batch_samples, self.dataset_samples, self.data_seed = batch_samples, dataset_samples, data_seed
         self.trained_steps = 0  # inner steps applied (not skipped) since the last sync
         self.plan = DataPlan()
         self.read = 0  # positions of this island's claim read so far
@@ -123,7 +124,9 @@ class ElasticDiLoCoEngine(DiLoCoEngine):
             torch.sub(snapshot[lo:hi], master, out=pseudo[lo:hi])
         tokens, trained = self.trained_steps * self.tokens_per_step, self.trained_steps
         wants = self.options.sync_every * self.batch_samples
-        met = self.membership.average(pseudo, tokens, self._state_due, dataset=self.dataset_samples, wants=wants)
+        met = self.membership.average(
+            pseudo, tokens, self._state_due, dataset=self.dataset_samples, seed=self.data_seed, wants=wants
+        )
         self.trained_steps = 0
         self._lay_out(met)
         if not met.outer_step:

@@ -10,7 +10,7 @@ new quorum from the same pseudo-gradient, since nothing was changed yet.
 
 Every rank of an island holds one `Membership` (group rank = its rank in the island's world);
 rank 0's manager heartbeats the lighthouse. One sync is one quorum, one all-gather of each
-island's (id, tokens, shard size, train dataset size, positions it asks for next) and one
+island's (id, tokens, shard size, train dataset size and seed, positions it asks for next) and one
 all-reduce of its weighted pseudo-gradient (with the
 inner optimizer's state behind it at the syncs that average it), both counted under
 `outer/sync`.
@@ -163,14 +163,22 @@ class Membership:
         self._manager.load_state_dict({"step": syncs + starts, "batches_committed": 0})
 
     def average(
-        self, pseudo: torch.Tensor, tokens: int, extra: Extra | None = None, *, dataset: int = 0, wants: int = 0
+        self,
+        pseudo: torch.Tensor,
+        tokens: int,
+        extra: Extra | None = None,
+        *,
+        dataset: int = 0,
+        seed: int = 0,
+        wants: int = 0,
     ) -> SyncResult:
         """Replace `pseudo` (this rank's shard of the island's pseudo-gradient, fp32) by the
         mean over the islands in the quorum, weighted by the tokens each trained since the last
         sync; every island ends with the same bits. `extra`, when given, is asked after the
         quorum (an island behind it has healed by then, so every island asks for the same sync)
         for more to average alike in the same all-reduce; its mean is the result's `extra`.
-        `dataset` (the train dataset's samples, which every island must share) and `wants`
+        `dataset` and `seed` (the train dataset's samples and the data order's seed, which every
+        island must share) and `wants`
         (the positions this island asks for its next interval) travel in the all-gather. An
         exchange where no island trained (`SyncResult.outer_step` False) is counted in
         `starts`, not `syncs`, and its `extra` is None. Collective over every rank of every
@@ -191,17 +199,17 @@ class Membership:
             sync = self._manager.current_step() - self.starts + 1
             more = extra(sync) if extra is not None else None
             flat = pseudo.copy_(own) if more is None else torch.cat([own, more])  # `own` kept for a redo
-            info = self._gather([self.island_id, tokens, flat.numel(), dataset, wants])
+            info = self._gather([self.island_id, tokens, flat.numel(), dataset, seed, wants])
             if info is not None:
-                ids, counts, sizes, datasets, _ = info
+                ids, counts, sizes, datasets, seeds, _ = info
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
-                if self._check_alike(ids, counts, sizes, datasets):
+                if self._check_alike(ids, counts, sizes, datasets, seeds):
                     flat.mul_(weight)
                     self._all_reduce(flat)
             if self._manager.should_commit():
                 assert info is not None  # committed: the gather succeeded on every rank
-                ids, counts, wanted = info[0], info[1], info[4]
+                ids, counts, wanted = info[0], info[1], info[5]
                 if sum(counts):
                     self.syncs = self._manager.current_step() - self.starts
                 else:
@@ -228,7 +236,7 @@ class Membership:
         )
 
     def _gather(self, fields: list[int]) -> list[list[int]] | None:
-        """Each of `fields` (id, tokens, shard size, dataset size, positions asked) of every
+        """Each of `fields` (id, tokens, shard size, dataset size, seed, positions asked) of every
         island in the quorum, field by field, in the quorum's order; None when the exchange failed
         (reported to the manager, so the island votes not to commit)."""
         if self._manager.errored():  # the group could not be configured
@@ -251,10 +259,12 @@ class Membership:
         counter.record("all_reduce", SYNC_TAG, *wire.all_reduce_bytes(t.numel() * t.element_size(), peer_shape(n)))
         self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
-    def _check_alike(self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int]) -> bool:
+    def _check_alike(
+        self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int], seeds: list[int]
+    ) -> bool:
         """Refuse a quorum no island can average in: two islands with one id, shards of
-        different sizes (another model or layout), or train datasets of different sizes (the
-        islands' positions would name other samples). The islands that trained since the last
+        different sizes (another model or layout), or train datasets of different sizes or
+        order seeds (the islands' positions would name other samples). The islands that trained since the last
         sync (all, at a job's start) set what is right: the island that differs from them stops
         with ElasticError, the others report the error (they vote no, so the sync is redone
         without it: nothing of theirs is lost) and get False."""
@@ -273,6 +283,11 @@ class Membership:
                 datasets,
                 "the islands' train datasets differ (%s samples): every island must read one sample order, "
                 "so give every island the same outer.train_samples (--outer-train-samples)",
+            ),
+            (
+                seeds,
+                "the islands' data order seeds differ (%s): every island must read one sample order, so give "
+                "every island the same training.seed (--seed)",
             ),
         )
         for values, message in unlike:

@@ -48,4 +48,6 @@ def build_elastic_island(model: GPTModel, options: RunOptions, topology: Topolog
     )
     batch = options.global_batch_size
     tokens_per_step = batch * options.config.model.seq_length
-    return ElasticDiLoCoEngine(inner, outer, topology, membership, tokens_per_step, batch, options.train_samples)
+    return ElasticDiLoCoEngine(
+        inner, outer, topology, membership, tokens_per_step, batch, options.train_samples, options.training.seed
+    )
