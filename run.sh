@@ -29,14 +29,23 @@ has_cuda() {
 }
 
 # The pinned wheel comes from the package registry: the CPU build on the CPU machines this
-# project targets, the default (CUDA) build where the registry serves that.
-if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-  "$PYTHON" -m pip install --quiet torch==2.13.0
-fi
-# Imported without the working directory, which would find megazpp whether or not it is installed,
-# and the tools (python tools/x.py) need it installed.
-if ! "$PYTHON" -c "import sys; sys.path.remove(''); import megazpp, sentencepiece, tensorboard, yaml, numpy, matplotlib" >/dev/null 2>&1; then
-  "$PYTHON" -m pip install --quiet -e .
+# project targets, the default (CUDA) build where the registry serves that. The project is
+# imported without the working directory, which would find megazpp whether or not it is
+# installed, and the tools (python tools/x.py) need it installed.
+has_torch() { "$PYTHON" -c "import torch" >/dev/null 2>&1; }
+has_project() {
+  "$PYTHON" -c "import sys; sys.path.remove(''); import megazpp, sentencepiece, tensorboard, yaml, numpy, matplotlib" \
+    >/dev/null 2>&1
+}
+# Several run.sh start together on one machine (virtual nodes, elastic islands): pip's reinstall
+# removes the install before writing it again, so one run's check can fail while another's pip
+# runs; under one lock a run re-checks once the other's install is done, and only one installs.
+if ! has_torch || ! has_project; then
+  exec 9>"${TMPDIR:-/tmp}/megazpp-run-sh-install.lock"
+  flock 9
+  has_torch || "$PYTHON" -m pip install --quiet torch==2.13.0
+  has_project || "$PYTHON" -m pip install --quiet -e .
+  exec 9>&-
 fi
 # Under SLURM (srun, one task per node) NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and
 # NPROC_PER_NODE come from the job unless set (megazpp/launch/slurm.py); on the hosts of a

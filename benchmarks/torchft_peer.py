@@ -115,6 +115,11 @@ def peer_outer(cfg: Config, run: RunOptions) -> OuterOptions:
             "torchft_peer: outer.fragments, outer.overlap_steps and outer.island_nodes are not "
             "mapped onto torchft's replica groups; the peer runs plain DiLoCo, one group per node"
         )
+    if options.optimizer_state_every:
+        raise ConfigError(
+            f"outer.optimizer_state_every = {options.optimizer_state_every}: torchft's DiLoCo keeps each "
+            f"replica group's inner optimizer state; set --outer-optimizer-state-every 0"
+        )
     return options
 
 

@@ -81,7 +81,8 @@ def test_two_level_rows_and_their_commands():
     flags are the outer section's, given to pretrain_gpt.py ahead of the shared flags."""
     by_name = {c.name: c for c in all_configs(ranks_per_node=2)}
     base = ("--zero-stage", "3", "--outer-algorithm", "diloco", "--outer-sync-every", "20")
-    base += ("--outer-lr", "0.7", "--outer-momentum", "0.9")  # DiLoCo's outer step, as torchft's row
+    # DiLoCo's outer step, each island keeping its inner optimizer's state, as torchft's row
+    base += ("--outer-lr", "0.7", "--outer-momentum", "0.9", "--outer-optimizer-state-every", "0")
     assert by_name["diloco-h20-bf16"].flags == base + ("--outer-quantize", "bf16")
     assert by_name["diloco-h20-int4"].flags == base + ("--outer-quantize", "int4")
     stream = by_name["diloco-h20-bf16-stream"]
@@ -110,6 +111,8 @@ def test_torchft_row_and_its_replica_group_commands(monkeypatch):
         "0.7",
         "--outer-momentum",
         "0.9",
+        "--outer-optimizer-state-every",
+        "0",
     ]  # DiLoCo's published outer step, as torchft's DiLoCo runs it
     layout = launch.Layout(nodes=2, ranks_per_node=2)
     loop = [
@@ -184,10 +187,13 @@ def test_torchft_peer_arguments_and_refusals():
         cfg = load_config(["--config", NETLAB_YAML, "--train-iters", "40", *flags])
         return peer_outer(cfg, check_config(cfg, 4, 2))
 
-    got = options("--outer-algorithm", "diloco")
+    local = ("--outer-algorithm", "diloco", "--outer-optimizer-state-every", "0")  # torchft's DiLoCo keeps it local
+    got = options(*local)
     assert (got.sync_every, got.lr, got.momentum) == (20, 1.0, 0.0)  # the outer section's defaults
-    got = options("--outer-algorithm", "diloco", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    got = options(*local, "--outer-lr", "0.7", "--outer-momentum", "0.9")
     assert (got.sync_every, got.lr, got.momentum) == (20, 0.7, 0.9)
+    with pytest.raises(ConfigError, match="outer.optimizer_state_every = 1: torchft's DiLoCo keeps each"):
+        options("--outer-algorithm", "diloco")  # the defaults average the inner optimizer's state
     with pytest.raises(ConfigError, match="outer.algorithm is none"):
         options()
     with pytest.raises(ConfigError, match="outer.quantize = 'bf16': torchft's outer all-reduce on CPU moves fp32"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 
 import pytest
 from support import load_tool
@@ -38,6 +39,7 @@ def test_torchft_diloco_matches_megazpp_diloco(tmp_path, run_sh_data_dir, monkey
     a wrong sample, schedule, outer lr or momentum moves the losses by 1e-3 or more."""
     out = tmp_path / "bench"
     monkeypatch.chdir(load_tool("bench_netlab").REPO)  # main() moves into the checkout; restored after the test
+    own = signal.getsignal(signal.SIGTERM)
     assert (
         load_tool("bench_netlab").main(
             [
@@ -67,6 +69,9 @@ def test_torchft_diloco_matches_megazpp_diloco(tmp_path, run_sh_data_dir, monkey
         )
         == 0
     )
+    # its SIGTERM handler (the netlab teardown's) was the tool's only: a pool forked later in this
+    # process would inherit it (a preprocessing pool's workers then outlived its terminate)
+    assert signal.getsignal(signal.SIGTERM) is own
     rows = {r["config"]: r for r in json.loads((out / "loopback.json").read_text())["rows"]}
     assert [r["status"] for r in rows.values()] == ["ok", "ok"], rows
     peer = rows["torchft-diloco-h20"]

@@ -2,7 +2,10 @@
 
 import gzip
 import json
+import multiprocessing
 import re
+import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +15,9 @@ from support import load_tool
 from megazpp.data.indexed_dataset import IndexedDataset
 from megazpp.data.tokenizer import Tokenizer
 from megazpp.errors import DataError
+from megazpp.preprocess.chunk_encoder import init_worker
 from megazpp.preprocess.pipeline import preprocess
+from megazpp.preprocess.signal_filter import FilterSpec
 
 
 def corpus_texts(corpus_dir):
@@ -168,3 +173,21 @@ def test_multiple_json_keys_make_one_dataset_each(tiny_tokenizer_model, tmp_path
     assert len(IndexedDataset(summary.outputs["text"])) == 2
     assert dict(summary.skipped) == {"title:missing_key": 1}
     assert IndexedDataset(summary.outputs["text"]).dtype == np.uint16
+
+
+def _worker_sigterm() -> object:
+    return signal.getsignal(signal.SIGTERM)
+
+
+def test_workers_end_at_sigterm_whatever_handler_the_caller_installed(tiny_tokenizer_model):
+    """The pool stops its workers with SIGTERM; a caller's Python handler forked into them would
+    run instead of ending them (once in CI the pool's join then waited forever), so a worker's
+    initializer restores the default disposition."""
+    own = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as a tool with its own cleanup installs
+    try:
+        with multiprocessing.get_context("fork").Pool(
+            1, initializer=init_worker, initargs=(str(tiny_tokenizer_model), ("text",), True, False, FilterSpec())
+        ) as pool:
+            assert pool.apply(_worker_sigterm) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, own)

@@ -219,29 +219,35 @@ def main(argv: list[str] | None = None) -> int:
     ][0]
     tokens_per_step = required(cfg.training.global_batch_size, "training.global_batch_size") * cfg.model.seq_length
     command = shlex.join(["python", "tools/bench_netlab.py", *(sys.argv[1:] if argv is None else argv)])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    port = ns.port
-    for setting in ns.rates:
-        rows: list[results.Row] = []
-        try:
-            if setting != launch.LOOPBACK:
-                launch.netlab_up(layout.nodes, setting, ns.delay)
-            for config in configs:
-                print(f"[{setting}] {config.name} ...", flush=True)
-                rows.append(run_one(ns, setting, config, shared, layout, tokens_per_step, port))
-                port += launch.replica_group_ports(layout.nodes) if config.runner == TORCHFT else 1
-                md, _ = results.write_setting(ns.out, setting, rows, command)
-                plot_settings(ns.out, os.path.join(ns.out, PNG))
-                print(
-                    f"[{setting}] {config.name}: {rows[-1].status}, "
-                    f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}",
-                    flush=True,
-                )
-        finally:
-            if setting != launch.LOOPBACK:
-                launch.netlab_down()
-        if ns.lora_rank:
-            print(f"[{setting}] {verdict(rows, ns.pick)}", flush=True)
+    # a SIGTERM (a job's time limit) unwinds through the netlab teardown below; the caller's own
+    # handler comes back after (main runs in-process in tests: a handler left behind would reach
+    # every process the caller forks later)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        port = ns.port
+        for setting in ns.rates:
+            rows: list[results.Row] = []
+            try:
+                if setting != launch.LOOPBACK:
+                    launch.netlab_up(layout.nodes, setting, ns.delay)
+                for config in configs:
+                    print(f"[{setting}] {config.name} ...", flush=True)
+                    rows.append(run_one(ns, setting, config, shared, layout, tokens_per_step, port))
+                    port += launch.replica_group_ports(layout.nodes) if config.runner == TORCHFT else 1
+                    md, _ = results.write_setting(ns.out, setting, rows, command)
+                    plot_settings(ns.out, os.path.join(ns.out, PNG))
+                    print(
+                        f"[{setting}] {config.name}: {rows[-1].status}, "
+                        f"{results.fmt(rows[-1].tokens_per_s, digits=0)} tokens/s -> {md}",
+                        flush=True,
+                    )
+            finally:
+                if setting != launch.LOOPBACK:
+                    launch.netlab_down()
+            if ns.lora_rank:
+                print(f"[{setting}] {verdict(rows, ns.pick)}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

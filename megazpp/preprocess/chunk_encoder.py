@@ -131,6 +131,11 @@ def init_worker(
     # Ctrl-C reaches the whole process group: the main process alone handles it (it stops the
     # pool and cleans up), rather than every worker printing its own KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the pool stops its workers with SIGTERM: a Python handler forked from the caller (a program
+    # that installed one) would run Python exit code in the worker instead of ending it; in one CI
+    # run (the handler a test's in-process tool left behind) a worker so signalled never exited
+    # and the pool's join waited forever. The default disposition ends the worker at once.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = ChunkEncoder(tokenizer_model, json_keys, append_eod, split_by_source, filters)
 
 
