@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from megazpp.outer.fragments import merge_ranges
+
 Range = tuple[int, int]  # positions [lo, hi) of the global sample order
 
 
@@ -78,13 +80,7 @@ class DataPlan:
         if n:
             out.append((self.next, self.next + n))
             self.next += n
-        merged: list[Range] = []  # adjacent ranges as one
-        for lo, hi in out:
-            if merged and merged[-1][1] == lo:
-                merged[-1] = (merged[-1][0], hi)
-            else:
-                merged.append((lo, hi))
-        return merged
+        return merge_ranges(out)
 
     def positions(self, island: int, start: int, count: int) -> list[int] | None:
         """Positions `start` .. `start + count` of `island`'s claim, in order; None when its
