@@ -10,10 +10,9 @@ new quorum from the same pseudo-gradient, since nothing was changed yet.
 
 Every rank of an island holds one `Membership` (group rank = its rank in the island's world);
 rank 0's manager heartbeats the lighthouse. One sync is one quorum, one all-gather of each
-island's (id, tokens, shard size, train dataset size and seed, positions it asks for next) and one
-all-reduce of its weighted pseudo-gradient (with the
-inner optimizer's state behind it at the syncs that average it), both counted under
-`outer/sync`.
+island's (id, tokens, shard size, train dataset size and seed, positions it asks for next) and
+one all-reduce of its weighted pseudo-gradient (with the inner optimizer's state behind it at the
+syncs that average it), both counted under `outer/sync`.
 """
 
 from __future__ import annotations
@@ -178,8 +177,8 @@ class Membership:
         quorum (an island behind it has healed by then, so every island asks for the same sync)
         for more to average alike in the same all-reduce; its mean is the result's `extra`.
         `dataset` and `seed` (the train dataset's samples and the data order's seed, which every
-        island must share) and `wants`
-        (the positions this island asks for its next interval) travel in the all-gather. An
+        island must share) and `wants` (the positions this island asks for its next interval)
+        travel in the all-gather. An
         exchange where no island trained (`SyncResult.outer_step` False) is counted in
         `starts`, not `syncs`, and its `extra` is None. Collective over every rank of every
         island in the quorum; redone with a new quorum when a peer fails in it."""
@@ -263,11 +262,11 @@ class Membership:
         self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int], seeds: list[int]
     ) -> bool:
         """Refuse a quorum no island can average in: two islands with one id, shards of
-        different sizes (another model or layout), or train datasets of different sizes or
-        order seeds (the islands' positions would name other samples). The islands that trained since the last
-        sync (all, at a job's start) set what is right: the island that differs from them stops
-        with ElasticError, the others report the error (they vote no, so the sync is redone
-        without it: nothing of theirs is lost) and get False."""
+        different sizes (another model or layout), or train datasets of different sizes or order
+        seeds (the islands' positions would name other samples). The islands that trained since
+        the last sync (all, at a job's start) set what is right: the island that differs from
+        them stops with ElasticError, the others report the error (they vote no, so the sync is
+        redone without it: nothing of theirs is lost) and get False."""
         if len(set(ids)) != len(ids):
             raise ElasticError(
                 f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have one id "
