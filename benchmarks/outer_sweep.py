@@ -112,7 +112,7 @@ def _spread(values: list[float]) -> str:
 
 
 def report(out: Path, experiment: Experiment, window: int) -> tuple[list[str], dict[str, list[SeedResult]]]:
-    """The table's lines and verdicts, and each run's results under its description."""
+    """The table's lines and verdicts, and each run's results under its name and description."""
     runs = finished_runs(out, experiment)
     ref_name = experiment.reference
     read = {name: {s: read_run(d, f"{name}/s{s}") for s, d in seeds.items()} for name, seeds in runs.items()}
@@ -147,7 +147,10 @@ def report(out: Path, experiment: Experiment, window: int) -> tuple[list[str], d
                 f"{','.join(str(r.seed) for r in rows if r.seed in reference)} ({verdict} the "
                 f"<= {target:.1%} target{'' if len(paired) >= 3 else '; fewer than 3 seeds'})"
             )
-    return lines + [""] + verdicts, {names[name]: rows for name, rows in results.items()}
+    # keyed by the run's name too: two runs of the same settings (the defaults and the run that
+    # spells them out) have one description
+    labels = {name: name if names[name] == name else f"{name}: {names[name]}" for name in results}
+    return lines + [""] + verdicts, {labels[name]: rows for name, rows in results.items()}
 
 
 def plot_loss_against_bytes(results: dict[str, list[SeedResult]], path: Path) -> None:

@@ -38,12 +38,15 @@ def _write(
         (directory / "DONE").touch()
 
 
+H10 = (
+    "zero:\n  stage: 2\nouter:\n  algorithm: diloco\n  sync_every: 10\n  lr: 1.0\n  momentum: 0.0\n"
+    "  quantize: int4\n  error_feedback: false\n  warmup_syncs: 5\n"
+)
+
+
 def _runs(directory: Path) -> None:
     sync = "zero:\n  stage: 2\nouter:\n  algorithm: none\n"
-    h10 = (
-        "zero:\n  stage: 2\nouter:\n  algorithm: diloco\n  sync_every: 10\n  lr: 1.0\n  momentum: 0.0\n"
-        "  quantize: int4\n  error_feedback: false\n  warmup_syncs: 5\n"
-    )
+    h10 = H10
     for seed, base in ((1, 4.0), (2, 4.2)):
         _write(directory / f"seed{seed}" / "sync", [6.0, 5.0, 4.5], base, 4e6, config=sync)
         _write(directory / f"seed{seed}" / "h10", [6.0, 5.0, 4.6], base * 1.01, 2e5, config=h10)
@@ -88,6 +91,18 @@ def test_verdicts_against_relative_targets(tmp_path):
         "seeds 1,2 (meets the <= 1.1% target; fewer than 3 seeds)"
     )
     assert verdicts[1].startswith("h25: mean val gap +2.44% over seeds 1,2 (misses the <= 2.0% target")
+
+
+def test_runs_of_one_setting_stay_apart_in_the_results(tmp_path):
+    """Two runs with one description (here h1 logged h10's settings: as the defaults and the run
+    spelling them out do) keep a result each, under their names."""
+    _runs(tmp_path)
+    for seed in (1, 2):
+        _write(tmp_path / f"seed{seed}" / "h1", [6.0, 5.0, 4.6], 3.0, 2e5, config=H10)
+    _, results = report(tmp_path, LOCO600, 20)
+    described = "H = 10, int4, no error feedback, outer lr 1 momentum 0, warmup 5 syncs"
+    assert [k for k in results if described in k] == [f"h1: {described}", f"h10: {described}"]
+    assert [r.final_val for r in results[f"h1: {described}"]] == [3.0, 3.0]
 
 
 def test_refuses_a_directory_without_the_reference(tmp_path, capsys):

@@ -129,14 +129,26 @@ def stop_all(islands: Sequence[subprocess.Popen[str]], lighthouse: subprocess.Po
 
 
 def snapshot_at(tmp: Path, island: int, iteration: int, dp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """The island's model parameters and outer snapshot as saved at `iteration` (a sync) by
-    its rank `dp_rank`."""
+    """The island's model parameters, outer snapshot and inner AdamW moments (averaged across
+    islands at every sync, the default `outer.optimizer_state_every`) as saved at `iteration`
+    (a sync) by its rank `dp_rank`."""
     state = torch.load(
         tmp / f"ckpt{island}" / f"iter_{iteration:07d}" / rank_file_name(0, 0, dp_rank),
         map_location="cpu",
         weights_only=False,
     )
-    return {**{f"model.{k}": v for k, v in state["model"].items()}, "snapshot": state["engine"]["outer"]["snapshot"]}
+    moments = {
+        f"optimizer.{i}.{name}": t
+        for i, per_param in state["engine"]["optimizer"]["state"].items()
+        for name, t in per_param.items()
+        if name in ("exp_avg", "exp_avg_sq")
+    }
+    assert moments, "no AdamW moments saved"
+    return {
+        **{f"model.{k}": v for k, v in state["model"].items()},
+        "snapshot": state["engine"]["outer"]["snapshot"],
+        **moments,
+    }
 
 
 def start_lighthouse(tmp: Path, min_islands: int, join_ms: int = JOIN_MS) -> tuple[subprocess.Popen[bytes], int]:
