@@ -83,14 +83,16 @@ def peer_shape(islands: int) -> wire.GroupShape:
     return wire.GroupShape(islands, 0, islands - 1, islands if islands > 1 else 0, "gloo")
 
 
-def island_store(host: str, rank: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
+def island_store(host: str, rank: int, timeout: timedelta, device: torch.device) -> tuple[TCPStore | None, int]:
     """The replica group's store, hosted by the island's rank 0 on a free port of `host` (the
     address the other islands reach this island at: they form the peer groups on it), its port
     broadcast to the island's ranks (collective over the island's world). Why not torchrun's
     store: its worker-facing port is the launcher's business (under run.sh's launcher nothing
-    listened at MASTER_PORT for a second client), and the peer groups' keys stay apart from it."""
+    listened at MASTER_PORT for a second client), and the peer groups' keys stay apart from it.
+    The port travels on `device`, the island's ranks' (NCCL, an island's backend on GPUs, moves
+    only CUDA tensors)."""
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if rank == 0 else None
-    port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64)
+    port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64, device=device)
     comm.broadcast(port, src=0, tag=STORE_TAG)
     return store, int(port.item())
 
@@ -98,7 +100,7 @@ def island_store(host: str, rank: int, timeout: timedelta) -> tuple[TCPStore | N
 class Membership:
     """This rank's torchft manager for island `island_id`: group rank `rank` of `world_size`
     (collective over the island's world when made: the replica group's store, `island_store` at
-    `store_host`), the lighthouse at `lighthouse` (HOST:PORT)."""
+    `store_host`, its port sent on `device`, the rank's), the lighthouse at `lighthouse` (HOST:PORT)."""
 
     def __init__(
         self,
@@ -110,9 +112,10 @@ class Membership:
         store_host: str,
         quorum_timeout_s: float,
         sync_timeout_s: float,
+        device: torch.device,
     ) -> None:
         self.island_id = island_id
-        self._store, store_port = island_store(store_host, rank, timedelta(seconds=sync_timeout_s))
+        self._store, store_port = island_store(store_host, rank, timedelta(seconds=sync_timeout_s), device)
         self.rank = rank
         self.syncs = 0  # outer syncs committed
         self.starts = 0  # exchanges committed where no island had trained (the manager's step: both)

@@ -45,6 +45,7 @@ def build_elastic_island(model: GPTModel, options: RunOptions, topology: Topolog
         os.environ["MASTER_ADDR"],
         outer.quorum_timeout_s,
         outer.sync_timeout_s,
+        inner.device,
     )
     batch = options.global_batch_size
     tokens_per_step = batch * options.config.model.seq_length
