@@ -45,7 +45,6 @@ def compare_on_sides(
 ) -> Outcome:
     """Every job on both sides at once; each job's losses (TensorBoard's train/loss) compared
     step by step: the largest relative gap against the job's bound."""
-    first, second = sides
     procs = {
         f"{prefix}-{name}-{side.label}": run_sh(
             ctx,
@@ -58,7 +57,21 @@ def compare_on_sides(
         for name, ranks, flags in jobs
         for side in sides
     }
-    results = {label: job.collect() for label, job in procs.items()}
+    return judge_losses(ctx, prefix, jobs, bounds, sides, {label: job.collect() for label, job in procs.items()})
+
+
+def judge_losses(
+    ctx: Context,
+    prefix: str,
+    jobs: Sequence[Job],
+    bounds: Mapping[str, float],
+    sides: tuple[Side, Side],
+    results: Mapping[str, tuple[int, str]],
+) -> Outcome:
+    """The jobs' verdict from their results (exit status and output by PREFIX-JOB-LABEL): each
+    job's losses (TensorBoard's train/loss under OUT/tb/PREFIX-JOB-LABEL) on the two sides,
+    step by step, the largest relative gap against the job's bound; a failed command's tail."""
+    first, second = sides
     lines = [
         f"| job | ranks | {first.label} losses | {second.label} losses | max relative gap | bound |",
         "|---|---:|---|---|---:|---:|",
