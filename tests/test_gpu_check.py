@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from support import load_tool
 
 from benchmarks.gpu_check import elastic, pairs, provenance, two_level
@@ -19,6 +20,7 @@ from benchmarks.gpu_check.commands import Context, Outcome
 from benchmarks.gpu_check.pairs import CPU, Side
 from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
 from benchmarks.gpu_check.settings import PLAN_FLAGS
+from megazpp.checkpoint.format import checkpoint_name, rank_file_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,6 +206,42 @@ def test_the_elastic_step_runs_on_cpu_ranks(tmp_path, run_sh_data_dir):
     assert rows[0].split(" | ")[2] != rows[1].split(" | ")[2]
     log = (ctx.out / "logs" / "elastic-island1-cpu.log").read_text()
     assert elastic.sync_lines(log, 1) == [(1, 2, "0,1"), (2, 4, "0,1"), (3, 6, "0,1")]
+
+
+def test_the_elastic_islands_must_meet_at_every_sync_and_agree_bit_for_bit(tmp_path):
+    """The elastic step's own judgement, on made-up logs and checkpoints: a sync one island met
+    alone, or one ulp of one AdamW moment apart at the last sync, is a disagreement that names it."""
+    ctx = Context(tmp_path, time.monotonic() + 60, ROOT)
+    w = torch.linspace(-1, 1, 8)
+
+    def save(island: int, moment: torch.Tensor) -> None:
+        path = tmp_path / "ckpt" / f"elastic-island{island}-cpu" / checkpoint_name(elastic.ITERS)
+        path.mkdir(parents=True)
+        engine = {"optimizer": {"state": {0: {"step": 6, "exp_avg": moment, "exp_avg_sq": w * w}}}}
+        torch.save({"model": {"w": w}, "engine": {**engine, "outer": {"snapshot": w}}}, path / rank_file_name(0, 0, 0))
+
+    save(0, w)
+    save(1, w)
+    logs = {
+        i: "".join(
+            f"outer: island {i}, outer sync {s} at step {2 * s}: islands 0,1, tokens 1,2, weight 0.5\n"
+            for s in (1, 2, 3)
+        )
+        for i in (0, 1)
+    }
+    assert elastic.islands_agree(ctx, "cpu", logs) == (
+        True,
+        ["cpu: the islands' checkpoints at the last sync (step 6), 4 tensors: equal bit for bit"],
+    )
+    alone = {**logs, 1: logs[1].replace("sync 2 at step 4: islands 0,1", "sync 2 at step 4: islands 1")}
+    agree, lines = elastic.islands_agree(ctx, "cpu", alone)
+    assert not agree and lines[0].startswith("island 1 on cpu: (sync, step, islands) [(1, 2, '0,1'), (2, 4, '1'),")
+    shutil.rmtree(tmp_path / "ckpt" / "elastic-island1-cpu")
+    save(1, torch.nextafter(w, w + 1))
+    agree, lines = elastic.islands_agree(ctx, "cpu", logs)
+    assert not agree and lines == [
+        "cpu: the islands' checkpoints at the last sync (step 6), 4 tensors: differ in optimizer.0.exp_avg"
+    ]
 
 
 def test_the_nccl_job_runs_only_with_two_gpus(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -136,20 +137,31 @@ def step_elastic(ctx: Context, sides: tuple[Side, Side] = (GPU, CPU)) -> Outcome
     outcome.summary = outcome.summary.replace(f"{len(ISLANDS)} jobs on", f"{len(ISLANDS)} elastic islands on")
     if outcome.status == "FAILED":
         return outcome
-    expected = [(s, s * H, ",".join(map(str, ISLANDS))) for s in range(1, ITERS // H + 1)]
     for side in sides:
-        for i in ISLANDS:
-            met = sync_lines(results[f"{PREFIX}-island{i}-{side.label}"][1], i)
-            if met != expected:
-                outcome.status = "MISMATCH"
-                outcome.lines.append(f"island {i} on {side.label}: (sync, step, islands) {met}, expected {expected}")
-        a, b = (synced_state(ctx.out / "ckpt" / f"{PREFIX}-island{i}-{side.label}") for i in ISLANDS)
-        differ = sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
-        if differ:
+        logs = {i: results[f"{PREFIX}-island{i}-{side.label}"][1] for i in ISLANDS}
+        agree, lines = islands_agree(ctx, side.label, logs)
+        outcome.lines += lines
+        if not agree:
             outcome.status = "MISMATCH"
-            outcome.summary += f"; islands differ on {side.label}"
-        outcome.lines.append(
-            f"{side.label}: the islands' checkpoints at the last sync (step {ITERS}), {len(a)} tensors: "
-            + (f"differ in {', '.join(differ[:8])}" if differ else "equal bit for bit")
-        )
+            outcome.summary += f"; the islands disagree on {side.label}"
     return outcome
+
+
+def islands_agree(ctx: Context, label: str, logs: Mapping[int, str]) -> tuple[bool, list[str]]:
+    """Whether one side's islands (`logs`: each one's output by id) met at every sync and hold
+    the same state at the last (their checkpoints under OUT/ckpt/elastic-island<I>-LABEL), and
+    the report's lines saying so."""
+    expected = [(s, s * H, ",".join(map(str, ISLANDS))) for s in range(1, ITERS // H + 1)]
+    agree, lines = True, []
+    for i, log in logs.items():
+        met = sync_lines(log, i)
+        if met != expected:
+            agree = False
+            lines.append(f"island {i} on {label}: (sync, step, islands) {met}, expected {expected}")
+    a, b = (synced_state(ctx.out / "ckpt" / f"{PREFIX}-island{i}-{label}") for i in ISLANDS)
+    differ = sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+    lines.append(
+        f"{label}: the islands' checkpoints at the last sync (step {ITERS}), {len(a)} tensors: "
+        + (f"differ in {', '.join(differ[:8])}" if differ else "equal bit for bit")
+    )
+    return agree and not differ, lines
