@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check.commands import Context, Job, Outcome, run_sh, start, tail
-from benchmarks.gpu_check.pairs import CPU, Side, judge_losses
+from benchmarks.gpu_check.commands import Context, Job, Outcome, start, tail
+from benchmarks.gpu_check.pairs import CPU, Side, judge_losses, start_job
 from benchmarks.gpu_check.settings import ENGINE_COMMON, PLAIN_BOUND
 from megazpp.checkpoint.format import checkpoint_name, rank_file_name
 
@@ -117,17 +117,9 @@ def step_elastic(ctx: Context, sides: tuple[Side, Side] = (GPU, CPU)) -> Outcome
         for side in sides:
             lighthouses[side.label] = start_lighthouse(ctx, side)
         islands = {
-            f"{PREFIX}-{name}-{side.label}": run_sh(
-                ctx,
-                f"{PREFIX}-{name}-{side.label}",
-                [*COMMON, *flags, *side.flags],
-                ranks=ranks,
-                gpu=side.gpu,
-                timeout=min(240, ctx.left()),
-                save=ctx.out / "ckpt" / f"{PREFIX}-{name}-{side.label}",
-            )
+            f"{PREFIX}-{job[0]}-{side.label}": start_job(ctx, PREFIX, COMMON, job, side, 240, save=True)
             for side in sides
-            for name, ranks, flags in jobs(lighthouses[side.label][1])
+            for job in jobs(lighthouses[side.label][1])
         }
         results = {label: job.collect() for label, job in islands.items()}
     finally:
