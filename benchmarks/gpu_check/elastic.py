@@ -91,7 +91,8 @@ def stop(job: Job) -> None:
 def synced_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """The model parameters, outer snapshot and inner AdamW moments an island (one rank) saved
     at its last step, its last sync."""
-    state = torch.load(ckpt / checkpoint_name(ITERS) / rank_file_name(0, 0, 0), map_location="cpu", weights_only=False)
+    path = ckpt / checkpoint_name(ITERS) / rank_file_name(0, 0, 0)
+    state = torch.load(path, map_location="cpu", weights_only=False)
     engine = state["engine"]
     moments = {
         f"optimizer.{i}.{name}": t
@@ -99,6 +100,8 @@ def synced_state(ckpt: Path) -> dict[str, torch.Tensor]:
         for name, t in per_param.items()
         if name in ("exp_avg", "exp_avg_sq")
     }
+    if not moments:
+        raise RuntimeError(f"{path}: no AdamW moments saved (the islands' averaged state is part of the check)")
     return {**{f"model.{k}": v for k, v in state["model"].items()}, "snapshot": engine["outer"]["snapshot"], **moments}
 
 
