@@ -9,14 +9,15 @@ moments behind it in the same all-reduce, `outer.optimizer_state_every`'s defaul
 tensors there, going through torchft's `ProcessGroupGloo` between the islands, and the
 membership's start-up talks over an island world whose backend is NCCL.
 
-The job: the default tiny model, H = 2 and 6 steps (three syncs, the last at the last step, where
-each island saves its checkpoint); island 1 trains twice island 0's global batch, so the two
-read other samples and weigh 1/3 and 2/3 in the mean (equal islands would hold equal bits even
-without a sync). Judged: every island finishes; each logged the three syncs with islands 0,1;
-each island's losses on the GPU against the same island's on CPU ranks, within `BOUND`; and on
-each side the two islands' checkpoints at the last sync hold the same model parameters, outer
-snapshot and AdamW moments, bit for bit (as tests/test_outer_elastic.py asserts on CPU: both
-islands apply the same outer step to the same mean on the same device).
+The job: the default tiny model, H = 2 and 6 steps (a start exchange, then three syncs, the last
+at the last step, where each island saves its checkpoint); each island reads its own claims of
+the job's sample order (one train dataset, `--outer-train-samples`), and island 1 trains twice
+island 0's global batch, so the islands weigh 1/3 and 2/3 in the mean. Judged: every island
+finishes; each logged the three syncs with islands 0,1; each island's losses on the GPU against
+the same island's on CPU ranks, within `BOUND`; and on each side the two islands' checkpoints at
+the last sync hold the same model parameters, outer snapshot and AdamW moments, bit for bit (as
+tests/test_outer_elastic.py asserts on CPU: both islands apply the same outer step to the same
+mean on the same device).
 
 Bound: the engine step's plain one (`settings.PLAIN_BOUND`), not the two-level step's quantized
 one. An elastic island's outer wire is fp32 (compressed wires are refused with `elastic`) and so
@@ -52,6 +53,9 @@ COMMON += ["--outer-algorithm", "diloco", "--outer-elastic", "--outer-sync-every
 # both islands are needed at every sync; a lone island (the other failed) stops after this wait
 # rather than at the 10-minute default, so a failure costs the budget little
 COMMON += ["--outer-min-islands", "2", "--outer-quorum-timeout-s", "90"]
+# one train dataset for the job (the islands' global sample order runs through it), the same on
+# islands of other batch sizes: the default, each island's train_iters x global batch, would differ
+COMMON += ["--outer-train-samples", "1000"]
 ISLANDS = {0: [], 1: ["--global-batch-size", "32"]}  # island id: its own flags
 LIGHTHOUSE = ["--min-islands", "2", "--heartbeat-timeout-ms", "5000", "--join-timeout-ms", "10000"]
 GPU = Side("cuda", True, (), "CUDA islands (one rank each, run.sh's default backend)")
