@@ -46,7 +46,7 @@ from megazpp.training.forward_backward import forward_backward
 from megazpp.training.logger import TrainingLogger
 from megazpp.training.start_iter import build_islands, check_start, island_switch, planned_iteration
 from megazpp.training.startup import Startup, prepare, read_handoff, replan, torchrun_restart_count
-from megazpp.training.trainer import ForwardBackward, Trainer, TrainHistory
+from megazpp.training.trainer import ForwardBackward, SamplePositions, Trainer, TrainHistory
 from megazpp.training.zero_factory import build_zero_engine
 
 
@@ -172,7 +172,7 @@ def _train_holding_save(
     train_ds, valid_ds, _ = build_gpt_datasets(
         start.options.data,
         cfg.model.seq_length,
-        (t.train_iters * global_batch, eval_samples, eval_samples),
+        (start.options.train_samples, eval_samples, eval_samples),
         t.seed,
         vocab_size=cfg.model.vocab_size,
     )
@@ -208,6 +208,7 @@ def _train_holding_save(
         forward_backward_fn=pick_schedule(cfg, topology),
         checkpoints=checkpoints,
         switch=island_switch(model, start.options, topology, engine),
+        positions=engine if isinstance(engine, SamplePositions) else None,
     )
     del engine  # the trainer's from here: replaced at outer.start_iter, the synchronous one then freed
     if loaded is not None and not loaded.weights_only:

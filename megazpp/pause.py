@@ -28,6 +28,8 @@ Points (each named where it is called):
                             before its first inner step
     elastic_sync            an elastic island, at an outer sync, after the interval's last
                             inner step, before its quorum request
+    elastic_join            an elastic island that starts at an interval's boundary (new, or
+                            resumed at a sync), before the quorum request of its start exchange
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 from megazpp.errors import ConfigError
 
 ENV = "MEGAZPP_PAUSE_AT"
-POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation", "elastic_start", "elastic_sync")
+POINTS = ("preprocess_file_done", "tokenizer_reading", "evaluation", "elastic_start", "elastic_sync", "elastic_join")
 STEP_S = 0.01
 _arrivals: dict[str, int] = {}
 

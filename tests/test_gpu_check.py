@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from support import load_tool
 
-from benchmarks.gpu_check import pairs, provenance, two_level
+from benchmarks.gpu_check import elastic, pairs, provenance, two_level
 from benchmarks.gpu_check.commands import Context, Outcome
 from benchmarks.gpu_check.pairs import CPU, Side
 from benchmarks.gpu_check.parse import bandwidth_rows, last_json, log_lines, planned_peak_gib
 from benchmarks.gpu_check.settings import PLAN_FLAGS
+from megazpp.checkpoint.format import checkpoint_name, rank_file_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,8 @@ def _sh(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess
 def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
     proc = _sh("--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = ["kernels-bitwise", "kernels-bandwidth", "data", "engine", "two-level", "model-step", "end-to-end"]
+    steps = ["kernels-bitwise", "kernels-bandwidth", "data", "engine", "two-level", "elastic", "model-step"]
+    steps += ["end-to-end"]
     steps += ["kernels-geometry", "zero3-compiled", "loop-overhead"]  # issue 40's
     for step in steps:
         assert f"  {step} " in proc.stdout
@@ -48,24 +51,28 @@ def test_dry_run_prints_the_plan_and_checks_the_engine_jobs():
     for name, ranks, flags in [*two_level.JOBS, two_level.NCCL_JOB]:
         assert f"two-level job {name}: {ranks} ranks, flags valid: {' '.join(flags)}" in proc.stdout
     assert "(over NCCL, one rank per GPU: only with 2 or more GPUs)" in proc.stdout
+    assert f"elastic lighthouse: flags valid: {' '.join(elastic.LIGHTHOUSE)} --port 0" in proc.stdout
+    for name, ranks, flags in elastic.jobs():
+        assert f"elastic {name}: {ranks} ranks, flags valid: {' '.join(flags)}" in proc.stdout
     assert "zero3-compiled job: 2 ranks, flags valid:" in proc.stdout and proc.stdout.count("--compile") >= 2
     assert "source: " in proc.stdout and "source fingerprint " in proc.stdout
     # every path a GPU user can take runs first and fits the 8 minutes of device time the check has
     # (estimates; the report records the real times); the measurements after them run as the
     # budget allows
     paths = int(proc.stdout.split("first: ~")[1].split()[0])
-    assert paths <= 470 and proc.stdout.index("  two-level ") < proc.stdout.index("  model-step ")
+    assert paths <= 470 and proc.stdout.index("  elastic ") < proc.stdout.index("  model-step ")
 
 
-def test_a_missing_zstandard_needs_a_carried_wheel(tmp_path):
-    """As on the GPU machine: a Python without zstandard (here: without site-packages) stops
-    the script with the way on, before anything runs; a --wheels path that is no directory is
-    named."""
+def test_missing_zstandard_and_torchft_need_carried_wheels(tmp_path):
+    """As on the GPU machine: a Python without zstandard and torchft (here: without
+    site-packages) stops the script with the way on, before anything runs; a --wheels path that
+    is no directory is named."""
     bare = tmp_path / "python-without-site"
     bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     proc = _sh("--out", str(tmp_path / "out"), python=str(bare))
-    assert proc.returncode == 2 and "carry its wheel and pass --wheels DIR" in proc.stderr
+    assert proc.returncode == 2 and "zstandard torchft not installed" in proc.stderr
+    assert "carry their wheels and pass --wheels DIR" in proc.stderr
     proc = _sh("--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "absent"), python=str(bare))
     assert proc.returncode == 2 and f"--wheels {tmp_path / 'absent'} is not a directory" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -172,6 +179,69 @@ def test_the_two_level_step_runs_on_cpu_ranks(tmp_path, run_sh_data_dir):
         assert cells[2] == cells[3] and len(cells[2].split(", ")) == 5 and cells[4] == "0.00e+00", row
     assert outcome.lines[-1] == "int4-nccl: skipped: NCCL needs one GPU per rank, and this machine has 1"
     assert outcome.summary == "3 jobs on CPU ranks vs CPU ranks again; NCCL job skipped (1 GPU)"
+
+
+@pytest.mark.slow
+def test_the_elastic_step_runs_on_cpu_ranks(tmp_path, run_sh_data_dir):
+    """The elastic step as the GPU machine runs it (a lighthouse and two islands per side, both
+    sides at once), the GPU side replaced by a second set of CPU ranks: every island meets the
+    other at each of the three syncs and trains to its end, each island's losses are equal on
+    the two sides (same device, same arithmetic), and on each side the islands' checkpoints at
+    the last sync are equal bit for bit."""
+    ctx = Context(tmp_path / "out", time.monotonic() + 3600, ROOT)
+    ctx.out.mkdir()
+    (ctx.out / "data").symlink_to(run_sh_data_dir)
+    outcome = elastic.step_elastic(ctx, sides=(CPU, CPU_B))
+    assert outcome.status == "ok", "\n".join(outcome.lines)
+    assert outcome.summary == "2 elastic islands on CPU ranks vs CPU ranks again"
+    rows = [line for line in outcome.lines if line.startswith("| island")]
+    assert [row.split(" | ")[0][2:] for row in rows] == ["island0", "island1"]
+    for row in rows:
+        cells = row.split(" | ")
+        assert cells[2] == cells[3] and len(cells[2].split(", ")) == elastic.ITERS and cells[4] == "0.00e+00", row
+    for side in ("cpu", "cpu-b"):
+        line = next(line for line in outcome.lines if line.startswith(f"{side}: the islands' checkpoints"))
+        assert line.endswith("equal bit for bit"), line
+    # islands 0 and 1 trained other samples (1/3 and 2/3 of the tokens): their losses differ
+    assert rows[0].split(" | ")[2] != rows[1].split(" | ")[2]
+    log = (ctx.out / "logs" / "elastic-island1-cpu.log").read_text()
+    assert elastic.sync_lines(log, 1) == [(1, 2, "0,1"), (2, 4, "0,1"), (3, 6, "0,1")]
+
+
+def test_the_elastic_islands_must_meet_at_every_sync_and_agree_bit_for_bit(tmp_path):
+    """The elastic step's own judgement, on made-up logs and checkpoints: a sync one island met
+    alone, or one ulp of one AdamW moment apart at the last sync, is a disagreement that names it."""
+    ctx = Context(tmp_path, time.monotonic() + 60, ROOT)
+    w = torch.linspace(-1, 1, 8)
+
+    def save(island: int, moment: torch.Tensor) -> None:
+        path = tmp_path / "ckpt" / f"elastic-island{island}-cpu" / checkpoint_name(elastic.ITERS)
+        path.mkdir(parents=True)
+        engine = {"optimizer": {"state": {0: {"step": 6, "exp_avg": moment, "exp_avg_sq": w * w}}}}
+        torch.save({"model": {"w": w}, "engine": {**engine, "outer": {"snapshot": w}}}, path / rank_file_name(0, 0, 0))
+
+    save(0, w)
+    save(1, w)
+    logs = {
+        i: "".join(
+            f"outer: island {i}, outer sync {s} at step {2 * s}: islands 0,1, tokens 1,2, weight 0.5\n"
+            for s in (1, 2, 3)
+        )
+        for i in (0, 1)
+    }
+    assert elastic.islands_agree(ctx, "cpu", logs) == (
+        True,
+        ["cpu: the islands' checkpoints at the last sync (step 6), 4 tensors: equal bit for bit"],
+    )
+    alone = {**logs, 1: logs[1].replace("sync 2 at step 4: islands 0,1", "sync 2 at step 4: islands 1")}
+    agree, lines = elastic.islands_agree(ctx, "cpu", alone)
+    assert not agree and lines[0].startswith("island 1 on cpu: (sync, step, islands) [(1, 2, '0,1'), (2, 4, '1'),")
+    shutil.rmtree(tmp_path / "ckpt" / "elastic-island1-cpu")
+    save(1, torch.nextafter(w, w + 1))
+    agree, lines = elastic.islands_agree(ctx, "cpu", logs)
+    assert not agree and lines == [
+        "cpu: the islands' checkpoints at the last sync (step 6), 4 tensors: differ in optimizer.0.exp_avg"
+    ]
 
 
 def test_the_nccl_job_runs_only_with_two_gpus(tmp_path, monkeypatch):

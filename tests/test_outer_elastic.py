@@ -32,6 +32,9 @@ ELASTIC = ["--outer-algorithm", "diloco", "--outer-elastic", "--outer-sync-every
 # a sync gives the heartbeating islands once min-islands have asked (the islands start at
 # different times on a loaded machine; a missed first sync would leave one behind).
 HEARTBEAT_MS, JOIN_MS = 1500, 20000
+# one train dataset for every island of a job, whatever its batch or length (the islands' global
+# sample order runs through it; docs/arch/elastic.md); a later --outer-train-samples in `extra` wins
+TRAIN_SAMPLES = 1000
 
 
 def start_island(
@@ -69,7 +72,8 @@ def start_island(
         "--outer-lighthouse",
         f"{lighthouse_host}:{lighthouse}",
     ]
-    args += ["--outer-island-id", str(island), "--outer-min-islands", "2", "--outer-sync-timeout-s", "10", *extra]
+    args += ["--outer-island-id", str(island), "--outer-min-islands", "2", "--outer-sync-timeout-s", "10"]
+    args += ["--outer-train-samples", str(TRAIN_SAMPLES), *extra]
     log = (tmp / f"island{island}{log_name}.log").open("w")
     return subprocess.Popen(
         [*node, "bash", str(ROOT / "run.sh"), *args],
@@ -205,7 +209,7 @@ def test_three_islands_one_killed_the_others_sync_and_finish(run_sh_data_dir, tm
         assert syncs[0] == ("1", "4", "0,1,2", "512,512,1536"), syncs
         assert [s[:3] for s in syncs[1:]] == [("2", "8", "0,1"), ("3", "12", "0,1")], syncs
         assert "outer: island 2 dropped at outer sync 2 (absent from the quorum: no heartbeat" in out, out[-3000:]
-        assert "outer: island 2 joined at outer sync 1" in out
+        assert "outer: island 2 joined at the start after outer sync 0" in out
         assert f"outer: island {i} leaves after outer sync 3 (run finished)" in out
         # every inner step once: the iteration lines 1..12, in order
         steps = trained_steps(out, ITERS)

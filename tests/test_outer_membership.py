@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from megazpp.outer.membership import Membership
 i, port = int(sys.argv[1]), int(sys.argv[2])
-m = Membership(i, f"127.0.0.1:{port}", 2, 0, 1, "127.0.0.1", 60.0, 5.0)
+m = Membership(i, f"127.0.0.1:{port}", 2, 0, 1, "127.0.0.1", 60.0, 5.0, torch.device("cpu"))
 Path(f"ready{i}").touch()  # heartbeating: wait for the others, so the first quorum holds all three
 while not Path("go").exists():
     time.sleep(0.05)
@@ -44,7 +44,7 @@ import sys, time, torch
 from pathlib import Path
 from megazpp.outer.membership import Membership
 i, port = int(sys.argv[1]), int(sys.argv[2])
-m = Membership(i, f"127.0.0.1:{port}", 2, 0, 1, "127.0.0.1", 60.0, 5.0)
+m = Membership(i, f"127.0.0.1:{port}", 2, 0, 1, "127.0.0.1", 60.0, 5.0, torch.device("cpu"))
 w = torch.zeros(4)  # the islands' common parameters
 m.share(lambda: {"island": i, "syncs": m.syncs, "w": w}, lambda s: w.copy_(s["w"]))
 if i == 1:  # island 1's other rank lost its peer group after the exchange: island 1 alone votes no, once

@@ -164,6 +164,8 @@ def test_flags_resolve_to_options():
         ([*ELASTIC, "--outer-min-islands", "0"], 1, 1, "outer.min_islands = 0: expected at least 1"),
         ([*ELASTIC, "--outer-island-id", "-1"], 1, 1, "outer.island_id = -1"),
         ([*ELASTIC, "--outer-sync-timeout-s", "0"], 1, 1, "outer.sync_timeout_s = 0.0"),
+        ([*ELASTIC, "--outer-train-samples", "-1"], 1, 1, "outer.train_samples = -1: expected a number"),
+        (["--outer-algorithm", "diloco", "--outer-train-samples", "64"], 4, 2, "is an elastic setting and outer."),
         (["--outer-algorithm", "diloco", "--outer-lighthouse", "h:1"], 4, 2, "is an elastic setting and outer.elastic"),
         ([*ELASTIC, "--outer-quantize", "bf16"], 1, 1, "outer.quantize = 'bf16' with outer.elastic"),
         ([*ELASTIC, "--outer-fragments", "2"], 1, 1, "outer.fragments = 2 with outer.elastic"),

@@ -11,21 +11,24 @@ GPU machines are lent for minutes, so what needs one is prepared here and run as
 5. two-level         DiLoCo islands: int4 with error feedback (ZeRO-2), streaming with overlap
                      (ZeRO-3, bf16), both under ZeRO++, on 4 gloo ranks sharing the GPU, each
                      against CPU ranks; with 2+ GPUs one int4 job over NCCL, one rank per GPU
-6. model-step        bench_model.py bf16 at Llama 24 x 2048 (GQA 16/8, seq 2048, mbs 4, vocab
+6. elastic           two-level with --outer-elastic: a lighthouse (python -m megazpp.launch.lighthouse)
+                     and 2 islands, each its own run.sh job of 1 rank, on the GPU and on CPU ranks:
+                     losses against CPU, the syncs met, the islands' checkpoints equal bit for bit
+7. model-step        bench_model.py bf16 at Llama 24 x 2048 (GQA 16/8, seq 2048, mbs 4, vocab
                      32000) beside Hugging Face's Llama, then compiled (--compile)
-7. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
+8. end-to-end        run.sh --bf16 at the same shape (vocab 2048) against the bare step's
                      tokens/s (bench_model at vocab 2048) and the planner's predicted peak memory
-7. kernels-geometry  the launch geometry Triton's autotuner chose in step 2, per kernel and size
-8. zero3-compiled    ZeRO-3 on 2 gloo ranks sharing the GPU, eager then --compile: losses, tokens/s
-9. loop-overhead     tools/profile_loop.py on step 6's job: the loop's time per phase (issue 40)
+9. kernels-geometry  the launch geometry Triton's autotuner chose in step 2, per kernel and size
+10. zero3-compiled   ZeRO-3 on 2 gloo ranks sharing the GPU, eager then --compile: losses, tokens/s
+11. loop-overhead    tools/profile_loop.py on step 7's job: the loop's time per phase (issue 40)
 
 A mismatch (a kernel bit, losses off the CPU job or the HF peer by more than the bound, a
 failed or timed-out command) makes the exit status 1; a step skipped because the time budget
 (--budget-s) ran out makes it 3; targets (85% of copy bandwidth, 68% MFU compiled, 95% of the
 bare step's tokens/s, peak memory within 10% of the plan) are reported, met or not, and do not
 change the status: they are measurements. OUT/report.md holds the summary and every number,
-OUT/logs/ each command's output. `--dry-run` prints the plan, checks that every engine and
-two-level job's flags form a valid config, and needs no GPU. The report names the commit when
+OUT/logs/ each command's output. `--dry-run` prints the plan, checks that every engine,
+two-level and elastic job's flags form a valid config, and needs no GPU. The report names the commit when
 the project root is a git checkout's top level, and always gives a fingerprint of the source
 files (`benchmarks/gpu_check/provenance.py`), so a copied tree's report matches a commit.
 
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
 
-from benchmarks.gpu_check import two_level
+from benchmarks.gpu_check import elastic, two_level
 from benchmarks.gpu_check.commands import Context, Outcome
 from benchmarks.gpu_check.overheads import COMPILED_ZERO3, RUN_SH_CONFIG
 from benchmarks.gpu_check.pairs import check_jobs
@@ -51,13 +54,14 @@ from benchmarks.gpu_check.provenance import describe
 from benchmarks.gpu_check.report import write_report
 from benchmarks.gpu_check.settings import ENGINE_COMMON, ENGINE_JOBS
 from benchmarks.gpu_check.steps import PATHS, STEPS
+from megazpp.launch.lighthouse import parse_args as parse_lighthouse
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def dry_run() -> int:
-    """Print the plan and check every engine and two-level job's flags form a valid config (no
-    GPU needed)."""
+    """Print the plan and check every engine, two-level and elastic job's flags form a valid
+    config (no GPU needed)."""
     print("tools/gpu_check.sh plan (estimated seconds on one H100 / H200; budget --budget-s):")
     for name, what, seconds, _ in STEPS:
         print(f"  {name:18s} ~{seconds:>4d} s  {what}")
@@ -69,6 +73,10 @@ def dry_run() -> int:
         print(f"  two-level job {line}")
     for line in check_jobs(ROOT, two_level.COMMON, [two_level.NCCL_JOB], two_level.NCCL):
         print(f"  two-level job {line} (over NCCL, one rank per GPU: only with 2 or more GPUs)")
+    parse_lighthouse([*elastic.LIGHTHOUSE, "--port", "0"])
+    print(f"  elastic lighthouse: flags valid: {' '.join(elastic.LIGHTHOUSE)} --port 0 (a free one)")
+    for line in check_jobs(ROOT, elastic.COMMON, elastic.jobs(), elastic.GPU):
+        print(f"  elastic {line} (the lighthouse's port in place of {elastic.DRY_RUN_LIGHTHOUSE})")
     for line in check_jobs(ROOT, ENGINE_COMMON, [("job", 2, [*COMPILED_ZERO3, "--compile"])]):
         print(f"  zero3-compiled {line}")
     for path in (
@@ -84,7 +92,7 @@ def dry_run() -> int:
             print(f"missing {path}")
             return 1
     print(f"source: {describe(ROOT)}")
-    print("dry run: plan printed, engine and two-level flags valid; nothing was run")
+    print("dry run: plan printed, engine, two-level and elastic flags valid; nothing was run")
     return 0
 
 

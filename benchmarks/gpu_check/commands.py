@@ -86,13 +86,16 @@ def tail(text: str, n: int = 15) -> list[str]:
     return ["```", *text.strip().splitlines()[-n:], "```"]
 
 
-def run_sh(ctx: Context, name: str, flags: list[str], *, ranks: int, gpu: bool, timeout: float) -> Job:
+def run_sh(
+    ctx: Context, name: str, flags: list[str], *, ranks: int, gpu: bool, timeout: float, save: Path | None = None
+) -> Job:
     """`bash run.sh FLAGS` on `ranks` ranks of this node, on the GPU or (CUDA hidden) on CPU
-    ranks, data under OUT/data, TensorBoard under OUT/tb/NAME, no checkpoints."""
+    ranks, data under OUT/data, TensorBoard under OUT/tb/NAME, checkpoints in `save` (none
+    without it)."""
     env = ctx.env(DATA_DIR=str(ctx.out / "data"), NPROC_PER_NODE=str(ranks))
     if ranks > 1:  # eight jobs share the machine's cores (run.sh sets 1 for CPU ranks itself)
         env["OMP_NUM_THREADS"] = "1"
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = ["bash", "run.sh", *flags, "--tensorboard-dir", str(ctx.out / "tb" / name), "--save", "none"]
+    cmd = ["bash", "run.sh", *flags, "--tensorboard-dir", str(ctx.out / "tb" / name), "--save", str(save or "none")]
     return start(ctx, name, cmd, timeout, env)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.gpu_check.commands import Context, Outcome, run_sh, tail
+from benchmarks.gpu_check.commands import Job as Started
 from benchmarks.gpu_check.parse import tb_losses
 
 Job = tuple[str, int, list[str]]  # (name, ranks, flags)
@@ -45,20 +46,44 @@ def compare_on_sides(
 ) -> Outcome:
     """Every job on both sides at once; each job's losses (TensorBoard's train/loss) compared
     step by step: the largest relative gap against the job's bound."""
-    first, second = sides
     procs = {
-        f"{prefix}-{name}-{side.label}": run_sh(
-            ctx,
-            f"{prefix}-{name}-{side.label}",
-            [*common, *flags, *side.flags],
-            ranks=ranks,
-            gpu=side.gpu,
-            timeout=min(timeout, ctx.left()),
-        )
-        for name, ranks, flags in jobs
+        f"{prefix}-{job[0]}-{side.label}": start_job(ctx, prefix, common, job, side, timeout)
+        for job in jobs
         for side in sides
     }
-    results = {label: job.collect() for label, job in procs.items()}
+    return judge_losses(ctx, prefix, jobs, bounds, sides, {label: job.collect() for label, job in procs.items()})
+
+
+def start_job(
+    ctx: Context, prefix: str, common: Sequence[str], job: Job, side: Side, timeout: float, save: bool = False
+) -> Started:
+    """`run.sh` with the job's flags on the side's ranks, named PREFIX-JOB-LABEL (its log, its
+    TensorBoard run and, with `save`, its checkpoints under OUT/ckpt)."""
+    name, ranks, flags = job
+    label = f"{prefix}-{name}-{side.label}"
+    return run_sh(
+        ctx,
+        label,
+        [*common, *flags, *side.flags],
+        ranks=ranks,
+        gpu=side.gpu,
+        timeout=min(timeout, ctx.left()),
+        save=ctx.out / "ckpt" / label if save else None,
+    )
+
+
+def judge_losses(
+    ctx: Context,
+    prefix: str,
+    jobs: Sequence[Job],
+    bounds: Mapping[str, float],
+    sides: tuple[Side, Side],
+    results: Mapping[str, tuple[int, str]],
+) -> Outcome:
+    """The jobs' verdict from their results (exit status and output by PREFIX-JOB-LABEL): each
+    job's losses (TensorBoard's train/loss under OUT/tb/PREFIX-JOB-LABEL) on the two sides,
+    step by step, the largest relative gap against the job's bound; a failed command's tail."""
+    first, second = sides
     lines = [
         f"| job | ranks | {first.label} losses | {second.label} losses | max relative gap | bound |",
         "|---|---:|---|---|---:|---:|",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from benchmarks.gpu_check import elastic
 from benchmarks.gpu_check.commands import Context, Outcome, run, run_sh, tail
 from benchmarks.gpu_check.overheads import OVERHEAD_STEPS
 from benchmarks.gpu_check.pairs import compare_on_sides
@@ -226,6 +227,13 @@ _STEPS: list[Step] = [
         step_two_level,
     ),
     (
+        "elastic",
+        "python -m megazpp.launch.lighthouse and 2 run.sh --outer-elastic islands of 1 rank "
+        + f"(H {elastic.H}, {elastic.ITERS} steps) on the GPU, the same on CPU ranks: losses, syncs, checkpoints",
+        45,
+        elastic.step_elastic,
+    ),
+    (
         "model-step",
         "tools/bench_model.py --device cuda --dtype bf16 "
         + " ".join(SHAPE)
@@ -246,7 +254,7 @@ _STEPS: list[Step] = [
 # Every path a GPU user can take runs first, so the default budget (--budget-s 470, the 8 minutes
 # of device time the check must fit) always covers them; the measurements follow, as the budget
 # allows (kernels-geometry reads kernels-bandwidth's log, so it comes after it).
-PATHS = ["kernels-bitwise", "data", "engine", "two-level", "zero3-compiled"]
+PATHS = ["kernels-bitwise", "data", "engine", "two-level", "elastic", "zero3-compiled"]
 MEASUREMENTS = ["kernels-bandwidth", "kernels-geometry", "model-step", "end-to-end", "loop-overhead"]
 STEPS: list[Step] = [next(s for s in _STEPS if s[0] == name) for name in PATHS + MEASUREMENTS]
 assert len(STEPS) == len(_STEPS), "every step is a path or a measurement"

@@ -62,6 +62,16 @@ class RunOptions:
         return required(self.config.training.global_batch_size, "training.global_batch_size")
 
     @property
+    def train_samples(self) -> int:
+        """The train dataset's samples: `train_iters` x the global batch, or an elastic job's
+        `outer.train_samples` when set (one dataset for every island, whose global sample order
+        runs through it: docs/arch/elastic.md)."""
+        outer = self.outer
+        if outer is not None and outer.train_samples:
+            return outer.train_samples
+        return self.config.training.train_iters * self.global_batch_size
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""
         return self.config.num_micro_batches(self.world_size)

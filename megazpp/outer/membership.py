@@ -10,9 +10,9 @@ new quorum from the same pseudo-gradient, since nothing was changed yet.
 
 Every rank of an island holds one `Membership` (group rank = its rank in the island's world);
 rank 0's manager heartbeats the lighthouse. One sync is one quorum, one all-gather of each
-island's (id, tokens, shard size) and one all-reduce of its weighted pseudo-gradient (with the
-inner optimizer's state behind it at the syncs that average it), both counted under
-`outer/sync`.
+island's (id, tokens, shard size, train dataset size and seed, positions it asks for next) and
+one all-reduce of its weighted pseudo-gradient (with the inner optimizer's state behind it at the
+syncs that average it), both counted under `outer/sync`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ STORE_TAG = "outer/membership"
 # hung in it, which the next quorum leaves out, so more attempts than this means the job is failing
 # as a whole, not losing an island.
 MAX_ATTEMPTS = 4
-INFO_FIELDS = 3  # island id, tokens since the last sync, shard elements
 
 
 LiveState = dict[str, Any]  # what a live island sends a healing one (`ElasticDiLoCoEngine.live_state`)
@@ -59,15 +58,24 @@ class SyncResult:
     """One outer sync's membership: the islands averaged, each one's tokens, this island's
     weight in the mean, the attempts it took (1 without a failure), the seconds this island
     waited for its quorums (the time a dropped island cost it, with the others' lateness) and,
-    when this island was behind and healed in it, the island it took the live state from."""
+    when this island was behind and healed in it, the island it took the live state from; each
+    island's positions asked for its next interval (`DataPlan.lay_out`)."""
 
     islands: tuple[int, ...]
     tokens: tuple[int, ...]
+    wants: tuple[int, ...]
     weight: float
     attempts: int
     quorum_s: float
     healed_from: int | None = None
     extra: torch.Tensor | None = None  # the weighted mean of what `average`'s `extra` gave
+
+    @property
+    def outer_step(self) -> bool:
+        """Whether an island of the quorum trained since the last sync: an outer sync, with its
+        outer step. An exchange where none did (islands that all just started, or resumed at a
+        sync) only lays out the data; it is not an outer sync (`Membership.starts`)."""
+        return sum(self.tokens) > 0
 
 
 def peer_shape(islands: int) -> wire.GroupShape:
@@ -75,14 +83,16 @@ def peer_shape(islands: int) -> wire.GroupShape:
     return wire.GroupShape(islands, 0, islands - 1, islands if islands > 1 else 0, "gloo")
 
 
-def island_store(host: str, rank: int, timeout: timedelta) -> tuple[TCPStore | None, int]:
+def island_store(host: str, rank: int, timeout: timedelta, device: torch.device) -> tuple[TCPStore | None, int]:
     """The replica group's store, hosted by the island's rank 0 on a free port of `host` (the
     address the other islands reach this island at: they form the peer groups on it), its port
     broadcast to the island's ranks (collective over the island's world). Why not torchrun's
     store: its worker-facing port is the launcher's business (under run.sh's launcher nothing
-    listened at MASTER_PORT for a second client), and the peer groups' keys stay apart from it."""
+    listened at MASTER_PORT for a second client), and the peer groups' keys stay apart from it.
+    The port travels on `device`, the island's ranks' (NCCL, an island's backend on GPUs, moves
+    only CUDA tensors)."""
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if rank == 0 else None
-    port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64)
+    port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64, device=device)
     comm.broadcast(port, src=0, tag=STORE_TAG)
     return store, int(port.item())
 
@@ -90,7 +100,7 @@ def island_store(host: str, rank: int, timeout: timedelta) -> tuple[TCPStore | N
 class Membership:
     """This rank's torchft manager for island `island_id`: group rank `rank` of `world_size`
     (collective over the island's world when made: the replica group's store, `island_store` at
-    `store_host`), the lighthouse at `lighthouse` (HOST:PORT)."""
+    `store_host`, its port sent on `device`, the rank's), the lighthouse at `lighthouse` (HOST:PORT)."""
 
     def __init__(
         self,
@@ -102,11 +112,13 @@ class Membership:
         store_host: str,
         quorum_timeout_s: float,
         sync_timeout_s: float,
+        device: torch.device,
     ) -> None:
         self.island_id = island_id
-        self._store, store_port = island_store(store_host, rank, timedelta(seconds=sync_timeout_s))
+        self._store, store_port = island_store(store_host, rank, timedelta(seconds=sync_timeout_s), device)
         self.rank = rank
-        self.syncs = 0  # outer syncs committed (the manager's step)
+        self.syncs = 0  # outer syncs committed
+        self.starts = 0  # exchanges committed where no island had trained (the manager's step: both)
         self._live: set[int] = set()
         timeout = timedelta(seconds=sync_timeout_s)
         self._quorum_timeout = timedelta(seconds=quorum_timeout_s)
@@ -146,19 +158,33 @@ class Membership:
 
         self._manager.register_state_dict_fn("outer", take, state)
 
-    def set_syncs(self, syncs: int) -> None:
-        """Resume at `syncs` committed outer syncs (the manager's step, which the quorum compares)."""
-        self.syncs = syncs
-        self._manager.load_state_dict({"step": syncs, "batches_committed": 0})
+    def set_syncs(self, syncs: int, starts: int = 0) -> None:
+        """Resume at `syncs` committed outer syncs and `starts` start exchanges (their sum is the
+        manager's step, which the quorum compares)."""
+        self.syncs, self.starts = syncs, starts
+        self._manager.load_state_dict({"step": syncs + starts, "batches_committed": 0})
 
-    def average(self, pseudo: torch.Tensor, tokens: int, extra: Extra | None = None) -> SyncResult:
+    def average(
+        self,
+        pseudo: torch.Tensor,
+        tokens: int,
+        extra: Extra | None = None,
+        *,
+        dataset: int = 0,
+        seed: int = 0,
+        wants: int = 0,
+    ) -> SyncResult:
         """Replace `pseudo` (this rank's shard of the island's pseudo-gradient, fp32) by the
         mean over the islands in the quorum, weighted by the tokens each trained since the last
         sync; every island ends with the same bits. `extra`, when given, is asked after the
         quorum (an island behind it has healed by then, so every island asks for the same sync)
         for more to average alike in the same all-reduce; its mean is the result's `extra`.
-        Collective over every rank of every island in the quorum; redone with a new quorum when
-        a peer fails in it."""
+        `dataset` and `seed` (the train dataset's samples and the data order's seed, which every
+        island must share) and `wants` (the positions this island asks for its next interval)
+        travel in the all-gather. An
+        exchange where no island trained (`SyncResult.outer_step` False) is counted in
+        `starts`, not `syncs`, and its `extra` is None. Collective over every rank of every
+        island in the quorum; redone with a new quorum when a peer fails in it."""
         own, waited = pseudo.clone(), 0.0
         self._healed_from = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -172,25 +198,34 @@ class Membership:
                 tokens = 0
                 own.zero_()
             # the sync being formed, as the quorum counts it (a heal moved this island's count there)
-            more = extra(self._manager.current_step() + 1) if extra is not None else None
+            sync = self._manager.current_step() - self.starts + 1
+            more = extra(sync) if extra is not None else None
             flat = pseudo.copy_(own) if more is None else torch.cat([own, more])  # `own` kept for a redo
-            info = self._gather(tokens, flat.numel())
+            info = self._gather([self.island_id, tokens, flat.numel(), dataset, seed, wants])
             if info is not None:
-                ids, counts, sizes = info
-                self._check_alike(ids, sizes)
+                ids, counts, sizes, datasets, seeds, _ = info
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
-                flat.mul_(weight)
-                self._all_reduce(flat)
+                if self._check_alike(ids, counts, sizes, datasets, seeds):
+                    flat.mul_(weight)
+                    self._all_reduce(flat)
             if self._manager.should_commit():
                 assert info is not None  # committed: the gather succeeded on every rank
-                self.syncs = self._manager.current_step()
-                self._note(info[0])
+                ids, counts, wanted = info[0], info[1], info[5]
+                if sum(counts):
+                    self.syncs = self._manager.current_step() - self.starts
+                else:
+                    self.starts = self._manager.current_step() - self.syncs
+                self._note(
+                    ids, f"outer sync {self.syncs}" if sum(counts) else f"the start after outer sync {self.syncs}"
+                )
                 mean = None
                 if more is not None:
                     pseudo.copy_(flat[: pseudo.numel()])
-                    mean = flat[pseudo.numel() :]
-                return SyncResult(tuple(info[0]), tuple(info[1]), weight, attempt, waited, self._healed_from, mean)
+                    mean = flat[pseudo.numel() :] if sum(counts) else None
+                return SyncResult(
+                    tuple(ids), tuple(counts), tuple(wanted), weight, attempt, waited, self._healed_from, mean
+                )
             log.warning(
                 "outer: island %d: outer sync %d failed (%s), redone with a new quorum",
                 self.island_id,
@@ -202,13 +237,14 @@ class Membership:
             f"(each failure drops the island that caused it): the islands cannot meet (see the log above)"
         )
 
-    def _gather(self, tokens: int, numel: int) -> tuple[list[int], list[int], list[int]] | None:
-        """(ids, tokens, shard sizes) of the islands in the quorum, in their quorum order; None
-        when the exchange failed (reported to the manager, so the island votes not to commit)."""
+    def _gather(self, fields: list[int]) -> list[list[int]] | None:
+        """Each of `fields` (id, tokens, shard size, dataset size, seed, positions asked) of every
+        island in the quorum, field by field, in the quorum's order; None when the exchange failed
+        (reported to the manager, so the island votes not to commit)."""
         if self._manager.errored():  # the group could not be configured
             return None
         size = self._pg.size()
-        mine = torch.tensor([self.island_id, tokens, numel], dtype=torch.int64)
+        mine = torch.tensor(fields, dtype=torch.int64)
         outs = [torch.empty_like(mine) for _ in range(size)]
         counter.record("all_gather", SYNC_TAG, *wire.chunk_bytes("all_gather", peer_shape(size), mine.numel() * 8))
         try:
@@ -216,8 +252,7 @@ class Membership:
         except Exception as exc:  # noqa: BLE001  # any transport failure is a lost peer: torchft votes on it
             self._manager.report_error(exc)
             return None
-        rows = torch.stack(outs).tolist()
-        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+        return torch.stack(outs).t().tolist()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the quorum (torchft's managed all-reduce: a failure marks the manager
@@ -226,32 +261,59 @@ class Membership:
         counter.record("all_reduce", SYNC_TAG, *wire.all_reduce_bytes(t.numel() * t.element_size(), peer_shape(n)))
         self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
-    def _check_alike(self, ids: list[int], sizes: list[int]) -> None:
-        """Refuse a quorum no island can average in: two islands with one id, or shards of
-        different sizes (another model or layout)."""
+    def _check_alike(
+        self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int], seeds: list[int]
+    ) -> bool:
+        """Refuse a quorum no island can average in: two islands with one id, shards of
+        different sizes (another model or layout), or train datasets of different sizes or order
+        seeds (the islands' positions would name other samples). The islands that trained since
+        the last sync (all, at a job's start) set what is right: the island that differs from
+        them stops with ElasticError, the others report the error (they vote no, so the sync is
+        redone without it: nothing of theirs is lost) and get False."""
         if len(set(ids)) != len(ids):
             raise ElasticError(
                 f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have one id "
                 f"(--outer-island-id must differ per island)"
             )
-        if len(set(sizes)) != 1:
-            by_island = ", ".join(f"island {i}: {n}" for i, n in zip(ids, sizes))
-            raise ElasticError(
-                f"outer: rank {self.rank}'s shards differ between islands ({by_island} elements): every "
-                f"island must run the same model, parallel layout and ZeRO strategy"
-            )
+        unlike = (
+            (
+                sizes,
+                f"rank {self.rank}'s shards differ between islands (%s elements): every island must run the same "
+                f"model, parallel layout and ZeRO strategy",
+            ),
+            (
+                datasets,
+                "the islands' train datasets differ (%s samples): every island must read one sample order, "
+                "so give every island the same outer.train_samples (--outer-train-samples)",
+            ),
+            (
+                seeds,
+                "the islands' data order seeds differ (%s): every island must read one sample order, so give "
+                "every island the same training.seed (--seed)",
+            ),
+        )
+        for values, message in unlike:
+            if len(set(values)) == 1:
+                continue
+            error = ElasticError("outer: " + message % ", ".join(f"island {i}: {n}" for i, n in zip(ids, values)))
+            right = {v for v, n in zip(values, counts) if n > 0} or set(values)
+            if right != {values[ids.index(self.island_id)]}:
+                raise error
+            self._manager.report_error(error)
+            return False
+        return True
 
-    def _note(self, ids: list[int]) -> None:
-        """A log line per island that joined or was dropped since the last sync."""
+    def _note(self, ids: list[int], where: str) -> None:
+        """A log line per island that joined or was dropped since the last exchange (`where`)."""
         live = set(ids)
         for j in sorted(live - self._live):
-            log.info("outer: island %d joined at outer sync %d (%d islands live)", j, self.syncs, len(live))
+            log.info("outer: island %d joined at %s (%d islands live)", j, where, len(live))
         for j in sorted(self._live - live):
             log.warning(
-                "outer: island %d dropped at outer sync %d (absent from the quorum: no heartbeat within the "
+                "outer: island %d dropped at %s (absent from the quorum: no heartbeat within the "
                 "lighthouse's heartbeat timeout, or no quorum request within its join timeout); %d islands live",
                 j,
-                self.syncs,
+                where,
                 len(live),
             )
         self._live = live

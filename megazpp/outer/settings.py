@@ -22,7 +22,7 @@ QUANTIZE = ("none", "bf16", "int4")  # outer-gradient wire formats (megazpp.oute
 # then scales by |1 - lr| per sync, which grows past 2 (1e300 overflowed at the first sync).
 MAX_LR = 2.0
 # the keys only elastic two-level training reads (docs/arch/elastic.md)
-ELASTIC_KEYS = ("lighthouse", "island_id", "min_islands", "quorum_timeout_s", "sync_timeout_s")
+ELASTIC_KEYS = ("lighthouse", "island_id", "min_islands", "quorum_timeout_s", "sync_timeout_s", "train_samples")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ class OuterOptions:
     min_islands: int = setting(1, "elastic: the fewest live islands an outer sync waits for")
     quorum_timeout_s: float = setting(600.0, "elastic: how long an outer sync waits for min_islands islands")
     sync_timeout_s: float = setting(60.0, "elastic: how long an outer exchange waits for a peer before dropping it")
+    train_samples: int = setting(
+        0,
+        "elastic: the job's train dataset in samples, one value on every island (checked at each sync); the "
+        "islands' global sample order runs through it, pass after pass (0: this island's train_iters x global batch)",
+    )
     optimizer_state_every: int = setting(
         1,
         "average the inner optimizer's state (AdamW's two moments, SGD's momentum buffer) across islands "
@@ -176,6 +181,10 @@ class OuterOptions:
             raise ConfigError(f"outer.island_id = {self.island_id}: expected an id >= 0")
         if self.min_islands < 1:
             raise ConfigError(f"outer.min_islands = {self.min_islands}: expected at least 1 island per outer sync")
+        if self.train_samples < 0:
+            raise ConfigError(
+                f"outer.train_samples = {self.train_samples}: expected a number of samples >= 1 (0: the default)"
+            )
         for key in ("quorum_timeout_s", "sync_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"outer.{key} = {getattr(self, key)}: expected a positive number of seconds")

@@ -45,6 +45,10 @@ def build_elastic_island(model: GPTModel, options: RunOptions, topology: Topolog
         os.environ["MASTER_ADDR"],
         outer.quorum_timeout_s,
         outer.sync_timeout_s,
+        inner.device,
     )
-    tokens_per_step = options.global_batch_size * options.config.model.seq_length
-    return ElasticDiLoCoEngine(inner, outer, topology, membership, tokens_per_step)
+    batch = options.global_batch_size
+    tokens_per_step = batch * options.config.model.seq_length
+    return ElasticDiLoCoEngine(
+        inner, outer, topology, membership, tokens_per_step, batch, options.train_samples, options.training.seed
+    )

@@ -22,9 +22,9 @@ is in the checkpoint, so a resumed run continues exactly as if it had never stop
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from megazpp.checkpoint.format import LoadedCheckpoint
 from megazpp.checkpoint.manager import CheckpointManager, Progress
 from megazpp.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazpp.config.options import RunOptions
+from megazpp.data.global_order import GlobalOrder, rank_micro_batches
 from megazpp.data.sampler import PretrainingSampler
 from megazpp.errors import NumericalError
 from megazpp.optim.engine_protocol import Engine, StepResult
@@ -59,6 +60,14 @@ class TokenSamples(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> np.ndarray: ...
+
+
+@runtime_checkable
+class SamplePositions(Protocol):
+    """Where an elastic island's next global batch lies in its job's global sample order
+    (`outer.elastic.ElasticDiLoCoEngine`: the positions its islands' data plan gave it)."""
+
+    def next_batch(self, size: int) -> list[int]: ...
 
 
 @dataclass
@@ -94,12 +103,15 @@ class Trainer:
         forward_backward_fn: ForwardBackward = forward_backward,
         checkpoints: CheckpointManager | None = None,
         switch: IslandSwitch | None = None,
+        positions: SamplePositions | None = None,
     ) -> None:
         """`checkpoints`: the run's loads and saves (pretrain_gpt's, which carries the load plan
         and the frozen base adapters-only saves record); by default one that only saves.
         `options`: the run's checked options, the global batch and warmup resolved. `switch`:
         `engine` is the synchronous phase of a two-level run (`outer.start_iter`), replaced by
-        the islands' engine after the step the switch is due at."""
+        the islands' engine after the step the switch is due at. `positions`: an elastic
+        island's, which says where each global batch lies in its job's global sample order
+        (instead of the sampler's place, `consumed_samples`)."""
         cfg = options.config
         self.model, self.engine, self.topology = model, engine, topology
         self.training, self.saving = options.training, cfg.checkpoint  # resolved, checked once
@@ -108,6 +120,7 @@ class Trainer:
         self.logger, self.device = logger, device
         self.forward_backward = forward_backward_fn
         self.switch = switch
+        self.positions = positions
         t = options.training
         self.num_micro_batches = options.micro_batches
         self.global_batch_size = options.global_batch_size
@@ -145,6 +158,14 @@ class Trainer:
             len(dataset), consumed, t.micro_batch_size, self.topology.dp_rank, self.topology.dp, t.seed
         )
 
+    def _claimed(self, positions: SamplePositions) -> Iterator[list[int]]:
+        """This rank's micro-batches of the global batches `positions` names, laid out over the
+        island's DP ranks as `PretrainingSampler` lays out a global micro-step."""
+        order = GlobalOrder(len(self.train_ds), self.training.seed)
+        mbs, dp, rank = self.training.micro_batch_size, self.topology.dp, self.topology.dp_rank
+        while True:
+            yield from rank_micro_batches(order.samples(positions.next_batch(self.global_batch_size)), mbs, rank, dp)
+
     def _dp_mean(self, losses: list[torch.Tensor]) -> float:
         """Mean micro-batch loss over all data-parallel ranks (NaN where no loss is computed,
         i.e. on pipeline stages other than the last)."""
@@ -167,7 +188,10 @@ class Trainer:
     def _train(self, stop: StopRequests) -> TrainHistory:
         t, ck = self.training, self.saving
         history = TrainHistory(resumed_from=self.iteration or None)
-        samples = iter(self._sampler(self.train_ds, self.consumed_samples))
+        if self.positions is None:
+            samples = iter(self._sampler(self.train_ds, self.consumed_samples))
+        else:
+            samples = self._claimed(self.positions)
         self.model.train()
         counter.end_step()  # setup traffic (engine init, resume) is not a training step's
         while self.iteration < t.train_iters:
