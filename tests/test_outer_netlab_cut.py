@@ -112,6 +112,8 @@ def test_an_island_whose_link_is_cut_is_dropped_and_rejoins(nodes, run_sh_data_d
         wait_for("island 0 heartbeats", lambda: "outer: elastic DiLoCo, island 0" in logs[0].read_text(), islands)
         ready1.unlink()
         ready2 = held(tmp_path, ["2"], islands)[0]  # after sync 1, before its request for sync 2
+        asked = "Received quorum request for replica island2"
+        asked_before = lighthouse_log.read_text().count(asked)  # its start exchange's and sync 1's
         _link(1, "down")
         cut = time.monotonic()
         ready2.unlink()
@@ -119,8 +121,7 @@ def test_an_island_whose_link_is_cut_is_dropped_and_rejoins(nodes, run_sh_data_d
         assert "outer sync 2" not in logs[2].read_text()
         wait_for("the cut's end", lambda: time.monotonic() - cut >= CUT_S, islands)
         _link(1, "up")
-        asked = "Received quorum request for replica island2"
-        wait_for("island 2's request", lambda: lighthouse_log.read_text().count(asked) == 2, islands)
+        wait_for("island 2's request", lambda: lighthouse_log.read_text().count(asked) > asked_before, islands)
         ready0.unlink()
         finish(tmp_path, {"0": islands[2], "1": islands[1], "2": islands[0]})
     finally:
@@ -132,7 +133,8 @@ def test_an_island_whose_link_is_cut_is_dropped_and_rejoins(nodes, run_sh_data_d
         syncs = sync_lines(outs[i], i)
         assert [(s[0], s[2], s[3]) for s in syncs] == [(str(k), *v) for k, v in met.items()], syncs
         assert "outer: island 2 dropped at outer sync 2 (absent from the quorum: no heartbeat" in outs[i]
-        assert "outer: island 2 joined at outer sync 1 " in outs[i] and f"island 2 joined at outer sync {K} " in outs[i]
+        assert "outer: island 2 joined at the start after outer sync 0" in outs[i]
+        assert f"outer: island 2 joined at outer sync {K} " in outs[i]
         assert trained_steps(outs[i], (K + 1) * H) == list(range(1, (K + 1) * H + 1))  # every step once
         live = read_run(tmp_path / f"tb{i}", "two-level").scalars["outer/islands_live"].values
         assert list(live) == [3] + [2] * (K - 2) + [3, 3]
