@@ -168,18 +168,20 @@ def island_env(ns: argparse.Namespace, run: str, island: int) -> dict[str, str]:
 
 
 def island_args(ns: argparse.Namespace, run: str, island: int, run_dir: Path, batch: int) -> list[str]:
+    """run.sh's flags: the config and the flags after `--`, then what the measurement needs (a
+    line per iteration, checkpoints, the outer flags, the per-island batch), which win over them."""
     elastic = run.startswith("elastic")
     save = run_dir / (f"ckpt{island}" if elastic else "ckpt")
-    args = ["--config", ns.config, "--train-iters", str(ns.train_iters), "--log-interval", "1"]
-    args += ["--eval-interval", str(ns.train_iters), "--save", str(save), "--save-interval", str(ns.save_interval)]
+    args = ["--config", ns.config, "--train-iters", str(ns.train_iters), "--eval-interval", str(ns.train_iters)]
+    args += [*ns.extra, "--log-interval", "1", "--save", str(save), "--save-interval", str(ns.save_interval)]
     args += ["--tensorboard-dir", str(run_dir / f"tb{island if elastic else ''}")]
     args += ["--outer-algorithm", "diloco", "--outer-sync-every", str(ns.sync_every)]
     if elastic:
         lighthouse = f"{launch.node_addr(ns.rate, 0)}:{LIGHTHOUSE_PORT}"
         args += ["--outer-elastic", "--outer-lighthouse", lighthouse, "--outer-island-id", str(island)]
-        args += ["--outer-min-islands", "2", *ns.extra, "--global-batch-size", str(batch)]
+        args += ["--outer-min-islands", "2", "--global-batch-size", str(batch)]
     else:  # the world's global batch: every island's
-        args += [*ns.extra, "--global-batch-size", str(batch * ns.islands)]
+        args += ["--global-batch-size", str(batch * ns.islands)]
     return args
 
 
