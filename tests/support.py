@@ -5,6 +5,7 @@ and functions, so tests and the ranks they spawn import it alike.)"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -278,3 +280,17 @@ def as_from_a_terminal() -> None:
     across exec (and a shell cannot even trap it then), so the tool would never see the test's
     SIGINT and the test would wait for nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def netlab_nodes(netlab: Callable[..., subprocess.CompletedProcess[str]], count: int = 2) -> Iterator[None]:
+    """`count` fresh netlab nodes joined by 1 Gbit/s links, always removed afterwards (asserted);
+    `netlab` runs tools/netlab.sh with the test file's own namespace prefix and subnet."""
+    netlab("down")
+    up = netlab("up", str(count), "1gbit", "0")
+    assert up.returncode == 0, up.stderr
+    try:
+        yield
+    finally:
+        down = netlab("down")
+        assert down.returncode == 0, down.stderr

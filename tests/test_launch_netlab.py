@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from processes import finish_all
-from support import TINY_MODEL_FLAGS
+from support import TINY_MODEL_FLAGS, netlab_nodes
 
 from megazpp.analysis.event_reader import read_run
 
@@ -84,13 +84,8 @@ def _netlab(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def nodes():
-    _netlab("down")
-    up = _netlab("up", "2", "1gbit", "0")
-    assert up.returncode == 0, up.stderr
-    try:
+    with netlab_nodes(_netlab):
         yield
-    finally:
-        assert _netlab("down").returncode == 0
 
 
 def _on_each_node(env_for_node, args: list[str]) -> list[str]:

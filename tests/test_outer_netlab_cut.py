@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import netlab_nodes
 
 from megazpp.analysis.event_reader import read_run
 from tests.test_outer_elastic import (
@@ -61,15 +62,9 @@ def _link(node: int, state: str) -> None:
 
 @pytest.fixture
 def nodes():
-    _netlab("down")
-    up = _netlab("up", "2", "1gbit", "0")
-    assert up.returncode == 0, up.stderr
-    try:
+    with netlab_nodes(_netlab):
         yield
-    finally:
-        down = _netlab("down")
-        assert down.returncode == 0, down.stderr
-        assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 K = 6  # island 0 is held at its K-th sync until island 2 asks again (island 1 waits there for it)
