@@ -20,6 +20,7 @@ from test_training_pretrain import tiny_args
 
 import pretrain_gpt
 from megazpp.checkpoint.load import load_checkpoint
+from megazpp.checkpoint.save import remove_older
 from megazpp.errors import CheckpointError
 from megazpp.faults import InjectedFault
 from megazpp.launch.local_ranks import run_ranks
@@ -198,3 +199,31 @@ def test_two_ranks_crash_between_shard_writes(tmp_path, tiny_indexed_prefix, tin
     for dp_rank in (0, 1):
         loaded = load_checkpoint(ckpt, topo(2, dp_rank))
         assert loaded.path.name == "iter_0000002" and loaded.state["iteration"] == 2
+
+
+def test_keep_last_removes_older_checkpoints_once_a_newer_one_is_complete(
+    tmp_path, tiny_indexed_prefix, tiny_tokenizer_model
+):
+    ckpt = tmp_path / "ckpt"
+    args = tiny_args(tiny_indexed_prefix, tiny_tokenizer_model, *QUIET_FLAGS, "--save", str(ckpt))
+    pretrain_gpt.main(args + ["--train-iters", "5", "--save-interval", "1", "--keep-last", "2"])
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000005"]
+    assert (ckpt / "latest").read_text() == "iter_0000005\n"
+    # a run continued from `latest` goes on pruning behind itself
+    pretrain_gpt.main(args + ["--load", str(ckpt), "--train-iters", "7", "--save-interval", "1", "--keep-last", "2"])
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000006", "iter_0000007"]
+
+
+def test_keep_last_leaves_checkpoints_above_the_new_one_and_other_files(tmp_path):
+    for it in (1, 2, 3, 9):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+    (tmp_path / "iter_0000001.tmp").mkdir()  # an unfinished save of another run: not a checkpoint
+    (tmp_path / "notes.txt").write_text("mine")
+    remove_older(tmp_path, 3, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000001.tmp",
+        "iter_0000002",
+        "iter_0000003",
+        "iter_0000009",
+        "notes.txt",
+    ]

@@ -17,8 +17,8 @@ start it, `bash run.sh`. Four runs, in order, each --duration seconds from its f
   `run.sh` per node, NNODES = islands, MAX_RESTARTS), the same islands, H and per-island batch;
 - sync-failures: the same kills; the world restarts from its last checkpoint.
 Both paths checkpoint every --save-interval steps (default H: every sync, the synchronous path's
-best case). Node 0 hosts the job's services (the lighthouse; torchrun's rendezvous store), which
-the kills leave alone.
+best case), keeping the newest two (`--keep-last 2`). Node 0 hosts the job's services (the
+lighthouse; torchrun's rendezvous store), which the kills leave alone.
 
 Useful inner steps (benchmarks/elastic_log.py): the steps merged at the syncs inside the window
 (elastic), every island's steps up to its last sync (synchronous). Time to detect: a kill to the
@@ -174,6 +174,7 @@ def island_args(ns: argparse.Namespace, run: str, island: int, run_dir: Path, ba
     save = run_dir / (f"ckpt{island}" if elastic else "ckpt")
     args = ["--config", ns.config, "--train-iters", str(ns.train_iters), "--eval-interval", str(ns.train_iters)]
     args += [*ns.extra, "--log-interval", "1", "--save", str(save), "--save-interval", str(ns.save_interval)]
+    args += ["--keep-last", "2"]  # a checkpoint per sync for 20 minutes would fill the disk
     args += ["--tensorboard-dir", str(run_dir / f"tb{island if elastic else ''}")]
     args += ["--outer-algorithm", "diloco", "--outer-sync-every", str(ns.sync_every)]
     if elastic:

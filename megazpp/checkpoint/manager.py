@@ -364,6 +364,7 @@ class CheckpointManager:
                 CONFIG_KEY: self.cfg.to_dict(),
                 **self._base_record(),
             },
+            keep_last=self.cfg.checkpoint.keep_last,
         )
         return self.last
 

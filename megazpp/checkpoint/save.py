@@ -5,13 +5,16 @@ via a temporary name and a rename), all ranks meet, rank 0 adds `metadata.json`,
 directory to `iter_N`, and only then replaces `latest` (again via a temporary name). A crash
 at any point leaves `latest` naming the previous checkpoint, which no step touched. A failed
 write (a full disk) on any rank removes the unfinished directory on every rank's word, so
-`latest` and the disk are as they were before the save.
+`latest` and the disk are as they were before the save. With `keep_last` N, older checkpoints
+are removed only after `latest` names the new one, so a crash mid-removal still leaves the new
+one and at worst an old one half removed (never the one `latest` names, which a resume reads).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -36,6 +39,8 @@ from megazpp.parallel.topology import Topology
 from megazpp.state import StateDict
 from megazpp.unique_keys import JSONObject
 
+log = logging.getLogger(__name__)
+
 
 def _barrier() -> None:
     comm.barrier(tag="checkpoint")
@@ -47,12 +52,14 @@ def save_checkpoint(
     state: StateDict,
     topology: Topology,
     extra_metadata: JSONObject | None = None,
+    keep_last: int | None = None,
 ) -> Path:
     """Collectively save this rank's `state` as checkpoint `iteration`; return its directory.
 
     Each rank file is stamped with the layout it was written under, so a loader can tell a
     stray file of another run from this checkpoint's. `extra_metadata` (e.g. the model
-    config) goes into `metadata.json`.
+    config) goes into `metadata.json`. `keep_last` N: then only the N newest checkpoints up to
+    this one stay (`checkpoint.keep_last`).
     """
     root = Path(save_dir)
     name = checkpoint_name(iteration)
@@ -92,8 +99,27 @@ def save_checkpoint(
             _commit(root, tmp, final, iteration)
         except CheckpointError as exc:
             failure = f"rank 0: {exc}"
+        if not failure and keep_last is not None:
+            remove_older(root, iteration, keep_last)
     _raise_if_failed(root, tmp, iteration, comm.all_gather_object(failure, tag="checkpoint/commit"), topology.rank)
     return final
+
+
+def remove_older(root: Path, iteration: int, keep_last: int) -> None:
+    """Rank 0, after checkpoint `iteration` is committed: remove the checkpoints below it but the
+    newest `keep_last` - 1 of them. Checkpoints above it (left by a run
+    that went further, when this one was allowed to move `latest` back) are not this rule's to
+    judge. A removal that fails is a warning, not a failed save: the new checkpoint is complete."""
+    older = sorted(
+        (p for p in root.iterdir() if p.is_dir() and ITER_DIR.match(p.name) and int(p.name[5:]) < iteration),
+        key=lambda p: int(p.name[5:]),
+        reverse=True,
+    )
+    for path in older[keep_last - 1 :]:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("checkpoint.keep_last = %d: could not remove %s (%s); it stays", keep_last, path, exc)
 
 
 def _commit(root: Path, tmp: Path, final: Path, iteration: int) -> None:

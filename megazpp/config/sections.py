@@ -129,6 +129,11 @@ class CheckpointOptions:
     save: str | None = setting(None, "save directory (also resumed from: see the README's resume rule)")
     load: str | None = setting(None, "continue the run whose checkpoint is here, whatever its settings")
     save_interval: int | None = setting(None, "save every N steps (and at the last)")
+    # A run that saves often (an elastic island at every outer sync) fills its disk with
+    # checkpoints nobody will load; torchtitan's keep_latest_k does the same job.
+    keep_last: int | None = setting(
+        None, "keep the newest N checkpoints in save: older ones are removed once a newer one is complete (none: all)"
+    )
     exit_interval: int | None = setting(None, "stop after step N, saving first")
     # Stop (saving if `save`) after the first step that ends this many minutes after the
     # program started, as Megatron's --exit-duration-in-mins; SIGTERM / SIGINT stop the same way.
@@ -154,8 +159,13 @@ class CheckpointOptions:
     )
 
     def __post_init__(self) -> None:
-        for key in ("save_interval", "exit_interval", "exit_duration_in_mins"):
+        for key in ("save_interval", "keep_last", "exit_interval", "exit_duration_in_mins"):
             require_positive(f"checkpoint.{key}", getattr(self, key))
+        if self.keep_last == 1 and self.load_fallback:
+            raise ConfigError(
+                "checkpoint.keep_last = 1 with checkpoint.load_fallback: the fallback loads the previous "
+                "checkpoint, which keep_last 1 removes; keep at least 2 (--keep-last 2) or drop --load-fallback"
+            )
 
 
 @dataclass(frozen=True)
