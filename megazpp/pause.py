@@ -11,7 +11,10 @@ The environment variable `MEGAZPP_PAUSE_AT=POINT:FILE` arms one point. When the 
 reaches `pause_point(POINT)` it creates FILE (holding its pid) and then waits while FILE
 exists, sleeping in short steps: a signal is handled in the wait as anywhere else (Ctrl-C
 raises KeyboardInterrupt there, the trainer's handler records a stop request), and removing
-FILE lets the process go on. Only one arrival pauses (FILE is created once): the first, or with
+FILE lets the process go on. In FILE, `{rank}` stands for the process's torchrun RANK (0
+without one), so each rank of a job pauses on a file of its own and a test knows when all of
+them arrived (one shared file would be released while a late rank had not yet come to it, and
+that rank would then wait on it alone). Only one arrival pauses (FILE is created once): the first, or with
 `POINT@N:FILE` the N-th, so a point inside a loop pauses one chosen pass (an elastic island
 held at its 4th outer sync, after its 3rd). Unset, which is every production run,
 `pause_point` is a dictionary lookup and nothing else. A malformed value is refused where the
@@ -58,7 +61,9 @@ def armed(point: str) -> tuple[Path, int] | None:
         raise ConfigError(
             f"{ENV} = {spec!r}: expected POINT:FILE or POINT@N:FILE (N >= 1) with POINT one of {list(POINTS)}"
         )
-    return (Path(file), int(nth) if at else 1) if name == point else None
+    if name != point:
+        return None
+    return Path(file.replace("{rank}", os.environ.get("RANK", "0"))), int(nth) if at else 1
 
 
 def pause_point(point: str) -> None:

@@ -66,3 +66,11 @@ def test_unarmed_or_other_points_go_on_and_bad_values_are_refused(tmp_path, monk
             pause.pause_point("evaluation")
     with pytest.raises(ValueError, match="not one of"):
         pause.pause_point("a point nobody named")
+
+
+def test_rank_in_the_file_name_gives_each_rank_its_own_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(pause.ENV, f"evaluation:{tmp_path / 'ready.{rank}'}")
+    monkeypatch.setenv("RANK", "3")
+    assert pause.armed("evaluation") == (tmp_path / "ready.3", 1)
+    monkeypatch.delenv("RANK")
+    assert pause.armed("evaluation") == (tmp_path / "ready.0", 1)  # no launcher: one process, rank 0
