@@ -183,7 +183,8 @@ class Membership:
         island must share) and `wants` (the positions this island asks for its next interval)
         travel in the all-gather. An
         exchange where no island trained (`SyncResult.outer_step` False) is counted in
-        `starts`, not `syncs`, and its `extra` is None. Collective over every rank of every
+        `starts`, not `syncs`, all-reduces nothing (`pseudo` is not averaged) and its `extra`
+        is None. Collective over every rank of every
         island in the quorum; redone with a new quorum when a peer fails in it."""
         own, waited = pseudo.clone(), 0.0
         self._healed_from = None
@@ -206,7 +207,8 @@ class Membership:
                 ids, counts, sizes, datasets, seeds, _ = info
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
-                if self._check_alike(ids, counts, sizes, datasets, seeds):
+                # a start (no island trained) has nothing to average: its exchange is the gather
+                if self._check_alike(ids, counts, sizes, datasets, seeds) and total:
                     flat.mul_(weight)
                     self._all_reduce(flat)
             if self._manager.should_commit():
