@@ -17,9 +17,10 @@ import sys
 import threading
 
 from megazpp.cli import run_tool
-from megazpp.errors import ConfigError
+from megazpp.errors import ConfigError, LaunchError
 
 DEFAULT_PORT = 29510  # torchft_lighthouse's own default
+REACH_TIMEOUT_S = 10.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,6 +59,23 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigError(
                 f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}): another service holds it"
             ) from None
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """An island's check before any rank starts: something answers at the lighthouse's
+    HOST:PORT (`outer.lighthouse`, its form already checked). Without it, the ranks would build
+    their model and data first and only then fail in torchft's client, each in its own words."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise LaunchError(
+            f"outer.lighthouse = {address}: nothing answers there ({why}): start the job's membership "
+            f"service first (python -m megazpp.launch.lighthouse --min-islands N --port {port}) or give the "
+            f"address it listens at (--outer-lighthouse HOST:PORT)"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from megazpp.config.schema import Config
 from megazpp.data.options import DataOptions
 from megazpp.data.tokenizer_record import check_tokenizer_records
 from megazpp.errors import ConfigError
+from megazpp.launch.lighthouse import check_reachable
 from megazpp.parallel.device import resolve_backend, visible_gpus
 from megazpp.parallel.topology import dp_groups
 from megazpp.training.memory_check import check_memory
@@ -140,7 +141,8 @@ def prepare(
     specs, choose the checkpoint and check that it can start this run (`resume_check`) and the
     frozen base an adapters-only one needs; with `ranks_on_node` (the job's check, not each
     rank's) the estimated memory per rank against the free memory of this node; with
-    `check_lock` (node 0's check) that no other job writes `--save`; a MegazppError before any
+    `check_lock` (node 0's check) that no other job writes `--save` and that an elastic island's
+    lighthouse answers; a MegazppError before any
     work otherwise. A rank's own call takes its node's rank count from LOCAL_WORLD_SIZE."""
     notes: list[str] = []
     on_node = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -153,6 +155,8 @@ def prepare(
     check_outputs(cfg)
     if check_lock and cfg.checkpoint.save:  # first: another job's checkpoints explain the rest
         check_save_lock(cfg.checkpoint.save)
+    if check_lock and options.outer is not None and options.outer.elastic:  # an island's job, once
+        check_reachable(options.outer.lighthouse)
     faults.check_spec()
     load = plan_load(cfg, world_size, restarts, on_node)
     if ranks_on_node is not None:
