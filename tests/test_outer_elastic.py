@@ -228,3 +228,54 @@ def test_elastic_without_a_lighthouse_is_refused_in_one_line(run_sh_data_dir):
         run_sh_data_dir, *TINY, "--train-iters", "8", "--outer-algorithm", "diloco", "--outer-elastic", ok=False
     )
     one_line_refusal(refused, "outer.elastic needs the membership service's HOST:PORT (--outer-lighthouse")
+
+
+def test_an_island_whose_lighthouse_does_not_answer_is_refused_in_one_line(run_sh_data_dir):
+    """run.sh's check probes the lighthouse before any rank builds a model (nothing listens on a
+    free port)."""
+    port = free_port()
+    refused = run_sh(
+        run_sh_data_dir,
+        *TINY,
+        "--train-iters",
+        "8",
+        *ELASTIC,
+        "--outer-lighthouse",
+        f"127.0.0.1:{port}",
+        ok=False,
+    )
+    one_line_refusal(refused, f"outer.lighthouse = 127.0.0.1:{port}: nothing answers there (Connection refused)")
+
+
+@pytest.mark.slow
+def test_a_second_island_with_a_running_islands_id_is_refused_and_the_running_one_goes_on(run_sh_data_dir, tmp_path):
+    """Island 0 runs alone (the lighthouse needs 1); a newcomer that also says `--outer-island-id
+    0` (its own checkpoints) is held before its start exchange and island 0 before its 2nd sync's
+    quorum, then both let go, the newcomer first, so they meet at island 0's sync 2. Island 0
+    trained there and the newcomer did not: the newcomer stops with one line, island 0 votes no,
+    redoes the sync without it and finishes: no join, every inner step once."""
+    lighthouse, port = start_lighthouse(tmp_path, 1)
+    islands: list[subprocess.Popen[str]] = []
+    try:
+        alone = ["--outer-min-islands", "1"]
+        islands.append(start_island(run_sh_data_dir, 0, port, tmp_path, *alone, pause_at="elastic_sync@2"))
+        held(tmp_path, ["0"], islands)
+        twin = [*alone, "--save", str(tmp_path / "ckpt_twin"), "--tensorboard-dir", str(tmp_path / "tb_twin")]
+        islands.append(
+            start_island(run_sh_data_dir, 0, port, tmp_path, *twin, log_name="twin", pause_at="elastic_join")
+        )
+        release(tmp_path, ["0twin"], islands)
+        time.sleep(1.0)  # the newcomer asks first: the quorum waits for island 0, which heartbeats
+        release(tmp_path, ["0"], islands[:1])
+        assert islands[1].wait(timeout=300) != 0
+        finish(tmp_path, {"0": islands[0]})
+    finally:
+        stop_all(islands, lighthouse)
+    refusal = "outer: islands [0, 0] met at outer sync 2: two islands have id 0 (--outer-island-id must differ"
+    twin_log = (tmp_path / "island0twin.log").read_text()
+    assert f"pretrain_gpt.py: error: {refusal}" in twin_log, twin_log[-3000:]
+    out = (tmp_path / "island0.log").read_text()
+    assert f"outer: island 0: outer sync 2 failed ({refusal}" in out, out[-3000:]
+    assert [s[:3] for s in sync_lines(out, 0)] == [("1", "4", "0"), ("2", "8", "0"), ("3", "12", "0")]
+    assert "joined at outer sync" not in out
+    assert trained_steps(out, ITERS) == list(range(1, ITERS + 1))

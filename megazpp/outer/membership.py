@@ -208,7 +208,7 @@ class Membership:
                 total = sum(counts)
                 weight = tokens / total if total else 0.0
                 # a start (no island trained) has nothing to average: its exchange is the gather
-                if self._check_alike(ids, counts, sizes, datasets, seeds) and total:
+                if self._check_alike(ids, counts, sizes, datasets, seeds, tokens) and total:
                     flat.mul_(weight)
                     self._all_reduce(flat)
             if self._manager.should_commit():
@@ -264,19 +264,26 @@ class Membership:
         self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
     def _check_alike(
-        self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int], seeds: list[int]
+        self, ids: list[int], counts: list[int], sizes: list[int], datasets: list[int], seeds: list[int], tokens: int
     ) -> bool:
         """Refuse a quorum no island can average in: two islands with one id, shards of
         different sizes (another model or layout), or train datasets of different sizes or order
         seeds (the islands' positions would name other samples). The islands that trained since
         the last sync (all, at a job's start) set what is right: the island that differs from
         them stops with ElasticError, the others report the error (they vote no, so the sync is
-        redone without it: nothing of theirs is lost) and get False."""
+        redone without it: nothing of theirs is lost) and get False. Of two islands with one id,
+        the one that trained (`tokens`, this island's) is the job's, the newcomer stops."""
         if len(set(ids)) != len(ids):
-            raise ElasticError(
-                f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have one id "
-                f"(--outer-island-id must differ per island)"
+            doubled = sorted({i for i in ids if ids.count(i) > 1})
+            error = ElasticError(
+                f"outer: islands {sorted(ids)} met at outer sync {self.syncs + 1}: two islands have id "
+                f"{doubled[0]} (--outer-island-id must differ per island)"
             )
+            twins = [n for i, n in zip(ids, counts) if i == self.island_id]
+            if len(twins) > 1 and (tokens == 0 or all(n > 0 for n in twins)):
+                raise error
+            self._manager.report_error(error)
+            return False
         unlike = (
             (
                 sizes,
