@@ -78,10 +78,12 @@ def test_the_verdict_against_the_steady_seeds_spread():
         result(2, "steady", 4.05),
         result(2, "failures", 4.10, tokens=999),
         result(3, "steady", 3.98),
+        result(3, "failures", 3.90),
     ]
     text = tool.render(results, "python tools/bench_elastic_quality.py")
     assert "| 1 | failures | 2 | 20 | 1000 | - | 0 | 4.0100 | 4.0100 | ok |" in text
     assert "steady, seeds 1, 2, 3: mean 4.0100, spread 3.9800 .. 4.0500" in text
     assert "- failures, seed 1: 4.0100, within the steady seeds' spread; +0.0100 against its own" in text
-    assert "- failures, seed 2: 4.1000, OUTSIDE the steady seeds' spread; +0.0500 against its own seed" in text
-    assert "(OTHER TOKENS than its steady run)" in text
+    assert "- failures, seed 2: 4.1000, ABOVE the steady seeds' spread; +0.0500 against its own seed" in text
+    assert "(OTHER TOKENS than its steady run; 20 outer syncs against 20)" in text
+    assert "- failures, seed 3: 3.9000, below (better than) the steady seeds' spread; -0.0800 against" in text

@@ -275,11 +275,12 @@ def render(results: list[Result], command: str) -> str:
             own = steady.get(r.seed)
             if r.final_val is None or own is None or own.final_val is None:
                 continue
-            within = "within" if low <= r.final_val <= high else "OUTSIDE"
+            where = "within" if low <= r.final_val <= high else "below (better than)" if r.final_val < low else "ABOVE"
             tokens = "same tokens" if r.merged_tokens == own.merged_tokens else "OTHER TOKENS than its steady run"
             lines.append(
-                f"- failures, seed {r.seed}: {r.final_val:.4f}, {within} the steady seeds' spread; "
-                f"{r.final_val - own.final_val:+.4f} against its own seed's steady run ({tokens})"
+                f"- failures, seed {r.seed}: {r.final_val:.4f}, {where} the steady seeds' spread; "
+                f"{r.final_val - own.final_val:+.4f} against its own seed's steady run ({tokens}; "
+                f"{r.outer_syncs} outer syncs against {own.outer_syncs})"
             )
     if any(r.partial_syncs for r in steady.values()):
         lines.append("- warning: a steady run had a sync without every island (a heartbeat missed): not one job")
