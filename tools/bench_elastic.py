@@ -358,18 +358,24 @@ def render(results: list[Result], started: dict[str, str], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    ns = parse_args(args)
-    os.chdir(REPO)
+def island_run(ns: argparse.Namespace) -> tuple[int, int]:
+    """One island's global batch and sequence length: --config with the flags after `--`, checked
+    for an island of --ranks-per-island ranks (a bad value stops the tool before any run)."""
     prefix, tokenizer = check_data(ns.data_dir)
     cfg = validate_config(
         load_config(["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer, *ns.extra]),
         ns.ranks_per_island,
         ns.ranks_per_island,
     )
-    batch = required(cfg.training.global_batch_size, "training.global_batch_size")
-    tokens_per_step = batch * cfg.model.seq_length  # one island's inner step
+    return required(cfg.training.global_batch_size, "training.global_batch_size"), cfg.model.seq_length
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(args)
+    os.chdir(REPO)
+    batch, seq_length = island_run(ns)
+    tokens_per_step = batch * seq_length  # one island's inner step
     command = shlex.join(["python", "tools/bench_elastic.py", *args])
     clock, results = Clock(), []
     out = Path(ns.out).resolve()

@@ -42,16 +42,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
-from bench_elastic import Clock, Job, kill_tree, start, wait_for
-from bench_netlab import check_data
+from bench_elastic import Clock, Job, island_run, kill_tree, start, wait_for
 
 from benchmarks import elastic_log, launch
 from megazpp.analysis.comparison import VAL_LOSS
 from megazpp.analysis.event_reader import read_run
 from megazpp.cli import add_out_flag, run_tool
-from megazpp.config.checks import validate_config
-from megazpp.config.load import load_config
-from megazpp.errors import required
 from megazpp.launch.node_launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,13 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     ns = parse_args(args)
     os.chdir(REPO)
-    prefix, tokenizer = check_data(ns.data_dir)
-    cfg = validate_config(
-        load_config(["--config", ns.config, "--data-path", prefix, "--tokenizer-model", tokenizer, *ns.extra]),
-        ns.ranks_per_island,
-        ns.ranks_per_island,
-    )
-    batch = required(cfg.training.global_batch_size, "training.global_batch_size")
+    batch, _ = island_run(ns)
     command = shlex.join(["python", "tools/bench_elastic_quality.py", *args])
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
