@@ -83,6 +83,14 @@ def latest_checkpoint(load_dir: str | os.PathLike[str]) -> Path | None:
     return path
 
 
+def checkpoints_below(root: Path, limit: int | None) -> list[Path]:
+    """The `iter_N` directories in `root` with N below `limit` (all, for None), newest first:
+    the fallback's candidates and what `checkpoint.keep_last` may remove."""
+    found = [p for p in root.iterdir() if p.is_dir() and ITER_DIR.match(p.name)]
+    below = [p for p in found if limit is None or int(p.name[5:]) < limit]
+    return sorted(below, key=lambda p: int(p.name[5:]), reverse=True)
+
+
 def is_weights_only(load_dir: str | os.PathLike[str]) -> bool:
     """Whether `load_dir`'s latest checkpoint is an import (model weights, no run state)."""
     path = latest_checkpoint(load_dir)

@@ -20,11 +20,11 @@ import torch
 
 from megazpp.checkpoint.files import verify_checksum
 from megazpp.checkpoint.format import (
-    ITER_DIR,
     LATEST_FILE,
     METADATA_FILE,
     WEIGHTS_ONLY_KEY,
     LoadedCheckpoint,
+    checkpoints_below,
     expected_rank_files,
     latest_checkpoint,
     layout_of,
@@ -122,16 +122,7 @@ def _candidates(root: Path, fallback: bool) -> list[Path]:
         named = None
     if not fallback:
         return [named] if named is not None else []
-    limit = int(named.name[5:]) if named is not None else None
-    older = sorted(
-        (
-            p
-            for p in root.iterdir()
-            if ITER_DIR.match(p.name) and p.is_dir() and (limit is None or int(p.name[5:]) < limit)
-        ),
-        key=lambda p: int(p.name[5:]),
-        reverse=True,
-    )
+    older = checkpoints_below(root, int(named.name[5:]) if named is not None else None)
     return ([named] if named is not None else []) + older
 
 

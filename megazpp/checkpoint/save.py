@@ -30,6 +30,7 @@ from megazpp.checkpoint.format import (
     LATEST_FILE,
     METADATA_FILE,
     checkpoint_name,
+    checkpoints_below,
     layout_of,
     rank_file_name,
 )
@@ -110,12 +111,7 @@ def remove_older(root: Path, iteration: int, keep_last: int) -> None:
     newest `keep_last` - 1 of them. Checkpoints above it (left by a run
     that went further, when this one was allowed to move `latest` back) are not this rule's to
     judge. A removal that fails is a warning, not a failed save: the new checkpoint is complete."""
-    older = sorted(
-        (p for p in root.iterdir() if p.is_dir() and ITER_DIR.match(p.name) and int(p.name[5:]) < iteration),
-        key=lambda p: int(p.name[5:]),
-        reverse=True,
-    )
-    for path in older[keep_last - 1 :]:
+    for path in checkpoints_below(root, iteration)[keep_last - 1 :]:
         try:
             shutil.rmtree(path)
         except OSError as exc:
