@@ -149,21 +149,34 @@ def kill_tree(job: Job) -> None:
 def island_env(ns: argparse.Namespace, run: str, island: int) -> dict[str, str]:
     """run.sh's variables for island `island` (netlab node `island`) of run `run`."""
     elastic = run.startswith("elastic")
-    port = ISLAND_PORT + RUNS.index(run)
+    env = run_sh_env(
+        ns,
+        nnodes=1 if elastic else ns.islands,
+        node_rank=0 if elastic else island,
+        master=f"{launch.node_addr(ns.rate, island if elastic else 0)}:{ISLAND_PORT + RUNS.index(run)}",
+        # the synchronous world restarts after each kill (a failed re-rendezvous counts too)
+        max_restarts=0 if elastic else 10 * int(ns.duration / ns.kill_every + 1),
+    )
+    return {**env, **launch.NETLAB_ENV}
+
+
+def run_sh_env(ns: argparse.Namespace, nnodes: int, node_rank: int, master: str, max_restarts: int) -> dict[str, str]:
+    """run.sh's variables for one node of a job of --ranks-per-island ranks per node: this
+    checkout's code, unbuffered output (the benchmark stamps each line as it comes), the sample
+    data, and the rendezvous at `master` (HOST:PORT)."""
+    addr, _, port = master.rpartition(":")
     return {
         **os.environ,
-        **launch.NETLAB_ENV,
         "PYTHON": sys.executable,
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
         "DATA_DIR": os.path.abspath(ns.data_dir),
         "NPROC_PER_NODE": str(ns.ranks_per_island),
-        "NNODES": "1" if elastic else str(ns.islands),
-        "NODE_RANK": "0" if elastic else str(island),
-        "MASTER_ADDR": launch.node_addr(ns.rate, island if elastic else 0),
-        "MASTER_PORT": str(port),
-        # the synchronous world restarts after each kill (a failed re-rendezvous counts too)
-        "MAX_RESTARTS": "0" if elastic else str(10 * int(ns.duration / ns.kill_every + 1)),
+        "NNODES": str(nnodes),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+        "MAX_RESTARTS": str(max_restarts),
     }
 
 

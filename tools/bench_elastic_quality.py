@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (benchmarks/ from this checkout: it is not installed)
-from bench_elastic import Clock, Job, island_run, kill_tree, start, wait_for
+from bench_elastic import Clock, Job, island_run, kill_tree, run_sh_env, start, wait_for
 
 from benchmarks import elastic_log, launch
 from megazpp.analysis.comparison import VAL_LOSS
@@ -104,19 +104,7 @@ def start_island(
     """Island `island`'s run.sh; `life` 0 is its first start (held at `elastic_start`, each rank
     on its file `ready<I>.<rank>`), k its restart after the k-th kill (log and TensorBoard of its own)."""
     suffix = f".{life}" if life else ""
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "DATA_DIR": os.path.abspath(ns.data_dir),
-        "NPROC_PER_NODE": str(ns.ranks_per_island),
-        "NNODES": "1",
-        "NODE_RANK": "0",
-        "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": str(free_port()),
-        "MAX_RESTARTS": "0",
-    }
+    env = run_sh_env(ns, nnodes=1, node_rank=0, master=f"{LOOPBACK}:{free_port()}", max_restarts=0)
     if life == 0:
         env["MEGAZPP_PAUSE_AT"] = f"elastic_start:{run_dir / f'ready{island}'}" + ".{rank}"
     args = ["--config", ns.config, "--train-iters", str(ns.train_iters), "--eval-interval", str(ns.train_iters)]
@@ -131,8 +119,8 @@ def start_island(
 
 
 def logged_iteration(job: Job, step: int) -> bool:
-    pattern = re.compile(rf"^\s*iter\s+{step}/")
-    return any(pattern.match(line.text) for line in elastic_log.read(job.log))
+    found = (elastic_log.ITERATION.match(line.text) for line in elastic_log.read(job.log))
+    return any(m is not None and int(m.group(1)) == step for m in found)
 
 
 def run_one(ns: argparse.Namespace, seed: int, run: str, batch: int, clock: Clock) -> Path:
