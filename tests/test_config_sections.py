@@ -21,6 +21,8 @@ BAD = [
     (TrainingOptions, {"lr_warmup_fraction": 0.1, "lr_warmup_iters": 3}, r"are both set: give one"),
     (TrainingOptions, {"lr_warmup_iters": 200}, r"lr_warmup_iters = 200 exceeds the decay length .* = 100"),
     (CheckpointOptions, {"save_interval": 0}, r"checkpoint\.save_interval = 0: expected a value > 0"),
+    (CheckpointOptions, {"keep_last": 0}, r"checkpoint\.keep_last = 0: expected a value > 0"),
+    (CheckpointOptions, {"keep_last": 1, "load_fallback": True}, r"keep_last 1 removes; keep at least 2"),
     (LoggingOptions, {"log_interval": 0}, r"logging\.log_interval = 0: expected a value > 0"),
     (ParallelOptions, {"distributed_timeout_minutes": 0}, r"parallel\.distributed_timeout_minutes = 0"),
     (ParallelOptions, {"sequence_parallel": True}, r"sequence_parallel = true needs parallel\.tensor_model_parallel"),
